@@ -1,0 +1,301 @@
+"""``elastic-train``: run one node of an elastic training job on torchrun's elastic agent.
+
+Examples::
+
+    # One machine, embedded etcd, the built-in example task, 1 to 4 nodes of 2 workers:
+    elastic-train --min-nodes 1 --max-nodes 4 --nproc-per-node 2
+
+    # Flags for the built-in trainer come after `--`:
+    elastic-train --nnodes 1:2 --nproc-per-node 2 -- --max-steps 200 --checkpoint-every 20
+
+    # A second node joins the same run (the first one prints its endpoint):
+    elastic-train --nnodes 1:4 --nproc-per-node 2 --rdzv-endpoint 127.0.0.1:PORT
+
+    # Your own script, torchrun style:
+    elastic-train --nnodes 2:4 --rdzv-endpoint etcd:2379 my_train.py --lr 3e-4
+
+    # A standalone etcd for several machines:
+    elastic-train etcd --host 0.0.0.0 --port 2379 --data-dir /var/lib/elastic-etcd
+
+    # Kill-node recovery drills (see docs/drills.md):
+    elastic-train drill --help
+
+The launcher parses and checks its flags (a bad one ends it with one line and status 2),
+starts the embedded etcd when no endpoint is given, and hands a ``LaunchConfig`` to
+``torch.distributed.launcher.api.elastic_launch``: the agents, their restarts and their
+workers are torchrun's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from elastic_trainer import config as cfg
+from elastic_trainer.config import RunConfig
+
+logger = logging.getLogger("elastic_trainer")
+
+USAGE_ERROR = 2
+
+
+class UsageError(Exception):
+    """Bad input: printed as one line on stderr, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line, raised instead of printed."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(message)
+
+
+def _positive_int(flag: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a whole number, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be at least 1, got {value}")
+        return value
+    return parse
+
+
+def _nproc(text: str) -> int:
+    if text in ("auto", "gpu"):
+        import torch
+        return max(1, torch.cuda.device_count()) if text == "auto" else torch.cuda.device_count() or 1
+    if text == "cpu":
+        return 1
+    return _positive_int("--nproc-per-node")(text)
+
+
+def _nnodes(text: str) -> tuple[int, int]:
+    parts = text.split(":")
+    if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"--nnodes takes N or MIN:MAX (for example 1:4), got {text!r}")
+    low, high = int(parts[0]), int(parts[-1])
+    if low < 1:
+        raise argparse.ArgumentTypeError(f"--nnodes minimum must be at least 1, got {low}")
+    return low, high
+
+
+def _rdzv_conf(text: str) -> dict[str, str]:
+    conf = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"--rdzv-conf takes key=value[,key=value...], got {item!r}")
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The launcher's parser (also used by tests and the k8s manifest checks)."""
+    p = _Parser(prog="elastic-train", description=__doc__.split("\n\n")[0],
+                epilog="Flags of the built-in trainer go after `--`; see `python -m elastic_trainer.train --help`.",
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    nodes = p.add_argument_group("nodes")
+    nodes.add_argument("--min-nodes", type=_positive_int("--min-nodes"), default=None,
+                       help="fewest nodes to train on (default 1)")
+    nodes.add_argument("--max-nodes", type=_positive_int("--max-nodes"), default=None,
+                       help="most nodes in a round (default: --min-nodes)")
+    nodes.add_argument("--nnodes", type=_nnodes, default=None, metavar="MIN:MAX",
+                       help="torchrun's spelling of --min-nodes/--max-nodes: N or MIN:MAX")
+    nodes.add_argument("--nproc-per-node", "--nproc_per_node", type=_nproc, default=1, metavar="N",
+                       help="workers on this node: a number, 'auto' (one per GPU, else 1), 'gpu' or 'cpu' (default 1)")
+    rdzv = p.add_argument_group("rendezvous")
+    rdzv.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, metavar="HOST:PORT[,HOST:PORT]",
+                      help="etcd to meet through; leave out to start the embedded etcd on this machine")
+    rdzv.add_argument("--rdzv-backend", "--rdzv_backend", default="etcd-v3",
+                      help="torchrun rendezvous backend (default etcd-v3, ours; c10d for comparisons)")
+    rdzv.add_argument("--rdzv-conf", "--rdzv_conf", type=_rdzv_conf, default={}, metavar="K=V,...",
+                      help="rendezvous options, e.g. last_call_timeout=1,lease_ttl=3 (see README)")
+    rdzv.add_argument("--run-id", "--rdzv-id", "--rdzv_id", dest="run_id", default=cfg.DEFAULT_RUN_ID,
+                      help=f"the run's name; nodes with the same run id and endpoint train together (default {cfg.DEFAULT_RUN_ID})")
+    rdzv.add_argument("--local-addr", "--local_addr", default=None,
+                      help="address other nodes reach this one at (default: looked up from the host name)")
+    agent = p.add_argument_group("agent")
+    agent.add_argument("--max-restarts", "--max_restarts", type=int, default=100,
+                       help="restarts of the worker group after failures, a lost peer included (default 100)")
+    agent.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.1,
+                       help="seconds between the agent's checks of its workers (default 0.1)")
+    io = p.add_argument_group("storage")
+    io.add_argument("--checkpoint-dir", default=None, metavar="URL",
+                    help="checkpoint root: a path, memory://, s3://bucket/prefix, ... (default checkpoints/<run-id>)")
+    io.add_argument("--log-dir", default=None,
+                    help="local folder for the embedded etcd and the agent's logs (default runs/<run-id>)")
+    prog = p.add_argument_group("program")
+    prog.add_argument("-m", "--module", action="store_true",
+                      help="run the program as a Python module (python -m), like torchrun")
+    prog.add_argument("training_script", nargs="?", default=None,
+                      help="script to run on every worker (default: the built-in trainer)")
+    prog.add_argument("training_script_args", nargs=argparse.REMAINDER,
+                      help="arguments of the script")
+    return p
+
+
+def parse_run_config(argv: list[str]) -> RunConfig:
+    """Parse launcher flags into a checked ``RunConfig``; raise ``UsageError`` on bad input."""
+    trainer_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, trainer_args = argv[:cut], argv[cut + 1:]
+    args = build_parser().parse_args(argv)
+    min_nodes, max_nodes = args.min_nodes, args.max_nodes
+    if args.nnodes is not None:
+        if min_nodes is not None or max_nodes is not None:
+            raise UsageError("give either --nnodes or --min-nodes/--max-nodes, not both")
+        min_nodes, max_nodes = args.nnodes
+    min_nodes = min_nodes or 1
+    max_nodes = max_nodes or min_nodes
+    if args.training_script is None:
+        if args.module:
+            raise UsageError("-m/--module needs a module name after the flags")
+        program = ["-m", "elastic_trainer.train", *trainer_args]
+    elif args.module:
+        program = ["-m", args.training_script, *args.training_script_args, *trainer_args]
+    else:
+        if not Path(args.training_script).is_file():
+            raise UsageError(f"the training script {args.training_script!r} does not exist; "
+                             "give a path to a .py file, or nothing for the built-in trainer")
+        program = ["-u", args.training_script, *args.training_script_args, *trainer_args]
+    try:
+        return RunConfig(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=args.nproc_per_node,
+                         rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend,
+                         rdzv_conf=args.rdzv_conf, run_id=args.run_id, max_restarts=args.max_restarts,
+                         monitor_interval=args.monitor_interval, checkpoint_dir=args.checkpoint_dir,
+                         log_dir=args.log_dir, local_addr=args.local_addr, program=program)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def check_environment(run: RunConfig) -> None:
+    """Checks that need the outside world: the etcd binary or endpoint, the checkpoint dir."""
+    from elastic_trainer import etcd_server, storage
+
+    if run.embedded_etcd:
+        try:
+            etcd_server.find_etcd_binary()
+        except etcd_server.EtcdError as exc:
+            raise UsageError(str(exc)) from exc
+    elif run.rdzv_backend == "etcd-v3":
+        try:
+            etcd_server.parse_endpoints(run.rdzv_endpoint or "")
+            etcd_server.probe_endpoint(run.rdzv_endpoint or "", timeout=3.0)
+        except (ValueError, etcd_server.EtcdError) as exc:
+            raise UsageError(f"--rdzv-endpoint: {exc}") from exc
+    try:
+        storage.check_writable(run.checkpoint_dir)
+    except storage.StorageError as exc:
+        raise UsageError(f"--checkpoint-dir: {exc}") from exc
+
+
+def _launch(run: RunConfig) -> int:
+    """Start the embedded etcd if needed, run torchrun's agent, stop etcd. Return an exit status."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from elastic_trainer.etcd_server import EtcdError, EtcdServer
+
+    log_dir = Path(run.log_dir).resolve()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    server = None
+    endpoint = run.rdzv_endpoint
+    if run.embedded_etcd:
+        server = EtcdServer(data_dir=log_dir / "etcd", log_path=log_dir / "etcd.log")
+        try:
+            server.start()
+        except EtcdError as exc:
+            raise UsageError(str(exc)) from exc
+        endpoint = server.endpoint
+        print(f"elastic-train: embedded etcd at {endpoint} (run {run.run_id}); join from another "
+              f"terminal with: elastic-train --nnodes {run.min_nodes}:{run.max_nodes} "
+              f"--nproc-per-node {run.nproc_per_node} --run-id {run.run_id} --rdzv-endpoint {endpoint}",
+              file=sys.stderr, flush=True)
+    elif endpoint is None:
+        endpoint = "127.0.0.1:29400"  # torch's c10d default, for side-by-side runs
+    os.environ.update({cfg.ENV_RDZV_ENDPOINT: endpoint, cfg.ENV_RUN_ID: run.run_id,
+                       cfg.ENV_CHECKPOINT_DIR: run.checkpoint_dir or "", cfg.ENV_LOG_DIR: str(log_dir)})
+    config = LaunchConfig(
+        min_nodes=run.min_nodes, max_nodes=run.max_nodes, nproc_per_node=run.nproc_per_node,
+        run_id=run.run_id, rdzv_backend=run.rdzv_backend, rdzv_endpoint=endpoint,
+        rdzv_configs=dict(run.rdzv_conf), max_restarts=run.max_restarts,
+        monitor_interval=run.monitor_interval, local_addr=run.local_addr, start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir / "torchelastic")),
+    )
+    try:
+        elastic_launch(config, sys.executable)(*run.program)
+        return 0
+    except ChildFailedError as exc:
+        first = next(iter(exc.failures.values()), None)
+        print(f"elastic-train: training failed: {exc.name} "
+              f"(exit code {getattr(first, 'exitcode', '?')}; see the worker output above)", file=sys.stderr)
+        return 1
+    except SignalException as exc:
+        print(f"elastic-train: stopped by {signal.Signals(exc.sigval).name}; workers ended", file=sys.stderr)
+        return 128 + int(exc.sigval)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _etcd_main(argv: list[str]) -> int:
+    from elastic_trainer.etcd_server import EtcdError, EtcdServer
+
+    p = _Parser(prog="elastic-train etcd", description="Run a standalone etcd that several nodes share.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=2379, help="client port (default 2379)")
+    p.add_argument("--data-dir", default="etcd-data", help="where etcd keeps its data (default ./etcd-data)")
+    args = p.parse_args(argv)
+    server = EtcdServer(data_dir=Path(args.data_dir).resolve(), host=args.host, port=args.port,
+                        log_path=Path(args.data_dir).resolve().with_suffix(".log"))
+    try:
+        server.start()
+    except EtcdError as exc:
+        raise UsageError(str(exc)) from exc
+    print(f"elastic-train: etcd serving at {server.endpoint}; use --rdzv-endpoint {server.endpoint}. "
+          "Ctrl-C stops it.", flush=True)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        while not stop and server.proc is not None and server.proc.poll() is None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run: a node of a job, ``etcd`` or ``drill``. Return the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=os.environ.get("ELASTIC_TRAINER_LOG_LEVEL", "INFO"),
+                        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
+    try:
+        if argv[:1] == ["etcd"]:
+            return _etcd_main(argv[1:])
+        if argv[:1] == ["drill"]:
+            from elastic_trainer import drill
+            return drill.main(argv[1:])
+        run = parse_run_config(argv)
+        check_environment(run)
+        return _launch(run)
+    except UsageError as exc:
+        print(f"elastic-train: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+
+
+if __name__ == "__main__":  # python -m elastic_trainer.cli
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""The embedded etcd: a private etcd v3 server for one run on one machine.
+
+With no ``--rdzv-endpoint``, ``elastic-train`` starts one of these on a free loopback
+port with its data under the run's log dir, waits until it answers, and stops it when the
+run ends. ``elastic-train etcd`` runs one in the foreground for several machines to share.
+
+The server is started with ``PR_SET_PDEATHSIG`` so that it dies with the process that
+started it, even when that process is killed with SIGKILL: nothing is left behind.
+
+    from elastic_trainer.etcd_server import EtcdServer
+    with EtcdServer(data_dir="/tmp/etcd-data") as server:
+        print(server.endpoint)          # "127.0.0.1:PORT"
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "install it with `apt-get install -y etcd-server etcd-client` (Debian/Ubuntu) or put an etcd 3.4+ binary on PATH"
+_PR_SET_PDEATHSIG = 1
+
+
+class EtcdError(RuntimeError):
+    """The etcd server could not be started, or an endpoint does not answer."""
+
+
+def find_etcd_binary() -> str:
+    """Return the path of the ``etcd`` binary or raise ``EtcdError`` saying how to install it."""
+    path = os.environ.get("ELASTIC_TRAINER_ETCD_BINARY") or shutil.which("etcd")
+    if not path or not os.access(path, os.X_OK):
+        raise EtcdError(f"the etcd binary was not found on PATH: {INSTALL_HINT}")
+    return path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port on ``host`` that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def parse_endpoints(value: str) -> list[tuple[str, int]]:
+    """Parse ``host:port[,host:port...]`` (an ``http(s)://`` prefix is allowed) into pairs."""
+    endpoints = []
+    for item in value.split(","):
+        item = item.strip()
+        for scheme in ("http://", "https://"):
+            if item.startswith(scheme):
+                item = item[len(scheme):]
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"'{item}' is not a host:port endpoint (for example 127.0.0.1:2379)")
+        endpoints.append((host.strip("[]"), int(port)))
+    if not endpoints:
+        raise ValueError("the endpoint list is empty")
+    return endpoints
+
+
+def probe_endpoint(endpoints: str, timeout: float = 3.0) -> str:
+    """Check that one of ``endpoints`` answers an etcd v3 status request; return its version.
+
+    Raises ``EtcdError`` naming the endpoints when none answers within ``timeout`` seconds.
+    """
+    import etcd3  # imported late: the CLI's parser must not pay for grpc
+
+    errors = []
+    deadline = time.monotonic() + timeout
+    for host, port in parse_endpoints(endpoints):
+        left = max(0.5, deadline - time.monotonic())
+        try:
+            with socket.create_connection((host, port), timeout=left):
+                pass
+            client = etcd3.client(host=host, port=port, timeout=left)
+            try:
+                return client.status().version
+            finally:
+                client.close()
+        except Exception as exc:  # noqa: BLE001 - every failure is reported below, by endpoint
+            errors.append(f"{host}:{port} ({type(exc).__name__})")
+    raise EtcdError(f"no etcd answered at {', '.join(errors)} within {timeout:g}s; start one "
+                    f"(`elastic-train etcd`) or leave out --rdzv-endpoint to use the embedded one")
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class EtcdServer:
+    """One etcd process on loopback; a context manager that starts and stops it.
+
+    Args:
+        data_dir: where etcd keeps its data; a temporary directory (removed on stop) if None.
+        host: the address to listen on; loopback unless several machines must reach it.
+        port: the client port; a free one if None.
+        extra_args: more etcd flags (TLS, auth, ...), passed as they are.
+        log_path: where etcd's own log goes; ``<data_dir>.log`` if None.
+    """
+
+    def __init__(self, data_dir: str | Path | None = None, host: str = "127.0.0.1",
+                 port: int | None = None, extra_args: list[str] | None = None,
+                 log_path: str | Path | None = None) -> None:
+        self._own_dir = data_dir is None
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="elastic-etcd-"))
+        self.host = host
+        self.port = port or free_port(host)
+        self.peer_port = free_port("127.0.0.1")
+        self.extra_args = list(extra_args or [])
+        self.log_path = Path(log_path) if log_path else self.data_dir.with_name(self.data_dir.name + ".log")
+        self.proc: subprocess.Popen | None = None
+        self.scheme = "https" if any(a.startswith("--cert-file") for a in self.extra_args) else "http"
+
+    @property
+    def endpoint(self) -> str:
+        """``host:port`` of the client URL, as ``--rdzv-endpoint`` takes it."""
+        return f"{self.host}:{self.port}"
+
+    def start(self, timeout: float = 20.0) -> "EtcdServer":
+        """Start etcd and wait until it serves; raise ``EtcdError`` if it does not."""
+        binary = find_etcd_binary()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        client_url = f"{self.scheme}://{self.host}:{self.port}"
+        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        cmd = [binary, "--name", "elastic-trainer", "--data-dir", str(self.data_dir),
+               "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+               "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+               "--initial-cluster", f"elastic-trainer={peer_url}",
+               # ~1 s heartbeat elections on a single member are pointless; keep the log quiet.
+               "--log-level", "warn", *self.extra_args]
+        log = open(self.log_path, "ab")
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        finally:
+            log.close()
+        self._wait_ready(timeout)
+        logger.info("etcd %s started at %s (data dir %s)", self.proc.pid, self.endpoint, self.data_dir)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                tail = self.log_path.read_text(errors="replace")[-800:] if self.log_path.exists() else ""
+                self.proc = None
+                raise EtcdError(f"etcd exited at start (see {self.log_path}): {tail.strip().splitlines()[-1:]}")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.5):
+                    # A listening socket is not yet a leader: ask for the status over HTTP.
+                    if self.scheme == "http" and not self._healthy():
+                        raise OSError("not healthy yet")
+                    return
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise EtcdError(f"etcd did not become healthy within {timeout:g}s (see {self.log_path})")
+
+    def _healthy(self) -> bool:
+        import urllib.request
+        try:
+            with urllib.request.urlopen(f"http://{self.host}:{self.port}/health", timeout=1) as resp:
+                return b'"true"' in resp.read()
+        except OSError:
+            return False
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop etcd (SIGTERM, then SIGKILL) and remove a temporary data dir."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+            self.log_path.unlink(missing_ok=True)
+
+    def kill(self) -> None:
+        """SIGKILL etcd without touching its data (for restart drills)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def __enter__(self) -> "EtcdServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
