@@ -4,19 +4,43 @@
 fsspec knows work the same way. Storage options come from the environment (for S3:
 ``AWS_*`` credentials, ``ELASTIC_TRAINER_S3_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL`` for a
 non-AWS endpoint) and are never logged.
+
+Besides opening a filesystem this module offers the few operations a checkpoint needs:
+``write_bytes`` (durable on local disks), ``create_exclusive`` (atomic create-if-absent, the
+commit primitive), ``read_bytes``, ``list_dir``, ``exists``, ``remove`` and ``redact``.
+
+How ``create_exclusive`` is atomic on each store:
+
+- local and NFS paths: the bytes go to a temporary file which is then ``os.link``-ed to the
+  final name; ``link`` fails with ``EEXIST`` when the name exists, atomically, also on NFS
+  (the classic NFS lock-file idiom), and readers never see a partial file.
+- ``s3://``: a conditional PUT (``If-None-Match: *``, s3fs ``mode="create"``); AWS S3 and
+  moto answer 412 when the key exists, which s3fs raises as ``FileExistsError``.
+- ``memory://``: check and write under one process-wide lock (the store is per-process).
+- anything else: fsspec's ``pipe_file(mode="create")``, which is check-then-write and NOT
+  atomic. Two writers can then both "win"; each manifest still lists only its own writer's
+  files, so whichever manifest survives describes a complete checkpoint that verifies.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import re
+import threading
 import uuid
 
 import fsspec
 from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 
 
 class StorageError(RuntimeError):
     """Storage cannot be used: unreachable, unwritable, or a write failed."""
+
+
+_MEMORY_LOCK = threading.Lock()
 
 
 def storage_options(url: str) -> dict:
@@ -33,7 +57,12 @@ def get_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     try:
         return url_to_fs(url, **storage_options(url))
     except (ValueError, ImportError) as exc:
-        raise StorageError(f"cannot open {url!r}: {exc}") from exc
+        raise StorageError(f"cannot open {redact(url)!r}: {exc}") from exc
+
+
+def redact(text: str) -> str:
+    """``text`` with any ``user:password@`` inside URLs replaced by ``***@`` (safe to log)."""
+    return re.sub(r"(://)[^/@\s]+@", r"\1***@", str(text))
 
 
 def check_writable(url: str) -> None:
@@ -42,16 +71,132 @@ def check_writable(url: str) -> None:
     Raises ``StorageError`` with one sentence when the location cannot be written.
     """
     fs, root = get_fs(url)
-    probe = f"{root.rstrip('/')}/.write-probe-{uuid.uuid4().hex}"
+    probe = join(root, f".write-probe-{uuid.uuid4().hex}")
     try:
         fs.makedirs(root, exist_ok=True)
         with fs.open(probe, "wb") as f:
             f.write(b"ok")
         with fs.open(probe, "rb") as f:
             if f.read() != b"ok":
-                raise StorageError(f"{url!r} did not read back what was written")
+                raise StorageError(f"{redact(url)!r} did not read back what was written")
         fs.rm(probe)
     except StorageError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure means "not writable"; say which
-        raise StorageError(f"{url!r} is not writable ({type(exc).__name__}: {exc})") from exc
+        raise StorageError(f"{redact(url)!r} is not writable ({type(exc).__name__}: {redact(exc)})") from exc
+
+
+def join(root: str, *parts: str) -> str:
+    """``root/part/...`` with exactly one ``/`` between the pieces."""
+    return "/".join([root.rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    """True for the local (or NFS-mounted) filesystem, where ``os`` calls apply."""
+    return isinstance(fs, LocalFileSystem)
+
+
+def makedirs(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """Create ``path`` (no-op on object stores, which have no directories)."""
+    fs.makedirs(path, exist_ok=True)
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes | memoryview) -> None:
+    """Write ``data`` to ``path`` (overwriting); on local disks also fsync the file."""
+    fs.pipe_file(path, data)
+    if is_local(fs):
+        _fsync_path(path)
+
+
+def create_exclusive(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
+    """Atomically create ``path`` holding ``data`` unless it exists; False when it already did.
+
+    Readers never see a partially written file (see the module docstring for each store).
+    """
+    if is_local(fs):
+        parent = os.path.dirname(path)
+        tmp = os.path.join(parent, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            dfd = os.open(parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+            return True
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+    if isinstance(fs, MemoryFileSystem):
+        with _MEMORY_LOCK:
+            if fs.exists(path):
+                return False
+            fs.pipe_file(path, data)
+            return True
+    try:
+        fs.pipe_file(path, data, mode="create")
+    except FileExistsError:
+        return False
+    fs.invalidate_cache(path)
+    return True
+
+
+def read_bytes(fs: fsspec.AbstractFileSystem, path: str) -> bytes:
+    """The whole content of ``path`` (never from a stale listing cache)."""
+    fs.invalidate_cache(path)
+    return fs.cat_file(path)
+
+
+def exists(fs: fsspec.AbstractFileSystem, path: str) -> bool:
+    """Whether ``path`` exists now (listing caches invalidated first)."""
+    fs.invalidate_cache(path)
+    return fs.exists(path)
+
+
+def size(fs: fsspec.AbstractFileSystem, path: str) -> int | None:
+    """Size of ``path`` in bytes, or None when it does not exist."""
+    fs.invalidate_cache(path)
+    try:
+        return int(fs.info(path)["size"])
+    except FileNotFoundError:
+        return None
+
+
+def list_dir(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
+    """Base names of the entries directly in ``path`` ([] when it does not exist)."""
+    fs.invalidate_cache(path)
+    try:
+        entries = fs.ls(path, detail=False)
+    except FileNotFoundError:
+        return []
+    return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
+
+
+def remove(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """Delete ``path`` (file or whole folder); missing is fine."""
+    try:
+        fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            raise
+    fs.invalidate_cache(path)

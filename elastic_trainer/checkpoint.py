@@ -1,0 +1,458 @@
+"""Checkpoints on shared storage: atomic, verified, asynchronous, and resumed exactly.
+
+A checkpoint is the folder ``<url>/step-<N>/``::
+
+    step-120/
+      <writer-id>/model.pt        one torch.save file per top-level dict entry of the state
+      <writer-id>/optimizer.pt
+      <writer-id>/state.pt        the remaining (non-dict) top-level entries
+      manifest.json               written last: every file with its size and sha256
+
+A folder counts only once ``manifest.json`` exists, parses and every file it lists has the
+listed size and sha256; anything else (in progress, killed mid-upload, truncated, bit-flipped)
+is skipped by readers with a warning that names it. Data files live under a per-writer folder,
+and the manifest is committed with an atomic create-if-absent (``storage.create_exclusive``)
+right after the rendezvous fence is checked: if two processes both think they are rank 0
+(a zombie from an old round), the fenced one never commits, and if both pass the fence only one
+manifest wins, and it lists exactly the winner's files, so the checkpoint always verifies.
+
+``CheckpointManager.save`` blocks only while the state is copied to CPU memory; a background
+thread serializes (``torch.save``), hashes, uploads, fences, commits and prunes, one save in
+flight at a time. Upload failures are logged and retried with backoff and never raised into
+training; the last good checkpoint is never touched before a newer one is committed.
+Loading uses ``torch.load(weights_only=True)``: a checkpoint can never run code.
+
+Example::
+
+    ckpt = CheckpointManager("s3://bucket/run-1", keep_latest=3, fence=fence.check)
+    found = ckpt.load()                       # None on a fresh run
+    ...
+    blocked_s = ckpt.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                 "rng": capture_rng_state(), "meta": {"world_size": 4}})
+    ckpt.close()
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import random
+import re
+import socket
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from elastic_trainer import storage
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_KEY_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_REST_FILE = "state.pt"
+
+
+# ----------------------------------------------------------------------------- RNG state
+
+
+def capture_rng_state() -> dict:
+    """Python, numpy, torch CPU and (when available) CUDA RNG states, in weights_only-safe form."""
+    py_version, py_state, py_gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": {"version": int(py_version), "state": [int(x) for x in py_state], "gauss": py_gauss},
+        "numpy": {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64).copy()),
+                  "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng_state(d: dict) -> None:
+    """Restore what ``capture_rng_state`` captured (CUDA only when both sides have it)."""
+    py = d["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"]), py["gauss"]))
+    npd = d["numpy"]
+    keys = npd["keys"].numpy() if isinstance(npd["keys"], torch.Tensor) else np.asarray(npd["keys"])
+    np.random.set_state((npd["kind"], keys.astype(np.uint32), int(npd["pos"]), int(npd["has_gauss"]),
+                         float(npd["cached_gaussian"])))
+    torch.set_rng_state(d["torch"])
+    if "cuda" in d and torch.cuda.is_available():
+        cuda = list(d["cuda"])
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            log.warning("checkpoint has CUDA RNG state for %d devices, this process sees %d; "
+                        "restoring device 0 only", len(cuda), torch.cuda.device_count())
+            torch.cuda.set_rng_state(cuda[0])
+
+
+# ----------------------------------------------------------------------------- snapshot
+
+
+def _snapshot(value: Any, where: str = "state") -> Any:
+    """A CPU copy of ``value`` that later training steps cannot change (the only blocking part)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _snapshot(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_snapshot(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    if value is None or isinstance(value, (str, bool, int, float, torch.dtype, torch.Size)):
+        return value
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"cannot checkpoint {where} of type {type(value).__name__}: use tensors and plain "
+                    "python values (str/int/float/bool/None/list/tuple/dict)")
+
+
+def _split(state: dict) -> dict[str, dict]:
+    """File name -> the part of ``state`` it holds: one file per top-level dict entry, the rest together."""
+    files: dict[str, dict] = {}
+    rest: dict = {}
+    for key, value in state.items():
+        if isinstance(key, str) and isinstance(value, dict) and _KEY_RE.match(key) and f"{key}.pt" != _REST_FILE:
+            files[f"{key}.pt"] = {key: value}
+        else:
+            rest[key] = value
+    if rest or not files:
+        files[_REST_FILE] = rest
+    return files
+
+
+def _fence_token(fence: Callable[[], None] | None) -> str | None:
+    owner = getattr(fence, "__self__", None)
+    token = getattr(owner, "token", None) if owner is not None else getattr(fence, "token", None)
+    if token is not None:
+        return str(token)
+    rnd = os.environ.get("ELASTIC_TRAINER_RDZV_ROUND")
+    return f"round-{rnd}" if rnd else None
+
+
+def _is_fenced(exc: BaseException) -> bool:
+    return any(cls.__name__ == "FencedError" for cls in type(exc).__mro__)
+
+
+class _Abandon(Exception):
+    """This checkpoint must not be committed (fenced, or another writer committed the step)."""
+
+
+# ----------------------------------------------------------------------------- manager
+
+
+class CheckpointManager:
+    """Saves to and loads from ``<url>/step-<N>/``; see the module docstring.
+
+    Args:
+        url: any fsspec URL or local path (storage options from the environment).
+        keep_latest: how many committed checkpoints to keep (older ones pruned after a commit).
+        async_save: serialize and upload in a background thread (else inside ``save``).
+        fence: called right before the commit; raising ``FencedError`` (or anything) prevents it.
+        writer_id: names this writer's data folder and appears in the manifest (default unique).
+    """
+
+    def __init__(self, url: str, keep_latest: int = 3, async_save: bool = True,
+                 fence: Callable[[], None] | None = None, writer_id: str | None = None,
+                 *, retries: int = 3, retry_backoff_s: float = 1.0) -> None:
+        if keep_latest < 1:
+            raise ValueError(f"keep_latest must be at least 1, got {keep_latest}")
+        self.url = url
+        self.keep_latest = keep_latest
+        self.async_save = async_save
+        self.fence = fence
+        self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        if not _KEY_RE.match(self.writer_id):
+            raise ValueError(f"writer_id {self.writer_id!r} may only use letters, digits, '_', '.' and '-'")
+        self.retries = max(1, retries)
+        self.retry_backoff_s = retry_backoff_s
+        self.fs, self.root = storage.get_fs(url)
+        self.last_save_stats: dict = {}
+        self.last_error: str | None = None
+        self.last_committed_step: int | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, step: int, state: dict, *, blocking: bool = False) -> float:
+        """Snapshot ``state`` for ``step`` and write it (in the background unless ``blocking``).
+
+        Returns the seconds the caller was blocked (waiting for the previous save + copying).
+        """
+        start = time.perf_counter()
+        self.wait()
+        snap = _snapshot(state)
+        copied = time.perf_counter()
+        stats = {"step": int(step), "blocked_s": 0.0, "copy_s": copied - start, "serialize_s": 0.0,
+                 "upload_s": 0.0, "bytes": 0, "committed": False, "error": None}
+        if self.async_save and not blocking:
+            self._thread = threading.Thread(target=self._write, args=(int(step), snap, stats),
+                                            name=f"checkpoint-step-{step}", daemon=True)
+            self._thread.start()
+        else:
+            self._write(int(step), snap, stats)
+        blocked = time.perf_counter() - start
+        stats["blocked_s"] = blocked
+        with self._lock:
+            self.last_save_stats = stats
+        return blocked
+
+    def wait(self) -> None:
+        """Block until the in-flight save (if any) is done; its failure is in ``last_error``."""
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+            self._thread = None
+
+    def close(self) -> None:
+        """Finish the in-flight save."""
+        self.wait()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _step_dir(self, step: int) -> str:
+        return storage.join(self.root, f"step-{step}")
+
+    def _write(self, step: int, snap: dict, stats: dict) -> None:
+        """Serialize, upload, fence, commit, prune; retried with backoff; never raises."""
+        name = f"step-{step}"
+        meta = snap.get("meta") if isinstance(snap.get("meta"), dict) else None
+        try:
+            t0 = time.perf_counter()
+            blobs = {}
+            for fname, part in _split(snap).items():
+                buf = io.BytesIO()
+                torch.save(part, buf)
+                blobs[fname] = buf.getvalue()
+            del snap
+            files = {f"{self.writer_id}/{fname}": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                     for fname, data in blobs.items()}
+            stats["serialize_s"] = time.perf_counter() - t0
+            stats["bytes"] = sum(len(b) for b in blobs.values())
+        except Exception as exc:  # noqa: BLE001 - a save must never stop training; report it
+            self._failed(stats, f"checkpoint {name} could not be serialized ({type(exc).__name__}: {exc}); "
+                                "it is skipped, the last good checkpoint stays")
+            return
+        t1 = time.perf_counter()
+        for attempt in range(1, self.retries + 1):
+            try:
+                self._upload_and_commit(step, blobs, files, meta)
+                stats["upload_s"] = time.perf_counter() - t1
+                stats["committed"] = True
+                self.last_committed_step = step
+                self.last_error = None
+                log.info("checkpoint %s committed (%d bytes, serialize %.2fs, upload %.2fs)", name,
+                         stats["bytes"], stats["serialize_s"], stats["upload_s"])
+                break
+            except _Abandon as exc:
+                self._cleanup_own(step)
+                self._failed(stats, f"checkpoint {name} abandoned: {exc}")
+                return
+            except Exception as exc:  # noqa: BLE001 - retried, then reported; training goes on
+                if _is_fenced(exc):
+                    self._cleanup_own(step)
+                    self._failed(stats, f"checkpoint {name} not committed: this writer is fenced "
+                                        f"({type(exc).__name__}: {storage.redact(exc)})")
+                    return
+                msg = (f"checkpoint {name} upload to {storage.redact(self.url)} failed "
+                       f"(attempt {attempt}/{self.retries}, {type(exc).__name__}: {storage.redact(exc)})")
+                if attempt < self.retries:
+                    delay = self.retry_backoff_s * 2 ** (attempt - 1)
+                    log.warning("%s; retrying in %.1fs", msg, delay)
+                    time.sleep(delay)
+                else:
+                    self._cleanup_own(step)
+                    self._failed(stats, f"{msg}; giving up on this checkpoint, the last good one stays")
+                    return
+        try:
+            self._prune()
+        except Exception as exc:  # noqa: BLE001 - pruning is best effort; the commit stands
+            log.warning("pruning old checkpoints in %s failed (%s: %s)", storage.redact(self.url),
+                        type(exc).__name__, storage.redact(exc))
+
+    def _failed(self, stats: dict, message: str) -> None:
+        stats["error"] = message
+        self.last_error = message
+        log.error("%s", message)
+
+    def _upload_and_commit(self, step: int, blobs: dict[str, bytes], files: dict, meta: Any) -> None:
+        fs, step_dir = self.fs, self._step_dir(step)
+        manifest_path = storage.join(step_dir, MANIFEST)
+        if self._existing_manifest_is_ours(manifest_path):
+            return  # an earlier attempt committed; only its response was lost
+        if storage.exists(fs, manifest_path):
+            raise _Abandon("another writer already committed this step")
+        own = storage.join(step_dir, self.writer_id)
+        storage.makedirs(fs, own)
+        for fname, data in blobs.items():
+            storage.write_bytes(fs, storage.join(own, fname), data)
+        for rel, info in files.items():  # cheap check that every file landed whole
+            got = storage.size(fs, storage.join(step_dir, rel))
+            if got != info["size"]:
+                raise OSError(f"{rel} has {got} bytes on storage after upload, expected {info['size']}")
+        if self.fence is not None:
+            self.fence()
+        manifest = {
+            "format": FORMAT_VERSION, "step": step, "files": files, "writer": self.writer_id,
+            "fence_token": _fence_token(self.fence), "created": time.time(),
+            "meta": meta, "host": socket.gethostname(),
+        }
+        data = json.dumps(manifest, indent=1, sort_keys=True, default=str).encode()
+        if not storage.create_exclusive(fs, manifest_path, data):
+            if self._existing_manifest_is_ours(manifest_path):
+                return
+            raise _Abandon("another writer committed this step first")
+        for rel, info in files.items():
+            # another writer's retention may have pruned our folder as a stale leftover (it only
+            # does so for steps older than all it keeps); then take the manifest back
+            if storage.size(fs, storage.join(step_dir, rel)) != info["size"]:
+                storage.remove(fs, manifest_path)
+                raise _Abandon(f"{rel} vanished while committing (pruned by a newer writer)")
+
+    def _existing_manifest_is_ours(self, manifest_path: str) -> bool:
+        try:
+            raw = storage.read_bytes(self.fs, manifest_path)
+        except FileNotFoundError:
+            return False
+        try:
+            return json.loads(raw).get("writer") == self.writer_id
+        except (ValueError, AttributeError):
+            return False
+
+    def _cleanup_own(self, step: int) -> None:
+        try:
+            storage.remove(self.fs, storage.join(self._step_dir(step), self.writer_id))
+        except Exception as exc:  # noqa: BLE001 - leftovers are pruned later
+            log.warning("could not remove this writer's files of step-%d (%s)", step, type(exc).__name__)
+
+    # ------------------------------------------------------------------ listing, retention
+
+    def _steps(self) -> list[int]:
+        """Steps that have a folder, newest first (committed or not)."""
+        out = []
+        for name in storage.list_dir(self.fs, self.root):
+            m = _STEP_RE.match(name)
+            if m:
+                out.append(int(m.group(1)))
+        return sorted(out, reverse=True)
+
+    def _read_manifest(self, step: int) -> dict | None:
+        """The parsed manifest of ``step``, None when absent; ValueError when it does not parse."""
+        try:
+            raw = storage.read_bytes(self.fs, storage.join(self._step_dir(step), MANIFEST))
+        except FileNotFoundError:
+            return None
+        manifest = json.loads(raw)
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION \
+                or manifest.get("step") != step or not isinstance(manifest.get("files"), dict):
+            raise ValueError("manifest has the wrong format, step or file list")
+        for rel, info in manifest["files"].items():
+            if ".." in rel.split("/") or rel.startswith("/") or not isinstance(info.get("size"), int):
+                raise ValueError(f"manifest lists a bad entry {rel!r}")
+        return manifest
+
+    def _prune(self) -> None:
+        """Keep the newest ``keep_latest`` committed checkpoints; remove older ones and stale leftovers."""
+        steps = self._steps()
+        committed: list[tuple[int, dict]] = []
+        uncommitted: list[int] = []
+        for step in steps:
+            try:
+                manifest = self._read_manifest(step)
+            except (ValueError, OSError):
+                manifest = None
+            if manifest is None:
+                uncommitted.append(step)
+            else:
+                committed.append((step, manifest))
+        if not committed:
+            return
+        kept = committed[: self.keep_latest]
+        oldest_kept = kept[-1][0]
+        for step, _ in committed[self.keep_latest:]:
+            log.info("removing old checkpoint step-%d (keeping %d)", step, self.keep_latest)
+            storage.remove(self.fs, self._step_dir(step))
+        for step in uncommitted:
+            # leftovers of killed or fenced writers; a writer still uploading an older step could
+            # only ever produce a checkpoint older than every kept one
+            if step < oldest_kept:
+                log.info("removing uncommitted leftover step-%d", step)
+                storage.remove(self.fs, self._step_dir(step))
+        for step, manifest in kept:  # losers' data folders inside committed steps
+            live = {rel.split("/", 1)[0] for rel in manifest["files"]} | {MANIFEST}
+            for name in storage.list_dir(self.fs, self._step_dir(step)):
+                if name not in live and not name.startswith("."):
+                    storage.remove(self.fs, storage.join(self._step_dir(step), name))
+
+    # ------------------------------------------------------------------ loading
+
+    def _verified_load(self, step: int) -> dict:
+        """Read, verify and deserialize ``step``; ValueError/OSError saying what is wrong."""
+        manifest = self._read_manifest(step)
+        if manifest is None:
+            raise ValueError("no manifest (never committed: in progress, killed or abandoned)")
+        state: dict = {}
+        for rel, info in sorted(manifest["files"].items()):
+            path = storage.join(self._step_dir(step), rel)
+            try:
+                data = storage.read_bytes(self.fs, path)
+            except FileNotFoundError as exc:
+                raise ValueError(f"{rel} is missing") from exc
+            if len(data) != info["size"]:
+                raise ValueError(f"{rel} has {len(data)} bytes, manifest says {info['size']} (truncated?)")
+            if hashlib.sha256(data).hexdigest() != info["sha256"]:
+                raise ValueError(f"{rel} fails its sha256 check (corrupted)")
+            part = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            state.update(part)
+        return state
+
+    def _candidates(self, step: int | None):
+        steps = self._steps()
+        return [s for s in steps if s == step] if step is not None else steps
+
+    def load(self, step: int | None = None) -> tuple[int, dict] | None:
+        """``(step, state)`` of the newest valid checkpoint (or of ``step``); None when there is none."""
+        for candidate in self._candidates(step):
+            try:
+                state = self._verified_load(candidate)
+            except Exception as exc:  # noqa: BLE001 - any defect means "skip it"; say which and why
+                log.warning("skipping checkpoint %s: %s", storage.join(storage.redact(self.url),
+                            f"step-{candidate}"), storage.redact(exc))
+                continue
+            log.info("loaded checkpoint step-%d from %s", candidate, storage.redact(self.url))
+            return candidate, state
+        return None
+
+    def latest_step(self) -> int | None:
+        """The step of the newest checkpoint that verifies (sizes and sha256), or None."""
+        for candidate in self._steps():
+            try:
+                manifest = self._read_manifest(candidate)
+                if manifest is None:
+                    raise ValueError("no manifest (never committed)")
+                for rel, info in manifest["files"].items():
+                    data = storage.read_bytes(self.fs, storage.join(self._step_dir(candidate), rel))
+                    if len(data) != info["size"] or hashlib.sha256(data).hexdigest() != info["sha256"]:
+                        raise ValueError(f"{rel} fails its size or sha256 check")
+            except Exception as exc:  # noqa: BLE001 - skip defects, naming them
+                log.warning("skipping checkpoint step-%d in %s: %s", candidate, storage.redact(self.url),
+                            storage.redact(exc))
+                continue
+            return candidate
+        return None

@@ -1,0 +1,81 @@
+"""A checkpoint writer in its own process, for the kill-during-save and concurrent-writer tests.
+
+    python tests/ckpt_writer.py --url /tmp/ck --steps 1,2,3 --writer-id a [--size-kb 64]
+        [--slow-from-step 2 --slow-bytes-per-s 1000000] [--keep 3] [--go-file PATH]
+
+Saves each step (blocking) with a state whose tensors are filled with a per-writer value and
+prints ``committed <step>`` or ``not-committed <step>``; with ``--slow-from-step`` the writes of
+that step and later go through a throttled local filesystem that prints ``uploading <step>``
+when the first byte of that step is written, so a test can SIGKILL the process mid-upload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+import torch
+from fsspec.implementations.local import LocalFileSystem
+
+from elastic_trainer.checkpoint import CheckpointManager
+
+
+class ThrottledLocalFileSystem(LocalFileSystem):
+    """The local filesystem, writing in 64 KiB chunks at a limited rate (a slow NFS or S3)."""
+
+    cachable = False
+
+    def __init__(self, bytes_per_s: float, announce: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.bytes_per_s = bytes_per_s
+        self.announce = announce
+        self.announced = False
+
+    def pipe_file(self, path, value, mode="overwrite", **kwargs):
+        if not self.announced:
+            print(self.announce, flush=True)
+            self.announced = True
+        chunk = 64 * 1024
+        with open(path, "wb") as f:
+            for i in range(0, len(value), chunk):
+                f.write(value[i:i + chunk])
+                f.flush()
+                time.sleep(chunk / self.bytes_per_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--url", required=True)
+    p.add_argument("--steps", required=True, help="comma-separated steps to save, in order")
+    p.add_argument("--writer-id", required=True)
+    p.add_argument("--size-kb", type=int, default=64)
+    p.add_argument("--keep", type=int, default=3)
+    p.add_argument("--slow-from-step", type=int, default=None)
+    p.add_argument("--slow-bytes-per-s", type=float, default=1e6)
+    p.add_argument("--go-file", default=None, help="wait until this file exists before the first save")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+
+    mgr = CheckpointManager(args.url, keep_latest=args.keep, async_save=False, writer_id=args.writer_id,
+                            retry_backoff_s=0.05)
+    while args.go_file and not os.path.exists(args.go_file):
+        time.sleep(0.01)
+    fill = float(sum(map(ord, args.writer_id)))
+    numel = args.size_kb * 1024 // 4
+    for step in (int(s) for s in args.steps.split(",")):
+        if args.slow_from_step is not None and step >= args.slow_from_step:
+            mgr.fs = ThrottledLocalFileSystem(args.slow_bytes_per_s, f"uploading {step}")
+        state = {"model": {"w": torch.full((numel,), fill), "b": torch.arange(step, dtype=torch.float32)},
+                 "optimizer": {"state": {0: {"step": torch.tensor(float(step))}}, "param_groups": [{"lr": 0.1}]},
+                 "step": step, "writer": args.writer_id}
+        mgr.save(step, state, blocking=True)
+        print(f"{'committed' if mgr.last_save_stats.get('committed') else 'not-committed'} {step}", flush=True)
+    mgr.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

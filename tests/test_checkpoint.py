@@ -1,0 +1,472 @@
+"""Checkpoints: round trips on real stores, corruption, kills, concurrent writers, fencing, resume.
+
+Every store is real: local files, fsspec's memory://, and s3:// on moto's HTTP server.
+Multi-process tests run tests/ckpt_writer.py in its own session (killed by the ``procs`` fixture).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from fsspec.implementations.local import LocalFileSystem
+
+from elastic_trainer import storage
+from elastic_trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
+
+try:
+    from elastic_trainer.rendezvous.fence import FencedError
+except ImportError:  # the rendezvous engineer's module may not have landed yet
+    class FencedError(RuntimeError):
+        """Stand-in with the contract's name until elastic_trainer.rendezvous.fence exists."""
+
+WRITER = str(Path(__file__).resolve().parent / "ckpt_writer.py")
+pytestmark = pytest.mark.timeout(180)
+
+
+def _tiny_state(step: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed + step)
+    model = torch.nn.Linear(8, 4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 8, generator=g)).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": capture_rng_state(),
+            "sampler": {"epoch": 1, "offset": 96, "seed": 0}, "step": step, "epoch": 1,
+            "meta": {"world_size": 2, "epoch": 1, "wandb_run_id": "abc123"}}
+
+
+def _assert_same(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert set(a) == set(b)
+        for k in a:
+            _assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same(x, y)
+    else:
+        assert a == b
+
+
+@pytest.fixture
+def s3_url(s3_endpoint):
+    bucket = f"ck-{uuid.uuid4().hex[:12]}"
+    fs, _ = storage.get_fs(f"s3://{bucket}")
+    fs.mkdir(bucket)
+    return f"s3://{bucket}/run"
+
+
+@pytest.fixture(params=["file", "memory", "s3"])
+def any_url(request, tmp_path):
+    if request.param == "file":
+        return str(tmp_path / "ckpt")
+    if request.param == "memory":
+        return f"memory://ckpt-{uuid.uuid4().hex[:8]}"
+    return request.getfixturevalue("s3_url")
+
+
+def _step_dir(url: str, step: int) -> tuple:
+    fs, root = storage.get_fs(url)
+    return fs, storage.join(root, f"step-{step}")
+
+
+def _data_files(url: str, step: int) -> list[str]:
+    fs, d = _step_dir(url, step)
+    manifest = json.loads(fs.cat_file(storage.join(d, "manifest.json")))
+    return [storage.join(d, rel) for rel in sorted(manifest["files"])]
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_round_trip_restores_every_tensor_and_value(any_url, async_save):
+    mgr = CheckpointManager(any_url, keep_latest=2, async_save=async_save)
+    state = _tiny_state(5)
+    blocked = mgr.save(5, state)
+    mgr.wait()
+    assert blocked >= 0 and mgr.last_error is None, mgr.last_error
+    stats = mgr.last_save_stats
+    assert stats["step"] == 5 and stats["committed"] and stats["bytes"] > 0
+    assert mgr.latest_step() == 5
+    step, loaded = mgr.load()
+    assert step == 5
+    _assert_same(state, loaded)
+    fs, d = _step_dir(any_url, 5)
+    manifest = json.loads(fs.cat_file(storage.join(d, "manifest.json")))
+    assert manifest["meta"] == {"world_size": 2, "epoch": 1, "wandb_run_id": "abc123"}
+    assert manifest["writer"] == mgr.writer_id and manifest["step"] == 5
+    assert all(rel.startswith(mgr.writer_id + "/") for rel in manifest["files"])
+    mgr.close()
+
+
+def test_save_copies_state_so_later_training_cannot_change_it(tmp_path):
+    mgr = CheckpointManager(str(tmp_path / "c"), async_save=True)
+    weights = torch.zeros(1000)
+    mgr.save(1, {"model": {"w": weights}})
+    weights += 1  # the next training step, while the upload may still run
+    mgr.wait()
+    assert torch.equal(mgr.load()[1]["model"]["w"], torch.zeros(1000))
+
+
+def test_empty_store_loads_nothing(tmp_path):
+    mgr = CheckpointManager(str(tmp_path / "none"))
+    assert mgr.load() is None and mgr.latest_step() is None
+
+
+def test_rng_state_round_trips_through_weights_only_load(tmp_path):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    mgr = CheckpointManager(str(tmp_path / "c"), async_save=False)
+    mgr.save(1, {"rng": capture_rng_state()})
+    want = (random.random(), np.random.rand(3), torch.rand(3), np.random.randn())
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    restore_rng_state(mgr.load()[1]["rng"])
+    got = (random.random(), np.random.rand(3), torch.rand(3), np.random.randn())
+    assert got[0] == want[0] and np.array_equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    assert got[3] == want[3]
+
+
+def test_checkpoint_that_would_run_code_is_refused(tmp_path, caplog):
+    """A pickle with a callable inside is rejected by weights_only, even with a valid manifest."""
+    import hashlib
+    import io
+
+    url = str(tmp_path / "c")
+    mgr = CheckpointManager(url, async_save=False, writer_id="w")
+    mgr.save(1, _tiny_state(1))
+    buf = io.BytesIO()
+    torch.save({"evil": os.system}, buf)
+    data = buf.getvalue()
+    step_dir = Path(url) / "step-2"
+    (step_dir / "w").mkdir(parents=True)
+    (step_dir / "w" / "state.pt").write_bytes(data)
+    manifest = {"format": 1, "step": 2, "writer": "w",
+                "files": {"w/state.pt": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}}
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING):
+        assert mgr.load()[0] == 1
+    assert "step-2" in caplog.text
+
+
+# --------------------------------------------------------------------------- damaged checkpoints
+
+
+def _flip_bit(fs, path):
+    data = bytearray(fs.cat_file(path))
+    data[len(data) // 2] ^= 0x01
+    fs.pipe_file(path, bytes(data))
+
+
+def _truncate(fs, path):
+    data = fs.cat_file(path)
+    fs.pipe_file(path, data[: len(data) - 7])
+
+
+def _remove_manifest(fs, path):
+    fs.rm(storage.join(path.rsplit("/", 2)[0], "manifest.json"))
+
+
+def _garble_manifest(fs, path):
+    fs.pipe_file(storage.join(path.rsplit("/", 2)[0], "manifest.json"), b'{"format": 1, "st')
+
+
+@pytest.mark.parametrize("damage", [_flip_bit, _truncate, _remove_manifest, _garble_manifest],
+                         ids=["bit-flip", "truncate", "half-written", "torn-manifest"])
+def test_damaged_newest_checkpoint_is_skipped_and_previous_loads(any_url, damage, caplog):
+    mgr = CheckpointManager(any_url, keep_latest=3, async_save=False)
+    mgr.save(10, _tiny_state(10))
+    mgr.save(20, _tiny_state(20))
+    fs, _ = storage.get_fs(any_url)
+    damage(fs, _data_files(any_url, 20)[0])
+    fs.invalidate_cache()
+    with caplog.at_level(logging.WARNING, logger="elastic_trainer.checkpoint"):
+        step, state = mgr.load()
+    assert step == 10
+    _assert_same(_tiny_state(10)["model"], state["model"])
+    assert "step-20" in caplog.text
+    assert mgr.latest_step() == 10
+    assert mgr.load(20) is None
+
+
+# --------------------------------------------------------------------------- retention
+
+
+def test_retention_keeps_newest_k_and_prunes_only_after_commit(tmp_path):
+    url = str(tmp_path / "c")
+    mgr = CheckpointManager(url, keep_latest=2, async_save=True)
+    stale = tmp_path / "c" / "step-1" / "dead-writer"
+    stale.mkdir(parents=True)
+    (stale / "model.pt").write_bytes(b"partial")
+    for step in (2, 3, 4, 5):
+        mgr.save(step, _tiny_state(step))
+    mgr.wait()
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["step-4", "step-5"]
+    # a failed save prunes nothing
+    fenced = CheckpointManager(url, keep_latest=1, async_save=False, fence=_raise_fenced)
+    fenced.save(6, _tiny_state(6))
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["step-4", "step-5", "step-6"]
+    assert not any((tmp_path / "c" / "step-6").iterdir())
+    assert mgr.load()[0] == 5
+
+
+def _raise_fenced():
+    raise FencedError("round 3 is over; this worker belongs to round 2")
+
+
+# --------------------------------------------------------------------------- fencing
+
+
+def test_fenced_writer_never_commits(any_url, caplog):
+    good = CheckpointManager(any_url, async_save=False)
+    good.save(1, _tiny_state(1))
+    zombie = CheckpointManager(any_url, async_save=True, fence=_raise_fenced)
+    with caplog.at_level(logging.ERROR, logger="elastic_trainer.checkpoint"):
+        zombie.save(2, _tiny_state(2))
+        zombie.wait()
+    assert "fenced" in zombie.last_error and "step-2" in caplog.text
+    fs, d = _step_dir(any_url, 2)
+    assert not storage.exists(fs, storage.join(d, "manifest.json"))
+    assert good.load()[0] == 1
+
+
+def test_fence_is_called_once_right_before_commit_and_token_recorded(tmp_path, monkeypatch):
+    monkeypatch.setenv("ELASTIC_TRAINER_RDZV_ROUND", "7")
+    calls = []
+    url = str(tmp_path / "c")
+
+    def fence():
+        calls.append(sorted(p.name for p in (tmp_path / "c" / "step-3").iterdir()))
+
+    mgr = CheckpointManager(url, async_save=False, fence=fence)
+    mgr.save(3, _tiny_state(3))
+    assert calls == [[mgr.writer_id]]  # data uploaded, manifest not yet written
+    manifest = json.loads((tmp_path / "c" / "step-3" / "manifest.json").read_text())
+    assert manifest["fence_token"] == "round-7"
+
+
+# --------------------------------------------------------------------------- failures during training
+
+
+class _FlakyFileSystem(LocalFileSystem):
+    """The local filesystem whose first ``failures`` writes fail like a full disk."""
+
+    cachable = False
+
+    def __init__(self, failures: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.failures = failures
+
+    def pipe_file(self, path, value, mode="overwrite", **kwargs):
+        if self.failures > 0:
+            self.failures -= 1
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return super().pipe_file(path, value, mode=mode, **kwargs)
+
+
+def test_failed_upload_is_retried_with_backoff_and_commits(tmp_path, caplog):
+    mgr = CheckpointManager(str(tmp_path / "c"), async_save=True, retries=3, retry_backoff_s=0.01)
+    mgr.fs = _FlakyFileSystem(failures=2)
+    with caplog.at_level(logging.WARNING, logger="elastic_trainer.checkpoint"):
+        mgr.save(1, _tiny_state(1))
+        mgr.wait()
+    assert mgr.last_error is None and mgr.last_save_stats["committed"]
+    assert caplog.text.count("No space left on device") == 2 and "retrying" in caplog.text
+    assert mgr.load()[0] == 1
+
+
+def test_upload_failing_every_time_keeps_training_and_last_good_checkpoint(tmp_path, caplog):
+    url = str(tmp_path / "c")
+    mgr = CheckpointManager(url, async_save=True, retries=3, retry_backoff_s=0.01)
+    mgr.save(1, _tiny_state(1))
+    mgr.wait()
+    mgr.fs = _FlakyFileSystem(failures=10**6)
+    with caplog.at_level(logging.WARNING, logger="elastic_trainer.checkpoint"):
+        mgr.save(2, _tiny_state(2))  # returns: training goes on
+        mgr.save(3, _tiny_state(3))
+        mgr.wait()
+    assert "giving up" in mgr.last_error and "step-3" in mgr.last_error
+    assert "attempt 3/3" in caplog.text
+    assert CheckpointManager(url).load()[0] == 1
+
+
+def test_disk_full_on_a_real_tiny_filesystem_keeps_last_good_checkpoint(tmp_path):
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        mgr = CheckpointManager(str(mnt / "c"), keep_latest=3, async_save=True, retry_backoff_s=0.01)
+        mgr.save(1, {"model": {"w": torch.ones(1000)}})
+        mgr.wait()
+        assert mgr.last_error is None
+        mgr.save(2, {"model": {"w": torch.ones(400_000)}})  # 1.6 MB > 1 MiB disk
+        mgr.wait()
+        assert "No space left" in mgr.last_error
+        step, state = CheckpointManager(str(mnt / "c")).load()
+        assert step == 1 and torch.equal(state["model"]["w"], torch.ones(1000))
+        assert not (mnt / "c" / "step-2" / "manifest.json").exists()
+        mgr.save(3, {"model": {"w": torch.full((1000,), 3.0)}})  # space came back (failed files removed)
+        mgr.wait()
+        assert mgr.last_error is None and mgr.load()[0] == 3
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+# --------------------------------------------------------------------------- real processes
+
+
+def _writer(procs, url, steps, writer_id, *extra, stdout=subprocess.PIPE):
+    cmd = [sys.executable, WRITER, "--url", url, "--steps", ",".join(map(str, steps)),
+           "--writer-id", writer_id, *extra]
+    return procs.start(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True)
+
+
+def test_sigkill_during_upload_leaves_newest_complete_checkpoint_loadable(tmp_path, procs, caplog):
+    url = str(tmp_path / "c")
+    proc = _writer(procs, url, [1, 2], "victim", "--size-kb", "2048", "--slow-from-step", "2",
+                   "--slow-bytes-per-s", "500000")
+    lines = []
+    for line in proc.stdout:
+        lines.append(line.strip())
+        if line.startswith("uploading 2"):
+            break
+    assert lines == ["committed 1", "uploading 2"], (lines, proc.stderr.read() if proc.poll() is not None else "")
+    time.sleep(0.5)  # well inside the ~4 s upload
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    step2 = tmp_path / "c" / "step-2" / "victim"
+    assert step2.is_dir() and any(step2.iterdir()), "the kill should land mid-upload"
+    with caplog.at_level(logging.WARNING, logger="elastic_trainer.checkpoint"):
+        step, state = CheckpointManager(url).load()
+    assert step == 1 and state["writer"] == "victim"
+    assert "step-2" in caplog.text
+    # the next writer commits over the leftovers and verifies
+    nxt = CheckpointManager(url, async_save=False)
+    nxt.save(3, {"model": {"w": torch.ones(3)}})
+    assert nxt.load()[0] == 3
+
+
+def _verify_every_committed(url: str) -> list[int]:
+    mgr = CheckpointManager(url)
+    fs, root = storage.get_fs(url)
+    committed = []
+    for step in mgr._steps():
+        if storage.exists(fs, storage.join(root, f"step-{step}", "manifest.json")):
+            loaded = mgr.load(step)
+            assert loaded is not None, f"step-{step} has a manifest but does not verify"
+            writers = {rel.split("/")[0] for rel in json.loads(
+                fs.cat_file(storage.join(root, f"step-{step}", "manifest.json")))["files"]}
+            assert len(writers) == 1
+            model = loaded[1]["model"]["w"]
+            assert torch.all(model == model[0]), "torn: tensors from two writers"
+            assert loaded[1]["writer"] in writers
+            committed.append(step)
+    return committed
+
+
+@pytest.mark.parametrize("store", ["file", "s3"])
+@pytest.mark.parametrize("pattern", ["same-steps", "interleaved-steps"])
+def test_two_concurrent_rank0_writers_never_produce_a_torn_checkpoint(tmp_path, procs, store, pattern,
+                                                                      request):
+    url = str(tmp_path / "c") if store == "file" else request.getfixturevalue("s3_url")
+    n = 12 if store == "file" else 6
+    if pattern == "same-steps":
+        steps_a = steps_b = list(range(1, n + 1))
+    else:
+        steps_a, steps_b = list(range(1, 2 * n, 2)), list(range(2, 2 * n + 1, 2))
+    go = tmp_path / "go"
+    a = _writer(procs, url, steps_a, "writer-a", "--keep", "3", "--go-file", str(go))
+    b = _writer(procs, url, steps_b, "writer-b", "--keep", "3", "--go-file", str(go))
+    time.sleep(1.0)
+    go.touch()  # both start saving at the same moment
+    out_a, err_a = a.communicate(timeout=150)
+    out_b, err_b = b.communicate(timeout=150)
+    assert a.returncode == 0 and b.returncode == 0, (err_a[-2000:], err_b[-2000:])
+    committed = _verify_every_committed(url)
+    assert committed and max(committed) == max(steps_a + steps_b)
+    fs, root = storage.get_fs(url)
+    outputs = {"writer-a": out_a.splitlines(), "writer-b": out_b.splitlines()}
+    for step in committed:  # the writer named in the manifest is the one that saw its commit succeed
+        winner = json.loads(fs.cat_file(storage.join(root, f"step-{step}", "manifest.json")))["writer"]
+        assert f"committed {step}" in outputs[winner]
+
+
+# --------------------------------------------------------------------------- exact resume
+
+
+def _train(model, opt, steps: int) -> list:
+    draws = []
+    for _ in range(steps):
+        x = torch.randn(16, 8)
+        idx = np.random.randint(0, 16, size=4)
+        x = x[torch.from_numpy(idx)] * random.uniform(0.5, 1.5)
+        loss = torch.nn.functional.dropout(model(x), p=0.3, training=True).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        draws.append((torch.rand(2), float(np.random.rand()), random.random()))
+    return draws
+
+
+def _fresh(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return model, opt, sched
+
+
+def test_resumed_run_continues_exactly_like_an_uninterrupted_one(tmp_path):
+    url = str(tmp_path / "c")
+    k, m = 5, 4
+    random.seed(0), np.random.seed(0)
+    model, opt, sched = _fresh(0)
+    for _ in range(k):
+        _train(model, opt, 1)
+        sched.step()
+    mgr = CheckpointManager(url, async_save=True)
+    mgr.save(k, {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                 "rng": capture_rng_state(), "step": k})
+    want_draws = []
+    for _ in range(m):  # keeps training while the save runs in the background
+        want_draws += _train(model, opt, 1)
+        sched.step()
+    mgr.close()
+
+    random.seed(123), np.random.seed(123)
+    model2, opt2, sched2 = _fresh(99)
+    step, state = CheckpointManager(url).load()
+    model2.load_state_dict(state["model"])
+    opt2.load_state_dict(state["optimizer"])
+    sched2.load_state_dict(state["scheduler"])
+    restore_rng_state(state["rng"])
+    assert step == state["step"] == k
+    got_draws = []
+    for _ in range(m):
+        got_draws += _train(model2, opt2, 1)
+        sched2.step()
+
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+    _assert_same(opt.state_dict(), opt2.state_dict())
+    assert sched.state_dict() == sched2.state_dict()
+    for (t1, n1, r1), (t2, n2, r2) in zip(want_draws, got_draws):
+        assert torch.equal(t1, t2) and n1 == n2 and r1 == r2

@@ -1,0 +1,113 @@
+"""Storage: writability checks with one-line errors, and the atomic create-if-absent commit."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import uuid
+
+import pytest
+
+from elastic_trainer import storage
+from elastic_trainer.etcd_server import free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def s3_url(s3_endpoint):
+    bucket = f"st-{uuid.uuid4().hex[:12]}"
+    fs, _ = storage.get_fs(f"s3://{bucket}")
+    fs.mkdir(bucket)
+    return f"s3://{bucket}/prefix"
+
+
+@pytest.fixture(params=["file", "memory", "s3"])
+def any_url(request, tmp_path):
+    if request.param == "file":
+        return str(tmp_path / "store")
+    if request.param == "memory":
+        return f"memory://store-{uuid.uuid4().hex[:8]}"
+    return request.getfixturevalue("s3_url")
+
+
+def test_writable_location_passes_and_leaves_no_probe(any_url):
+    storage.check_writable(any_url)
+    fs, root = storage.get_fs(any_url)
+    assert storage.list_dir(fs, root) == []
+
+
+def test_directory_under_a_file_is_a_one_line_error(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(storage.StorageError) as info:
+        storage.check_writable(str(tmp_path / "afile" / "ckpt"))
+    assert "is not writable" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_read_only_filesystem_is_a_one_line_error(tmp_path):
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        with pytest.raises(storage.StorageError, match="is not writable") as info:
+            storage.check_writable(str(mnt / "ckpt"))
+        assert "\n" not in str(info.value)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_unreachable_s3_endpoint_is_a_one_line_error(monkeypatch):
+    monkeypatch.setenv("ELASTIC_TRAINER_S3_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # closed port
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    with pytest.raises(storage.StorageError, match="is not writable") as info:
+        storage.check_writable(f"s3://nobucket-{uuid.uuid4().hex[:8]}/x")
+    assert "\n" not in str(info.value) and "testing" not in str(info.value)
+
+
+def test_unknown_protocol_is_a_storage_error():
+    with pytest.raises(storage.StorageError, match="cannot open"):
+        storage.get_fs("nosuchproto://x/y")
+
+
+def test_credentials_in_urls_are_redacted():
+    assert storage.redact("s3://AKIA:secret@bucket/x and http://u:p@h/") == "s3://***@bucket/x and http://***@h/"
+    assert storage.redact("/plain/path") == "/plain/path"
+
+
+def test_create_exclusive_has_exactly_one_winner_among_racing_writers(any_url):
+    fs, root = storage.get_fs(any_url)
+    storage.makedirs(fs, root)
+    path = storage.join(root, "manifest.json")
+    results: dict[int, bool] = {}
+    barrier = threading.Barrier(8)
+
+    def race(i: int) -> None:
+        barrier.wait()
+        results[i] = storage.create_exclusive(fs, path, f"writer-{i}".encode() * 1000)
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [i for i, won in results.items() if won]
+    assert len(winners) == 1
+    assert storage.read_bytes(fs, path) == f"writer-{winners[0]}".encode() * 1000
+    assert storage.list_dir(fs, root) == ["manifest.json"]  # no temp files left behind
+
+
+def test_size_exists_remove_and_list(any_url):
+    fs, root = storage.get_fs(any_url)
+    storage.makedirs(fs, storage.join(root, "d"))
+    storage.write_bytes(fs, storage.join(root, "d", "f.bin"), b"12345")
+    assert storage.size(fs, storage.join(root, "d", "f.bin")) == 5
+    assert storage.size(fs, storage.join(root, "d", "nope")) is None
+    assert storage.exists(fs, storage.join(root, "d", "f.bin"))
+    assert "d" in storage.list_dir(fs, root)
+    storage.remove(fs, storage.join(root, "d"))
+    storage.remove(fs, storage.join(root, "d"))  # missing is fine
+    assert not storage.exists(fs, storage.join(root, "d", "f.bin"))
