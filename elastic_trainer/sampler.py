@@ -274,10 +274,12 @@ class ElasticSampler(torch.utils.data.Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         """This rank's micro-batches from the committed offset to the end of the epoch.
 
-        The position is read when iteration starts; steps committed meanwhile do not move an
+        The position is read when ``iter()`` is called; steps committed meanwhile do not move an
         iterator that is already running, and the next iterator starts at the new offset.
         """
-        epoch, offset = self.epoch, self.offset
+        return self._iter_from(self.epoch, self.offset)
+
+    def _iter_from(self, epoch: int, offset: int) -> Iterator[list[int]]:
         perm = self.permutation(epoch)
         start, length = self._share
         while offset + self.global_batch_size <= self.dataset_len:

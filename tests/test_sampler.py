@@ -186,7 +186,7 @@ def elastic_runs(draw, vary_batch=False):
     return n, b0, seed, micro, segments
 
 
-@settings(max_examples=60, **SETTINGS)
+@settings(max_examples=120, **SETTINGS)
 @given(run=elastic_runs(), shuffle=st.booleans())
 def test_resume_at_any_world_size_consumes_every_sample_once_per_epoch(run, shuffle):
     n, b, seed, micro, segments = run
@@ -196,7 +196,7 @@ def test_resume_at_any_world_size_consumes_every_sample_once_per_epoch(run, shuf
     assert len(counted[0]) == (n // b) * b
 
 
-@settings(max_examples=30, **SETTINGS)
+@settings(max_examples=50, **SETTINGS)
 @given(run=elastic_runs(vary_batch=True))
 def test_resume_with_a_changed_global_batch_continues_at_the_sample_offset(run):
     n, b, seed, micro, segments = run
@@ -220,6 +220,9 @@ def test_a_new_iterator_starts_at_the_committed_offset_not_where_the_old_one_was
     s.commit_step()
     assert (s.epoch, s.offset, s.step_in_epoch, s.remaining_steps, len(s)) == (0, 16, 2, 3, 6)
     assert list(iter(s)) == [mb for k in (2, 3, 4) for mb in s.batches_for_step(k)]
+    it = iter(s)  # the position is taken when iter() is called, not at the first next()
+    s.commit_step()
+    assert next(it) == s.batches_for_step(2)[0]
 
 
 def test_commit_rolls_to_the_next_epoch_and_set_epoch_keeps_a_resumed_offset():
