@@ -15,7 +15,6 @@ be pickled for spawned ones, so the dataset never holds one when it is copied to
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,8 +22,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
-
-log = logging.getLogger(__name__)
 
 SRC_SHAPE = (1, 512)
 TGT_SHAPE = (20, 512)

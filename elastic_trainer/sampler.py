@@ -28,8 +28,8 @@ Usage (see docs/sampler.md for the whole trainer recipe)::
         it = iter(loader)
         for _ in range(sampler.remaining_steps):
             for i in range(sampler.micro_batches_per_step):
-                x = next(it)                            # list of this rank's indices -> a batch
-                loss = loss_fn(model(x)) * loss_weight(len(x), 64, world)
+                src, tgt = next(it)                     # this rank's indices, collated
+                loss = loss_fn(model(src), tgt) * loss_weight(len(src), 64, world)
                 loss.backward()                         # no_sync() for all but the last
             optimizer.step(); sampler.commit_step()
 """
