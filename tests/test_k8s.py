@@ -1,0 +1,521 @@
+"""Offline checks of the Kubernetes manifests (k8s/) and the Dockerfile; no cluster is needed.
+
+    .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_k8s.py
+
+Every kustomization under k8s/ (base and overlays) is built with ``kubectl kustomize``; every
+rendered object is validated with kubernetes-validate against the Kubernetes version pinned
+below (strict: unknown fields fail), the PyTorchJob against k8s/schemas/pytorchjob-kubeflow-v1.json;
+the ``elastic-train`` command of every pod is expanded like the kubelet does ($(VAR) from the
+container's env and the rendered ConfigMaps) and parsed with our CLI's parser; every pod template
+is checked against the Restricted Pod Security Standard; no manifest holds a secret value.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from elastic_trainer import cli
+
+REPO = Path(__file__).resolve().parent.parent
+K8S = REPO / "k8s"
+PYTORCHJOB_SCHEMA = K8S / "schemas" / "pytorchjob-kubeflow-v1.json"
+
+# The oldest Kubernetes these manifests are for: elastic Indexed Jobs (scaling parallelism and
+# completions together) are GA in 1.31; podReplacementPolicy and backoffLimitPerIndex are on by
+# default since 1.29. Objects are also checked against the newest version kubernetes-validate has.
+K8S_VERSION = "1.31"
+
+# What users deploy: base and each overlay (base/common, base/etcd, base/job and components/* are
+# parts of these, built through them).
+OVERLAYS = sorted(p.parent.relative_to(K8S).as_posix() for p in K8S.glob("overlays/*/kustomization.yaml"))
+KUSTOMIZATIONS = ["base", *OVERLAYS]
+WORKLOAD_KINDS = {"Job", "StatefulSet", "Deployment", "DaemonSet", "ReplicaSet", "CronJob", "Pod", "PyTorchJob"}
+
+kubectl = shutil.which("kubectl")
+needs_kubectl = pytest.mark.skipif(kubectl is None, reason="kubectl is not installed: cannot run `kubectl kustomize`")
+
+
+def _build(path: str) -> list[dict]:
+    out = subprocess.run([kubectl, "kustomize", str(K8S / path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"kubectl kustomize k8s/{path} failed:\n{out.stderr}"
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    """Each kustomization's rendered objects, built once for the module."""
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: cannot run `kubectl kustomize`")
+    return {path: _build(path) for path in KUSTOMIZATIONS}
+
+
+def _name(obj: dict) -> str:
+    return f"{obj['kind']}/{obj['metadata']['name']}"
+
+
+def pod_templates(obj: dict) -> list[tuple[str, dict]]:
+    """(label, pod template) pairs of a workload object; the template has metadata and spec."""
+    kind = obj["kind"]
+    if kind == "Pod":
+        return [(_name(obj), obj)]
+    if kind == "CronJob":
+        return [(_name(obj), obj["spec"]["jobTemplate"]["spec"]["template"])]
+    if kind == "PyTorchJob":
+        return [(f"{_name(obj)}[{role}]", spec["template"])
+                for role, spec in obj["spec"]["pytorchReplicaSpecs"].items()]
+    if kind in WORKLOAD_KINDS:
+        return [(_name(obj), obj["spec"]["template"])]
+    return []
+
+
+def _all_templates(rendered) -> list[tuple[str, str, dict, dict]]:
+    """(kustomization, label, owning object, pod template) for every pod template rendered."""
+    return [(path, label, obj, tmpl) for path, objs in rendered.items() for obj in objs
+            for label, tmpl in pod_templates(obj)]
+
+
+def _containers(pod_spec: dict) -> list[dict]:
+    return [*pod_spec.get("initContainers", []), *pod_spec["containers"], *pod_spec.get("ephemeralContainers", [])]
+
+
+def _trainer_containers(rendered):
+    """(kustomization, label, object, pod template, container) for every container running elastic-train."""
+    return [(path, label, obj, tmpl, c) for path, label, obj, tmpl in _all_templates(rendered)
+            for c in _containers(tmpl["spec"]) if "elastic-train" in [*c.get("command", []), *c.get("args", [])]]
+
+
+def _config_maps(objs: list[dict]) -> dict[str, dict[str, str]]:
+    return {o["metadata"]["name"]: o.get("data", {}) for o in objs if o["kind"] == "ConfigMap"}
+
+
+def expand_argv(container: dict, config_maps: dict[str, dict[str, str]]) -> list[str]:
+    """The container's command + args after the kubelet's $(VAR) expansion.
+
+    Values come from ``env``: literal values, ConfigMap keys (looked up in the rendered ConfigMaps;
+    a missing one fails), and placeholders for fieldRef/secretKeyRef values that only exist in a
+    cluster. A reference to an undefined variable stays as written, as the kubelet leaves it.
+    """
+    env: dict[str, str] = {}
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = var["value"]
+            continue
+        source = var["valueFrom"]
+        if "configMapKeyRef" in source:
+            ref = source["configMapKeyRef"]
+            data = config_maps.get(ref["name"])
+            assert data is not None and ref["key"] in data, \
+                f"env {var['name']} reads ConfigMap {ref['name']} key {ref['key']}, which the kustomization lacks"
+            env[var["name"]] = data[ref["key"]]
+        elif "fieldRef" in source:
+            env[var["name"]] = "fieldref-" + source["fieldRef"]["fieldPath"].replace(".", "-")
+        else:
+            env[var["name"]] = f"<{var['name']} from the cluster>"
+    expand = lambda text: re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), text)  # noqa: E731
+    return [expand(t) for t in [*container.get("command", []), *container.get("args", [])]]
+
+
+def _run_config(path, container, rendered):
+    argv = expand_argv(container, _config_maps(rendered[path]))
+    unresolved = [t for t in argv if "$(" in t]
+    assert not unresolved, f"k8s/{path}: $(VAR) references the kubelet cannot resolve: {unresolved}"
+    cut = argv.index("elastic-train")
+    return argv[cut + 1:], cli.parse_run_config(argv[cut + 1:])
+
+
+def _trainer_flag(program: list[str], flag: str) -> str | None:
+    return program[program.index(flag) + 1] if flag in program else None
+
+
+# --------------------------------------------------------------------------------------- building
+
+@needs_kubectl
+@pytest.mark.parametrize("path", KUSTOMIZATIONS)
+def test_every_kustomization_builds_with_kubectl_kustomize(path, rendered):
+    objs = rendered[path]
+    assert objs, f"k8s/{path} rendered nothing"
+    names = [(o["kind"], o["metadata"]["name"]) for o in objs]
+    assert len(names) == len(set(names)), f"k8s/{path} renders an object twice: {names}"
+    namespaced = [o for o in objs if o["kind"] not in ("Namespace",)]
+    assert all(o["metadata"].get("namespace") == "elastic-trainer" for o in namespaced), \
+        f"k8s/{path}: every object belongs in namespace elastic-trainer"
+    assert any(pod_templates(o) for o in objs), f"k8s/{path} has no workload"
+
+
+def test_expected_overlays_exist():
+    assert set(OVERLAYS) >= {"overlays/pvc", "overlays/s3", "overlays/gpu", "overlays/pytorchjob",
+                             "overlays/existing-etcd"}
+
+
+# ------------------------------------------------------------------------------------- validation
+
+def test_pinned_kubernetes_version_is_bundled_with_kubernetes_validate():
+    from kubernetes_validate import utils
+    versions = {utils.major_minor(v) for v in utils.all_versions()}
+    assert K8S_VERSION in versions, f"kubernetes-validate bundles {sorted(versions)}, not {K8S_VERSION}"
+
+
+def _pytorchjob_validator(version: str):
+    """A jsonschema validator for our PyTorchJob schema whose Kubernetes refs resolve offline."""
+    import importlib.resources
+
+    import jsonschema
+    from kubernetes_validate import utils
+    from referencing import Registry, Resource
+
+    bundled = [v for v in utils.all_versions() if utils.major_minor(v) == version][0]
+    defs_file = importlib.resources.files("kubernetes_validate").joinpath(
+        f"kubernetes-json-schema/v{bundled}-local-strict/_definitions.json")
+    defs = json.loads(defs_file.read_text())
+    schema = json.loads(PYTORCHJOB_SCHEMA.read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    registry = Registry().with_resources([(defs["$id"], Resource.from_contents(defs)),
+                                          (schema["$id"], Resource.from_contents(schema))])
+    return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
+@needs_kubectl
+@pytest.mark.parametrize("version", [K8S_VERSION, "latest"])
+def test_every_rendered_object_validates_offline(rendered, version):
+    import kubernetes_validate
+    from kubernetes_validate import utils
+
+    version = utils.major_minor(utils.latest_version()) if version == "latest" else version
+    crd = _pytorchjob_validator(version)
+    failures, checked = [], 0
+    for path, objs in rendered.items():
+        for obj in objs:
+            checked += 1
+            if obj["apiVersion"] == "kubeflow.org/v1":
+                failures += [f"k8s/{path} {_name(obj)}: {'.'.join(map(str, e.path))}: {e.message[:200]}"
+                             for e in crd.iter_errors(obj)]
+                continue
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                failures.append(f"k8s/{path} {_name(obj)}: {'.'.join(map(str, exc.path))}: {exc.message}")
+            except kubernetes_validate.SchemaNotFoundError as exc:
+                failures.append(f"k8s/{path} {_name(obj)}: {exc.message}")
+    assert checked > 0 and not failures, "\n".join(failures)
+
+
+@needs_kubectl
+def test_pytorchjob_schema_rejects_what_the_operator_rejects(rendered):
+    crd = _pytorchjob_validator(K8S_VERSION)
+    job = next(o for o in rendered["overlays/pytorchjob"] if o["kind"] == "PyTorchJob")
+    assert not list(crd.iter_errors(job))
+
+    def broken(change) -> list[str]:
+        bad = copy.deepcopy(job)
+        change(bad)
+        return [e.message for e in crd.iter_errors(bad)]
+
+    worker = lambda j: j["spec"]["pytorchReplicaSpecs"]["Worker"]  # noqa: E731
+    assert broken(lambda j: j["spec"]["elasticPolicy"].update(maxReplica=4))  # typo
+    assert broken(lambda j: worker(j).update(replicas="2"))
+    assert broken(lambda j: worker(j).update(restartPolicy="Sometimes"))
+    assert broken(lambda j: worker(j)["template"]["spec"]["containers"][0].update(name="trainer"))  # no "pytorch"
+    assert broken(lambda j: worker(j)["template"]["spec"]["containers"][0]["securityContext"].update(privileged="yes"))
+    assert broken(lambda j: j["spec"]["pytorchReplicaSpecs"].update(Chief=worker(j)))
+    assert broken(lambda j: j["spec"]["pytorchReplicaSpecs"].update(Master=worker(j)))  # Master needs 1 replica
+    assert broken(lambda j: j["spec"].update(pytorchReplicaSpecs={"Master": {**worker(j), "replicas": 1}}))
+    assert broken(lambda j: j["spec"]["runPolicy"].update(cleanPodPolicy="Sometimes"))
+
+
+# ---------------------------------------------------------------------------------------- commands
+
+@needs_kubectl
+def test_every_elastic_train_command_parses_with_the_cli(rendered):
+    found = _trainer_containers(rendered)
+    paths = {path for path, *_ in found}
+    assert paths == {p for p in KUSTOMIZATIONS if any(pod_templates(o) and o["kind"] != "StatefulSet"
+                                                      for o in rendered[p])}, paths
+    for path, label, obj, tmpl, container in found:
+        argv, run = _run_config(path, container, rendered)
+        where = f"k8s/{path} {label} container {container['name']}"
+        assert (run.min_nodes, run.max_nodes) == (1, 4), where
+        assert run.rdzv_endpoint and not run.embedded_etcd, f"{where}: must meet through the shared etcd"
+        assert run.local_addr == "fieldref-status-podIP", f"{where}: --local-addr should be the pod IP"
+        assert run.run_id in run.checkpoint_dir, f"{where}: checkpoints should be under the run's folder"
+        assert run.log_dir.startswith("/var/log/elastic-trainer/"), f"{where}: the log dir must be writable"
+        assert run.program[:2] == ["-m", "elastic_trainer.train"], where
+        nproc_env = next(v for v in container["env"] if v["name"] == "NPROC_PER_NODE")
+        assert nproc_env and run.nproc_per_node >= 1
+
+
+@needs_kubectl
+def test_trainers_get_more_time_to_stop_than_the_trainer_saves_for(rendered):
+    for path, label, obj, tmpl, container in _trainer_containers(rendered):
+        _, run = _run_config(path, container, rendered)
+        grace = _trainer_flag(run.program, "--grace-seconds")
+        assert grace is not None, f"k8s/{path} {label}: pass --grace-seconds to the trainer"
+        env = {v["name"]: v.get("value") for v in container["env"]}
+        agent_wait = int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+        period = tmpl["spec"]["terminationGracePeriodSeconds"]
+        assert float(grace) < agent_wait < period, (
+            f"k8s/{path} {label}: need --grace-seconds ({grace}) < TORCH_ELASTIC_SHUTDOWN_TIMEOUT "
+            f"({agent_wait}) < terminationGracePeriodSeconds ({period})")
+
+
+@needs_kubectl
+def test_pytorchjob_runs_the_same_command_as_the_job(rendered):
+    job = next(c for p, _, o, _, c in _trainer_containers(rendered) if p == "overlays/pvc" and o["kind"] == "Job"
+               and c["name"] == "trainer")
+    pj = next(c for p, _, o, _, c in _trainer_containers(rendered) if o["kind"] == "PyTorchJob")
+    assert pj["command"] == job["command"] and pj["args"] == job["args"]
+    assert pj["name"] == "pytorch"  # the operator's default container name
+    _, run_pj = _run_config("overlays/pytorchjob", pj, rendered)
+    obj = next(o for o in rendered["overlays/pytorchjob"] if o["kind"] == "PyTorchJob")
+    policy = obj["spec"]["elasticPolicy"]
+    assert (policy["minReplicas"], policy["maxReplicas"]) == (run_pj.min_nodes, run_pj.max_nodes)
+    assert f"{policy['rdzvHost']}:{policy['rdzvPort']}" == run_pj.rdzv_endpoint
+    assert policy["maxRestarts"] >= 1 and "Master" not in obj["spec"]["pytorchReplicaSpecs"]
+    assert policy["minReplicas"] <= obj["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] <= policy["maxReplicas"]
+
+
+# ------------------------------------------------------------------------------------ the workload
+
+@needs_kubectl
+def test_indexed_job_replaces_a_pod_only_after_it_has_terminated(rendered):
+    for path in KUSTOMIZATIONS:
+        for obj in rendered[path]:
+            if obj["kind"] != "Job":
+                continue
+            spec = obj["spec"]
+            assert spec["completionMode"] == "Indexed" and spec["podReplacementPolicy"] == "Failed"
+            assert 1 <= spec["parallelism"] == spec["completions"] <= 4, "scale parallelism and completions together"
+            assert spec["template"]["spec"]["restartPolicy"] == "Never"
+            rules = spec["podFailurePolicy"]["rules"]
+            assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} in rules
+
+
+@needs_kubectl
+def test_storage_overlays_share_checkpoints_between_pods(rendered):
+    for path in KUSTOMIZATIONS:
+        objs = rendered[path]
+        cms = _config_maps(objs)
+        for _, label, obj, tmpl, container in _trainer_containers({path: objs}):
+            _, run = _run_config(path, container, rendered)
+            volumes = {v["name"]: v for v in tmpl["spec"]["volumes"]}
+            if path == "base":
+                continue  # base alone keeps checkpoints per pod; README says to deploy an overlay
+            if run.checkpoint_dir.startswith("s3://"):
+                assert cms["elastic-trainer-config"]["CHECKPOINT_DIR"] == run.checkpoint_dir
+                refs = {v["name"]: v["valueFrom"]["secretKeyRef"] for v in container["env"]
+                        if "secretKeyRef" in v.get("valueFrom", {})}
+                assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "ELASTIC_TRAINER_S3_ENDPOINT_URL",
+                        "WANDB_API_KEY"} <= set(refs), f"k8s/{path}: credentials come from Secrets"
+            else:
+                assert run.checkpoint_dir.startswith("/checkpoints/"), f"k8s/{path} {label}"
+                claim = volumes["checkpoints"]["persistentVolumeClaim"]["claimName"]
+                pvc = next(o for o in objs if o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == claim)
+                assert pvc["spec"]["accessModes"] == ["ReadWriteMany"], f"k8s/{path}: the claim must be RWX"
+
+
+@needs_kubectl
+def test_gpu_overlay_runs_one_worker_per_gpu(rendered):
+    for _, label, obj, tmpl, container in _trainer_containers({"overlays/gpu": rendered["overlays/gpu"]}):
+        if container["name"] == "wait-for-etcd":
+            continue
+        _, run = _run_config("overlays/gpu", container, rendered)
+        gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+        assert int(gpus) == run.nproc_per_node > 1
+        assert container["image"].endswith("-cuda")
+
+
+# ------------------------------------------------------------------------------------------ etcd
+
+@needs_kubectl
+def test_etcd_members_bootstrap_from_their_stable_dns_names(rendered):
+    for path, objs in rendered.items():
+        for sts in (o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "etcd"):
+            spec = sts["spec"]
+            assert spec["replicas"] == 3 and spec["podManagementPolicy"] == "Parallel"
+            assert spec["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+            peer = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == spec["serviceName"])
+            assert peer["spec"]["clusterIP"] == "None" and peer["spec"]["publishNotReadyAddresses"] is True
+            args = dict(a.lstrip("-").split("=", 1) for a in spec["template"]["spec"]["containers"][0]["args"])
+            members = dict(m.split("=", 1) for m in args["initial-cluster"].split(","))
+            svc = spec["serviceName"]
+            assert members == {f"etcd-{i}": f"http://etcd-{i}.{svc}.$(POD_NAMESPACE).svc:2380" for i in range(3)}
+            assert args["initial-advertise-peer-urls"] == f"http://$(POD_NAME).{svc}.$(POD_NAMESPACE).svc:2380"
+            client = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "etcd")
+            assert _config_maps(objs)["elastic-trainer-config"]["RDZV_ENDPOINT"] == \
+                f"{client['metadata']['name']}:{client['spec']['ports'][0]['port']}"
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items()) and \
+        not selector.get("matchExpressions")
+
+
+@needs_kubectl
+def test_only_trainer_pods_and_peers_reach_etcd(rendered):
+    for path, objs in rendered.items():
+        etcd = [o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "etcd"]
+        if not etcd:
+            continue
+        etcd_labels = etcd[0]["spec"]["template"]["metadata"]["labels"]
+        policies = [o for o in objs if o["kind"] == "NetworkPolicy" and _selects(o["spec"]["podSelector"], etcd_labels)]
+        assert len(policies) == 1, f"k8s/{path}: one NetworkPolicy must select the etcd pods"
+        policy = policies[0]["spec"]
+        assert policy["policyTypes"] == ["Ingress"]
+        trainer_labels = [t["metadata"]["labels"] for _, _, o, t in _all_templates({path: objs}) if o is not etcd[0]]
+        assert trainer_labels
+        for rule in policy["ingress"]:
+            peers = rule["from"]
+            assert all(set(p) == {"podSelector"} for p in peers), "no namespaceSelector/ipBlock: this namespace only"
+            ports = {p["port"] for p in rule["ports"]}
+            assert ports <= {2379, 2380}
+            for peer in peers:
+                is_etcd = _selects(peer["podSelector"], etcd_labels)
+                is_trainer = all(_selects(peer["podSelector"], lbl) for lbl in trainer_labels)
+                assert is_etcd or is_trainer, f"k8s/{path}: {peer} admits pods that are neither etcd nor trainers"
+                assert is_etcd or ports == {2379}, "trainers reach the client port only"
+                assert not (is_etcd and is_trainer)
+
+
+# ---------------------------------------------------------------------------- pod security standard
+
+RESTRICTED_VOLUME_TYPES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                           "projected", "secret"}
+
+
+@needs_kubectl
+def test_namespace_enforces_the_restricted_pod_security_standard(rendered):
+    for path, objs in rendered.items():
+        ns = next(o for o in objs if o["kind"] == "Namespace")
+        assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted", path
+
+
+@needs_kubectl
+def test_every_pod_template_meets_the_restricted_pod_security_standard(rendered):
+    templates = _all_templates(rendered)
+    assert {o["kind"] for _, _, o, _ in templates} >= {"Job", "StatefulSet", "PyTorchJob"}
+    problems = []
+    for path, label, obj, tmpl in templates:
+        spec = tmpl["spec"]
+        pod_sc = spec.get("securityContext", {})
+        where = f"k8s/{path} {label}"
+        for key in ("hostNetwork", "hostPID", "hostIPC"):
+            if spec.get(key):
+                problems.append(f"{where}: {key}")
+        for vol in spec.get("volumes", []):
+            kinds = set(vol) - {"name"}
+            if not kinds <= RESTRICTED_VOLUME_TYPES:
+                problems.append(f"{where}: volume {vol['name']} of type {kinds}")
+        if pod_sc.get("runAsUser") == 0 or pod_sc.get("runAsGroup") == 0:
+            problems.append(f"{where}: pod runs as root")
+        if spec.get("automountServiceAccountToken") is not False:
+            problems.append(f"{where}: mounts a service account token it does not need")
+        if "terminationGracePeriodSeconds" not in spec:
+            problems.append(f"{where}: no terminationGracePeriodSeconds")
+        mounts_needed = {"/tmp"} if obj["kind"] != "StatefulSet" else set()
+        for c in _containers(spec):
+            sc, cw = c.get("securityContext", {}), f"{where} container {c['name']}"
+            effective = lambda key: sc.get(key, pod_sc.get(key))  # noqa: E731
+            if effective("runAsNonRoot") is not True:
+                problems.append(f"{cw}: runAsNonRoot is not true")
+            if not isinstance(effective("runAsUser"), int) or effective("runAsUser") == 0:
+                problems.append(f"{cw}: runAsUser must be a non-zero uid (the image's USER is not checked here)")
+            if (effective("seccompProfile") or {}).get("type") not in ("RuntimeDefault", "Localhost"):
+                problems.append(f"{cw}: seccompProfile must be RuntimeDefault")
+            if sc.get("allowPrivilegeEscalation") is not False:
+                problems.append(f"{cw}: allowPrivilegeEscalation is not false")
+            if sc.get("privileged"):
+                problems.append(f"{cw}: privileged")
+            caps = sc.get("capabilities", {})
+            if "ALL" not in caps.get("drop", []) or set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+                problems.append(f"{cw}: capabilities must drop ALL and add at most NET_BIND_SERVICE")
+            if sc.get("readOnlyRootFilesystem") is not True:
+                problems.append(f"{cw}: readOnlyRootFilesystem is not true")
+            if any(p.get("hostPort") for p in c.get("ports", [])):
+                problems.append(f"{cw}: hostPort")
+            resources = c.get("resources", {})
+            for kind in ("requests", "limits"):
+                if not {"cpu", "memory"} <= set(resources.get(kind, {})):
+                    problems.append(f"{cw}: resources.{kind} needs cpu and memory")
+            if c in spec["containers"] and not mounts_needed <= {m["mountPath"] for m in c.get("volumeMounts", [])}:
+                problems.append(f"{cw}: mount a writable emptyDir at {mounts_needed}")
+    assert not problems, "\n".join(problems)
+
+
+# -------------------------------------------------------------------------------------- secrets
+
+SECRET_PATTERNS = {
+    "AWS access key id": re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b"),
+    "AWS secret access key": re.compile(r"(?i)aws.{0,20}secret.{0,20}[:=]\s*['\"]?[A-Za-z0-9/+=]{40}\b"),
+    "private key": re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
+    "W&B API key": re.compile(r"(?i)wandb.{0,30}[:=]\s*['\"]?[0-9a-f]{40}\b"),
+}
+
+
+def _manifest_files() -> list[Path]:
+    files = [p for p in K8S.rglob("*") if p.is_file() and p.suffix in (".yaml", ".yml", ".json")]
+    return files + [REPO / "Dockerfile", REPO / ".dockerignore"]
+
+
+def test_no_manifest_contains_a_secret_value():
+    for path in _manifest_files():
+        text = path.read_text()
+        for what, pattern in SECRET_PATTERNS.items():
+            assert not pattern.search(text), f"{path.relative_to(REPO)} looks like it holds a {what}"
+        if path.suffix in (".yaml", ".yml"):
+            for doc in yaml.safe_load_all(text):
+                if isinstance(doc, dict) and doc.get("kind") == "Secret":
+                    pytest.fail(f"{path.relative_to(REPO)}: Secrets are created by the user (README), not kept here")
+
+
+@needs_kubectl
+def test_rendered_env_takes_credentials_from_secrets_only(rendered):
+    sensitive = re.compile(r"(?i)(KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL)")
+    for path, objs in rendered.items():
+        assert not [o for o in objs if o["kind"] == "Secret"], f"k8s/{path} renders a Secret"
+        for _, label, _, tmpl in _all_templates({path: objs}):
+            for c in _containers(tmpl["spec"]):
+                for var in c.get("env", []):
+                    if sensitive.search(var["name"]):
+                        assert "secretKeyRef" in var.get("valueFrom", {}), \
+                            f"k8s/{path} {label}: {var['name']} must come from a Secret (secretKeyRef)"
+        for cm in (o for o in objs if o["kind"] == "ConfigMap"):
+            assert not [k for k in cm.get("data", {}) if sensitive.search(k)], f"k8s/{path}: secret-like key in {_name(cm)}"
+
+
+# ------------------------------------------------------------------------------------- Dockerfile
+
+def _dockerfile() -> list[tuple[str, str]]:
+    """(instruction, arguments) of the Dockerfile, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", (REPO / "Dockerfile").read_text())
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    return [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1] if " " in ln else "") for ln in lines]
+
+
+def test_dockerfile_builds_cpu_and_cuda_variants_and_runs_as_non_root():
+    steps = _dockerfile()
+    froms = [a for i, a in steps if i == "FROM"]
+    assert froms and all(a.split()[0].startswith("python:3.11-slim") for a in froms), froms
+    args = {a.split("=", 1)[0]: (a.split("=", 1) + [""])[1] for i, a in steps if i == "ARG"}
+    assert args.get("VARIANT") == "cpu", "ARG VARIANT=cpu (or cuda) picks the torch build"
+    runs = " ".join(a for i, a in steps if i == "RUN")
+    assert "download.pytorch.org/whl/cpu" in runs and "cuda" in runs
+    users = [a for i, a in steps if i == "USER"]
+    assert users, "the image must set USER"
+    user = users[-1].split(":")[0]
+    assert user not in ("root", "0") and user.isdigit() and int(user) == 10001, \
+        f"USER {users[-1]}: use the numeric uid the manifests run as (10001)"
+    assert not [a for i, a in steps if i in ("ENV", "ARG") and re.search(r"(?i)(KEY|SECRET|TOKEN|PASSWORD)", a)]
+    entry = [a for i, a in steps if i == "ENTRYPOINT"]
+    assert entry and json.loads(entry[-1])[0] == "tini"
+
+
+def test_dockerignore_keeps_local_state_out_of_the_image():
+    ignored = {ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()}
+    assert {".venv", ".git", "runs", "checkpoints", "wandb"} <= {i.strip("/*") for i in ignored}
