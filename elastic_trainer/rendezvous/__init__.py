@@ -1,8 +1,26 @@
-"""The ``etcd-v3`` rendezvous backend for torchrun (placeholder until the backend lands)."""
+"""The ``etcd-v3`` rendezvous backend for torchrun.
+
+Registered under the entry-point group ``torchrun.handlers`` as ``etcd-v3``, so that
+``elastic-train`` (by default) and plain torchrun use it once the package is installed:
+
+    torchrun --rdzv-backend etcd-v3 --rdzv-endpoint 127.0.0.1:2379 --nnodes 1:4 train.py
+
+Modules: ``handler`` (torch's dynamic rendezvous with leases and a membership
+watchdog), ``etcd_backend`` (state key, compare-and-swap), ``state`` (JSON state,
+lease-based liveness), ``etcd_store`` (torch Store on etcd), ``fence`` (round fence for
+workers). Options and measured numbers: docs/rendezvous.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
 
 
-def handler_creator():
-    """Entry point of the ``torchrun.handlers`` group: returns ``(RendezvousParameters) -> handler``."""
-    def create(params):
-        raise NotImplementedError("the etcd-v3 rendezvous backend is not built yet")
-    return create
+def handler_creator() -> Callable:
+    """Entry point of the ``torchrun.handlers`` group: returns ``create(params) -> handler``."""
+    from elastic_trainer.rendezvous.handler import create_handler
+
+    return create_handler
+
+
+__all__ = ["handler_creator"]

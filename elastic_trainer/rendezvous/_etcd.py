@@ -1,0 +1,197 @@
+"""One etcd v3 connection for the rendezvous: connect fast, retry what is transient.
+
+Everything of the rendezvous that speaks to etcd (the backend, the store, the lease
+keeper, the fence) goes through an ``EtcdConnection``:
+
+* ``connect`` fails within ``connect_timeout`` seconds with one clear
+  ``RendezvousConnectionError`` sentence when no endpoint answers;
+* ``call(fn)`` runs ``fn(client)`` and retries gRPC errors that mean "etcd is away for
+  a moment" (UNAVAILABLE, DEADLINE_EXCEEDED, no endpoint left) with exponential
+  backoff for up to ``retry_timeout`` seconds, so that an etcd restarting with the same
+  data dir does not kill a job; an expired auth token is renewed by reconnecting.
+
+python3-etcd3 marks an endpoint "failed" for 300 s after one UNAVAILABLE and then
+refuses to use it at all; we build its endpoints with a 1 s retry time instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import etcd3
+import etcd3.exceptions
+import grpc
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_TRANSIENT = (etcd3.exceptions.ConnectionFailedError, etcd3.exceptions.ConnectionTimeoutError,
+              etcd3.exceptions.NoServerAvailableError)
+_TRANSIENT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+@dataclass(frozen=True)
+class EtcdOptions:
+    """How to reach etcd (see docs/rendezvous.md for each option)."""
+
+    endpoints: tuple[tuple[str, int], ...]
+    protocol: str = "http"
+    user: str | None = None
+    password: str | None = None
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    read_timeout: float = 10.0
+    connect_timeout: float = 4.0
+    retry_timeout: float = 60.0
+
+    @property
+    def endpoint_text(self) -> str:
+        return ",".join(f"{h}:{p}" for h, p in self.endpoints)
+
+
+def parse_endpoints(text: str) -> tuple[tuple[str, int], ...]:
+    """``host:port[,host:port]`` (an http(s):// prefix and a missing port, 2379, are allowed)."""
+    out = []
+    for item in (text or "").split(","):
+        item = item.strip()
+        for scheme in ("http://", "https://"):
+            if item.startswith(scheme):
+                item = item[len(scheme):]
+        if not item:
+            continue
+        host, sep, port = item.rpartition(":")
+        if not sep:
+            host, port = item, "2379"
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"the rendezvous endpoint {item!r} is not host:port (for example 127.0.0.1:2379)")
+        out.append((host.strip("[]"), int(port)))
+    if not out:
+        raise ValueError("the rendezvous endpoint is empty; pass --rdzv-endpoint HOST:PORT of an etcd")
+    return tuple(out)
+
+
+def _is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, _TRANSIENT):
+        return True
+    if isinstance(exc, ValueError) and "failed node" in str(exc):
+        return True  # python3-etcd3's "Trying to use a failed node"
+    if isinstance(exc, grpc.RpcError):
+        return exc.code() in _TRANSIENT_CODES
+    return False
+
+
+def _is_auth_expired(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+class EtcdConnection:
+    """A python3-etcd3 client with fast failure at start and bounded retries after."""
+
+    def __init__(self, options: EtcdOptions) -> None:
+        self.options = options
+        self._lock = threading.Lock()
+        self._client = self._make_client(options.connect_timeout)
+        self._check_reachable()
+
+    # -- construction -------------------------------------------------------------------
+    def _make_client(self, timeout: float) -> etcd3.MultiEndpointEtcd3Client:
+        o = self.options
+        secure = o.protocol == "https" or o.ca_cert is not None
+        creds = None
+        if secure:
+            def read(path):
+                if path is None:
+                    return None
+                with open(path, "rb") as f:
+                    return f.read()
+            try:
+                creds = grpc.ssl_channel_credentials(read(o.ca_cert), read(o.key), read(o.cert))
+            except OSError as exc:
+                raise RendezvousConnectionError(
+                    f"cannot read the etcd TLS files (ca_cert={o.ca_cert}, cert={o.cert}, key={o.key}): "
+                    f"{exc}; fix the paths in --rdzv-conf") from exc
+        endpoints = [etcd3.Endpoint(h, p, secure=secure, creds=creds, time_retry=1.0)
+                     for h, p in o.endpoints]
+        try:
+            client = etcd3.MultiEndpointEtcd3Client(endpoints=endpoints, timeout=timeout, user=o.user,
+                                                    password=o.password, failover=True)
+            if not secure:
+                # gRPC sends call credentials only over TLS; the token also travels as metadata.
+                client.call_credentials = None
+            return client
+        except grpc.RpcError as exc:  # authentication happens in the constructor
+            raise self._connection_error(exc) from exc
+        except Exception as exc:  # noqa: BLE001 - python3-etcd3 raises bare Exception for half credentials
+            raise RendezvousConnectionError(f"cannot connect to etcd at {o.endpoint_text}: {exc}") from exc
+
+    def _connection_error(self, exc: BaseException) -> RendezvousConnectionError:
+        o = self.options
+        detail = exc.details() if isinstance(exc, grpc.RpcError) else (str(exc) or type(exc).__name__)
+        if _is_auth_expired(exc) or "authentication" in str(detail).lower() or "auth" in str(detail).lower():
+            hint = "check the user and password in --rdzv-conf"
+        else:
+            hint = "check --rdzv-endpoint, that etcd runs, and the TLS options (protocol, ca_cert, cert, key)"
+        return RendezvousConnectionError(
+            f"etcd at {o.endpoint_text} did not answer within {o.connect_timeout:g}s ({detail}); {hint}")
+
+    def _check_reachable(self) -> None:
+        try:
+            self._client.status()
+        except Exception as exc:  # noqa: BLE001 - every failure at start becomes one sentence
+            self._client.close()
+            raise self._connection_error(exc) from exc
+        self._client.timeout = self.options.read_timeout
+
+    # -- use ----------------------------------------------------------------------------
+    @property
+    def client(self) -> etcd3.MultiEndpointEtcd3Client:
+        return self._client
+
+    def call(self, fn: Callable[[etcd3.MultiEndpointEtcd3Client], T], what: str = "request",
+             retry_timeout: float | None = None) -> T:
+        """Run ``fn(client)``; retry transient failures for up to ``retry_timeout`` seconds."""
+        budget = self.options.retry_timeout if retry_timeout is None else retry_timeout
+        deadline = time.monotonic() + budget
+        delay = 0.05
+        while True:
+            client = self._client
+            try:
+                return fn(client)
+            except Exception as exc:  # noqa: BLE001 - classified below, re-raised when not transient
+                if _is_auth_expired(exc) and self.options.user:
+                    self._reconnect(client)
+                    if time.monotonic() < deadline:
+                        continue
+                if not _is_transient(exc):
+                    raise
+                if time.monotonic() + delay > deadline:
+                    raise RendezvousConnectionError(
+                        f"etcd at {self.options.endpoint_text} has not answered the rendezvous {what} "
+                        f"for {budget:g}s ({type(exc).__name__}); is etcd running?") from exc
+                logger.warning("etcd %s failed (%s); retrying in %.2fs", what, type(exc).__name__, delay)
+                time.sleep(delay * random.uniform(0.8, 1.2))
+                delay = min(delay * 2, 1.0)
+
+    def _reconnect(self, old: etcd3.MultiEndpointEtcd3Client) -> None:
+        with self._lock:
+            if self._client is not old:
+                return
+            logger.info("renewing the etcd auth token of %s", self.options.user)
+            try:
+                new = self._make_client(self.options.read_timeout)
+            except RendezvousConnectionError:
+                return
+            self._client = new
+        old.close()
+
+    def close(self) -> None:
+        self._client.close()

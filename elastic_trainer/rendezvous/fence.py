@@ -1,0 +1,127 @@
+"""The round fence: lets a worker prove that its rendezvous round is still the current one.
+
+Each completed rendezvous round has a number; the etcd-v3 handler exports it to the
+workers it starts (``ELASTIC_TRAINER_RDZV_ROUND``), with the run's key prefix and the
+node's name. Before a worker does something that only the current world may do
+(committing a checkpoint, say), it calls ``check()``: one etcd transaction reads the
+rendezvous state and this node's lease key, and ``FencedError`` is raised unless
+
+* the state's round is still this worker's round and that round is complete,
+* this worker's node is still a participant of it, and
+* this node's lease key still exists (etcd has not declared the node dead).
+
+This covers what the agent's watchdog cannot: an agent frozen (SIGSTOP, swap storm)
+while its workers go on. When etcd cannot be reached within ``retry_timeout``
+seconds the round cannot be proven current, so ``check()`` raises ``FencedError`` too
+(fail safe: the caller skips its commit).
+
+    from elastic_trainer.rendezvous.fence import RoundFence, FencedError
+    fence = RoundFence.from_env()          # None when not started by the etcd-v3 rendezvous
+    if fence is not None:
+        fence.check()                      # raises FencedError when this round is over
+        token = fence.token                # "round-7", to record beside what was written
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+ENV_RDZV_ROUND = "ELASTIC_TRAINER_RDZV_ROUND"
+ENV_RDZV_PREFIX = "ELASTIC_TRAINER_RDZV_PREFIX"
+ENV_RDZV_ENDPOINT = "ELASTIC_TRAINER_RDZV_ENDPOINT"
+ENV_RDZV_NODE = "ELASTIC_TRAINER_RDZV_NODE"
+ENV_RDZV_CONN = "ELASTIC_TRAINER_RDZV_CONN"
+
+
+class FencedError(RuntimeError):
+    """This worker's rendezvous round is over (or cannot be proven current)."""
+
+
+class RoundFence:
+    """Checks that rendezvous round ``round`` of the run under ``prefix`` is still current.
+
+    Args:
+        round: the round the worker was started in.
+        prefix: the run's key prefix (``/elastic-trainer/<run_id>/``).
+        endpoints: etcd ``host:port[,host:port]``.
+        node: the node's name in the rendezvous (``<addr>_<pid>_<local_id>``); when given,
+            the node must still be a participant with a live lease.
+        conn_options: protocol, user, password, ca_cert, cert, key (as the handler had them).
+        retry_timeout: seconds to keep trying an unreachable etcd before fencing.
+    """
+
+    def __init__(self, round: int, prefix: str, endpoints: str, node: str | None = None,
+                 conn_options: dict | None = None, retry_timeout: float = 15.0) -> None:
+        self.round = round
+        self.prefix = prefix if prefix.endswith("/") else prefix + "/"
+        self.endpoints = endpoints
+        self.node = node
+        self._conn_options = dict(conn_options or {})
+        self._retry_timeout = retry_timeout
+        self._conn = None
+        self._backend = None
+
+    @classmethod
+    def from_env(cls) -> RoundFence | None:
+        """The fence of this worker, or None when not started under the etcd-v3 rendezvous."""
+        round_, prefix = os.environ.get(ENV_RDZV_ROUND), os.environ.get(ENV_RDZV_PREFIX)
+        conn = json.loads(os.environ.get(ENV_RDZV_CONN) or "{}")
+        endpoints = os.environ.get(ENV_RDZV_ENDPOINT) or conn.get("endpoints")
+        if not round_ or not prefix or not endpoints:
+            return None
+        return cls(int(round_), prefix, endpoints, os.environ.get(ENV_RDZV_NODE) or None,
+                   {k: v for k, v in conn.items() if k != "endpoints"})
+
+    @property
+    def token(self) -> str:
+        """A short name of this worker's round, e.g. ``"round-7"``."""
+        return f"round-{self.round}"
+
+    def _connect(self):
+        if self._backend is None:
+            from elastic_trainer.rendezvous._etcd import EtcdConnection, EtcdOptions, parse_endpoints
+            from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
+
+            o = self._conn_options
+            options = EtcdOptions(endpoints=parse_endpoints(self.endpoints), protocol=o.get("protocol") or "http",
+                                  user=o.get("user"), password=o.get("password"), ca_cert=o.get("ca_cert"),
+                                  cert=o.get("cert"), key=o.get("key"), retry_timeout=self._retry_timeout)
+            self._conn = EtcdConnection(options)
+            run_id = self.prefix.rstrip("/").rsplit("/", 1)[-1]
+            root = self.prefix.rstrip("/")[: -len(run_id)].rstrip("/") or "/"
+            self._backend = EtcdRendezvousBackend(self._conn, run_id, root)
+        return self._backend
+
+    def check(self) -> None:
+        """Raise ``FencedError`` unless this worker's round is still the run's current round."""
+        from elastic_trainer.rendezvous.state import decode_state, node_name
+
+        try:
+            backend = self._connect()
+            keys = [backend.state_key] + ([backend.alive_key(self.node)] if self.node else [])
+
+            def txn(c):
+                return c.transaction(compare=[], success=[c.transactions.get(k) for k in keys], failure=[])
+            _, responses = self._conn.call(txn, "fence check")
+            state = decode_state(backend._unwrap(responses[0][0][0])) if responses[0] else None
+            lease_alive = bool(responses[1]) if self.node else True
+        except RendezvousError as exc:
+            raise FencedError(f"cannot prove that rendezvous {self.token} of {self.prefix} is current: {exc}") from exc
+        if state is None:
+            raise FencedError(f"the rendezvous state of {self.prefix} is gone; {self.token} is over")
+        if state.round != self.round or not state.complete:
+            raise FencedError(f"{self.token} of {self.prefix} is over: etcd is at round {state.round} "
+                              f"({'complete' if state.complete else 'forming'})")
+        if self.node is not None:
+            if self.node not in {node_name(n) for n in state.participants}:
+                raise FencedError(f"node {self.node} is no longer a participant of {self.token} of {self.prefix}")
+            if not lease_alive:
+                raise FencedError(f"the etcd lease of node {self.node} expired; {self.token} is over for it")
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = self._backend = None

@@ -1,0 +1,444 @@
+"""The ``etcd-v3`` rendezvous handler: torch's dynamic rendezvous on etcd v3, with leases.
+
+A *rendezvous* is the barrier at which torchrun's agents agree who trains: each
+*round* admits between min and max nodes and gives each a rank. When a node dies or
+a node asks to join, the agents stop their workers and meet in the next round.
+
+This is torch's ``DynamicRendezvousHandler`` (the state machine of the c10d backend)
+with four changes:
+
+1. **State as JSON** (``state.py``) in one etcd key written by compare-and-swap
+   (``etcd_backend.py``); nothing read from etcd is unpickled.
+2. **Liveness by etcd leases.** Each node keeps ``<prefix>alive/<node>`` alive on a
+   lease (``lease_ttl``, renewed every ``keep_alive_interval``). A node is dead when etcd
+   expired its lease, never because a peer's clock says its heartbeat is old; the state
+   carries no periodic heartbeat writes.
+3. **One world at a time.** While training, a watchdog checks at each lease renewal
+   that this node's lease lives, that the round it joined is still the current one
+   with this node in it, and that every participant of that round still holds its
+   lease. If not, ``num_nodes_waiting()`` answers >0 and torch's agent stops its
+   workers and re-rendezvouses; a node learns of a lost lease (after a pause, say)
+   before it may rejoin, and gets a new lease only from ``next_rendezvous`` (after the
+   agent stopped its workers). A new round cannot start while a participant of the
+   last one still holds its lease without having left: torch's state machine moves to
+   the next round only once every participant exited (after stopping its workers) or
+   was removed, and we remove only lease-expired nodes.
+4. **Fresh bootstrap store every round.** torch's handler shares the agent's TCP store
+   with workers by default and caches its address from the first round on every
+   non-rank-0 node; after rank 0 changes (the old rank 0 died) workers dial a store
+   that no longer exists and time out waiting for MASTER_ADDR. Here
+   ``use_agent_store`` is False and every round publishes a new MASTER_ADDR/PORT
+   (a free port on the new rank 0), where the rank-0 worker hosts the TCPStore.
+
+It also completes a round as soon as every node with a live lease has joined it
+(instead of always waiting ``last_call_timeout``), which is what makes recovery fast.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousSettings,
+    RendezvousTimeout,
+    _Action,
+    _DistributedRendezvousOpExecutor,
+    _NodeDesc,
+    _RendezvousContext,
+    _RendezvousExitOp,
+    _RendezvousJoinOp,
+)
+
+from elastic_trainer.rendezvous._etcd import EtcdConnection, EtcdOptions, parse_endpoints
+from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
+from elastic_trainer.rendezvous.etcd_store import EtcdStore
+from elastic_trainer.rendezvous.state import EtcdRendezvousStateHolder, decode_state, node_name
+
+logger = logging.getLogger(__name__)
+
+ENV_RDZV_ROUND = "ELASTIC_TRAINER_RDZV_ROUND"
+ENV_RDZV_PREFIX = "ELASTIC_TRAINER_RDZV_PREFIX"
+ENV_RDZV_ENDPOINT = "ELASTIC_TRAINER_RDZV_ENDPOINT"
+ENV_RDZV_NODE = "ELASTIC_TRAINER_RDZV_NODE"
+ENV_RDZV_CONN = "ELASTIC_TRAINER_RDZV_CONN"
+
+# torch writes heartbeat timestamps into the state whenever the last one is older than
+# the settings' keep-alive interval; with leases those writes are pure load, so the
+# interval the state machine sees is a year.
+_NO_STATE_HEARTBEATS = timedelta(days=365)
+
+# Options torch's launcher adds by itself; accepted and ignored.
+_TORCH_ADDED = {"timeout", "is_host", "rank", "store_type"}
+
+
+def _seconds(params: RendezvousParameters, key: str, default: float) -> float:
+    value = params.get(key, default)
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"the rendezvous option {key}={value!r} must be a number of seconds") from exc
+    if not seconds > 0:
+        raise ValueError(f"the rendezvous option {key}={value!r} must be positive")
+    return seconds
+
+
+class RendezvousOptions:
+    """Every ``--rdzv-conf`` option of the etcd-v3 backend, parsed and checked.
+
+    The table in docs/rendezvous.md documents each one; defaults are in ``DEFAULTS``.
+    """
+
+    DEFAULTS = {
+        "key_prefix": "/elastic-trainer", "protocol": "http", "user": None, "password": None,
+        "ca_cert": None, "cert": None, "key": None, "read_timeout": 10.0, "connect_timeout": 4.0,
+        "retry_timeout": 60.0, "join_timeout": 600.0, "last_call_timeout": 1.0, "close_timeout": 30.0,
+        "heartbeat_timeout": 5.0, "lease_ttl": 3, "keep_alive_interval": 1.0,
+    }
+
+    def __init__(self, params: RendezvousParameters) -> None:
+        unknown = set(params.config) - set(self.DEFAULTS) - _TORCH_ADDED
+        if unknown:
+            raise ValueError(f"unknown etcd-v3 rendezvous option(s) {sorted(unknown)}; "
+                             f"known: {sorted(self.DEFAULTS)} (see docs/rendezvous.md)")
+        self.run_id = params.run_id
+        self.key_prefix = str(params.get("key_prefix") or self.DEFAULTS["key_prefix"])
+        if not self.key_prefix.startswith("/"):
+            raise ValueError(f"the rendezvous option key_prefix={self.key_prefix!r} must start with '/'")
+        protocol = str(params.get("protocol", "http")).lower()
+        if protocol not in ("http", "https"):
+            raise ValueError(f"the rendezvous option protocol={protocol!r} must be http or https")
+        timeouts = {k: _seconds(params, k, self.DEFAULTS[k]) for k in (
+            "read_timeout", "connect_timeout", "retry_timeout", "join_timeout", "last_call_timeout",
+            "close_timeout", "heartbeat_timeout", "keep_alive_interval")}
+        self.join_timeout = timeouts["join_timeout"]
+        self.last_call_timeout = timeouts["last_call_timeout"]
+        self.close_timeout = timeouts["close_timeout"]
+        self.heartbeat_timeout = timeouts["heartbeat_timeout"]
+        self.keep_alive_interval = timeouts["keep_alive_interval"]
+        try:
+            self.lease_ttl = int(params.get("lease_ttl", self.DEFAULTS["lease_ttl"]))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"the rendezvous option lease_ttl={params.get('lease_ttl')!r} must be "
+                             f"a whole number of seconds") from exc
+        if self.lease_ttl < 2:
+            raise ValueError(f"the rendezvous option lease_ttl={self.lease_ttl} must be at least 2 s "
+                             f"(etcd rounds shorter leases up)")
+        if self.keep_alive_interval * 2 > self.lease_ttl:
+            raise ValueError(f"keep_alive_interval={self.keep_alive_interval:g} must be at most half of "
+                             f"lease_ttl={self.lease_ttl} so that one lost renewal does not expire the lease")
+        cert, key = params.get("cert"), params.get("key")
+        if bool(cert) != bool(key):
+            raise ValueError("the rendezvous options cert and key (TLS client certificate) go together")
+        user, password = params.get("user"), params.get("password")
+        if bool(user) != bool(password):
+            raise ValueError("the rendezvous options user and password go together")
+        ca_cert = params.get("ca_cert")
+        if protocol == "https" and not ca_cert:
+            raise ValueError("protocol=https needs ca_cert (the CA that signed etcd's certificate)")
+        self.etcd = EtcdOptions(
+            endpoints=parse_endpoints(params.endpoint), protocol=protocol, user=user or None,
+            password=password or None, ca_cert=ca_cert or None, cert=cert or None, key=key or None,
+            read_timeout=timeouts["read_timeout"], connect_timeout=timeouts["connect_timeout"],
+            retry_timeout=timeouts["retry_timeout"])
+
+
+class LeaseKeeper:
+    """Keeps this node's ``alive/<node>`` key on an etcd lease and renews the lease.
+
+    ``ensure()`` grants a lease (a new one if the last was lost) and writes the key;
+    a daemon thread renews it every ``interval`` seconds and calls ``on_tick`` after
+    each renewal. A lease etcd no longer knows is *lost*: the keeper does not grant a new
+    one by itself (the handler does, in ``next_rendezvous``, after the workers stopped).
+    """
+
+    def __init__(self, conn: EtcdConnection, key: str, ttl: int, interval: float, on_tick=None) -> None:
+        self._conn = conn
+        self._key = key
+        self._ttl = ttl
+        self._interval = interval
+        self._on_tick = on_tick
+        self._lease_id: int | None = None
+        self._lost = False
+        self._last_attempt = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.requests = 0
+
+    @property
+    def lost(self) -> bool:
+        return self._lost
+
+    def ensure(self) -> None:
+        with self._lock:
+            if self._lease_id is None or self._lost:
+                lease = self._conn.call(lambda c: c.lease(self._ttl), "lease grant")
+                self.requests += 1
+                self._lease_id, self._lost = lease.id, False
+            self._conn.call(lambda c: c.put(self._key, b"", lease=self._lease_id), "alive key")
+            self.requests += 1
+            self._last_attempt = time.monotonic()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"etcd-lease {self._key}", daemon=True)
+            self._thread.start()
+
+    def refresh(self) -> None:
+        """Renew the lease once; mark it lost when etcd no longer knows it."""
+        with self._lock:
+            lease_id = self._lease_id
+            if lease_id is None or self._lost:
+                return
+            self._last_attempt = time.monotonic()
+            try:
+                responses = self._conn.call(lambda c: list(c.refresh_lease(lease_id)), "lease keep-alive",
+                                            retry_timeout=0)
+                self.requests += 1
+            except RendezvousConnectionError as exc:
+                logger.warning("could not renew the etcd lease of %s: %s", self._key, exc)
+                return
+            if not responses or responses[0].TTL <= 0:
+                logger.warning("the etcd lease of %s expired; this node left its round", self._key)
+                self._lost = True
+
+    def seconds_since_renewal_attempt(self) -> float:
+        return time.monotonic() - self._last_attempt
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.refresh()
+            if self._on_tick is not None:
+                try:
+                    self._on_tick()
+                except Exception:  # noqa: BLE001 - the watchdog must survive etcd hiccups; logged
+                    logger.exception("rendezvous watchdog check failed")
+
+    def close(self, revoke: bool = True) -> None:
+        self._stop.set()
+        with self._lock:
+            lease_id, self._lease_id = self._lease_id, None
+        if revoke and lease_id is not None and not self._lost:
+            try:
+                self._conn.call(lambda c: c.revoke_lease(lease_id), "lease revoke", retry_timeout=2)
+            except Exception as exc:  # noqa: BLE001 - best effort; the lease expires by itself
+                logger.info("could not revoke the etcd lease of %s (%s); it expires by itself", self._key, exc)
+
+
+class _EtcdOpExecutor(_DistributedRendezvousOpExecutor):
+    """torch's operation loop with fresh reads, a short adaptive poll and early completion."""
+
+    def run(self, state_handler, deadline: float, update_deadline=None) -> None:
+        holder: EtcdRendezvousStateHolder = self._state_holder  # type: ignore[assignment]
+        action = None
+        while action != _Action.FINISH:
+            holder.sync(use_cache=False)
+            self._state = holder.state
+            ctx = _RendezvousContext(self._node, self._state, self._settings)
+            action = state_handler(ctx, deadline)
+            if action == _Action.FINISH:
+                continue
+            if action == _Action.ERROR_CLOSED:
+                raise RendezvousClosedError(f"the rendezvous of run '{self._settings.run_id}' is closed "
+                                            f"(the job finished or was shut down)")
+            if action == _Action.ERROR_TIMEOUT:
+                raise RendezvousTimeoutError(
+                    f"the rendezvous of run '{self._settings.run_id}' did not complete in time "
+                    f"(join_timeout {self._settings.timeout.join.total_seconds():g}s); fewer than "
+                    f"min nodes ({self._settings.min_nodes}) joined")
+            if action == _Action.SYNC and isinstance(state_handler, _RendezvousJoinOp) \
+                    and self._everyone_alive_has_joined(holder.alive):
+                action = _Action.MARK_RENDEZVOUS_COMPLETE
+            if action == _Action.SYNC:
+                self._pause()
+                continue
+            if action == _Action.KEEP_ALIVE:
+                self._keep_alive()
+            elif action == _Action.ADD_TO_PARTICIPANTS:
+                self._add_to_participants()
+            elif action == _Action.ADD_TO_WAIT_LIST:
+                self._add_to_wait_list()
+            elif action == _Action.ADD_TO_REDUNDANCY_LIST:
+                self._add_to_redundancy_list()
+            elif action == _Action.REMOVE_FROM_PARTICIPANTS:
+                self._remove_from_participants()
+            elif action == _Action.REMOVE_FROM_WAIT_LIST:
+                self._remove_from_wait_list()
+            elif action == _Action.REMOVE_FROM_REDUNDANCY_LIST:
+                self._remove_from_redundancy_list()
+                if update_deadline:
+                    deadline = update_deadline(self._settings.timeout.join)
+            elif action == _Action.MARK_RENDEZVOUS_COMPLETE:
+                self._mark_rendezvous_complete()
+            elif action == _Action.MARK_RENDEZVOUS_CLOSED:
+                self._mark_rendezvous_closed()
+            holder.mark_dirty()
+
+    def _everyone_alive_has_joined(self, alive: frozenset[str]) -> bool:
+        """True when this round has min..max participants, us among them, and no other live node."""
+        state = self._state
+        n = len(state.participants)
+        if state.complete or state.closed or self._node not in state.participants or state.deadline is None:
+            return False
+        if not self._settings.min_nodes <= n <= self._settings.max_nodes:
+            return False
+        return alive <= {node_name(p) for p in state.participants}
+
+    def _pause(self) -> None:
+        state = self._state
+        nodes = len(state.participants) + len(state.wait_list) + len(state.redundancy_list)
+        pause = min(1.0, 0.05 + 0.002 * nodes) * random.uniform(0.7, 1.3)
+        if state.deadline is not None and self._node in state.participants:
+            from datetime import datetime, timezone
+            until_deadline = (state.deadline - datetime.now(timezone.utc)).total_seconds() + 0.01
+            pause = max(0.01, min(pause, until_deadline))
+        time.sleep(pause)
+
+
+class EtcdRendezvousHandler(DynamicRendezvousHandler):
+    """torch's dynamic rendezvous handler on etcd v3 with leases and a membership watchdog."""
+
+    def __init__(self, node: _NodeDesc, settings: RendezvousSettings, store: EtcdStore,
+                 backend: EtcdRendezvousBackend, conn: EtcdConnection, options: RendezvousOptions) -> None:
+        holder = EtcdRendezvousStateHolder(backend, settings)
+        super().__init__(node, settings, backend.name, store, holder)
+        self._op_executor = _EtcdOpExecutor(node, holder, settings)
+        self._etcd_backend = backend
+        self._conn = conn
+        self._options = options
+        self.node_name = node_name(node)
+        self._lease = LeaseKeeper(conn, backend.alive_key(self.node_name), options.lease_ttl,
+                                  options.keep_alive_interval, self._watch)
+        self._joined: tuple[int, frozenset[str]] | None = None
+        self._revoked: str | None = None
+        self._waiting = 0
+
+    # -- torch's API --------------------------------------------------------------------
+    @property
+    def use_agent_store(self) -> bool:
+        return False
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        self._joined, self._revoked, self._waiting = None, None, 0
+        logger.info("node %s joins the next round of rendezvous '%s'", self.node_name, self._settings.run_id)
+        self._lease.ensure()
+        if self._state_holder.state.round == 0:
+            time.sleep(random.uniform(0, 0.1))
+        deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
+        self._op_executor.run(_RendezvousExitOp(), deadline)
+        self._op_executor.run(_RendezvousJoinOp(), deadline, self._get_deadline)
+        state = self._state_holder.state
+        rank, world_size = self._get_world()
+        store = self._get_store()
+        # Fresh every round: rank 0 publishes its address and a free port; its rank-0 worker
+        # hosts the TCPStore there (use_agent_store is False).
+        bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self._this_node.addr)
+        self._joined = (state.round, frozenset(node_name(n) for n in state.participants))
+        self._export_env(state.round)
+        if rank == 0 and state.round >= 2:
+            try:
+                self._store.delete_prefix(f"torch.rendezvous.{self._settings.run_id}.{state.round - 2}/")
+            except RendezvousError as exc:
+                logger.info("could not delete the store keys of round %d: %s", state.round - 2, exc)
+        logger.info("node %s joined round %d of rendezvous '%s' as rank %d of %d", self.node_name,
+                    state.round, self._settings.run_id, rank, world_size)
+        return RendezvousInfo(store, rank, world_size, bootstrap)
+
+    def num_nodes_waiting(self) -> int:
+        if self._joined is not None and self._revoked is None and \
+                self._lease.seconds_since_renewal_attempt() > self._options.lease_ttl:
+            # This process was paused (or starved) for longer than a lease: find out now.
+            self._lease.refresh()
+            self._watch()
+        if self._revoked is not None:
+            return max(1, self._waiting)
+        return self._waiting
+
+    def shutdown(self) -> bool:
+        self._joined = None
+        try:
+            return super().shutdown()
+        finally:
+            self._lease.close(revoke=True)
+
+    def _start_heartbeats(self) -> None:  # liveness is the lease (LeaseKeeper)
+        pass
+
+    def _stop_heartbeats(self) -> None:
+        pass
+
+    # -- membership watchdog ------------------------------------------------------------
+    def _revoke(self, reason: str) -> None:
+        if self._revoked is None:
+            logger.warning("node %s: %s; stopping its workers to rejoin", self.node_name, reason)
+            self._revoked = reason
+
+    def _watch(self) -> None:
+        joined = self._joined
+        if joined is None or self._revoked is not None:
+            return
+        if self._lease.lost:
+            self._revoke("its etcd lease expired")
+            return
+        try:
+            data, _, alive = self._etcd_backend.read()
+        except RendezvousConnectionError as exc:
+            logger.warning("watchdog could not read the rendezvous state: %s", exc)
+            return
+        if data is None:
+            self._revoke("the rendezvous state vanished from etcd")
+            return
+        state = decode_state(data)
+        self._waiting = len(state.wait_list)
+        if state.closed:
+            return
+        round_, members = joined
+        if state.round != round_ or not state.complete or self._this_node not in state.participants:
+            self._revoke(f"round {round_} is over (etcd is at round {state.round}, "
+                         f"complete={state.complete})")
+            return
+        dead = sorted(members - alive)
+        if dead:
+            self._revoke(f"participant(s) {', '.join(dead)} of round {round_} lost their etcd lease")
+
+    def _export_env(self, round_: int) -> None:
+        o = self._options.etcd
+        os.environ[ENV_RDZV_ROUND] = str(round_)
+        os.environ[ENV_RDZV_PREFIX] = self._etcd_backend.prefix
+        os.environ[ENV_RDZV_NODE] = self.node_name
+        os.environ.setdefault(ENV_RDZV_ENDPOINT, o.endpoint_text)
+        os.environ[ENV_RDZV_CONN] = json.dumps({
+            "endpoints": o.endpoint_text, "protocol": o.protocol, "user": o.user, "password": o.password,
+            "ca_cert": o.ca_cert, "cert": o.cert, "key": o.key})
+
+
+def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
+    """Build the etcd-v3 handler from torchrun's ``RendezvousParameters``."""
+    options = RendezvousOptions(params)
+    conn = EtcdConnection(options.etcd)
+    backend = EtcdRendezvousBackend(conn, params.run_id, options.key_prefix)
+    store = EtcdStore(conn, backend.prefix + "store/")
+    settings = RendezvousSettings(
+        params.run_id, params.min_nodes, params.max_nodes,
+        RendezvousTimeout(join=timedelta(seconds=options.join_timeout),
+                          last_call=timedelta(seconds=options.last_call_timeout),
+                          close=timedelta(seconds=options.close_timeout),
+                          heartbeat=timedelta(seconds=options.heartbeat_timeout)),
+        keep_alive_interval=_NO_STATE_HEARTBEATS, keep_alive_max_attempt=3)
+    node = DynamicRendezvousHandler._node_desc_generator.generate(params.local_addr)
+    return EtcdRendezvousHandler(node, settings, store, backend, conn, options)

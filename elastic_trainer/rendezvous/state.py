@@ -1,0 +1,213 @@
+"""The rendezvous state as JSON, and a state holder whose liveness comes from etcd leases.
+
+torch's ``_BackendRendezvousStateHolder`` pickles ``_RendezvousState`` into the backend,
+so anyone who can write the key can run code in every agent. Here the state is plain
+JSON with a fixed schema, checked field by field when read back:
+
+    {"version": 1, "round": 3, "complete": true, "closed": false,
+     "deadline": "2026-11-23T07:30:00.123456+00:00" | null,
+     "participants": [[{"addr": "h", "pid": 12, "local_id": 0}, 0], ...],
+     "wait_list": [{...}], "redundancy_list": [{...}],
+     "last_heartbeats": [[{...}, "2026-...+00:00"], ...]}
+
+Anything else raises ``RendezvousStateError``.
+
+Liveness: torch's holder drops a node whose heartbeat timestamp (written by that node,
+read with the reader's clock) is older than a timeout, so a slow or paused reader can
+declare live nodes dead. ``EtcdRendezvousStateHolder`` drops a node only when its
+``alive/<node>`` key, attached to the node's etcd lease, is gone: etcd's own clock decided
+that the node stopped renewing it. The alive keys are read in the same etcd transaction
+as the state, and a node creates its key before it first writes itself into the state,
+so a node missing its key was dead at that revision.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from datetime import datetime
+
+from torch.distributed.elastic.rendezvous.api import RendezvousStateError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousSettings,
+    _NodeDesc,
+    _remove_participant_epilogue,
+    _RendezvousState,
+    _RendezvousStateHolder,
+)
+
+from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+_KEYS = {"version", "round", "complete", "closed", "deadline", "participants", "wait_list",
+         "redundancy_list", "last_heartbeats"}
+
+
+def node_name(node: _NodeDesc) -> str:
+    """The name of a node in etcd keys: ``<addr>_<pid>_<local_id>`` (torch's repr)."""
+    return f"{node.addr}_{node.pid}_{node.local_id}"
+
+
+def _node_json(node: _NodeDesc) -> dict:
+    return {"addr": node.addr, "pid": node.pid, "local_id": node.local_id}
+
+
+def _bad(what: str) -> RendezvousStateError:
+    return RendezvousStateError(f"The rendezvous state in etcd is not valid elastic-trainer JSON state: "
+                                f"{what}. Refusing it; delete the run's keys or use another run id.")
+
+
+def _int(value, what: str) -> int:
+    if type(value) is not int:
+        raise _bad(f"{what} must be an integer, got {value!r}")
+    return value
+
+
+def _node(value) -> _NodeDesc:
+    if not isinstance(value, dict) or set(value) != {"addr", "pid", "local_id"}:
+        raise _bad(f"a node must be {{addr, pid, local_id}}, got {value!r:.200}")
+    if not isinstance(value["addr"], str) or not value["addr"]:
+        raise _bad(f"a node addr must be a non-empty string, got {value['addr']!r}")
+    return _NodeDesc(value["addr"], _int(value["pid"], "a node pid"), _int(value["local_id"], "a node local_id"))
+
+
+def _time(value) -> datetime:
+    if not isinstance(value, str):
+        raise _bad(f"a time must be an ISO string, got {value!r}")
+    try:
+        t = datetime.fromisoformat(value)
+    except ValueError as exc:
+        raise _bad(f"{value!r} is not an ISO time") from exc
+    if t.tzinfo is None:
+        raise _bad(f"time {value!r} has no time zone")
+    return t
+
+
+def _list(value, what: str) -> list:
+    if not isinstance(value, list):
+        raise _bad(f"{what} must be a list, got {type(value).__name__}")
+    return value
+
+
+def encode_state(state: _RendezvousState) -> bytes:
+    """``_RendezvousState`` -> JSON bytes (sorted, so equal states encode equally)."""
+    doc = {
+        "version": SCHEMA_VERSION,
+        "round": state.round,
+        "complete": state.complete,
+        "closed": state.closed,
+        "deadline": state.deadline.isoformat() if state.deadline is not None else None,
+        "participants": [[_node_json(n), r] for n, r in sorted(state.participants.items())],
+        "wait_list": [_node_json(n) for n in sorted(state.wait_list)],
+        "redundancy_list": [_node_json(n) for n in sorted(state.redundancy_list)],
+        "last_heartbeats": [[_node_json(n), t.isoformat()] for n, t in sorted(state.last_heartbeats.items())],
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def decode_state(data: bytes) -> _RendezvousState:
+    """JSON bytes -> ``_RendezvousState``; anything unexpected raises ``RendezvousStateError``."""
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _bad(f"not JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise _bad(f"the top level must be an object, got {type(doc).__name__}")
+    if set(doc) != _KEYS:
+        raise _bad(f"fields {sorted(set(doc) ^ _KEYS)} are missing or unexpected")
+    if doc["version"] != SCHEMA_VERSION:
+        raise _bad(f"schema version {doc['version']!r}, this code reads {SCHEMA_VERSION}")
+    state = _RendezvousState()
+    state.round = _int(doc["round"], "round")
+    for name in ("complete", "closed"):
+        if type(doc[name]) is not bool:
+            raise _bad(f"{name} must be true or false, got {doc[name]!r}")
+        setattr(state, name, doc[name])
+    state.deadline = None if doc["deadline"] is None else _time(doc["deadline"])
+    for item in _list(doc["participants"], "participants"):
+        if not isinstance(item, list) or len(item) != 2:
+            raise _bad(f"a participant must be [node, rank], got {item!r:.200}")
+        state.participants[_node(item[0])] = _int(item[1], "a rank")
+    state.wait_list = {_node(n) for n in _list(doc["wait_list"], "wait_list")}
+    state.redundancy_list = {_node(n) for n in _list(doc["redundancy_list"], "redundancy_list")}
+    for item in _list(doc["last_heartbeats"], "last_heartbeats"):
+        if not isinstance(item, list) or len(item) != 2:
+            raise _bad(f"a heartbeat must be [node, time], got {item!r:.200}")
+        state.last_heartbeats[_node(item[0])] = _time(item[1])
+    return state
+
+
+def remove_dead_nodes(state: _RendezvousState, alive: frozenset[str], settings: RendezvousSettings) -> list[_NodeDesc]:
+    """Drop every node whose lease key is not in ``alive``; return the dropped ones."""
+    nodes = set(state.participants) | state.wait_list | state.redundancy_list | set(state.last_heartbeats)
+    dead = sorted(n for n in nodes if node_name(n) not in alive)
+    participant_removed = False
+    for node in dead:
+        state.last_heartbeats.pop(node, None)
+        if state.participants.pop(node, None) is not None:
+            participant_removed = True
+        state.wait_list.discard(node)
+        state.redundancy_list.discard(node)
+    if participant_removed:
+        _remove_participant_epilogue(state, settings)
+    return dead
+
+
+class EtcdRendezvousStateHolder(_RendezvousStateHolder):
+    """Keeps the local copy of the rendezvous state in sync with etcd, as JSON.
+
+    Args:
+        backend: the etcd backend.
+        settings: the rendezvous settings.
+        cache_duration: seconds a plain ``sync()`` (no local changes) may serve the last
+            state without asking etcd; ``sync(use_cache=False)`` always asks.
+    """
+
+    def __init__(self, backend: EtcdRendezvousBackend, settings: RendezvousSettings,
+                 cache_duration: float = 1.0) -> None:
+        self._backend = backend
+        self._settings = settings
+        self._cache_duration = cache_duration
+        self._state = _RendezvousState()
+        self._token = None
+        self._dirty = False
+        self._last_sync_time = -1.0
+        self.alive: frozenset[str] = frozenset()
+        """Names of the nodes with a live lease key, as of the last sync."""
+
+    @property
+    def state(self) -> _RendezvousState:
+        return self._state
+
+    def mark_dirty(self) -> None:
+        self._dirty = True
+
+    def sync(self, use_cache: bool = True) -> bool | None:
+        state_bits = None
+        token = None
+        if self._dirty:
+            has_set: bool | None = False
+            response = self._backend.set_state(encode_state(self._state), self._token)
+            if response is not None:
+                state_bits, token, has_set = response
+        else:
+            has_set = None
+            if use_cache and self._cache_duration > 0 and \
+                    self._last_sync_time >= max(time.monotonic() - self._cache_duration, 0):
+                return None
+            response = self._backend.get_state()
+            if response is not None:
+                state_bits, token = response
+        self._state = decode_state(state_bits) if state_bits is not None else _RendezvousState()
+        self._token = token
+        self._dirty = False
+        self._last_sync_time = time.monotonic()
+        self.alive = self._backend.last_alive or frozenset()
+        dead = remove_dead_nodes(self._state, self.alive, self._settings)
+        if dead:
+            logger.info("rendezvous %r: removing node(s) %s, their etcd leases ended",
+                        self._settings.run_id, ", ".join(map(node_name, dead)))
+        return has_set

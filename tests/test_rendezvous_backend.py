@@ -1,0 +1,422 @@
+"""The etcd-v3 rendezvous backend, state holder and handler against a real etcd.
+
+torch's own backend contract (``RendezvousBackendTestMixin`` of
+test/distributed/elastic/rendezvous/rendezvous_backend_test.py) is applied case by case,
+then what ours adds: JSON state, refusal of foreign keys, compare-and-swap races,
+lease-based liveness, the membership watchdog, the round fence, options and
+connection errors (unreachable, TLS, user/password).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousParameters,
+    RendezvousStateError,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousSettings,
+    RendezvousTimeout,
+    _NodeDesc,
+    _RendezvousState,
+)
+
+from elastic_trainer.etcd_server import EtcdServer, free_port
+from elastic_trainer.rendezvous import handler_creator
+from elastic_trainer.rendezvous._etcd import EtcdConnection, EtcdOptions
+from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
+from elastic_trainer.rendezvous.fence import FencedError, RoundFence
+from elastic_trainer.rendezvous.handler import RendezvousOptions
+from elastic_trainer.rendezvous.state import (
+    EtcdRendezvousStateHolder,
+    decode_state,
+    encode_state,
+    node_name,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def conn(etcd):
+    c = EtcdConnection(EtcdOptions(endpoints=(("127.0.0.1", etcd.port),)))
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def backend(conn, run_id):
+    return EtcdRendezvousBackend(conn, run_id)
+
+
+def _params(etcd, run_id, min_nodes=1, max_nodes=2, **conf) -> RendezvousParameters:
+    return RendezvousParameters("etcd-v3", etcd.endpoint, run_id, min_nodes, max_nodes,
+                                local_addr="127.0.0.1", **conf)
+
+
+def _settings(run_id, min_nodes=1, max_nodes=3) -> RendezvousSettings:
+    return RendezvousSettings(run_id, min_nodes, max_nodes, RendezvousTimeout(),
+                              keep_alive_interval=timedelta(days=1), keep_alive_max_attempt=3)
+
+
+# -- torch's backend contract (RendezvousBackendTestMixin), case by case -----------------
+
+def _set(backend, state, token=None):
+    result = backend.set_state(state, token)
+    assert result is not None
+    return result
+
+
+def test_get_state_returns_backend_state(backend):
+    backend.set_state(b"x")
+    state, token = backend.get_state()
+    assert state == b"x" and token is not None
+
+
+def test_get_state_returns_none_if_backend_state_does_not_exist(backend):
+    assert backend.get_state() is None
+
+
+def test_get_state_raises_error_if_backend_state_is_corrupt(backend, conn):
+    conn.client.put(backend.state_key, b"\x80not ours")
+    with pytest.raises(RendezvousStateError):
+        backend.get_state()
+
+
+def test_set_state_sets_backend_state_if_it_does_not_exist(backend):
+    state, token, has_set = _set(backend, b"x")
+    assert state == b"x" and token is not None and has_set
+
+
+def test_set_state_sets_backend_state_if_token_is_current(backend):
+    _, token1, has_set1 = _set(backend, b"x")
+    state2, token2, has_set2 = _set(backend, b"y", token1)
+    assert state2 == b"y" and token1 != token2 and has_set1 and has_set2
+
+
+def test_set_state_returns_current_backend_state_if_token_is_old(backend):
+    _, token1, _ = _set(backend, b"x")
+    state2, token2, _ = _set(backend, b"y", token1)
+    state3, token3, has_set = _set(backend, b"z", token1)
+    assert (state3, token3, has_set) == (state2, token2, False)
+
+
+def test_set_state_returns_current_backend_state_if_token_is_none(backend):
+    state1, token1, _ = _set(backend, b"x")
+    state2, token2, has_set = _set(backend, b"y")
+    assert (state2, token2, has_set) == (state1, token1, False)
+
+
+def test_set_state_returns_current_backend_state_if_token_is_invalid(backend):
+    state1, token1, _ = _set(backend, b"x")
+    state2, token2, has_set = _set(backend, b"y", token="invalid")
+    assert (state2, token2, has_set) == (state1, token1, False)
+
+
+# -- what ours adds --------------------------------------------------------------------
+
+def test_concurrent_writers_race_and_exactly_one_wins_each_round(conn, run_id):
+    writers, rounds = 8, 5
+    backends = [EtcdRendezvousBackend(conn, run_id) for _ in range(writers)]
+    token = _set(backends[0], b"start")[1]
+    for r in range(rounds):
+        barrier = threading.Barrier(writers)
+        results = [None] * writers
+
+        def write(i, token=token, r=r):
+            barrier.wait()
+            results[i] = backends[i].set_state(f"round {r} by {i}".encode(), token)
+
+        threads = [threading.Thread(target=write, args=(i,)) for i in range(writers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        winners = [i for i, res in enumerate(results) if res[2]]
+        assert len(winners) == 1, results
+        # The losers were handed the winner's state and token.
+        assert {(res[0], res[1]) for res in results} == {(f"round {r} by {winners[0]}".encode(), results[winners[0]][1])}
+        token = results[winners[0]][1]
+
+
+def test_foreign_key_under_the_prefix_is_refused_with_a_clear_error(backend, conn):
+    conn.client.put(backend.state_key, b'{"round": 1}')
+    with pytest.raises(RendezvousStateError, match="not written by the etcd-v3 rendezvous"):
+        backend.get_state()
+
+
+def test_state_of_another_run_id_is_refused(conn, run_id):
+    other = EtcdRendezvousBackend(conn, run_id + "-other")
+    _set(other, b"x")
+    # Same key, other run: copy the other run's value under ours.
+    ours = EtcdRendezvousBackend(conn, run_id)
+    value, _ = conn.client.get(other.state_key)
+    conn.client.put(ours.state_key, value)
+    with pytest.raises(RendezvousStateError, match=f"belongs to run '{run_id}-other'"):
+        ours.get_state()
+
+
+def _sample_state() -> _RendezvousState:
+    a, b, c = _NodeDesc("h1", 10, 0), _NodeDesc("h2", 11, 0), _NodeDesc("h3", 12, 1)
+    s = _RendezvousState()
+    s.round, s.complete, s.closed = 4, True, False
+    s.deadline = datetime(2026, 1, 2, 3, 4, 5, 6789, tzinfo=timezone.utc)
+    s.participants = {a: 0, b: 1}
+    s.wait_list = {c}
+    s.last_heartbeats = {a: datetime.now(timezone.utc), b: datetime.now(timezone.utc)}
+    return s
+
+
+def test_state_round_trips_through_json_without_pickle():
+    s = _sample_state()
+    data = encode_state(s)
+    doc = json.loads(data)
+    assert doc["participants"][0] == [{"addr": "h1", "pid": 10, "local_id": 0}, 0]
+    back = decode_state(data)
+    assert vars(back) == vars(s)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.update(round="1"), "round must be an integer"),
+    (lambda d: d.update(extra=1), "missing or unexpected"),
+    (lambda d: d["participants"].append([{"addr": "x", "pid": 1}, 0]), "a node must be"),
+    (lambda d: d.update(deadline="tomorrow"), "not an ISO time"),
+    (lambda d: d.update(complete=1), "complete must be true or false"),
+    (lambda d: d.update(version=2), "schema version"),
+])
+def test_invalid_json_state_is_refused(mutate, message):
+    doc = json.loads(encode_state(_sample_state()))
+    mutate(doc)
+    with pytest.raises(RendezvousStateError, match=message):
+        decode_state(json.dumps(doc).encode())
+    with pytest.raises(RendezvousStateError, match="not JSON"):
+        decode_state(b"\x80\x04\x95pickle")
+
+
+def test_holder_removes_a_node_only_when_its_lease_key_is_gone(backend, conn, run_id):
+    settings = _settings(run_id)
+    live, dead = _NodeDesc("127.0.0.1", 1, 0), _NodeDesc("127.0.0.1", 2, 0)
+    lease = conn.client.lease(30)
+    conn.client.put(backend.alive_key(node_name(live)), b"", lease=lease)
+    state = _RendezvousState()
+    state.complete, state.participants = True, {live: 0, dead: 1}
+    # Ancient heartbeats: torch's holder would drop both; ours keeps the one with a lease.
+    old = datetime(2000, 1, 1, tzinfo=timezone.utc)
+    state.last_heartbeats = {live: old, dead: old}
+    backend.set_state(encode_state(state))
+    holder = EtcdRendezvousStateHolder(backend, settings)
+    holder.sync()
+    assert set(holder.state.participants) == {live}
+    conn.client.revoke_lease(lease.id)
+    holder.sync(use_cache=False)
+    assert holder.state.participants == {} and holder.state.round == 1 and not holder.state.complete
+
+
+def test_options_are_parsed_and_bad_ones_named(etcd, run_id):
+    o = RendezvousOptions(_params(etcd, run_id, key_prefix="/x", lease_ttl="4", last_call_timeout="0.5",
+                                  timeout="900"))
+    assert (o.key_prefix, o.lease_ttl, o.last_call_timeout, o.join_timeout) == ("/x", 4, 0.5, 600.0)
+    for conf, message in [({"lease_tl": "3"}, "unknown etcd-v3 rendezvous option"),
+                          ({"lease_ttl": "1"}, "at least 2"),
+                          ({"lease_ttl": "3", "keep_alive_interval": "2"}, "at most half"),
+                          ({"join_timeout": "-1"}, "must be positive"),
+                          ({"protocol": "ftp"}, "http or https"),
+                          ({"user": "root"}, "user and password go together"),
+                          ({"cert": "/c.pem"}, "cert and key")]:
+        with pytest.raises(ValueError, match=message):
+            RendezvousOptions(_params(etcd, run_id, **conf))
+
+
+def test_unreachable_etcd_fails_fast_with_one_clear_error(run_id):
+    port = free_port()
+    params = RendezvousParameters("etcd-v3", f"127.0.0.1:{port}", run_id, 1, 2)
+    start = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match=f"etcd at 127.0.0.1:{port} did not answer"):
+        handler_creator()(params)
+    assert time.monotonic() - start < 5
+
+
+def _join_all(handlers):
+    infos = [None] * len(handlers)
+
+    def join(i):
+        infos[i] = handlers[i].next_rendezvous()
+
+    threads = [threading.Thread(target=join, args=(i,)) for i in range(len(handlers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return infos
+
+
+def test_handlers_form_a_round_with_fresh_bootstrap_info_and_export_the_round(etcd, run_id, monkeypatch):
+    for var in ("ELASTIC_TRAINER_RDZV_ROUND", "ELASTIC_TRAINER_RDZV_PREFIX", "ELASTIC_TRAINER_RDZV_NODE",
+                "ELASTIC_TRAINER_RDZV_ENDPOINT", "ELASTIC_TRAINER_RDZV_CONN"):
+        monkeypatch.delenv(var, raising=False)
+    create = handler_creator()
+    handlers = [create(_params(etcd, run_id, 2, 3)) for _ in range(2)]
+    try:
+        infos = _join_all(handlers)
+        assert sorted(i.rank for i in infos) == [0, 1] and {i.world_size for i in infos} == {2}
+        assert not handlers[0].use_agent_store
+        assert len({(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos}) == 1
+        import os
+        assert os.environ["ELASTIC_TRAINER_RDZV_ROUND"] == "0"
+        assert os.environ["ELASTIC_TRAINER_RDZV_PREFIX"] == f"/elastic-trainer/{run_id}/"
+        fence = RoundFence.from_env()
+        assert fence is not None and fence.token == "round-0"
+        fence.check()
+        # A third node asks to join: the members see it waiting and re-rendezvous.
+        third = create(_params(etcd, run_id, 2, 3))
+        handlers.append(third)
+        joined = threading.Thread(target=lambda: third.next_rendezvous(), daemon=True)
+        joined.start()
+        deadline = time.monotonic() + 20
+        while handlers[0].num_nodes_waiting() == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert handlers[0].num_nodes_waiting() == 1
+        infos = _join_all(handlers[:2])
+        joined.join(30)
+        assert {i.world_size for i in infos} == {3}
+        assert infos[0].bootstrap_store_info.master_port != 0
+        with pytest.raises(FencedError, match="round-0 .* is over"):
+            fence.check()
+    finally:
+        for h in handlers:
+            h.shutdown()
+
+
+def test_watchdog_revokes_the_round_when_a_peer_loses_its_lease(etcd, run_id):
+    create = handler_creator()
+    a, b = (create(_params(etcd, run_id, 1, 2, lease_ttl="2", keep_alive_interval="0.5")) for _ in range(2))
+    try:
+        _join_all([a, b])
+        assert a.num_nodes_waiting() == 0
+        b._lease.close(revoke=True)  # b vanishes as if killed (its lease ends)
+        deadline = time.monotonic() + 10
+        while a.num_nodes_waiting() == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert a.num_nodes_waiting() >= 1
+        assert "lost their etcd lease" in a._revoked
+        # The survivor re-rendezvouses alone, at once (no other live node to wait for).
+        start = time.monotonic()
+        info = a.next_rendezvous()
+        assert info.world_size == 1 and time.monotonic() - start < 10
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_node_that_lost_its_lease_must_leave_before_it_rejoins(etcd, run_id, conn):
+    create = handler_creator()
+    a = create(_params(etcd, run_id, 1, 2, lease_ttl="2", keep_alive_interval="0.5"))
+    try:
+        a.next_rendezvous()
+        fence = RoundFence(0, f"/elastic-trainer/{run_id}/", etcd.endpoint, a.node_name)
+        fence.check()
+        # etcd expires the lease behind the node's back (as after a long pause).
+        conn.client.revoke_lease(a._lease._lease_id)
+        deadline = time.monotonic() + 10
+        while a.num_nodes_waiting() == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert a._revoked == "its etcd lease expired"
+        with pytest.raises(FencedError):
+            fence.check()
+        info = a.next_rendezvous()  # the agent stopped its workers; a new lease, a new round
+        assert info.world_size == 1 and a.num_nodes_waiting() == 0
+        assert RoundFence(1, f"/elastic-trainer/{run_id}/", etcd.endpoint, a.node_name).check() is None
+    finally:
+        a.shutdown()
+
+
+# -- TLS and user/password --------------------------------------------------------------
+
+def _make_certs(tmp_path):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+    import ipaddress
+
+    def write_key(key, path):
+        path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+
+    now = datetime.now(timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test-ca")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(1).not_valid_before(now - timedelta(days=1)).not_valid_after(now + timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(ca_key, hashes.SHA256()))
+    (tmp_path / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+
+    def leaf(name, serial, usage):
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+                .issuer_name(ca_name).public_key(key.public_key()).serial_number(serial)
+                .not_valid_before(now - timedelta(days=1)).not_valid_after(now + timedelta(days=1))
+                .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                                                            x509.DNSName("localhost")]), critical=False)
+                .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
+                .sign(ca_key, hashes.SHA256()))
+        (tmp_path / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        write_key(key, tmp_path / f"{name}-key.pem")
+
+    from cryptography.x509.oid import ExtendedKeyUsageOID as EKU
+    leaf("server", 2, [EKU.SERVER_AUTH, EKU.CLIENT_AUTH])
+    leaf("client", 3, [EKU.CLIENT_AUTH])
+    return tmp_path
+
+
+def test_tls_with_client_certificates(tmp_path, run_id):
+    certs = _make_certs(tmp_path)
+    args = ["--cert-file", str(certs / "server.pem"), "--key-file", str(certs / "server-key.pem"),
+            "--trusted-ca-file", str(certs / "ca.pem"), "--client-cert-auth"]
+    server = EtcdServer(data_dir=tmp_path / "data", extra_args=args)
+    server.start()
+    try:
+        tls = {"protocol": "https", "ca_cert": str(certs / "ca.pem"), "cert": str(certs / "client.pem"),
+               "key": str(certs / "client-key.pem")}
+        handler = handler_creator()(RendezvousParameters("etcd-v3", server.endpoint, run_id, 1, 1,
+                                                         local_addr="127.0.0.1", **tls))
+        info = handler.next_rendezvous()
+        assert info.world_size == 1
+        handler.shutdown()
+        # Without the client certificate, or without TLS, it fails at once with one sentence.
+        for conf in ({"protocol": "https", "ca_cert": str(certs / "ca.pem")}, {}):
+            with pytest.raises(RendezvousConnectionError, match="did not answer"):
+                handler_creator()(RendezvousParameters("etcd-v3", server.endpoint, run_id, 1, 1,
+                                                       connect_timeout="2", **conf))
+    finally:
+        server.stop()
+
+
+def test_user_and_password_auth(tmp_path, run_id):
+    etcdctl = shutil.which("etcdctl") or "/usr/bin/etcdctl"
+    server = EtcdServer(data_dir=tmp_path / "data")
+    server.start()
+    try:
+        env = {"ETCDCTL_API": "3", "PATH": "/usr/bin:/bin"}
+        ctl = [etcdctl, "--endpoints", server.endpoint]
+        subprocess.run([*ctl, "user", "add", "root:rootpw"], check=True, env=env, capture_output=True, timeout=20)
+        subprocess.run([*ctl, "auth", "enable"], check=True, env=env, capture_output=True, timeout=20)
+        handler = handler_creator()(RendezvousParameters("etcd-v3", server.endpoint, run_id, 1, 1,
+                                                         local_addr="127.0.0.1", user="root", password="rootpw"))
+        assert handler.next_rendezvous().world_size == 1
+        handler.shutdown()
+        with pytest.raises(RendezvousConnectionError, match="user and password"):
+            handler_creator()(RendezvousParameters("etcd-v3", server.endpoint, run_id, 1, 1,
+                                                   user="root", password="wrong"))
+        with pytest.raises(Exception):  # no credentials: refused by etcd on the first request
+            handler_creator()(RendezvousParameters("etcd-v3", server.endpoint, run_id, 1, 1)).next_rendezvous()
+    finally:
+        server.stop()
