@@ -245,7 +245,11 @@ def test_every_elastic_train_command_parses_with_the_cli(rendered):
         assert run.rdzv_endpoint and not run.embedded_etcd, f"{where}: must meet through the shared etcd"
         assert run.local_addr == "fieldref-status-podIP", f"{where}: --local-addr should be the pod IP"
         assert run.run_id in run.checkpoint_dir, f"{where}: checkpoints should be under the run's folder"
-        assert run.log_dir.startswith("/var/log/elastic-trainer/"), f"{where}: the log dir must be writable"
+        volumes = {v["name"]: v for v in tmpl["spec"]["volumes"]}
+        writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")
+                    and ({"emptyDir", "persistentVolumeClaim"} & set(volumes[m["name"]]))}
+        assert any(run.log_dir.startswith(m + "/") for m in writable), f"{where}: --log-dir must be on a volume"
+        assert run.log_dir.endswith("/fieldref-metadata-name"), f"{where}: one log folder per pod"
         assert run.program[:2] == ["-m", "elastic_trainer.train"], where
         nproc_env = next(v for v in container["env"] if v["name"] == "NPROC_PER_NODE")
         assert nproc_env and run.nproc_per_node >= 1
@@ -277,8 +281,28 @@ def test_pytorchjob_runs_the_same_command_as_the_job(rendered):
     policy = obj["spec"]["elasticPolicy"]
     assert (policy["minReplicas"], policy["maxReplicas"]) == (run_pj.min_nodes, run_pj.max_nodes)
     assert f"{policy['rdzvHost']}:{policy['rdzvPort']}" == run_pj.rdzv_endpoint
+    assert {kv["key"]: kv["value"] for kv in policy["rdzvConf"]} == run_pj.rdzv_conf
     assert policy["maxRestarts"] >= 1 and "Master" not in obj["spec"]["pytorchReplicaSpecs"]
     assert policy["minReplicas"] <= obj["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] <= policy["maxReplicas"]
+
+
+@needs_kubectl
+def test_rdzv_conf_and_trainer_flags_are_accepted_by_their_parsers(rendered):
+    """The options after --rdzv-conf and the flags after `--` reach code with its own checks."""
+    try:
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+        from elastic_trainer import train
+        from elastic_trainer.rendezvous.handler import RendezvousOptions
+    except ImportError as exc:
+        pytest.skip(f"the rendezvous or trainer module is not there yet: {exc}")
+    for path, label, obj, tmpl, container in _trainer_containers(rendered):
+        _, run = _run_config(path, container, rendered)
+        params = RendezvousParameters(backend=run.rdzv_backend, endpoint=run.rdzv_endpoint, run_id=run.run_id,
+                                      min_nodes=run.min_nodes, max_nodes=run.max_nodes, **run.rdzv_conf)
+        RendezvousOptions(params)  # raises ValueError naming a bad or unknown option
+        args, unknown = train.build_parser().parse_known_args(run.program[2:])
+        assert not unknown, f"k8s/{path} {label}: the trainer does not know {unknown}"
 
 
 # ------------------------------------------------------------------------------------ the workload
