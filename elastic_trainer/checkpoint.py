@@ -233,27 +233,13 @@ class CheckpointManager:
         """Serialize, upload, fence, commit, prune; retried with backoff; never raises."""
         name = f"step-{step}"
         meta = snap.get("meta") if isinstance(snap.get("meta"), dict) else None
-        try:
-            t0 = time.perf_counter()
-            blobs = {}
-            for fname, part in _split(snap).items():
-                buf = io.BytesIO()
-                torch.save(part, buf)
-                blobs[fname] = buf.getvalue()
-            del snap
-            files = {f"{self.writer_id}/{fname}": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-                     for fname, data in blobs.items()}
-            stats["serialize_s"] = time.perf_counter() - t0
-            stats["bytes"] = sum(len(b) for b in blobs.values())
-        except Exception as exc:  # noqa: BLE001 - a save must never stop training; report it
-            self._failed(stats, f"checkpoint {name} could not be serialized ({type(exc).__name__}: {exc}); "
-                                "it is skipped, the last good checkpoint stays")
-            return
-        t1 = time.perf_counter()
+        parts = _split(snap)
+        del snap
+        t0 = time.perf_counter()
         for attempt in range(1, self.retries + 1):
             try:
-                self._upload_and_commit(step, blobs, files, meta)
-                stats["upload_s"] = time.perf_counter() - t1
+                self._upload_and_commit(step, parts, meta, stats)
+                stats["upload_s"] = time.perf_counter() - t0 - stats["serialize_s"]
                 stats["committed"] = True
                 self.last_committed_step = step
                 self.last_error = None
@@ -291,7 +277,38 @@ class CheckpointManager:
         self.last_error = message
         log.error("%s", message)
 
-    def _upload_and_commit(self, step: int, blobs: dict[str, bytes], files: dict, meta: Any) -> None:
+    def _write_files(self, own: str, parts: dict[str, dict], stats: dict) -> dict:
+        """Serialize and store this writer's data files; returns the manifest's ``files``.
+
+        Local disks: ``torch.save`` streams straight into the file through a sha256 counter (no
+        in-memory copy). Other stores: serialize to memory, hash, then upload all files at once.
+        """
+        t0 = time.perf_counter()
+        files = {}
+        if storage.is_local(self.fs):
+            for fname, part in parts.items():
+                size, digest = storage.stream_to(self.fs, storage.join(own, fname),
+                                                 lambda f, part=part: torch.save(part, f))
+                files[f"{self.writer_id}/{fname}"] = {"size": size, "sha256": digest}
+        else:
+            blobs = {}
+            for fname, part in parts.items():
+                buf = io.BytesIO()
+                torch.save(part, buf)
+                data = buf.getvalue()  # object stores' clients want bytes, not a memoryview
+                del buf
+                blobs[storage.join(own, fname)] = data
+                files[f"{self.writer_id}/{fname}"] = {"size": len(data),
+                                                      "sha256": hashlib.sha256(data).hexdigest()}
+            stats["serialize_s"] = time.perf_counter() - t0
+            storage.write_many(self.fs, blobs)
+            del blobs
+        if not stats["serialize_s"]:
+            stats["serialize_s"] = time.perf_counter() - t0
+        stats["bytes"] = sum(info["size"] for info in files.values())
+        return files
+
+    def _upload_and_commit(self, step: int, parts: dict[str, dict], meta: Any, stats: dict) -> None:
         fs, step_dir = self.fs, self._step_dir(step)
         manifest_path = storage.join(step_dir, MANIFEST)
         if self._existing_manifest_is_ours(manifest_path):
@@ -300,8 +317,8 @@ class CheckpointManager:
             raise _Abandon("another writer already committed this step")
         own = storage.join(step_dir, self.writer_id)
         storage.makedirs(fs, own)
-        for fname, data in blobs.items():
-            storage.write_bytes(fs, storage.join(own, fname), data)
+        stats["serialize_s"] = 0.0
+        files = self._write_files(own, parts, stats)
         for rel, info in files.items():  # cheap check that every file landed whole
             got = storage.size(fs, storage.join(step_dir, rel))
             if got != info["size"]:

@@ -23,8 +23,37 @@ from fsspec.implementations.local import LocalFileSystem
 from elastic_trainer.checkpoint import CheckpointManager
 
 
+class _ThrottledFile:
+    """A local file opened for writing that writes at most ``bytes_per_s`` in 64 KiB chunks."""
+
+    def __init__(self, path: str, mode: str, bytes_per_s: float) -> None:
+        self.f = open(path, mode)
+        self.bytes_per_s = bytes_per_s
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        chunk = 64 * 1024
+        for i in range(0, len(view), chunk):
+            self.f.write(view[i:i + chunk])
+            self.f.flush()
+            time.sleep(len(view[i:i + chunk]) / self.bytes_per_s)
+        return len(view)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class ThrottledLocalFileSystem(LocalFileSystem):
-    """The local filesystem, writing in 64 KiB chunks at a limited rate (a slow NFS or S3)."""
+    """The local filesystem with slow writes (a slow NFS or S3); announces the first write."""
 
     cachable = False
 
@@ -34,16 +63,13 @@ class ThrottledLocalFileSystem(LocalFileSystem):
         self.announce = announce
         self.announced = False
 
-    def pipe_file(self, path, value, mode="overwrite", **kwargs):
+    def open(self, path, mode="rb", **kwargs):
+        if "w" not in mode:
+            return super().open(path, mode, **kwargs)
         if not self.announced:
             print(self.announce, flush=True)
             self.announced = True
-        chunk = 64 * 1024
-        with open(path, "wb") as f:
-            for i in range(0, len(value), chunk):
-                f.write(value[i:i + chunk])
-                f.flush()
-                time.sleep(chunk / self.bytes_per_s)
+        return _ThrottledFile(self._strip_protocol(path), mode, self.bytes_per_s)
 
 
 def main(argv: list[str] | None = None) -> int:

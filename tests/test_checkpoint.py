@@ -273,11 +273,11 @@ class _FlakyFileSystem(LocalFileSystem):
         super().__init__(**kwargs)
         self.failures = failures
 
-    def pipe_file(self, path, value, mode="overwrite", **kwargs):
-        if self.failures > 0:
+    def open(self, path, mode="rb", **kwargs):
+        if "w" in mode and self.failures > 0:
             self.failures -= 1
             raise OSError(errno.ENOSPC, "No space left on device", path)
-        return super().pipe_file(path, value, mode=mode, **kwargs)
+        return super().open(path, mode, **kwargs)
 
 
 def test_failed_upload_is_retried_with_backoff_and_commits(tmp_path, caplog):
