@@ -152,7 +152,7 @@ def test_every_kustomization_builds_with_kubectl_kustomize(path, rendered):
 
 def test_expected_overlays_exist():
     assert set(OVERLAYS) >= {"overlays/pvc", "overlays/s3", "overlays/gpu", "overlays/pytorchjob",
-                             "overlays/existing-etcd"}
+                             "overlays/existing-etcd", "overlays/etcd-tls"}
 
 
 # ------------------------------------------------------------------------------------- validation
@@ -374,6 +374,29 @@ def test_etcd_members_bootstrap_from_their_stable_dns_names(rendered):
             client = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "etcd")
             assert _config_maps(objs)["elastic-trainer-config"]["RDZV_ENDPOINT"] == \
                 f"{client['metadata']['name']}:{client['spec']['ports'][0]['port']}"
+
+
+@needs_kubectl
+def test_etcd_tls_overlay_serves_https_and_trainers_present_a_client_certificate(rendered):
+    objs = rendered["overlays/etcd-tls"]
+    sts = next(o for o in objs if o["kind"] == "StatefulSet")
+    etcd = sts["spec"]["template"]["spec"]["containers"][0]
+    args = dict(a.lstrip("-").split("=", 1) for a in etcd["args"])
+    assert args["listen-client-urls"].startswith("https://") and args["advertise-client-urls"].startswith("https://")
+    assert args["client-cert-auth"] == "true"
+    mounted = lambda c, spec: {m["mountPath"]: next((v for v in spec["volumes"] if v["name"] == m["name"]), {})  # noqa: E731
+                               for m in c["volumeMounts"]}  # {} for a StatefulSet's claim template
+    etcd_mounts = mounted(etcd, sts["spec"]["template"]["spec"])
+    for flag in ("trusted-ca-file", "cert-file", "key-file"):
+        folder = args[flag].rsplit("/", 1)[0]
+        assert etcd_mounts[folder]["secret"]["secretName"] == "etcd-server-tls"
+    for path, label, obj, tmpl, container in _trainer_containers({"overlays/etcd-tls": objs}):
+        _, run = _run_config("overlays/etcd-tls", container, rendered)
+        assert run.rdzv_conf["protocol"] == "https"
+        trainer_mounts = mounted(container, tmpl["spec"])
+        for key in ("ca_cert", "cert", "key"):
+            folder = run.rdzv_conf[key].rsplit("/", 1)[0]
+            assert trainer_mounts[folder]["secret"]["secretName"] == "etcd-client-tls", f"{label}: {key}"
 
 
 def _selects(selector: dict, labels: dict) -> bool:
