@@ -1,0 +1,133 @@
+"""Output for people and dashboards: rank-0 log lines, the progress bar, W&B.
+
+This is the only module that imports ``wandb``. Everything here acts on global rank 0
+only; on other ranks the same calls do nothing, so the training loop never asks
+``if rank == 0`` to print.
+
+- ``print0(msg)``: one log line on global rank 0 (written through the bar when one is shown).
+- ``Progress``: one tqdm bar on global rank 0 (epoch, step, loss, samples/s, world size).
+- ``init_wandb(...)``: a W&B run on rank 0, resumed by id (``resume="allow"``) so one run shows
+  the whole training across restarts; offline (files under ``<log dir>/wandb``) when
+  ``WANDB_API_KEY`` is unset; ``enabled=False`` (``--no-wandb``) gives a logger that does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+from typing import Any
+
+logger = logging.getLogger("elastic_trainer.metrics")
+
+_RANK = int(os.environ.get("RANK", "0"))
+_BAR: "Progress | None" = None
+
+
+def set_rank(rank: int) -> None:
+    """Tell this module the process's global rank (the trainer calls it once at start)."""
+    global _RANK
+    _RANK = rank
+
+
+def print0(msg: str) -> None:
+    """Print one line on global rank 0 (through the progress bar if there is one), to stderr."""
+    if _RANK != 0:
+        return
+    line = f"[elastic-trainer] {msg}"
+    if _BAR is not None and _BAR.bar is not None:
+        _BAR.bar.write(line, file=sys.stderr)
+    else:
+        print(line, file=sys.stderr, flush=True)
+
+
+class Progress:
+    """One tqdm bar on global rank 0; a no-op elsewhere or when disabled."""
+
+    def __init__(self, total: int | None, initial: int, enabled: bool = True) -> None:
+        global _BAR
+        self.bar = None
+        if enabled and _RANK == 0:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", file=sys.stderr,
+                            dynamic_ncols=True, mininterval=0.5)
+        _BAR = self
+
+    def update(self, *, step: int, epoch: int, loss: float, samples_per_s: float, world_size: int) -> None:
+        if self.bar is None:
+            return
+        self.bar.set_description(f"epoch {epoch}", refresh=False)
+        self.bar.set_postfix(step=step, loss=f"{loss:.4f}", samples_s=f"{samples_per_s:.1f}",
+                             world=world_size, refresh=False)
+        self.bar.update(step - self.bar.n)
+
+    def close(self) -> None:
+        global _BAR
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        _BAR = None
+
+
+def new_run_id() -> str:
+    """A fresh W&B run id (created once per training, then carried in every checkpoint)."""
+    try:
+        import wandb
+    except ImportError:  # wandb is a dependency; keep --no-wandb runs working without it
+        return uuid.uuid4().hex[:8]
+    generate = getattr(getattr(wandb, "util", None), "generate_id", None)
+    if generate is None:  # wandb >= 0.2x moved it
+        from wandb.sdk.lib.runid import generate_id as generate
+    return generate()
+
+
+class NullLogger:
+    """The logger when W&B is off (``--no-wandb``) or on ranks other than 0."""
+
+    run_id: str | None = None
+
+    def log(self, values: dict[str, Any]) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class WandbLogger:
+    """A W&B run on global rank 0, resumed by id."""
+
+    def __init__(self, run) -> None:
+        self.run = run
+        self.run_id = run.id
+
+    def log(self, values: dict[str, Any]) -> None:
+        self.run.log(values)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+def init_wandb(*, enabled: bool, run_id: str | None, log_dir: str, project: str,
+               config: dict[str, Any], group: str | None = None) -> NullLogger | WandbLogger:
+    """Start (or resume, same id) the run's W&B run on rank 0; a ``NullLogger`` otherwise.
+
+    Without ``WANDB_API_KEY`` (and no ``WANDB_MODE`` chosen) the run is offline: its files
+    are under ``<log_dir>/wandb/offline-run-*-<run id>/`` and ``wandb sync`` uploads them later.
+    """
+    if not enabled or _RANK != 0 or run_id is None:
+        return NullLogger()
+    import wandb
+
+    if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
+        os.environ["WANDB_MODE"] = "offline"
+    os.environ.setdefault("WANDB_DIR", log_dir)
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.makedirs(os.environ["WANDB_DIR"], exist_ok=True)
+    run = wandb.init(project=project, id=run_id, resume="allow", group=group, config=config,
+                     dir=os.environ["WANDB_DIR"])
+    run.define_metric("global_step")
+    run.define_metric("*", step_metric="global_step")
+    print0(f"W&B run {run.id} ({os.environ.get('WANDB_MODE', 'online')}) in {os.environ['WANDB_DIR']}")
+    return WandbLogger(run)

@@ -1,0 +1,223 @@
+"""Tasks: what a user brings to the trainer (model, data, loss), and the built-in example.
+
+A task is made by a *builder*, a function ``build(args) -> Task`` named on the command line
+as ``--task package.module:build`` (or ``path/to/file.py:build``). ``args`` is the parsed
+``argparse.Namespace`` of ``python -m elastic_trainer.train``: every trainer flag, the
+example task's flags, and ``args.task_argv``, the command-line words the trainer did not
+know (your task's own flags; parse them with your own ``argparse`` parser).
+
+The trainer does everything else: seeding, devices, DDP/FSDP wrapping, the elastic sampler,
+gradient accumulation, AMP, checkpoints, resume, logging. Example::
+
+    # my_task.py
+    import torch
+    from elastic_trainer.tasks import Task
+
+    def build(args):
+        model = torch.nn.Linear(16, 1)
+        data = torch.utils.data.TensorDataset(torch.randn(1024, 16), torch.randn(1024, 1))
+        return Task(model=model, dataset=data,
+                    loss_fn=lambda out, batch: torch.nn.functional.mse_loss(out, batch[1]))
+
+    # python -m elastic_trainer.train --task my_task:build --max-steps 100
+
+The loss must be the **mean over the samples of the micro-batch** (as ``reduction="mean"``
+losses are): the trainer weights each micro-batch by its share of the global batch so that
+the gradient is the mean over the global batch whatever the world size.
+
+The built-in example is the seed scripts' workload: a ``torch.nn.Transformer`` trained on
+random source and target sequences with Adam at learning rate 1e-3, sizes set by flags,
+in memory (default) or read from an HDF5 file (``--data h5:PATH``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_TASK = "elastic_trainer.tasks:build_example"
+
+
+@runtime_checkable
+class TaskLike(Protocol):
+    """What the trainer reads from a task; any object with these attributes works."""
+
+    model: torch.nn.Module
+    dataset: Any
+
+
+@dataclass
+class Task:
+    """A training problem: the trainer runs it data-parallel, elastic and resumable.
+
+    Give either ``loss_fn`` or ``training_step``.
+    """
+
+    model: torch.nn.Module
+    """The model, on the CPU, freshly initialised (the trainer seeds the RNG before ``build``)."""
+    dataset: Any
+    """A map-style dataset (``__len__`` and ``__getitem__``); the elastic sampler picks indices."""
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    """``loss_fn(output, batch) -> loss`` where ``output = model(*forward_inputs(batch))``."""
+    training_step: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None
+    """``training_step(model, batch) -> loss``: your own forward; replaces ``loss_fn``."""
+    forward_inputs: Callable[[Any], Iterable[Any]] | None = None
+    """Which parts of a batch go into ``model(...)`` with ``loss_fn``; default: all but the last."""
+    optimizer_fn: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None
+    """``optimizer_fn(params) -> optimizer``; default Adam at ``--lr``."""
+    scheduler_fn: Callable[[torch.optim.Optimizer], Any] | None = None
+    """``scheduler_fn(optimizer) -> LR scheduler`` (stepped once per optimizer step); default none."""
+    collate_fn: Callable[[list], Any] | None = None
+    """The DataLoader's ``collate_fn``; default torch's."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, torch.nn.Module):
+            raise ValueError(f"Task.model must be a torch.nn.Module, got {type(self.model).__name__}")
+        if not (hasattr(self.dataset, "__len__") and hasattr(self.dataset, "__getitem__")):
+            raise ValueError("Task.dataset must be map-style (define __len__ and __getitem__); "
+                             f"got {type(self.dataset).__name__}")
+        if (self.loss_fn is None) == (self.training_step is None):
+            raise ValueError("give the Task exactly one of loss_fn(output, batch) or training_step(model, batch)")
+
+    def compute_loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        """The micro-batch loss (a scalar, the mean over the micro-batch's samples)."""
+        if self.training_step is not None:
+            return self.training_step(model, batch)
+        if self.forward_inputs is not None:
+            inputs = tuple(self.forward_inputs(batch))
+        elif isinstance(batch, (tuple, list)):
+            inputs = tuple(batch[:-1]) if len(batch) > 1 else tuple(batch)
+        else:
+            inputs = (batch,)
+        return self.loss_fn(model(*inputs), batch)
+
+
+def as_task(obj: Any) -> Task:
+    """Accept a ``Task`` or any object with the same attributes (checked)."""
+    if isinstance(obj, Task):
+        return obj
+    if not isinstance(obj, TaskLike):
+        raise ValueError(f"a task builder returned {type(obj).__name__}, which has no model and dataset; "
+                         "return elastic_trainer.tasks.Task(model=..., dataset=..., loss_fn=...)")
+    return Task(**{name: getattr(obj, name, None) for name in Task.__dataclass_fields__})
+
+
+def load_builder(spec: str | None) -> Callable[[argparse.Namespace], Any]:
+    """Import ``package.module:function`` or ``path/to/file.py:function`` and return the function."""
+    spec = spec or DEFAULT_TASK
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--task {spec!r} must look like package.module:build or path/to/file.py:build")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name).resolve()
+            if not path.is_file():
+                raise ValueError(f"--task {spec!r}: the file {str(path)!r} does not exist")
+            mod_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(mod_spec)
+            sys.modules[path.stem] = module
+            mod_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"--task {spec!r}: cannot import {module_name!r} ({exc}); check the name and that "
+                         "it is importable from the working directory or PYTHONPATH") from exc
+    builder = getattr(module, attr, None)
+    if not callable(builder):
+        raise ValueError(f"--task {spec!r}: {module_name!r} has no function {attr!r}")
+    return builder
+
+
+# --------------------------------------------------------------------------------------
+# The built-in example: the seed scripts' synthetic Transformer workload.
+
+def add_example_arguments(parser: argparse.ArgumentParser) -> None:
+    """The example task's flags (sizes of the model and of the synthetic data)."""
+    g = parser.add_argument_group("example task (the default --task)")
+    g.add_argument("--d-model", type=int, default=128, help="Transformer width (seeds: 512; default 128)")
+    g.add_argument("--nhead", type=int, default=4, help="attention heads (default 4)")
+    g.add_argument("--num-encoder-layers", type=int, default=2, help="encoder layers (default 2)")
+    g.add_argument("--num-decoder-layers", type=int, default=2, help="decoder layers (default 2)")
+    g.add_argument("--dim-feedforward", type=int, default=512, help="feed-forward width (default 512)")
+    g.add_argument("--dropout", type=float, default=0.0,
+                   help="dropout (default 0, so runs at different world sizes match exactly)")
+    g.add_argument("--src-len", type=int, default=16, help="source sequence length (seeds: 1; default 16)")
+    g.add_argument("--tgt-len", type=int, default=20, help="target sequence length (seeds: 20)")
+    g.add_argument("--dataset-size", type=int, default=2048, help="synthetic samples (seeds: 2048)")
+    g.add_argument("--data-seed", type=int, default=0, help="seed of the synthetic data (default 0)")
+    g.add_argument("--data", default="synthetic", metavar="synthetic|h5:PATH",
+                   help="where samples come from: generated in memory, or an HDF5 file with datasets "
+                        "'src' and 'tgt' (write one with `python -m elastic_trainer.tasks write-h5 PATH`)")
+    g.add_argument("--loss", choices=("ce", "mse"), default="ce",
+                   help="ce: the seeds' CrossEntropyLoss(output, target) with the random targets read "
+                        "as class probabilities over dim 1; mse: mean squared error (default ce)")
+
+
+def _example_loss(kind: str) -> Callable[[torch.Tensor, Any], torch.Tensor]:
+    def loss_fn(output: torch.Tensor, batch: Any) -> torch.Tensor:
+        target = batch[1].to(output.dtype)
+        if kind == "mse":
+            return F.mse_loss(output, target)
+        # The seeds call CrossEntropyLoss()(output, targets) with (N, T, d) float targets: torch
+        # reads dim 1 as the class dimension and the targets as class probabilities. The result is
+        # a mean over the N*d positions, so a micro-batch mean as the trainer needs.
+        return F.cross_entropy(output, target)
+    return loss_fn
+
+
+def example_args(args: argparse.Namespace | None = None) -> argparse.Namespace:
+    """The example task's flag values: its defaults, overridden by whatever ``args`` has."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_example_arguments(parser)
+    merged = parser.parse_args([])
+    if args is not None:
+        vars(merged).update({k: v for k, v in vars(args).items() if k in vars(merged)})
+    return merged
+
+
+def build_example(args: argparse.Namespace | None = None) -> Task:
+    """The seeds' synthetic ``torch.nn.Transformer`` task (Adam with the trainer's ``--lr``)."""
+    a = example_args(args)
+    from elastic_trainer import data  # the seeds' synthetic data, in memory or in an HDF5 file
+
+    if a.data == "synthetic":
+        dataset = data.synthetic_dataset(a.dataset_size, (a.src_len, a.d_model), (a.tgt_len, a.d_model), a.data_seed)
+    elif str(a.data).startswith("h5:"):
+        dataset = data.H5Dataset(a.data[3:])  # opened lazily in each process
+    else:
+        raise ValueError(f"--data {a.data!r} must be 'synthetic' or 'h5:PATH'")
+    model = torch.nn.Transformer(
+        d_model=a.d_model, nhead=a.nhead, num_encoder_layers=a.num_encoder_layers,
+        num_decoder_layers=a.num_decoder_layers, dim_feedforward=a.dim_feedforward,
+        dropout=a.dropout, batch_first=True)
+    # As in the seeds, the model sees the source and the target (no causal mask) and is scored on the target.
+    return Task(model=model, dataset=dataset, loss_fn=_example_loss(a.loss),
+                forward_inputs=lambda batch: (batch[0], batch[1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m elastic_trainer.tasks write-h5 PATH [--dataset-size N ...]``: write the example's HDF5 file."""
+    p = argparse.ArgumentParser(prog="python -m elastic_trainer.tasks",
+                                description="Write the example task's synthetic data to an HDF5 file.")
+    p.add_argument("command", choices=["write-h5"])
+    p.add_argument("path")
+    add_example_arguments(p)
+    args = p.parse_args(argv)
+    from elastic_trainer.data import write_synthetic_h5
+
+    out = write_synthetic_h5(args.path, args.dataset_size, (args.src_len, args.d_model),
+                             (args.tgt_len, args.d_model), args.data_seed)
+    print(f"wrote {args.dataset_size} samples to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,716 @@
+"""The training loop: data-parallel steps that resume exactly after any restart, at any world size.
+
+``Trainer(TrainConfig(...), task).train()`` is the whole program that torchrun's workers run
+(``python -m elastic_trainer.train`` parses flags into a ``TrainConfig``). In one screen:
+
+1. **Build**: join the process group (gloo on CPU, NCCL on GPU), seed every RNG, build the task
+   (model, dataset, loss), and an ``ElasticSampler`` whose position is a global sample offset.
+2. **Resume**: rank 0 finds the newest checkpoint that verifies and every rank loads that step:
+   model, optimizer, scheduler, grad scaler, RNG, sampler position, epoch, step, W&B run id.
+   The sampler splits the rest of the epoch over the *new* ranks, and the global batch stays
+   the same (``--scale-lr`` instead keeps the per-rank batch and scales the learning rate).
+3. **Step**: each rank runs its micro-batches (``no_sync`` on all but the last), each weighted by
+   ``sampler.loss_weight`` so the all-reduced gradient is the mean over the global batch
+   whatever the world size; then the optimizer steps and the sampler commits the step. One small
+   all-reduce per step shares the loss and the stop/save decisions, so every rank stops and
+   saves at the same step.
+4. **Save**: rank 0 saves every ``--checkpoint-every`` steps and/or ``--checkpoint-every-seconds``,
+   at the end, and at the step boundary after SIGTERM (then it exits 0 within ``--grace-seconds``).
+   Saves are asynchronous except the last one.
+
+Logs (contract with the drills): ``<log dir>/steps/rank-<r>-<pid>.jsonl`` (one line per step,
+every rank), ``<log dir>/events.jsonl`` (rank 0), ``<log dir>/ledger/rank-<r>-<pid>.jsonl``
+(with ``--sample-ledger``). See docs/trainer.md.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import importlib.util
+import json
+import logging
+import os
+import random
+import re
+import signal
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from elastic_trainer import config as cfgmod
+from elastic_trainer import metrics
+from elastic_trainer.metrics import print0
+from elastic_trainer.tasks import Task, as_task, load_builder
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    """Everything the trainer needs besides the task; each field is a flag of ``elastic_trainer.train``."""
+
+    task: str | None = None
+    """``package.module:build`` or ``file.py:build``; None = the built-in Transformer example."""
+    global_batch_size: int = 32
+    """Samples per optimizer step over all ranks; constant across world sizes (unless ``scale_lr``)."""
+    micro_batch_size: int | None = None
+    """Most samples per forward/backward on one rank; None = the rank's whole share in one pass."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps in total (counted across restarts)."""
+    epochs: int | None = None
+    """Stop after this many epochs; when neither this nor ``max_steps`` is set, 1 epoch."""
+    max_seconds: float | None = None
+    """Stop (with a checkpoint) after this many seconds of this process's training."""
+    lr: float = 1e-3
+    """Learning rate of the default Adam optimizer (the seeds' 1e-3)."""
+    scale_lr: bool = False
+    """Linear rule: ``global_batch_size`` is per rank, the learning rate is multiplied by the world size."""
+    clip_grad_norm: float | None = None
+    """Clip the global gradient norm to this value; None = no clipping."""
+    seed: int = 0
+    """Seeds python, numpy, torch (the model's initialisation) and the sampler's permutations."""
+    checkpoint_dir: str | None = None
+    """fsspec URL of the checkpoints; default env ELASTIC_TRAINER_CHECKPOINT_DIR; None = no checkpoints."""
+    checkpoint_every: int | None = None
+    """Save every N optimizer steps (rank 0)."""
+    checkpoint_every_seconds: float | None = None
+    """Save when this many seconds have passed since the last save (rank 0's clock)."""
+    keep_checkpoints: int = 3
+    """Committed checkpoints to keep; older ones are removed after each commit."""
+    async_checkpoint: bool = True
+    """Serialize and upload in the background (the step is blocked only for the CPU copy)."""
+    resume: bool = True
+    """Load the newest valid checkpoint at start; False starts from scratch (checkpoints still saved)."""
+    grace_seconds: float = 20.0
+    """After SIGTERM: save at the next step boundary and exit; exit anyway after this many seconds."""
+    log_dir: str = "runs/local"
+    """Step log, events, ledger, profiler traces and offline W&B files go here."""
+    step_log: bool = True
+    """Write one JSON line per optimizer step per rank to ``<log dir>/steps/``."""
+    sample_ledger: bool = False
+    """Write the dataset indices each rank consumed per step to ``<log dir>/ledger/``."""
+    wandb: bool = True
+    """Log to W&B from rank 0 (offline unless WANDB_API_KEY is set)."""
+    wandb_project: str = "elastic-trainer"
+    """W&B project name."""
+    progress: bool = True
+    """Show the tqdm bar on global rank 0."""
+    device: str = "auto"
+    """``auto`` (cuda:<local rank> when CUDA is available, else cpu), ``cpu`` or ``cuda``."""
+    fsdp: bool = False
+    """Shard parameters, gradients and optimizer state with FSDP (``fully_shard``) instead of DDP."""
+    bucket_cap_mb: float | None = None
+    """DDP gradient bucket size in MiB; None = torch's default (25)."""
+    amp: bool = False
+    """Mixed precision: bf16 autocast on CPU; fp16 autocast with a GradScaler on CUDA."""
+    compile: bool = False
+    """Wrap the model in ``torch.compile``."""
+    profile: bool = False
+    """Record a torch.profiler trace (one Chrome trace per rank + key-averages table in ``<log dir>/profile``)."""
+    profile_wait: int = 1
+    """Profiler schedule: steps to skip first."""
+    profile_warmup: int = 1
+    """Profiler schedule: warm-up steps (traced, discarded)."""
+    profile_active: int = 3
+    """Profiler schedule: steps recorded."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank."""
+    sleep_per_step: float = 0.0
+    """Seconds to sleep in every step (tests and drills use it to slow training down)."""
+    collective_timeout: float = 300.0
+    """Seconds a collective may hang before the process group gives up."""
+    task_args: Any = None
+    """The ``argparse.Namespace`` handed to the task builder (set by ``train.py``)."""
+
+    def __post_init__(self) -> None:
+        def positive(name: str, value: Any, allow_none: bool = True) -> None:
+            if value is None and allow_none:
+                return
+            if value is None or not value > 0:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be a positive number, got {value!r}")
+
+        for name in ("global_batch_size", "micro_batch_size", "max_steps", "epochs", "max_seconds", "lr",
+                     "clip_grad_norm", "checkpoint_every", "checkpoint_every_seconds", "keep_checkpoints",
+                     "grace_seconds", "bucket_cap_mb", "profile_active", "collective_timeout"):
+            positive(name, getattr(self, name))
+        for name in ("profile_wait", "profile_warmup", "num_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")
+        if self.sleep_per_step < 0:
+            raise ValueError(f"--sleep-per-step must be 0 or more seconds, got {self.sleep_per_step}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
+        if self.task is not None and ":" not in self.task:
+            raise ValueError(f"--task {self.task!r} must look like package.module:build")
+        if self.max_steps is None and self.epochs is None:
+            self.epochs = 1
+        if self.checkpoint_dir == "":
+            self.checkpoint_dir = None
+        if self.checkpoint_dir is None and (self.checkpoint_every or self.checkpoint_every_seconds):
+            raise ValueError("--checkpoint-every/--checkpoint-every-seconds need --checkpoint-dir "
+                             f"(or the env var {cfgmod.ENV_CHECKPOINT_DIR})")
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+@dataclass
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    distributed: bool = False
+    round: int | None = None
+    restart: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int | None = None) -> int | None:
+    value = os.environ.get(name, "")
+    return int(value) if value.strip().lstrip("-").isdigit() else default
+
+
+def setup_distributed(config: TrainConfig) -> DistInfo:
+    """Join the process group when launched by torchrun (or with RANK/WORLD_SIZE/MASTER_* set)."""
+    info = DistInfo(rank=_env_int("RANK", 0), world_size=_env_int("WORLD_SIZE", 1),
+                    local_rank=_env_int("LOCAL_RANK", 0), round=_env_int(cfgmod.ENV_RDZV_ROUND),
+                    restart=_env_int("TORCHELASTIC_RESTART_COUNT", 0))
+    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        info.device = torch.device("cuda", torch.cuda.current_device())
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if use_cuda else "gloo",
+                                    timeout=datetime.timedelta(seconds=config.collective_timeout))
+        info.distributed = True
+        info.rank, info.world_size = dist.get_rank(), dist.get_world_size()
+    return info
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+class _JsonLines:
+    """Append-only JSON lines, flushed per line (the drills read them while training runs)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.file = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "a", buffering=1, encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+class _RecordingBatchSampler:
+    """Wraps the sampler and remembers the indices of micro-batches not yet consumed (FIFO)."""
+
+    def __init__(self, sampler) -> None:
+        self.sampler = sampler
+        self.pending: collections.deque[list[int]] = collections.deque()
+
+    def __iter__(self):
+        self.pending.clear()
+        for indices in self.sampler:
+            self.pending.append(list(indices))
+            yield indices
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+def _fence_check() -> Callable[[], None] | None:
+    """The rendezvous round fence's ``check`` when running under the etcd-v3 rendezvous."""
+    try:
+        present = importlib.util.find_spec("elastic_trainer.rendezvous.fence") is not None
+    except ModuleNotFoundError:
+        present = False
+    if not present:
+        return None
+    from elastic_trainer.rendezvous.fence import RoundFence
+
+    fence = RoundFence.from_env()
+    return fence.check if fence is not None else None
+
+
+def _broadcast(value: Any, dinfo: DistInfo) -> Any:
+    if not dinfo.distributed or dinfo.world_size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ---------------------------------------------------------------------------------- trainer
+
+class Trainer:
+    """Runs a ``Task`` data-parallel, elastic and resumable; see the module docstring."""
+
+    def __init__(self, config: TrainConfig, task: Task | None = None) -> None:
+        self.config = config
+        self._task = task
+        self._stop_signal: int | None = None
+        self._grace_timer: threading.Timer | None = None
+        self.dinfo = DistInfo()
+        self.step = 0
+        self.run_id: str | None = None
+        self.last_loss: float = float("nan")
+        self._last_save_step: int | None = None
+
+    # ---- build -----------------------------------------------------------------------
+    def _build(self) -> None:
+        c = self.config
+        self.dinfo = d = setup_distributed(c)
+        metrics.set_rank(d.rank)
+        seed_everything(c.seed)
+        task = self._task if self._task is not None else load_builder(c.task)(c.task_args)
+        self.task = as_task(task)
+        self.module = self.task.model.to(d.device)
+        self.gbs = c.global_batch_size * (d.world_size if c.scale_lr else 1)
+        self.log_dir = Path(c.log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.node = socket.gethostname()
+        self.events = _JsonLines(self.log_dir / "events.jsonl" if d.is_main else None)
+        pid = os.getpid()
+        self.step_log = _JsonLines(self.log_dir / "steps" / f"rank-{d.rank}-{pid}.jsonl" if c.step_log else None)
+        self.ledger = _JsonLines(self.log_dir / "ledger" / f"rank-{d.rank}-{pid}.jsonl" if c.sample_ledger else None)
+        self.ckpt = None
+        if c.checkpoint_dir:
+            from elastic_trainer.checkpoint import CheckpointManager
+
+            writer = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{self.node}-{pid}-r{d.round if d.round is not None else 'x'}")
+            self.ckpt = CheckpointManager(c.checkpoint_dir, keep_latest=c.keep_checkpoints,
+                                          async_save=c.async_checkpoint, fence=_fence_check() if d.is_main else None,
+                                          writer_id=writer[:64])
+
+    def _event(self, event: str, **fields: Any) -> None:
+        self.events.write({"time": time.time(), "event": event, **fields})
+
+    def _load_checkpoint(self) -> tuple[int, dict] | None:
+        """Rank 0 picks the newest valid checkpoint; every rank loads that same step."""
+        if self.ckpt is None or not self.config.resume:
+            return None
+        found = self.ckpt.load() if self.dinfo.is_main else None
+        step = _broadcast(found[0] if found else None, self.dinfo)
+        if step is None:
+            return None
+        if not self.dinfo.is_main:
+            found = self.ckpt.load(step)
+            if found is None:
+                raise RuntimeError(f"rank {self.dinfo.rank} could not load checkpoint step-{step} that rank 0 "
+                                   f"loaded from {self.config.checkpoint_dir}; is the storage shared by all nodes?")
+        return found
+
+    def _wrap(self) -> None:
+        """DDP (or FSDP) around the module, then torch.compile; the optimizer on the wrapped params."""
+        c, d = self.config, self.dinfo
+        self.model = self.module
+        self.ddp = None
+        self.fsdp = False
+        if d.distributed and c.fsdp:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(d.device.type, (d.world_size,))
+            fully_shard(self.module, mesh=mesh)
+            self.fsdp = True
+        elif d.distributed:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            kwargs = {"bucket_cap_mb": c.bucket_cap_mb} if c.bucket_cap_mb else {}
+            if d.device.type == "cuda":
+                kwargs["device_ids"] = [d.device.index]
+            self.ddp = self.model = DDP(self.module, **kwargs)  # broadcasts rank 0's parameters
+        if c.compile:
+            self.model = torch.compile(self.model)
+
+    def _no_sync(self):
+        if self.ddp is not None:
+            return self.ddp.no_sync()
+        if self.fsdp:
+            return self._fsdp_no_sync()
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _fsdp_no_sync(self):
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def _autocast(self):
+        if not self.config.amp:
+            return contextlib.nullcontext()
+        if self.dinfo.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.float16)
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    def _make_optimizer(self) -> None:
+        c = self.config
+        params = self.model.parameters()
+        self.optimizer = (self.task.optimizer_fn(params) if self.task.optimizer_fn is not None
+                          else torch.optim.Adam(params, lr=c.lr))
+        if c.scale_lr:
+            for group in self.optimizer.param_groups:
+                group["lr"] *= self.dinfo.world_size
+        self.scheduler = self.task.scheduler_fn(self.optimizer) if self.task.scheduler_fn is not None else None
+        self.scaler = (torch.amp.GradScaler("cuda") if c.amp and self.dinfo.device.type == "cuda" else None)
+
+    # ---- state -----------------------------------------------------------------------
+    def _model_state(self) -> dict:
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return self.module.state_dict()
+
+    def _optimizer_state(self) -> dict:
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            return get_optimizer_state_dict(self.module, self.optimizer,
+                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return self.optimizer.state_dict()
+
+    def _capture_state(self) -> dict | None:
+        """The checkpoint's content (collective under FSDP; None on ranks other than 0)."""
+        from elastic_trainer.checkpoint import capture_rng_state
+
+        model_state, optim_state = self._model_state(), self._optimizer_state()
+        if not self.dinfo.is_main:
+            return None
+        return {
+            "model": model_state,
+            "optimizer": optim_state,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
+            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
+            "rng": capture_rng_state(),
+            "sampler": self.sampler.state_dict(),
+            "meta": {"step": self.step, "epoch": self.sampler.epoch, "offset": self.sampler.offset,
+                     "world_size": self.dinfo.world_size, "wandb_run_id": self.run_id,
+                     "lr_world_size": self.dinfo.world_size if self.config.scale_lr else 1,
+                     "global_batch_size": self.gbs, "round": self.dinfo.round, "time": time.time(),
+                     "fsdp": self.fsdp},
+        }
+
+    def _restore(self, step: int, state: dict) -> None:
+        """Put a loaded checkpoint back (model before wrapping; the rest after)."""
+        from elastic_trainer.checkpoint import restore_rng_state
+
+        meta = state.get("meta", {})
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(self.module, self.optimizer, optim_state_dict=state["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler"):
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        if self.config.scale_lr:  # the saved learning rate was scaled for the saver's world size
+            ratio = self.dinfo.world_size / int(meta.get("lr_world_size", 1))
+            for group in self.optimizer.param_groups:
+                group["lr"] *= ratio
+            if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
+                self.scheduler.base_lrs = [lr * ratio for lr in self.scheduler.base_lrs]
+        restore_rng_state(state["rng"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.step = int(meta.get("step", step))
+        self.run_id = meta.get("wandb_run_id")
+
+    # ---- the loop ----------------------------------------------------------------------
+    def train(self) -> dict:
+        """Build, resume, train until done (or stopped), save. Returns a summary dict."""
+        c = self.config
+        self._build()
+        d = self.dinfo
+        from elastic_trainer.sampler import ElasticSampler, loss_weight
+
+        loaded = self._load_checkpoint()
+        if loaded is not None:  # into the bare module, before DDP/FSDP: every rank starts identical
+            self.module.load_state_dict(loaded[1]["model"])
+        self.sampler = ElasticSampler(len(self.task.dataset), self.gbs, d.rank, d.world_size, seed=c.seed,
+                                      micro_batch_size=c.micro_batch_size)
+        self._wrap()
+        self._make_optimizer()
+        prev_world = None
+        if loaded is not None:
+            self._restore(*loaded)
+            self._last_save_step = self.step
+            prev_world = int(loaded[1].get("meta", {}).get("world_size", d.world_size))
+            del loaded
+            print0(f"resumed from checkpoint step-{self.step} (epoch {self.sampler.epoch}, sample offset "
+                   f"{self.sampler.offset}) of {c.checkpoint_dir}")
+            self._event("checkpoint_loaded", step=self.step, epoch=self.sampler.epoch, offset=self.sampler.offset,
+                        world_size=d.world_size, saved_world_size=prev_world)
+            self._event("resume", step=self.step, world_size=d.world_size, restart=d.restart, round=d.round)
+            if prev_world != d.world_size:
+                print0(f"world size changed: {prev_world} -> {d.world_size} ranks; global batch stays "
+                       f"{self.gbs}, {self.sampler.micro_batches_per_step} micro-batch(es) per step on rank 0"
+                       if not c.scale_lr else
+                       f"world size changed: {prev_world} -> {d.world_size} ranks; global batch now {self.gbs}, "
+                       f"learning rate scaled by {d.world_size}/{prev_world}")
+                self._event("world_size_changed", old=prev_world, new=d.world_size, step=self.step)
+        else:
+            self._event("start", world_size=d.world_size, restart=d.restart, round=d.round)
+        if self.run_id is None and d.is_main:
+            self.run_id = metrics.new_run_id()
+
+        spe = self.sampler.steps_per_epoch
+        total = c.max_steps if c.epochs is None else min(c.max_steps or 10**18, c.epochs * spe)
+        print0(f"training {self.step}/{total} steps, world size {d.world_size} "
+               f"({'distributed ' + dist.get_backend() if d.distributed else 'single process'}, {d.device}), "
+               f"global batch {self.gbs}, {spe} steps/epoch, restart {d.restart}, round {d.round}")
+        self.wandb = metrics.init_wandb(enabled=c.wandb, run_id=self.run_id, log_dir=str(self.log_dir),
+                                        project=c.wandb_project, group=os.environ.get(cfgmod.ENV_RUN_ID),
+                                        config={k: v for k, v in asdict(c).items() if k != "task_args"})
+        self.progress = metrics.Progress(total=total, initial=self.step, enabled=c.progress)
+        old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        profiler = self._start_profiler()
+        stopped_by = None
+        try:
+            stopped_by = self._loop(total, loss_weight, profiler)
+        except BaseException:
+            self._abort()
+            raise
+        finally:
+            if profiler is not None:
+                profiler.stop()
+            self.progress.close()
+            signal.signal(signal.SIGTERM, old_handler)
+        self._finish(stopped_by)
+        return {"step": self.step, "epoch": self.sampler.epoch, "offset": self.sampler.offset,
+                "loss": self.last_loss, "stopped_by": stopped_by, "world_size": d.world_size, "run_id": self.run_id}
+
+    def _loop(self, total: int, loss_weight, profiler) -> str:
+        c, d = self.config, self.dinfo
+        recorder = _RecordingBatchSampler(self.sampler)
+        loader = torch.utils.data.DataLoader(
+            self.task.dataset, batch_sampler=recorder, num_workers=c.num_workers,
+            collate_fn=self.task.collate_fn, pin_memory=d.device.type == "cuda",
+            generator=torch.Generator().manual_seed(c.seed))  # keeps the global RNG out of the loader
+        data_iter = None
+        started = last_save = time.monotonic()
+        self.model.train()
+        while True:
+            if self.step >= total or (c.epochs is not None and self.sampler.epoch >= c.epochs):
+                return "done"
+            t0 = time.perf_counter()
+            epoch = self.sampler.epoch
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            consumed: list[int] = []
+            mbps = self.sampler.micro_batches_per_step
+            for i in range(mbps):
+                if data_iter is None:
+                    data_iter = iter(loader)
+                try:
+                    batch = next(data_iter)
+                except StopIteration:
+                    if i > 0:
+                        raise RuntimeError("the sampler ended in the middle of a step; this is a bug") from None
+                    data_iter = iter(loader)  # the sampler rolled to the next epoch at the last commit
+                    epoch = self.sampler.epoch
+                    batch = next(data_iter)
+                indices = recorder.pending.popleft()
+                consumed.extend(indices)
+                n = len(indices)
+                batch = _to_device(batch, d.device)
+                with (self._no_sync() if i < mbps - 1 else contextlib.nullcontext()):
+                    with self._autocast():
+                        loss = self.task.compute_loss(self.model, batch)
+                    scaled = loss.float() * loss_weight(n, self.gbs, d.world_size)
+                    (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+                loss_sum += loss.detach().double().cpu() * n
+            if c.clip_grad_norm:
+                if self.scaler is not None:
+                    self.scaler.unscale_(self.optimizer)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.clip_grad_norm)
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.sampler.commit_step()
+            self.step += 1
+            if c.sleep_per_step:
+                time.sleep(c.sleep_per_step)
+
+            # one small all-reduce: global loss, and stop/save decisions taken together
+            now = time.monotonic()
+            stop = self._stop_signal is not None or (d.is_main and c.max_seconds is not None
+                                                     and now - started >= c.max_seconds)
+            save_due = d.is_main and c.checkpoint_every_seconds is not None and now - last_save >= c.checkpoint_every_seconds
+            shared = torch.stack([loss_sum, torch.tensor(float(stop), dtype=torch.float64),
+                                  torch.tensor(float(save_due), dtype=torch.float64)])
+            if d.distributed and d.world_size > 1:
+                dist.all_reduce(shared)
+            self.last_loss = float(shared[0]) / self.gbs
+            stop, save_due = bool(shared[1] > 0), bool(shared[2] > 0)
+            step_time = time.perf_counter() - t0
+            self._log_step(epoch, consumed, step_time)
+            if profiler is not None:
+                profiler.step()
+
+            done = self.step >= total or (c.epochs is not None and self.sampler.epoch >= c.epochs)
+            due = save_due or (c.checkpoint_every is not None and self.step % c.checkpoint_every == 0)
+            if self.ckpt is not None and (due and not (done or stop)):
+                self._save(blocking=False)
+                last_save = time.monotonic()
+            if stop:
+                reason = (f"signal {signal.Signals(self._stop_signal).name}" if self._stop_signal is not None
+                          else "max-seconds")
+                print0(f"stopping at step {self.step} ({reason})")
+                self._event("stop", step=self.step, reason=reason)
+                return reason
+
+    def _log_step(self, epoch: int, consumed: list[int], step_time: float) -> None:
+        d = self.dinfo
+        record = {"time": time.time(), "step": self.step, "epoch": self.sampler.epoch, "offset": self.sampler.offset,
+                  "world_size": d.world_size, "rank": d.rank, "round": d.round, "restart": d.restart,
+                  "loss": self.last_loss, "node": self.node}
+        self.step_log.write(record)
+        self.ledger.write({"step": self.step, "epoch": epoch, "round": d.round, "indices": consumed})
+        samples_s = self.gbs / step_time if step_time > 0 else 0.0
+        self.progress.update(step=self.step, epoch=self.sampler.epoch, loss=self.last_loss,
+                             samples_per_s=samples_s, world_size=d.world_size)
+        values = {"global_step": self.step, "train/loss": self.last_loss, "train/epoch": self.sampler.epoch,
+                  "train/world_size": d.world_size, "train/step_time_s": step_time,
+                  "train/samples_per_s": samples_s, "train/restarts": d.restart,
+                  "train/lr": self.optimizer.param_groups[0]["lr"]}
+        if self.ckpt is not None and self.ckpt.last_save_stats:
+            st = self.ckpt.last_save_stats
+            if st.get("step") is not None and st.get("committed") and not st.get("_logged"):
+                st["_logged"] = True
+                values["checkpoint/blocked_s"] = st.get("blocked_s", 0.0)
+                values["checkpoint/total_s"] = (st.get("blocked_s", 0.0) + st.get("serialize_s", 0.0)
+                                                + st.get("upload_s", 0.0))
+                values["checkpoint/bytes"] = st.get("bytes", 0)
+        self.wandb.log(values)
+
+    def _save(self, *, blocking: bool) -> None:
+        """Capture (all ranks under FSDP) and save on rank 0."""
+        state = self._capture_state()
+        self._last_save_step = self.step
+        if state is None or self.ckpt is None:
+            return
+        blocked = self.ckpt.save(self.step, state, blocking=blocking)
+        if blocking:
+            self.ckpt.wait()
+        stats = self.ckpt.last_save_stats
+        committed = stats.get("committed") if blocking else None
+        print0(f"checkpoint step-{self.step} {'saved' if blocking and committed else 'save started' if not blocking else 'NOT saved'}"
+               f" (blocked {blocked * 1000:.0f} ms) to {self.config.checkpoint_dir}")
+        self._event("checkpoint_saved", step=self.step, blocked_s=blocked, blocking=blocking,
+                    committed=committed, epoch=self.sampler.epoch, offset=self.sampler.offset,
+                    world_size=self.dinfo.world_size)
+
+    def _finish(self, stopped_by: str | None) -> None:
+        """Final blocking save (unless this step is saved already), flush logs, leave the process group."""
+        if self.ckpt is not None:
+            self.ckpt.wait()
+            if self.step != self._last_save_step:  # the same decision on every rank (FSDP gathers)
+                self._save(blocking=True)
+            self.ckpt.close()
+        self._event("finished" if stopped_by == "done" else "stopped", step=self.step, reason=stopped_by)
+        print0(f"{'finished' if stopped_by == 'done' else 'stopped'} at step {self.step}, loss {self.last_loss:.6f}")
+        self.wandb.finish()
+        for f in (self.events, self.step_log, self.ledger):
+            f.close()
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+        if self.dinfo.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _abort(self) -> None:
+        """On an error (a peer lost, ...): give an in-flight async save a bounded chance to commit."""
+        if self.ckpt is None:
+            return
+        waiter = threading.Thread(target=self.ckpt.wait, daemon=True)
+        waiter.start()
+        waiter.join(timeout=self.config.grace_seconds)
+
+    # ---- signals, profiler ---------------------------------------------------------------
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self._stop_signal is not None:
+            return
+        self._stop_signal = signum
+        logger.warning("rank %d got %s: saving at the next step boundary, exiting within %.0fs",
+                       self.dinfo.rank, signal.Signals(signum).name, self.config.grace_seconds)
+        self._grace_timer = threading.Timer(self.config.grace_seconds, self._grace_expired)
+        self._grace_timer.daemon = True
+        self._grace_timer.start()
+
+    def _grace_expired(self) -> None:
+        logger.error("rank %d: grace period of %.0fs over before the step boundary save finished; exiting now",
+                     self.dinfo.rank, self.config.grace_seconds)
+        logging.shutdown()
+        os._exit(128 + signal.SIGTERM)
+
+    def _start_profiler(self):
+        c = self.config
+        if not c.profile:
+            return None
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        out = self.log_dir / "profile"
+        out.mkdir(parents=True, exist_ok=True)
+        rank, cuda = self.dinfo.rank, self.dinfo.device.type == "cuda"
+
+        def on_trace_ready(prof) -> None:
+            trace = out / f"trace-rank{rank}-step{self.step}.json"
+            prof.export_chrome_trace(str(trace))
+            table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                              row_limit=40)
+            (out / f"key_averages-rank{rank}-step{self.step}.txt").write_text(table)
+            print0(f"profiler trace written to {trace}")
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        prof = profile(activities=activities, record_shapes=True, on_trace_ready=on_trace_ready,
+                       schedule=schedule(wait=c.profile_wait, warmup=c.profile_warmup, active=c.profile_active,
+                                         repeat=1))
+        prof.start()
+        return prof

@@ -1,0 +1,268 @@
+"""The trainer on one process: flags, user tasks, exact resume, SIGTERM, W&B run id, AMP, profiler.
+
+Runs in-process where that is enough (fast), as real ``python -m elastic_trainer.train``
+processes where the behaviour is about processes (signals, the entry point, W&B files).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic_trainer.checkpoint import CheckpointManager
+from elastic_trainer.train import parse_config
+from elastic_trainer.trainer import TrainConfig, Trainer
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.timeout(180)
+
+FIXTURE = "tests.task_fixture:build"
+TINY = ["--d-model", "16", "--nhead", "2", "--num-encoder-layers", "1", "--num-decoder-layers", "1",
+        "--dim-feedforward", "32", "--src-len", "2", "--tgt-len", "4", "--dataset-size", "256"]
+STEP_KEYS = {"time", "step", "epoch", "offset", "world_size", "rank", "round", "restart", "loss", "node"}
+
+
+@pytest.fixture(autouse=True)
+def _single_process_env(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+                 "ELASTIC_TRAINER_CHECKPOINT_DIR", "ELASTIC_TRAINER_LOG_DIR", "ELASTIC_TRAINER_RDZV_ROUND"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def train_inprocess(*argv: str) -> dict:
+    return Trainer(parse_config([*argv, "--no-wandb", "--no-progress"])).train()
+
+
+def latest(ckpt_dir: Path) -> tuple[int, dict]:
+    found = CheckpointManager(str(ckpt_dir)).load()
+    assert found is not None, f"no checkpoint in {ckpt_dir}"
+    return found
+
+
+def assert_same(a, b, where="state"):
+    """Exact equality of nested checkpoint states (tensors bit for bit)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{where} keys differ: {set(a) ^ set(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where} lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def param_drift(a: dict, b: dict) -> tuple[float, float]:
+    """``(worst, worst_gauge)``: largest |a - b| over parameters, and over the attention key biases.
+
+    The key bias of every attention has zero gradient in exact arithmetic (softmax does not change
+    when the same number is added to every score), so its computed gradient is rounding noise that
+    Adam normalises to steps of about ``lr``: it differs between reduction orders by up to
+    ``lr * steps`` and never changes the model's output. It is reported apart (``worst_gauge``).
+    """
+    worst = gauge = 0.0
+    for name, x in a.items():
+        diff = (x.double() - b[name].double()).abs()
+        if name.endswith("in_proj_bias"):
+            d = diff.numel() // 3
+            gauge = max(gauge, diff[d:2 * d].max().item())
+            diff = torch.cat([diff[:d], diff[2 * d:]])
+        worst = max(worst, diff.max().item())
+    return worst, gauge
+
+
+def read_jsonl(pattern_dir: Path, glob: str) -> list[dict]:
+    out = []
+    for path in sorted(pattern_dir.glob(glob)):
+        out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return out
+
+
+def worker_cmd(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "elastic_trainer.train", *argv]
+
+
+# ------------------------------------------------------------------------------------- config
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"global_batch_size": 0}, "--global-batch-size must be a positive number"),
+    ({"micro_batch_size": -1}, "--micro-batch-size must be a positive number"),
+    ({"checkpoint_every": 5}, "need --checkpoint-dir"),
+    ({"task": "no_colon"}, "must look like package.module:build"),
+    ({"device": "tpu"}, "--device must be auto, cpu or cuda"),
+    ({"num_workers": -1}, "--num-workers must be 0 or more"),
+])
+def test_config_rejects_bad_values_naming_the_flag(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**kwargs)
+
+
+def test_config_defaults_to_one_epoch_and_env_dirs(monkeypatch, tmp_path):
+    monkeypatch.setenv("ELASTIC_TRAINER_CHECKPOINT_DIR", str(tmp_path / "ck"))
+    monkeypatch.setenv("ELASTIC_TRAINER_LOG_DIR", str(tmp_path / "logs"))
+    config = parse_config([])
+    assert config.epochs == 1 and config.max_steps is None
+    assert config.checkpoint_dir == str(tmp_path / "ck") and config.log_dir == str(tmp_path / "logs")
+
+
+def test_unknown_flags_go_to_a_user_task_and_are_refused_without_one(capsys):
+    config = parse_config(["--task", FIXTURE, "--noise", "0", "--max-steps", "2"])
+    assert config.task_args.task_argv == ["--noise", "0"] and config.max_steps == 2
+    with pytest.raises(SystemExit):
+        parse_config(["--noise", "0"])
+    assert "unrecognized arguments: --noise 0" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------- tasks
+
+def test_task_from_a_test_file_runs_through_the_task_flag(tmp_path):
+    marker = tmp_path / "built.json"
+    proc = subprocess.run(
+        worker_cmd("--task", FIXTURE, "--max-steps", "3", "--global-batch-size", "16", "--no-wandb",
+                   "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ck"),
+                   "--marker", str(marker)),
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(marker.read_text()) == {"task_argv": ["--marker", str(marker)], "global_batch_size": 16}
+    steps = read_jsonl(tmp_path / "logs" / "steps", "rank-0-*.jsonl")
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert set(steps[0]) == STEP_KEYS and steps[-1]["offset"] == 48 and steps[-1]["world_size"] == 1
+    events = [e["event"] for e in read_jsonl(tmp_path / "logs", "events.jsonl")]
+    assert events[0] == "start" and "checkpoint_saved" in events and events[-1] == "finished"
+    assert latest(tmp_path / "ck")[0] == 3
+    assert "finished at step 3" in proc.stderr
+
+
+def test_h5_variant_of_the_example_trains_exactly_like_the_in_memory_data(tmp_path):
+    from elastic_trainer.data import write_synthetic_h5
+
+    write_synthetic_h5(tmp_path / "d.h5", 256, (2, 16), (4, 16), seed=0)
+    for name, data in (("mem", []), ("h5", ["--data", f"h5:{tmp_path / 'd.h5'}"])):
+        train_inprocess(*TINY, *data, "--max-steps", "3", "--global-batch-size", "16",
+                        "--checkpoint-dir", str(tmp_path / name), "--log-dir", str(tmp_path / f"log-{name}"))
+    assert_same(latest(tmp_path / "mem")[1]["model"], latest(tmp_path / "h5")[1]["model"])
+
+
+# ------------------------------------------------------------------------------------- resume
+
+def test_resume_restores_optimizer_scheduler_step_and_rng_exactly(tmp_path):
+    common = ["--task", FIXTURE, "--global-batch-size", "32", "--micro-batch-size", "8", "--checkpoint-every", "4"]
+    full = train_inprocess(*common, "--max-steps", "10", "--checkpoint-dir", str(tmp_path / "a"),
+                           "--log-dir", str(tmp_path / "la"))
+    first = train_inprocess(*common, "--max-steps", "6", "--checkpoint-dir", str(tmp_path / "b"),
+                            "--log-dir", str(tmp_path / "lb"))
+    assert first["step"] == 6
+    torch.manual_seed(999)  # whatever this process did in between must not matter
+    resumed = train_inprocess(*common, "--max-steps", "10", "--checkpoint-dir", str(tmp_path / "b"),
+                              "--log-dir", str(tmp_path / "lb"))
+    assert resumed["step"] == full["step"] == 10
+    step_a, a = latest(tmp_path / "a")
+    step_b, b = latest(tmp_path / "b")
+    assert step_a == step_b == 10
+    for key in ("model", "optimizer", "scheduler", "rng", "sampler"):
+        assert_same(a[key], b[key], key)
+    assert a["optimizer"]["state"][0]["step"].item() == 10  # AdamW's own step counter came back too
+    assert resumed["loss"] == full["loss"]
+    assert "resume" in [e["event"] for e in read_jsonl(tmp_path / "lb", "events.jsonl")]
+
+
+def test_gradient_accumulation_matches_one_pass_over_the_global_batch(tmp_path):
+    for name, extra in (("one", []), ("acc", ["--micro-batch-size", "5"])):
+        train_inprocess(*TINY, "--loss", "mse", "--max-steps", "4", "--global-batch-size", "16", *extra,
+                        "--checkpoint-dir", str(tmp_path / name), "--log-dir", str(tmp_path / f"l{name}"))
+    one, acc = latest(tmp_path / "one")[1]["model"], latest(tmp_path / "acc")[1]["model"]
+    worst, gauge = param_drift(one, acc)
+    assert worst < 1e-6, f"accumulated micro-batches drift from one pass by {worst}"
+    assert gauge <= 4 * 1e-3 * 1.01  # key biases: at most lr per step (see param_drift)
+
+
+def test_no_resume_starts_from_scratch(tmp_path):
+    args = ["--task", FIXTURE, "--global-batch-size", "16", "--checkpoint-dir", str(tmp_path / "ck"),
+            "--log-dir", str(tmp_path / "l")]
+    train_inprocess(*args, "--max-steps", "2")
+    again = train_inprocess(*args, "--max-steps", "3", "--no-resume")
+    assert again["step"] == 3
+    assert [e["event"] for e in read_jsonl(tmp_path / "l", "events.jsonl")].count("start") == 2
+
+
+# ------------------------------------------------------------------------------------- processes
+
+def _wait_for_steps(log_dir: Path, count: int, proc: subprocess.Popen, timeout: float = 90) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        steps = read_jsonl(log_dir / "steps", "*.jsonl") if (log_dir / "steps").exists() else []
+        if len(steps) >= count:
+            return steps
+        assert proc.poll() is None, f"trainer exited early with {proc.returncode}"
+        time.sleep(0.2)
+    raise AssertionError(f"fewer than {count} steps after {timeout}s")
+
+
+def test_sigterm_during_training_saves_the_current_step_and_exits_zero(tmp_path, procs):
+    log_dir, ck = tmp_path / "logs", tmp_path / "ck"
+    proc = procs.start(worker_cmd("--task", FIXTURE, "--max-steps", "10000", "--global-batch-size", "16",
+                                  "--sleep-per-step", "0.2", "--checkpoint-dir", str(ck), "--checkpoint-every", "1000",
+                                  "--log-dir", str(log_dir), "--no-wandb", "--grace-seconds", "30"),
+                       cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for_steps(log_dir, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    last = read_jsonl(log_dir / "steps", "*.jsonl")[-1]["step"]
+    step, state = latest(ck)
+    assert step == last and state["meta"]["step"] == last
+    assert state["sampler"]["offset"] == 16 * last
+    events = read_jsonl(log_dir, "events.jsonl")
+    assert {"event": "stop", "step": last, "reason": "signal SIGTERM"}.items() <= events[-3].items() or \
+        any(e["event"] == "stop" and e["reason"] == "signal SIGTERM" for e in events)
+    assert f"stopping at step {last} (signal SIGTERM)" in err
+
+
+def _offline_run_ids(log_dir: Path) -> list[str]:
+    runs = sorted((log_dir / "wandb").glob("offline-run-*"))
+    return [p.name.rsplit("-", 1)[1] for p in runs]
+
+
+def test_wandb_run_id_after_a_restart_equals_the_first(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    args = ["--task", FIXTURE, "--global-batch-size", "16", "--checkpoint-dir", str(tmp_path / "ck"),
+            "--log-dir", str(tmp_path / "logs"), "--no-progress"]
+    for steps in ("2", "4"):
+        proc = subprocess.run(worker_cmd(*args, "--max-steps", steps), cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=150)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    ids = _offline_run_ids(tmp_path / "logs")
+    assert len(ids) == 2 and ids[0] == ids[1], ids
+    assert latest(tmp_path / "ck")[1]["meta"]["wandb_run_id"] == ids[0]
+    # the offline run's own files name the id too (what `wandb sync` uploads)
+    run_dir = sorted((tmp_path / "logs" / "wandb").glob("offline-run-*"))[1]
+    assert (run_dir / f"run-{ids[0]}.wandb").exists()
+
+
+# ------------------------------------------------------------------------------------- features
+
+def test_amp_bf16_on_cpu_trains(tmp_path):
+    out = train_inprocess(*TINY, "--amp", "--max-steps", "2", "--global-batch-size", "8",
+                          "--log-dir", str(tmp_path / "l"))
+    assert out["step"] == 2 and torch.isfinite(torch.tensor(out["loss"]))
+
+
+def test_profile_writes_a_chrome_trace_and_key_averages(tmp_path):
+    train_inprocess(*TINY, "--profile", "--profile-wait", "0", "--profile-warmup", "1", "--profile-active", "1",
+                    "--max-steps", "3", "--global-batch-size", "8", "--log-dir", str(tmp_path / "l"))
+    traces = list((tmp_path / "l" / "profile").glob("trace-rank0-*.json"))
+    tables = list((tmp_path / "l" / "profile").glob("key_averages-rank0-*.txt"))
+    assert traces and tables
+    assert json.loads(traces[0].read_text())["traceEvents"]
+    assert "Self CPU" in tables[0].read_text()
