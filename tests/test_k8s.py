@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -37,24 +38,33 @@ K8S_VERSION = "1.31"
 # parts of these, built through them).
 OVERLAYS = sorted(p.parent.relative_to(K8S).as_posix() for p in K8S.glob("overlays/*/kustomization.yaml"))
 KUSTOMIZATIONS = ["base", *OVERLAYS]
+# Components combined in one more way than the overlays do: they must patch a PyTorchJob as well.
+COMBINED = {"combined/pytorchjob+s3+gpu+etcd-tls": ("overlays/pytorchjob", ["s3", "gpu", "etcd-tls"])}
 WORKLOAD_KINDS = {"Job", "StatefulSet", "Deployment", "DaemonSet", "ReplicaSet", "CronJob", "Pod", "PyTorchJob"}
 
 kubectl = shutil.which("kubectl")
 needs_kubectl = pytest.mark.skipif(kubectl is None, reason="kubectl is not installed: cannot run `kubectl kustomize`")
 
 
-def _build(path: str) -> list[dict]:
-    out = subprocess.run([kubectl, "kustomize", str(K8S / path)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, f"kubectl kustomize k8s/{path} failed:\n{out.stderr}"
+def _build(folder: Path) -> list[dict]:
+    out = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"kubectl kustomize {folder} failed:\n{out.stderr}"
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
 
 @pytest.fixture(scope="module")
-def rendered() -> dict[str, list[dict]]:
-    """Each kustomization's rendered objects, built once for the module."""
+def rendered(tmp_path_factory) -> dict[str, list[dict]]:
+    """Each kustomization's rendered objects (and the COMBINED ones), built once for the module."""
     if kubectl is None:
         pytest.skip("kubectl is not installed: cannot run `kubectl kustomize`")
-    return {path: _build(path) for path in KUSTOMIZATIONS}
+    result = {path: _build(K8S / path) for path in KUSTOMIZATIONS}
+    for name, (overlay, components) in COMBINED.items():
+        folder = tmp_path_factory.mktemp("kustomize")
+        rel = lambda p: os.path.relpath(K8S / p, folder)  # noqa: E731 - kustomize refuses absolute paths
+        (folder / "kustomization.yaml").write_text(yaml.safe_dump(
+            {"resources": [rel(overlay)], "components": [rel(f"components/{c}") for c in components]}))
+        result[name] = _build(folder)
+    return result
 
 
 def _name(obj: dict) -> str:
@@ -236,8 +246,8 @@ def test_pytorchjob_schema_rejects_what_the_operator_rejects(rendered):
 def test_every_elastic_train_command_parses_with_the_cli(rendered):
     found = _trainer_containers(rendered)
     paths = {path for path, *_ in found}
-    assert paths == {p for p in KUSTOMIZATIONS if any(pod_templates(o) and o["kind"] != "StatefulSet"
-                                                      for o in rendered[p])}, paths
+    assert paths == {p for p in rendered if any(pod_templates(o) and o["kind"] != "StatefulSet"
+                                                for o in rendered[p])}, paths
     for path, label, obj, tmpl, container in found:
         argv, run = _run_config(path, container, rendered)
         where = f"k8s/{path} {label} container {container['name']}"
@@ -309,7 +319,7 @@ def test_rdzv_conf_and_trainer_flags_are_accepted_by_their_parsers(rendered):
 
 @needs_kubectl
 def test_indexed_job_replaces_a_pod_only_after_it_has_terminated(rendered):
-    for path in KUSTOMIZATIONS:
+    for path in rendered:
         for obj in rendered[path]:
             if obj["kind"] != "Job":
                 continue
@@ -323,7 +333,7 @@ def test_indexed_job_replaces_a_pod_only_after_it_has_terminated(rendered):
 
 @needs_kubectl
 def test_storage_overlays_share_checkpoints_between_pods(rendered):
-    for path in KUSTOMIZATIONS:
+    for path in rendered:
         objs = rendered[path]
         cms = _config_maps(objs)
         for _, label, obj, tmpl, container in _trainer_containers({path: objs}):
@@ -346,13 +356,16 @@ def test_storage_overlays_share_checkpoints_between_pods(rendered):
 
 @needs_kubectl
 def test_gpu_overlay_runs_one_worker_per_gpu(rendered):
-    for _, label, obj, tmpl, container in _trainer_containers({"overlays/gpu": rendered["overlays/gpu"]}):
-        if container["name"] == "wait-for-etcd":
-            continue
-        _, run = _run_config("overlays/gpu", container, rendered)
+    gpu = {p: objs for p, objs in rendered.items() if "gpu" in p}
+    assert len(gpu) == 2
+    for path, label, obj, tmpl, container in _trainer_containers(gpu):
+        _, run = _run_config(path, container, rendered)
         gpus = container["resources"]["limits"]["nvidia.com/gpu"]
-        assert int(gpus) == run.nproc_per_node > 1
+        assert int(gpus) == run.nproc_per_node > 1, f"k8s/{path} {label}"
         assert container["image"].endswith("-cuda")
+        assert any(t["key"] == "nvidia.com/gpu" for t in tmpl["spec"]["tolerations"])
+        if obj["kind"] == "PyTorchJob":
+            assert obj["spec"]["nprocPerNode"] == str(run.nproc_per_node)
 
 
 # ------------------------------------------------------------------------------------------ etcd
@@ -377,8 +390,9 @@ def test_etcd_members_bootstrap_from_their_stable_dns_names(rendered):
 
 
 @needs_kubectl
-def test_etcd_tls_overlay_serves_https_and_trainers_present_a_client_certificate(rendered):
-    objs = rendered["overlays/etcd-tls"]
+@pytest.mark.parametrize("path", ["overlays/etcd-tls", *COMBINED])
+def test_etcd_tls_overlay_serves_https_and_trainers_present_a_client_certificate(rendered, path):
+    objs = rendered[path]
     sts = next(o for o in objs if o["kind"] == "StatefulSet")
     etcd = sts["spec"]["template"]["spec"]["containers"][0]
     args = dict(a.lstrip("-").split("=", 1) for a in etcd["args"])
@@ -390,8 +404,8 @@ def test_etcd_tls_overlay_serves_https_and_trainers_present_a_client_certificate
     for flag in ("trusted-ca-file", "cert-file", "key-file"):
         folder = args[flag].rsplit("/", 1)[0]
         assert etcd_mounts[folder]["secret"]["secretName"] == "etcd-server-tls"
-    for path, label, obj, tmpl, container in _trainer_containers({"overlays/etcd-tls": objs}):
-        _, run = _run_config("overlays/etcd-tls", container, rendered)
+    for path, label, obj, tmpl, container in _trainer_containers({path: objs}):
+        _, run = _run_config(path, container, rendered)
         assert run.rdzv_conf["protocol"] == "https"
         trainer_mounts = mounted(container, tmpl["spec"])
         for key in ("ca_cert", "cert", "key"):
