@@ -429,6 +429,13 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
 def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     """Build the etcd-v3 handler from torchrun's ``RendezvousParameters``."""
+    if os.environ.get("ELASTIC_TRAINER_RDZV_LOG"):  # e.g. INFO: show what the rendezvous does
+        log = logging.getLogger("elastic_trainer.rendezvous")
+        if not log.handlers:
+            h = logging.StreamHandler()
+            h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            log.addHandler(h)
+        log.setLevel(os.environ["ELASTIC_TRAINER_RDZV_LOG"].upper())
     options = RendezvousOptions(params)
     conn = EtcdConnection(options.etcd)
     backend = EtcdRendezvousBackend(conn, params.run_id, options.key_prefix)

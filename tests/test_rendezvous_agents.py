@@ -1,0 +1,110 @@
+"""Real torchrun agents on the etcd-v3 rendezvous: nodes die, pause and join; one world at a time.
+
+Each node is ``python -m torch.distributed.run --rdzv-backend etcd-v3`` (found through the
+``torchrun.handlers`` entry point) with one ``tests/rdzv_worker.py`` worker that logs every
+allreduce step with its round and world size. The step logs are the evidence.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.rdzv_worker import agent_cmd, read_steps, signal_tree, world_problems
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+CONF = "lease_ttl=3,keep_alive_interval=1,last_call_timeout=1"
+
+
+class Nodes:
+    """Starts agents (one worker each) of one run and waits on their step logs."""
+
+    def __init__(self, procs, etcd, run_id, tmp_path):
+        self.procs, self.etcd, self.run_id, self.tmp = procs, etcd, run_id, tmp_path
+        self.out = str(tmp_path / "steps")
+        self.started = []
+
+    def start(self, name: str, conf: str = CONF) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.log", "w")
+        env = dict(os.environ, ELASTIC_TRAINER_RDZV_LOG="INFO", LOGLEVEL="INFO")
+        proc = self.procs.start(agent_cmd(self.etcd.endpoint, self.run_id, self.out, nnodes="1:3", conf=conf,
+                                          worker_args=("--sleep", "0.05")),
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.close()
+        self.started.append(proc)
+        return proc
+
+    def wait_for(self, what: str, pred, timeout: float = 90) -> list[dict]:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            steps = read_steps(self.out)
+            if pred(steps):
+                return steps
+            time.sleep(0.2)
+        logs = {p.name: p.read_text()[-1500:] for p in self.tmp.glob("*.log")}
+        pytest.fail(f"timed out waiting for {what}; last steps {read_steps(self.out)[-3:]}; agent logs: {logs}")
+
+    def kill_all(self) -> None:
+        for proc in self.started:
+            signal_tree(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def nodes(procs, etcd, run_id, tmp_path):
+    n = Nodes(procs, etcd, run_id, tmp_path)
+    try:
+        yield n
+    finally:
+        n.kill_all()
+
+
+def _after(steps, t, world):
+    return [s for s in steps if s["time"] > t and s["world_size"] == world]
+
+
+def test_node_killed_survivor_continues_then_a_new_node_grows_the_world(nodes):
+    a = nodes.start("a")
+    b = nodes.start("b")
+    nodes.wait_for("a world of 2", lambda st: len({s["pid"] for s in st if s["world_size"] == 2}) == 2)
+
+    killed_at = time.time()
+    signal_tree(b.pid, signal.SIGKILL)  # the agent and its worker
+    steps = nodes.wait_for("the survivor at world size 1", lambda st: len(_after(st, killed_at, 1)) >= 3)
+    assert {s["rank"] for s in _after(steps, killed_at, 1)} == {0}
+    assert a.poll() is None
+
+    joined_at = time.time()
+    nodes.start("c")
+    steps = nodes.wait_for("a world of 2 with the new node",
+                           lambda st: len({s["pid"] for s in _after(st, joined_at, 2)}) == 2
+                           and len(_after(st, joined_at, 2)) >= 6)
+    assert {s["rank"] for s in _after(steps, joined_at, 2)} == {0, 1}
+    assert all(s["sum"] == s["world_size"] for s in steps)
+    assert world_problems(read_steps(nodes.out)) == []
+
+
+def test_paused_node_past_its_lease_never_trains_in_a_second_world(nodes):
+    a = nodes.start("a")
+    nodes.start("b")
+    nodes.wait_for("a world of 2", lambda st: len({s["pid"] for s in st if s["world_size"] == 2}) == 2)
+
+    stopped_at = time.time()
+    signal_tree(a.pid, signal.SIGSTOP)  # the whole node: agent and worker
+    try:
+        nodes.wait_for("b alone at world size 1", lambda st: len(_after(st, stopped_at, 1)) >= 3)
+        time.sleep(1)
+    finally:
+        resumed_at = time.time()
+        signal_tree(a.pid, signal.SIGCONT)
+    # The paused node finds its lease gone, stops its stale worker and rejoins: world of 2 again.
+    steps = nodes.wait_for("a world of 2 after the pause",
+                           lambda st: len({s["pid"] for s in _after(st, resumed_at, 2)}) == 2
+                           and len(_after(st, resumed_at, 2)) >= 6)
+    rounds = sorted({int(s["round"]) for s in steps})
+    assert len(rounds) >= 3, rounds
+    assert world_problems(steps) == []
