@@ -285,6 +285,15 @@ def test_pytorchjob_runs_the_same_command_as_the_job(rendered):
                and c["name"] == "trainer")
     pj = next(c for p, _, o, _, c in _trainer_containers(rendered) if o["kind"] == "PyTorchJob")
     assert pj["command"] == job["command"] and pj["args"] == job["args"]
+    # The PyTorchJob's pod is a copy of the Job's (overlays/pytorchjob/pytorchjob.yaml): keep them equal
+    # but for what the operator needs (container name "pytorch", its port) or sets (restartPolicy).
+    job_pod = copy.deepcopy(next(o for o in rendered["overlays/pvc"] if o["kind"] == "Job")["spec"]["template"])
+    pj_pod = copy.deepcopy(next(o for o in rendered["overlays/pytorchjob"]
+                                if o["kind"] == "PyTorchJob")["spec"]["pytorchReplicaSpecs"]["Worker"]["template"])
+    job_pod["spec"].pop("restartPolicy")
+    job_pod["spec"]["containers"][0]["name"] = "pytorch"
+    pj_pod["spec"]["containers"][0].pop("ports")
+    assert pj_pod == job_pod, "overlays/pytorchjob/pytorchjob.yaml drifted from base/job/job.yaml"
     assert pj["name"] == "pytorch"  # the operator's default container name
     _, run_pj = _run_config("overlays/pytorchjob", pj, rendered)
     obj = next(o for o in rendered["overlays/pytorchjob"] if o["kind"] == "PyTorchJob")
