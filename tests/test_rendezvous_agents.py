@@ -108,3 +108,38 @@ def test_paused_node_past_its_lease_never_trains_in_a_second_world(nodes):
     rounds = sorted({int(s["round"]) for s in steps})
     assert len(rounds) >= 3, rounds
     assert world_problems(steps) == []
+
+
+def test_etcd_restart_during_training_does_not_stop_the_job(procs, run_id, tmp_path):
+    from elastic_trainer.etcd_server import EtcdServer
+
+    server = EtcdServer(data_dir=tmp_path / "etcd-data", log_path=tmp_path / "etcd-server.log")
+    server.start()
+    n = Nodes(procs, server, run_id, tmp_path)
+    try:
+        a = n.start("a")
+        n.start("b")
+        steps = n.wait_for("a world of 2", lambda st: len({s["pid"] for s in st if s["world_size"] == 2}) == 2)
+        round_ = steps[-1]["round"]
+        down_at = time.time()
+        server.kill()  # SIGKILL, data kept
+        time.sleep(4)
+        server.start()  # same data dir and port
+        up_at = time.time()
+        time.sleep(4)
+        steps = read_steps(n.out)
+        # Training went on through the outage in the same world and round, with no restart.
+        during = [s for s in steps if down_at < s["time"] < up_at + 4]
+        assert {(s["round"], s["world_size"]) for s in during} == {(round_, 2)}
+        assert len({s["pid"] for s in during}) == 2
+        assert max(s["time"] for s in steps) > up_at + 2
+        # And the rendezvous works again: a node dies, the survivor goes on alone.
+        killed_at = time.time()
+        signal_tree(n.started[1].pid, signal.SIGKILL)
+        n.wait_for("the survivor at world size 1 after the etcd restart",
+                   lambda st: len(_after(st, killed_at, 1)) >= 3)
+        assert a.poll() is None
+        assert world_problems(read_steps(n.out)) == []
+    finally:
+        n.kill_all()
+        server.stop()

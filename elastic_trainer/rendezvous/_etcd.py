@@ -36,6 +36,9 @@ T = TypeVar("T")
 _TRANSIENT = (etcd3.exceptions.ConnectionFailedError, etcd3.exceptions.ConnectionTimeoutError,
               etcd3.exceptions.NoServerAvailableError)
 _TRANSIENT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# Reconnect within a second once etcd is back (gRPC's default backoff grows to 120 s).
+_GRPC_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                 ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,8 @@ class EtcdConnection:
                 raise RendezvousConnectionError(
                     f"cannot read the etcd TLS files (ca_cert={o.ca_cert}, cert={o.cert}, key={o.key}): "
                     f"{exc}; fix the paths in --rdzv-conf") from exc
-        endpoints = [etcd3.Endpoint(h, p, secure=secure, creds=creds, time_retry=1.0)
+        endpoints = [etcd3.Endpoint(h, p, secure=secure, creds=creds, time_retry=1.0,
+                                   opts=_GRPC_OPTIONS)
                      for h, p in o.endpoints]
         try:
             client = etcd3.MultiEndpointEtcd3Client(endpoints=endpoints, timeout=timeout, user=o.user,
@@ -144,11 +148,19 @@ class EtcdConnection:
             f"etcd at {o.endpoint_text} did not answer within {o.connect_timeout:g}s ({detail}); {hint}")
 
     def _check_reachable(self) -> None:
-        try:
-            self._client.status()
-        except Exception as exc:  # noqa: BLE001 - every failure at start becomes one sentence
-            self._client.close()
-            raise self._connection_error(exc) from exc
+        # Ask for etcd's status until it answers or connect_timeout passes (a server that is
+        # starting refuses connections for a moment).
+        deadline = time.monotonic() + self.options.connect_timeout
+        while True:
+            try:
+                self._client.status()
+                break
+            except Exception as exc:  # noqa: BLE001 - every failure at start becomes one sentence
+                if _is_transient(exc) and time.monotonic() + 0.2 < deadline:
+                    time.sleep(0.2)
+                    continue
+                self._client.close()
+                raise self._connection_error(exc) from exc
         self._client.timeout = self.options.read_timeout
 
     # -- use ----------------------------------------------------------------------------
@@ -177,7 +189,8 @@ class EtcdConnection:
                     raise RendezvousConnectionError(
                         f"etcd at {self.options.endpoint_text} has not answered the rendezvous {what} "
                         f"for {budget:g}s ({type(exc).__name__}); is etcd running?") from exc
-                logger.warning("etcd %s failed (%s); retrying in %.2fs", what, type(exc).__name__, delay)
+                logger.log(logging.WARNING if delay == 0.05 else logging.DEBUG,
+                           "etcd %s failed (%s); retrying for up to %gs", what, type(exc).__name__, budget)
                 time.sleep(delay * random.uniform(0.8, 1.2))
                 delay = min(delay * 2, 1.0)
 

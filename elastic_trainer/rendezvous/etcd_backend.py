@@ -99,13 +99,13 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return frozenset(meta.key.decode()[n:] for _, meta in kvs)
 
     # -- the contract -------------------------------------------------------------------
-    def read(self) -> tuple[bytes | None, int | None, frozenset[str]]:
+    def read(self, retry_timeout: float | None = None) -> tuple[bytes | None, int | None, frozenset[str]]:
         """State, token and live node names, read atomically; state and token are None when unset."""
         def txn(client):
             return client.transaction(compare=[], success=[client.transactions.get(self.state_key),
                                                            self._alive_range()], failure=[])
         self.requests += 1
-        _, (state_kvs, alive_kvs) = self._conn.call(txn, "state read")
+        _, (state_kvs, alive_kvs) = self._conn.call(txn, "state read", retry_timeout)
         alive = self._names(alive_kvs)
         if not state_kvs:
             return None, None, alive

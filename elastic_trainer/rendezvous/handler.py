@@ -396,7 +396,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             self._revoke("its etcd lease expired")
             return
         try:
-            data, _, alive = self._etcd_backend.read()
+            data, _, alive = self._etcd_backend.read(retry_timeout=self._options.keep_alive_interval)
         except RendezvousConnectionError as exc:
             logger.warning("watchdog could not read the rendezvous state: %s", exc)
             return
