@@ -1,0 +1,118 @@
+"""End to end: `elastic-train` on the embedded etcd trains, and leaves nothing behind when stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import cli_cmd
+
+pytestmark = pytest.mark.slow
+
+# A tiny model so that a step takes milliseconds: these tests are about processes, not speed.
+TINY = ["--d-model", "16", "--nhead", "2", "--layers", "1", "--dim-feedforward", "32", "--src-len", "4",
+        "--tgt-len", "4", "--dataset-size", "256", "--global-batch-size", "8", "--no-wandb"]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (children of children too), from /proc."""
+    found, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except FileNotFoundError:
+            continue
+        for task in tasks:
+            try:
+                children = Path(f"/proc/{parent}/task/{task}/children").read_text().split()
+            except FileNotFoundError:
+                continue
+            for child in map(int, children):
+                if child not in found:
+                    found.add(child)
+                    todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    try:  # a zombie is dead for our purpose; its parent (the test) reaps it
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_for_steps(log_dir: Path, count: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = [ln for f in (log_dir / "steps").glob("*.jsonl") for ln in f.read_text().splitlines()]
+        if len(lines) >= count:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"fewer than {count} step lines in {log_dir}/steps after {timeout}s")
+
+
+def test_short_run_on_embedded_etcd_trains_and_exits_zero(tmp_path):
+    log_dir, ckpt = tmp_path / "logs", tmp_path / "ckpt"
+    proc = subprocess.run(
+        cli_cmd("--min-nodes", "1", "--max-nodes", "2", "--nproc-per-node", "2", "--run-id", "e2e",
+                "--log-dir", str(log_dir), "--checkpoint-dir", str(ckpt), "--rdzv-conf", "last_call_timeout=1",
+                "--", *TINY, "--max-steps", "6", "--checkpoint-every", "3"),
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "embedded etcd at 127.0.0.1:" in proc.stderr
+    steps = [json.loads(ln) for f in (log_dir / "steps").glob("*.jsonl") for ln in f.read_text().splitlines()]
+    assert {s["rank"] for s in steps} == {0, 1} and max(s["step"] for s in steps) == 6
+    assert {s["world_size"] for s in steps} == {2}
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-"))[-1] == "step-6"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_leaves_no_agent_worker_or_etcd(tmp_path, procs, sig):
+    log_dir = tmp_path / "logs"
+    cli = procs.start(cli_cmd("--nnodes", "1:2", "--nproc-per-node", "2", "--run-id", "stop",
+                              "--log-dir", str(log_dir), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                              "--rdzv-conf", "last_call_timeout=1",
+                              "--", *TINY, "--max-steps", "100000", "--sleep-per-step", "0.05"),
+                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for_steps(log_dir, 4, timeout=180)
+    started = descendants(cli.pid)
+    names = {p: Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ") for p in started if alive(p)}
+    assert any("etcd" in c.split()[0] for c in names.values()), names
+    assert sum("elastic_trainer.train" in c for c in names.values()) == 2, names
+    os.kill(cli.pid, sig)
+    cli.wait(timeout=60)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(alive(p) for p in started):
+        time.sleep(0.2)
+    assert not [names.get(p, p) for p in started if alive(p)]
+    assert cli.returncode == 128 + sig
+
+
+def test_killed_launcher_takes_its_workers_and_etcd_along(tmp_path, procs):
+    """A crash of the launcher itself (SIGKILL: no clean-up code runs) still leaves nothing."""
+    log_dir = tmp_path / "logs"
+    cli = procs.start(cli_cmd("--nnodes", "1", "--nproc-per-node", "2", "--run-id", "crash",
+                              "--log-dir", str(log_dir), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                              "--", *TINY, "--max-steps", "100000", "--sleep-per-step", "0.05"),
+                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_steps(log_dir, 4, timeout=180)
+    started = descendants(cli.pid)
+    assert len(started) >= 3  # etcd and two workers at least
+    os.kill(cli.pid, signal.SIGKILL)
+    cli.wait(timeout=30)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(alive(p) for p in started):
+        time.sleep(0.2)
+    assert not [p for p in started if alive(p)]
