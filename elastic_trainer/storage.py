@@ -25,8 +25,6 @@ How ``create_exclusive`` is atomic on each store:
 from __future__ import annotations
 
 import errno
-import hashlib
-import io
 import os
 import re
 import threading
@@ -125,50 +123,6 @@ def write_many(fs: fsspec.AbstractFileSystem, blobs: dict[str, bytes | memoryvie
             write_bytes(fs, path, data)
     else:
         fs.pipe(dict(blobs))
-
-
-class HashingWriter(io.RawIOBase):
-    """A write-only stream that passes bytes on to ``raw`` while counting them and hashing (sha256)."""
-
-    def __init__(self, raw) -> None:
-        super().__init__()
-        self.raw = raw
-        self.sha256 = hashlib.sha256()
-        self.size = 0
-        self.error: OSError | None = None
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data) -> int:
-        self.sha256.update(data)
-        n = len(data) if not isinstance(data, memoryview) else data.nbytes
-        self.size += n
-        try:
-            self.raw.write(data)
-        except OSError as exc:
-            self.error = exc  # torch's C++ writer replaces it with a vaguer error; keep the real one
-            raise
-        return n
-
-
-def stream_to(fs: fsspec.AbstractFileSystem, path: str, produce) -> tuple[int, str]:
-    """Write ``path`` by calling ``produce(stream)``; returns (size, sha256 hex). Local files are fsynced.
-
-    Used on local disks, where serializing straight into the file saves a copy of every byte.
-    """
-    with fs.open(path, "wb") as f:
-        w = HashingWriter(f)
-        try:
-            produce(w)
-        except Exception as exc:
-            if w.error is not None and exc is not w.error:
-                raise w.error from exc
-            raise
-        f.flush()
-    if is_local(fs):
-        _fsync_path(path)
-    return w.size, w.sha256.hexdigest()
 
 
 def create_exclusive(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
