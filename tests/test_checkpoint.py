@@ -470,3 +470,45 @@ def test_resumed_run_continues_exactly_like_an_uninterrupted_one(tmp_path):
     assert sched.state_dict() == sched2.state_dict()
     for (t1, n1, r1), (t2, n2, r2) in zip(want_draws, got_draws):
         assert torch.equal(t1, t2) and n1 == n2 and r1 == r2
+
+
+# --------------------------------------------------------------------------- fencing with a real etcd
+
+
+def test_round_fence_on_real_etcd_lets_only_the_current_round_commit(etcd, run_id, tmp_path):
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+
+    from elastic_trainer.rendezvous._etcd import EtcdConnection, EtcdOptions, parse_endpoints
+    from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
+    from elastic_trainer.rendezvous.fence import RoundFence
+    from elastic_trainer.rendezvous.state import encode_state
+
+    conn = EtcdConnection(EtcdOptions(endpoints=parse_endpoints(etcd.endpoint), retry_timeout=10))
+    backend = EtcdRendezvousBackend(conn, run_id)
+    state = _RendezvousState()
+    state.round, state.complete = 4, True
+    backend.set_state(encode_state(state))
+    url = str(tmp_path / "c")
+    fences = [RoundFence(r, backend.prefix, etcd.endpoint, retry_timeout=5) for r in (3, 4)]
+    try:
+        zombie = CheckpointManager(url, async_save=True, fence=fences[0].check, writer_id="zombie-round-3")
+        current = CheckpointManager(url, async_save=True, fence=fences[1].check, writer_id="rank0-round-4")
+        zombie.save(10, _tiny_state(10))
+        current.save(10, _tiny_state(10, seed=1))
+        zombie.wait(), current.wait()
+        assert "fenced" in zombie.last_error and current.last_error is None
+        manifest = json.loads((tmp_path / "c" / "step-10" / "manifest.json").read_text())
+        assert manifest["writer"] == "rank0-round-4" and manifest["fence_token"] == "round-4"
+        assert sorted(p.name for p in (tmp_path / "c" / "step-10").iterdir()) == ["manifest.json", "rank0-round-4"]
+
+        _, token = backend.get_state()
+        state.round = 5  # a new round forms: the old rank 0 is now a zombie too
+        backend.set_state(encode_state(state), token)
+        current.save(20, _tiny_state(20))
+        current.wait()
+        assert "fenced" in current.last_error
+        assert CheckpointManager(url).load()[0] == 10
+    finally:
+        for f in fences:
+            f.close()
+        conn.close()
