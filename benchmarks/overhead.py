@@ -1,0 +1,271 @@
+"""Steady-state overhead: samples/s of ``elastic-train`` against plain ``torchrun`` + DDP.
+
+    .venv/bin/python benchmarks/overhead.py                 # 5 repeats each, 160 steps, ckpt every 50
+    .venv/bin/python benchmarks/overhead.py --quick         # smoke test: 1 repeat each, 12 steps
+
+Both sides train the built-in example task (``elastic_trainer.tasks.build_example``, same flags,
+same global batch, 2 workers on this machine):
+
+- A, elastic: ``elastic-train --nproc-per-node 2 -- --max-steps N --checkpoint-every 50``: embedded
+  etcd, the etcd-v3 rendezvous, our trainer with its per-step JSON log, and an asynchronous
+  checkpoint of model + optimizer + RNG + sampler every 50 steps (rank 0, local directory).
+- B, plain: ``python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/plain_ddp.py``:
+  DistributedSampler, DDP, Adam, no checkpoints, no logging in the loop.
+
+The runs alternate, A B A B ..., so that the load other processes put on the machine falls on
+both sides alike. Samples/s of a run is read from rank 0's per-step timestamps (the trainer's step
+log; plain_ddp.py writes the same format at exit): ``global batch * steps / seconds`` over the
+steps after ``--warmup-steps``, up to the last one. The window holds whole checkpoint periods
+(warm-up 10, 160 steps: saves at 50, 100, 150), so the cost of each save (the blocked CPU copy and
+the background serialization sharing the two cores) is inside it. Start-up (etcd, rendezvous,
+imports) and the final blocking save are outside it and reported apart, as wall seconds.
+
+``OMP_NUM_THREADS`` is set to 1 for both sides (``--omp-threads``), the value torchrun's own CLI
+sets when it starts more than one worker per node; see docs/benchmarks.md for why.
+
+Prints one line per run, a summary table (median, min/max, IQR, the ratio of medians and the
+median of the paired A/B ratios) and the commands; writes everything as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PLAIN_SCRIPT = REPO / "benchmarks" / "plain_ddp.py"
+
+
+# ------------------------------------------------------------------------------- processes
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun workers run in sessions of their own)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for path in glob.glob(f"/proc/{parent}/task/*/children"):
+            try:
+                with open(path) as f:
+                    kids = [int(x) for x in f.read().split()]
+            except OSError:
+                continue
+            found.extend(kids)
+            todo.extend(kids)
+    return found
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the process, its process group, and the groups of all its descendants."""
+    if proc.poll() is not None:
+        return
+    own = os.getpgid(0)
+    for pid in [proc.pid, *_descendants(proc.pid)]:
+        try:
+            pgid = os.getpgid(pid)
+            if pgid != own:
+                os.killpg(pgid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def run_command(cmd: list[str], *, env: dict, cwd: Path, log: Path, timeout: float) -> float:
+    """Run ``cmd`` in its own session, output to ``log``; returns wall seconds; raises on failure."""
+    t0 = time.monotonic()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except BaseException:
+            _kill_tree(proc)
+            raise
+    if rc != 0:
+        tail = log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"exit status {rc} from {shlex.join(cmd)}; last output:\n{tail}")
+    return time.monotonic() - t0
+
+
+# ------------------------------------------------------------------------------- measures
+
+def read_step_times(log_dir: Path, rank: int = 0) -> dict[int, float]:
+    """``{step: unix time}`` from ``<log_dir>/steps/rank-<rank>-*.jsonl`` (one process expected)."""
+    files = sorted((log_dir / "steps").glob(f"rank-{rank}-*.jsonl"))
+    if len(files) != 1:
+        raise RuntimeError(f"expected one step log of rank {rank} in {log_dir / 'steps'}, found {len(files)} "
+                           "(a worker restarted? the run is not a steady state)")
+    times = {}
+    with open(files[0], encoding="utf-8") as f:
+        for line in f:
+            record = json.loads(line)
+            times[int(record["step"])] = float(record["time"])
+    return times
+
+
+def throughput(times: dict[int, float], warmup: int, global_batch: int) -> dict:
+    """Samples/s over the steps after ``warmup``: from the end of step ``warmup`` to the last step."""
+    last = max(times)
+    if warmup not in times or last <= warmup:
+        raise RuntimeError(f"step log has steps {min(times)}..{last}; need step {warmup} and later ones")
+    seconds = times[last] - times[warmup]
+    steps = last - warmup
+    return {"samples_per_s": steps * global_batch / seconds, "steps": steps, "seconds": seconds,
+            "first_step": warmup + 1, "last_step": last, "window": (times[warmup], times[last])}
+
+
+def checkpoint_events(log_dir: Path, window: tuple[float, float]) -> list[dict]:
+    """The trainer's ``checkpoint_saved`` events (rank 0) inside the measured window."""
+    path = log_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    events = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            e = json.loads(line)
+            if e.get("event") == "checkpoint_saved" and window[0] <= e["time"] <= window[1]:
+                events.append(e)
+    return events
+
+
+def summary(values: list[float]) -> dict:
+    """Median, min, max and the interquartile range of a list of numbers."""
+    values = sorted(values)
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
+    return {"median": statistics.median(values), "min": values[0], "max": values[-1],
+            "q1": q[0], "q3": q[2], "n": len(values), "values": values}
+
+
+# ------------------------------------------------------------------------------- the benchmark
+
+def elastic_command(args, run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "elastic_trainer.cli", "--nproc-per-node", str(args.nproc_per_node),
+            "--run-id", f"ovh-{uuid.uuid4().hex[:8]}", "--log-dir", str(run_dir),
+            "--checkpoint-dir", str(run_dir / "ckpt"), "--",
+            "--max-steps", str(args.max_steps), "--global-batch-size", str(args.global_batch_size),
+            "--checkpoint-every", str(args.checkpoint_every), "--no-wandb", "--no-progress", *args.task_args]
+
+
+def plain_command(args, run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(args.nproc_per_node), str(PLAIN_SCRIPT), "--max-steps", str(args.max_steps),
+            "--global-batch-size", str(args.global_batch_size), "--warmup-steps", str(args.warmup_steps),
+            "--log-dir", str(run_dir), *args.task_args]
+
+
+def measure(kind: str, args, run_dir: Path, env: dict) -> dict:
+    run_dir.mkdir(parents=True)
+    cmd = elastic_command(args, run_dir) if kind == "elastic" else plain_command(args, run_dir)
+    load = os.getloadavg()[0]
+    wall = run_command(cmd, env=env, cwd=run_dir, log=run_dir / "output.log", timeout=args.timeout)
+    times = read_step_times(run_dir)
+    result = throughput(times, args.warmup_steps, args.global_batch_size)
+    saves = checkpoint_events(run_dir, result.pop("window"))
+    result.update(kind=kind, wall_s=wall, load_before=load, command=shlex.join(cmd),
+                  checkpoints=len(saves), blocked_s=sum(e.get("blocked_s", 0.0) for e in saves))
+    return result
+
+
+def parse_args(argv: list[str] | None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=5, help="runs of each side, alternated (default 5)")
+    p.add_argument("--max-steps", type=int, default=160, help="optimizer steps per run (default 160)")
+    p.add_argument("--warmup-steps", type=int, default=10, help="steps left out of samples/s (default 10)")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="elastic side: save every N steps (default 50)")
+    p.add_argument("--global-batch-size", type=int, default=32, help="both sides (default 32, the trainer's)")
+    p.add_argument("--nproc-per-node", type=int, default=2, help="workers (default 2)")
+    p.add_argument("--omp-threads", default="1",
+                   help="OMP_NUM_THREADS for both sides (default 1, torchrun's; 'inherit' leaves the environment's)")
+    p.add_argument("--task-args", default="", metavar="'FLAGS'",
+                   help="example-task flags for both sides, e.g. '--d-model 64' (default: the example's defaults)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds one run may take (default 600)")
+    p.add_argument("--workdir", default=None, help="keep run logs here (default: a temp dir, removed)")
+    p.add_argument("--out", default=None, help="write the results as JSON to this file")
+    p.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, 12 steps, save every 5, tiny model")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.repeats, args.max_steps, args.warmup_steps, args.checkpoint_every = 1, 12, 2, 5
+        args.task_args = args.task_args or "--d-model 32 --dim-feedforward 64 --dataset-size 256"
+    args.task_args = shlex.split(args.task_args)
+    if args.repeats < 1 or args.max_steps <= args.warmup_steps + 1:
+        p.error("need --repeats >= 1 and --max-steps > --warmup-steps + 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
+    for name in [k for k in env if k.startswith("ELASTIC_TRAINER_") and k != "ELASTIC_TRAINER_S3_ENDPOINT_URL"]:
+        del env[name]
+    if args.omp_threads != "inherit":
+        env["OMP_NUM_THREADS"] = args.omp_threads
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    workdir = Path(args.workdir).resolve() if args.workdir else Path(tempfile.mkdtemp(prefix="overhead-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    runs: list[dict] = []
+    try:
+        for i in range(args.repeats):
+            for kind in ("elastic", "plain"):
+                r = measure(kind, args, workdir / f"{i:02d}-{kind}", env)
+                r["repeat"] = i
+                runs.append(r)
+                print(f"repeat {i} {kind:7s} {r['samples_per_s']:8.1f} samples/s over steps {r['first_step']}.."
+                      f"{r['last_step']} ({r['seconds']:.1f} s), wall {r['wall_s']:.1f} s, load {r['load_before']:.1f}"
+                      + (f", {r['checkpoints']} checkpoints blocked {r['blocked_s'] * 1e3:.0f} ms in all"
+                         if kind == "elastic" else ""), flush=True)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    a = [r for r in runs if r["kind"] == "elastic"]
+    b = [r for r in runs if r["kind"] == "plain"]
+    sa, sb = summary([r["samples_per_s"] for r in a]), summary([r["samples_per_s"] for r in b])
+    paired = summary([x["samples_per_s"] / y["samples_per_s"] for x, y in zip(a, b)])
+    wa, wb = summary([r["wall_s"] for r in a]), summary([r["wall_s"] for r in b])
+    ratio = sa["median"] / sb["median"]
+    overhead = 1 - ratio
+    result = {
+        "benchmark": "overhead", "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "elastic_command": a[0]["command"], "plain_command": b[0]["command"],
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")},
+        "omp_num_threads": env.get("OMP_NUM_THREADS"), "cpus": os.cpu_count(),
+        "elastic": sa, "plain": sb, "paired_ratio": paired, "ratio_of_medians": ratio,
+        "overhead": overhead, "within_2_percent": overhead <= 0.02,
+        "elastic_wall_s": wa, "plain_wall_s": wb, "runs": runs,
+    }
+    import torch  # only for the version line
+
+    print(f"\ncommand: {result['command']}")
+    print(f"A (elastic): {result['elastic_command']}")
+    print(f"B (plain):   {result['plain_command']}")
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={env.get('OMP_NUM_THREADS')}, "
+          f"{args.repeats} alternated repeats, samples/s over steps {args.warmup_steps + 1}..{args.max_steps}")
+    print("side    | median samples/s | min    | max    | IQR             | wall s (median)")
+    for name, s, w in (("elastic", sa, wa), ("plain", sb, wb)):
+        print(f"{name:7s} | {s['median']:16.1f} | {s['min']:6.1f} | {s['max']:6.1f} | "
+              f"{s['q1']:6.1f}..{s['q3']:6.1f} | {w['median']:.1f}")
+    print(f"ratio of medians elastic/plain: {ratio:.3f} (overhead {overhead:+.1%}); paired ratios: median "
+          f"{paired['median']:.3f}, min {paired['min']:.3f}, max {paired['max']:.3f}")
+    print(f"target (overhead <= 2%): {'met' if result['within_2_percent'] else 'MISSED'}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
