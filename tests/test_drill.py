@@ -1,0 +1,257 @@
+"""`elastic-train drill`: scenario parsing, the exactly-once judge and the report on synthetic
+logs (fast), and real drills on the default path (etcd-v3 rendezvous, built-in trainer; slow)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic_trainer import drill, drill_report
+from elastic_trainer.drill import Fault, ScenarioError, Trigger, parse_args, parse_fault
+
+REPO = Path(__file__).resolve().parent.parent
+
+# ----------------------------------------------------------------------------- scenarios
+
+
+def test_fault_flags_keep_command_line_order_and_targets():
+    args = parse_args(["--kill", "node:1@step:20", "--add-node", "@after:5", "--kill-rank0", "@step:40",
+                       "--stop", "node:2@step:30,for:9", "--term", "random@time:30"])
+    assert [(f.kind, f.target, f.trigger, f.duration) for f in args.faults] == [
+        ("kill", "node:1", Trigger("step", 20), None),
+        ("add-node", None, Trigger("after", 5), None),
+        ("kill-rank0", None, Trigger("step", 40), None),
+        ("stop", "node:2", Trigger("step", 30), 9.0),
+        ("term", "random", Trigger("time", 30), None),
+    ]
+    assert args.nodes == 3 and args.rdzv_backend == "etcd-v3"
+
+
+def test_durations_default_per_fault_and_corrupt_targets_a_random_node():
+    [stop] = parse_fault("stop", "node:0@step:5")
+    [etcd] = parse_fault("restart-etcd", "@step:5")
+    [corrupt] = parse_fault("corrupt-checkpoint", "@after:2")
+    assert stop.duration == 8.0 and etcd.duration == 1.0
+    assert corrupt.target == "random" and corrupt.duration is None
+
+
+def test_random_kills_expand_to_kill_then_add_pairs():
+    faults = parse_fault("random-kills", "3,every:4")
+    assert [(f.kind, f.target, f.trigger) for f in faults] == [
+        ("kill", "random", Trigger("after", 4)), ("add-node", None, Trigger("after", 1))] * 3
+
+
+@pytest.mark.parametrize("kind, spec, words", [
+    ("kill", "@step:5", "needs a target"),
+    ("kill", "node:1", "say when"),
+    ("kill", "node:x@step:5", "not node:N"),
+    ("add-node", "node:1@step:5", "takes no target"),
+    ("kill", "node:1@steps:5", "WHEN must be"),
+    ("kill", "node:1@step:5,for:3", "takes no for"),
+    ("stop", "node:1@step:5,for:abc", "takes seconds"),
+    ("explode", "@step:1", "unknown fault"),
+    ("random-kills", "zero", "count"),
+])
+def test_bad_fault_specs_are_refused_with_a_sentence(kind, spec, words):
+    with pytest.raises(ScenarioError, match=words):
+        parse_fault(kind, spec)
+
+
+def test_scenario_file_gives_settings_and_faults_and_flags_win(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text('[drill]\nnodes = 4\ntail_steps = 7\ntrainer_args = ["--sleep-per-step", "0.1"]\n'
+                    'faults = ["kill node:1@step:10", "add-node @after:3", "random-kills 1"]\n')
+    args = parse_args(["--scenario", str(path), "--nodes", "2", "--term", "node:0@after:2"])
+    assert args.nodes == 2 and args.tail_steps == 7 and args.trainer_args == "--sleep-per-step 0.1"
+    assert [f.kind for f in args.faults] == ["kill", "add-node", "kill", "add-node", "term"]
+
+
+def test_default_catalogue_parses_and_covers_every_fault():
+    args = parse_args(["--scenario", str(REPO / "drills" / "default.toml")])
+    kinds = {f.kind for f in args.faults}
+    assert kinds == set(drill.FAULT_HELP), sorted(set(drill.FAULT_HELP) - kinds)
+    assert args.netns
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--cut", "node:1@step:5,for:3"], "needs --netns"),
+    (["--fill-disk", "@step:5", "--checkpoint-dir", "/tmp/x"], "tmpfs"),
+    (["--restart-etcd", "@step:5", "--rdzv-endpoint", "127.0.0.1:1"], "own etcd"),
+])
+def test_faults_that_need_the_drills_own_resources_say_so(argv, words):
+    with pytest.raises(ScenarioError, match=words):
+        parse_args(argv)
+
+
+def test_main_reports_a_bad_scenario_in_one_line(capsys):
+    assert drill.main(["--cut", "node:1@step:5"]) == 2
+    assert "needs --netns" in capsys.readouterr().err
+
+
+def test_help_documents_the_grammar_with_examples():
+    text = drill.build_parser().format_help()
+    for needle in ("[TARGET]@WHEN", "node:N", "after:K", "--random-kills", "--trainer-args=--no-resume"):
+        assert needle in text
+
+
+# ----------------------------------------------------------------------------- synthetic logs
+
+GBS = 4
+
+
+def write_attempt(root: Path, node_ranks: dict[str, list[int]], rnd: int, steps: range, t0: float,
+                  offset_of=lambda step: step * GBS, indices_of=None, pid_base: int = 1000) -> None:
+    """Step logs + ledger of one world: ranks split each global batch of GBS indices."""
+    world = sum(len(r) for r in node_ranks.values())
+    for node, ranks in node_ranks.items():
+        for rank in ranks:
+            pid = pid_base + rnd * 100 + rank
+            (root / node / "steps").mkdir(parents=True, exist_ok=True)
+            (root / node / "ledger").mkdir(parents=True, exist_ok=True)
+            with open(root / node / "steps" / f"rank-{rank}-{pid}.jsonl", "a") as s, \
+                    open(root / node / "ledger" / f"rank-{rank}-{pid}.jsonl", "a") as led:
+                for k, step in enumerate(steps):
+                    batch = indices_of(step) if indices_of else list(range((step - 1) * GBS, step * GBS))
+                    share = batch[rank::world]
+                    s.write(json.dumps({"time": t0 + k, "step": step, "epoch": 0, "offset": offset_of(step),
+                                        "world_size": world, "rank": rank, "round": rnd, "loss": 1.0 / step,
+                                        "node": "vm"}) + "\n")
+                    led.write(json.dumps({"step": step, "epoch": 0, "round": rnd, "indices": share}) + "\n")
+
+
+def kill_record(fired_at: float, expected: int = 1, survivors=("node-0",)) -> dict:
+    return {"index": 1, "label": "kill node:1@step:12", "kind": "kill", "fired_at": fired_at, "end_at": None,
+            "fired_step": 12, "world_before": 2, "expected_world": expected, "final_world": expected,
+            "survivors": list(survivors), "notes": [], "corrupted_steps": [], "status": "recovered"}
+
+
+def two_attempts(root: Path, resume_from: int, **second) -> dict[str, Path]:
+    """World 0 (2 nodes) trains steps 1..12 at t=100.., node-1 dies at t=112; world 1 resumes."""
+    write_attempt(root, {"node-0": [0], "node-1": [1]}, 0, range(1, 13), 100.0)
+    write_attempt(root, {"node-0": [0]}, 1, range(resume_from + 1, 31), 130.0, **second)
+    return {"node-0": root / "node-0", "node-1": root / "node-1"}
+
+
+TIMELINE = [{"time": 113.0, "node": "node-0", "what": "workers_gone"},
+            {"time": 115.0, "node": "node-0", "what": "workers_started"}]
+COMMITS = {5: 105.5, 10: 110.5}
+
+
+def test_resume_from_the_last_checkpoint_is_exactly_once_and_measured(tmp_path):
+    dirs = two_attempts(tmp_path, resume_from=10)
+    report = drill_report.build_report({}, [kill_record(111.5)], TIMELINE, dirs, GBS, 60.0, COMMITS)
+    [fault] = report["faults"]
+    assert report["ok"], report["failures"]
+    assert report["ledger"]["final_step"] == 30 and report["ledger"]["samples_checked"] == 30 * GBS
+    assert (fault["detect_s"], fault["rendezvous_s"], fault["first_step_s"]) == (1.5, 3.5, 18.5)
+    assert (fault["last_step_before"], fault["resumed_from"], fault["steps_lost"], fault["samples_lost"]) == \
+           (12, 10, 2, 2 * GBS)
+    assert fault["committed_lost"] == 0
+
+
+def test_resume_from_scratch_loses_committed_work_and_fails(tmp_path):
+    dirs = two_attempts(tmp_path, resume_from=0)
+    report = drill_report.build_report({}, [kill_record(111.5)], TIMELINE, dirs, GBS, 60.0, COMMITS)
+    [fault] = report["faults"]
+    assert not report["ok"]
+    assert fault["committed_lost"] == 10 and fault["resumed_from"] == 0
+    assert any("committed steps lost" in f for f in report["failures"])
+
+
+def test_a_rewound_sampler_repeats_samples_and_fails(tmp_path):
+    def rewound(step):  # the resumed world replays the indices of steps 9 and 10 at 11 and 12
+        return list(range((step - 3) * GBS, (step - 2) * GBS))
+    dirs = two_attempts(tmp_path, resume_from=10, indices_of=rewound)
+    ledger = drill_report.build_report({}, [kill_record(111.5)], TIMELINE, dirs, GBS, 60.0, COMMITS)["ledger"]
+    assert not ledger["ok"] and ledger["repeated"] == 2 * GBS
+    assert ledger["repeated_examples"][0]["times"] == 2
+
+
+def test_a_sampler_that_jumps_ahead_skips_samples_and_fails(tmp_path):
+    dirs = two_attempts(tmp_path, resume_from=10, offset_of=lambda step: (step + 2) * GBS,
+                        indices_of=lambda step: list(range((step + 1) * GBS, (step + 2) * GBS)))
+    ledger = drill_report.build_report({}, [kill_record(111.5)], TIMELINE, dirs, GBS, 60.0, COMMITS)["ledger"]
+    assert not ledger["ok"] and ledger["skipped"] == 2 * GBS and ledger["offset_gaps"][0]["step"] == 11
+
+
+def test_no_step_at_the_expected_world_is_not_recovered(tmp_path):
+    dirs = two_attempts(tmp_path, resume_from=10)
+    report = drill_report.build_report({}, [kill_record(111.5, expected=2)], TIMELINE, dirs, GBS, 60.0, COMMITS)
+    assert not report["ok"] and not report["faults"][0]["recovered"]
+
+
+def test_two_worlds_training_at_once_fail(tmp_path):
+    write_attempt(tmp_path, {"node-0": [0]}, 0, range(1, 13), 100.0)
+    write_attempt(tmp_path, {"node-1": [0]}, 1, range(11, 20), 105.0)
+    report = drill_report.build_report({}, [], [], {"node-0": tmp_path / "node-0", "node-1": tmp_path / "node-1"},
+                                       GBS, 60.0, {})
+    assert report["overlapping_worlds"] and not report["ok"]
+
+
+def test_a_torn_last_line_is_ignored_and_the_final_step_is_the_last_complete_one(tmp_path):
+    dirs = two_attempts(tmp_path, resume_from=10)
+    with open(next((tmp_path / "node-0" / "steps").glob("rank-0-1100.jsonl")), "a") as f:
+        f.write('{"time": 160.5, "step": 31, "wor')
+    report = drill_report.build_report({}, [kill_record(111.5)], TIMELINE, dirs, GBS, 60.0, COMMITS)
+    assert report["ok"] and report["ledger"]["final_step"] == 30
+
+
+def test_report_files_and_summary_table(tmp_path):
+    dirs = two_attempts(tmp_path / "logs", resume_from=10)
+    report = drill_report.build_report({"started_at": 99.0}, [kill_record(111.5)], TIMELINE, dirs, GBS, 60.0,
+                                       COMMITS)
+    json_path, png_path = drill_report.write_report(report, tmp_path)
+    assert json.loads(json_path.read_text())["faults"][0]["first_step_s"] == 18.5
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = drill_report.summary_table(report)
+    assert "kill node:1@step:12" in table and "drill PASSED" in table and "18.5s" in table
+
+
+# ----------------------------------------------------------------------------- real drills
+
+
+def run_drill(tmp_path: Path, *extra: str) -> tuple[int, dict, str]:
+    out = tmp_path / "drill"
+    cmd = [sys.executable, "-m", "elastic_trainer.cli", "drill", "--nodes", "2", "--out", str(out),
+           "--recovery-timeout", "100", "--timeout", "240", "--tail-steps", "2", *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, start_new_session=True)
+    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
+    return done.returncode, report, done.stdout + done.stderr
+
+
+def no_leftovers(report: dict) -> None:
+    for rec in report["timeline"]:
+        if rec["what"] in ("node_started", "workers_started"):
+            for pid in rec.get("pids", [rec.get("pid")]):
+                assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(330)
+def test_drill_with_a_kill_and_a_join_recovers_with_nothing_lost(tmp_path):
+    code, report, output = run_drill(tmp_path, "--kill", "node:1@step:8", "--add-node", "@after:2")
+    print(output[-3000:])
+    assert code == 0, output[-3000:]
+    kill, add = report["faults"]
+    for fault in (kill, add):
+        assert fault["recovered"] and fault["committed_lost"] == 0
+        assert fault["first_step_s"] is not None and fault["detect_s"] is not None
+    assert (kill["expected_world"], add["expected_world"]) == (1, 2)
+    assert report["ledger"]["repeated"] == 0 and report["ledger"]["skipped"] == 0
+    assert (tmp_path / "drill" / "timeline.png").stat().st_size > 10_000
+    no_leftovers(report)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(330)
+def test_drill_against_a_trainer_without_resume_fails(tmp_path):
+    code, report, output = run_drill(tmp_path, "--kill", "node:1@step:8", "--trainer-args=--no-resume")
+    print(output[-3000:])
+    assert code == 1, output[-3000:]
+    assert report["faults"][0]["committed_lost"] > 0
+    assert "drill FAILED" in output
+    no_leftovers(report)
