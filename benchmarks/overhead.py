@@ -1,6 +1,6 @@
 """Steady-state overhead: samples/s of ``elastic-train`` against plain ``torchrun`` + DDP.
 
-    .venv/bin/python benchmarks/overhead.py                 # 5 repeats each, 160 steps, ckpt every 50
+    .venv/bin/python benchmarks/overhead.py                 # 5 repeats each, 110 steps, ckpt every 50
     .venv/bin/python benchmarks/overhead.py --quick         # smoke test: 1 repeat each, 12 steps
 
 Both sides train the built-in example task (``elastic_trainer.tasks.build_example``, same flags,
@@ -16,7 +16,7 @@ The runs alternate, A B A B ..., so that the load other processes put on the mac
 both sides alike. Samples/s of a run is read from rank 0's per-step timestamps (the trainer's step
 log; plain_ddp.py writes the same format at exit): ``global batch * steps / seconds`` over the
 steps after ``--warmup-steps``, up to the last one. The window holds whole checkpoint periods
-(warm-up 10, 160 steps: saves at 50, 100, 150), so the cost of each save (the blocked CPU copy and
+(warm-up 10, 110 steps: 100 measured steps, saves at 50 and 100), so the cost of each save (the blocked CPU copy and
 the background serialization sharing the two cores) is inside it. Start-up (etcd, rendezvous,
 imports) and the final blocking save are outside it and reported apart, as wall seconds.
 
@@ -182,7 +182,7 @@ def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5, help="runs of each side, alternated (default 5)")
-    p.add_argument("--max-steps", type=int, default=160, help="optimizer steps per run (default 160)")
+    p.add_argument("--max-steps", type=int, default=110, help="optimizer steps per run (default 110)")
     p.add_argument("--warmup-steps", type=int, default=10, help="steps left out of samples/s (default 10)")
     p.add_argument("--checkpoint-every", type=int, default=50, help="elastic side: save every N steps (default 50)")
     p.add_argument("--global-batch-size", type=int, default=32, help="both sides (default 32, the trainer's)")

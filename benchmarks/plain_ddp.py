@@ -1,7 +1,7 @@
 """The baseline: plain torchrun + DDP training of the built-in example task, no fault tolerance.
 
     .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 \\
-        benchmarks/plain_ddp.py --max-steps 160 --log-dir /tmp/plain
+        benchmarks/plain_ddp.py --max-steps 110 --log-dir /tmp/plain
 
 This is what a user would write without elastic-trainer: ``DistributedSampler``, a ``DataLoader``
 with ``batch_size = global batch / world size``, ``DistributedDataParallel``, Adam, no checkpoints,
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--global-batch-size", type=int, default=32, help="samples per step over all ranks (default 32)")
-    p.add_argument("--max-steps", type=int, default=160, help="optimizer steps to run (default 160)")
+    p.add_argument("--max-steps", type=int, default=110, help="optimizer steps to run (default 110)")
     p.add_argument("--warmup-steps", type=int, default=10, help="steps left out of samples/s (default 10)")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3, as the trainer)")
     p.add_argument("--seed", type=int, default=0, help="model init and data order seed (default 0)")

@@ -1,0 +1,252 @@
+"""One PNG per benchmark, drawn from the results that ``benchmarks/run_all`` leaves in ``docs/``.
+
+    .venv/bin/python benchmarks/plots.py                 # reads docs/, writes docs/*.png
+    .venv/bin/python benchmarks/plots.py --docs /tmp/out
+
+Inputs (a benchmark whose result is missing is skipped with a message):
+
+- ``overhead.json`` (``benchmarks/overhead.py --out``) -> ``overhead.png``
+- ``checkpoint_bench.txt`` (its printed `` | `` table) -> ``checkpoint_bench.png``
+- ``recovery.json`` (``benchmarks/recovery.py --json``) -> ``recovery.png``
+- ``rdzv_scale.json`` if present, else ``rdzv_scale.txt`` (its printed table) -> ``rdzv_scale.png``
+
+The text tables are parsed because those scripts print tables; when they write JSON, prefer it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def number(text: str) -> float | None:
+    """The first number in a table cell ('12.5%' -> 12.5, '3.1x' -> 3.1, '-' -> None)."""
+    m = _NUMBER.search(text)
+    return float(m.group()) if m else None
+
+
+def parse_pipe_table(text: str) -> list[dict[str, str]]:
+    """Rows of the first `` | ``-separated table in ``text`` (header line, then rows of as many cells)."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if " | " not in line:
+            continue
+        head = [c.strip() for c in line.split("|")]
+        rows = []
+        for row in lines[i + 1:]:
+            cells = [c.strip() for c in row.split("|")]
+            if len(cells) != len(head):
+                break
+            rows.append(dict(zip(head, cells)))
+        if rows:
+            return rows
+    return []
+
+
+def _column(row: dict[str, str], *names: str) -> float | None:
+    for name in names:
+        for key, value in row.items():
+            if key.lower() == name.lower():
+                return number(value)
+    return None
+
+
+# ---------------------------------------------------------------------------- per benchmark
+
+def plot_overhead(docs: Path) -> Path | None:
+    src = docs / "overhead.json"
+    if not src.exists():
+        return None
+    r = json.loads(src.read_text())
+    runs = r["runs"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
+    for kind, color in (("elastic", "tab:blue"), ("plain", "tab:orange")):
+        xs = [x["repeat"] for x in runs if x["kind"] == kind]
+        ys = [x["samples_per_s"] for x in runs if x["kind"] == kind]
+        label = "elastic-train (etcd, ckpt/50 async)" if kind == "elastic" else "torchrun + DDP (plain)"
+        ax1.plot(xs, ys, "o-", color=color, label=f"{label}: median {r[kind]['median']:.0f}")
+        ax1.axhline(r[kind]["median"], color=color, ls=":", lw=1)
+    ax1.set_xlabel("repeat (A and B alternated)")
+    ax1.set_ylabel("samples/s (after warm-up)")
+    ax1.set_title("Throughput per run")
+    ax1.set_ylim(bottom=0)
+    ax1.legend(fontsize=8, loc="lower left")
+    ratios = [a["samples_per_s"] / b["samples_per_s"] for a, b in
+              zip([x for x in runs if x["kind"] == "elastic"], [x for x in runs if x["kind"] == "plain"])]
+    ax2.bar(range(len(ratios)), ratios, color="tab:blue", alpha=0.7)
+    ax2.axhline(1.0, color="black", lw=1)
+    ax2.axhline(0.98, color="tab:red", ls="--", lw=1, label="target 0.98 (2% overhead)")
+    ax2.set_xlabel("repeat")
+    ax2.set_ylabel("elastic / plain")
+    ax2.set_title(f"Paired ratio; ratio of medians {r['ratio_of_medians']:.3f}")
+    ax2.set_ylim(min(0.8, min(ratios) - 0.05), max(1.1, max(ratios) + 0.05))
+    ax2.legend(fontsize=8)
+    fig.suptitle(f"Steady-state overhead ({r.get('cpus')} CPUs, {r['settings']['nproc_per_node']} workers, "
+                 f"{r['settings']['max_steps']} steps, warm-up {r['settings']['warmup_steps']})", fontsize=10)
+    return _save(fig, docs / "overhead.png")
+
+
+def plot_checkpoint(docs: Path) -> Path | None:
+    src = docs / "checkpoint_bench.json"
+    rows: list[dict] = []
+    if src.exists():
+        data = json.loads(src.read_text())
+        rows = data.get("rows", data) if isinstance(data, dict) else data
+        rows = [{k: str(v) for k, v in row.items()} for row in rows]
+        # JSON rows carry seconds; turn them into the printed table's columns
+        for row in rows:
+            for key, new in (("step_s", "step ms"), ("blocked_s", "async blocked ms"), ("sync_s", "sync save s"),
+                             ("save_mbps", "save MB/s"), ("plain_mbps", "plain copy MB/s")):
+                if key in row and number(row[key]) is not None:
+                    row[new] = str(number(row[key]) * (1e3 if new.endswith(" ms") else 1))
+    elif (docs / "checkpoint_bench.txt").exists():
+        rows = parse_pipe_table((docs / "checkpoint_bench.txt").read_text())
+    if not rows:
+        return None
+    labels = [f"{row.get('store', '?')}\nd={row.get('d_model', '?')}" for row in rows]
+    step = [_column(row, "step ms") for row in rows]
+    blocked = [_column(row, "async blocked ms") for row in rows]
+    sync = [(_column(row, "sync save s") or 0) * 1e3 for row in rows]
+    save = [_column(row, "save MB/s") for row in rows]
+    plain = [_column(row, "plain copy MB/s") for row in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    x = range(len(rows))
+    w = 0.27
+    ax1.bar([i - w for i in x], [v or 0 for v in step], w, label="training step")
+    ax1.bar(list(x), [v or 0 for v in blocked], w, label="step blocked by async save")
+    ax1.bar([i + w for i in x], sync, w, label="synchronous save")
+    ax1.set_yscale("log")
+    ax1.set_ylabel("ms (log scale)")
+    ax1.set_xticks(list(x), labels, fontsize=8)
+    ax1.set_title("Blocked time per checkpoint (target: async < 5% of a step)")
+    ax1.legend(fontsize=8)
+    ax2.bar([i - 0.2 for i in x], [v or 0 for v in save], 0.4, label="checkpoint save")
+    ax2.bar([i + 0.2 for i in x], [v or 0 for v in plain], 0.4, label="plain copy of the same bytes")
+    for i, (s, p) in enumerate(zip(save, plain)):
+        if s and p:
+            ax2.annotate(f"{s / p:.0%}", (i - 0.2, s), ha="center", va="bottom", fontsize=8)
+    ax2.set_ylabel("MB/s")
+    ax2.set_xticks(list(x), labels, fontsize=8)
+    ax2.set_title("Save throughput (target: >= 80% of a plain copy)")
+    ax2.legend(fontsize=8)
+    fig.suptitle("Checkpoint cost (benchmarks/checkpoint_bench.py)", fontsize=10)
+    return _save(fig, docs / "checkpoint_bench.png")
+
+
+def plot_recovery(docs: Path) -> Path | None:
+    src = docs / "recovery.json"
+    if not src.exists():
+        return None
+    results: dict[str, list[dict]] = json.loads(src.read_text())["results"]
+    scenarios = []
+    for trials in results.values():
+        for t in trials:
+            scenarios.extend(k for k in t if k not in scenarios)
+    backends = list(results)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / max(1, len(backends))
+    for j, backend in enumerate(backends):
+        for i, scenario in enumerate(scenarios):
+            values = [t.get(scenario) for t in results[backend]]
+            ok = [v for v in values if isinstance(v, (int, float))]
+            xpos = i - 0.4 + width * (j + 0.5)
+            if not ok:
+                ax.annotate(f"{backend}:\nno success\n0/{len(values)}", (xpos, 0.5), ha="center", va="bottom",
+                            fontsize=7, color="tab:red")
+                continue
+            med, worst = statistics.median(ok), max(ok)
+            ax.bar(xpos, med, width, color=f"C{j}", label=backend if i == 0 else None)
+            ax.errorbar(xpos, med, yerr=[[0], [worst - med]], color="black", capsize=3, lw=1)
+            ax.annotate(f"{med:.1f}\n{len(ok)}/{len(values)}", (xpos, worst), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(scenarios)), scenarios)
+    ax.set_ylabel("seconds to the first step at the new world size")
+    ax.set_title("Recovery: bar = median, whisker = worst, n = successful/trials", fontsize=10)
+    ax.legend(fontsize=8)
+    return _save(fig, docs / "recovery.png")
+
+
+def _rdzv_rows(docs: Path) -> list[dict]:
+    if (docs / "rdzv_scale.json").exists():
+        data = json.loads((docs / "rdzv_scale.json").read_text())
+        return data.get("results", data.get("rows", data)) if isinstance(data, dict) else data
+    if not (docs / "rdzv_scale.txt").exists():
+        return []
+    rows = []
+    for line in (docs / "rdzv_scale.txt").read_text().splitlines():
+        cells = line.split()
+        if len(cells) >= 5 and cells[0].isdigit():
+            rows.append({"agents": int(cells[0]), "all_ranked_s": number(cells[1]) if not cells[1].startswith(">")
+                         else None, "timeout_s": number(cells[1]) if cells[1].startswith(">") else None,
+                         "requests_per_agent": number(cells[3])})
+    return rows
+
+
+def plot_rdzv_scale(docs: Path) -> Path | None:
+    rows = _rdzv_rows(docs)
+    if not rows:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ok = [r for r in rows if r.get("all_ranked_s") is not None]
+    ax1.plot([r["agents"] for r in ok], [r["all_ranked_s"] for r in ok], "o-", label="every agent ranked")
+    for r in rows:
+        if r.get("all_ranked_s") is None:
+            y = r.get("timeout_s") or 30
+            ax1.plot([r["agents"]], [y], "x", color="tab:red", ms=10)
+            ax1.annotate(f"{r['agents']} agents: not all\nranked within {y:.0f} s", (r["agents"], y),
+                         color="tab:red", fontsize=8, ha="right", va="top")
+    ax1.axhline(30, color="tab:red", ls="--", lw=1, label="target: 1,000 agents < 30 s")
+    ax1.set_xscale("log")
+    ax1.set_yscale("log")
+    ax1.set_xlabel("simulated agents")
+    ax1.set_ylabel("seconds")
+    ax1.set_title("Time until every agent has its rank")
+    ax1.legend(fontsize=8)
+    ax2.plot([r["agents"] for r in rows], [r.get("requests_per_agent") or 0 for r in rows], "s-", color="tab:green")
+    ax2.set_xscale("log")
+    ax2.set_xlabel("simulated agents")
+    ax2.set_ylabel("etcd requests per agent")
+    ax2.set_title("etcd requests per agent")
+    ax2.set_ylim(bottom=0)
+    fig.suptitle("Rendezvous scale on one etcd (benchmarks/rdzv_scale.py)", fontsize=10)
+    return _save(fig, docs / "rdzv_scale.png")
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+PLOTS = {"overhead": plot_overhead, "checkpoint_bench": plot_checkpoint, "recovery": plot_recovery,
+         "rdzv_scale": plot_rdzv_scale}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--docs", default=str(Path(__file__).resolve().parent.parent / "docs"),
+                   help="folder with the results; the PNGs are written there (default docs/)")
+    p.add_argument("--only", default=None, help="comma list of " + ", ".join(PLOTS))
+    args = p.parse_args(argv)
+    docs = Path(args.docs)
+    names = args.only.split(",") if args.only else list(PLOTS)
+    for name in names:
+        out = PLOTS[name](docs)
+        print(f"{name}: {'wrote ' + str(out) if out else 'no results in ' + str(docs) + ', skipped'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
