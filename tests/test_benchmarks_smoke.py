@@ -1,0 +1,117 @@
+"""Smoke tests of benchmarks/: every script runs at its smallest size, exits 0 and prints numbers.
+
+These keep the benchmark scripts working; they assert nothing about speed (the numbers of a
+2-core machine shared with other work say nothing in a test). A script that has not landed in
+the repository yet is skipped with the reason; one that exists and fails is a failure.
+
+    .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_benchmarks_smoke.py
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "benchmarks"
+FLOAT = re.compile(r"\d+\.\d+")
+
+
+def run_script(procs, name: str, *args: str, timeout: float = 240) -> str:
+    """Run ``benchmarks/<name> args...`` from the repository root; return its output (exit 0 asserted)."""
+    script = BENCH / name
+    if not script.exists():
+        pytest.skip(f"benchmarks/{name} has not landed yet")
+    proc = procs.start([sys.executable, str(script), *args], cwd=REPO, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        procs.kill_all()
+        out, _ = proc.communicate()
+        pytest.fail(f"benchmarks/{name} {' '.join(args)} ran over {timeout}s; output:\n{out[-3000:]}")
+    assert proc.returncode == 0, f"benchmarks/{name} {' '.join(args)} exited {proc.returncode}:\n{out[-3000:]}"
+    assert "command:" in out, f"benchmarks/{name} did not print the command that produced its numbers"
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_overhead_quick_measures_both_launchers_and_writes_json(procs, tmp_path):
+    out = run_script(procs, "overhead.py", "--quick", "--out", str(tmp_path / "overhead.json"))
+    result = json.loads((tmp_path / "overhead.json").read_text())
+    assert result["elastic"]["median"] > 0 and result["plain"]["median"] > 0
+    assert result["ratio_of_medians"] > 0
+    assert re.search(r"ratio of medians elastic/plain: \d+\.\d+", out)
+    assert "plain_ddp.py" in result["plain_command"] and "elastic_trainer.cli" in result["elastic_command"]
+    assert [r["kind"] for r in result["runs"]] == ["elastic", "plain"]  # alternated, A first
+    assert result["runs"][0]["checkpoints"] >= 1  # the elastic side saved inside the measured window
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_checkpoint_bench_quick_prints_a_row_per_store(procs):
+    out = run_script(procs, "checkpoint_bench.py", "--quick")
+    rows = [line for line in out.splitlines() if line.startswith(("file |", "s3 |"))]
+    assert rows, f"no result rows in:\n{out[-2000:]}"
+    assert all(FLOAT.search(r) for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_recovery_one_trial_of_etcd_v3_measures_each_scenario(procs, tmp_path):
+    out = run_script(procs, "recovery.py", "--trials", "1", "--backends", "etcd-v3", "--json",
+                     str(tmp_path / "recovery.json"), timeout=360)
+    results = json.loads((tmp_path / "recovery.json").read_text())["results"]["etcd-v3"]
+    assert len(results) == 1 and set(results[0]) >= {"kill-other", "kill-rank0", "join"}
+    assert any(isinstance(v, float) for v in results[0].values()), f"no recovery was measured: {results}"
+    assert "median s" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_rdzv_scale_eight_agents_all_get_a_rank(procs):
+    out = run_script(procs, "rdzv_scale.py", "--sizes", "8")
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["8"]]
+    assert rows, f"no row for 8 agents in:\n{out[-2000:]}"
+    assert FLOAT.fullmatch(rows[0][1]), f"8 agents did not all get a rank: {rows[0]}"
+
+
+def test_plots_draw_one_png_per_benchmark_from_results(tmp_path):
+    """plots.py reads each benchmark's result format (JSON or printed table) and writes its PNG."""
+    (tmp_path / "overhead.json").write_text(json.dumps({
+        "runs": [{"kind": k, "repeat": i, "samples_per_s": v} for i in range(2)
+                 for k, v in (("elastic", 100.0 + i), ("plain", 102.0))],
+        "elastic": {"median": 100.5}, "plain": {"median": 102.0}, "ratio_of_medians": 0.985, "cpus": 2,
+        "settings": {"nproc_per_node": 2, "max_steps": 110, "warmup_steps": 10}}))
+    (tmp_path / "checkpoint_bench.txt").write_text(
+        "command: python benchmarks/checkpoint_bench.py\n"
+        "store | d_model | step ms | async blocked ms | sync save s | save MB/s | plain copy MB/s\n"
+        "file | 128 | 40 | 2.0 | 0.30 | 80 | 100\n"
+        "s3 | 512 | 300 | 9.0 | 2.10 | 50 | 70\n")
+    (tmp_path / "recovery.json").write_text(json.dumps({"results": {
+        "etcd-v3": [{"kill-other": 3.0, "join": 2.0, "kill-rank0": 4.0}],
+        "c10d": [{"kill-other": 40.0, "join": "timeout", "kill-rank0": "died"}]}}))
+    (tmp_path / "rdzv_scale.txt").write_text(
+        " agents  all ranked s  first s  req/agent  lost CAS/agent  notes\n"
+        "      8          0.21     0.20       12.0             0.5\n"
+        "   1000          >120        -       12.0             0.5  only 3/1000 ranked\n")
+    out = subprocess.run([sys.executable, str(BENCH / "plots.py"), "--docs", str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for name in ("overhead", "checkpoint_bench", "recovery", "rdzv_scale"):
+        png = tmp_path / f"{name}.png"
+        assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{name}.png not written"
+
+
+def test_run_all_is_valid_bash_and_calls_every_benchmark():
+    script = BENCH / "run_all"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text()
+    for name in ("overhead.py", "checkpoint_bench.py", "recovery.py", "rdzv_scale.py", "plots.py"):
+        assert f"benchmarks/{name}" in text
