@@ -162,6 +162,46 @@ class _Snapshotter:
                         "python values (str/int/float/bool/None/list/tuple/dict)")
 
 
+def _estimate_size(value: Any) -> int:
+    """An upper guess of the ``torch.save`` size of ``value`` (tensor bytes plus slack)."""
+    if isinstance(value, torch.Tensor):
+        return value.untyped_storage().nbytes() + 256
+    if isinstance(value, dict):
+        return sum(_estimate_size(k) + _estimate_size(v) for k, v in value.items()) + 64
+    if isinstance(value, (list, tuple)):
+        return sum(_estimate_size(v) for v in value) + 64
+    return len(value) + 64 if isinstance(value, str) else 32
+
+
+class _BlobWriter:
+    """A write-only stream into one preallocated ``bytearray``, for ``torch.save``.
+
+    Serializing into ``io.BytesIO`` copies the bytes again as it grows and once more for
+    ``getvalue()`` (object-store clients take ``bytes``/``bytearray``, not a memoryview); this
+    writes every byte once, into a buffer sized from the tensors, then trims it in place.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.buf = bytearray(max(capacity, 1 << 16) + (1 << 20))
+        self.pos = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        end = self.pos + view.nbytes
+        if end > len(self.buf):
+            self.buf.extend(bytes(max(end - len(self.buf), len(self.buf) // 2)))
+        self.buf[self.pos:end] = view
+        self.pos = end
+        return view.nbytes
+
+    def flush(self) -> None:
+        pass
+
+    def getbuffer(self) -> bytearray:
+        del self.buf[self.pos:]  # in place: no copy
+        return self.buf
+
+
 def _split(state: dict) -> dict[str, dict]:
     """File name -> the part of ``state`` it holds: one file per top-level dict entry, the rest together."""
     files: dict[str, dict] = {}
@@ -332,31 +372,34 @@ class CheckpointManager:
         costs no extra wall time when a second core is free.
         """
         t0 = time.perf_counter()
-        blobs: dict[str, bytes | memoryview] = {}
+        blobs: dict[str, bytearray] = {}
         with _SERIALIZE_LOCK:
             crc = torch.serialization.get_crc32_options()
             torch.serialization.set_crc32_options(False)
             try:
                 for fname, part in parts.items():
-                    buf = io.BytesIO()
-                    torch.save(part, buf)
-                    # local files take the buffer itself; object-store clients want bytes
-                    blobs[fname] = buf.getbuffer() if storage.is_local(self.fs) else buf.getvalue()
-                    del buf
+                    out = _BlobWriter(_estimate_size(part))
+                    torch.save(part, out)
+                    blobs[fname] = out.getbuffer()
             finally:
                 torch.serialization.set_crc32_options(crc)
         stats["serialize_s"] = time.perf_counter() - t0
         digests: dict[str, str] = {}
-        hasher = threading.Thread(target=lambda: digests.update(
-            {f: hashlib.sha256(d).hexdigest() for f, d in blobs.items()}), name="checkpoint-sha256", daemon=True)
-        hasher.start()
+
+        def digest(fname: str) -> None:
+            digests[fname] = hashlib.sha256(blobs[fname]).hexdigest()
+
+        hashers = [threading.Thread(target=digest, args=(f,), name=f"checkpoint-sha256-{f}", daemon=True)
+                   for f in blobs]
+        for h in hashers:
+            h.start()
         try:
             storage.write_many(self.fs, {storage.join(own, f): d for f, d in blobs.items()})
         finally:
-            hasher.join()
-        stats["bytes"] = sum(memoryview(d).nbytes for d in blobs.values())
-        return {f"{self.writer_id}/{f}": {"size": memoryview(d).nbytes, "sha256": digests[f]}
-                for f, d in blobs.items()}
+            for h in hashers:
+                h.join()
+        stats["bytes"] = sum(len(d) for d in blobs.values())
+        return {f"{self.writer_id}/{f}": {"size": len(d), "sha256": digests[f]} for f, d in blobs.items()}
 
     def _upload_and_commit(self, step: int, parts: dict[str, dict], meta: Any, stats: dict) -> None:
         fs, step_dir = self.fs, self._step_dir(step)
