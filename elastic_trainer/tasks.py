@@ -146,6 +146,8 @@ def add_example_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--nhead", type=int, default=4, help="attention heads (default 4)")
     g.add_argument("--num-encoder-layers", type=int, default=2, help="encoder layers (default 2)")
     g.add_argument("--num-decoder-layers", type=int, default=2, help="decoder layers (default 2)")
+    g.add_argument("--layers", type=int, default=None,
+                   help="shorthand: this many encoder and decoder layers (overrides the two flags above)")
     g.add_argument("--dim-feedforward", type=int, default=512, help="feed-forward width (default 512)")
     g.add_argument("--dropout", type=float, default=0.0,
                    help="dropout (default 0, so runs at different world sizes match exactly)")
@@ -195,8 +197,8 @@ def build_example(args: argparse.Namespace | None = None) -> Task:
     else:
         raise ValueError(f"--data {a.data!r} must be 'synthetic' or 'h5:PATH'")
     model = torch.nn.Transformer(
-        d_model=a.d_model, nhead=a.nhead, num_encoder_layers=a.num_encoder_layers,
-        num_decoder_layers=a.num_decoder_layers, dim_feedforward=a.dim_feedforward,
+        d_model=a.d_model, nhead=a.nhead, num_encoder_layers=a.layers or a.num_encoder_layers,
+        num_decoder_layers=a.layers or a.num_decoder_layers, dim_feedforward=a.dim_feedforward,
         dropout=a.dropout, batch_first=True)
     # As in the seeds, the model sees the source and the target (no causal mask) and is scored on the target.
     return Task(model=model, dataset=dataset, loss_fn=_example_loss(a.loss),

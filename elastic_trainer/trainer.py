@@ -437,6 +437,10 @@ class Trainer:
         from elastic_trainer.checkpoint import restore_rng_state
 
         meta = state.get("meta", {})
+        if bool(meta.get("fsdp", False)) != self.fsdp:
+            raise ValueError(f"checkpoint step-{step} was written {'with' if meta.get('fsdp') else 'without'} --fsdp "
+                             f"and its optimizer state is keyed accordingly; resume {'with' if meta.get('fsdp') else 'without'} "
+                             "--fsdp, or start over with --no-resume")
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -498,14 +502,20 @@ class Trainer:
             self.run_id = metrics.new_run_id()
 
         spe = self.sampler.steps_per_epoch
-        total = c.max_steps if c.epochs is None else min(c.max_steps or 10**18, c.epochs * spe)
-        print0(f"training {self.step}/{total} steps, world size {d.world_size} "
+        if c.epochs is None:
+            total = c.max_steps
+        elif c.scale_lr:  # steps per epoch follow the world size: only the sampler's epoch can tell the end
+            total = c.max_steps or 10**18
+        else:
+            total = min(c.max_steps or 10**18, c.epochs * spe)
+        print0(f"training {self.step}/{total if total < 10**18 else '?'} steps, world size {d.world_size} "
                f"({'distributed ' + dist.get_backend() if d.distributed else 'single process'}, {d.device}), "
                f"global batch {self.gbs}, {spe} steps/epoch, restart {d.restart}, round {d.round}")
         self.wandb = metrics.init_wandb(enabled=c.wandb, run_id=self.run_id, log_dir=str(self.log_dir),
                                         project=c.wandb_project, group=os.environ.get(cfgmod.ENV_RUN_ID),
                                         config={k: v for k, v in asdict(c).items() if k != "task_args"})
-        self.progress = metrics.Progress(total=total, initial=self.step, enabled=c.progress)
+        self.progress = metrics.Progress(total=total if total < 10**18 else None, initial=self.step,
+                                         enabled=c.progress)
         old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         profiler = self._start_profiler()
         stopped_by = None
