@@ -122,7 +122,10 @@ def throughput(times: dict[int, float], warmup: int, global_batch: int) -> dict:
         raise RuntimeError(f"step log has steps {min(times)}..{last}; need step {warmup} and later ones")
     seconds = times[last] - times[warmup]
     steps = last - warmup
+    intervals = [times[s] - times[s - 1] for s in range(warmup + 1, last + 1) if s - 1 in times and s in times]
+    typical = statistics.median(intervals)
     return {"samples_per_s": steps * global_batch / seconds, "steps": steps, "seconds": seconds,
+            "median_step_s": typical, "median_step_samples_per_s": global_batch / typical,
             "first_step": warmup + 1, "last_step": last, "window": (times[warmup], times[last])}
 
 
@@ -150,24 +153,37 @@ def summary(values: list[float]) -> dict:
 
 # ------------------------------------------------------------------------------- the benchmark
 
-def elastic_command(args, run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "elastic_trainer.cli", "--nproc-per-node", str(args.nproc_per_node),
-            "--run-id", f"ovh-{uuid.uuid4().hex[:8]}", "--log-dir", str(run_dir),
-            "--checkpoint-dir", str(run_dir / "ckpt"), "--",
-            "--max-steps", str(args.max_steps), "--global-batch-size", str(args.global_batch_size),
-            "--checkpoint-every", str(args.checkpoint_every), "--no-wandb", "--no-progress", *args.task_args]
+def _trainer_flags(args, checkpoints: bool) -> list[str]:
+    ckpt = ["--checkpoint-every", str(args.checkpoint_every)] if checkpoints else []
+    return ["--max-steps", str(args.max_steps), "--global-batch-size", str(args.global_batch_size), *ckpt,
+            "--no-wandb", "--no-progress", *args.task_args]
 
 
-def plain_command(args, run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            str(args.nproc_per_node), str(PLAIN_SCRIPT), "--max-steps", str(args.max_steps),
-            "--global-batch-size", str(args.global_batch_size), "--warmup-steps", str(args.warmup_steps),
-            "--log-dir", str(run_dir), *args.task_args]
+def side_command(kind: str, args, run_dir: Path) -> list[str]:
+    """The command of one side; ``trainer``/``trainer-nockpt`` split the overhead into its causes."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                str(args.nproc_per_node)]
+    if kind == "elastic":  # A: what a user runs
+        return [sys.executable, "-m", "elastic_trainer.cli", "--nproc-per-node", str(args.nproc_per_node),
+                "--run-id", f"ovh-{uuid.uuid4().hex[:8]}", "--log-dir", str(run_dir),
+                "--checkpoint-dir", str(run_dir / "ckpt"), "--", *_trainer_flags(args, True)]
+    if kind == "plain":  # B: the baseline
+        return [*torchrun, str(PLAIN_SCRIPT), "--max-steps", str(args.max_steps), "--global-batch-size",
+                str(args.global_batch_size), "--warmup-steps", str(args.warmup_steps), "--log-dir", str(run_dir),
+                *args.task_args]
+    if kind in ("trainer", "trainer-nockpt"):  # our trainer under plain torchrun: no etcd, no etcd-v3 rendezvous
+        ckpt = kind == "trainer"
+        return [*torchrun, "-m", "elastic_trainer.train", "--log-dir", str(run_dir),
+                *(["--checkpoint-dir", str(run_dir / "ckpt")] if ckpt else []), *_trainer_flags(args, ckpt)]
+    raise ValueError(f"unknown side {kind!r}; choose from {', '.join(SIDES)}")
+
+
+SIDES = ("elastic", "plain", "trainer", "trainer-nockpt")
 
 
 def measure(kind: str, args, run_dir: Path, env: dict) -> dict:
     run_dir.mkdir(parents=True)
-    cmd = elastic_command(args, run_dir) if kind == "elastic" else plain_command(args, run_dir)
+    cmd = side_command(kind, args, run_dir)
     load = os.getloadavg()[0]
     wall = run_command(cmd, env=env, cwd=run_dir, log=run_dir / "output.log", timeout=args.timeout)
     times = read_step_times(run_dir)
@@ -191,6 +207,9 @@ def parse_args(argv: list[str] | None):
                    help="OMP_NUM_THREADS for both sides (default 1, torchrun's; 'inherit' leaves the environment's)")
     p.add_argument("--task-args", default="", metavar="'FLAGS'",
                    help="example-task flags for both sides, e.g. '--d-model 64' (default: the example's defaults)")
+    p.add_argument("--sides", default="elastic,plain",
+                   help="comma list, run in this order each repeat (default elastic,plain); also: trainer "
+                        "(our trainer + checkpoints under plain torchrun) and trainer-nockpt, to split the overhead")
     p.add_argument("--timeout", type=float, default=600, help="seconds one run may take (default 600)")
     p.add_argument("--workdir", default=None, help="keep run logs here (default: a temp dir, removed)")
     p.add_argument("--out", default=None, help="write the results as JSON to this file")
@@ -200,6 +219,9 @@ def parse_args(argv: list[str] | None):
         args.repeats, args.max_steps, args.warmup_steps, args.checkpoint_every = 1, 12, 2, 5
         args.task_args = args.task_args or "--d-model 32 --dim-feedforward 64 --dataset-size 256"
     args.task_args = shlex.split(args.task_args)
+    args.sides = [x.strip() for x in args.sides.split(",") if x.strip()]
+    if not {"elastic", "plain"} <= set(args.sides) or not set(args.sides) <= set(SIDES):
+        p.error(f"--sides must include elastic and plain, and only these: {', '.join(SIDES)}")
     if args.repeats < 1 or args.max_steps <= args.warmup_steps + 1:
         p.error("need --repeats >= 1 and --max-steps > --warmup-steps + 1")
     return args
@@ -218,47 +240,65 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict] = []
     try:
         for i in range(args.repeats):
-            for kind in ("elastic", "plain"):
+            for kind in args.sides:
                 r = measure(kind, args, workdir / f"{i:02d}-{kind}", env)
                 r["repeat"] = i
                 runs.append(r)
-                print(f"repeat {i} {kind:7s} {r['samples_per_s']:8.1f} samples/s over steps {r['first_step']}.."
-                      f"{r['last_step']} ({r['seconds']:.1f} s), wall {r['wall_s']:.1f} s, load {r['load_before']:.1f}"
+                print(f"repeat {i} {kind:14s} {r['samples_per_s']:7.1f} samples/s over steps {r['first_step']}.."
+                      f"{r['last_step']} ({r['seconds']:.1f} s; median step {r['median_step_s'] * 1e3:.0f} ms), "
+                      f"wall {r['wall_s']:.1f} s, load {r['load_before']:.1f}"
                       + (f", {r['checkpoints']} checkpoints blocked {r['blocked_s'] * 1e3:.0f} ms in all"
-                         if kind == "elastic" else ""), flush=True)
+                         if r["checkpoints"] else ""), flush=True)
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
 
-    a = [r for r in runs if r["kind"] == "elastic"]
-    b = [r for r in runs if r["kind"] == "plain"]
-    sa, sb = summary([r["samples_per_s"] for r in a]), summary([r["samples_per_s"] for r in b])
-    paired = summary([x["samples_per_s"] / y["samples_per_s"] for x, y in zip(a, b)])
-    wa, wb = summary([r["wall_s"] for r in a]), summary([r["wall_s"] for r in b])
-    ratio = sa["median"] / sb["median"]
+    by = {k: [r for r in runs if r["kind"] == k] for k in args.sides}
+    sides = {}
+    for k, rs in by.items():
+        sides[k] = {"samples_per_s": summary([r["samples_per_s"] for r in rs]),
+                    "median_step_samples_per_s": summary([r["median_step_samples_per_s"] for r in rs]),
+                    "wall_s": summary([r["wall_s"] for r in rs]), "command": rs[0]["command"]}
+        if k != "plain":
+            sides[k]["paired_ratio"] = summary([x["samples_per_s"] / y["samples_per_s"]
+                                                for x, y in zip(rs, by["plain"])])
+    for k in args.sides:  # after the loop: plain may come after the others in --sides
+        if k != "plain":
+            sides[k]["ratio_of_medians"] = sides[k]["samples_per_s"]["median"] / sides["plain"]["samples_per_s"]["median"]
+            sides[k]["median_step_ratio"] = (sides[k]["median_step_samples_per_s"]["median"]
+                                             / sides["plain"]["median_step_samples_per_s"]["median"])
+    ratio = sides["elastic"]["ratio_of_medians"]
     overhead = 1 - ratio
     result = {
         "benchmark": "overhead", "command": shlex.join([Path(sys.executable).name, *sys.argv]),
-        "elastic_command": a[0]["command"], "plain_command": b[0]["command"],
+        "elastic_command": sides["elastic"]["command"], "plain_command": sides["plain"]["command"],
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")},
         "omp_num_threads": env.get("OMP_NUM_THREADS"), "cpus": os.cpu_count(),
-        "elastic": sa, "plain": sb, "paired_ratio": paired, "ratio_of_medians": ratio,
-        "overhead": overhead, "within_2_percent": overhead <= 0.02,
-        "elastic_wall_s": wa, "plain_wall_s": wb, "runs": runs,
+        "elastic": sides["elastic"]["samples_per_s"], "plain": sides["plain"]["samples_per_s"],
+        "paired_ratio": sides["elastic"]["paired_ratio"], "ratio_of_medians": ratio,
+        "median_step_ratio": sides["elastic"]["median_step_ratio"],
+        "overhead": overhead, "within_2_percent": overhead <= 0.02, "sides": sides, "runs": runs,
     }
     import torch  # only for the version line
 
     print(f"\ncommand: {result['command']}")
-    print(f"A (elastic): {result['elastic_command']}")
-    print(f"B (plain):   {result['plain_command']}")
+    for k in args.sides:
+        print(f"{k}: {sides[k]['command']}")
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={env.get('OMP_NUM_THREADS')}, "
           f"{args.repeats} alternated repeats, samples/s over steps {args.warmup_steps + 1}..{args.max_steps}")
-    print("side    | median samples/s | min    | max    | IQR             | wall s (median)")
-    for name, s, w in (("elastic", sa, wa), ("plain", sb, wb)):
-        print(f"{name:7s} | {s['median']:16.1f} | {s['min']:6.1f} | {s['max']:6.1f} | "
-              f"{s['q1']:6.1f}..{s['q3']:6.1f} | {w['median']:.1f}")
+    print("side           | median samples/s | min    | max    | IQR            | /plain (paired min..max) "
+          "| median-step samples/s | wall s")
+    for k in args.sides:
+        st, ms = sides[k]["samples_per_s"], sides[k]["median_step_samples_per_s"]
+        rel = ("" if k == "plain" else f"{sides[k]['ratio_of_medians']:.3f} ({sides[k]['paired_ratio']['min']:.2f}.."
+               f"{sides[k]['paired_ratio']['max']:.2f})")
+        print(f"{k:14s} | {st['median']:16.1f} | {st['min']:6.1f} | {st['max']:6.1f} | {st['q1']:6.1f}..{st['q3']:<6.1f} "
+              f"| {rel:24s} | {ms['median']:21.1f} | {sides[k]['wall_s']['median']:.1f}")
+    paired = result["paired_ratio"]
     print(f"ratio of medians elastic/plain: {ratio:.3f} (overhead {overhead:+.1%}); paired ratios: median "
           f"{paired['median']:.3f}, min {paired['min']:.3f}, max {paired['max']:.3f}")
+    print(f"typical step (median step time, leaves out save steps and load spikes) elastic/plain: "
+          f"{result['median_step_ratio']:.3f}")
     print(f"target (overhead <= 2%): {'met' if result['within_2_percent'] else 'MISSED'}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -71,12 +71,16 @@ def plot_overhead(docs: Path) -> Path | None:
     r = json.loads(src.read_text())
     runs = r["runs"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
-    for kind, color in (("elastic", "tab:blue"), ("plain", "tab:orange")):
+    every = r["settings"].get("checkpoint_every", 50)
+    labels = {"elastic": f"elastic-train (etcd, async ckpt/{every})", "plain": "torchrun + DDP (plain)",
+              "trainer": f"our trainer under torchrun (ckpt/{every})", "trainer-nockpt": "our trainer under torchrun, no ckpt"}
+    colors = {"elastic": "tab:blue", "plain": "tab:orange", "trainer": "tab:green", "trainer-nockpt": "tab:purple"}
+    for kind in r["settings"].get("sides", ["elastic", "plain"]):
         xs = [x["repeat"] for x in runs if x["kind"] == kind]
         ys = [x["samples_per_s"] for x in runs if x["kind"] == kind]
-        label = "elastic-train (etcd, ckpt/50 async)" if kind == "elastic" else "torchrun + DDP (plain)"
-        ax1.plot(xs, ys, "o-", color=color, label=f"{label}: median {r[kind]['median']:.0f}")
-        ax1.axhline(r[kind]["median"], color=color, ls=":", lw=1)
+        med = r["sides"][kind]["samples_per_s"]["median"] if "sides" in r else r[kind]["median"]
+        ax1.plot(xs, ys, "o-", color=colors.get(kind), label=f"{labels.get(kind, kind)}: median {med:.0f}")
+        ax1.axhline(med, color=colors.get(kind), ls=":", lw=1)
     ax1.set_xlabel("repeat (A and B alternated)")
     ax1.set_ylabel("samples/s (after warm-up)")
     ax1.set_title("Throughput per run")
