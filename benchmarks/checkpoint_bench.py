@@ -176,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
           f"{args.layers}+{args.layers} layers, median of {args.saves} saves")
-    head = ("store", "d_model", "params M", "ckpt MB", "step ms", "1st async blocked ms", "async blocked ms", "blocked/step",
-            "step during upload ms", "bg save s", "sync save s", "sync/step", "serialize s", "upload s",
+    head = ("store", "d_model", "params M", "ckpt MB", "step ms", "1st async blocked ms", "async blocked ms",
+            "blocked/step", "step during upload ms", "bg save s", "sync save s", "sync/step", "serialize s", "upload s",
             "save MB/s", "plain copy MB/s", "save/plain", "plain+fsync MB/s", "save/(plain+fsync)")
     print(" | ".join(head))
     print(" | ".join("---" for _ in head))
@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         durable = r["durable_mbps"]
         print(" | ".join([
             r["store"], str(r["d_model"]), f"{r['params_m']:.1f}", f"{r['mb']:.1f}", f"{r['step_s'] * 1e3:.0f}",
-            f"{r['first_blocked_s'] * 1e3:.1f}", f"{r['blocked_s'] * 1e3:.1f}", f"{r['blocked_s'] / r['step_s']:.1%}", f"{r['step_during_s'] * 1e3:.0f}",
+            f"{r['first_blocked_s'] * 1e3:.1f}", f"{r['blocked_s'] * 1e3:.1f}", f"{r['blocked_s'] / r['step_s']:.1%}",
+            f"{r['step_during_s'] * 1e3:.0f}",
             f"{r['bg_s']:.2f}", f"{r['sync_s']:.2f}", f"{r['sync_s'] / r['step_s']:.1f}x",
             f"{r['serialize_s']:.2f}", f"{r['upload_s']:.2f}",
             f"{r['save_mbps']:.0f}", f"{r['plain_mbps']:.0f}", f"{r['save_mbps'] / r['plain_mbps']:.0%}",

@@ -126,6 +126,26 @@ def test_save_copies_state_so_later_training_cannot_change_it(tmp_path):
     assert torch.equal(mgr.load()[1]["model"]["w"], torch.zeros(1000))
 
 
+def test_snapshot_buffers_reused_across_saves_never_mix_checkpoints(tmp_path):
+    mgr = CheckpointManager(str(tmp_path / "c"), keep_latest=5, async_save=True)
+    w, transposed = torch.zeros(10), torch.arange(12.0).reshape(3, 4).t()
+    mgr.save(1, {"model": {"w": w, "t": transposed}})
+    w += 1
+    mgr.save(2, {"model": {"w": w, "t": transposed, "new": torch.ones(2)}})
+    mgr.save(3, {"model": {"w": torch.zeros(5, dtype=torch.float64)}})  # shape and dtype change
+    mgr.close()
+    first, second, third = (mgr.load(s)[1]["model"] for s in (1, 2, 3))
+    assert torch.equal(first["w"], torch.zeros(10)) and torch.equal(first["t"], transposed)
+    assert torch.equal(second["w"], torch.ones(10)) and torch.equal(second["new"], torch.ones(2))
+    assert torch.equal(third["w"], torch.zeros(5, dtype=torch.float64)) and set(third) == {"w"}
+
+
+def test_unsupported_value_is_named_at_save_time(tmp_path):
+    mgr = CheckpointManager(str(tmp_path / "c"))
+    with pytest.raises(TypeError, match=r"state\['meta'\]\['when'\] of type ndarray"):
+        mgr.save(1, {"meta": {"when": np.zeros(2)}})
+
+
 def test_empty_store_loads_nothing(tmp_path):
     mgr = CheckpointManager(str(tmp_path / "none"))
     assert mgr.load() is None and mgr.latest_step() is None
