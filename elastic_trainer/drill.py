@@ -424,6 +424,7 @@ class Drill:
     """Runs one drill: etcd, nodes, the faults in order, the measurements, the clean-up."""
 
     POLL = 0.1
+    SETTLE_STEPS = 3
 
     def __init__(self, args: argparse.Namespace, argv: list[str]) -> None:
         self.args = args
@@ -761,12 +762,14 @@ class Drill:
             return False
         since = rec["end_at"] or rec["fired_at"]
         must_restart = rec["kind"] in drill_report.WORLD_CHANGING and rec["round_before"] is not None
-        for line in reversed(self.r0):
-            if line["time"] <= since:
-                break
-            if line.get("world_size") == rec["final_world"] and not (must_restart and line.get("round") == rec["round_before"]):
-                rec["status"] = "recovered"
-                return True
+        # Settled: SETTLE_STEPS steps of one world at the expected size since the fault (one
+        # stray step of the old world finishing after a stall does not count).
+        fresh = [s for s in self.r0[-self.SETTLE_STEPS:] if s["time"] > since
+                 and s.get("world_size") == rec["final_world"]
+                 and not (must_restart and s.get("round") == rec["round_before"])]
+        if len(fresh) == self.SETTLE_STEPS and len({s.get("round") for s in fresh}) == 1:
+            rec["status"] = "recovered"
+            return True
         if now - since > self.args.recovery_timeout:
             rec["status"] = "timeout"
             return True
@@ -879,11 +882,11 @@ class Drill:
             if current is not None:
                 if self.progress(current):
                     self._note(current.get("node"), "fault_done", index=current["index"], status=current["status"])
-                    logger.info("fault %d %s: %s", current["index"], current["label"], current["status"])
+                    logger.info("fault %d (%s): %s at step %s", current["index"], current["label"],
+                                current["status"], self.latest["step"] if self.latest else None)
                     if current["status"] == "timeout":
-                        self.problems.append(f"fault {current['index']} ({current['label']}) did not recover; "
-                                             "the rest of the scenario was not run")
-                        break
+                        if not self.restart_job(current):
+                            break
                     settle_step = self.latest["step"] if self.latest else settle_step
                     current = None
             elif queue:
@@ -906,6 +909,34 @@ class Drill:
         self._scan_commits()
         self.ended_at = time.time()
         return self.report()
+
+    def restart_job(self, rec: dict) -> bool:
+        """What an operator does after a failed recovery: kill every node, start fresh ones.
+
+        They resume from the newest checkpoint, so the rest of the scenario still runs (and the
+        ledger still judges the whole lineage). Returns False when the job does not come back.
+        """
+        logger.warning("fault %d (%s) did not recover: restarting the job with %d fresh nodes",
+                       rec["index"], rec["label"], self.args.nodes)
+        self.problems.append(f"fault {rec['index']} ({rec['label']}) did not recover within "
+                             f"{self.args.recovery_timeout:g}s; the drill restarted the job to go on")
+        for node in self.nodes:
+            if node.alive:
+                self.kill(node)
+        self.poll()
+        self._note(None, "job_restarted", after_fault=rec["index"])
+        marker = time.time()
+        for _ in range(self.args.nodes):
+            self.start_node()
+        want = min(self.args.nodes, self.max_nodes)
+        while time.time() < min(self.deadline, marker + max(self.args.recovery_timeout, 180)):
+            self.poll()
+            fresh = [s for s in self.r0[-self.SETTLE_STEPS:] if s["time"] > marker and s.get("world_size") == want]
+            if len(fresh) == self.SETTLE_STEPS:
+                return True
+            time.sleep(self.POLL)
+        self.problems.append("the job did not come back after the drill restarted it; the rest was not run")
+        return False
 
     def report(self) -> dict:
         for rec in self.records:
@@ -939,6 +970,8 @@ def _last_int(args: list[str], flag: str) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     """Run a drill from command-line flags; 0 when everything recovered and nothing was lost."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not logging.getLogger().handlers:  # `python -m elastic_trainer.drill`; the CLI sets this up itself
+        logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
     try:
         args = parse_args(argv)
     except ScenarioError as exc:

@@ -28,7 +28,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from collections import Counter
+from datetime import datetime
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +41,13 @@ logger = logging.getLogger(__name__)
 CKPT_START_EVENTS = ("checkpoint_saved", "checkpoint_save_start")
 WORLD_CHANGING = ("kill", "kill-rank0", "kill-during-checkpoint", "term", "add-node", "corrupt-checkpoint")
 _FILE_RE = re.compile(r"rank-(\d+)-(\d+)\.jsonl$")
+# Agent log lines: python logging "[2026-11-23 07:38:53,081] ..." and torch's "W1123 07:38:53.109000 pid file] ...".
+_PY_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\] (.*)$")
+_TORCH_LINE = re.compile(r"^\[?[IWEF](\d\d)(\d\d) (\d\d:\d\d:\d\d\.\d+) +\d+ (.*)$")
+# What an agent writes when it notices a lost or new peer and stops its workers.
+DETECT_RE = re.compile(r"stopping its workers|lost their etcd lease|round \d+ is over|closing signal|"
+                       r"Detected \d+ new nodes|Worker group FAILED|will restart worker group", re.I)
+JOINED_RE = re.compile(r"joined round (\d+) of rendezvous")
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -120,21 +129,47 @@ class Attempt:
         return min(ranks.values()) if ranks else 0
 
 
+def read_agent_log(path: Path) -> list[dict]:
+    """Timestamped lines of a node's agent log: ``{"time", "text"}`` (local-time stamps)."""
+    out = []
+    try:
+        text = path.read_text(errors="replace")
+        year = time.localtime(path.stat().st_mtime).tm_year
+    except FileNotFoundError:
+        return out
+    for raw in text.replace("\r", "\n").splitlines():
+        line = raw.strip()
+        m = _PY_LINE.match(line)
+        try:
+            if m:
+                stamp = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + int(m.group(2)) / 1000
+                out.append({"time": stamp, "text": m.group(3)})
+                continue
+            m = _TORCH_LINE.match(line)
+            if m:
+                hms, frac = m.group(3).split(".")
+                stamp = datetime.strptime(f"{year}-{m.group(1)}-{m.group(2)} {hms}", "%Y-%m-%d %H:%M:%S").timestamp()
+                out.append({"time": stamp + float("0." + frac), "text": m.group(4)})
+        except ValueError:
+            continue
+    return out
+
+
 @dataclass
 class RunLogs:
     workers: list[Worker]
     events: list[dict]
     attempts: list[Attempt]
+    agent: dict[str, list[dict]] = field(default_factory=dict)
 
     @property
     def rank0_lines(self) -> list[dict]:
         return sorted((s for w in self.workers if w.rank == 0 for s in w.steps), key=lambda s: s["time"])
 
     def attempt_of(self, line: dict) -> Attempt | None:
-        for a in self.attempts:
-            if any(line is s for w in a.workers for s in w.steps):
-                return a
-        return None
+        if not hasattr(self, "_index"):
+            self._index = {id(s): a for a in self.attempts for w in a.workers for s in w.steps}
+        return self._index.get(id(line))
 
 
 def load_logs(node_dirs: dict[str, Path]) -> RunLogs:
@@ -161,7 +196,8 @@ def load_logs(node_dirs: dict[str, Path]) -> RunLogs:
                 ev["_node"] = node
                 events.append(ev)
     events.sort(key=lambda e: e["time"])
-    return RunLogs(list(workers.values()), events, group_attempts(list(workers.values())))
+    agent = {node: read_agent_log(Path(root) / "agent.log") for node, root in node_dirs.items()}
+    return RunLogs(list(workers.values()), events, group_attempts(list(workers.values())), agent)
 
 
 def group_attempts(workers: list[Worker]) -> list[Attempt]:
@@ -306,7 +342,9 @@ def measure_fault(rec: dict, logs: RunLogs, timeline: list[dict], global_batch: 
     tf = rec["fired_at"]
     t_end = rec.get("end_at") or tf
     kind = rec["kind"]
-    r0 = logs.rank0_lines
+    # Only what happened before the next fault (and within the deadline) belongs to this one.
+    horizon = min(rec.get("window_end") or float("inf"), t_end + deadline)
+    r0 = [s for s in logs.rank0_lines if s["time"] <= horizon]
     before = [s for s in r0 if s["time"] <= tf]
     last = before[-1] if before else None
     attempt_before = logs.attempt_of(last) if last else None
@@ -320,8 +358,10 @@ def measure_fault(rec: dict, logs: RunLogs, timeline: list[dict], global_batch: 
         start_from = tf
     else:  # stop/cut: back at full size after the node returns; etcd/disk: steps go on
         want = rec.get("final_world", rec.get("world_before"))
-        rec_line = _first(r0, lambda s: s["time"] > t_end and s.get("world_size") == want)
         start_from = t_end
+        later = [s for s in r0 if s["time"] > t_end and s.get("world_size") == want]
+        restarted_after = [s for s in later if logs.attempt_of(s) is not attempt_before]
+        rec_line = (restarted_after or later or [None])[0]
         if kind in ("stop", "cut"):
             evicted = _first(r0, lambda s: tf < s["time"] and s.get("world_size") == rec.get("expected_world")
                              and logs.attempt_of(s) is not attempt_before)
@@ -329,19 +369,28 @@ def measure_fault(rec: dict, logs: RunLogs, timeline: list[dict], global_batch: 
             if evicted is None:
                 notes.append("the survivors did not train without the node while it was away")
         out["steps_during_fault"] = len([s for s in r0 if tf < s["time"] <= t_end])
-    recovered = rec_line is not None and rec_line["time"] - start_from <= deadline
+    recovered = rec_line is not None
     out["recovered"] = recovered
     out["first_step_s"] = round(rec_line["time"] - tf, 3) if rec_line else None
-    survivors = set(rec.get("survivors", []))
-    detect = _first(timeline, lambda o: o["time"] > tf and o["what"] == "workers_gone" and o["node"] in survivors)
-    out["detect_s"] = round(detect["time"] - tf, 3) if detect else None
     limit = rec_line["time"] if rec_line else float("inf")
-    rdzv = _first(timeline, lambda o: o["what"] == "workers_started"
-                  and (detect["time"] if detect else tf) < o["time"] <= limit)
-    out["rendezvous_s"] = round(rdzv["time"] - tf, 3) if rdzv else None
-
+    survivors = set(rec.get("survivors", []))
+    seen = [o["time"] for o in timeline if tf < o["time"] <= limit and o["what"] == "workers_gone"
+            and o["node"] in survivors]
+    seen += [e["time"] for node in survivors for e in logs.agent.get(node, [])
+             if tf < e["time"] <= limit and DETECT_RE.search(e["text"])]
+    out["detect_s"] = round(min(seen) - tf, 3) if seen else None
     new_attempt = logs.attempt_of(rec_line) if rec_line else None
     restarted = new_attempt is not None and new_attempt is not attempt_before
+    out["rendezvous_s"] = None
+    if restarted:  # the round's completion in the agents' logs, else new workers after the detection
+        key = new_attempt.key
+        new_round = int(key[6:]) if key.startswith("round-") and key[6:].isdigit() else None
+        joined = [e["time"] for lines in logs.agent.values() for e in lines if tf < e["time"] <= limit
+                  and (m := JOINED_RE.search(e["text"])) and int(m.group(1)) == new_round]
+        if not joined:
+            after = tf + (out["detect_s"] or 0.0)
+            joined = [o["time"] for o in timeline if o["what"] == "workers_started" and after < o["time"] <= limit]
+        out["rendezvous_s"] = round(min(joined) - tf, 3) if joined else None
     out["restarted"] = restarted
     ok = recovered
     if restarted:
@@ -394,6 +443,10 @@ def build_report(meta: dict, faults: list[dict], timeline: list[dict], node_dirs
     logs = load_logs(node_dirs)
     ledger = check_exactly_once(logs, global_batch)
     batch = ledger.get("global_batch") or global_batch or 0
+    fired = sorted(f["fired_at"] for f in faults if f.get("fired_at") is not None)
+    for f in faults:  # a fault's window closes when the next one fires
+        if f.get("fired_at") is not None:
+            f["window_end"] = next((t for t in fired if t > f["fired_at"]), None)
     measured = [measure_fault(f, logs, timeline, batch, deadline, commits) for f in faults]
     overlaps = find_overlapping_worlds(logs.attempts)
     failures = [f"fault {m['index']} ({m['label']}): " + "; ".join(m["notes"] or ["failed"])
