@@ -102,8 +102,7 @@ class EtcdConnection:
     def __init__(self, options: EtcdOptions) -> None:
         self.options = options
         self._lock = threading.Lock()
-        self._client = self._make_client(options.connect_timeout)
-        self._check_reachable()
+        self._client = self._connect()
 
     # -- construction -------------------------------------------------------------------
     def _make_client(self, timeout: float) -> etcd3.MultiEndpointEtcd3Client:
@@ -147,21 +146,27 @@ class EtcdConnection:
         return RendezvousConnectionError(
             f"etcd at {o.endpoint_text} did not answer within {o.connect_timeout:g}s ({detail}); {hint}")
 
-    def _check_reachable(self) -> None:
-        # Ask for etcd's status until it answers or connect_timeout passes (a server that is
-        # starting refuses connections for a moment).
+    def _connect(self) -> etcd3.MultiEndpointEtcd3Client:
+        # Authenticate and ask for etcd's status until it answers or connect_timeout passes
+        # (a server that is starting refuses connections for a moment).
         deadline = time.monotonic() + self.options.connect_timeout
         while True:
+            client = None
             try:
-                self._client.status()
-                break
+                client = self._make_client(max(0.5, deadline - time.monotonic()))
+                client.status()
+                client.timeout = self.options.read_timeout
+                return client
             except Exception as exc:  # noqa: BLE001 - every failure at start becomes one sentence
-                if _is_transient(exc) and time.monotonic() + 0.2 < deadline:
+                if client is not None:
+                    client.close()
+                cause = exc.__cause__ if isinstance(exc, RendezvousConnectionError) else exc
+                if _is_transient(cause) and time.monotonic() + 0.2 < deadline:
                     time.sleep(0.2)
                     continue
-                self._client.close()
+                if isinstance(exc, RendezvousConnectionError):
+                    raise
                 raise self._connection_error(exc) from exc
-        self._client.timeout = self.options.read_timeout
 
     # -- use ----------------------------------------------------------------------------
     @property
@@ -201,6 +206,7 @@ class EtcdConnection:
             logger.info("renewing the etcd auth token of %s", self.options.user)
             try:
                 new = self._make_client(self.options.read_timeout)
+                new.timeout = self.options.read_timeout
             except RendezvousConnectionError:
                 return
             self._client = new

@@ -10,6 +10,7 @@ Keys of one run (prefix ``/elastic-trainer/<run_id>/`` by default):
 
     <prefix>state          the rendezvous state: an envelope line, then the JSON state
     <prefix>alive/<node>   one empty key per live node, attached to that node's lease
+    <prefix>joining/<node> the node's descriptor (JSON) while it waits to join a round, on its lease
     <prefix>store/<key>    the etcd-backed torch Store (``etcd_store.EtcdStore``)
 
 Every read of the state also reads the ``alive/`` keys in the same transaction (so at
@@ -60,11 +61,14 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self.prefix = run_prefix(key_prefix, run_id)
         self.state_key = self.prefix + "state"
         self.alive_prefix = self.prefix + "alive/"
+        self.joining_prefix = self.prefix + "joining/"
         self._header = MAGIC + b" " + run_id.encode() + b"\n"
         self.requests = 0
         """etcd requests this backend sent (for the scale benchmark)."""
         self.last_alive: frozenset[str] | None = None
         """Node names with a live lease key, read in the same transaction as the last state."""
+        self.last_joining: dict[str, bytes] = {}
+        """Node name -> descriptor of the nodes waiting to join, read with the last state."""
 
     @property
     def name(self) -> str:
@@ -90,13 +94,22 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def alive_key(self, node_name: str) -> str:
         return self.alive_prefix + node_name
 
+    def joining_key(self, node_name: str) -> str:
+        return self.joining_prefix + node_name
+
+    def _range(self, prefix: str):
+        return self._conn.client.transactions.get(prefix, etcd3.utils.prefix_range_end(prefix.encode()))
+
     def _alive_range(self):
-        ops = self._conn.client.transactions
-        return ops.get(self.alive_prefix, etcd3.utils.prefix_range_end(self.alive_prefix.encode()))
+        return self._range(self.alive_prefix)
 
     def _names(self, kvs) -> frozenset[str]:
         n = len(self.alive_prefix)
         return frozenset(meta.key.decode()[n:] for _, meta in kvs)
+
+    def _joining(self, kvs) -> dict[str, bytes]:
+        n = len(self.joining_prefix)
+        return {meta.key.decode()[n:]: value for value, meta in kvs}
 
     # -- the contract -------------------------------------------------------------------
     def read(self, retry_timeout: float | None = None) -> tuple[bytes | None, int | None, frozenset[str]]:
@@ -113,8 +126,17 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return self._unwrap(value), meta.mod_revision, alive
 
     def get_state(self) -> tuple[bytes, Token] | None:
-        state, token, self.last_alive = self.read()
-        return None if state is None else (state, token)
+        def txn(client):
+            return client.transaction(compare=[], success=[client.transactions.get(self.state_key),
+                                                           self._alive_range(), self._range(self.joining_prefix)],
+                                      failure=[])
+        self.requests += 1
+        _, (state_kvs, alive_kvs, joining_kvs) = self._conn.call(txn, "state read")
+        self.last_alive, self.last_joining = self._names(alive_kvs), self._joining(joining_kvs)
+        if not state_kvs:
+            return None
+        value, meta = state_kvs[0]
+        return self._unwrap(value), meta.mod_revision
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         if token is not None:
@@ -132,12 +154,13 @@ class EtcdRendezvousBackend(RendezvousBackend):
             compare = [t.mod(self.state_key) == token] if token is not None else [t.create(self.state_key) == 0]
             return client.transaction(
                 compare=compare,
-                success=[t.put(self.state_key, self._wrap(state)), self._alive_range()],
-                failure=[t.get(self.state_key), self._alive_range()])
+                success=[t.put(self.state_key, self._wrap(state)), self._alive_range(),
+                         self._range(self.joining_prefix)],
+                failure=[t.get(self.state_key), self._alive_range(), self._range(self.joining_prefix)])
 
         self.requests += 1
         succeeded, responses = self._conn.call(txn, "state write")
-        self.last_alive = self._names(responses[1])
+        self.last_alive, self.last_joining = self._names(responses[1]), self._joining(responses[2])
         if succeeded:
             return state, responses[0].response_put.header.revision, True
         if not responses[0]:  # deleted between our read and write

@@ -69,7 +69,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from elastic_trainer.rendezvous._etcd import EtcdConnection, EtcdOptions, parse_endpoints
 from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
 from elastic_trainer.rendezvous.etcd_store import EtcdStore
-from elastic_trainer.rendezvous.state import EtcdRendezvousStateHolder, decode_state, node_name
+from elastic_trainer.rendezvous.state import EtcdRendezvousStateHolder, decode_state, node_json, node_name
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +199,17 @@ class LeaseKeeper:
             self._thread = threading.Thread(target=self._run, name=f"etcd-lease {self._key}", daemon=True)
             self._thread.start()
 
+    def put(self, key: str, value: bytes) -> None:
+        """Write ``key`` attached to the lease (it vanishes with the lease)."""
+        with self._lock:
+            lease_id = self._lease_id
+        self._conn.call(lambda c: c.put(key, value, lease=lease_id), "put")
+        self.requests += 1
+
+    def delete(self, key: str) -> None:
+        self._conn.call(lambda c: c.delete(key), "delete")
+        self.requests += 1
+
     def refresh(self) -> None:
         """Renew the lease once; mark it lost when etcd no longer knows it."""
         with self._lock:
@@ -240,14 +251,25 @@ class LeaseKeeper:
                 logger.info("could not revoke the etcd lease of %s (%s); it expires by itself", self._key, exc)
 
 
+def _crowd(state) -> int:
+    return len(state.participants) + len(state.wait_list) + len(state.redundancy_list)
+
+
 class _EtcdOpExecutor(_DistributedRendezvousOpExecutor):
     """torch's operation loop with fresh reads, a short adaptive poll and early completion."""
+
+    lost_races = 0
 
     def run(self, state_handler, deadline: float, update_deadline=None) -> None:
         holder: EtcdRendezvousStateHolder = self._state_holder  # type: ignore[assignment]
         action = None
         while action != _Action.FINISH:
-            holder.sync(use_cache=False)
+            if holder.sync(use_cache=False) is False:
+                # Lost a compare-and-swap race: back off in proportion to the crowd, then
+                # read afresh, so that N racing agents do not retry in lockstep.
+                self.lost_races += 1
+                time.sleep(random.uniform(0, min(0.5, 0.0005 * _crowd(holder.state))))
+                holder.sync(use_cache=False)
             self._state = holder.state
             ctx = _RendezvousContext(self._node, self._state, self._settings)
             action = state_handler(ctx, deadline)
@@ -289,6 +311,35 @@ class _EtcdOpExecutor(_DistributedRendezvousOpExecutor):
                 self._mark_rendezvous_closed()
             holder.mark_dirty()
 
+    def _add_to_participants(self) -> None:
+        """Add this node, and with it every live node waiting to join (up to max nodes).
+
+        torch adds one node per compare-and-swap write, so N nodes arriving together
+        need N writes and lose O(N^2) races; the ``joining/`` keys let the first writer
+        admit everyone already waiting in one write.
+        """
+        super()._add_to_participants()
+        state = self._state
+        if state.complete:
+            return
+        from datetime import datetime, timezone
+        now = datetime.now(timezone.utc)
+        added = 0
+        for node in self._state_holder.joining:  # type: ignore[attr-defined]
+            if len(state.participants) >= self._settings.max_nodes:
+                break
+            if node in state.participants or node in state.redundancy_list:
+                continue
+            state.participants[node] = 0
+            state.wait_list.discard(node)
+            state.last_heartbeats[node] = now
+            added += 1
+        if added:
+            if len(state.participants) >= self._settings.min_nodes and state.deadline is None:
+                state.deadline = now + self._settings.timeout.last_call
+            if len(state.participants) == self._settings.max_nodes:
+                self._mark_rendezvous_complete()
+
     def _everyone_alive_has_joined(self, alive: frozenset[str]) -> bool:
         """True when this round has min..max participants, us among them, and no other live node."""
         state = self._state
@@ -301,8 +352,8 @@ class _EtcdOpExecutor(_DistributedRendezvousOpExecutor):
 
     def _pause(self) -> None:
         state = self._state
-        nodes = len(state.participants) + len(state.wait_list) + len(state.redundancy_list)
-        pause = min(1.0, 0.05 + 0.002 * nodes) * random.uniform(0.7, 1.3)
+        # 50 ms for a few nodes, up to 3 s for a thousand: every waiting node reads the state.
+        pause = min(3.0, 0.05 + 0.003 * _crowd(state)) * random.uniform(0.7, 1.3)
         if state.deadline is not None and self._node in state.participants:
             from datetime import datetime, timezone
             until_deadline = (state.deadline - datetime.now(timezone.utc)).total_seconds() + 0.01
@@ -341,7 +392,16 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             time.sleep(random.uniform(0, 0.1))
         deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
         self._op_executor.run(_RendezvousExitOp(), deadline)
-        self._op_executor.run(_RendezvousJoinOp(), deadline, self._get_deadline)
+        # Only after leaving the last round may others admit this node to the next one.
+        joining_key = self._etcd_backend.joining_key(self.node_name)
+        self._lease.put(joining_key, json.dumps(node_json(self._this_node)).encode())
+        try:
+            self._op_executor.run(_RendezvousJoinOp(), deadline, self._get_deadline)
+        finally:
+            try:
+                self._lease.delete(joining_key)
+            except RendezvousError as exc:
+                logger.info("could not delete %s (%s); it goes with the lease", joining_key, exc)
         state = self._state_holder.state
         rank, world_size = self._get_world()
         store = self._get_store()

@@ -7,10 +7,11 @@ JSON with a fixed schema, checked field by field when read back:
     {"version": 1, "round": 3, "complete": true, "closed": false,
      "deadline": "2026-11-23T07:30:00.123456+00:00" | null,
      "participants": [[{"addr": "h", "pid": 12, "local_id": 0}, 0], ...],
-     "wait_list": [{...}], "redundancy_list": [{...}],
-     "last_heartbeats": [[{...}, "2026-...+00:00"], ...]}
+     "wait_list": [{...}], "redundancy_list": [{...}]}
 
-Anything else raises ``RendezvousStateError``.
+Anything else raises ``RendezvousStateError``. torch's per-node heartbeat timestamps are
+not stored: liveness is the lease, and the state machine only needs an entry per node
+(``decode_state`` gives every node the time of reading), which halves the state's size.
 
 Liveness: torch's holder drops a node whose heartbeat timestamp (written by that node,
 read with the reader's clock) is older than a timeout, so a slow or paused reader can
@@ -26,7 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from datetime import datetime
+from datetime import datetime, timezone
 
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 _KEYS = {"version", "round", "complete", "closed", "deadline", "participants", "wait_list",
-         "redundancy_list", "last_heartbeats"}
+         "redundancy_list"}
 
 
 def node_name(node: _NodeDesc) -> str:
@@ -51,7 +52,7 @@ def node_name(node: _NodeDesc) -> str:
     return f"{node.addr}_{node.pid}_{node.local_id}"
 
 
-def _node_json(node: _NodeDesc) -> dict:
+def node_json(node: _NodeDesc) -> dict:
     return {"addr": node.addr, "pid": node.pid, "local_id": node.local_id}
 
 
@@ -100,10 +101,9 @@ def encode_state(state: _RendezvousState) -> bytes:
         "complete": state.complete,
         "closed": state.closed,
         "deadline": state.deadline.isoformat() if state.deadline is not None else None,
-        "participants": [[_node_json(n), r] for n, r in sorted(state.participants.items())],
-        "wait_list": [_node_json(n) for n in sorted(state.wait_list)],
-        "redundancy_list": [_node_json(n) for n in sorted(state.redundancy_list)],
-        "last_heartbeats": [[_node_json(n), t.isoformat()] for n, t in sorted(state.last_heartbeats.items())],
+        "participants": [[node_json(n), r] for n, r in sorted(state.participants.items())],
+        "wait_list": [node_json(n) for n in sorted(state.wait_list)],
+        "redundancy_list": [node_json(n) for n in sorted(state.redundancy_list)],
     }
     return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -133,10 +133,8 @@ def decode_state(data: bytes) -> _RendezvousState:
         state.participants[_node(item[0])] = _int(item[1], "a rank")
     state.wait_list = {_node(n) for n in _list(doc["wait_list"], "wait_list")}
     state.redundancy_list = {_node(n) for n in _list(doc["redundancy_list"], "redundancy_list")}
-    for item in _list(doc["last_heartbeats"], "last_heartbeats"):
-        if not isinstance(item, list) or len(item) != 2:
-            raise _bad(f"a heartbeat must be [node, time], got {item!r:.200}")
-        state.last_heartbeats[_node(item[0])] = _time(item[1])
+    now = datetime.now(timezone.utc)
+    state.last_heartbeats = {n: now for n in (*state.participants, *state.wait_list, *state.redundancy_list)}
     return state
 
 
@@ -177,6 +175,8 @@ class EtcdRendezvousStateHolder(_RendezvousStateHolder):
         self._last_sync_time = -1.0
         self.alive: frozenset[str] = frozenset()
         """Names of the nodes with a live lease key, as of the last sync."""
+        self.joining: list[_NodeDesc] = []
+        """Live nodes that wait to join a round (their ``joining/`` keys), as of the last sync."""
 
     @property
     def state(self) -> _RendezvousState:
@@ -206,6 +206,15 @@ class EtcdRendezvousStateHolder(_RendezvousStateHolder):
         self._dirty = False
         self._last_sync_time = time.monotonic()
         self.alive = self._backend.last_alive or frozenset()
+        self.joining = []
+        for name, value in sorted(self._backend.last_joining.items()):
+            try:
+                node = _node(json.loads(value))
+            except (ValueError, RendezvousStateError):
+                logger.warning("ignoring the malformed joining key of %r in etcd", name)
+                continue
+            if name in self.alive and node_name(node) == name:
+                self.joining.append(node)
         dead = remove_dead_nodes(self._state, self.alive, self._settings)
         if dead:
             logger.info("rendezvous %r: removing node(s) %s, their etcd leases ended",
