@@ -73,7 +73,7 @@ def check_writable(url: str) -> None:
     fs, root = get_fs(url)
     probe = join(root, f".write-probe-{uuid.uuid4().hex}")
     try:
-        fs.makedirs(root, exist_ok=True)
+        makedirs(fs, root)
         with fs.open(probe, "wb") as f:
             f.write(b"ok")
         with fs.open(probe, "rb") as f:
@@ -96,9 +96,19 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
+_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl", "oss"}
+
+
+def is_object_store(fs: fsspec.AbstractFileSystem) -> bool:
+    """True for bucket stores (S3, GCS, Azure, ...), which have no real directories."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return any(p in _OBJECT_STORES for p in protocols)
+
+
 def makedirs(fs: fsspec.AbstractFileSystem, path: str) -> None:
-    """Create ``path`` (no-op on object stores, which have no directories)."""
-    fs.makedirs(path, exist_ok=True)
+    """Create ``path``; a no-op on object stores (where it would create a missing bucket)."""
+    if not is_object_store(fs):
+        fs.makedirs(path, exist_ok=True)
 
 
 def _fsync_path(path: str) -> None:

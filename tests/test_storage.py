@@ -58,6 +58,15 @@ def test_read_only_filesystem_is_a_one_line_error(tmp_path):
         subprocess.run(["umount", str(mnt)], check=False)
 
 
+def test_missing_bucket_is_a_one_line_error_and_is_not_created(s3_endpoint):
+    bucket = f"missing-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(storage.StorageError, match="is not writable") as info:
+        storage.check_writable(f"s3://{bucket}/run")
+    assert "\n" not in str(info.value)
+    fs, _ = storage.get_fs(f"s3://{bucket}")
+    assert not storage.exists(fs, bucket)
+
+
 def test_unreachable_s3_endpoint_is_a_one_line_error(monkeypatch):
     monkeypatch.setenv("ELASTIC_TRAINER_S3_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # closed port
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
