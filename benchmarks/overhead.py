@@ -20,6 +20,11 @@ steps after ``--warmup-steps``, up to the last one. The window holds whole check
 the background serialization sharing the two cores) is inside it. Start-up (etcd, rendezvous,
 imports) and the final blocking save are outside it and reported apart, as wall seconds.
 
+Because this machine is shared, samples/s moves with other people's load. Two more numbers per
+run help to read it: the median step time (leaves out save steps and bursts of load) and the CPU
+seconds the whole job used per sample inside the window (launcher, etcd and workers, sampled from
+/proc every 0.25 s), which counts the extra work of fault tolerance whatever else the cores do.
+
 ``OMP_NUM_THREADS`` is set to 1 for both sides (``--omp-threads``), the value torchrun's own CLI
 sets when it starts more than one worker per node; see docs/benchmarks.md for why.
 
@@ -83,20 +88,70 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run_command(cmd: list[str], *, env: dict, cwd: Path, log: Path, timeout: float) -> float:
-    """Run ``cmd`` in its own session, output to ``log``; returns wall seconds; raises on failure."""
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process (all its threads), from /proc/<pid>/stat."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14 and 15 of stat)
+
+
+class CpuMeter:
+    """Samples the CPU seconds used so far by a process tree (agent, etcd, workers) every ``interval``."""
+
+    def __init__(self, root: int, interval: float = 0.25) -> None:
+        self.root, self.interval = root, interval
+        self.seen: dict[int, float] = {}  # pid -> last CPU seconds read (kept after the process exits)
+        self.samples: list[tuple[float, float]] = []  # (unix time, CPU seconds of the whole tree)
+
+    def sample(self) -> None:
+        for pid in [self.root, *_descendants(self.root)]:
+            cpu = _cpu_seconds(pid)
+            if cpu is not None:
+                self.seen[pid] = max(cpu, self.seen.get(pid, 0.0))
+        self.samples.append((time.time(), sum(self.seen.values())))
+
+    def between(self, t0: float, t1: float) -> float | None:
+        """CPU seconds the tree used from ``t0`` to ``t1`` (linear between samples)."""
+        def at(t: float) -> float | None:
+            for (ta, ca), (tb, cb) in zip(self.samples, self.samples[1:]):
+                if ta <= t <= tb:
+                    return ca + (cb - ca) * ((t - ta) / (tb - ta) if tb > ta else 0.0)
+            return None
+        a, b = at(t0), at(t1)
+        return None if a is None or b is None else b - a
+
+
+def run_command(cmd: list[str], *, env: dict, cwd: Path, log: Path, timeout: float) -> tuple[float, CpuMeter]:
+    """Run ``cmd`` in its own session, output to ``log``, sampling its tree's CPU time.
+
+    Returns (wall seconds, the CpuMeter); raises on a non-zero exit or after ``timeout`` (killing the tree).
+    """
     t0 = time.monotonic()
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        meter = CpuMeter(proc.pid)
         try:
-            rc = proc.wait(timeout=timeout)
+            while True:
+                meter.sample()
+                try:
+                    rc = proc.wait(timeout=meter.interval)
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() - t0 > timeout:
+                        raise
         except BaseException:
             _kill_tree(proc)
             raise
     if rc != 0:
         tail = log.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"exit status {rc} from {shlex.join(cmd)}; last output:\n{tail}")
-    return time.monotonic() - t0
+    return time.monotonic() - t0, meter
 
 
 # ------------------------------------------------------------------------------- measures
@@ -185,10 +240,14 @@ def measure(kind: str, args, run_dir: Path, env: dict) -> dict:
     run_dir.mkdir(parents=True)
     cmd = side_command(kind, args, run_dir)
     load = os.getloadavg()[0]
-    wall = run_command(cmd, env=env, cwd=run_dir, log=run_dir / "output.log", timeout=args.timeout)
+    wall, meter = run_command(cmd, env=env, cwd=run_dir, log=run_dir / "output.log", timeout=args.timeout)
     times = read_step_times(run_dir)
     result = throughput(times, args.warmup_steps, args.global_batch_size)
-    saves = checkpoint_events(run_dir, result.pop("window"))
+    window = result.pop("window")
+    cpu = meter.between(*window)
+    result["cpu_s"] = cpu  # CPU seconds of the whole tree (launcher, etcd, workers) inside the window
+    result["cpu_ms_per_sample"] = cpu * 1e3 / (result["steps"] * args.global_batch_size) if cpu else None
+    saves = checkpoint_events(run_dir, window)
     result.update(kind=kind, wall_s=wall, load_before=load, command=shlex.join(cmd),
                   checkpoints=len(saves), blocked_s=sum(e.get("blocked_s", 0.0) for e in saves))
     return result
@@ -244,8 +303,10 @@ def main(argv: list[str] | None = None) -> int:
                 r = measure(kind, args, workdir / f"{i:02d}-{kind}", env)
                 r["repeat"] = i
                 runs.append(r)
+                cpu = f"{r['cpu_ms_per_sample']:.2f}" if r["cpu_ms_per_sample"] else "?"
                 print(f"repeat {i} {kind:14s} {r['samples_per_s']:7.1f} samples/s over steps {r['first_step']}.."
-                      f"{r['last_step']} ({r['seconds']:.1f} s; median step {r['median_step_s'] * 1e3:.0f} ms), "
+                      f"{r['last_step']} ({r['seconds']:.1f} s; median step {r['median_step_s'] * 1e3:.0f} ms; "
+                      f"{cpu} CPU ms/sample), "
                       f"wall {r['wall_s']:.1f} s, load {r['load_before']:.1f}"
                       + (f", {r['checkpoints']} checkpoints blocked {r['blocked_s'] * 1e3:.0f} ms in all"
                          if r["checkpoints"] else ""), flush=True)
@@ -258,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, rs in by.items():
         sides[k] = {"samples_per_s": summary([r["samples_per_s"] for r in rs]),
                     "median_step_samples_per_s": summary([r["median_step_samples_per_s"] for r in rs]),
+                    "cpu_ms_per_sample": summary([r["cpu_ms_per_sample"] for r in rs if r["cpu_ms_per_sample"]]
+                                                 or [float("nan")]),
                     "wall_s": summary([r["wall_s"] for r in rs]), "command": rs[0]["command"]}
         if k != "plain":
             sides[k]["paired_ratio"] = summary([x["samples_per_s"] / y["samples_per_s"]
@@ -267,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             sides[k]["ratio_of_medians"] = sides[k]["samples_per_s"]["median"] / sides["plain"]["samples_per_s"]["median"]
             sides[k]["median_step_ratio"] = (sides[k]["median_step_samples_per_s"]["median"]
                                              / sides["plain"]["median_step_samples_per_s"]["median"])
+            sides[k]["cpu_ratio"] = (sides[k]["cpu_ms_per_sample"]["median"]
+                                     / sides["plain"]["cpu_ms_per_sample"]["median"])
     ratio = sides["elastic"]["ratio_of_medians"]
     overhead = 1 - ratio
     result = {
@@ -276,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         "omp_num_threads": env.get("OMP_NUM_THREADS"), "cpus": os.cpu_count(),
         "elastic": sides["elastic"]["samples_per_s"], "plain": sides["plain"]["samples_per_s"],
         "paired_ratio": sides["elastic"]["paired_ratio"], "ratio_of_medians": ratio,
-        "median_step_ratio": sides["elastic"]["median_step_ratio"],
+        "median_step_ratio": sides["elastic"]["median_step_ratio"], "cpu_ratio": sides["elastic"]["cpu_ratio"],
         "overhead": overhead, "within_2_percent": overhead <= 0.02, "sides": sides, "runs": runs,
     }
     import torch  # only for the version line
@@ -287,18 +352,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={env.get('OMP_NUM_THREADS')}, "
           f"{args.repeats} alternated repeats, samples/s over steps {args.warmup_steps + 1}..{args.max_steps}")
     print("side           | median samples/s | min    | max    | IQR            | /plain (paired min..max) "
-          "| median-step samples/s | wall s")
+          "| median-step samples/s | CPU ms/sample | wall s")
     for k in args.sides:
         st, ms = sides[k]["samples_per_s"], sides[k]["median_step_samples_per_s"]
         rel = ("" if k == "plain" else f"{sides[k]['ratio_of_medians']:.3f} ({sides[k]['paired_ratio']['min']:.2f}.."
                f"{sides[k]['paired_ratio']['max']:.2f})")
         print(f"{k:14s} | {st['median']:16.1f} | {st['min']:6.1f} | {st['max']:6.1f} | {st['q1']:6.1f}..{st['q3']:<6.1f} "
-              f"| {rel:24s} | {ms['median']:21.1f} | {sides[k]['wall_s']['median']:.1f}")
+              f"| {rel:24s} | {ms['median']:21.1f} | {sides[k]['cpu_ms_per_sample']['median']:13.2f} "
+              f"| {sides[k]['wall_s']['median']:.1f}")
     paired = result["paired_ratio"]
     print(f"ratio of medians elastic/plain: {ratio:.3f} (overhead {overhead:+.1%}); paired ratios: median "
           f"{paired['median']:.3f}, min {paired['min']:.3f}, max {paired['max']:.3f}")
     print(f"typical step (median step time, leaves out save steps and load spikes) elastic/plain: "
           f"{result['median_step_ratio']:.3f}")
+    print(f"CPU time of the whole job (launcher, etcd, workers) per sample, elastic/plain: {result['cpu_ratio']:.3f} "
+          "(less sensitive to other load than samples/s)")
     print(f"target (overhead <= 2%): {'met' if result['within_2_percent'] else 'MISSED'}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
