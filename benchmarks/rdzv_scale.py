@@ -97,6 +97,7 @@ def run_size(endpoint: str, n: int, connections: int, timeout: float, conf: dict
         "errors": sorted(set(errors))[:3],
     }
     for h in handlers:
+        h._joined = None
         h._lease.close(revoke=False)
     try:
         conns[0].client.delete_prefix(handlers[0]._etcd_backend.prefix)
@@ -113,8 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--connections", type=int, default=16, help="gRPC channels the agents share (default 16)")
     p.add_argument("--timeout", type=float, default=120.0, help="join timeout per size in seconds (default 120)")
     p.add_argument("--endpoint", default=None, help="an etcd to use (default: start a private one)")
+    p.add_argument("--rdzv-conf", default="lease_ttl=10,keep_alive_interval=2",
+                   help="handler options k=v,... (default lease_ttl=10,keep_alive_interval=2: a thousand lease "
+                        "threads in one Python process on 2 cores cannot renew 3 s leases in time)")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    conf = dict(item.split("=", 1) for item in args.rdzv_conf.split(",") if item)
 
     server, tmp = None, None
     endpoint = args.endpoint
