@@ -294,6 +294,7 @@ class Trainer:
         self.run_id: str | None = None
         self.last_loss: float = float("nan")
         self._last_save_step: int | None = None
+        self._logged_save_step: int | None = None
 
     # ---- build -----------------------------------------------------------------------
     def _build(self) -> None:
@@ -466,6 +467,13 @@ class Trainer:
     # ---- the loop ----------------------------------------------------------------------
     def train(self) -> dict:
         """Build, resume, train until done (or stopped), save. Returns a summary dict."""
+        old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)  # acted on at the first step boundary
+        try:
+            return self._train()
+        finally:
+            signal.signal(signal.SIGTERM, old_handler)
+
+    def _train(self) -> dict:
         c = self.config
         self._build()
         d = self.dinfo
@@ -516,7 +524,6 @@ class Trainer:
                                         config={k: v for k, v in asdict(c).items() if k != "task_args"})
         self.progress = metrics.Progress(total=total if total < 10**18 else None, initial=self.step,
                                          enabled=c.progress)
-        old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         profiler = self._start_profiler()
         stopped_by = None
         try:
@@ -528,7 +535,6 @@ class Trainer:
             if profiler is not None:
                 profiler.stop()
             self.progress.close()
-            signal.signal(signal.SIGTERM, old_handler)
         self._finish(stopped_by)
         return {"step": self.step, "epoch": self.sampler.epoch, "offset": self.sampler.offset,
                 "loss": self.last_loss, "stopped_by": stopped_by, "world_size": d.world_size, "run_id": self.run_id}
@@ -633,8 +639,8 @@ class Trainer:
                   "train/lr": self.optimizer.param_groups[0]["lr"]}
         if self.ckpt is not None and self.ckpt.last_save_stats:
             st = self.ckpt.last_save_stats
-            if st.get("step") is not None and st.get("committed") and not st.get("_logged"):
-                st["_logged"] = True
+            if st.get("committed") and st.get("step") != self._logged_save_step:
+                self._logged_save_step = st.get("step")
                 values["checkpoint/blocked_s"] = st.get("blocked_s", 0.0)
                 values["checkpoint/total_s"] = (st.get("blocked_s", 0.0) + st.get("serialize_s", 0.0)
                                                 + st.get("upload_s", 0.0))
