@@ -425,3 +425,11 @@ def test_user_and_password_auth(tmp_path, run_id):
             handler_creator()(RendezvousParameters("etcd-v3", server.endpoint, run_id, 1, 1)).next_rendezvous()
     finally:
         server.stop()
+
+
+def test_scale_benchmark_smallest_size_forms_one_round(etcd):
+    from benchmarks.rdzv_scale import run_size
+
+    result = run_size(etcd.endpoint, 8, 4, 60.0, {"lease_ttl": "10", "keep_alive_interval": "2"})
+    assert result["ranks_ok"] and result["all_ranked_s"] is not None, result
+    assert result["requests_per_agent"] < 50
