@@ -433,3 +433,32 @@ def test_scale_benchmark_smallest_size_forms_one_round(etcd):
     result = run_size(etcd.endpoint, 8, 4, 60.0, {"lease_ttl": "10", "keep_alive_interval": "2"})
     assert result["ranks_ok"] and result["all_ranked_s"] is not None, result
     assert result["requests_per_agent"] < 50
+
+
+def test_a_finished_run_can_be_started_again_with_the_same_run_id(etcd, run_id):
+    create = handler_creator()
+    first = create(_params(etcd, run_id, 1, 1))
+    assert first.next_rendezvous().world_size == 1
+    first.shutdown()  # the job ended: torch closes the rendezvous
+    again = create(_params(etcd, run_id, 1, 1))
+    try:
+        assert again.next_rendezvous().world_size == 1
+        import os
+        assert int(os.environ["ELASTIC_TRAINER_RDZV_ROUND"]) >= 1  # rounds continue: fences stay unique
+    finally:
+        again.shutdown()
+
+
+def test_a_closed_run_with_a_live_node_stays_closed(etcd, run_id):
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+    create = handler_creator()
+    a, b = create(_params(etcd, run_id, 1, 2)), create(_params(etcd, run_id, 1, 2))
+    try:
+        a.next_rendezvous()
+        a.set_closed()  # closed while a is still alive: a late joiner is refused, as in torch
+        with pytest.raises(RendezvousClosedError):
+            b.next_rendezvous()
+    finally:
+        a.shutdown()
+        b.shutdown()

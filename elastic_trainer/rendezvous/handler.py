@@ -64,12 +64,19 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousContext,
     _RendezvousExitOp,
     _RendezvousJoinOp,
+    _RendezvousState,
 )
 
 from elastic_trainer.rendezvous._etcd import EtcdConnection, EtcdOptions, parse_endpoints
 from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
 from elastic_trainer.rendezvous.etcd_store import EtcdStore
-from elastic_trainer.rendezvous.state import EtcdRendezvousStateHolder, decode_state, node_json, node_name
+from elastic_trainer.rendezvous.state import (
+    EtcdRendezvousStateHolder,
+    decode_state,
+    encode_state,
+    node_json,
+    node_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -376,6 +383,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._lease = LeaseKeeper(conn, backend.alive_key(self.node_name), options.lease_ttl,
                                   options.keep_alive_interval, self._watch)
         self._joined: tuple[int, frozenset[str]] | None = None
+        self._first_round = True
         self._revoked: str | None = None
         self._waiting = 0
 
@@ -388,7 +396,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._joined, self._revoked, self._waiting = None, None, 0
         logger.info("node %s joins the next round of rendezvous '%s'", self.node_name, self._settings.run_id)
         self._lease.ensure()
-        if self._state_holder.state.round == 0:
+        if self._first_round:
+            self._first_round = False
+            self._reopen_finished_run()
             time.sleep(random.uniform(0, 0.1))
         deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
         self._op_executor.run(_RendezvousExitOp(), deadline)
@@ -418,6 +428,30 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         logger.info("node %s joined round %d of rendezvous '%s' as rank %d of %d", self.node_name,
                     state.round, self._settings.run_id, rank, world_size)
         return RendezvousInfo(store, rank, world_size, bootstrap)
+
+    def _reopen_finished_run(self) -> None:
+        """Start over when the run's state says a finished job closed it and nobody is left.
+
+        torch closes the rendezvous when a job ends; its c10d store vanishes with the job,
+        but etcd keeps the closed state, so running the same run id again (the embedded etcd
+        keeps its data in the log dir) would fail at once. A closed state with no live node
+        but this one belongs to a finished job: replace it (compare-and-swap) by a fresh one
+        whose round numbers continue, so that round fences stay unique.
+        """
+        backend = self._etcd_backend
+        data, token, alive = backend.read()
+        if data is None:
+            return
+        old = decode_state(data)
+        others = alive - {self.node_name}
+        if not old.closed or others:
+            return
+        fresh = _RendezvousState()
+        fresh.round = old.round + 1
+        if backend.set_state(encode_state(fresh), token) is not None:
+            logger.info("rendezvous '%s' was closed by a finished job; starting it over at round %d",
+                        self._settings.run_id, fresh.round)
+            self._store.delete_prefix("")
 
     def num_nodes_waiting(self) -> int:
         if self._joined is not None and self._revoked is None and \
