@@ -266,3 +266,15 @@ def test_profile_writes_a_chrome_trace_and_key_averages(tmp_path):
     assert traces and tables
     assert json.loads(traces[0].read_text())["traceEvents"]
     assert "Self CPU" in tables[0].read_text()
+
+
+def test_time_based_checkpoints_and_max_seconds_stop_with_a_saved_step(tmp_path):
+    out = train_inprocess("--task", FIXTURE, "--global-batch-size", "16", "--max-steps", "100000",
+                          "--sleep-per-step", "0.1", "--max-seconds", "1", "--checkpoint-every-seconds", "0.25",
+                          "--checkpoint-dir", str(tmp_path / "ck"), "--log-dir", str(tmp_path / "l"))
+    assert out["stopped_by"] == "max-seconds" and 3 <= out["step"] < 100
+    events = read_jsonl(tmp_path / "l", "events.jsonl")
+    saves = [e for e in events if e["event"] == "checkpoint_saved"]
+    assert len(saves) >= 3 and saves[-1]["step"] == out["step"] and saves[-1]["committed"] is True
+    assert any(not e["blocking"] for e in saves)  # periodic saves are asynchronous
+    assert latest(tmp_path / "ck")[0] == out["step"]
