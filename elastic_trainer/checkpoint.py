@@ -279,7 +279,7 @@ class CheckpointManager:
         stats = {"step": int(step), "blocked_s": 0.0, "copy_s": copied - start, "serialize_s": 0.0,
                  "upload_s": 0.0, "bytes": 0, "committed": False, "error": None}
         if self.async_save and not blocking:
-            self._thread = threading.Thread(target=self._write, args=(int(step), snap, stats),
+            self._thread = threading.Thread(target=self._write_in_background, args=(int(step), snap, stats),
                                             name=f"checkpoint-step-{step}", daemon=True)
             self._thread.start()
         else:
@@ -310,6 +310,15 @@ class CheckpointManager:
 
     def _step_dir(self, step: int) -> str:
         return storage.join(self.root, f"step-{step}")
+
+    def _write_in_background(self, step: int, snap: dict, stats: dict) -> None:
+        """``_write`` at a lower CPU priority (nice +10, this thread and its hashers only), so that
+        on a busy CPU the training thread comes first."""
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + 10)
+        except (OSError, AttributeError):  # not Linux, or not allowed: run at normal priority
+            pass
+        self._write(step, snap, stats)
 
     def _write(self, step: int, snap: dict, stats: dict) -> None:
         """Serialize, upload, fence, commit, prune; retried with backoff; never raises."""
