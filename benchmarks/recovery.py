@@ -19,14 +19,18 @@ when every agent exited). Backends: ``etcd-v3`` (ours, defaults), ``c10d`` (torc
 defaults: heartbeats 5 s x 3, last call 30 s, shared TCP store), ``c10d-tuned``
 (keep_alive_interval=1, keep_alive_max_attempt=2, last_call_timeout=1, and
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1). It prints median and worst per backend and
-scenario, the number of successful trials, and the command that produced them.
+scenario, the number of successful trials, and the command that produced them; "rdzv"
+columns give the part until an agent logged "Rendezvous complete" (the rest is torchrun
+starting the workers: a new Python, ``import torch``, gloo init).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -49,6 +53,9 @@ BACKENDS = {
     "c10d-tuned": ("c10d", "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1",
                    {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
 }
+
+
+_RDZV_DONE = re.compile(r"^I(\d{4}) (\d\d:\d\d:\d\d\.\d+) .*Rendezvous complete for workers")
 
 
 class Failed(Exception):
@@ -80,7 +87,7 @@ class Job:
                         backend=self.rdzv_backend, conf=self.conf, worker_args=("--sleep", "0.05"))
         with open(self.dir / f"agent-{i}.log", "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=dict(os.environ, ELASTIC_TRAINER_RDZV_LOG="INFO", **self.env))
+                                    env=dict(os.environ, ELASTIC_TRAINER_RDZV_LOG="INFO", LOGLEVEL="INFO", **self.env))
         self.agents.append(proc)
         if i == 0 and self.rdzv_backend == "c10d":
             time.sleep(1.0)  # let the first agent host the c10d store, as an operator would
@@ -113,6 +120,20 @@ class Job:
             hits = [s["time"] for s in steps if s["time"] > t0 and s["world_size"] == size]
             return hits[0] if hits else None
         return self.wait(f"a step at world size {size}", pred, timeout) - t0
+
+    def rendezvous_done_after(self, t0: float) -> float | None:
+        """Seconds from ``t0`` to the first "Rendezvous complete" an agent logged after it."""
+        times = []
+        for log in self.dir.glob("agent-*.log"):
+            for line in log.read_text(errors="replace").splitlines():
+                m = _RDZV_DONE.match(line)
+                if m:
+                    mmdd, hms = m.groups()
+                    now = datetime.datetime.now()
+                    t = datetime.datetime.strptime(f"{now.year}{mmdd} {hms}", "%Y%m%d %H:%M:%S.%f").timestamp()
+                    if t > t0:
+                        times.append(t - t0)
+        return min(times) if times else None
 
     def agent_of(self, worker_pid: int) -> subprocess.Popen:
         for agent in self.agents:
@@ -147,10 +168,12 @@ def trial(backend: str, nodes: int, timeout: float, root: Path, extra_conf: str)
         signal_tree(victim.pid, signal.SIGKILL)
         try:
             results["kill-other"] = job.first_step_after(t0, nodes - 1, timeout)
+            results["kill-other rdzv"] = job.rendezvous_done_after(t0)
             time.sleep(1.0)
             t0 = time.time()
             job.start_node()
             results["join"] = job.first_step_after(t0, nodes, timeout)
+            results["join rdzv"] = job.rendezvous_done_after(t0)
         except Failed as exc:
             results.setdefault("kill-other", str(exc))
             results.setdefault("join", "not run (kill-other failed)" if "kill-other" not in results
@@ -168,6 +191,7 @@ def trial(backend: str, nodes: int, timeout: float, root: Path, extra_conf: str)
         t0 = time.time()
         signal_tree(victim.pid, signal.SIGKILL)
         results["kill-rank0"] = job.first_step_after(t0, nodes - 1, timeout)
+        results["kill-rank0 rdzv"] = job.rendezvous_done_after(t0)
     except Failed as exc:
         results["kill-rank0"] = str(exc)
     finally:
@@ -176,15 +200,20 @@ def trial(backend: str, nodes: int, timeout: float, root: Path, extra_conf: str)
 
 
 def summarize(all_results: dict[str, list[dict]], trials: dict[str, int]) -> str:
-    lines = [f"{'backend':<11} {'scenario':<11} {'median s':>9} {'worst s':>9} {'ok':>7}  failures"]
+    lines = [f"{'backend':<11} {'scenario':<11} {'median s':>9} {'worst s':>9} {'ok':>7} "
+             f"{'rdzv med':>9} {'rdzv worst':>10}  failures"]
     for backend, results in all_results.items():
         for scenario in SCENARIOS:
-            values = [r[scenario] for r in results]
+            values = [r.get(scenario, "not run") for r in results]
             ok = [v for v in values if isinstance(v, float)]
             bad = sorted({v for v in values if isinstance(v, str)})
+            rdzv = [r[f"{scenario} rdzv"] for r in results if isinstance(r.get(scenario), float)
+                    and isinstance(r.get(f"{scenario} rdzv"), float)]
             med = f"{statistics.median(ok):9.2f}" if ok else f"{'-':>9}"
             worst = f"{max(ok):9.2f}" if ok and len(ok) == len(values) else f"{'fail' if bad else '-':>9}"
-            lines.append(f"{backend:<11} {scenario:<11} {med} {worst} {len(ok):>3}/{len(values):<3}  "
+            rmed = f"{statistics.median(rdzv):9.2f}" if rdzv else f"{'-':>9}"
+            rworst = f"{max(rdzv):10.2f}" if rdzv else f"{'-':>10}"
+            lines.append(f"{backend:<11} {scenario:<11} {med} {worst} {len(ok):>3}/{len(values):<3} {rmed} {rworst}  "
                          f"{'; '.join(bad)}")
     return "\n".join(lines)
 
@@ -219,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                           args.rdzv_conf if b == "etcd-v3" else "")
                 all_results[b].append(r)
                 print(f"trial {i + 1} {b}: " + ", ".join(
-                    f"{k}={v:.2f}s" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
+                    f"{k}={v:.2f}s" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
+                    if not k.endswith("rdzv")), flush=True)
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -67,6 +67,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         """etcd requests this backend sent (for the scale benchmark)."""
         self.last_alive: frozenset[str] | None = None
         """Node names with a live lease key, read in the same transaction as the last state."""
+        self._cache: tuple[int, bytes] | None = None  # (mod revision, state) last seen
         self.last_joining: dict[str, bytes] = {}
         """Node name -> descriptor of the nodes waiting to join, read with the last state."""
 
@@ -126,17 +127,32 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return self._unwrap(value), meta.mod_revision, alive
 
     def get_state(self) -> tuple[bytes, Token] | None:
+        # A conditional read: when the state is still at the revision we last saw, etcd sends
+        # only the alive/joining keys, not the state (waiting nodes poll it).
+        cached = self._cache
+
         def txn(client):
-            return client.transaction(compare=[], success=[client.transactions.get(self.state_key),
-                                                           self._alive_range(), self._range(self.joining_prefix)],
-                                      failure=[])
+            t = client.transactions
+            ranges = [self._alive_range(), self._range(self.joining_prefix)]
+            if cached is None:
+                return client.transaction(compare=[], success=[t.get(self.state_key), *ranges], failure=[])
+            return client.transaction(compare=[t.mod(self.state_key) == cached[0]], success=ranges,
+                                      failure=[t.get(self.state_key), *ranges])
         self.requests += 1
-        _, (state_kvs, alive_kvs, joining_kvs) = self._conn.call(txn, "state read")
+        unchanged, responses = self._conn.call(txn, "state read")
+        if cached is not None and unchanged:
+            alive_kvs, joining_kvs = responses
+            self.last_alive, self.last_joining = self._names(alive_kvs), self._joining(joining_kvs)
+            return cached[1], cached[0]
+        state_kvs, alive_kvs, joining_kvs = responses
         self.last_alive, self.last_joining = self._names(alive_kvs), self._joining(joining_kvs)
         if not state_kvs:
+            self._cache = None
             return None
         value, meta = state_kvs[0]
-        return self._unwrap(value), meta.mod_revision
+        state = self._unwrap(value)
+        self._cache = (meta.mod_revision, state)
+        return state, meta.mod_revision
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         if token is not None:
@@ -162,8 +178,13 @@ class EtcdRendezvousBackend(RendezvousBackend):
         succeeded, responses = self._conn.call(txn, "state write")
         self.last_alive, self.last_joining = self._names(responses[1]), self._joining(responses[2])
         if succeeded:
-            return state, responses[0].response_put.header.revision, True
+            revision = responses[0].response_put.header.revision
+            self._cache = (revision, state)
+            return state, revision, True
         if not responses[0]:  # deleted between our read and write
+            self._cache = None
             return None
         value, meta = responses[0][0]
-        return self._unwrap(value), meta.mod_revision, False
+        current = self._unwrap(value)
+        self._cache = (meta.mod_revision, current)
+        return current, meta.mod_revision, False

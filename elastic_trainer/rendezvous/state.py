@@ -154,6 +154,17 @@ def remove_dead_nodes(state: _RendezvousState, alive: frozenset[str], settings: 
     return dead
 
 
+def _copy(state: _RendezvousState) -> _RendezvousState:
+    """A copy that the state machine may change (node descriptors are immutable)."""
+    new = _RendezvousState()
+    new.round, new.complete, new.deadline, new.closed = state.round, state.complete, state.deadline, state.closed
+    new.participants = dict(state.participants)
+    new.wait_list = set(state.wait_list)
+    new.redundancy_list = set(state.redundancy_list)
+    new.last_heartbeats = dict(state.last_heartbeats)
+    return new
+
+
 class EtcdRendezvousStateHolder(_RendezvousStateHolder):
     """Keeps the local copy of the rendezvous state in sync with etcd, as JSON.
 
@@ -173,6 +184,7 @@ class EtcdRendezvousStateHolder(_RendezvousStateHolder):
         self._token = None
         self._dirty = False
         self._last_sync_time = -1.0
+        self._pristine: tuple[object, _RendezvousState] | None = None  # decoded state by token
         self.alive: frozenset[str] = frozenset()
         """Names of the nodes with a live lease key, as of the last sync."""
         self.joining: list[_NodeDesc] = []
@@ -201,7 +213,12 @@ class EtcdRendezvousStateHolder(_RendezvousStateHolder):
             response = self._backend.get_state()
             if response is not None:
                 state_bits, token = response
-        self._state = decode_state(state_bits) if state_bits is not None else _RendezvousState()
+        if state_bits is None:
+            self._state = _RendezvousState()
+        else:
+            if self._pristine is None or self._pristine[0] != token:
+                self._pristine = (token, decode_state(state_bits))
+            self._state = _copy(self._pristine[1])
         self._token = token
         self._dirty = False
         self._last_sync_time = time.monotonic()
