@@ -278,3 +278,15 @@ def test_time_based_checkpoints_and_max_seconds_stop_with_a_saved_step(tmp_path)
     assert len(saves) >= 3 and saves[-1]["step"] == out["step"] and saves[-1]["committed"] is True
     assert any(not e["blocking"] for e in saves)  # periodic saves are asynchronous
     assert latest(tmp_path / "ck")[0] == out["step"]
+
+
+def test_dataloader_workers_feed_the_same_samples_and_parameters(tmp_path):
+    """Prefetching workers must not shift which indices a step consumes (ledger) or what it learns."""
+    for name, workers in (("w0", "0"), ("w2", "2")):
+        train_inprocess("--task", FIXTURE, "--noise", "0", "--global-batch-size", "16", "--micro-batch-size", "6",
+                        "--max-steps", "20", "--num-workers", workers, "--sample-ledger",
+                        "--checkpoint-dir", str(tmp_path / name), "--log-dir", str(tmp_path / f"l{name}"))
+    ledgers = [read_jsonl(tmp_path / f"l{name}" / "ledger", "*.jsonl") for name in ("w0", "w2")]
+    assert ledgers[0] == ledgers[1] and len(ledgers[0]) == 20
+    assert ledgers[0][15]["epoch"] == 0 and ledgers[0][16]["epoch"] == 1  # 256 samples: 16 steps per epoch
+    assert_same(latest(tmp_path / "w0")[1]["model"], latest(tmp_path / "w2")[1]["model"])
