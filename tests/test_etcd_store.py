@@ -38,7 +38,7 @@ def test_blocking_get_times_out_with_lookup_error(store):
     start = time.monotonic()
     with pytest.raises(LookupError, match="was not set"):
         store.get("never")
-    assert 0.4 < time.monotonic() - start < 5
+    assert 0.4 < time.monotonic() - start < 30
     with pytest.raises(LookupError):
         store.wait(["never"], timedelta(seconds=0.2))
 
@@ -47,7 +47,7 @@ def test_blocking_get_wakes_when_another_client_sets_the_key(store):
     threading.Timer(0.5, lambda: store.set("later", "v")).start()
     start = time.monotonic()
     assert store.get("later") == b"v"
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 9  # woke before the 10 s store timeout
     threading.Timer(0.3, lambda: store.set("w2", "v")).start()
     store.set("w1", "v")
     store.wait(["w1", "w2"])
