@@ -951,8 +951,12 @@ class Drill:
                            "recovery_timeout": self.args.recovery_timeout},
                 "problems": self.problems}
         node_dirs = {n.name: n.log_dir for n in self.nodes}
+        expected = None
+        size, seed = _last_int(self.trainer_args, "--dataset-size"), _last_int(self.trainer_args, "--seed") or 0
+        if not self.args.script and "--task" not in self.trainer_args and size and self.global_batch:
+            expected = drill_report.sampler_order(size, self.global_batch, seed)  # the built-in task's order
         report = drill_report.build_report(meta, self.records, self.timeline, node_dirs, self.global_batch,
-                                           self.args.recovery_timeout, self.commits)
+                                           self.args.recovery_timeout, self.commits, expected)
         drill_report.write_report(report, self.out)
         return report
 

@@ -253,11 +253,16 @@ def final_lineage(attempts: list[Attempt]) -> tuple[dict[int, Attempt], list[int
     return lineage, sorted(missing), final
 
 
-def check_exactly_once(logs: RunLogs, global_batch: int | None = None) -> dict:
-    """Judge exactly-once sample consumption over the final lineage (see module docstring)."""
+def check_exactly_once(logs: RunLogs, global_batch: int | None = None, expected=None) -> dict:
+    """Judge exactly-once sample consumption over the final lineage (see module docstring).
+
+    ``expected(step) -> list[int]``, when given, is the global batch the sampler must yield at
+    that step (the drill builds it from the trainer's dataset size and seed); every index it
+    lists that the step did not consume counts as skipped.
+    """
     lineage, missing, final = final_lineage(logs.attempts)
     have_ledger = any(w.ledger for w in logs.workers)
-    result = {"final_step": final, "steps_checked": 0, "samples_checked": 0, "repeated": 0,
+    result = {"final_step": final, "order_checked": expected is not None, "steps_checked": 0, "samples_checked": 0, "repeated": 0,
               "skipped": 0, "missing_steps": missing[:20], "missing_step_count": len(missing),
               "bad_batch_steps": [], "offset_gaps": [], "repeated_examples": [], "ledger": have_ledger}
     if not have_ledger:
@@ -276,6 +281,11 @@ def check_exactly_once(logs: RunLogs, global_batch: int | None = None) -> dict:
             continue
         indices = [i for row in rows for i in row.get("indices", [])]
         sizes[step] = len(indices)
+        if expected is not None:
+            missed = set(expected(step)) - set(indices)
+            if missed:
+                result.setdefault("order_mismatch_steps", []).append(step)
+                result["skipped"] += len(missed)
         per_epoch.setdefault(int(rows[0].get("epoch", 0)), Counter()).update(indices)
         result["steps_checked"] += 1
         result["samples_checked"] += len(indices)
@@ -434,14 +444,31 @@ def measure_fault(rec: dict, logs: RunLogs, timeline: list[dict], global_batch: 
     return out
 
 
+def sampler_order(dataset_len: int, global_batch: int, seed: int):
+    """``step -> global batch`` of the built-in ElasticSampler (shuffle on, constant global batch)."""
+    from elastic_trainer.sampler import epoch_permutation
+
+    per_epoch = dataset_len // global_batch
+    cache: dict[int, list[int]] = {}
+
+    def expected(step: int) -> list[int]:
+        epoch, k = divmod(step - 1, per_epoch)
+        if epoch not in cache:
+            cache.clear()
+            cache[epoch] = epoch_permutation(dataset_len, seed, epoch).tolist()
+        return cache[epoch][k * global_batch:(k + 1) * global_batch]
+    return expected
+
+
 def build_report(meta: dict, faults: list[dict], timeline: list[dict], node_dirs: dict[str, Path],
-                 global_batch: int | None, deadline: float, commits: dict[int, float]) -> dict:
+                 global_batch: int | None, deadline: float, commits: dict[int, float], expected=None) -> dict:
     """Measure every fault and the whole run; the dict is what report.json holds.
 
-    ``commits`` maps each checkpoint step to the time its manifest was committed.
+    ``commits`` maps each checkpoint step to the time its manifest was committed;
+    ``expected`` is passed to ``check_exactly_once``.
     """
     logs = load_logs(node_dirs)
-    ledger = check_exactly_once(logs, global_batch)
+    ledger = check_exactly_once(logs, global_batch, expected)
     batch = ledger.get("global_batch") or global_batch or 0
     fired = sorted(f["fired_at"] for f in faults if f.get("fired_at") is not None)
     for f in faults:  # a fault's window closes when the next one fires

@@ -80,6 +80,11 @@ class Network:
         """Create the bridge and give it ``10.231.X.1/24``."""
         _ip("link", "add", self.bridge, "type", "bridge")
         self._bridge_made = True
+        # A bridge without an address of its own takes its ports' lowest MAC and changes it when
+        # a port joins, leaves or goes down: every node's ARP entry for etcd goes stale, and a
+        # cut or an added node becomes a seconds-long outage of etcd for all. Pin it.
+        pid = self.owner & 0xFFFFFF
+        _ip("link", "set", self.bridge, "address", f"02:e7:00:{pid >> 16:02x}:{(pid >> 8) & 0xFF:02x}:{pid & 0xFF:02x}")
         _ip("addr", "add", f"{self.host_address}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
         logger.info("netns: bridge %s at %s/24", self.bridge, self.host_address)

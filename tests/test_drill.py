@@ -4,8 +4,11 @@ logs (fast), and real drills on the default path (etcd-v3 rendezvous, built-in t
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -178,6 +181,33 @@ def test_a_sampler_that_jumps_ahead_skips_samples_and_fails(tmp_path):
     assert not ledger["ok"] and ledger["skipped"] == 2 * GBS and ledger["offset_gaps"][0]["step"] == 11
 
 
+def in_order(step):
+    return list(range((step - 1) * GBS, step * GBS))
+
+
+def test_the_sampler_order_check_passes_a_faithful_resume(tmp_path):
+    dirs = two_attempts(tmp_path, resume_from=10)
+    ledger = drill_report.build_report({}, [kill_record(111.5)], TIMELINE, dirs, GBS, 60.0, COMMITS,
+                                       expected=in_order)["ledger"]
+    assert ledger["ok"] and ledger["order_checked"] and ledger["skipped"] == 0
+
+
+def test_the_sampler_order_check_catches_substituted_samples(tmp_path):
+    # Same offsets, no repeats, full batches: only the expected order shows that 11..12 took other data.
+    dirs = two_attempts(tmp_path, resume_from=10,
+                        indices_of=lambda step: in_order(step) if step > 12 else [1000 + i for i in in_order(step)])
+    ledger = drill_report.build_report({}, [kill_record(111.5)], TIMELINE, dirs, GBS, 60.0, COMMITS,
+                                       expected=in_order)["ledger"]
+    assert not ledger["ok"] and ledger["order_mismatch_steps"] == [11, 12] and ledger["skipped"] == 2 * GBS
+
+
+def test_sampler_order_is_the_built_in_samplers_permutation():
+    from elastic_trainer.sampler import epoch_permutation
+    expected = drill_report.sampler_order(dataset_len=50, global_batch=12, seed=3)
+    assert expected(1) == epoch_permutation(50, 3, 0)[:12].tolist()
+    assert expected(5) == epoch_permutation(50, 3, 1)[:12].tolist()  # 4 steps per epoch, 2 samples dropped
+
+
 def test_no_step_at_the_expected_world_is_not_recovered(tmp_path):
     dirs = two_attempts(tmp_path, resume_from=10)
     report = drill_report.build_report({}, [kill_record(111.5, expected=2)], TIMELINE, dirs, GBS, 60.0, COMMITS)
@@ -244,6 +274,42 @@ def test_drill_with_a_kill_and_a_join_recovers_with_nothing_lost(tmp_path):
     assert report["ledger"]["repeated"] == 0 and report["ledger"]["skipped"] == 0
     assert (tmp_path / "drill" / "timeline.png").stat().st_size > 10_000
     no_leftovers(report)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_sigterm_to_the_drill_stops_everything_it_started(tmp_path):
+    """Processes, etcd, and (as root) namespaces, veths, the bridge and the tmpfs are gone."""
+    out = tmp_path / "drill"
+    root = os.geteuid() == 0
+    cmd = [sys.executable, "-m", "elastic_trainer.cli", "drill", "--nodes", "2", "--out", str(out),
+           "--kill", "node:1@step:100000"] + (["--netns", "--fill-disk", "@step:100000"] if root else [])
+    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 150
+        while not list(out.glob("nodes/*/steps/rank-0-*.jsonl")) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            time.sleep(0.5)
+        assert list(out.glob("nodes/*/steps/rank-0-*.jsonl")), "the drill never trained"
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    left = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(out).encode() in cmdline.read_bytes():
+                left.append(cmdline.parent.name)
+        except OSError:
+            continue
+    assert not left, f"processes left behind: {left}"
+    if root:
+        names = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout + \
+            subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert f"etd-{proc.pid}-" not in names and f"etb{proc.pid}" not in names
+        assert str(out) not in Path("/proc/mounts").read_text()
 
 
 @pytest.mark.slow
