@@ -101,30 +101,57 @@ def _cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14 and 15 of stat)
 
 
+def _role(pid: int) -> str:
+    """What a process of the job is: etcd, worker rank N, or launcher (the torchrun agent and helpers)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except OSError:
+        return "launcher"
+    if argv and os.path.basename(argv[0]) == b"etcd":
+        return "etcd"
+    if b"RANK" in env and (b"elastic_trainer.train" in argv or any(a.endswith(b"plain_ddp.py") for a in argv)):
+        return f"rank {env[b'RANK'].decode()}"
+    return "launcher"
+
+
 class CpuMeter:
-    """Samples the CPU seconds used so far by a process tree (agent, etcd, workers) every ``interval``."""
+    """Samples the CPU seconds used so far by each process of a tree (agent, etcd, workers) every ``interval``."""
 
     def __init__(self, root: int, interval: float = 0.25) -> None:
         self.root, self.interval = root, interval
         self.seen: dict[int, float] = {}  # pid -> last CPU seconds read (kept after the process exits)
-        self.samples: list[tuple[float, float]] = []  # (unix time, CPU seconds of the whole tree)
+        self.roles: dict[int, str] = {}
+        self.samples: list[tuple[float, dict[int, float]]] = []  # (unix time, {pid: CPU seconds so far})
 
     def sample(self) -> None:
         for pid in [self.root, *_descendants(self.root)]:
             cpu = _cpu_seconds(pid)
             if cpu is not None:
                 self.seen[pid] = max(cpu, self.seen.get(pid, 0.0))
-        self.samples.append((time.time(), sum(self.seen.values())))
+                if pid not in self.roles or self.roles[pid] == "launcher":  # a fresh child may not have exec'd yet
+                    self.roles[pid] = _role(pid)
+        self.samples.append((time.time(), dict(self.seen)))
 
-    def between(self, t0: float, t1: float) -> float | None:
-        """CPU seconds the tree used from ``t0`` to ``t1`` (linear between samples)."""
-        def at(t: float) -> float | None:
+    def between(self, t0: float, t1: float) -> dict[str, float] | None:
+        """CPU seconds used from ``t0`` to ``t1`` per role, and ``total`` (linear between samples)."""
+        def at(t: float) -> dict[int, float] | None:
             for (ta, ca), (tb, cb) in zip(self.samples, self.samples[1:]):
                 if ta <= t <= tb:
-                    return ca + (cb - ca) * ((t - ta) / (tb - ta) if tb > ta else 0.0)
+                    f = (t - ta) / (tb - ta) if tb > ta else 0.0
+                    return {pid: ca.get(pid, 0.0) + (cb[pid] - ca.get(pid, 0.0)) * f for pid in cb}
             return None
         a, b = at(t0), at(t1)
-        return None if a is None or b is None else b - a
+        if a is None or b is None:
+            return None
+        parts: dict[str, float] = {}
+        for pid, cpu in b.items():
+            role = self.roles.get(pid, "launcher")
+            parts[role] = parts.get(role, 0.0) + cpu - a.get(pid, 0.0)
+        parts["total"] = sum(parts.values())
+        return parts
 
 
 def run_command(cmd: list[str], *, env: dict, cwd: Path, log: Path, timeout: float) -> tuple[float, CpuMeter]:
@@ -244,9 +271,11 @@ def measure(kind: str, args, run_dir: Path, env: dict) -> dict:
     times = read_step_times(run_dir)
     result = throughput(times, args.warmup_steps, args.global_batch_size)
     window = result.pop("window")
-    cpu = meter.between(*window)
-    result["cpu_s"] = cpu  # CPU seconds of the whole tree (launcher, etcd, workers) inside the window
-    result["cpu_ms_per_sample"] = cpu * 1e3 / (result["steps"] * args.global_batch_size) if cpu else None
+    cpu = meter.between(*window)  # CPU seconds of the whole tree (launcher, etcd, workers) inside the window
+    samples = result["steps"] * args.global_batch_size
+    result["cpu_s"] = cpu["total"] if cpu else None
+    result["cpu_ms_per_sample"] = cpu["total"] * 1e3 / samples if cpu else None
+    result["cpu_ms_per_sample_by_role"] = {k: v * 1e3 / samples for k, v in sorted(cpu.items())} if cpu else {}
     saves = checkpoint_events(run_dir, window)
     result.update(kind=kind, wall_s=wall, load_before=load, command=shlex.join(cmd),
                   checkpoints=len(saves), blocked_s=sum(e.get("blocked_s", 0.0) for e in saves))
@@ -322,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
                     "cpu_ms_per_sample": summary([r["cpu_ms_per_sample"] for r in rs if r["cpu_ms_per_sample"]]
                                                  or [float("nan")]),
                     "wall_s": summary([r["wall_s"] for r in rs]), "command": rs[0]["command"]}
+        roles = sorted({role for r in rs for role in r["cpu_ms_per_sample_by_role"]})
+        sides[k]["cpu_ms_per_sample_by_role"] = {
+            role: statistics.median([r["cpu_ms_per_sample_by_role"].get(role, 0.0) for r in rs]) for role in roles}
         if k != "plain":
             sides[k]["paired_ratio"] = summary([x["samples_per_s"] / y["samples_per_s"]
                                                 for x, y in zip(rs, by["plain"])])
@@ -367,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{result['median_step_ratio']:.3f}")
     print(f"CPU time of the whole job (launcher, etcd, workers) per sample, elastic/plain: {result['cpu_ratio']:.3f} "
           "(less sensitive to other load than samples/s)")
+    roles = sorted({role for k in args.sides for role in sides[k]["cpu_ms_per_sample_by_role"]},
+                   key=lambda r: (r == "total", r))
+    print("CPU ms per sample by process (median over repeats): side | " + " | ".join(roles))
+    for k in args.sides:
+        by_role = sides[k]["cpu_ms_per_sample_by_role"]
+        print(f"  {k:14s} | " + " | ".join(f"{by_role.get(role, 0.0):.3f}" for role in roles))
     print(f"target (overhead <= 2%): {'met' if result['within_2_percent'] else 'MISSED'}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
