@@ -257,6 +257,36 @@ class _RecordingBatchSampler:
         return len(self.sampler)
 
 
+class _MicroBatches:
+    """This rank's micro-batches from a DataLoader over the elastic sampler, with their indices.
+
+    A DataLoader iterator runs to the end of the sampler's epoch; the next one starts where the
+    sampler's committed position is then (the next epoch, after the last step's commit).
+    """
+
+    def __init__(self, task: Task, sampler, num_workers: int, seed: int, device: torch.device) -> None:
+        self.sampler, self.device = sampler, device
+        self.recorder = _RecordingBatchSampler(sampler)
+        self.loader = torch.utils.data.DataLoader(
+            task.dataset, batch_sampler=self.recorder, num_workers=num_workers, collate_fn=task.collate_fn,
+            pin_memory=device.type == "cuda",
+            generator=torch.Generator().manual_seed(seed))  # worker seeds from here, not the global RNG
+        self.iterator = None
+
+    def next(self, first_of_step: bool) -> tuple[int, list[int], Any]:
+        """``(epoch, indices, batch on the device)`` of the next micro-batch."""
+        if self.iterator is None:
+            self.iterator = iter(self.loader)
+        try:
+            batch = next(self.iterator)
+        except StopIteration:
+            if not first_of_step:
+                raise RuntimeError("the sampler's epoch ended in the middle of a step; this is a bug") from None
+            self.iterator = iter(self.loader)  # the sampler rolled to the next epoch at the last commit
+            batch = next(self.iterator)
+        return self.sampler.epoch, self.recorder.pending.popleft(), _to_device(batch, self.device)
+
+
 def _fence_check() -> Callable[[], None] | None:
     """The rendezvous round fence's ``check`` when running under the etcd-v3 rendezvous."""
     try:
@@ -477,7 +507,7 @@ class Trainer:
         c = self.config
         self._build()
         d = self.dinfo
-        from elastic_trainer.sampler import ElasticSampler, loss_weight
+        from elastic_trainer.sampler import ElasticSampler
 
         loaded = self._load_checkpoint()
         if loaded is not None:  # into the bare module, before DDP/FSDP: every rank starts identical
@@ -527,7 +557,7 @@ class Trainer:
         profiler = self._start_profiler()
         stopped_by = None
         try:
-            stopped_by = self._loop(total, loss_weight, profiler)
+            stopped_by = self._loop(total, profiler)
         except BaseException:
             self._abort()
             raise
@@ -539,89 +569,86 @@ class Trainer:
         return {"step": self.step, "epoch": self.sampler.epoch, "offset": self.sampler.offset,
                 "loss": self.last_loss, "stopped_by": stopped_by, "world_size": d.world_size, "run_id": self.run_id}
 
-    def _loop(self, total: int, loss_weight, profiler) -> str:
-        c, d = self.config, self.dinfo
-        recorder = _RecordingBatchSampler(self.sampler)
-        loader = torch.utils.data.DataLoader(
-            self.task.dataset, batch_sampler=recorder, num_workers=c.num_workers,
-            collate_fn=self.task.collate_fn, pin_memory=d.device.type == "cuda",
-            generator=torch.Generator().manual_seed(c.seed))  # keeps the global RNG out of the loader
-        data_iter = None
+    def _loop(self, total: int, profiler) -> str:
+        """Steps until done or stopped; returns why it ended ("done", "max-seconds", "signal SIGTERM")."""
+        c = self.config
+        batches = _MicroBatches(self.task, self.sampler, c.num_workers, c.seed, self.dinfo.device)
         started = last_save = time.monotonic()
         self.model.train()
-        while True:
-            if self.step >= total or (c.epochs is not None and self.sampler.epoch >= c.epochs):
-                return "done"
+        while not self._done(total):
             t0 = time.perf_counter()
-            epoch = self.sampler.epoch
-            loss_sum = torch.zeros((), dtype=torch.float64)
-            consumed: list[int] = []
-            mbps = self.sampler.micro_batches_per_step
-            for i in range(mbps):
-                if data_iter is None:
-                    data_iter = iter(loader)
-                try:
-                    batch = next(data_iter)
-                except StopIteration:
-                    if i > 0:
-                        raise RuntimeError("the sampler ended in the middle of a step; this is a bug") from None
-                    data_iter = iter(loader)  # the sampler rolled to the next epoch at the last commit
-                    epoch = self.sampler.epoch
-                    batch = next(data_iter)
-                indices = recorder.pending.popleft()
-                consumed.extend(indices)
-                n = len(indices)
-                batch = _to_device(batch, d.device)
-                with (self._no_sync() if i < mbps - 1 else contextlib.nullcontext()):
-                    with self._autocast():
-                        loss = self.task.compute_loss(self.model, batch)
-                    scaled = loss.float() * loss_weight(n, self.gbs, d.world_size)
-                    (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-                loss_sum += loss.detach().double().cpu() * n
-            if c.clip_grad_norm:
-                if self.scaler is not None:
-                    self.scaler.unscale_(self.optimizer)
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.clip_grad_norm)
-            if self.scaler is not None:
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            else:
-                self.optimizer.step()
-            if self.scheduler is not None:
-                self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.sampler.commit_step()
-            self.step += 1
+            epoch, consumed, loss_sum = self._train_step(batches)
             if c.sleep_per_step:
                 time.sleep(c.sleep_per_step)
-
-            # one small all-reduce: global loss, and stop/save decisions taken together
-            now = time.monotonic()
-            stop = self._stop_signal is not None or (d.is_main and c.max_seconds is not None
-                                                     and now - started >= c.max_seconds)
-            save_due = d.is_main and c.checkpoint_every_seconds is not None and now - last_save >= c.checkpoint_every_seconds
-            shared = torch.stack([loss_sum, torch.tensor(float(stop), dtype=torch.float64),
-                                  torch.tensor(float(save_due), dtype=torch.float64)])
-            if d.distributed and d.world_size > 1:
-                dist.all_reduce(shared)
-            self.last_loss = float(shared[0]) / self.gbs
-            stop, save_due = bool(shared[1] > 0), bool(shared[2] > 0)
-            step_time = time.perf_counter() - t0
-            self._log_step(epoch, consumed, step_time)
+            now, main = time.monotonic(), self.dinfo.is_main  # rank 0's clock decides the timed events
+            stop, save_due = self._agree(
+                loss_sum,
+                stop=self._stop_signal is not None or (main and c.max_seconds is not None
+                                                       and now - started >= c.max_seconds),
+                save_due=main and c.checkpoint_every_seconds is not None and now - last_save >= c.checkpoint_every_seconds)
+            self._log_step(epoch, consumed, time.perf_counter() - t0)
             if profiler is not None:
                 profiler.step()
-
-            done = self.step >= total or (c.epochs is not None and self.sampler.epoch >= c.epochs)
-            due = save_due or (c.checkpoint_every is not None and self.step % c.checkpoint_every == 0)
-            if self.ckpt is not None and (due and not (done or stop)):
-                self._save(blocking=False)
-                last_save = time.monotonic()
             if stop:
                 reason = (f"signal {signal.Signals(self._stop_signal).name}" if self._stop_signal is not None
                           else "max-seconds")
                 print0(f"stopping at step {self.step} ({reason})")
                 self._event("stop", step=self.step, reason=reason)
-                return reason
+                return reason  # _finish saves this step
+            every_n = c.checkpoint_every is not None and self.step % c.checkpoint_every == 0
+            if self.ckpt is not None and (save_due or every_n) and not self._done(total):
+                self._save(blocking=False)
+                last_save = time.monotonic()
+        return "done"
+
+    def _done(self, total: int) -> bool:
+        c = self.config
+        return self.step >= total or (c.epochs is not None and self.sampler.epoch >= c.epochs)
+
+    def _train_step(self, batches: "_MicroBatches") -> tuple[int, list[int], torch.Tensor]:
+        """One optimizer step over this rank's micro-batches; returns (epoch, indices, sum of sample losses)."""
+        from elastic_trainer.sampler import loss_weight
+
+        d = self.dinfo
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        consumed: list[int] = []
+        mbps = self.sampler.micro_batches_per_step
+        for i in range(mbps):
+            epoch, indices, batch = batches.next(first_of_step=i == 0)
+            consumed.extend(indices)
+            with (self._no_sync() if i < mbps - 1 else contextlib.nullcontext()):  # all-reduce on the last only
+                with self._autocast():
+                    loss = self.task.compute_loss(self.model, batch)
+                scaled = loss.float() * loss_weight(len(indices), self.gbs, d.world_size)
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            loss_sum += loss.detach().double().cpu() * len(indices)
+        if self.config.clip_grad_norm:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.sampler.commit_step()
+        self.step += 1
+        return epoch, consumed, loss_sum
+
+    def _agree(self, loss_sum: torch.Tensor, *, stop: bool, save_due: bool) -> tuple[bool, bool]:
+        """One small all-reduce: the global-batch loss, and stop/save decisions that every rank then shares.
+
+        A stop (signal) or save request from any rank applies to all of them at this step.
+        """
+        d = self.dinfo
+        shared = torch.tensor([float(loss_sum), float(stop), float(save_due)], dtype=torch.float64)
+        if d.distributed and d.world_size > 1:
+            dist.all_reduce(shared)
+        self.last_loss = float(shared[0]) / self.gbs
+        return bool(shared[1] > 0), bool(shared[2] > 0)
 
     def _log_step(self, epoch: int, consumed: list[int], step_time: float) -> None:
         d = self.dinfo
