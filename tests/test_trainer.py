@@ -20,6 +20,7 @@ import torch
 from elastic_trainer.checkpoint import CheckpointManager
 from elastic_trainer.train import parse_config
 from elastic_trainer.trainer import TrainConfig, Trainer
+from elastic_trainer.etcd_server import free_port
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(180)
@@ -127,13 +128,17 @@ def test_unknown_flags_go_to_a_user_task_and_are_refused_without_one(capsys):
 # ------------------------------------------------------------------------------------- tasks
 
 def test_task_from_a_test_file_runs_through_the_task_flag(tmp_path):
+    """As a world of one that joins a gloo process group (RANK/WORLD_SIZE/MASTER_* as torchrun sets them)."""
     marker = tmp_path / "built.json"
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
     proc = subprocess.run(
         worker_cmd("--task", FIXTURE, "--max-steps", "3", "--global-batch-size", "16", "--no-wandb",
                    "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ck"),
                    "--marker", str(marker)),
-        cwd=REPO, capture_output=True, text=True, timeout=120)
+        cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "world size 1 (distributed gloo, cpu)" in proc.stderr
     assert json.loads(marker.read_text()) == {"task_argv": ["--marker", str(marker)], "global_batch_size": 16}
     steps = read_jsonl(tmp_path / "logs" / "steps", "rank-0-*.jsonl")
     assert [s["step"] for s in steps] == [1, 2, 3]
@@ -227,6 +232,23 @@ def test_sigterm_during_training_saves_the_current_step_and_exits_zero(tmp_path,
     assert {"event": "stop", "step": last, "reason": "signal SIGTERM"}.items() <= events[-3].items() or \
         any(e["event"] == "stop" and e["reason"] == "signal SIGTERM" for e in events)
     assert f"stopping at step {last} (signal SIGTERM)" in err
+
+
+def test_sigterm_while_a_step_hangs_exits_after_the_grace_period(tmp_path, procs):
+    log_dir = tmp_path / "logs"
+    proc = procs.start(worker_cmd("--task", FIXTURE, "--max-steps", "100", "--global-batch-size", "16",
+                                  "--sleep-per-step", "60", "--checkpoint-dir", str(tmp_path / "ck"),
+                                  "--log-dir", str(log_dir), "--no-wandb", "--grace-seconds", "2"),
+                       cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90  # wait until the first step is under way (the task was built)
+    while not list((log_dir).glob("events.jsonl")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM and time.monotonic() - sent < 30
+    assert "grace period of 2s over" in err
 
 
 def _offline_run_ids(log_dir: Path) -> list[str]:
