@@ -312,3 +312,20 @@ def test_dataloader_workers_feed_the_same_samples_and_parameters(tmp_path):
     assert ledgers[0] == ledgers[1] and len(ledgers[0]) == 20
     assert ledgers[0][15]["epoch"] == 0 and ledgers[0][16]["epoch"] == 1  # 256 samples: 16 steps per epoch
     assert_same(latest(tmp_path / "w0")[1]["model"], latest(tmp_path / "w2")[1]["model"])
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_workers_resumes_and_matches_one_process(tmp_path):
+    """--fsdp (fully_shard over gloo): gathered checkpoints resume and train like plain single-process."""
+    tiny = [*TINY, "--loss", "mse", "--global-batch-size", "12", "--micro-batch-size", "3"]
+    for until in ("2", "4"):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               "-m", "elastic_trainer.train", *tiny, "--fsdp", "--max-steps", until, "--no-wandb",
+                               "--checkpoint-dir", str(tmp_path / "fsdp"), "--log-dir", str(tmp_path / "lf")],
+                              cwd=REPO, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    train_inprocess(*tiny, "--max-steps", "4", "--checkpoint-dir", str(tmp_path / "one"), "--log-dir", str(tmp_path / "lo"))
+    step, fsdp = latest(tmp_path / "fsdp")
+    assert step == 4 and fsdp["meta"]["fsdp"] is True
+    worst, gauge = param_drift(fsdp["model"], latest(tmp_path / "one")[1]["model"])
+    assert worst < 1e-5 and gauge <= 4 * 1e-3 * 1.01
