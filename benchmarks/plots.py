@@ -6,6 +6,8 @@
 Inputs (a benchmark whose result is missing is skipped with a message):
 
 - ``overhead.json`` (``benchmarks/overhead.py --out``) -> ``overhead.png``
+- ``overhead_breakdown.json`` (``overhead.py --sides elastic,plain,trainer,trainer-nockpt --out``) ->
+  ``overhead_breakdown.png``
 - ``checkpoint_bench.txt`` (its printed `` | `` table) -> ``checkpoint_bench.png``
 - ``recovery.json`` (``benchmarks/recovery.py --json``) -> ``recovery.png``
 - ``rdzv_scale.json`` if present, else ``rdzv_scale.txt`` (its printed table) -> ``rdzv_scale.png``
@@ -108,6 +110,39 @@ def plot_overhead(docs: Path) -> Path | None:
     fig.suptitle(f"Steady-state overhead ({r.get('cpus')} CPUs, {r['settings']['nproc_per_node']} workers, "
                  f"{r['settings']['max_steps']} steps, warm-up {r['settings']['warmup_steps']})", fontsize=10)
     return _save(fig, docs / "overhead.png")
+
+
+def plot_overhead_breakdown(docs: Path) -> Path | None:
+    """CPU per sample by process for each side of ``overhead.py --sides ...`` (overhead_breakdown.json)."""
+    src = docs / "overhead_breakdown.json"
+    if not src.exists():
+        return None
+    r = json.loads(src.read_text())
+    sides = r["settings"]["sides"]
+    roles = sorted({role for k in sides for role in r["sides"][k].get("cpu_ms_per_sample_by_role", {})} - {"total"})
+    if not roles:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    bottom = [0.0] * len(sides)
+    for j, role in enumerate(roles):
+        vals = [r["sides"][k]["cpu_ms_per_sample_by_role"].get(role, 0.0) for k in sides]
+        ax1.bar(range(len(sides)), vals, 0.6, bottom=bottom, label=role, color=f"C{j}")
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for i, total in enumerate(bottom):
+        ax1.annotate(f"{total:.2f}", (i, total), ha="center", va="bottom", fontsize=8)
+    ax1.set_xticks(range(len(sides)), sides, fontsize=8)
+    ax1.set_ylabel("CPU ms per sample (median of repeats)")
+    ax1.set_title("Where the CPU goes, per process")
+    ax1.legend(fontsize=8)
+    meds = [r["sides"][k]["samples_per_s"]["median"] for k in sides]
+    lows = [m - r["sides"][k]["samples_per_s"]["min"] for m, k in zip(meds, sides)]
+    highs = [r["sides"][k]["samples_per_s"]["max"] - m for m, k in zip(meds, sides)]
+    ax2.bar(range(len(sides)), meds, 0.6, yerr=[lows, highs], capsize=4, color="tab:gray")
+    ax2.set_xticks(range(len(sides)), sides, fontsize=8)
+    ax2.set_ylabel("samples/s (median, min..max)")
+    ax2.set_title("Throughput (moved by other load on the machine)")
+    fig.suptitle(f"Overhead split: {r['settings']['repeats']} alternated repeats of each side", fontsize=10)
+    return _save(fig, docs / "overhead_breakdown.png")
 
 
 def plot_checkpoint(docs: Path) -> Path | None:
@@ -250,7 +285,7 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-PLOTS = {"overhead": plot_overhead, "checkpoint_bench": plot_checkpoint, "recovery": plot_recovery,
+PLOTS = {"overhead": plot_overhead, "overhead_breakdown": plot_overhead_breakdown, "checkpoint_bench": plot_checkpoint, "recovery": plot_recovery,
          "rdzv_scale": plot_rdzv_scale}
 
 
