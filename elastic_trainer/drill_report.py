@@ -535,8 +535,18 @@ def plot_timeline(report: dict, path: Path) -> None:
     t0 = report.get("started_at") or (report["series"][0][0] if report["series"] else 0.0)
     xs = [row[0] - t0 for row in report["series"]]
     fig, axes = plt.subplots(3, 1, figsize=(12, 7.5), sharex=True)
-    axes[0].step(xs, [row[2] for row in report["series"]], where="post", color="tab:blue")
+    for world in report.get("worlds", []):  # one bar per world: gaps are time without training
+        axes[0].hlines(world["world_size"], world["start"] - t0, world["end"] - t0, color="tab:blue", lw=4)
+    sizes = [w["world_size"] for w in report.get("worlds", [])] or [1]
+    axes[0].set_ylim(min(sizes) - 0.7, max(sizes) + 0.7)
+    axes[0].yaxis.get_major_locator().set_params(integer=True)
     axes[0].set_ylabel("world size")
+    for note in report.get("timeline", []):
+        if note.get("what") == "job_restarted":
+            for ax in axes:
+                ax.axvline(note["time"] - t0, color="grey", lw=1.2, ls=":")
+            axes[0].annotate("job restarted by the drill", (note["time"] - t0, 0.02), xycoords=("data", "axes fraction"),
+                             rotation=90, va="bottom", ha="right", fontsize=7, color="grey")
     axes[1].plot(xs, [row[1] for row in report["series"]], ".", ms=2, color="tab:green")
     axes[1].set_ylabel("global step")
     axes[2].plot(xs, [row[3] for row in report["series"]], ".", ms=2, color="tab:red")
