@@ -514,8 +514,9 @@ def test_round_fence_on_real_etcd_lets_only_the_current_round_commit(etcd, run_i
         zombie = CheckpointManager(url, async_save=True, fence=fences[0].check, writer_id="zombie-round-3")
         current = CheckpointManager(url, async_save=True, fence=fences[1].check, writer_id="rank0-round-4")
         zombie.save(10, _tiny_state(10))
+        zombie.wait()  # first, so that it reaches its fence (a later one would see the commit and stop)
         current.save(10, _tiny_state(10, seed=1))
-        zombie.wait(), current.wait()
+        current.wait()
         assert "fenced" in zombie.last_error and current.last_error is None
         manifest = json.loads((tmp_path / "c" / "step-10" / "manifest.json").read_text())
         assert manifest["writer"] == "rank0-round-4" and manifest["fence_token"] == "round-4"
