@@ -294,6 +294,13 @@ def _start_ticks(pid: int) -> int | None:
         return None
 
 
+def _die_with_drill() -> None:  # runs in the child between fork and exec
+    """PR_SET_PDEATHSIG(SIGKILL): a node dies even when the drill itself is SIGKILLed (its
+    workers follow: the trainer sets the same on them). Nodes start from the main thread."""
+    import ctypes
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+
+
 def _killpg(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
@@ -558,7 +565,7 @@ class Drill:
             cmd = self.network.wrap(net, cmd)
         with open(log_dir / "agent.log", "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env=env)
+                                    start_new_session=True, env=env, preexec_fn=_die_with_drill)
         node = Node(index, log_dir, proc, net)
         self.nodes.append(node)
         self._note(node.name, "node_started", pid=proc.pid, cmd=shlex.join(cmd))
