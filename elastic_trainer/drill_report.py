@@ -485,10 +485,16 @@ def build_report(meta: dict, faults: list[dict], timeline: list[dict], node_dirs
         failures.append(f"two worlds trained at once: {overlaps[:3]}")
     failures.extend(meta.get("problems", []))
     r0 = logs.rank0_lines
+    by_kind: dict[str, list[float]] = {}
+    for m in measured:
+        if m.get("recovered") and m.get("first_step_s") is not None:
+            by_kind.setdefault(m["kind"], []).append(m["first_step_s"])
     report = {
         **meta,
         "ok": not failures,
         "failures": failures,
+        "recovery_first_step_s": {k: {"n": len(v), "median": sorted(v)[len(v) // 2], "max": max(v)}
+                                  for k, v in sorted(by_kind.items())},
         "faults": measured,
         "ledger": ledger,
         "worlds": [{"key": a.key, "start": a.start, "end": a.end, "first_step": a.first_step,
