@@ -72,7 +72,9 @@ class ScenarioError(ValueError):
 
 @dataclass(frozen=True)
 class Trigger:
-    kind: str  # "step" | "time" | "after"
+    """When a fault fires: ``step:S``, ``time:T`` (s after the first step) or ``after:K`` steps."""
+
+    kind: str
     value: float
 
     def __str__(self) -> str:
@@ -81,6 +83,8 @@ class Trigger:
 
 @dataclass
 class Fault:
+    """One fault of a scenario: its kind (a key of FAULT_HELP), target, trigger and duration."""
+
     kind: str
     target: str | None
     trigger: Trigger
@@ -89,7 +93,7 @@ class Fault:
     @property
     def label(self) -> str:
         extra = f",for:{self.duration:g}" if self.duration is not None else ""
-        return f"{self.kind} {self.target or ''}@{self.trigger}{extra}".replace(" @", " @")
+        return f"{self.kind} {self.target or ''}@{self.trigger}{extra}"
 
 
 def _parse_target(kind: str, text: str) -> str | None:
