@@ -358,7 +358,7 @@ class CheckpointManager:
                     self._failed(stats, f"{msg}; giving up on this checkpoint, the last good one stays")
                     return
         try:
-            self._prune()
+            self._prune(protect=step)
         except Exception as exc:  # noqa: BLE001 - pruning is best effort; the commit stands
             log.warning("pruning old checkpoints in %s failed (%s: %s)", storage.redact(self.url),
                         type(exc).__name__, storage.redact(exc))
@@ -477,12 +477,17 @@ class CheckpointManager:
                 or manifest.get("step") != step or not isinstance(manifest.get("files"), dict):
             raise ValueError("manifest has the wrong format, step or file list")
         for rel, info in manifest["files"].items():
-            if ".." in rel.split("/") or rel.startswith("/") or not isinstance(info.get("size"), int):
+            if (".." in rel.split("/") or rel.startswith("/") or not isinstance(info, dict)
+                    or not isinstance(info.get("size"), int) or not isinstance(info.get("sha256"), str)):
                 raise ValueError(f"manifest lists a bad entry {rel!r}")
         return manifest
 
-    def _prune(self) -> None:
-        """Keep the newest ``keep_latest`` committed checkpoints; remove older ones and stale leftovers."""
+    def _prune(self, protect: int) -> None:
+        """Keep the newest ``keep_latest`` committed checkpoints; remove older ones and stale leftovers.
+
+        ``protect`` (the step this writer just committed and knows complete) is never removed, even
+        if newer manifests exist whose data might be damaged.
+        """
         steps = self._steps()
         committed: list[tuple[int, dict]] = []
         uncommitted: list[int] = []
@@ -500,6 +505,8 @@ class CheckpointManager:
         kept = committed[: self.keep_latest]
         oldest_kept = kept[-1][0]
         for step, _ in committed[self.keep_latest:]:
+            if step == protect:
+                continue
             log.info("removing old checkpoint step-%d (keeping %d)", step, self.keep_latest)
             storage.remove(self.fs, self._step_dir(step))
         for step in uncommitted:
@@ -516,24 +523,30 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ loading
 
-    def _verified_load(self, step: int) -> dict:
-        """Read, verify and deserialize ``step``; ValueError/OSError saying what is wrong."""
+    def _read_verified(self, step: int) -> dict[str, bytes]:
+        """The bytes of every file of ``step``, checked against its manifest; ValueError saying what is wrong."""
         manifest = self._read_manifest(step)
         if manifest is None:
             raise ValueError("no manifest (never committed: in progress, killed or abandoned)")
-        state: dict = {}
+        out = {}
         for rel, info in sorted(manifest["files"].items()):
-            path = storage.join(self._step_dir(step), rel)
             try:
-                data = storage.read_bytes(self.fs, path)
+                data = storage.read_bytes(self.fs, storage.join(self._step_dir(step), rel))
             except FileNotFoundError as exc:
                 raise ValueError(f"{rel} is missing") from exc
             if len(data) != info["size"]:
                 raise ValueError(f"{rel} has {len(data)} bytes, manifest says {info['size']} (truncated?)")
             if hashlib.sha256(data).hexdigest() != info["sha256"]:
                 raise ValueError(f"{rel} fails its sha256 check (corrupted)")
-            part = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-            state.update(part)
+            out[rel] = data
+        return out
+
+    def _verified_load(self, step: int) -> dict:
+        """Read, verify and deserialize ``step`` (``torch.load(weights_only=True)``: never runs code)."""
+        blobs = self._read_verified(step)
+        state: dict = {}
+        for rel in list(blobs):
+            state.update(torch.load(io.BytesIO(blobs.pop(rel)), map_location="cpu", weights_only=True))
         return state
 
     def _candidates(self, step: int | None):
@@ -546,8 +559,7 @@ class CheckpointManager:
             try:
                 state = self._verified_load(candidate)
             except Exception as exc:  # noqa: BLE001 - any defect means "skip it"; say which and why
-                log.warning("skipping checkpoint %s: %s", storage.join(storage.redact(self.url),
-                            f"step-{candidate}"), storage.redact(exc))
+                self._warn_skip(candidate, exc)
                 continue
             log.info("loaded checkpoint step-%d from %s", candidate, storage.redact(self.url))
             return candidate, state
@@ -557,16 +569,13 @@ class CheckpointManager:
         """The step of the newest checkpoint that verifies (sizes and sha256), or None."""
         for candidate in self._steps():
             try:
-                manifest = self._read_manifest(candidate)
-                if manifest is None:
-                    raise ValueError("no manifest (never committed)")
-                for rel, info in manifest["files"].items():
-                    data = storage.read_bytes(self.fs, storage.join(self._step_dir(candidate), rel))
-                    if len(data) != info["size"] or hashlib.sha256(data).hexdigest() != info["sha256"]:
-                        raise ValueError(f"{rel} fails its size or sha256 check")
+                self._read_verified(candidate)
             except Exception as exc:  # noqa: BLE001 - skip defects, naming them
-                log.warning("skipping checkpoint step-%d in %s: %s", candidate, storage.redact(self.url),
-                            storage.redact(exc))
+                self._warn_skip(candidate, exc)
                 continue
             return candidate
         return None
+
+    def _warn_skip(self, step: int, exc: BaseException) -> None:
+        log.warning("skipping checkpoint %s: %s", storage.join(storage.redact(self.url), f"step-{step}"),
+                    storage.redact(exc))

@@ -246,6 +246,17 @@ def test_retention_keeps_newest_k_and_prunes_only_after_commit(tmp_path):
     assert mgr.load()[0] == 5
 
 
+def test_retention_never_removes_the_checkpoint_just_committed_for_a_damaged_newer_one(tmp_path):
+    url = str(tmp_path / "c")
+    CheckpointManager(url, async_save=False).save(30, _tiny_state(30))
+    fs, _ = storage.get_fs(url)
+    _flip_bit(fs, _data_files(url, 30)[0])  # a newer step whose manifest parses but data rotted
+    mgr = CheckpointManager(url, keep_latest=1, async_save=False)
+    mgr.save(20, _tiny_state(20))
+    assert (tmp_path / "c" / "step-20" / "manifest.json").exists()
+    assert mgr.load()[0] == 20
+
+
 def _raise_fenced():
     raise FencedError("round 3 is over; this worker belongs to round 2")
 
