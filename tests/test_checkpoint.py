@@ -544,3 +544,18 @@ def test_round_fence_on_real_etcd_lets_only_the_current_round_commit(etcd, run_i
         for f in fences:
             f.close()
         conn.close()
+
+
+# --------------------------------------------------------------------------- benchmark smoke test
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_benchmark_quick_mode_runs_and_prints_its_table(procs):
+    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "checkpoint_bench.py"
+    proc = procs.start([sys.executable, str(bench), "--quick"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True)
+    out, err = proc.communicate(timeout=280)
+    assert proc.returncode == 0, err[-3000:]
+    assert "command: " in out and "checkpoint_bench.py --quick" in out
+    rows = [line for line in out.splitlines() if line.startswith(("file |", "s3 |"))]
+    assert len(rows) == 2, out
