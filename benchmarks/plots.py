@@ -205,13 +205,14 @@ def plot_recovery(docs: Path) -> Path | None:
     if not src.exists():
         return None
     results: dict[str, list[dict]] = json.loads(src.read_text())["results"]
-    scenarios = []
+    scenarios = []  # "X rdzv" keys are the rendezvous part of scenario X, drawn inside its bar
     for trials in results.values():
         for t in trials:
-            scenarios.extend(k for k in t if k not in scenarios)
+            scenarios.extend(k for k in t if k not in scenarios and not k.endswith(" rdzv"))
     backends = list(results)
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / max(1, len(backends))
+    drawn_rdzv = False
     for j, backend in enumerate(backends):
         for i, scenario in enumerate(scenarios):
             values = [t.get(scenario) for t in results[backend]]
@@ -223,9 +224,16 @@ def plot_recovery(docs: Path) -> Path | None:
                 continue
             med, worst = statistics.median(ok), max(ok)
             ax.bar(xpos, med, width, color=f"C{j}", label=backend if i == 0 else None)
+            rdzv = [t.get(f"{scenario} rdzv") for t in results[backend]]
+            rdzv = [v for v in rdzv if isinstance(v, (int, float))]
+            if rdzv:
+                ax.bar(xpos, statistics.median(rdzv), width * 0.5, color="white", alpha=0.6, hatch="//",
+                       edgecolor="black", lw=0.5, label="of which rendezvous (median)" if not drawn_rdzv else None)
+                drawn_rdzv = True
             ax.errorbar(xpos, med, yerr=[[0], [worst - med]], color="black", capsize=3, lw=1)
             ax.annotate(f"{med:.1f}\n{len(ok)}/{len(values)}", (xpos, worst), ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(scenarios)), scenarios)
+    ax.set_xlim(-0.6, len(scenarios) - 0.4)
     ax.set_ylabel("seconds to the first step at the new world size")
     ax.set_title("Recovery: bar = median, whisker = worst, n = successful/trials", fontsize=10)
     ax.legend(fontsize=8)
