@@ -409,17 +409,15 @@ class CheckpointManager:
     def _upload_and_commit(self, step: int, parts: dict[str, dict], meta: Any, stats: dict) -> None:
         fs, step_dir = self.fs, self._step_dir(step)
         manifest_path = storage.join(step_dir, MANIFEST)
-        if self._existing_manifest_is_ours(manifest_path):
+        writer = self._manifest_writer(manifest_path)
+        if writer == self.writer_id:
             return  # an earlier attempt committed; only its response was lost
-        if storage.exists(fs, manifest_path):
+        if writer is not None:
             raise _Abandon("another writer already committed this step")
         own = storage.join(step_dir, self.writer_id)
         storage.makedirs(fs, own)
         files = self._write_files(own, parts, stats)
-        for rel, info in files.items():  # cheap check that every file landed whole
-            got = storage.size(fs, storage.join(step_dir, rel))
-            if got != info["size"]:
-                raise OSError(f"{rel} has {got} bytes on storage after upload, expected {info['size']}")
+        self._check_landed(own, files, "after upload")
         if self.fence is not None:
             self.fence()
         manifest = {
@@ -429,25 +427,35 @@ class CheckpointManager:
         }
         data = json.dumps(manifest, indent=1, sort_keys=True, default=str).encode()
         if not storage.create_exclusive(fs, manifest_path, data):
-            if self._existing_manifest_is_ours(manifest_path):
+            if self._manifest_writer(manifest_path) == self.writer_id:
                 return
             raise _Abandon("another writer committed this step first")
-        for rel, info in files.items():
+        try:
+            self._check_landed(own, files, "after commit")
+        except OSError as exc:
             # another writer's retention may have pruned our folder as a stale leftover (it only
             # does so for steps older than all it keeps); then take the manifest back
-            if storage.size(fs, storage.join(step_dir, rel)) != info["size"]:
-                storage.remove(fs, manifest_path)
-                raise _Abandon(f"{rel} vanished while committing (pruned by a newer writer)")
+            storage.remove(fs, manifest_path)
+            raise _Abandon(f"{exc} (pruned by a newer writer?); manifest withdrawn") from exc
 
-    def _existing_manifest_is_ours(self, manifest_path: str) -> bool:
+    def _check_landed(self, own: str, files: dict, when: str) -> None:
+        """One listing of this writer's folder: every file there with its size, else OSError."""
+        found = storage.sizes(self.fs, own)
+        for rel, info in files.items():
+            got = found.get(rel.split("/", 1)[1])
+            if got != info["size"]:
+                raise OSError(f"{rel} has {got} bytes on storage {when}, expected {info['size']}")
+
+    def _manifest_writer(self, manifest_path: str) -> str | None:
+        """The writer id in an existing manifest ("" when unreadable), None when there is none."""
         try:
             raw = storage.read_bytes(self.fs, manifest_path)
         except FileNotFoundError:
-            return False
+            return None
         try:
-            return json.loads(raw).get("writer") == self.writer_id
+            return str(json.loads(raw).get("writer") or "")
         except (ValueError, AttributeError):
-            return False
+            return ""
 
     def _cleanup_own(self, step: int) -> None:
         try:

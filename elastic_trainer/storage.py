@@ -199,6 +199,17 @@ def size(fs: fsspec.AbstractFileSystem, path: str) -> int | None:
         return None
 
 
+def sizes(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, int]:
+    """Base name -> size of the files directly in ``path``, in one listing ({} when it does not exist)."""
+    fs.invalidate_cache(path)
+    try:
+        entries = fs.ls(path, detail=True)
+    except FileNotFoundError:
+        return {}
+    return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+            for e in entries if e.get("type") == "file"}
+
+
 def list_dir(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
     """Base names of the entries directly in ``path`` ([] when it does not exist)."""
     fs.invalidate_cache(path)
