@@ -88,7 +88,8 @@ def _is_transient(exc: BaseException) -> bool:
     if isinstance(exc, ValueError) and "failed node" in str(exc):
         return True  # python3-etcd3's "Trying to use a failed node"
     if isinstance(exc, grpc.RpcError):
-        return exc.code() in _TRANSIENT_CODES
+        # etcd answers an overloaded stream with UNKNOWN "context deadline exceeded".
+        return exc.code() in _TRANSIENT_CODES or "deadline exceeded" in str(exc.details() or "")
     return False
 
 
@@ -121,7 +122,10 @@ class EtcdConnection:
                 raise RendezvousConnectionError(
                     f"cannot read the etcd TLS files (ca_cert={o.ca_cert}, cert={o.cert}, key={o.key}): "
                     f"{exc}; fix the paths in --rdzv-conf") from exc
-        endpoints = [etcd3.Endpoint(h, p, secure=secure, creds=creds, time_retry=1.0,
+        # python3-etcd3 refuses a "failed" endpoint for time_retry seconds, for every thread
+        # sharing the client; with one endpoint there is nothing to fail over to.
+        time_retry = 1.0 if len(o.endpoints) > 1 else 0.0
+        endpoints = [etcd3.Endpoint(h, p, secure=secure, creds=creds, time_retry=time_retry,
                                    opts=_GRPC_OPTIONS)
                      for h, p in o.endpoints]
         try:

@@ -228,7 +228,7 @@ class LeaseKeeper:
                 responses = self._conn.call(lambda c: list(c.refresh_lease(lease_id)), "lease keep-alive",
                                             retry_timeout=0)
                 self.requests += 1
-            except RendezvousConnectionError as exc:
+            except Exception as exc:  # noqa: BLE001 - a failed renewal is retried at the next tick
                 logger.warning("could not renew the etcd lease of %s: %s", self._key, exc)
                 return
             if not responses or responses[0].TTL <= 0:
