@@ -85,6 +85,7 @@ def plot_overhead(docs: Path) -> Path | None:
         med = r["sides"][kind]["samples_per_s"]["median"] if "sides" in r else r[kind]["median"]
         ax1.plot(xs, ys, "o-", color=colors.get(kind), label=f"{labels.get(kind, kind)}: median {med:.0f}")
         ax1.axhline(med, color=colors.get(kind), ls=":", lw=1)
+    ax1.set_xticks(sorted({x["repeat"] for x in runs}))
     ax1.set_xlabel("repeat (A and B alternated)")
     ax1.set_ylabel("samples/s (after warm-up)")
     ax1.set_title("Throughput per run")
