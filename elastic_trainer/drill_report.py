@@ -439,6 +439,13 @@ def measure_fault(rec: dict, logs: RunLogs, timeline: list[dict], global_batch: 
             notes.append("no optimizer step while the disk was full")
     if not recovered:
         notes.append(f"no step at world size {want} within {deadline:g}s")
+        # What the run did instead, to start the diagnosis from the report.
+        ends = [f"rank 0 on {e['_node']} logged '{e['event']}' ({e.get('reason', '?')}) at +{e['time'] - tf:.1f}s"
+                for e in logs.events if tf < e["time"] <= horizon and e.get("event") in ("stopped", "finished")]
+        exits = [f"{o['node']} exited with {o.get('code')} at +{o['time'] - tf:.1f}s"
+                 for o in timeline if tf < o["time"] <= horizon and o["what"] == "node_exited"]
+        if ends or exits:
+            notes.append("after the fault: " + "; ".join(ends[:3] + exits[:4]))
     out["ok"] = bool(ok)
     out["notes"] = notes
     return out
