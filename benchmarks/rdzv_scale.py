@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--connections", type=int, default=16, help="gRPC channels the agents share (default 16)")
     p.add_argument("--timeout", type=float, default=120.0, help="join timeout per size in seconds (default 120)")
     p.add_argument("--endpoint", default=None, help="an etcd to use (default: start a private one)")
-    p.add_argument("--rdzv-conf", default="lease_ttl=10,keep_alive_interval=2",
-                   help="handler options k=v,... (default lease_ttl=10,keep_alive_interval=2: a thousand lease "
+    p.add_argument("--rdzv-conf", default="lease_ttl=30,keep_alive_interval=5",
+                   help="handler options k=v,... (default lease_ttl=30,keep_alive_interval=5: a thousand lease "
                         "threads in one Python process on 2 cores cannot renew 3 s leases in time)")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
