@@ -124,9 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("ELASTIC_TRAINER_LOG_LEVEL", "INFO"),
                         format=f"[%(asctime)s] rank{rank} %(levelname)s %(name)s: %(message)s")
     config = parse_config(argv)
-    from elastic_trainer.trainer import Trainer
+    from elastic_trainer.trainer import EXIT_PEER_STOPPED, PEER_STOPPED, Trainer
 
-    Trainer(config).train()
+    summary = Trainer(config).train()
+    if summary["stopped_by"] == PEER_STOPPED:
+        # Only the preempted node's workers end for good; ours go on at the next round.
+        logging.getLogger("elastic_trainer.train").warning(
+            "another node was preempted; step %d is saved; exiting %d so that torchrun restarts this worker "
+            "into a round without it", summary["step"], EXIT_PEER_STOPPED)
+        return EXIT_PEER_STOPPED
     return 0
 
 

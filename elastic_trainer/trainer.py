@@ -53,6 +53,11 @@ from elastic_trainer.tasks import Task, as_task, load_builder
 
 logger = logging.getLogger(__name__)
 
+PEER_STOPPED = "a peer was stopped by a signal"
+"""Why a rank stops when another node was preempted: it saves with the others, then exits with
+``EXIT_PEER_STOPPED`` so that its agent restarts it into a round without the preempted node."""
+EXIT_PEER_STOPPED = 75  # EX_TEMPFAIL: not an error of this worker; torchrun restarts it
+
 
 @dataclass
 class TrainConfig:
@@ -581,17 +586,21 @@ class Trainer:
             if c.sleep_per_step:
                 time.sleep(c.sleep_per_step)
             now, main = time.monotonic(), self.dinfo.is_main  # rank 0's clock decides the timed events
-            stop, save_due = self._agree(
+            signalled, timed_out, save_due = self._agree(
                 loss_sum,
-                stop=self._stop_signal is not None or (main and c.max_seconds is not None
-                                                       and now - started >= c.max_seconds),
+                signalled=self._stop_signal is not None,
+                timed_out=main and c.max_seconds is not None and now - started >= c.max_seconds,
                 save_due=main and c.checkpoint_every_seconds is not None and now - last_save >= c.checkpoint_every_seconds)
             self._log_step(epoch, consumed, time.perf_counter() - t0)
             if profiler is not None:
                 profiler.step()
-            if stop:
-                reason = (f"signal {signal.Signals(self._stop_signal).name}" if self._stop_signal is not None
-                          else "max-seconds")
+            if signalled or timed_out:
+                if self._stop_signal is not None:
+                    reason = f"signal {signal.Signals(self._stop_signal).name}"
+                elif signalled:  # another node was preempted: save with it, then go on without it
+                    reason = PEER_STOPPED
+                else:
+                    reason = "max-seconds"
                 print0(f"stopping at step {self.step} ({reason})")
                 self._event("stop", step=self.step, reason=reason)
                 return reason  # _finish saves this step
@@ -610,7 +619,7 @@ class Trainer:
         from elastic_trainer.sampler import loss_weight
 
         d = self.dinfo
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)  # on the device: no sync per micro-batch
         consumed: list[int] = []
         mbps = self.sampler.micro_batches_per_step
         for i in range(mbps):
@@ -621,7 +630,7 @@ class Trainer:
                     loss = self.task.compute_loss(self.model, batch)
                 scaled = loss.float() * loss_weight(len(indices), self.gbs, d.world_size)
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            loss_sum += loss.detach().double().cpu() * len(indices)
+            loss_sum += loss.detach().double() * len(indices)
         if self.config.clip_grad_norm:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
@@ -638,17 +647,21 @@ class Trainer:
         self.step += 1
         return epoch, consumed, loss_sum
 
-    def _agree(self, loss_sum: torch.Tensor, *, stop: bool, save_due: bool) -> tuple[bool, bool]:
+    def _agree(self, loss_sum: torch.Tensor, *, signalled: bool, timed_out: bool,
+               save_due: bool) -> tuple[bool, bool, bool]:
         """One small all-reduce: the global-batch loss, and stop/save decisions that every rank then shares.
 
-        A stop (signal) or save request from any rank applies to all of them at this step.
+        Returns (some rank got SIGTERM, rank 0's --max-seconds ran out, a timed save is due): a stop
+        or save request from any rank applies to all of them at this step, so they save together.
         """
         d = self.dinfo
-        shared = torch.tensor([float(loss_sum), float(stop), float(save_due)], dtype=torch.float64)
+        flags = torch.tensor([float(signalled), float(timed_out), float(save_due)], dtype=torch.float64,
+                             device=loss_sum.device)  # the process group's device (NCCL needs CUDA tensors)
+        shared = torch.cat([loss_sum.reshape(1), flags])
         if d.distributed and d.world_size > 1:
             dist.all_reduce(shared)
         self.last_loss = float(shared[0]) / self.gbs
-        return bool(shared[1] > 0), bool(shared[2] > 0)
+        return bool(shared[1] > 0), bool(shared[2] > 0), bool(shared[3] > 0)
 
     def _log_step(self, epoch: int, consumed: list[int], step_time: float) -> None:
         d = self.dinfo

@@ -1,0 +1,37 @@
+"""Preempting one node (SIGTERM to its agent) saves the step and the others go on without it."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from tests.test_train_e2e import _wait, agent, latest, read_jsonl
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+def test_sigterm_to_one_node_saves_and_the_other_node_continues_alone(etcd, run_id, procs, tmp_path):
+    ck, logs = tmp_path / "ck", tmp_path / "logs"
+    args = ("--max-steps", "100000", "--checkpoint-every", "1000", "--sleep-per-step", "0.2")
+    outs = [tmp_path / "node-a.log", tmp_path / "node-b.log"]
+    nodes = [agent(procs, etcd, run_id, 1, ck, logs, *args, nnodes="1:2", out=out) for out in outs]
+    _wait("a world of 2 at step 3", lambda st: any(s["world_size"] == 2 and s["step"] >= 3 for s in st),
+          logs, 240, nodes, outs)
+    nodes[1].send_signal(signal.SIGTERM)  # node b is preempted
+    t_term = time.time()
+    nodes[1].wait(timeout=120)
+    steps = _wait("node a training alone", lambda st: sum(s["world_size"] == 1 and s["time"] > t_term
+                                                           for s in st) >= 3, logs, 240, nodes, outs)
+    assert nodes[0].poll() is None, "the surviving node must keep training"
+    stopped_at = max(s["step"] for s in steps if s["world_size"] == 2)
+    first_alone = min(s["step"] for s in steps if s["world_size"] == 1)
+    assert first_alone == stopped_at + 1, "the preempted step is saved: nothing is redone, nothing lost"
+    events = read_jsonl(logs, "events.jsonl")
+    assert any(e["event"] == "checkpoint_loaded" and e["step"] == stopped_at for e in events)
+    assert any(e["event"] == "stop" and e["reason"] == "a peer was stopped by a signal" for e in events)
+    nodes[0].send_signal(signal.SIGTERM)
+    nodes[0].wait(timeout=120)
+    assert nodes[0].returncode == 128 + signal.SIGTERM
+    assert latest(ck)[0] == max(s["step"] for s in read_jsonl(logs / "steps", "*.jsonl"))
