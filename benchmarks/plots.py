@@ -134,7 +134,8 @@ def plot_overhead_breakdown(docs: Path) -> Path | None:
     ax1.set_xticks(range(len(sides)), sides, fontsize=8)
     ax1.set_ylabel("CPU ms per sample (median of repeats)")
     ax1.set_title("Where the CPU goes, per process")
-    ax1.legend(fontsize=8)
+    ax1.set_ylim(0, max(bottom) * 1.3)
+    ax1.legend(fontsize=8, loc="upper center", ncol=len(roles))
     meds = [r["sides"][k]["samples_per_s"]["median"] for k in sides]
     lows = [m - r["sides"][k]["samples_per_s"]["min"] for m, k in zip(meds, sides)]
     highs = [r["sides"][k]["samples_per_s"]["max"] - m for m, k in zip(meds, sides)]
