@@ -6,7 +6,7 @@ Registered under the entry-point group ``torchrun.handlers`` as ``etcd-v3``, so 
     torchrun --rdzv-backend etcd-v3 --rdzv-endpoint 127.0.0.1:2379 --nnodes 1:4 train.py
 
 Modules: ``handler`` (torch's dynamic rendezvous with leases and a membership
-watchdog), ``etcd_backend`` (state key, compare-and-swap), ``state`` (JSON state,
+watchdog), ``options`` (``--rdzv-conf``), ``lease`` (a node's etcd lease), ``etcd_backend`` (state key, compare-and-swap), ``state`` (JSON state,
 lease-based liveness), ``etcd_store`` (torch Store on etcd), ``fence`` (round fence for
 workers). Options and measured numbers: docs/rendezvous.md.
 """
@@ -17,10 +17,17 @@ from collections.abc import Callable
 
 
 def handler_creator() -> Callable:
-    """Entry point of the ``torchrun.handlers`` group: returns ``create(params) -> handler``."""
-    from elastic_trainer.rendezvous.handler import create_handler
+    """Entry point of the ``torchrun.handlers`` group: returns ``create(params) -> handler``.
 
-    return create_handler
+    torch calls this while it imports its own rendezvous package, so the handler module
+    (which imports that package) is imported only when a handler is created.
+    """
+    def create(params):
+        from elastic_trainer.rendezvous.handler import create_handler
+
+        return create_handler(params)
+
+    return create
 
 
 __all__ = ["handler_creator"]

@@ -40,11 +40,9 @@ import json
 import logging
 import os
 import random
-import threading
 import time
 from datetime import timedelta
 
-import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -67,9 +65,11 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousState,
 )
 
-from elastic_trainer.rendezvous._etcd import EtcdConnection, EtcdOptions, parse_endpoints
+from elastic_trainer.rendezvous._etcd import EtcdConnection
 from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
 from elastic_trainer.rendezvous.etcd_store import EtcdStore
+from elastic_trainer.rendezvous.lease import LeaseKeeper
+from elastic_trainer.rendezvous.options import RendezvousOptions
 from elastic_trainer.rendezvous.state import (
     EtcdRendezvousStateHolder,
     decode_state,
@@ -90,173 +90,6 @@ ENV_RDZV_CONN = "ELASTIC_TRAINER_RDZV_CONN"
 # the settings' keep-alive interval; with leases those writes are pure load, so the
 # interval the state machine sees is a year.
 _NO_STATE_HEARTBEATS = timedelta(days=365)
-
-# Options torch's launcher adds by itself; accepted and ignored.
-_TORCH_ADDED = {"timeout", "is_host", "rank", "store_type"}
-
-
-def _seconds(params: RendezvousParameters, key: str, default: float) -> float:
-    value = params.get(key, default)
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"the rendezvous option {key}={value!r} must be a number of seconds") from exc
-    if not seconds > 0:
-        raise ValueError(f"the rendezvous option {key}={value!r} must be positive")
-    return seconds
-
-
-class RendezvousOptions:
-    """Every ``--rdzv-conf`` option of the etcd-v3 backend, parsed and checked.
-
-    The table in docs/rendezvous.md documents each one; defaults are in ``DEFAULTS``.
-    """
-
-    DEFAULTS = {
-        "key_prefix": "/elastic-trainer", "protocol": "http", "user": None, "password": None,
-        "ca_cert": None, "cert": None, "key": None, "read_timeout": 10.0, "connect_timeout": 4.0,
-        "retry_timeout": 60.0, "join_timeout": 600.0, "last_call_timeout": 1.0, "close_timeout": 30.0,
-        "heartbeat_timeout": 5.0, "lease_ttl": 3, "keep_alive_interval": 1.0,
-    }
-
-    def __init__(self, params: RendezvousParameters) -> None:
-        unknown = set(params.config) - set(self.DEFAULTS) - _TORCH_ADDED
-        if unknown:
-            raise ValueError(f"unknown etcd-v3 rendezvous option(s) {sorted(unknown)}; "
-                             f"known: {sorted(self.DEFAULTS)} (see docs/rendezvous.md)")
-        self.run_id = params.run_id
-        self.key_prefix = str(params.get("key_prefix") or self.DEFAULTS["key_prefix"])
-        if not self.key_prefix.startswith("/"):
-            raise ValueError(f"the rendezvous option key_prefix={self.key_prefix!r} must start with '/'")
-        protocol = str(params.get("protocol", "http")).lower()
-        if protocol not in ("http", "https"):
-            raise ValueError(f"the rendezvous option protocol={protocol!r} must be http or https")
-        timeouts = {k: _seconds(params, k, self.DEFAULTS[k]) for k in (
-            "read_timeout", "connect_timeout", "retry_timeout", "join_timeout", "last_call_timeout",
-            "close_timeout", "heartbeat_timeout", "keep_alive_interval")}
-        self.join_timeout = timeouts["join_timeout"]
-        self.last_call_timeout = timeouts["last_call_timeout"]
-        self.close_timeout = timeouts["close_timeout"]
-        self.heartbeat_timeout = timeouts["heartbeat_timeout"]
-        self.keep_alive_interval = timeouts["keep_alive_interval"]
-        try:
-            self.lease_ttl = int(params.get("lease_ttl", self.DEFAULTS["lease_ttl"]))
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"the rendezvous option lease_ttl={params.get('lease_ttl')!r} must be "
-                             f"a whole number of seconds") from exc
-        if self.lease_ttl < 2:
-            raise ValueError(f"the rendezvous option lease_ttl={self.lease_ttl} must be at least 2 s "
-                             f"(etcd rounds shorter leases up)")
-        if self.keep_alive_interval * 2 > self.lease_ttl:
-            raise ValueError(f"keep_alive_interval={self.keep_alive_interval:g} must be at most half of "
-                             f"lease_ttl={self.lease_ttl} so that one lost renewal does not expire the lease")
-        cert, key = params.get("cert"), params.get("key")
-        if bool(cert) != bool(key):
-            raise ValueError("the rendezvous options cert and key (TLS client certificate) go together")
-        user, password = params.get("user"), params.get("password")
-        if bool(user) != bool(password):
-            raise ValueError("the rendezvous options user and password go together")
-        ca_cert = params.get("ca_cert")
-        if protocol == "https" and not ca_cert:
-            raise ValueError("protocol=https needs ca_cert (the CA that signed etcd's certificate)")
-        self.etcd = EtcdOptions(
-            endpoints=parse_endpoints(params.endpoint), protocol=protocol, user=user or None,
-            password=password or None, ca_cert=ca_cert or None, cert=cert or None, key=key or None,
-            read_timeout=timeouts["read_timeout"], connect_timeout=timeouts["connect_timeout"],
-            retry_timeout=timeouts["retry_timeout"])
-
-
-class LeaseKeeper:
-    """Keeps this node's ``alive/<node>`` key on an etcd lease and renews the lease.
-
-    ``ensure()`` grants a lease (a new one if the last was lost) and writes the key;
-    a daemon thread renews it every ``interval`` seconds and calls ``on_tick`` after
-    each renewal. A lease etcd no longer knows is *lost*: the keeper does not grant a new
-    one by itself (the handler does, in ``next_rendezvous``, after the workers stopped).
-    """
-
-    def __init__(self, conn: EtcdConnection, key: str, ttl: int, interval: float, on_tick=None) -> None:
-        self._conn = conn
-        self._key = key
-        self._ttl = ttl
-        self._interval = interval
-        self._on_tick = on_tick
-        self._lease_id: int | None = None
-        self._lost = False
-        self._last_attempt = time.monotonic()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self.requests = 0
-
-    @property
-    def lost(self) -> bool:
-        return self._lost
-
-    def ensure(self) -> None:
-        with self._lock:
-            if self._lease_id is None or self._lost:
-                lease = self._conn.call(lambda c: c.lease(self._ttl), "lease grant")
-                self.requests += 1
-                self._lease_id, self._lost = lease.id, False
-            self._conn.call(lambda c: c.put(self._key, b"", lease=self._lease_id), "alive key")
-            self.requests += 1
-            self._last_attempt = time.monotonic()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=f"etcd-lease {self._key}", daemon=True)
-            self._thread.start()
-
-    def put(self, key: str, value: bytes) -> None:
-        """Write ``key`` attached to the lease (it vanishes with the lease)."""
-        with self._lock:
-            lease_id = self._lease_id
-        self._conn.call(lambda c: c.put(key, value, lease=lease_id), "put")
-        self.requests += 1
-
-    def delete(self, key: str) -> None:
-        self._conn.call(lambda c: c.delete(key), "delete")
-        self.requests += 1
-
-    def refresh(self) -> None:
-        """Renew the lease once; mark it lost when etcd no longer knows it."""
-        with self._lock:
-            lease_id = self._lease_id
-            if lease_id is None or self._lost:
-                return
-            self._last_attempt = time.monotonic()
-            try:
-                responses = self._conn.call(lambda c: list(c.refresh_lease(lease_id)), "lease keep-alive",
-                                            retry_timeout=0)
-                self.requests += 1
-            except Exception as exc:  # noqa: BLE001 - a failed renewal is retried at the next tick
-                logger.warning("could not renew the etcd lease of %s: %s", self._key, exc)
-                return
-            if not responses or responses[0].TTL <= 0:
-                logger.warning("the etcd lease of %s expired; this node left its round", self._key)
-                self._lost = True
-
-    def seconds_since_renewal_attempt(self) -> float:
-        return time.monotonic() - self._last_attempt
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            self.refresh()
-            if self._on_tick is not None:
-                try:
-                    self._on_tick()
-                except Exception:  # noqa: BLE001 - the watchdog must survive etcd hiccups; logged
-                    logger.exception("rendezvous watchdog check failed")
-
-    def close(self, revoke: bool = True) -> None:
-        self._stop.set()
-        with self._lock:
-            lease_id, self._lease_id = self._lease_id, None
-        if revoke and lease_id is not None and not self._lost:
-            try:
-                self._conn.call(lambda c: c.revoke_lease(lease_id), "lease revoke", retry_timeout=2)
-            except Exception as exc:  # noqa: BLE001 - best effort; the lease expires by itself
-                logger.info("could not revoke the etcd lease of %s (%s); it expires by itself", self._key, exc)
-
 
 def _crowd(state) -> int:
     return len(state.participants) + len(state.wait_list) + len(state.redundancy_list)

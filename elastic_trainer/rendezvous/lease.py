@@ -1,0 +1,103 @@
+"""A node's etcd lease: the key that says the node is alive, renewed in the background."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from elastic_trainer.rendezvous._etcd import EtcdConnection
+
+logger = logging.getLogger(__name__)
+
+
+class LeaseKeeper:
+    """Keeps this node's ``alive/<node>`` key on an etcd lease and renews the lease.
+
+    ``ensure()`` grants a lease (a new one if the last was lost) and writes the key;
+    a daemon thread renews it every ``interval`` seconds and calls ``on_tick`` after
+    each renewal. A lease etcd no longer knows is *lost*: the keeper does not grant a new
+    one by itself (the handler does, in ``next_rendezvous``, after the workers stopped).
+    """
+
+    def __init__(self, conn: EtcdConnection, key: str, ttl: int, interval: float, on_tick=None) -> None:
+        self._conn = conn
+        self._key = key
+        self._ttl = ttl
+        self._interval = interval
+        self._on_tick = on_tick
+        self._lease_id: int | None = None
+        self._lost = False
+        self._last_attempt = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.requests = 0
+
+    @property
+    def lost(self) -> bool:
+        return self._lost
+
+    def ensure(self) -> None:
+        with self._lock:
+            if self._lease_id is None or self._lost:
+                lease = self._conn.call(lambda c: c.lease(self._ttl), "lease grant")
+                self.requests += 1
+                self._lease_id, self._lost = lease.id, False
+            self._conn.call(lambda c: c.put(self._key, b"", lease=self._lease_id), "alive key")
+            self.requests += 1
+            self._last_attempt = time.monotonic()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"etcd-lease {self._key}", daemon=True)
+            self._thread.start()
+
+    def put(self, key: str, value: bytes) -> None:
+        """Write ``key`` attached to the lease (it vanishes with the lease)."""
+        with self._lock:
+            lease_id = self._lease_id
+        self._conn.call(lambda c: c.put(key, value, lease=lease_id), "put")
+        self.requests += 1
+
+    def delete(self, key: str) -> None:
+        self._conn.call(lambda c: c.delete(key), "delete")
+        self.requests += 1
+
+    def refresh(self) -> None:
+        """Renew the lease once; mark it lost when etcd no longer knows it."""
+        with self._lock:
+            lease_id = self._lease_id
+            if lease_id is None or self._lost:
+                return
+            self._last_attempt = time.monotonic()
+            try:
+                responses = self._conn.call(lambda c: list(c.refresh_lease(lease_id)), "lease keep-alive",
+                                            retry_timeout=0)
+                self.requests += 1
+            except Exception as exc:  # noqa: BLE001 - a failed renewal is retried at the next tick
+                logger.warning("could not renew the etcd lease of %s: %s", self._key, exc)
+                return
+            if not responses or responses[0].TTL <= 0:
+                logger.warning("the etcd lease of %s expired; this node left its round", self._key)
+                self._lost = True
+
+    def seconds_since_renewal_attempt(self) -> float:
+        return time.monotonic() - self._last_attempt
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.refresh()
+            if self._on_tick is not None:
+                try:
+                    self._on_tick()
+                except Exception:  # noqa: BLE001 - the watchdog must survive etcd hiccups; logged
+                    logger.exception("rendezvous watchdog check failed")
+
+    def close(self, revoke: bool = True) -> None:
+        self._stop.set()
+        with self._lock:
+            lease_id, self._lease_id = self._lease_id, None
+        if revoke and lease_id is not None and not self._lost:
+            try:
+                self._conn.call(lambda c: c.revoke_lease(lease_id), "lease revoke", retry_timeout=2)
+            except Exception as exc:  # noqa: BLE001 - best effort; the lease expires by itself
+                logger.info("could not revoke the etcd lease of %s (%s); it expires by itself", self._key, exc)
