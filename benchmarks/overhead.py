@@ -268,7 +268,11 @@ def measure(kind: str, args, run_dir: Path, env: dict) -> dict:
     cmd = side_command(kind, args, run_dir)
     load = os.getloadavg()[0]
     wall, meter = run_command(cmd, env=env, cwd=run_dir, log=run_dir / "output.log", timeout=args.timeout)
-    times = read_step_times(run_dir)
+    try:
+        times = read_step_times(run_dir)
+    except RuntimeError as exc:
+        tail = (run_dir / "output.log").read_text(errors="replace")[-4000:]
+        raise RuntimeError(f"{exc}; command: {shlex.join(cmd)}; its output ends with:\n{tail}") from exc
     result = throughput(times, args.warmup_steps, args.global_batch_size)
     window = result.pop("window")
     cpu = meter.between(*window)  # CPU seconds of the whole tree (launcher, etcd, workers) inside the window
@@ -339,7 +343,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"wall {r['wall_s']:.1f} s, load {r['load_before']:.1f}"
                       + (f", {r['checkpoints']} checkpoints blocked {r['blocked_s'] * 1e3:.0f} ms in all"
                          if r["checkpoints"] else ""), flush=True)
-    finally:
+    except BaseException:
+        print(f"overhead: a run failed; its logs are kept in {workdir}", file=sys.stderr)
+        raise
+    else:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
 
