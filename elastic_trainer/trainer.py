@@ -316,6 +316,46 @@ def _broadcast(value: Any, dinfo: DistInfo) -> Any:
 
 # ---------------------------------------------------------------------------------- trainer
 
+class _SignalWatcher:
+    """Acts on SIGTERM when it arrives, not when the main thread next runs Python code.
+
+    Python runs signal handlers in the main thread between bytecodes, so a worker blocked in a
+    collective with a dead peer would never see the signal. ``signal.set_wakeup_fd`` makes the
+    C-level handler write the signal number to a socket at delivery; this thread reads it and
+    calls ``callback(signum)`` (the grace timers start from there).
+    """
+
+    def __init__(self, callback: Callable[[int], None]) -> None:
+        self._callback = callback
+        self._read, self._write = socket.socketpair()
+        self._write.setblocking(False)
+        self._old_fd = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._run, name="sigterm-watcher", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                data = self._read.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            if signal.SIGTERM in data:
+                self._callback(signal.SIGTERM)
+
+    def close(self) -> None:
+        """Restore the previous wakeup fd and end the thread (no thread may outlive the trainer)."""
+        signal.set_wakeup_fd(self._old_fd)
+        try:
+            self._read.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._thread.join(timeout=5)
+        self._write.close()
+        self._read.close()
+
+
 class Trainer:
     """Runs a ``Task`` data-parallel, elastic and resumable; see the module docstring."""
 
@@ -324,6 +364,9 @@ class Trainer:
         self._task = task
         self._stop_signal: int | None = None
         self._grace_timer: threading.Timer | None = None
+        self._boundaries = 0  # step boundaries passed: a SIGTERM watchdog tells a hung step by it
+        self._signal_lock = threading.Lock()
+        self._last_step_s: float | None = None
         self.dinfo = DistInfo()
         self.step = 0
         self.run_id: str | None = None
@@ -503,9 +546,11 @@ class Trainer:
     def train(self) -> dict:
         """Build, resume, train until done (or stopped), save. Returns a summary dict."""
         old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)  # acted on at the first step boundary
+        watcher = _SignalWatcher(self._on_sigterm)
         try:
             return self._train()
         finally:
+            watcher.close()
             signal.signal(signal.SIGTERM, old_handler)
 
     def _train(self) -> dict:
@@ -591,7 +636,9 @@ class Trainer:
                 signalled=self._stop_signal is not None,
                 timed_out=main and c.max_seconds is not None and now - started >= c.max_seconds,
                 save_due=main and c.checkpoint_every_seconds is not None and now - last_save >= c.checkpoint_every_seconds)
-            self._log_step(epoch, consumed, time.perf_counter() - t0)
+            self._boundaries += 1
+            self._last_step_s = time.perf_counter() - t0
+            self._log_step(epoch, consumed, self._last_step_s)
             if profiler is not None:
                 profiler.step()
             if signalled or timed_out:
@@ -730,15 +777,36 @@ class Trainer:
         waiter.join(timeout=self.config.grace_seconds)
 
     # ---- signals, profiler ---------------------------------------------------------------
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        if self._stop_signal is not None:
-            return
-        self._stop_signal = signum
+    def _on_sigterm(self, signum: int, frame: Any = None) -> None:
+        """SIGTERM, from the Python handler (main thread) or the ``_SignalWatcher`` (at delivery)."""
+        with self._signal_lock:
+            if self._stop_signal is not None:
+                return
+            self._stop_signal = signum
         logger.warning("rank %d got %s: saving at the next step boundary, exiting within %.0fs",
                        self.dinfo.rank, signal.Signals(signum).name, self.config.grace_seconds)
         self._grace_timer = threading.Timer(self.config.grace_seconds, self._grace_expired)
         self._grace_timer.daemon = True
         self._grace_timer.start()
+        if self._last_step_s is not None and self.dinfo.world_size > 1:
+            # A healthy step ends within about one step time. If none ends soon after the signal,
+            # the step is stuck in a collective with a peer that is gone (torchrun stops us to
+            # re-rendezvous): no save is possible, so do not sit out the whole grace period.
+            hung_after = max(2.0, 3 * self._last_step_s)
+            watchdog = threading.Timer(hung_after, self._exit_if_hung, args=(self._boundaries, hung_after))
+            watchdog.daemon = True
+            watchdog.start()
+
+    def _exit_if_hung(self, boundaries_at_signal: int, waited: float) -> None:
+        if self._boundaries != boundaries_at_signal:
+            return
+        logger.error("rank %d: the step in progress has not ended %.1fs after the signal (steps take %.2fs): "
+                     "a peer is gone; exiting without a save (the newest checkpoint stays)",
+                     self.dinfo.rank, waited, self._last_step_s or 0.0)
+        if self.ckpt is not None:  # an async save already under way may still commit
+            self._abort()
+        logging.shutdown()
+        os._exit(128 + signal.SIGTERM)
 
     def _grace_expired(self) -> None:
         logger.error("rank %d: grace period of %.0fs over before the step boundary save finished; exiting now",

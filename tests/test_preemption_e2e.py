@@ -35,3 +35,37 @@ def test_sigterm_to_one_node_saves_and_the_other_node_continues_alone(etcd, run_
     nodes[0].wait(timeout=120)
     assert nodes[0].returncode == 128 + signal.SIGTERM
     assert latest(ck)[0] == max(s["step"] for s in read_jsonl(logs / "steps", "*.jsonl"))
+
+
+def test_sigterm_while_a_peer_is_frozen_exits_long_before_the_grace_period(procs, tmp_path):
+    """torchrun stops the survivors' workers to re-rendezvous when a peer dies; a worker stuck in a
+    collective with that peer cannot reach a step boundary, and must not sit out --grace-seconds."""
+    import os
+    import subprocess
+    import sys
+
+    from elastic_trainer.etcd_server import free_port
+    from tests.conftest import REPO
+    from tests.test_train_e2e import TINY
+
+    port, logs = free_port(), tmp_path / "logs"
+    workers = []
+    for rank in (0, 1):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        workers.append(procs.start([sys.executable, "-m", "elastic_trainer.train", *TINY, "--max-steps", "100000",
+                                    "--sleep-per-step", "0.1", "--grace-seconds", "60", "--log-dir", str(logs),
+                                    "--checkpoint-dir", str(tmp_path / "ck")],
+                                   cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    end = time.monotonic() + 180
+    while time.monotonic() < end and len(read_jsonl(logs / "steps", "*.jsonl") if (logs / "steps").exists() else []) < 6:
+        time.sleep(0.2)
+    os.kill(workers[1].pid, signal.SIGSTOP)  # the peer is gone as far as the collective is concerned
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    workers[0].send_signal(signal.SIGTERM)
+    _, err = workers[0].communicate(timeout=90)
+    waited = time.monotonic() - t0
+    assert workers[0].returncode == 128 + signal.SIGTERM
+    assert "a peer is gone" in err
+    assert waited < 30, f"took {waited:.1f}s, close to the 60 s grace"
