@@ -126,13 +126,15 @@ def test_etcd_restart_during_training_does_not_stop_the_job(procs, run_id, tmp_p
         time.sleep(4)
         server.start()  # same data dir and port
         up_at = time.time()
-        time.sleep(4)
-        steps = read_steps(n.out)
-        # Training went on through the outage in the same world and round, with no restart.
-        during = [s for s in steps if down_at < s["time"] < up_at + 4]
-        assert {(s["round"], s["world_size"]) for s in during} == {(round_, 2)}
-        assert len({s["pid"] for s in during}) == 2
-        assert max(s["time"] for s in steps) > up_at + 2
+        # etcd was gone for longer than lease_ttl - keep_alive_interval (3 - 1 s): the nodes could
+        # not prove their membership, so they stopped their workers (no second world could form
+        # if this had been a partition) and rejoined when etcd answered. The job lives on.
+        steps = n.wait_for("a world of 2 again after the etcd restart",
+                           lambda st: len({s["pid"] for s in _after(st, up_at, 2)}) == 2
+                           and len(_after(st, up_at, 2)) >= 6)
+        assert all(s["world_size"] == 2 for s in steps if s["time"] > down_at)
+        assert all(p.poll() is None for p in n.started), "no agent may die of an etcd restart"
+        assert int(steps[-1]["round"]) >= int(round_)
         # And the rendezvous works again: a node dies, the survivor goes on alone.
         killed_at = time.time()
         signal_tree(n.started[1].pid, signal.SIGKILL)

@@ -292,6 +292,14 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             # This process was paused (or starved) for longer than a lease: find out now.
             self._lease.refresh()
             self._watch()
+        if self._joined is not None and self._revoked is None:
+            unrenewed = self._lease.seconds_since_renewal()
+            if unrenewed > self._options.lease_ttl - self._options.keep_alive_interval:
+                # Cut off from etcd (or etcd is down): the lease may run out any moment and the
+                # others may form a round without us. Stop our workers before that can happen,
+                # so that two worlds never train at once; we rejoin when etcd answers again.
+                self._revoke(f"its etcd lease has not been renewed for {unrenewed:.1f}s "
+                             f"(lease_ttl {self._options.lease_ttl:g}s)")
         if self._revoked is not None:
             return max(1, self._waiting)
         return self._waiting

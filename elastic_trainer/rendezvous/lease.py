@@ -29,6 +29,7 @@ class LeaseKeeper:
         self._lease_id: int | None = None
         self._lost = False
         self._last_attempt = time.monotonic()
+        self._last_renewed = time.monotonic()  # when the last renewal that etcd accepted was SENT
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -40,6 +41,7 @@ class LeaseKeeper:
 
     def ensure(self) -> None:
         with self._lock:
+            sent = time.monotonic()
             if self._lease_id is None or self._lost:
                 lease = self._conn.call(lambda c: c.lease(self._ttl), "lease grant")
                 self.requests += 1
@@ -47,6 +49,7 @@ class LeaseKeeper:
             self._conn.call(lambda c: c.put(self._key, b"", lease=self._lease_id), "alive key")
             self.requests += 1
             self._last_attempt = time.monotonic()
+            self._last_renewed = sent
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"etcd-lease {self._key}", daemon=True)
             self._thread.start()
@@ -68,7 +71,7 @@ class LeaseKeeper:
             lease_id = self._lease_id
             if lease_id is None or self._lost:
                 return
-            self._last_attempt = time.monotonic()
+            self._last_attempt = sent = time.monotonic()
             try:
                 responses = self._conn.call(lambda c: list(c.refresh_lease(lease_id)), "lease keep-alive",
                                             retry_timeout=0)
@@ -79,6 +82,13 @@ class LeaseKeeper:
             if not responses or responses[0].TTL <= 0:
                 logger.warning("the etcd lease of %s expired; this node left its round", self._key)
                 self._lost = True
+            else:
+                self._last_renewed = sent
+
+    def seconds_since_renewal(self) -> float:
+        """Seconds since the last renewal etcd accepted was sent: etcd may expire the lease
+        ``ttl`` seconds after it processed that renewal, and never sooner than this says."""
+        return time.monotonic() - self._last_renewed
 
     def seconds_since_renewal_attempt(self) -> float:
         return time.monotonic() - self._last_attempt
