@@ -145,3 +145,87 @@ def test_etcd_restart_during_training_does_not_stop_the_job(procs, run_id, tmp_p
     finally:
         n.kill_all()
         server.stop()
+
+
+class _CuttableProxy:
+    """A loopback TCP forwarder to etcd that a test can cut, like a network partition of one node."""
+
+    def __init__(self, target: str) -> None:
+        import socket
+        import threading
+
+        host, port = target.rsplit(":", 1)
+        self._target = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._conns: list = []
+        self._lock = threading.Lock()
+        self._cut = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                if self._cut:
+                    client.close()
+                    continue
+                upstream = socket.create_connection(self._target)
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src, dst) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def cut(self) -> None:
+        import socket
+
+        with self._lock:
+            self._cut = True
+            for conn in self._conns:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                conn.close()
+        self._listener.close()
+
+
+def test_nodes_cut_off_from_etcd_stop_training_before_a_newcomer_forms_a_new_world(procs, etcd, run_id, tmp_path):
+    """Nodes a and b reach etcd through a proxy that is cut while their gloo links stay up (the
+    drill found this when a bridge lost etcd for 40 s). Node c, which reaches etcd, sees their
+    leases expire and forms a world alone: a and b must have stopped training before that."""
+    proxy = _CuttableProxy(etcd.endpoint)
+    n = Nodes(procs, etcd, run_id, tmp_path)
+    try:
+        n.etcd = type("ProxiedEtcd", (), {"endpoint": proxy.endpoint})()
+        n.start("a")
+        n.start("b")
+        n.wait_for("a world of 2", lambda st: len({s["pid"] for s in st if s["world_size"] == 2}) == 2)
+        cut_at = time.time()
+        proxy.cut()
+        n.etcd = etcd
+        n.start("c")
+        steps = n.wait_for("node c alone at world size 1", lambda st: len(_after(st, cut_at, 1)) >= 5)
+        assert world_problems(steps) == [], world_problems(steps)
+        alone_from = min(s["time"] for s in _after(steps, cut_at, 1))
+        old_world_last = max(s["time"] for s in steps if s["world_size"] == 2)
+        assert old_world_last < alone_from, "the cut-off nodes' world trained beside the new one"
+        for name in ("a", "b"):
+            log = (tmp_path / f"{name}.log").read_text()
+            assert "has not been renewed" in log, log[-2000:]
+    finally:
+        n.kill_all()
+        proxy.cut()
