@@ -366,6 +366,7 @@ class Trainer:
         self._grace_timer: threading.Timer | None = None
         self._boundaries = 0  # step boundaries passed: a SIGTERM watchdog tells a hung step by it
         self._signal_lock = threading.Lock()
+        self._saving_after_failure = False
         self._last_step_s: float | None = None
         self.dinfo = DistInfo()
         self.step = 0
@@ -608,8 +609,8 @@ class Trainer:
         stopped_by = None
         try:
             stopped_by = self._loop(total, profiler)
-        except BaseException:
-            self._abort()
+        except BaseException as exc:
+            self._abort(exc)
             raise
         finally:
             if profiler is not None:
@@ -768,13 +769,37 @@ class Trainer:
         if self.dinfo.distributed and dist.is_initialized():
             dist.destroy_process_group()
 
-    def _abort(self) -> None:
-        """On an error (a peer lost, ...): give an in-flight async save a bounded chance to commit."""
+    def _abort(self, exc: BaseException | None = None) -> None:
+        """On an error (a peer lost, ...): save the last completed step if it can be, and give an
+        in-flight async save a bounded chance to commit.
+
+        Under DDP a collective fails either inside backward (the parameters are still those of
+        the last completed step) or in the step-end agreement (that step is complete on every
+        rank), so rank 0 holds a consistent state it can save without its peers: the work since
+        the last periodic checkpoint is kept. The commit is fenced by the rendezvous round.
+        FSDP cannot gather its shards without the lost peer, so it falls back to the last save.
+        """
         if self.ckpt is None:
+            return
+        peer_lost = isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc).lower())
+        if peer_lost and not self.fsdp and self.dinfo.is_main and self.step > (self._last_save_step or 0):
+            logger.warning("a collective failed (%s); saving the last completed step %d before exiting",
+                           type(exc).__name__, self.step)
+            saver = threading.Thread(target=self._save_after_failure, daemon=True)
+            saver.start()
+            saver.join(timeout=self.config.grace_seconds)
             return
         waiter = threading.Thread(target=self.ckpt.wait, daemon=True)
         waiter.start()
         waiter.join(timeout=self.config.grace_seconds)
+
+    def _save_after_failure(self) -> None:
+        self._saving_after_failure = True  # the hung-step watchdog leaves this save to the grace timer
+        try:
+            self.ckpt.wait()
+            self._save(blocking=True)
+        except Exception:  # noqa: BLE001 - the worker is exiting with the original error anyway
+            logger.exception("could not save step %d after the collective failure", self.step)
 
     # ---- signals, profiler ---------------------------------------------------------------
     def _on_sigterm(self, signum: int, frame: Any = None) -> None:
@@ -798,7 +823,7 @@ class Trainer:
             watchdog.start()
 
     def _exit_if_hung(self, boundaries_at_signal: int, waited: float) -> None:
-        if self._boundaries != boundaries_at_signal:
+        if self._boundaries != boundaries_at_signal or self._saving_after_failure:
             return
         logger.error("rank %d: the step in progress has not ended %.1fs after the signal (steps take %.2fs): "
                      "a peer is gone; exiting without a save (the newest checkpoint stays)",

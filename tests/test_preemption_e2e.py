@@ -69,3 +69,34 @@ def test_sigterm_while_a_peer_is_frozen_exits_long_before_the_grace_period(procs
     assert workers[0].returncode == 128 + signal.SIGTERM
     assert "a peer is gone" in err
     assert waited < 30, f"took {waited:.1f}s, close to the 60 s grace"
+
+
+def test_a_killed_peer_costs_no_step_rank_0_saves_the_last_completed_one(procs, tmp_path):
+    """SIGKILL of a peer makes rank 0's collective fail; rank 0 saves the step it had completed
+    (its state is consistent at that point under DDP) instead of going back to the last periodic save."""
+    import os
+    import subprocess
+    import sys
+
+    from elastic_trainer.etcd_server import free_port
+    from tests.conftest import REPO
+    from tests.test_train_e2e import TINY
+
+    port, logs = free_port(), tmp_path / "logs"
+    workers = []
+    for rank in (0, 1):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        workers.append(procs.start([sys.executable, "-m", "elastic_trainer.train", *TINY, "--max-steps", "100000",
+                                    "--sleep-per-step", "0.1", "--checkpoint-every", "1000",
+                                    "--log-dir", str(logs), "--checkpoint-dir", str(tmp_path / "ck")],
+                                   cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    end = time.monotonic() + 180
+    while time.monotonic() < end and len(read_jsonl(logs / "steps", "*.jsonl") if (logs / "steps").exists() else []) < 10:
+        time.sleep(0.2)
+    os.kill(workers[1].pid, signal.SIGKILL)
+    _, err = workers[0].communicate(timeout=120)
+    assert workers[0].returncode != 0
+    assert "saving the last completed step" in err, err[-2000:]
+    done = max(s["step"] for s in read_jsonl(logs / "steps", "*.jsonl") if s["rank"] == 0)
+    assert latest(tmp_path / "ck")[0] == done
