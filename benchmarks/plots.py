@@ -236,6 +236,7 @@ def plot_recovery(docs: Path) -> Path | None:
             ax.annotate(f"{med:.1f}\n{len(ok)}/{len(values)}", (xpos, worst), ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(scenarios)), scenarios)
     ax.set_xlim(-0.6, len(scenarios) - 0.4)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.12)  # room for the labels above the whiskers
     ax.set_ylabel("seconds to the first step at the new world size")
     ax.set_title("Recovery: bar = median, whisker = worst, n = successful/trials", fontsize=10)
     ax.legend(fontsize=8)
