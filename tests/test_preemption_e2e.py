@@ -98,5 +98,7 @@ def test_a_killed_peer_costs_no_step_rank_0_saves_the_last_completed_one(procs, 
     _, err = workers[0].communicate(timeout=120)
     assert workers[0].returncode != 0
     assert "saving the last completed step" in err, err[-2000:]
-    done = max(s["step"] for s in read_jsonl(logs / "steps", "*.jsonl") if s["rank"] == 0)
-    assert latest(tmp_path / "ck")[0] == done
+    logged = max(s["step"] for s in read_jsonl(logs / "steps", "*.jsonl") if s["rank"] == 0)
+    # If the step-end agreement is what failed, the step it closes is complete on every rank (its
+    # gradient all-reduce finished, so every rank contributed) but not yet logged: saved = logged + 1.
+    assert latest(tmp_path / "ck")[0] in (logged, logged + 1)
