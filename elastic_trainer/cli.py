@@ -223,6 +223,12 @@ def _launch(run: RunConfig) -> int:
               file=sys.stderr, flush=True)
     elif endpoint is None:
         endpoint = "127.0.0.1:29400"  # torch's c10d default, for side-by-side runs
+    if "OMP_NUM_THREADS" not in os.environ:
+        # torchrun sets 1 for several workers; we give each worker its share of this node's cores,
+        # so that N workers do not each start a thread per core (measured: 30x slower on 2 cores).
+        threads = max(1, len(os.sched_getaffinity(0)) // run.nproc_per_node)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        logger.info("OMP_NUM_THREADS=%d for each of %d worker(s) (set it to override)", threads, run.nproc_per_node)
     os.environ.update({cfg.ENV_RDZV_ENDPOINT: endpoint, cfg.ENV_RUN_ID: run.run_id,
                        cfg.ENV_CHECKPOINT_DIR: run.checkpoint_dir or "", cfg.ENV_LOG_DIR: str(log_dir)})
     config = LaunchConfig(
