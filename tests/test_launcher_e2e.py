@@ -12,33 +12,13 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import cli_cmd
+from tests.rdzv_worker import descendants
 
 pytestmark = pytest.mark.slow
 
 # A tiny model so that a step takes milliseconds: these tests are about processes, not speed.
 TINY = ["--d-model", "16", "--nhead", "2", "--layers", "1", "--dim-feedforward", "32", "--src-len", "4",
         "--tgt-len", "4", "--dataset-size", "256", "--global-batch-size", "8", "--no-wandb"]
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (children of children too), from /proc."""
-    found, todo = set(), [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except FileNotFoundError:
-            continue
-        for task in tasks:
-            try:
-                children = Path(f"/proc/{parent}/task/{task}/children").read_text().split()
-            except FileNotFoundError:
-                continue
-            for child in map(int, children):
-                if child not in found:
-                    found.add(child)
-                    todo.append(child)
-    return found
 
 
 def alive(pid: int) -> bool:
@@ -87,7 +67,7 @@ def test_stop_signal_leaves_no_agent_worker_or_etcd(tmp_path, procs, sig):
                               "--", *TINY, "--max-steps", "100000", "--sleep-per-step", "0.05"),
                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wait_for_steps(log_dir, 4, timeout=180)
-    started = descendants(cli.pid)
+    started = set(descendants(cli.pid))
     names = {p: Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ") for p in started if alive(p)}
     assert any("etcd" in c.split()[0] for c in names.values()), names
     assert sum("elastic_trainer.train" in c for c in names.values()) == 2, names
@@ -108,7 +88,7 @@ def test_killed_launcher_takes_its_workers_and_etcd_along(tmp_path, procs):
                               "--", *TINY, "--max-steps", "100000", "--sleep-per-step", "0.05"),
                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_steps(log_dir, 4, timeout=180)
-    started = descendants(cli.pid)
+    started = set(descendants(cli.pid))
     assert len(started) >= 3  # etcd and two workers at least
     os.kill(cli.pid, signal.SIGKILL)
     cli.wait(timeout=30)

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.test_train_e2e import _wait, agent, latest, read_jsonl
+from elastic_trainer.etcd_server import free_port
+from tests.conftest import REPO
+from tests.test_train_e2e import TINY, _wait, agent, latest, read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -37,29 +43,28 @@ def test_sigterm_to_one_node_saves_and_the_other_node_continues_alone(etcd, run_
     assert latest(ck)[0] == max(s["step"] for s in read_jsonl(logs / "steps", "*.jsonl"))
 
 
-def test_sigterm_while_a_peer_is_frozen_exits_long_before_the_grace_period(procs, tmp_path):
-    """torchrun stops the survivors' workers to re-rendezvous when a peer dies; a worker stuck in a
-    collective with that peer cannot reach a step boundary, and must not sit out --grace-seconds."""
-    import os
-    import subprocess
-    import sys
-
-    from elastic_trainer.etcd_server import free_port
-    from tests.conftest import REPO
-    from tests.test_train_e2e import TINY
-
+def _two_rank_world(procs, tmp_path: Path, *trainer_args: str) -> tuple[list[subprocess.Popen], Path]:
+    """Two trainer processes forming a gloo world directly (no agent), logging to tmp_path/logs;
+    returns them once 6+ steps are logged."""
     port, logs = free_port(), tmp_path / "logs"
     workers = []
     for rank in (0, 1):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         workers.append(procs.start([sys.executable, "-m", "elastic_trainer.train", *TINY, "--max-steps", "100000",
-                                    "--sleep-per-step", "0.1", "--grace-seconds", "60", "--log-dir", str(logs),
-                                    "--checkpoint-dir", str(tmp_path / "ck")],
+                                    "--sleep-per-step", "0.1", "--log-dir", str(logs),
+                                    "--checkpoint-dir", str(tmp_path / "ck"), *trainer_args],
                                    cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     end = time.monotonic() + 180
     while time.monotonic() < end and len(read_jsonl(logs / "steps", "*.jsonl") if (logs / "steps").exists() else []) < 6:
         time.sleep(0.2)
+    return workers, logs
+
+
+def test_sigterm_while_a_peer_is_frozen_exits_long_before_the_grace_period(procs, tmp_path):
+    """torchrun stops the survivors' workers to re-rendezvous when a peer dies; a worker stuck in a
+    collective with that peer cannot reach a step boundary, and must not sit out --grace-seconds."""
+    workers, _ = _two_rank_world(procs, tmp_path, "--grace-seconds", "60")
     os.kill(workers[1].pid, signal.SIGSTOP)  # the peer is gone as far as the collective is concerned
     time.sleep(1.0)
     t0 = time.monotonic()
@@ -74,26 +79,7 @@ def test_sigterm_while_a_peer_is_frozen_exits_long_before_the_grace_period(procs
 def test_a_killed_peer_costs_no_step_rank_0_saves_the_last_completed_one(procs, tmp_path):
     """SIGKILL of a peer makes rank 0's collective fail; rank 0 saves the step it had completed
     (its state is consistent at that point under DDP) instead of going back to the last periodic save."""
-    import os
-    import subprocess
-    import sys
-
-    from elastic_trainer.etcd_server import free_port
-    from tests.conftest import REPO
-    from tests.test_train_e2e import TINY
-
-    port, logs = free_port(), tmp_path / "logs"
-    workers = []
-    for rank in (0, 1):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        workers.append(procs.start([sys.executable, "-m", "elastic_trainer.train", *TINY, "--max-steps", "100000",
-                                    "--sleep-per-step", "0.1", "--checkpoint-every", "1000",
-                                    "--log-dir", str(logs), "--checkpoint-dir", str(tmp_path / "ck")],
-                                   cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-    end = time.monotonic() + 180
-    while time.monotonic() < end and len(read_jsonl(logs / "steps", "*.jsonl") if (logs / "steps").exists() else []) < 10:
-        time.sleep(0.2)
+    workers, logs = _two_rank_world(procs, tmp_path, "--checkpoint-every", "1000")
     os.kill(workers[1].pid, signal.SIGKILL)
     _, err = workers[0].communicate(timeout=120)
     assert workers[0].returncode != 0
