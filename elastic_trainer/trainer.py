@@ -367,6 +367,7 @@ class Trainer:
         self._boundaries = 0  # step boundaries passed: a SIGTERM watchdog tells a hung step by it
         self._signal_lock = threading.Lock()
         self._saving_after_failure = False
+        self._logged_step = 0  # the newest step in the step log and ledger
         self._last_step_s: float | None = None
         self.dinfo = DistInfo()
         self.step = 0
@@ -629,8 +630,6 @@ class Trainer:
         while not self._done(total):
             t0 = time.perf_counter()
             epoch, consumed, loss_sum = self._train_step(batches)
-            if c.sleep_per_step:
-                time.sleep(c.sleep_per_step)
             now, main = time.monotonic(), self.dinfo.is_main  # rank 0's clock decides the timed events
             signalled, timed_out, save_due = self._agree(
                 loss_sum,
@@ -640,8 +639,11 @@ class Trainer:
             self._boundaries += 1
             self._last_step_s = time.perf_counter() - t0
             self._log_step(epoch, consumed, self._last_step_s)
+            self._logged_step = self.step
             if profiler is not None:
                 profiler.step()
+            if c.sleep_per_step:  # testing and drills: a longer step, between two steps
+                time.sleep(c.sleep_per_step)
             if signalled or timed_out:
                 if self._stop_signal is not None:
                     reason = f"signal {signal.Signals(self._stop_signal).name}"
@@ -782,7 +784,11 @@ class Trainer:
         if self.ckpt is None:
             return
         peer_lost = isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc).lower())
-        if peer_lost and not self.fsdp and self.dinfo.is_main and self.step > (self._last_save_step or 0):
+        # Only a step that every rank has logged: if the step-end agreement failed, the step it
+        # closes is applied but its ledger lines are missing (a dead peer's for sure), so a save
+        # of it could not be accounted for; the last checkpoint is the honest fallback then.
+        logged = self.step == self._logged_step
+        if peer_lost and logged and not self.fsdp and self.dinfo.is_main and self.step > (self._last_save_step or 0):
             logger.warning("a collective failed (%s); saving the last completed step %d before exiting",
                            type(exc).__name__, self.step)
             saver = threading.Thread(target=self._save_after_failure, daemon=True)
