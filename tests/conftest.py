@@ -20,6 +20,20 @@ from elastic_trainer.etcd_server import EtcdServer, free_port
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """Put ``os.environ`` back after every test: the rendezvous handler exports its round to the
+    environment (for workers to inherit), and a test that runs a handler in-process must not pass
+    a stale round on to the trainers that later tests start (they would be fenced)."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        if os.environ != saved:
+            os.environ.clear()
+            os.environ.update(saved)
+
+
 @pytest.fixture(scope="module")
 def etcd(tmp_path_factory):
     """A real etcd 3.4 on loopback for the tests of one module: yields the ``EtcdServer``."""
