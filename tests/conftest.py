@@ -20,18 +20,24 @@ from elastic_trainer.etcd_server import EtcdServer, free_port
 REPO = Path(__file__).resolve().parent.parent
 
 
+_HANDLER_EXPORTS = "ELASTIC_TRAINER_RDZV_"
+
+
 @pytest.fixture(autouse=True)
-def _restore_environ():
-    """Put ``os.environ`` back after every test: the rendezvous handler exports its round to the
-    environment (for workers to inherit), and a test that runs a handler in-process must not pass
-    a stale round on to the trainers that later tests start (they would be fenced)."""
-    saved = dict(os.environ)
+def _restore_rendezvous_exports():
+    """Undo what a rendezvous handler run in-process exports after every test.
+
+    The etcd-v3 handler puts its round, prefix and node into ``os.environ`` for the workers it
+    starts; left there, they would reach the trainers that later tests start, which would then be
+    fenced by a round of an etcd that is gone. (Only these keys: session fixtures such as
+    ``s3_endpoint`` set environment variables of their own during a test's setup.)"""
+    saved = {k: v for k, v in os.environ.items() if k.startswith(_HANDLER_EXPORTS)}
     try:
         yield
     finally:
-        if os.environ != saved:
-            os.environ.clear()
-            os.environ.update(saved)
+        for key in [k for k in os.environ if k.startswith(_HANDLER_EXPORTS)]:
+            del os.environ[key]
+        os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")
