@@ -82,6 +82,27 @@ def s3_endpoint():
                 os.environ[key] = value
 
 
+@pytest.fixture
+def s3_url(s3_endpoint) -> str:
+    """``s3://<new bucket>/run`` on the real S3 endpoint, the bucket created."""
+    from elastic_trainer import storage
+
+    bucket = f"t-{uuid.uuid4().hex[:12]}"
+    fs, _ = storage.get_fs(f"s3://{bucket}")
+    fs.mkdir(bucket)
+    return f"s3://{bucket}/run"
+
+
+@pytest.fixture(params=["file", "memory", "s3"])
+def any_url(request, tmp_path) -> str:
+    """A fresh storage URL on each store: a local path, ``memory://`` and ``s3://`` (real endpoint)."""
+    if request.param == "file":
+        return str(tmp_path / "store")
+    if request.param == "memory":
+        return f"memory://store-{uuid.uuid4().hex[:8]}"
+    return request.getfixturevalue("s3_url")
+
+
 class ProcessGroup:
     """Starts commands in their own sessions and kills every one of them at the end."""
 

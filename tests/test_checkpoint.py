@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -63,23 +62,6 @@ def _assert_same(a, b) -> None:
             _assert_same(x, y)
     else:
         assert a == b
-
-
-@pytest.fixture
-def s3_url(s3_endpoint):
-    bucket = f"ck-{uuid.uuid4().hex[:12]}"
-    fs, _ = storage.get_fs(f"s3://{bucket}")
-    fs.mkdir(bucket)
-    return f"s3://{bucket}/run"
-
-
-@pytest.fixture(params=["file", "memory", "s3"])
-def any_url(request, tmp_path):
-    if request.param == "file":
-        return str(tmp_path / "ckpt")
-    if request.param == "memory":
-        return f"memory://ckpt-{uuid.uuid4().hex[:8]}"
-    return request.getfixturevalue("s3_url")
 
 
 def _step_dir(url: str, step: int) -> tuple:

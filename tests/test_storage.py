@@ -14,23 +14,6 @@ from elastic_trainer.etcd_server import free_port
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture
-def s3_url(s3_endpoint):
-    bucket = f"st-{uuid.uuid4().hex[:12]}"
-    fs, _ = storage.get_fs(f"s3://{bucket}")
-    fs.mkdir(bucket)
-    return f"s3://{bucket}/prefix"
-
-
-@pytest.fixture(params=["file", "memory", "s3"])
-def any_url(request, tmp_path):
-    if request.param == "file":
-        return str(tmp_path / "store")
-    if request.param == "memory":
-        return f"memory://store-{uuid.uuid4().hex[:8]}"
-    return request.getfixturevalue("s3_url")
-
-
 def test_writable_location_passes_and_leaves_no_probe(any_url):
     storage.check_writable(any_url)
     fs, root = storage.get_fs(any_url)
