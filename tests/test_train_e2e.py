@@ -166,7 +166,11 @@ def test_live_run_loses_two_nodes_gains_one_and_ends_like_an_uninterrupted_run(e
     step, state = latest(ck)
     assert step == total, "SIGTERM must leave a checkpoint at the step the run was at"
     worlds = [s["world_size"] for s in sorted(steps, key=lambda s: s["time"])]
-    assert worlds[0] == 3 and worlds[-1] == 2 and 1 in worlds
+    # The first agent up may train alone for a moment before the other two hold leases
+    # (min nodes is 1, and a round completes once every live node joined): only the order
+    # around the faults is fixed.
+    assert 3 in {s["world_size"] for s in steps if s["time"] < t_kill}
+    assert worlds[-1] == 2 and 1 in worlds
     changes = [(e["old"], e["new"]) for e in read_jsonl(logs, "events.jsonl") if e["event"] == "world_size_changed"]
     assert (3, 1) in changes and (1, 2) in changes
 
