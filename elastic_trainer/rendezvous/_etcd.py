@@ -16,17 +16,20 @@ refuses to use it at all; we build its endpoints with a 1 s retry time instead.
 
 from __future__ import annotations
 
+import collections
 import logging
+import queue
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
 import etcd3
 import etcd3.exceptions
 import grpc
+from etcd3 import etcdrpc
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 logger = logging.getLogger(__name__)
@@ -97,6 +100,102 @@ def _is_auth_expired(exc: BaseException) -> bool:
     return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+class _Pending:
+    """One renewal sent on a keep-alive stream, waiting for its answer."""
+
+    __slots__ = ("done", "ttl", "error")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.ttl: int | None = None
+        self.error: BaseException | None = None
+
+
+class _KeepAliveStream:
+    """One ``LeaseKeepAlive`` stream that renews every lease of a connection.
+
+    python3-etcd3's ``refresh_lease`` opens a new bidirectional gRPC stream for every
+    renewal, and gRPC starts a thread to feed each stream's requests: a thousand agents
+    renewing leases spent most of their CPU creating streams and threads, and their leases
+    expired. etcd answers the renewals of one stream in order, per lease, so here one
+    long-lived stream carries them all (as etcd's Go client does): a renewal is one small
+    message. A stream that fails, or leaves a renewal unanswered for ``timeout`` seconds,
+    is cancelled, and its pending renewals fail with the cause; the next renewal opens a
+    new stream.
+    """
+
+    def __init__(self, client: etcd3.MultiEndpointEtcd3Client, timeout: float) -> None:
+        self.client = client
+        self._timeout = timeout
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: dict[int, collections.deque[_Pending]] = {}
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._call = client.leasestub.LeaseKeepAlive(self._feed(), credentials=client.call_credentials,
+                                                     metadata=client.metadata)
+        threading.Thread(target=self._read, name="etcd-lease-keepalive", daemon=True).start()
+
+    @property
+    def closed(self) -> bool:
+        return self._error is not None
+
+    def _feed(self) -> Iterator[etcdrpc.LeaseKeepAliveRequest]:
+        while (request := self._requests.get()) is not None:
+            yield request
+
+    def _read(self) -> None:
+        error: BaseException
+        try:
+            for response in self._call:
+                with self._lock:
+                    waiting = self._pending.get(response.ID)
+                    pending = waiting.popleft() if waiting else None
+                    if waiting is not None and not waiting:
+                        del self._pending[response.ID]
+                if pending is not None:
+                    pending.ttl = response.TTL
+                    pending.done.set()
+            error = etcd3.exceptions.ConnectionFailedError("etcd closed the lease keep-alive stream")
+        except grpc.RpcError as exc:
+            error = exc
+            if not self.closed:  # not our own cancel: python3-etcd3's exception, and its failover
+                try:
+                    self.client._manage_grpc_errors(exc)
+                except Exception as translated:  # noqa: BLE001 - kept as the stream's error
+                    error = translated
+        self._fail(error)
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            pending, self._pending = self._pending, {}
+        self._requests.put(None)
+        self._call.cancel()
+        for waiting in pending.values():
+            for p in waiting:
+                p.error = self._error
+                p.done.set()
+
+    def renew(self, lease_id: int) -> int:
+        """Renew ``lease_id`` once; its TTL in seconds (<= 0: etcd no longer knows the lease)."""
+        p = _Pending()
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            self._pending.setdefault(lease_id, collections.deque()).append(p)
+        self._requests.put(etcdrpc.LeaseKeepAliveRequest(ID=lease_id))
+        if not p.done.wait(self._timeout):
+            self._fail(etcd3.exceptions.ConnectionTimeoutError(
+                f"etcd did not answer a lease renewal within {self._timeout:g}s"))
+        if p.error is not None:
+            raise p.error
+        return int(p.ttl)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        self._fail(etcd3.exceptions.ConnectionFailedError("the lease keep-alive stream was closed"))
+
+
 class EtcdConnection:
     """A python3-etcd3 client with fast failure at start and bounded retries after."""
 
@@ -104,6 +203,7 @@ class EtcdConnection:
         self.options = options
         self._lock = threading.Lock()
         self._client = self._connect()
+        self._keepalive: _KeepAliveStream | None = None
 
     # -- construction -------------------------------------------------------------------
     def _make_client(self, timeout: float) -> etcd3.MultiEndpointEtcd3Client:
@@ -216,5 +316,20 @@ class EtcdConnection:
             self._client = new
         old.close()
 
+    def renew_lease(self, lease_id: int) -> int:
+        """Renew a lease once on this connection's shared keep-alive stream; its remaining TTL
+        (<= 0 when etcd no longer knows it). Errors are raised as ``call`` classifies them."""
+        with self._lock:
+            stream = self._keepalive
+            if stream is None or stream.closed or stream.client is not self._client:
+                if stream is not None:
+                    stream.close()
+                stream = self._keepalive = _KeepAliveStream(self._client, self.options.read_timeout)
+        return stream.renew(lease_id)
+
     def close(self) -> None:
+        with self._lock:
+            stream, self._keepalive = self._keepalive, None
+        if stream is not None:
+            stream.close()
         self._client.close()

@@ -73,13 +73,13 @@ class LeaseKeeper:
                 return
             self._last_attempt = sent = time.monotonic()
             try:
-                responses = self._conn.call(lambda c: list(c.refresh_lease(lease_id)), "lease keep-alive",
-                                            retry_timeout=0)
+                ttl = self._conn.call(lambda c: self._conn.renew_lease(lease_id), "lease keep-alive",
+                                      retry_timeout=0)
                 self.requests += 1
             except Exception as exc:  # noqa: BLE001 - a failed renewal is retried at the next tick
                 logger.warning("could not renew the etcd lease of %s: %s", self._key, exc)
                 return
-            if not responses or responses[0].TTL <= 0:
+            if ttl <= 0:
                 logger.warning("the etcd lease of %s expired; this node left its round", self._key)
                 self._lost = True
             else:
