@@ -4,20 +4,26 @@ Run (from the repository root):
 
     .venv/bin/python benchmarks/rdzv_scale.py                    # sizes 8, 64, 256, 1000
     .venv/bin/python benchmarks/rdzv_scale.py --sizes 8          # the smoke test's size
+    .venv/bin/python benchmarks/rdzv_scale.py --processes 1      # every agent a thread of one process
 
 Each simulated agent is a thread running the real etcd-v3 handler (backend, JSON state
 holder, lease keeper, etcd store) exactly as torchrun's agent calls it:
 ``next_rendezvous()`` with min_nodes = max_nodes = N, so the round completes when the
-last agent joined and every agent then has its rank and MASTER_ADDR/PORT. Agents share
-``--connections`` gRPC channels (1,000 channels in one process would measure Python,
-not etcd). It prints, per size: seconds until every agent had its rank, the slowest
-agent, etcd requests per agent (state reads/writes, store, lease), and lost
-compare-and-swap races per agent.
+last agent joined and every agent then has its rank and MASTER_ADDR/PORT. The agents are
+spread over ``--processes`` worker processes (default 16; real agents are separate
+processes, and a thousand threads under one GIL measure Python's thread scheduler: a
+thread waits seconds for its turn, and lease renewals starve). Agents of one process
+share ``--connections`` gRPC channels. All processes start their agents at the same
+instant (``time.monotonic`` is one clock for every process on Linux). It prints, per size:
+seconds until every agent had its rank, the first agent, etcd requests per agent (state
+reads/writes, store, lease), and lost compare-and-swap races per agent.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import multiprocessing as mp
 import os
 import shutil
 import statistics
@@ -49,24 +55,29 @@ from elastic_trainer.rendezvous.handler import (  # noqa: E402
 )
 
 
-def run_size(endpoint: str, n: int, connections: int, timeout: float, conf: dict) -> dict:
-    run_id = f"scale-{n}-{int(time.time())}"
+def run_agents(endpoint: str, run_id: str, n: int, count: int, connections: int, timeout: float, conf: dict,
+               ready=None) -> dict:
+    """Run ``count`` of the ``n`` agents of one round as threads of this process.
+
+    ``ready(go_event)`` is called once every handler is built: it must set ``go_event`` at the
+    start instant and return that instant (``time.monotonic()``); without it they start at once.
+    """
     params = RendezvousParameters("etcd-v3", endpoint, run_id, n, n, local_addr="127.0.0.1",
                                   join_timeout=str(timeout), **conf)
     options = RendezvousOptions(params)
-    conns = [EtcdConnection(options.etcd) for _ in range(min(connections, n))]
+    conns = [EtcdConnection(options.etcd) for _ in range(max(1, min(connections, count)))]
     settings = RendezvousSettings(run_id, n, n, RendezvousTimeout(
         join=timedelta(seconds=timeout), last_call=timedelta(seconds=options.last_call_timeout),
         close=timedelta(seconds=options.close_timeout), heartbeat=timedelta(seconds=options.heartbeat_timeout)),
         keep_alive_interval=_NO_STATE_HEARTBEATS, keep_alive_max_attempt=3)
     handlers = []
-    for i in range(n):
+    for i in range(count):
         conn = conns[i % len(conns)]
         backend = EtcdRendezvousBackend(conn, run_id, options.key_prefix)
         store = EtcdStore(conn, backend.prefix + "store/")
         node = DynamicRendezvousHandler._node_desc_generator.generate("127.0.0.1")
         handlers.append(EtcdRendezvousHandler(node, settings, store, backend, conn, options))
-    done = [None] * n
+    done: list = [None] * count
     errors: list[str] = []
     go = threading.Event()
 
@@ -78,45 +89,134 @@ def run_size(endpoint: str, n: int, connections: int, timeout: float, conf: dict
         except Exception as exc:  # noqa: BLE001 - reported in the summary
             errors.append(f"{type(exc).__name__}: {exc}"[:200])
 
-    threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(n)]
+    threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(count)]
     for t in threads:
         t.start()
-    start = time.monotonic()
-    go.set()
+    if ready is None:
+        start = time.monotonic()
+        go.set()
+    else:
+        start = ready(go)
     for t in threads:
         t.join(max(0.1, start + timeout + 5 - time.monotonic()))
-    finished = [d for d in done if d is not None]
-    ranks = sorted(d[1] for d in finished)
-    requests = [h._etcd_backend.requests + h._store.requests + h._lease.requests for h in handlers]
-    lost = [h._op_executor.lost_races for h in handlers]
     result = {
-        "agents": n, "joined": len(finished), "ranks_ok": ranks == list(range(n)),
-        "all_ranked_s": max(d[0] for d in finished) - start if len(finished) == n else None,
-        "first_ranked_s": min(d[0] for d in finished) - start if finished else None,
-        "requests_per_agent": statistics.mean(requests), "lost_races_per_agent": statistics.mean(lost),
-        "errors": sorted(set(errors))[:3],
+        "start": start, "done": [d for d in done if d is not None],
+        "requests": [h._etcd_backend.requests + h._store.requests + h._lease.requests for h in handlers],
+        "lost": [h._op_executor.lost_races for h in handlers], "errors": sorted(set(errors))[:3],
     }
     for h in handlers:
         h._joined = None
         h._lease.close(revoke=False)
-    try:
-        conns[0].client.delete_prefix(handlers[0]._etcd_backend.prefix)
-    except Exception:  # noqa: BLE001 - cleanup of a benchmark run; the etcd is thrown away anyway
-        pass
     for c in conns:
         c.close()
+    return result
+
+
+def _summary(n: int, parts: list[dict], start: float) -> dict:
+    finished = [d for p in parts for d in p["done"]]
+    ranks = sorted(d[1] for d in finished)
+    return {
+        "agents": n, "joined": len(finished), "ranks_ok": ranks == list(range(n)),
+        "all_ranked_s": max(d[0] for d in finished) - start if len(finished) == n else None,
+        "first_ranked_s": min(d[0] for d in finished) - start if finished else None,
+        "requests_per_agent": statistics.mean(r for p in parts for r in p["requests"]),
+        "lost_races_per_agent": statistics.mean(x for p in parts for x in p["lost"]),
+        "errors": sorted({e for p in parts for e in p["errors"]})[:3],
+    }
+
+
+def _worker(pipe) -> None:
+    """A worker process: runs its share of each size's agents when the main process asks."""
+    while (job := pipe.recv()) is not None:
+        def ready(go: threading.Event) -> float:
+            pipe.send("ready")
+            go_at = pipe.recv()
+            time.sleep(max(0.0, go_at - time.monotonic()))
+            go.set()
+            return go_at
+        try:
+            pipe.send(run_agents(**job, ready=ready))
+        except Exception as exc:  # noqa: BLE001 - sent back to the main process, which reports it
+            pipe.send({"error": f"{type(exc).__name__}: {exc}"})
+
+
+class AgentPool:
+    """``processes`` spawned worker processes that run the simulated agents of each size."""
+
+    def __init__(self, processes: int) -> None:
+        ctx = mp.get_context("spawn")  # gRPC does not survive fork
+        self.pipes, self.procs = [], []
+        for _ in range(processes):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(child,), daemon=True)
+            proc.start()
+            self.pipes.append(parent)
+            self.procs.append(proc)
+
+    def run(self, endpoint: str, run_id: str, n: int, connections: int, timeout: float, conf: dict) -> dict:
+        shares = [n // len(self.pipes) + (i < n % len(self.pipes)) for i in range(len(self.pipes))]
+        pipes = [(p, c) for p, c in zip(self.pipes, shares) if c]
+        for pipe, count in pipes:
+            pipe.send({"endpoint": endpoint, "run_id": run_id, "n": n, "count": count,
+                       "connections": connections, "timeout": timeout, "conf": conf})
+        for pipe, _ in pipes:
+            answer = pipe.recv()
+            if answer != "ready":
+                raise RuntimeError(f"an agent process failed to start: {answer}")
+        go_at = time.monotonic() + 0.5
+        for pipe, _ in pipes:
+            pipe.send(go_at)
+        parts = [pipe.recv() for pipe, _ in pipes]
+        failed = [p["error"] for p in parts if "error" in p]
+        if failed:
+            raise RuntimeError(f"an agent process failed: {failed[0]}")
+        return _summary(n, parts, go_at)
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            try:
+                pipe.send(None)
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def run_size(endpoint: str, n: int, connections: int, timeout: float, conf: dict,
+             pool: AgentPool | None = None) -> dict:
+    """N agents join one round; every agent a thread of this process, or spread over ``pool``."""
+    run_id = f"scale-{n}-{int(time.time())}"
+    if pool is None:
+        part = run_agents(endpoint, run_id, n, n, connections, timeout, conf)
+        result = _summary(n, [part], part["start"])
+    else:
+        result = pool.run(endpoint, run_id, n, connections, timeout, conf)
+    conn = EtcdConnection(RendezvousOptions(RendezvousParameters("etcd-v3", endpoint, run_id, 1, 1)).etcd)
+    try:
+        conn.client.delete_prefix(EtcdRendezvousBackend(conn, run_id).prefix)
+    except Exception:  # noqa: BLE001 - cleanup of a benchmark run; the etcd is thrown away anyway
+        pass
+    finally:
+        conn.close()
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="N simulated agents join one etcd-v3 rendezvous round.")
     p.add_argument("--sizes", default="8,64,256,1000", help="comma list of agent counts (default 8,64,256,1000)")
-    p.add_argument("--connections", type=int, default=16, help="gRPC channels the agents share (default 16)")
+    p.add_argument("--processes", type=int, default=16,
+                   help="worker processes the agents are spread over (default 16; 1: threads of this process)")
+    p.add_argument("--connections", type=int, default=4,
+                   help="gRPC channels the agents of one process share (default 4)")
     p.add_argument("--timeout", type=float, default=120.0, help="join timeout per size in seconds (default 120)")
     p.add_argument("--endpoint", default=None, help="an etcd to use (default: start a private one)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument("--rdzv-conf", default="lease_ttl=30,keep_alive_interval=5",
-                   help="handler options k=v,... (default lease_ttl=30,keep_alive_interval=5: a thousand lease "
-                        "threads in one Python process on 2 cores cannot renew 3 s leases in time)")
+                   help="handler options k=v,... (default lease_ttl=30,keep_alive_interval=5: a thousand agents "
+                        "on 2 cores cannot renew 3 s leases in time)")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     conf = dict(item.split("=", 1) for item in args.rdzv_conf.split(",") if item)
@@ -127,22 +227,35 @@ def main(argv: list[str] | None = None) -> int:
         tmp = tempfile.mkdtemp(prefix="rdzv-scale-")
         server = EtcdServer(data_dir=Path(tmp) / "etcd").start()
         endpoint = server.endpoint
+    pool = AgentPool(args.processes) if args.processes > 1 else None
+    results = []
     print(f"{'agents':>7} {'all ranked s':>13} {'first s':>8} {'req/agent':>10} {'lost CAS/agent':>15}  notes")
     try:
         for n in sizes:
-            r = run_size(endpoint, n, args.connections, args.timeout, conf)
+            r = run_size(endpoint, n, args.connections, args.timeout, conf, pool)
+            results.append(r)
             all_s = f"{r['all_ranked_s']:13.2f}" if r["all_ranked_s"] is not None else f"{'>' + str(args.timeout):>13}"
             first = f"{r['first_ranked_s']:8.2f}" if r["first_ranked_s"] is not None else f"{'-':>8}"
             notes = "" if r["ranks_ok"] else f"only {r['joined']}/{n} ranked; {r['errors']}"
             print(f"{n:>7} {all_s} {first} {r['requests_per_agent']:10.1f} {r['lost_races_per_agent']:15.1f}  {notes}",
                   flush=True)
     finally:
+        if pool is not None:
+            pool.close()
         if server is not None:
             server.stop()
             shutil.rmtree(tmp, ignore_errors=True)
-    print(f"\n{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; agents are threads of one process "
-          f"sharing {args.connections} gRPC channels")
-    print("command: " + " ".join([Path(sys.executable).name, *sys.argv]))
+    where = (f"spread over {args.processes} processes, " if pool is not None else "threads of one process, ") + \
+        f"the agents of a process sharing {args.connections} gRPC channels"
+    print(f"\n{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; agents are {where}; "
+          f"handler options {args.rdzv_conf}")
+    command = " ".join([Path(sys.executable).name, *sys.argv])
+    print("command: " + command)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": command, "processes": args.processes,
+                                               "connections": args.connections, "rdzv_conf": conf,
+                                               "cpus": os.cpu_count(), "timeout_s": args.timeout,
+                                               "results": results}, indent=1))
     return 0
 
 

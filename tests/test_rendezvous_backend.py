@@ -225,6 +225,46 @@ def test_holder_removes_a_node_only_when_its_lease_key_is_gone(backend, conn, ru
     assert holder.state.participants == {} and holder.state.round == 1 and not holder.state.complete
 
 
+def test_polls_read_only_new_member_keys_and_a_deletion_forces_a_full_read(backend, conn):
+    """The alive/joining views are kept by reading only keys created since the last read;
+    after any deletion (also a delete-and-recreate) the view is read whole, so it always
+    equals what etcd holds."""
+    backend.set_state(b"{}")
+    sent: list[int] = []
+    real = backend._txn
+
+    def counting(what, compare, success, failure=None, retry_timeout=None):
+        sent.append(len(success))
+        return real(what, compare, success, failure, retry_timeout)
+    backend._txn = counting
+
+    def poll() -> frozenset[str]:
+        sent.clear()
+        backend.get_state()
+        return backend.last_alive
+
+    def alive_in_etcd() -> frozenset[str]:
+        return frozenset(m.key.decode().rsplit("/", 1)[1] for _, m in conn.client.get_prefix(backend.alive_prefix))
+
+    lease = conn.client.lease(60)
+    for i in range(5):
+        conn.client.put(backend.alive_key(f"n{i}"), b"", lease=lease)
+    assert poll() == alive_in_etcd() == {f"n{i}" for i in range(5)}
+    conn.client.put(backend.alive_key("n5"), b"", lease=lease)
+    resp = real("probe", [], [backend._alive.request()])
+    assert [kv.key for kv in resp.responses[0].response_range.kvs] == [backend.alive_key("n5").encode()]
+    assert resp.responses[0].response_range.count == 6  # etcd counts the prefix before the filter
+    assert poll() == alive_in_etcd() and len(sent) == 1  # additions: one request, only the new key
+    conn.client.delete(backend.alive_key("n2"))
+    assert poll() == alive_in_etcd() and "n2" not in backend.last_alive and len(sent) == 2  # + a full read
+    conn.client.delete(backend.alive_key("n3"))
+    conn.client.put(backend.alive_key("n3"), b"", lease=lease)  # the same name, a new key
+    conn.client.put(backend.alive_key("n6"), b"", lease=lease)
+    assert poll() == alive_in_etcd() and len(sent) == 2
+    conn.client.revoke_lease(lease.id)
+    assert poll() == alive_in_etcd() == frozenset()
+
+
 def test_options_are_parsed_and_bad_ones_named(etcd, run_id):
     o = RendezvousOptions(_params(etcd, run_id, key_prefix="/x", lease_ttl="4", last_call_timeout="0.5",
                                   timeout="900"))

@@ -9,13 +9,17 @@ not exist yet). The token is that mod revision. This is exactly the ``get_state`
 Keys of one run (prefix ``/elastic-trainer/<run_id>/`` by default):
 
     <prefix>state          the rendezvous state: an envelope line, then the JSON state
+    <prefix>summary        "<round> <complete> <closed>", written with every state write
     <prefix>alive/<node>   one empty key per live node, attached to that node's lease
     <prefix>joining/<node> the node's descriptor (JSON) while it waits to join a round, on its lease
     <prefix>store/<key>    the etcd-backed torch Store (``etcd_store.EtcdStore``)
 
-Every read of the state also reads the ``alive/`` keys in the same transaction (so at
-the same revision): the state holder treats a node as dead only when its lease key is
-gone, which etcd decides by its own clock, never a peer's.
+Every read of the state also reads the ``alive/`` and ``joining/`` keys in the same
+transaction (so at the same revision): the state holder treats a node as dead only when
+its lease key is gone, which etcd decides by its own clock, never a peer's. Those reads
+fetch only the keys created since the last one (``_Members``), so a poll costs what
+changed, not the number of nodes; nodes that only wait poll the ``summary`` instead of
+the state (``handler._EtcdOpExecutor``).
 
 The stored value starts with ``elastic-trainer-rdzv/1 <run_id>\\n``; a value without it
 (written by another program, another run or another version) is refused with a
@@ -25,8 +29,11 @@ The stored value starts with ``elastic-trainer-rdzv/1 <run_id>\\n``; a value wit
 from __future__ import annotations
 
 import logging
+import threading
 
 import etcd3.utils
+import grpc
+from etcd3 import etcdrpc
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
@@ -42,6 +49,61 @@ def run_prefix(key_prefix: str | None, run_id: str) -> str:
     """The key prefix of one run: ``<key_prefix>/<run_id>/``."""
     root = (key_prefix or DEFAULT_KEY_PREFIX).rstrip("/")
     return f"{root}/{run_id}/"
+
+
+class _Members:
+    """The keys under one prefix (``alive/`` or ``joining/``), kept current by reading only new keys.
+
+    Every read of the state also reads these prefixes. Reading them whole costs O(nodes) per
+    read, and with N agents polling that is O(N^2): at 1,000 agents etcd took seconds per
+    read and the agents' leases ran out. Instead each read asks only for the keys *created*
+    after the last complete view (``min_create_revision``) together with the prefix's key
+    count, which etcd reports before that filter. If the count equals the known keys plus the
+    new ones, no key was deleted and the view is complete again; otherwise (a node died or
+    left) the caller reads the prefix whole. So a poll costs O(new keys), and a full read
+    happens only after a deletion.
+    """
+
+    def __init__(self, prefix: str, keys_only: bool) -> None:
+        self.prefix = prefix.encode()
+        self._end = etcd3.utils.prefix_range_end(self.prefix)
+        self._keys_only = keys_only
+        self.revision = 0
+        """The etcd revision at which ``items`` was complete (0: never read)."""
+        self.items: dict[str, bytes] = {}
+
+    def request(self, full: bool = False) -> etcdrpc.RequestOp:
+        r = etcdrpc.RangeRequest(key=self.prefix, range_end=self._end, keys_only=self._keys_only)
+        if self.revision and not full:
+            r.min_create_revision = self.revision + 1
+        return etcdrpc.RequestOp(request_range=r)
+
+    def update(self, response: etcdrpc.RangeResponse, revision: int, full: bool) -> bool:
+        """Apply a range answer read at ``revision``; False when a key was deleted (read it whole)."""
+        n = len(self.prefix)
+        new = {kv.key[n:].decode(): kv.value for kv in response.kvs}
+        if full or not self.revision:
+            self.items = new
+        elif response.count == len(self.items) + len(new):
+            self.items = {**self.items, **new}
+        else:
+            return False
+        self.revision = revision
+        return True
+
+
+def _get(key: bytes) -> etcdrpc.RequestOp:
+    return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key))
+
+
+def _mod_equals(key: bytes, revision: int) -> etcdrpc.Compare:
+    return etcdrpc.Compare(result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.MOD, key=key,
+                           mod_revision=revision)
+
+
+def _absent(key: bytes) -> etcdrpc.Compare:
+    return etcdrpc.Compare(result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.CREATE, key=key,
+                           create_revision=0)
 
 
 class EtcdRendezvousBackend(RendezvousBackend):
@@ -60,6 +122,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self.run_id = run_id
         self.prefix = run_prefix(key_prefix, run_id)
         self.state_key = self.prefix + "state"
+        self._state_key = self.state_key.encode()
+        self._summary_key = (self.prefix + "summary").encode()
         self.alive_prefix = self.prefix + "alive/"
         self.joining_prefix = self.prefix + "joining/"
         self._header = MAGIC + b" " + run_id.encode() + b"\n"
@@ -70,6 +134,10 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._cache: tuple[int, bytes] | None = None  # (mod revision, state) last seen
         self.last_joining: dict[str, bytes] = {}
         """Node name -> descriptor of the nodes waiting to join, read with the last state."""
+        # get_state/set_state run in the agent's thread, read() in the watchdog's: each keeps its view
+        self._alive, self._joining = _Members(self.alive_prefix, True), _Members(self.joining_prefix, False)
+        self._watch_alive = _Members(self.alive_prefix, True)
+        self._read_lock = threading.Lock()
 
     @property
     def name(self) -> str:
@@ -98,63 +166,90 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def joining_key(self, node_name: str) -> str:
         return self.joining_prefix + node_name
 
-    def _range(self, prefix: str):
-        return self._conn.client.transactions.get(prefix, etcd3.utils.prefix_range_end(prefix.encode()))
+    # -- etcd ---------------------------------------------------------------------------
+    def _txn(self, what: str, compare: list, success: list, failure: list | None = None,
+             retry_timeout: float | None = None) -> etcdrpc.TxnResponse:
+        """One etcd transaction of raw protobuf operations (python3-etcd3's ``transaction`` has no
+        range options and wraps every key in Python objects); errors as python3-etcd3 raises them."""
+        request = etcdrpc.TxnRequest(compare=compare, success=success, failure=failure or [])
 
-    def _alive_range(self):
-        return self._range(self.alive_prefix)
+        def call(client):
+            try:
+                return client.kvstub.Txn(request, client.timeout, credentials=client.call_credentials,
+                                         metadata=client.metadata)
+            except grpc.RpcError as exc:
+                client._manage_grpc_errors(exc)  # raises etcd3's exception; fails over to another endpoint
+        self.requests += 1
+        return self._conn.call(call, what, retry_timeout)
 
-    def _names(self, kvs) -> frozenset[str]:
-        n = len(self.alive_prefix)
-        return frozenset(meta.key.decode()[n:] for _, meta in kvs)
+    def _members(self, ranges: list, revision: int, what: str, views: tuple[_Members, ...],
+                 retry_timeout: float | None = None) -> None:
+        """Update ``views`` from their range answers; read whole the ones where a key was deleted."""
+        stale = [v for v, r in zip(views, ranges) if not v.update(r.response_range, revision, full=False)]
+        if stale:
+            resp = self._txn(what, [], [v.request(full=True) for v in stale], retry_timeout=retry_timeout)
+            for v, r in zip(stale, resp.responses):
+                v.update(r.response_range, resp.header.revision, full=True)
 
-    def _joining(self, kvs) -> dict[str, bytes]:
-        n = len(self.joining_prefix)
-        return {meta.key.decode()[n:]: value for value, meta in kvs}
+    def _publish(self) -> None:
+        self.last_alive = frozenset(self._alive.items)
+        self.last_joining = self._joining.items
+
+    def _state_value(self, kvs) -> tuple[bytes, int] | None:
+        if not kvs:
+            return None
+        return self._unwrap(kvs[0].value), kvs[0].mod_revision
 
     # -- the contract -------------------------------------------------------------------
     def read(self, retry_timeout: float | None = None) -> tuple[bytes | None, int | None, frozenset[str]]:
-        """State, token and live node names, read atomically; state and token are None when unset."""
-        def txn(client):
-            return client.transaction(compare=[], success=[client.transactions.get(self.state_key),
-                                                           self._alive_range()], failure=[])
-        self.requests += 1
-        _, (state_kvs, alive_kvs) = self._conn.call(txn, "state read", retry_timeout)
-        alive = self._names(alive_kvs)
-        if not state_kvs:
-            return None, None, alive
-        value, meta = state_kvs[0]
-        return self._unwrap(value), meta.mod_revision, alive
+        """State, token and live node names, read together; state and token are None when unset."""
+        with self._read_lock:
+            alive = self._watch_alive
+            resp = self._txn("state read", [], [_get(self._state_key), alive.request()],
+                             retry_timeout=retry_timeout)
+            self._members(resp.responses[1:], resp.header.revision, "state read", (alive,), retry_timeout)
+            names = frozenset(alive.items)
+        found = self._state_value(resp.responses[0].response_range.kvs)
+        if found is None:
+            return None, None, names
+        return found[0], found[1], names
 
     def get_state(self) -> tuple[bytes, Token] | None:
         # A conditional read: when the state is still at the revision we last saw, etcd sends
-        # only the alive/joining keys, not the state (waiting nodes poll it).
+        # only what is new under alive/ and joining/, not the state (waiting nodes poll it).
         cached = self._cache
+        views = (self._alive, self._joining)
+        ranges = [v.request() for v in views]
+        if cached is None:
+            resp = self._txn("state read", [], [_get(self._state_key), *ranges])
+        else:
+            resp = self._txn("state read", [_mod_equals(self._state_key, cached[0])], ranges,
+                             [_get(self._state_key), *ranges])
+        unchanged = cached is not None and resp.succeeded
+        answers = list(resp.responses)
+        state_kvs = None if unchanged else answers.pop(0).response_range.kvs
+        self._members(answers, resp.header.revision, "state read", views)
+        self._publish()
+        if unchanged:
+            return cached[1], cached[0]  # type: ignore[index]
+        found = self._state_value(state_kvs)
+        self._cache = found[::-1] if found is not None else None  # type: ignore[assignment]
+        return found
 
-        def txn(client):
-            t = client.transactions
-            ranges = [self._alive_range(), self._range(self.joining_prefix)]
-            if cached is None:
-                return client.transaction(compare=[], success=[t.get(self.state_key), *ranges], failure=[])
-            return client.transaction(compare=[t.mod(self.state_key) == cached[0]], success=ranges,
-                                      failure=[t.get(self.state_key), *ranges])
-        self.requests += 1
-        unchanged, responses = self._conn.call(txn, "state read")
-        if cached is not None and unchanged:
-            alive_kvs, joining_kvs = responses
-            self.last_alive, self.last_joining = self._names(alive_kvs), self._joining(joining_kvs)
-            return cached[1], cached[0]
-        state_kvs, alive_kvs, joining_kvs = responses
-        self.last_alive, self.last_joining = self._names(alive_kvs), self._joining(joining_kvs)
-        if not state_kvs:
-            self._cache = None
-            return None
-        value, meta = state_kvs[0]
-        state = self._unwrap(value)
-        self._cache = (meta.mod_revision, state)
-        return state, meta.mod_revision
+    def poll_summary(self) -> bytes | None:
+        """The state's summary (``state.encode_summary``; None when unknown), and what is new
+        under alive/ and joining/ (``last_alive``/``last_joining``): a few bytes per poll."""
+        views = (self._alive, self._joining)
+        resp = self._txn("state poll", [], [_get(self._summary_key), *(v.request() for v in views)])
+        answers = list(resp.responses)
+        kvs = answers.pop(0).response_range.kvs
+        self._members(answers, resp.header.revision, "state poll", views)
+        self._publish()
+        return kvs[0].value if kvs else None
 
-    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+    def set_state(self, state: bytes, token: Token | None = None, *,
+                  summary: bytes | None = None) -> tuple[bytes, Token, bool] | None:
+        """torch's contract; ``summary`` is stored with the state (or removed when None)."""
         if token is not None:
             try:
                 token = int(token)
@@ -165,26 +260,26 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 result = self.get_state()
                 return None if result is None else (*result, False)
 
-        def txn(client):
-            t = client.transactions
-            compare = [t.mod(self.state_key) == token] if token is not None else [t.create(self.state_key) == 0]
-            return client.transaction(
-                compare=compare,
-                success=[t.put(self.state_key, self._wrap(state)), self._alive_range(),
-                         self._range(self.joining_prefix)],
-                failure=[t.get(self.state_key), self._alive_range(), self._range(self.joining_prefix)])
-
-        self.requests += 1
-        succeeded, responses = self._conn.call(txn, "state write")
-        self.last_alive, self.last_joining = self._names(responses[1]), self._joining(responses[2])
-        if succeeded:
-            revision = responses[0].response_put.header.revision
+        views = (self._alive, self._joining)
+        ranges = [v.request() for v in views]
+        compare = [_mod_equals(self._state_key, token)] if token is not None else [_absent(self._state_key)]
+        put = etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=self._state_key, value=self._wrap(state)))
+        if summary is None:
+            mark = etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=self._summary_key))
+        else:
+            mark = etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=self._summary_key, value=summary))
+        resp = self._txn("state write", compare, [put, *ranges, mark], [_get(self._state_key), *ranges])
+        answers = list(resp.responses)[:3]
+        first = answers.pop(0)
+        self._members(answers, resp.header.revision, "state write", views)
+        self._publish()
+        if resp.succeeded:
+            revision = first.response_put.header.revision
             self._cache = (revision, state)
             return state, revision, True
-        if not responses[0]:  # deleted between our read and write
+        found = self._state_value(first.response_range.kvs)
+        if found is None:  # deleted between our read and write
             self._cache = None
             return None
-        value, meta = responses[0][0]
-        current = self._unwrap(value)
-        self._cache = (meta.mod_revision, current)
-        return current, meta.mod_revision, False
+        self._cache = found[::-1]  # type: ignore[assignment]
+        return found[0], found[1], False

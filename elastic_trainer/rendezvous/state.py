@@ -108,6 +108,15 @@ def encode_state(state: _RendezvousState) -> bytes:
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
+def encode_summary(state: _RendezvousState) -> bytes:
+    """What a waiting node watches instead of the whole state: ``b"<round> <complete> <closed>"``.
+
+    Written with every state write (same transaction), so a node that waits for a round to
+    complete or end polls a few bytes instead of the state of every node.
+    """
+    return f"{state.round} {int(state.complete)} {int(state.closed)}".encode()
+
+
 def decode_state(data: bytes) -> _RendezvousState:
     """JSON bytes -> ``_RendezvousState``; anything unexpected raises ``RendezvousStateError``."""
     try:
@@ -189,6 +198,7 @@ class EtcdRendezvousStateHolder(_RendezvousStateHolder):
         """Names of the nodes with a live lease key, as of the last sync."""
         self.joining: list[_NodeDesc] = []
         """Live nodes that wait to join a round (their ``joining/`` keys), as of the last sync."""
+        self._joining_parsed: dict[tuple[str, bytes], _NodeDesc | None] = {}
 
     @property
     def state(self) -> _RendezvousState:
@@ -202,7 +212,8 @@ class EtcdRendezvousStateHolder(_RendezvousStateHolder):
         token = None
         if self._dirty:
             has_set: bool | None = False
-            response = self._backend.set_state(encode_state(self._state), self._token)
+            response = self._backend.set_state(encode_state(self._state), self._token,
+                                               summary=encode_summary(self._state))
             if response is not None:
                 state_bits, token, has_set = response
         else:
@@ -222,18 +233,27 @@ class EtcdRendezvousStateHolder(_RendezvousStateHolder):
         self._token = token
         self._dirty = False
         self._last_sync_time = time.monotonic()
-        self.alive = self._backend.last_alive or frozenset()
-        self.joining = []
-        for name, value in sorted(self._backend.last_joining.items()):
-            try:
-                node = _node(json.loads(value))
-            except (ValueError, RendezvousStateError):
-                logger.warning("ignoring the malformed joining key of %r in etcd", name)
-                continue
-            if name in self.alive and node_name(node) == name:
-                self.joining.append(node)
+        self.refresh_membership()
         dead = remove_dead_nodes(self._state, self.alive, self._settings)
         if dead:
             logger.info("rendezvous %r: removing node(s) %s, their etcd leases ended",
                         self._settings.run_id, ", ".join(map(node_name, dead)))
         return has_set
+
+    def refresh_membership(self) -> None:
+        """``alive`` and ``joining`` from the backend's last read (the state is left as it is)."""
+        self.alive = self._backend.last_alive or frozenset()
+        self.joining = []
+        parsed = {}
+        for name, value in sorted(self._backend.last_joining.items()):
+            node = self._joining_parsed.get((name, value), False)  # parsed once per key, not per poll
+            if node is False:
+                try:
+                    node = _node(json.loads(value))
+                except (ValueError, RendezvousStateError):
+                    logger.warning("ignoring the malformed joining key of %r in etcd", name)
+                    node = None
+            parsed[(name, value)] = node
+            if node is not None and name in self.alive and node_name(node) == name:
+                self.joining.append(node)
+        self._joining_parsed = parsed
