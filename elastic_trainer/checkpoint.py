@@ -3,22 +3,21 @@
 A checkpoint is the folder ``<url>/step-<N>/``::
 
     step-120/
-      <writer-id>/model.pt        one torch.save file per top-level dict entry of the state
-      <writer-id>/optimizer.pt
-      <writer-id>/state.pt        the remaining (non-dict) top-level entries
-      manifest.json               written last: every file with its size and sha256
+      <writer-id>/state.pt        the whole state, one torch.save file
+      manifest.json               written last: every file with its size and checksum
 
 A folder counts only once ``manifest.json`` exists, parses and every file it lists has the
-listed size and sha256; anything else (in progress, killed mid-upload, truncated, bit-flipped)
-is skipped by readers with a warning that names it. Data files live under a per-writer folder,
-and the manifest is committed with an atomic create-if-absent (``storage.create_exclusive``)
-right after the rendezvous fence is checked: if two processes both think they are rank 0
-(a zombie from an old round), the fenced one never commits, and if both pass the fence only one
-manifest wins, and it lists exactly the winner's files, so the checkpoint always verifies.
+listed size and checksum (xxh3_128; sha256 in manifests written before format 2); anything
+else (in progress, killed mid-upload, truncated, bit-flipped) is skipped by readers with a
+warning that names it. Data files live under a per-writer folder, and the manifest is
+committed with an atomic create-if-absent (``storage.create_exclusive``) right after the
+rendezvous fence is checked: if two processes both think they are rank 0 (a zombie from an old
+round), the fenced one never commits, and if both pass the fence only one manifest wins, and it
+lists exactly the winner's files, so the checkpoint always verifies.
 
 ``CheckpointManager.save`` blocks only while the state is copied to CPU memory; a background
-thread serializes (``torch.save``), hashes, uploads, fences, commits and prunes, one save in
-flight at a time. Upload failures are logged and retried with backoff and never raised into
+thread serializes (``torch.save`` streamed into the file, hashed on the way), uploads, fences,
+commits and prunes, one save in flight at a time. Upload failures are logged and retried with backoff and never raised into
 training; the last good checkpoint is never touched before a newer one is committed.
 Loading uses ``torch.load(weights_only=True)``: a checkpoint can never run code.
 
@@ -49,16 +48,21 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import xxhash
 
 from elastic_trainer import storage
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: files listed with "sha256"; 2: with "hash" (algorithm) and "digest"
+_READABLE_FORMATS = (1, 2)
 MANIFEST = "manifest.json"
+HASH = "xxh3_128"
+"""The checksum new manifests record for each file (sha256 ones, from format 1, still verify)."""
+_HASHES: dict[str, Callable[[], Any]] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-_REST_FILE = "state.pt"
+_DATA_FILE = "state.pt"
 _SERIALIZE_LOCK = threading.Lock()  # torch's CRC32 switch is process-wide
 
 
@@ -169,47 +173,12 @@ def _estimate_size(value: Any) -> int:
     return len(value) + 64 if isinstance(value, str) else 32
 
 
-class _BlobWriter:
-    """A write-only stream into one preallocated ``bytearray``, for ``torch.save``.
-
-    Serializing into ``io.BytesIO`` copies the bytes again as it grows and once more for
-    ``getvalue()`` (object-store clients take ``bytes``/``bytearray``, not a memoryview); this
-    writes every byte once, into a buffer sized from the tensors, then trims it in place.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.buf = bytearray(max(capacity, 1 << 16) + (1 << 20))
-        self.pos = 0
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        end = self.pos + view.nbytes
-        if end > len(self.buf):
-            self.buf.extend(bytes(max(end - len(self.buf), len(self.buf) // 2)))
-        self.buf[self.pos:end] = view
-        self.pos = end
-        return view.nbytes
-
-    def flush(self) -> None:
-        pass
-
-    def getbuffer(self) -> bytearray:
-        del self.buf[self.pos:]  # in place: no copy
-        return self.buf
-
-
-def _split(state: dict) -> dict[str, dict]:
-    """File name -> the part of ``state`` it holds: one file per top-level dict entry, the rest together."""
-    files: dict[str, dict] = {}
-    rest: dict = {}
-    for key, value in state.items():
-        if isinstance(key, str) and isinstance(value, dict) and _KEY_RE.match(key) and f"{key}.pt" != _REST_FILE:
-            files[f"{key}.pt"] = {key: value}
-        else:
-            rest[key] = value
-    if rest or not files:
-        files[_REST_FILE] = rest
-    return files
+def _expected_digest(info: dict) -> tuple[str, str] | None:
+    """``(algorithm, hex digest)`` of a manifest file entry (either format), None if unusable."""
+    algorithm, digest = (info.get("hash"), info.get("digest")) if "hash" in info else ("sha256", info.get("sha256"))
+    if algorithm not in _HASHES or not isinstance(digest, str):
+        return None
+    return algorithm, digest
 
 
 def _fence_token(fence: Callable[[], None] | None) -> str | None:
@@ -324,12 +293,10 @@ class CheckpointManager:
         """Serialize, upload, fence, commit, prune; retried with backoff; never raises."""
         name = f"step-{step}"
         meta = snap.get("meta") if isinstance(snap.get("meta"), dict) else None
-        parts = _split(snap)
-        del snap
         t0 = time.perf_counter()
         for attempt in range(1, self.retries + 1):
             try:
-                self._upload_and_commit(step, parts, meta, stats)
+                self._upload_and_commit(step, snap, meta, stats)
                 stats["upload_s"] = time.perf_counter() - t0 - stats["serialize_s"]
                 stats["committed"] = True
                 self.last_committed_step = step
@@ -368,45 +335,33 @@ class CheckpointManager:
         self.last_error = message
         log.error("%s", message)
 
-    def _write_files(self, own: str, parts: dict[str, dict], stats: dict) -> dict:
-        """Serialize and store this writer's data files; returns the manifest's ``files``.
+    def _write_files(self, own: str, snap: dict, stats: dict) -> dict:
+        """Serialize the snapshot into this writer's data file; returns the manifest's ``files``.
 
-        Each file is serialized into memory (torch's own CRC32 is switched off: the manifest's
-        sha256 covers every byte, and the CRC doubled the serialization time); then sha256 runs in
-        a helper thread while the same bytes are uploaded (both release the GIL), so hashing
-        costs no extra wall time when a second core is free.
+        ``torch.save`` writes straight into the file on local disks (into one upload buffer
+        elsewhere) and every byte is hashed (xxh3_128) on its way out. torch's own CRC32 is
+        switched off meanwhile: the manifest's hash covers every byte, and the CRC doubled the
+        serialization time.
         """
-        t0 = time.perf_counter()
-        blobs: dict[str, bytearray] = {}
-        with _SERIALIZE_LOCK:
-            crc = torch.serialization.get_crc32_options()
-            torch.serialization.set_crc32_options(False)
-            try:
-                for fname, part in parts.items():
-                    out = _BlobWriter(_estimate_size(part))
-                    torch.save(part, out)
-                    blobs[fname] = out.getbuffer()
-            finally:
-                torch.serialization.set_crc32_options(crc)
-        stats["serialize_s"] = time.perf_counter() - t0
-        digests: dict[str, str] = {}
+        hasher = _HASHES[HASH]()
 
-        def digest(fname: str) -> None:
-            digests[fname] = hashlib.sha256(blobs[fname]).hexdigest()
+        def produce(out) -> None:
+            t0 = time.perf_counter()
+            with _SERIALIZE_LOCK:
+                crc = torch.serialization.get_crc32_options()
+                torch.serialization.set_crc32_options(False)
+                try:
+                    torch.save(snap, out)
+                finally:
+                    torch.serialization.set_crc32_options(crc)
+            stats["serialize_s"] = time.perf_counter() - t0
 
-        hashers = [threading.Thread(target=digest, args=(f,), name=f"checkpoint-sha256-{f}", daemon=True)
-                   for f in blobs]
-        for h in hashers:
-            h.start()
-        try:
-            storage.write_many(self.fs, {storage.join(own, f): d for f, d in blobs.items()})
-        finally:
-            for h in hashers:
-                h.join()
-        stats["bytes"] = sum(len(d) for d in blobs.values())
-        return {f"{self.writer_id}/{f}": {"size": len(d), "sha256": digests[f]} for f, d in blobs.items()}
+        size = storage.write_streamed(self.fs, storage.join(own, _DATA_FILE), produce,
+                                      size_hint=_estimate_size(snap), hasher=hasher)
+        stats["bytes"] = size
+        return {f"{self.writer_id}/{_DATA_FILE}": {"size": size, "hash": HASH, "digest": hasher.hexdigest()}}
 
-    def _upload_and_commit(self, step: int, parts: dict[str, dict], meta: Any, stats: dict) -> None:
+    def _upload_and_commit(self, step: int, snap: dict, meta: Any, stats: dict) -> None:
         fs, step_dir = self.fs, self._step_dir(step)
         manifest_path = storage.join(step_dir, MANIFEST)
         writer = self._manifest_writer(manifest_path)
@@ -416,7 +371,7 @@ class CheckpointManager:
             raise _Abandon("another writer already committed this step")
         own = storage.join(step_dir, self.writer_id)
         storage.makedirs(fs, own)
-        files = self._write_files(own, parts, stats)
+        files = self._write_files(own, snap, stats)
         self._check_landed(own, files, "after upload")
         if self.fence is not None:
             self.fence()
@@ -481,13 +436,16 @@ class CheckpointManager:
         except FileNotFoundError:
             return None
         manifest = json.loads(raw)
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION \
+        if not isinstance(manifest, dict) or manifest.get("format") not in _READABLE_FORMATS \
                 or manifest.get("step") != step or not isinstance(manifest.get("files"), dict):
             raise ValueError("manifest has the wrong format, step or file list")
         for rel, info in manifest["files"].items():
             if (".." in rel.split("/") or rel.startswith("/") or not isinstance(info, dict)
-                    or not isinstance(info.get("size"), int) or not isinstance(info.get("sha256"), str)):
+                    or not isinstance(info.get("size"), int)):
                 raise ValueError(f"manifest lists a bad entry {rel!r}")
+            if _expected_digest(info) is None:
+                raise ValueError(f"manifest lists {rel!r} without a checksum this version knows "
+                                 f"({info.get('hash', 'sha256')!r}; known: {', '.join(sorted(_HASHES))})")
         return manifest
 
     def _prune(self, protect: int) -> None:
@@ -544,8 +502,9 @@ class CheckpointManager:
                 raise ValueError(f"{rel} is missing") from exc
             if len(data) != info["size"]:
                 raise ValueError(f"{rel} has {len(data)} bytes, manifest says {info['size']} (truncated?)")
-            if hashlib.sha256(data).hexdigest() != info["sha256"]:
-                raise ValueError(f"{rel} fails its sha256 check (corrupted)")
+            algorithm, digest = _expected_digest(info)
+            if _HASHES[algorithm](data).hexdigest() != digest:
+                raise ValueError(f"{rel} fails its {algorithm} check (corrupted)")
             out[rel] = data
         return out
 

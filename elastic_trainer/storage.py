@@ -6,8 +6,15 @@ fsspec knows work the same way. Storage options come from the environment (for S
 non-AWS endpoint) and are never logged.
 
 Besides opening a filesystem this module offers the few operations a checkpoint needs:
-``write_bytes`` (durable on local disks), ``create_exclusive`` (atomic create-if-absent, the
-commit primitive), ``read_bytes``, ``list_dir``, ``exists``, ``remove`` and ``redact``.
+``write_bytes`` and ``write_streamed`` (durable on local disks), ``create_exclusive`` (atomic
+create-if-absent, the commit primitive), ``read_bytes``, ``list_dir``, ``exists``, ``remove``
+and ``redact``.
+
+``write_streamed`` takes a producer that writes into a stream. On a local disk the bytes go
+straight into the destination file (no copy in memory) and the kernel is asked to start
+writing them back every ``WRITEBACK_CHUNK`` bytes (``sync_file_range``), so the final
+``fsync`` waits only for the tail; elsewhere they are collected in one preallocated buffer and
+uploaded in one call (s3fs turns a large one into a concurrent multipart upload).
 
 How ``create_exclusive`` is atomic on each store:
 
@@ -24,11 +31,14 @@ How ``create_exclusive`` is atomic on each store:
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import os
 import re
 import threading
 import uuid
+from typing import Callable, Protocol
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -41,6 +51,9 @@ class StorageError(RuntimeError):
 
 
 _MEMORY_LOCK = threading.Lock()
+
+WRITEBACK_CHUNK = 8 << 20
+"""``write_streamed`` on a local disk starts the writeback of every this many bytes."""
 
 
 def storage_options(url: str) -> dict:
@@ -126,13 +139,133 @@ def write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes | memoryvi
         _fsync_path(path)
 
 
-def write_many(fs: fsspec.AbstractFileSystem, blobs: dict[str, bytes | memoryview]) -> None:
-    """Write several files; object stores upload them concurrently (one ``fs.pipe`` call)."""
-    if is_local(fs) or len(blobs) == 1:
-        for path, data in blobs.items():
-            write_bytes(fs, path, data)
-    else:
-        fs.pipe(dict(blobs))
+class Hasher(Protocol):
+    """What ``write_streamed`` feeds: ``hashlib`` and ``xxhash`` objects qualify."""
+
+    def update(self, data: memoryview, /) -> None: ...
+
+
+def _sync_file_range():
+    """libc's ``sync_file_range`` (Linux), or None where there is none."""
+    name = ctypes.util.find_library("c")
+    func = getattr(ctypes.CDLL(name, use_errno=True), "sync_file_range", None) if name else None
+    if func is not None:
+        func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        func.restype = ctypes.c_int
+    return func
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not wait
+
+
+class _FileSink:
+    """A write-only stream into an open local file that hashes what it writes and asks the
+    kernel to start writing back every ``WRITEBACK_CHUNK`` bytes (a hint: ``fsync`` at the end
+    is what makes the file durable; the hint only means less is left to wait for then)."""
+
+    def __init__(self, f, hasher: Hasher | None) -> None:
+        self.f = f
+        self.hasher = hasher
+        self.size = 0
+        self.started = 0  # bytes whose writeback was started
+        self.error: OSError | None = None
+        try:
+            self.fd: int | None = f.fileno() if _SYNC_FILE_RANGE is not None else None
+        except (AttributeError, OSError, ValueError):  # a wrapper without a real descriptor
+            self.fd = None
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        if self.hasher is not None:
+            self.hasher.update(view)
+        try:
+            self.f.write(view)
+            self.size += view.nbytes
+            if self.fd is not None and self.size - self.started >= WRITEBACK_CHUNK:
+                self.f.flush()
+                self._start_writeback()
+        except OSError as exc:
+            self.error = exc  # the producer (torch.save) may turn it into its own RuntimeError
+            raise
+        return view.nbytes
+
+    def _start_writeback(self) -> None:
+        if _SYNC_FILE_RANGE(self.fd, self.started, self.size - self.started, _SYNC_FILE_RANGE_WRITE) != 0:
+            err = ctypes.get_errno()
+            if err not in (errno.EINVAL, errno.ESPIPE, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise OSError(err, f"sync_file_range: {os.strerror(err)}")
+            self.fd = None  # this filesystem has no such hint; the fsync at the end still applies
+        self.started = self.size
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+class Buffer:
+    """A write-only stream into one preallocated ``bytearray`` (hashing what it writes).
+
+    Serializing into ``io.BytesIO`` copies the bytes again as it grows and once more for
+    ``getvalue()`` (object-store clients take ``bytes``/``bytearray``, not a memoryview); this
+    writes every byte once, into a buffer sized from ``capacity``, then trims it in place.
+    """
+
+    def __init__(self, capacity: int, hasher: Hasher | None = None) -> None:
+        self.buf = bytearray(max(capacity, 1 << 16) + (1 << 20))
+        self.hasher = hasher
+        self.size = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        if self.hasher is not None:
+            self.hasher.update(view)
+        end = self.size + view.nbytes
+        if end > len(self.buf):
+            self.buf.extend(bytes(max(end - len(self.buf), len(self.buf) // 2)))
+        self.buf[self.size:end] = view
+        self.size = end
+        return view.nbytes
+
+    def flush(self) -> None:
+        pass
+
+    def getbuffer(self) -> bytearray:
+        del self.buf[self.size:]  # in place: no copy
+        return self.buf
+
+
+def write_streamed(fs: fsspec.AbstractFileSystem, path: str, produce: Callable[[object], None], *,
+                   size_hint: int, hasher: Hasher | None = None) -> int:
+    """Write to ``path`` (overwriting) whatever ``produce(stream)`` writes into ``stream``.
+
+    Returns the number of bytes written; ``hasher`` (if given) is updated with every one of them,
+    in order. Local disks: streamed straight into the file, writeback started every
+    ``WRITEBACK_CHUNK`` bytes, fsynced before returning. Other stores: collected in a buffer of
+    about ``size_hint`` bytes (grown if needed), then written in one call.
+    """
+    if not is_local(fs):
+        out = Buffer(size_hint, hasher)
+        produce(out)
+        write_bytes(fs, path, out.getbuffer())
+        return out.size
+    with fs.open(path, "wb") as f:
+        sink = _FileSink(f, hasher)
+        try:
+            produce(sink)
+        except Exception:
+            if sink.error is not None:  # torch.save reports a failed write as "unexpected pos ..."
+                raise sink.error from None
+            raise
+        f.flush()
+        if sink.fd is not None:
+            os.fsync(sink.fd)
+    if sink.fd is None:
+        _fsync_path(path)
+    return sink.size
 
 
 def create_exclusive(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:

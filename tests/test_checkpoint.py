@@ -207,6 +207,97 @@ def test_damaged_newest_checkpoint_is_skipped_and_previous_loads(any_url, damage
     assert mgr.load(20) is None
 
 
+def _manifest(url: str, step: int) -> dict:
+    fs, d = _step_dir(url, step)
+    return json.loads(fs.cat_file(storage.join(d, "manifest.json")))
+
+
+def test_manifest_lists_one_streamed_file_with_its_xxh3_128(any_url):
+    import xxhash
+
+    mgr = CheckpointManager(any_url, async_save=False)
+    mgr.save(7, _tiny_state(7))
+    manifest = _manifest(any_url, 7)
+    assert manifest["format"] == 2 and list(manifest["files"]) == [f"{mgr.writer_id}/state.pt"]
+    info = manifest["files"][f"{mgr.writer_id}/state.pt"]
+    fs, d = _step_dir(any_url, 7)
+    data = fs.cat_file(storage.join(d, mgr.writer_id, "state.pt"))
+    assert info == {"size": len(data), "hash": "xxh3_128", "digest": xxhash.xxh3_128(data).hexdigest()}
+    assert mgr.last_save_stats["bytes"] == len(data)
+
+
+def test_bit_flip_fails_the_xxh3_128_check_and_the_warning_says_so(tmp_path, caplog):
+    url = str(tmp_path / "c")
+    mgr = CheckpointManager(url, async_save=False)
+    mgr.save(1, _tiny_state(1))
+    mgr.save(2, _tiny_state(2))
+    path = _data_files(url, 2)[0]
+    data = bytearray(Path(path).read_bytes())
+    data[-100] ^= 0x10  # one bit, in the tensor data near the end
+    Path(path).write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="elastic_trainer.checkpoint"):
+        assert mgr.load()[0] == 1
+    assert "state.pt fails its xxh3_128 check (corrupted)" in caplog.text
+
+
+def _write_format1_checkpoint(url: str, step: int, state: dict) -> Path:
+    """A checkpoint as the code before format 2 wrote it: a file per top-level entry, sha256."""
+    import hashlib
+    import io
+
+    step_dir = Path(url) / f"step-{step}"
+    (step_dir / "old").mkdir(parents=True)
+    files = {}
+    parts = {f"{k}.pt": {k: v} for k, v in state.items() if isinstance(v, dict)}
+    parts["state.pt"] = {k: v for k, v in state.items() if not isinstance(v, dict)}
+    for name, part in parts.items():
+        buf = io.BytesIO()
+        torch.save(part, buf)
+        (step_dir / "old" / name).write_bytes(buf.getvalue())
+        files[f"old/{name}"] = {"size": len(buf.getvalue()), "sha256": hashlib.sha256(buf.getvalue()).hexdigest()}
+    manifest = {"format": 1, "step": step, "files": files, "writer": "old", "fence_token": None,
+                "created": time.time(), "meta": state.get("meta"), "host": "h"}
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+    return step_dir
+
+
+def test_format1_sha256_checkpoint_still_verifies_and_loads(tmp_path, caplog):
+    url = str(tmp_path / "c")
+    state = _tiny_state(3)
+    step_dir = _write_format1_checkpoint(url, 3, state)
+    mgr = CheckpointManager(url, keep_latest=2, async_save=False)
+    assert mgr.latest_step() == 3
+    step, loaded = mgr.load()
+    assert step == 3
+    _assert_same(state, loaded)
+    # a new save beside it keeps it (retention counts it as committed) ...
+    mgr.save(4, _tiny_state(4))
+    assert sorted(p.name for p in Path(url).iterdir()) == ["step-3", "step-4"]
+    # ... and its sha256 still catches a bit flip
+    victim = step_dir / "old" / "optimizer.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="elastic_trainer.checkpoint"):
+        assert mgr.load(3) is None
+    assert "old/optimizer.pt fails its sha256 check (corrupted)" in caplog.text
+
+
+def test_manifest_with_an_unknown_checksum_is_skipped_with_its_name(tmp_path, caplog):
+    url = str(tmp_path / "c")
+    mgr = CheckpointManager(url, keep_latest=3, async_save=False)
+    mgr.save(1, _tiny_state(1))
+    mgr.save(2, _tiny_state(2))
+    path = Path(url) / "step-2" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    for info in manifest["files"].values():
+        info["hash"] = "blake9"
+    path.write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING, logger="elastic_trainer.checkpoint"):
+        assert mgr.load()[0] == 1
+    assert "without a checksum this version knows ('blake9'" in caplog.text
+
+
 # --------------------------------------------------------------------------- retention
 
 

@@ -103,3 +103,71 @@ def test_size_exists_remove_and_list(any_url):
     storage.remove(fs, storage.join(root, "d"))
     storage.remove(fs, storage.join(root, "d"))  # missing is fine
     assert not storage.exists(fs, storage.join(root, "d", "f.bin"))
+
+
+def test_write_streamed_writes_and_hashes_every_byte_in_order(any_url, monkeypatch):
+    import array
+
+    import xxhash
+
+    monkeypatch.setattr(storage, "WRITEBACK_CHUNK", 4096)  # many writeback hints on a local disk
+    hints = []
+    real = storage._SYNC_FILE_RANGE
+    if real is not None:
+        def recording(fd, offset, nbytes, flags):
+            hints.append((offset, nbytes))
+            return real(fd, offset, nbytes, flags)
+        monkeypatch.setattr(storage, "_SYNC_FILE_RANGE", recording)
+    pieces = [b"header", bytes(range(256)) * 40, memoryview(array.array("d", range(1000))), b"", b"tail" * 3000]
+    want = b"".join(bytes(memoryview(p).cast("B")) if isinstance(p, memoryview) else p for p in pieces)
+    fs, root = storage.get_fs(any_url)
+    storage.makedirs(fs, root)
+    path = storage.join(root, "streamed.bin")
+    hasher = xxhash.xxh3_128()
+
+    def produce(out):
+        for p in pieces:
+            out.write(p)
+
+    assert storage.write_streamed(fs, path, produce, size_hint=10, hasher=hasher) == len(want)
+    assert storage.read_bytes(fs, path) == want
+    assert hasher.hexdigest() == xxhash.xxh3_128(want).hexdigest()
+    if storage.is_local(fs) and real is not None:
+        assert hints and hints[0][0] == 0
+        assert all(a[0] + a[1] == b[0] for a, b in zip(hints, hints[1:]))  # contiguous, in order
+
+
+def test_write_streamed_reports_the_storage_error_not_torch_save_s(tmp_path):
+    import errno
+
+    import torch
+    from fsspec.implementations.local import LocalFileSystem
+
+    class FullAfter:
+        def __init__(self, path, limit):
+            self.f, self.limit = open(path, "wb"), limit
+
+        def write(self, data):
+            if self.f.tell() + memoryview(data).nbytes > self.limit:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(data)
+
+        def flush(self):
+            self.f.flush()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    class FullDisk(LocalFileSystem):
+        cachable = False
+
+        def open(self, path, mode="rb", **kwargs):
+            return FullAfter(path, 100_000) if "w" in mode else super().open(path, mode, **kwargs)
+
+    with pytest.raises(OSError, match="No space left on device") as info:
+        storage.write_streamed(FullDisk(), str(tmp_path / "f.pt"), lambda out: torch.save(torch.ones(100_000), out),
+                               size_hint=400_000)
+    assert info.value.errno == errno.ENOSPC
