@@ -296,7 +296,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         for attempt in range(1, self.retries + 1):
             try:
-                self._upload_and_commit(step, snap, meta, stats)
+                self._upload_and_commit(step, snap, meta, stats, attempt)
                 stats["upload_s"] = time.perf_counter() - t0 - stats["serialize_s"]
                 stats["committed"] = True
                 self.last_committed_step = step
@@ -361,18 +361,22 @@ class CheckpointManager:
         stats["bytes"] = size
         return {f"{self.writer_id}/{_DATA_FILE}": {"size": size, "hash": HASH, "digest": hasher.hexdigest()}}
 
-    def _upload_and_commit(self, step: int, snap: dict, meta: Any, stats: dict) -> None:
+    def _upload_and_commit(self, step: int, snap: dict, meta: Any, stats: dict, attempt: int) -> None:
         fs, step_dir = self.fs, self._step_dir(step)
         manifest_path = storage.join(step_dir, MANIFEST)
-        writer = self._manifest_writer(manifest_path)
-        if writer == self.writer_id:
-            return  # an earlier attempt committed; only its response was lost
-        if writer is not None:
-            raise _Abandon("another writer already committed this step")
+        if attempt > 1:  # only a retry can find a commit of its own (whose response was lost)
+            writer = self._manifest_writer(manifest_path)
+            if writer == self.writer_id:
+                return
+            if writer is not None:
+                raise _Abandon("another writer already committed this step")
         own = storage.join(step_dir, self.writer_id)
         storage.makedirs(fs, own)
         files = self._write_files(own, snap, stats)
-        self._check_landed(own, files, "after upload")
+        if not storage.is_object_store(fs):
+            # an object store's PUT either stored every byte or failed (and the check after the
+            # commit below lists the folder anyway); a filesystem is asked once more here
+            self._check_landed(own, files, "after upload")
         if self.fence is not None:
             self.fence()
         manifest = {
