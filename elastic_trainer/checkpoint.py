@@ -15,11 +15,16 @@ rendezvous fence is checked: if two processes both think they are rank 0 (a zomb
 round), the fenced one never commits, and if both pass the fence only one manifest wins, and it
 lists exactly the winner's files, so the checkpoint always verifies.
 
-``CheckpointManager.save`` blocks only while the state is copied to CPU memory; a background
-thread serializes (``torch.save`` streamed into the file, hashed on the way), uploads, fences,
-commits and prunes, one save in flight at a time. Upload failures are logged and retried with backoff and never raised into
-training; the last good checkpoint is never touched before a newer one is committed.
-Loading uses ``torch.load(weights_only=True)``: a checkpoint can never run code.
+``CheckpointManager.save`` blocks only while the state is snapshotted into CPU memory; a
+background thread serializes (``torch.save`` streamed into the file, hashed on the way),
+uploads, fences, commits and prunes, one save in flight at a time. With ``async_save`` the
+bulk of the snapshot, the optimizer's parameters and states, is copied by that thread beside
+the next forward and backward: a global optimizer step pre-hook makes the next optimizer step
+wait until the copy is done and then checks each tensor's version counter, so the copy can
+never hold values from after the save (a tensor changed in place in between is reported and
+copied synchronously from then on). Upload failures are logged and retried with backoff and
+never raised into training; the last good checkpoint is never touched before a newer one is
+committed. Loading uses ``torch.load(weights_only=True)``: a checkpoint can never run code.
 
 Example::
 
@@ -44,11 +49,13 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from typing import Any, Callable
 
 import numpy as np
 import torch
 import xxhash
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from elastic_trainer import storage
 
@@ -106,30 +113,87 @@ def restore_rng_state(d: dict) -> None:
 # ----------------------------------------------------------------------------- snapshot
 
 
+_PLAIN = frozenset({str, bool, int, float, type(None)})
+
+
+def _where(key: tuple) -> str:
+    return "state" + "".join(f"[{k!r}]" for k in key)
+
+
+class _DeferredCopy:
+    """Tensor copies that run beside training, checked before anything may have changed them.
+
+    ``run`` copies (in the writer thread); ``settle`` (in the training thread, at the next
+    optimizer step or ``wait``) waits for that copy and then compares each source's version
+    counter with the one recorded at ``save``: every in-place change of a tensor (an optimizer
+    step, ``add_``, ``copy_``, a broadcast into it) bumps it. Settling after the copy, from the
+    thread that trains, means no change can be half done at that moment, so equal versions prove
+    the copy holds the values of the save. ``settled`` is what the writer waits for.
+    """
+
+    def __init__(self, items: list[tuple[tuple, torch.Tensor, torch.Tensor, int]], stats: dict) -> None:
+        self.items = items  # (key, destination buffer, source, source version at save)
+        self.stats = stats
+        self.copied = threading.Event()
+        self.settled = threading.Event()
+        self.changed: list[tuple] = []
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        try:
+            torch._foreach_copy_([d for _, d, _, _ in self.items], [s for _, _, s, _ in self.items])
+        except BaseException as exc:  # noqa: BLE001 - handed to the writer, which reports it
+            self.error = exc
+        finally:
+            self.copied.set()
+
+    def settle(self) -> float:
+        """Wait for the copy and judge it (once); returns the seconds waited here."""
+        with self._lock:
+            if self.settled.is_set():
+                return 0.0
+            start = time.perf_counter()
+            self.copied.wait()
+            waited = time.perf_counter() - start
+            self.changed = [key for key, _, src, version in self.items if src._version != version]
+            self.items = []  # drop the references to the live tensors
+            self.settled.set()
+            return waited
+
+
 class _Snapshotter:
     """Copies a state into CPU memory, reusing the buffers of the previous save when shapes match.
 
     Reuse is safe because a new save starts only after the previous one finished with its copy;
     it avoids allocating (and page-faulting) fresh memory for every save, which is most of the
-    cost of the copy. All copies go out in one ``torch._foreach_copy_`` (one dispatch instead of
-    one per tensor); CUDA sources land in pinned buffers, with one synchronize at the end.
+    cost of the copy. Copies go out in one ``torch._foreach_copy_`` (one dispatch instead of one
+    per tensor); CUDA sources land in pinned buffers, with one synchronize at the end.
+
+    ``take(state, defer=ptrs)`` copies only the tensors whose memory is not in ``ptrs`` now; the
+    others (the optimizer's parameters and states, which only an optimizer step changes) are
+    returned as a ``_DeferredCopy`` to run beside training. A deferred tensor found changed is
+    copied synchronously by every later ``take`` (``sync_keys``).
     """
 
     def __init__(self) -> None:
         self.buffers: dict[tuple, torch.Tensor] = {}
+        self.sync_keys: set[tuple] = set()
 
-    def take(self, state: dict) -> dict:
+    def take(self, state: dict, defer: set[int] | None = None,
+             stats: dict | None = None) -> tuple[dict, _DeferredCopy | None]:
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
+        later: list[tuple] = []
         seen: set[tuple] = set()
-        snap = self._copy(state, (), seen, dst, src)
+        snap = self._copy(state, (), seen, dst, src, later, defer or set())
         if dst:
             torch._foreach_copy_(dst, src, non_blocking=True)
             if any(t.is_cuda for t in src):
                 torch.cuda.synchronize()
         for key in set(self.buffers) - seen:  # tensors that are gone from the state
             del self.buffers[key]
-        return snap
+        return snap, (_DeferredCopy(later, stats if stats is not None else {}) if later else None)
 
     def _buffer(self, t: torch.Tensor, key: tuple) -> torch.Tensor:
         buf = self.buffers.get(key)
@@ -137,7 +201,7 @@ class _Snapshotter:
             return buf
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
 
-    def _copy(self, value: Any, key: tuple, seen: set, dst: list, src: list) -> Any:
+    def _copy(self, value: Any, key: tuple, seen: set, dst: list, src: list, later: list, defer: set) -> Any:
         if isinstance(value, torch.Tensor):
             t = value.detach()
             if t.layout != torch.strided or t.is_quantized or not t.is_contiguous():
@@ -145,21 +209,65 @@ class _Snapshotter:
             buf = self._buffer(t, key)
             self.buffers[key] = buf
             seen.add(key)
-            dst.append(buf)
-            src.append(t)
+            if defer and not t.is_cuda and t.data_ptr() in defer and key not in self.sync_keys:
+                later.append((key, buf, t, t._version))
+            else:
+                dst.append(buf)
+                src.append(t)
             return buf
         if isinstance(value, dict):
-            return {k: self._copy(v, (*key, k), seen, dst, src) for k, v in value.items()}
+            return {k: self._copy(v, (*key, k), seen, dst, src, later, defer) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            items = [self._copy(v, (*key, i), seen, dst, src) for i, v in enumerate(value)]
+            if all(type(v) in _PLAIN for v in value):  # e.g. python's RNG state, 625 ints: one pass in C
+                return list(value) if isinstance(value, list) else tuple(value)
+            items = [self._copy(v, (*key, i), seen, dst, src, later, defer) for i, v in enumerate(value)]
             return items if isinstance(value, list) else tuple(items)
         if value is None or isinstance(value, (str, bool, int, float, torch.dtype, torch.Size)):
             return value
         if isinstance(value, np.generic):
             return value.item()
-        where = "state" + "".join(f"[{k!r}]" for k in key)
-        raise TypeError(f"cannot checkpoint {where} of type {type(value).__name__}: use tensors and plain "
+        raise TypeError(f"cannot checkpoint {_where(key)} of type {type(value).__name__}: use tensors and plain "
                         "python values (str/int/float/bool/None/list/tuple/dict)")
+
+
+class _OptimizerWatch:
+    """One global optimizer step pre-hook for the process (registered by the first manager).
+
+    It remembers the optimizers that step (their tensors are the ones a save may copy beside
+    training) and, before any optimizer changes its parameters, settles the deferred copies of
+    every manager that has one in flight.
+    """
+
+    _instance: "_OptimizerWatch | None" = None
+    _instance_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+        self.waiting: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
+        register_optimizer_step_pre_hook(self._before_step)
+
+    @classmethod
+    def get(cls) -> "_OptimizerWatch":
+        with cls._instance_lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.optimizers.add(optimizer)
+        if self.waiting:
+            for manager in list(self.waiting):
+                manager._settle_copy()
+
+    def owned(self) -> set[int]:
+        """Data pointers of every parameter and optimizer-state tensor of the optimizers seen."""
+        ptrs: set[int] = set()
+        for opt in list(self.optimizers):
+            for group in opt.param_groups:
+                ptrs.update(p.data_ptr() for p in group["params"])
+            for per_param in opt.state.values():
+                ptrs.update(v.data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
+        return ptrs
 
 
 def _estimate_size(value: Any) -> int:
@@ -210,16 +318,20 @@ class CheckpointManager:
         async_save: serialize and upload in a background thread (else inside ``save``).
         fence: called right before the commit; raising ``FencedError`` (or anything) prevents it.
         writer_id: names this writer's data folder and appears in the manifest (default unique).
+        overlap_copy: with ``async_save``, copy the optimizer's tensors (parameters and states)
+            beside training instead of inside ``save``; the next optimizer step waits for that
+            copy if it is still running (see the module docstring).
     """
 
     def __init__(self, url: str, keep_latest: int = 3, async_save: bool = True,
                  fence: Callable[[], None] | None = None, writer_id: str | None = None,
-                 *, retries: int = 3, retry_backoff_s: float = 1.0) -> None:
+                 *, retries: int = 3, retry_backoff_s: float = 1.0, overlap_copy: bool = True) -> None:
         if keep_latest < 1:
             raise ValueError(f"keep_latest must be at least 1, got {keep_latest}")
         self.url = url
         self.keep_latest = keep_latest
         self.async_save = async_save
+        self.overlap_copy = overlap_copy
         self.fence = fence
         self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         if not _KEY_RE.match(self.writer_id):
@@ -233,34 +345,58 @@ class CheckpointManager:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._snapshotter = _Snapshotter()
+        self._deferred: _DeferredCopy | None = None
+        self._watch = _OptimizerWatch.get() if async_save and overlap_copy else None
 
     # ------------------------------------------------------------------ save
 
     def save(self, step: int, state: dict, *, blocking: bool = False) -> float:
         """Snapshot ``state`` for ``step`` and write it (in the background unless ``blocking``).
 
-        Returns the seconds the caller was blocked (waiting for the previous save + copying).
+        Returns the seconds the caller was blocked here (waiting for the previous save +
+        copying). With ``overlap_copy`` the optimizer's tensors are copied beside training, and
+        a wait for that copy at the next optimizer step is added to ``last_save_stats``'s
+        ``blocked_s`` (and ``copy_wait_s``) when it happens.
         """
         start = time.perf_counter()
         self.wait()
-        snap = self._snapshotter.take(state)
-        copied = time.perf_counter()
-        stats = {"step": int(step), "blocked_s": 0.0, "copy_s": copied - start, "serialize_s": 0.0,
+        stats = {"step": int(step), "blocked_s": 0.0, "copy_s": 0.0, "copy_wait_s": 0.0, "serialize_s": 0.0,
                  "upload_s": 0.0, "bytes": 0, "committed": False, "error": None}
-        if self.async_save and not blocking:
-            self._thread = threading.Thread(target=self._write_in_background, args=(int(step), snap, stats),
+        background = self.async_save and not blocking
+        defer = self._watch.owned() if background and self._watch is not None else None
+        snap, deferred = self._snapshotter.take(state, defer, stats)
+        stats["copy_s"] = time.perf_counter() - start
+        if background:
+            if deferred is not None:
+                self._deferred = deferred
+                self._watch.waiting.add(self)
+            self._thread = threading.Thread(target=self._write_in_background, args=(int(step), snap, stats, deferred),
                                             name=f"checkpoint-step-{step}", daemon=True)
             self._thread.start()
         else:
             self._write(int(step), snap, stats)
         blocked = time.perf_counter() - start
-        stats["blocked_s"] = blocked
         with self._lock:
+            stats["blocked_s"] += blocked
             self.last_save_stats = stats
         return blocked
 
+    def _settle_copy(self) -> None:
+        """Judge the copy running beside training (waiting for it if needed); see ``_DeferredCopy``."""
+        deferred = self._deferred
+        if deferred is None:
+            return
+        waited = deferred.settle()
+        self._deferred = None
+        if self._watch is not None:
+            self._watch.waiting.discard(self)
+        with self._lock:
+            deferred.stats["copy_wait_s"] += waited
+            deferred.stats["blocked_s"] += waited
+
     def wait(self) -> None:
         """Block until the in-flight save (if any) is done; its failure is in ``last_error``."""
+        self._settle_copy()
         thread = self._thread
         if thread is not None:
             thread.join()
@@ -280,14 +416,33 @@ class CheckpointManager:
     def _step_dir(self, step: int) -> str:
         return storage.join(self.root, f"step-{step}")
 
-    def _write_in_background(self, step: int, snap: dict, stats: dict) -> None:
-        """``_write`` at a lower CPU priority (nice +10, this thread and its hashers only), so that
-        on a busy CPU the training thread comes first."""
+    def _write_in_background(self, step: int, snap: dict, stats: dict, deferred: _DeferredCopy | None) -> None:
+        """Finish the snapshot copy (at normal priority: the next optimizer step may wait for it),
+        then ``_write`` at a lower CPU priority (nice +10, this thread only), so that on a busy
+        CPU the training thread comes first."""
+        if deferred is not None:
+            deferred.run()
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + 10)
         except (OSError, AttributeError):  # not Linux, or not allowed: run at normal priority
             pass
+        if deferred is not None:
+            deferred.settled.wait()
+            if deferred.error is not None or deferred.changed:
+                self._copy_failed(step, stats, deferred)
+                return
         self._write(step, snap, stats)
+
+    def _copy_failed(self, step: int, stats: dict, deferred: _DeferredCopy) -> None:
+        if deferred.error is not None:
+            self._failed(stats, f"checkpoint step-{step} not saved: copying the state failed "
+                                f"({type(deferred.error).__name__}: {deferred.error})")
+            return
+        self._snapshotter.sync_keys.update(deferred.changed)
+        names = ", ".join(_where(k) for k in deferred.changed[:3]) + (" ..." if len(deferred.changed) > 3 else "")
+        self._failed(stats, f"checkpoint step-{step} abandoned: {names} changed in place before the optimizer "
+                            "step, while it was being copied beside training; later saves copy it before "
+                            "returning instead")
 
     def _write(self, step: int, snap: dict, stats: dict) -> None:
         """Serialize, upload, fence, commit, prune; retried with backoff; never raises."""

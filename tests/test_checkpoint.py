@@ -298,6 +298,105 @@ def test_manifest_with_an_unknown_checksum_is_skipped_with_its_name(tmp_path, ca
     assert "without a checksum this version knows ('blake9'" in caplog.text
 
 
+# --------------------------------------------------------------------------- snapshot copy beside training
+
+
+def _mlp(seed: int = 0, bn: bool = False):
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(8, 64), torch.nn.BatchNorm1d(64)] if bn else [torch.nn.Linear(8, 64)]
+    model = torch.nn.Sequential(*layers, torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def _step(model, opt) -> None:
+    loss = model(torch.randn(16, 8)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def _clone(state):
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {k: _clone(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_clone(v) for v in state)
+    return state
+
+
+def test_optimizer_tensors_copied_beside_training_hold_the_values_of_the_save(tmp_path):
+    model, opt = _mlp()
+    mgr = CheckpointManager(str(tmp_path / "c"), async_save=True)
+    for step in range(1, 4):
+        _step(model, opt)  # the optimizer has stepped once before the first save: its tensors are known
+        want = _clone({"model": model.state_dict(), "optimizer": opt.state_dict()})
+        mgr.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+        assert mgr._deferred is not None, "the parameters and Adam states should be copied beside training"
+        for _ in range(3):  # training goes on at once: the first optimizer step waits for the copy
+            _step(model, opt)
+        mgr.wait()
+        assert mgr.last_error is None, mgr.last_error
+        stats = mgr.last_save_stats
+        assert stats["committed"] and stats["blocked_s"] >= stats["copy_wait_s"] >= 0
+        _assert_same(want, mgr.load(step)[1])
+    mgr.close()
+
+
+def test_buffers_changed_by_forward_are_copied_before_save_returns(tmp_path):
+    model, opt = _mlp(bn=True)
+    model.train()
+    _step(model, opt)
+    mgr = CheckpointManager(str(tmp_path / "c"), async_save=True)
+    want = _clone(model.state_dict())
+    mgr.save(1, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+    _step(model, opt)  # forward updates the BatchNorm running stats before the optimizer step
+    mgr.wait()
+    assert mgr.last_error is None, mgr.last_error
+    _assert_same(want, mgr.load(1)[1]["model"])
+
+
+def test_parameter_changed_in_place_before_the_optimizer_step_abandons_that_save_only(tmp_path, caplog):
+    model, opt = _mlp()
+    _step(model, opt)
+    url = str(tmp_path / "c")
+    mgr = CheckpointManager(url, async_save=True)
+    mgr.save(1, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+    assert mgr._deferred is not None
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)  # e.g. a weight constraint applied outside the optimizer
+    with caplog.at_level(logging.ERROR, logger="elastic_trainer.checkpoint"):
+        _step(model, opt)
+        mgr.wait()
+    assert "abandoned" in mgr.last_error and "state['model']['0.weight']" in mgr.last_error
+    assert not (Path(url) / "step-1" / "manifest.json").exists() and "step-1" in caplog.text
+    # from now on that tensor is copied inside save(), so the same pattern saves correctly
+    want = _clone(model.state_dict())
+    mgr.save(2, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)
+    _step(model, opt)
+    mgr.wait()
+    assert mgr.last_error is None, mgr.last_error
+    _assert_same(want, mgr.load(2)[1]["model"])
+
+
+def test_blocking_saves_and_overlap_copy_false_copy_everything_inside_save(tmp_path):
+    model, opt = _mlp()
+    _step(model, opt)
+    for mgr, kwargs in ((CheckpointManager(str(tmp_path / "a"), async_save=True), {"blocking": True}),
+                        (CheckpointManager(str(tmp_path / "b"), async_save=True, overlap_copy=False), {})):
+        want = _clone(model.state_dict())
+        mgr.save(1, {"model": model.state_dict(), "optimizer": opt.state_dict()}, **kwargs)
+        assert mgr._deferred is None
+        with torch.no_grad():
+            model[0].weight.add_(1.0)  # not through an optimizer: only a copy made in save() is safe
+        mgr.wait()
+        assert mgr.last_error is None, mgr.last_error
+        _assert_same(want, mgr.load(1)[1]["model"])
+
+
 # --------------------------------------------------------------------------- retention
 
 
