@@ -92,6 +92,7 @@ def run_agents(endpoint: str, run_id: str, n: int, count: int, connections: int,
     threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(count)]
     for t in threads:
         t.start()
+    cpu0 = time.process_time()
     if ready is None:
         start = time.monotonic()
         go.set()
@@ -100,6 +101,7 @@ def run_agents(endpoint: str, run_id: str, n: int, count: int, connections: int,
     for t in threads:
         t.join(max(0.1, start + timeout + 5 - time.monotonic()))
     result = {
+        "cpu_s": time.process_time() - cpu0,
         "start": start, "done": [d for d in done if d is not None],
         "requests": [h._etcd_backend.requests + h._store.requests + h._lease.requests for h in handlers],
         "lost": [h._op_executor.lost_races for h in handlers], "errors": sorted(set(errors))[:3],
@@ -122,6 +124,7 @@ def _summary(n: int, parts: list[dict], start: float) -> dict:
         "requests_per_agent": statistics.mean(r for p in parts for r in p["requests"]),
         "lost_races_per_agent": statistics.mean(x for p in parts for x in p["lost"]),
         "errors": sorted({e for p in parts for e in p["errors"]})[:3],
+        "agents_cpu_s": sum(p["cpu_s"] for p in parts),
     }
 
 
@@ -185,15 +188,27 @@ class AgentPool:
                 proc.join()
 
 
+def _cpu_s(pid: int | None) -> float | None:
+    """CPU seconds (user + system) a process has used so far, from /proc (None when unknown)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, TypeError):
+        return None
+
+
 def run_size(endpoint: str, n: int, connections: int, timeout: float, conf: dict,
-             pool: AgentPool | None = None) -> dict:
+             pool: AgentPool | None = None, etcd_pid: int | None = None) -> dict:
     """N agents join one round; every agent a thread of this process, or spread over ``pool``."""
     run_id = f"scale-{n}-{int(time.time())}"
+    etcd0 = _cpu_s(etcd_pid)
     if pool is None:
         part = run_agents(endpoint, run_id, n, n, connections, timeout, conf)
         result = _summary(n, [part], part["start"])
     else:
         result = pool.run(endpoint, run_id, n, connections, timeout, conf)
+    etcd1 = _cpu_s(etcd_pid)
+    result["etcd_cpu_s"] = etcd1 - etcd0 if etcd0 is not None and etcd1 is not None else None
     conn = EtcdConnection(RendezvousOptions(RendezvousParameters("etcd-v3", endpoint, run_id, 1, 1)).etcd)
     try:
         conn.client.delete_prefix(EtcdRendezvousBackend(conn, run_id).prefix)
@@ -227,18 +242,21 @@ def main(argv: list[str] | None = None) -> int:
         tmp = tempfile.mkdtemp(prefix="rdzv-scale-")
         server = EtcdServer(data_dir=Path(tmp) / "etcd").start()
         endpoint = server.endpoint
-    pool = AgentPool(args.processes) if args.processes > 1 else None
+    pool = AgentPool(min(args.processes, max(sizes))) if args.processes > 1 else None
     results = []
-    print(f"{'agents':>7} {'all ranked s':>13} {'first s':>8} {'req/agent':>10} {'lost CAS/agent':>15}  notes")
+    print(f"{'agents':>7} {'all ranked s':>13} {'first s':>8} {'req/agent':>10} {'lost CAS/agent':>15} "
+          f"{'agents CPU s':>13} {'etcd CPU s':>11}  notes")
     try:
         for n in sizes:
-            r = run_size(endpoint, n, args.connections, args.timeout, conf, pool)
+            r = run_size(endpoint, n, args.connections, args.timeout, conf, pool,
+                         server.proc.pid if server is not None and server.proc is not None else None)
             results.append(r)
             all_s = f"{r['all_ranked_s']:13.2f}" if r["all_ranked_s"] is not None else f"{'>' + str(args.timeout):>13}"
             first = f"{r['first_ranked_s']:8.2f}" if r["first_ranked_s"] is not None else f"{'-':>8}"
             notes = "" if r["ranks_ok"] else f"only {r['joined']}/{n} ranked; {r['errors']}"
-            print(f"{n:>7} {all_s} {first} {r['requests_per_agent']:10.1f} {r['lost_races_per_agent']:15.1f}  {notes}",
-                  flush=True)
+            etcd_cpu = f"{r['etcd_cpu_s']:11.1f}" if r["etcd_cpu_s"] is not None else f"{'-':>11}"
+            print(f"{n:>7} {all_s} {first} {r['requests_per_agent']:10.1f} {r['lost_races_per_agent']:15.1f} "
+                  f"{r['agents_cpu_s']:13.1f} {etcd_cpu}  {notes}", flush=True)
     finally:
         if pool is not None:
             pool.close()

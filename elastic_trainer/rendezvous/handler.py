@@ -75,7 +75,9 @@ from elastic_trainer.rendezvous.options import RendezvousOptions
 from elastic_trainer.rendezvous.state import (
     EtcdRendezvousStateHolder,
     decode_state,
+    decode_summary,
     encode_state,
+    encode_summary,
     node_json,
     node_name,
 )
@@ -251,29 +253,26 @@ class _EtcdOpExecutor(_DistributedRendezvousOpExecutor):
         return admitter is not None and admitter != node_name(self._node)
 
     def _wait_lightly(self, holder: EtcdRendezvousStateHolder, deadline: float) -> None:
-        """Poll the summary until the state changed in a way that concerns this node."""
-        from elastic_trainer.rendezvous.state import encode_summary
-
+        """Poll the summary until the state changed in a way that may concern this node."""
         backend: EtcdRendezvousBackend = holder._backend  # type: ignore[attr-defined]
-        state, me = self._state, node_name(self._node)
-        expected = encode_summary(state)
-        members = {node_name(n) for n in state.participants}
+        state = self._state
+        expected = decode_summary(encode_summary(state))[:3]  # type: ignore[index]  # round, complete, closed
         waiting_to_join = self._node not in state.participants and not state.complete
-        started = time.monotonic()
+        started, alive = time.monotonic(), len(holder.alive)
         while True:
             time.sleep(min(2.0, 0.05 + 0.002 * _crowd(state)) * random.uniform(0.7, 1.3))
             now = time.monotonic()
-            if now > deadline or backend.poll_summary() != expected:
+            summary, count = backend.poll_summary()
+            summary = decode_summary(summary)
+            if now > deadline or summary is None or summary[:3] != expected:
                 return
-            holder.refresh_membership()
-            if not members <= holder.alive:
+            if count < alive:  # a node died (perhaps the admitter, or a participant): look closer
                 return
-            if not state.complete and self._admitter(holder) in (None, me):
-                return
+            alive = count
             if waiting_to_join and now - started > self._admission_patience():
                 self._bypass_gate_until = now + 1.0
                 return
-            if now - started > 10.0:  # a full read now and then, whatever the summary says
+            if now - started > max(5.0, 0.01 * _crowd(state)):  # a full read now and then regardless
                 return
 
     def _everyone_alive_has_joined(self, alive: frozenset[str]) -> bool:
@@ -316,6 +315,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._first_round = True
         self._revoked: str | None = None
         self._waiting = 0
+        self._alive_count = 0  # live nodes at the watchdog's last look
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING, rank: int | None = None) -> None:
         _record(self, self._this_node, message, node_state, rank)
@@ -326,15 +326,18 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         return False
 
     def next_rendezvous(self) -> RendezvousInfo:
-        self._joined, self._revoked, self._waiting = None, None, 0
+        self._joined, self._revoked, self._waiting, self._alive_count = None, None, 0, 0
         logger.info("node %s joins the next round of rendezvous '%s'", self.node_name, self._settings.run_id)
         self._lease.ensure()
+        deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
         if self._first_round:
+            # This node's descriptor (address, pid, local id) is new: it cannot be in a round
+            # yet, so there is nothing to leave (torch reads the whole state to find out).
             self._first_round = False
             self._reopen_finished_run()
             time.sleep(random.uniform(0, 0.1))
-        deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
-        self._op_executor.run(_RendezvousExitOp(), deadline)
+        else:
+            self._op_executor.run(_RendezvousExitOp(), deadline)
         # Only after leaving the last round may others admit this node to the next one.
         joining_key = self._etcd_backend.joining_key(self.node_name)
         self._lease.put(joining_key, json.dumps(node_json(self._this_node)).encode())
@@ -372,6 +375,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         whose round numbers continue, so that round fences stay unique.
         """
         backend = self._etcd_backend
+        summary = decode_summary(backend.poll_summary()[0])
+        if summary is not None and not summary[2]:
+            return  # not closed (the common case), known from a few bytes
         data, token, alive = backend.read()
         if data is None:
             return
@@ -381,7 +387,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             return
         fresh = _RendezvousState()
         fresh.round = old.round + 1
-        if backend.set_state(encode_state(fresh), token) is not None:
+        if backend.set_state(encode_state(fresh), token, summary=encode_summary(fresh)) is not None:
             logger.info("rendezvous '%s' was closed by a finished job; starting it over at round %d",
                         self._settings.run_id, fresh.round)
             self._store.delete_prefix("")
@@ -430,8 +436,18 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         if self._lease.lost:
             self._revoke("its etcd lease expired")
             return
+        round_, members = joined
         try:
+            # The summary and the count of live nodes, a few bytes: the whole state and the
+            # live names only when the round changed or fewer nodes are alive than last time.
+            summary, count = self._etcd_backend.poll_summary(retry_timeout=self._options.keep_alive_interval)
+            summary = decode_summary(summary)
+            if summary is not None and summary[:4] == (round_, 1, 0, len(members)) and \
+                    count >= max(self._alive_count, len(members)):
+                self._waiting, self._alive_count = summary[4], count
+                return
             data, _, alive = self._etcd_backend.read(retry_timeout=self._options.keep_alive_interval)
+            self._alive_count = len(alive)
         except RendezvousConnectionError as exc:
             logger.warning("watchdog could not read the rendezvous state: %s", exc)
             return
@@ -442,7 +458,6 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._waiting = len(state.wait_list)
         if state.closed:
             return
-        round_, members = joined
         if state.round != round_ or not state.complete or self._this_node not in state.participants:
             self._revoke(f"round {round_} is over (etcd is at round {state.round}, "
                          f"complete={state.complete})")

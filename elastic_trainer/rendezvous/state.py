@@ -109,12 +109,24 @@ def encode_state(state: _RendezvousState) -> bytes:
 
 
 def encode_summary(state: _RendezvousState) -> bytes:
-    """What a waiting node watches instead of the whole state: ``b"<round> <complete> <closed>"``.
+    """What waiting and training nodes watch instead of the whole state:
+    ``b"<round> <complete> <closed> <participants> <waiting>"`` (counts of nodes).
 
     Written with every state write (same transaction), so a node that waits for a round to
-    complete or end polls a few bytes instead of the state of every node.
+    complete, or checks that its round still stands, polls a few bytes instead of the
+    state of every node.
     """
-    return f"{state.round} {int(state.complete)} {int(state.closed)}".encode()
+    return (f"{state.round} {int(state.complete)} {int(state.closed)} "
+            f"{len(state.participants)} {len(state.wait_list)}").encode()
+
+
+def decode_summary(data: bytes | None) -> tuple[int, ...] | None:
+    """``encode_summary``'s numbers, or None when missing or not a summary."""
+    try:
+        numbers = tuple(int(x) for x in (data or b"").split())
+    except ValueError:
+        return None
+    return numbers if len(numbers) == 5 else None
 
 
 def decode_state(data: bytes) -> _RendezvousState:
