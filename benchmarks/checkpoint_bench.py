@@ -2,19 +2,27 @@
 
     .venv/bin/python benchmarks/checkpoint_bench.py            # d_model 128 and 512, file and s3
     .venv/bin/python benchmarks/checkpoint_bench.py --quick    # smoke test (seconds)
+    .venv/bin/python benchmarks/checkpoint_bench.py --json docs/checkpoint_bench.json   # rows as JSON too
 
 For the example model (``torch.nn.Transformer``, 2 encoder + 2 decoder layers, feed-forward 4*d,
 Adam, batch 32 of src 4 / tgt 20 tokens) this runs a real forward/backward/step loop and measures:
 
 - step: the median time of a training step with no checkpoint running;
-- async blocked: what ``CheckpointManager.save`` returns (the CPU copy; the step waits only this),
-  median over the saves after the first (the first allocates the snapshot buffers; shown apart);
-- step during async: the median step time while the background upload runs (it shares the CPU);
-- sync save: a ``blocking=True`` save of the same state (serialize + sha256 + upload + commit);
+- async blocked: the time the training thread waited for a save: ``CheckpointManager.save``
+  itself plus any wait for the snapshot copy at the next optimizer step (``blocked_s`` of
+  ``last_save_stats``), median over the saves after the first (the first allocates the snapshot
+  buffers and, made before the manager saw the optimizer step, copies everything inside
+  ``save()``; shown apart);
+- step during async: the median step time while the background save runs (it shares the CPU);
+- sync save: a ``blocking=True`` save of the same state (serialize + hash + upload + commit);
 - throughput: checkpoint bytes / (serialize + upload) of a synchronous save, against ``fs.pipe``
-  of one blob of the same number of bytes to the same storage (the plain copy a save cannot
-  beat), and on local disks also against that copy plus fsync (a checkpoint is fsynced). Saves
-  and copies alternate; the ratios are medians of pairwise ratios (robust to a busy machine).
+  of one blob of the same number of bytes to the same storage (the plain copy), and on local
+  disks also against that copy plus fsync (a checkpoint is fsynced before its commit: the
+  durable plain copy). Saves and copies alternate; the ratios are medians of pairwise ratios
+  (robust to a busy machine). On local disks a third copy, printed below the table and kept in
+  the JSON, writes the blob through the save's own write path (``storage.write_streamed``: early
+  writeback, fsync; 4 MiB writes) with nothing to serialize or hash: what is left between it and
+  the save is the cost of serializing, hashing and committing.
 
 Storage: a local directory and ``s3://`` on moto's S3 server (loopback) in its own process, so that
 the server does not share this process's GIL (it stands for a separate S3 machine).
@@ -24,7 +32,9 @@ Prints a table and the command that produced it.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -70,14 +80,17 @@ def bench(url: str, d_model: int, layers: int, steps: int, saves: int) -> dict:
     plain_steps = [step() for _ in range(steps)]
 
     mgr = CheckpointManager(url, keep_latest=1, async_save=True)
-    blocked, during = [], []
+    blocked, copy_wait, during = [], [], []
     for i in range(saves + 1):  # the first save allocates the snapshot buffers: reported apart
-        blocked.append(mgr.save(i + 1, state()))
+        mgr.save(i + 1, state())
         while mgr._thread is not None and mgr._thread.is_alive():
-            during.append(step())
+            during.append(step())  # the first of these may wait for the snapshot copy
         mgr.wait()
         assert mgr.last_error is None, mgr.last_error
+        blocked.append(mgr.last_save_stats["blocked_s"])  # save() + the wait at the next optimizer step
+        copy_wait.append(mgr.last_save_stats["copy_wait_s"])
     async_stats = dict(mgr.last_save_stats)
+    mgr.close()
 
     # synchronous saves alternated with plain copies of the same number of bytes, so that both
     # see the same machine load; ratios are taken pair by pair
@@ -85,6 +98,7 @@ def bench(url: str, d_model: int, layers: int, steps: int, saves: int) -> dict:
     fs, root = storage.get_fs(url)
     blob = None
     sync_s, e2e_bps, plain_bps, durable_bps, ratios, durable_ratios, ser, upl = ([] for _ in range(8))
+    streamed_bps, streamed_ratios = [], []
     for i in range(saves):
         sync_s.append(sync.save(100 + i, state(), blocking=True))
         st = sync.last_save_stats
@@ -94,6 +108,7 @@ def bench(url: str, d_model: int, layers: int, steps: int, saves: int) -> dict:
         ser.append(st["serialize_s"])
         upl.append(st["upload_s"])
         blob = blob if blob is not None and len(blob) == nbytes else os.urandom(nbytes)
+        view = memoryview(blob)
         path = storage.join(root, f"plain-{i}.bin")
         t0 = time.perf_counter()
         fs.pipe_file(path, blob)
@@ -106,11 +121,21 @@ def bench(url: str, d_model: int, layers: int, steps: int, saves: int) -> dict:
             durable_bps.append(nbytes / (time.perf_counter() - t0))
             durable_ratios.append(e2e_bps[-1] / durable_bps[-1])
             fs.rm(path)
+            # ... and through the save's own write path (early writeback + fsync), nothing to serialize:
+            # in 4 MiB writes, the size of this model's largest tensors (torch.save writes one per tensor)
+            t0 = time.perf_counter()
+            storage.write_streamed(fs, path, lambda out: [out.write(view[o:o + (4 << 20)])
+                                                          for o in range(0, nbytes, 4 << 20)], size_hint=nbytes)
+            streamed_bps.append(nbytes / (time.perf_counter() - t0))
+            streamed_ratios.append(e2e_bps[-1] / streamed_bps[-1])
+            fs.rm(path)
+    sync.close()
     storage.remove(fs, root)
     return {
         "d_model": d_model, "params_m": sum(p.numel() for p in model.parameters()) / 1e6, "mb": nbytes / 1e6,
         "step_s": statistics.median(plain_steps),
         "first_blocked_s": blocked[0], "blocked_s": statistics.median(blocked[1:]),
+        "copy_wait_s": statistics.median(copy_wait[1:]),
         "step_during_s": statistics.median(during) if during else float("nan"),
         "bg_s": async_stats["serialize_s"] + async_stats["upload_s"],
         "sync_s": statistics.median(sync_s),
@@ -119,6 +144,8 @@ def bench(url: str, d_model: int, layers: int, steps: int, saves: int) -> dict:
         "ratio": statistics.median(ratios),
         "durable_mbps": statistics.median(durable_bps) / 1e6 if durable_bps else None,
         "durable_ratio": statistics.median(durable_ratios) if durable_ratios else None,
+        "streamed_mbps": statistics.median(streamed_bps) / 1e6 if streamed_bps else None,
+        "streamed_ratio": statistics.median(streamed_ratios) if streamed_ratios else None,
         "serialize_s": statistics.median(ser), "upload_s": statistics.median(upl),
     }
 
@@ -150,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20, help="timed plain steps (default 20)")
     p.add_argument("--saves", type=int, default=5, help="saves per mode, median reported (default 5)")
     p.add_argument("--stores", default="file,s3", help="file and/or s3 (default both)")
+    p.add_argument("--json", metavar="PATH", help="also write the rows (seconds, MB/s, ratios) and the settings here")
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.layers, args.steps, args.saves = "128", 1, 3, 1
@@ -157,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
 
+    load_start = os.getloadavg()
     server = None
     tmp = tempfile.mkdtemp(prefix="ckpt-bench-")
     rows = []
@@ -181,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             server.wait()
         shutil.rmtree(tmp, ignore_errors=True)
 
-    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
+    command = " ".join([os.path.basename(sys.executable), *sys.argv])
+    print(f"command: {command}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
           f"{args.layers}+{args.layers} layers, median of {args.saves} saves")
     head = ("store", "d_model", "params M", "ckpt MB", "step ms", "1st async blocked ms", "async blocked ms",
@@ -199,7 +229,23 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['serialize_s']:.2f}", f"{r['upload_s']:.2f}",
             f"{r['save_mbps']:.0f}", f"{r['plain_mbps']:.0f}", f"{r['ratio']:.0%}",
             f"{durable:.0f}" if durable else "n/a", f"{r['durable_ratio']:.0%}" if durable else "n/a"]))
-    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
+    for r in rows:
+        if r["streamed_mbps"]:
+            print(f"{r['store']} d_model={r['d_model']}: plain copy through the save's write path (early writeback + "
+                  f"fsync) {r['streamed_mbps']:.0f} MB/s, save/that {r['streamed_ratio']:.0%}")
+    load_end = os.getloadavg()
+    print(f"load average (1/5/15 min) at the start: {load_start[0]:.1f} {load_start[1]:.1f} {load_start[2]:.1f}, "
+          f"at the end: {load_end[0]:.1f} {load_end[1]:.1f} {load_end[2]:.1f}")
+    if args.json:
+        result = {"command": command, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                  "cpus": os.cpu_count(), "layers": args.layers, "saves": args.saves, "steps": args.steps,
+                  "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "load_start": list(load_start),
+                  "load_end": list(load_end),
+                  "rows": [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()}
+                           for r in rows]}
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"rows written to {args.json}")
     return 0
 
 
