@@ -125,7 +125,7 @@ def bench(url: str, d_model: int, layers: int, steps: int, saves: int) -> dict:
             # in 4 MiB writes, the size of this model's largest tensors (torch.save writes one per tensor)
             t0 = time.perf_counter()
             storage.write_streamed(fs, path, lambda out: [out.write(view[o:o + (4 << 20)])
-                                                          for o in range(0, nbytes, 4 << 20)], size_hint=nbytes)
+                                                          for o in range(0, nbytes, 4 << 20)])
             streamed_bps.append(nbytes / (time.perf_counter() - t0))
             streamed_ratios.append(e2e_bps[-1] / streamed_bps[-1])
             fs.rm(path)

@@ -270,17 +270,6 @@ class _OptimizerWatch:
         return ptrs
 
 
-def _estimate_size(value: Any) -> int:
-    """An upper guess of the ``torch.save`` size of ``value`` (tensor bytes plus slack)."""
-    if isinstance(value, torch.Tensor):
-        return value.untyped_storage().nbytes() + 256
-    if isinstance(value, dict):
-        return sum(_estimate_size(k) + _estimate_size(v) for k, v in value.items()) + 64
-    if isinstance(value, (list, tuple)):
-        return sum(_estimate_size(v) for v in value) + 64
-    return len(value) + 64 if isinstance(value, str) else 32
-
-
 def _expected_digest(info: dict) -> tuple[str, str] | None:
     """``(algorithm, hex digest)`` of a manifest file entry (either format), None if unusable."""
     algorithm, digest = (info.get("hash"), info.get("digest")) if "hash" in info else ("sha256", info.get("sha256"))
@@ -493,8 +482,8 @@ class CheckpointManager:
     def _write_files(self, own: str, snap: dict, stats: dict) -> dict:
         """Serialize the snapshot into this writer's data file; returns the manifest's ``files``.
 
-        ``torch.save`` writes straight into the file on local disks (into one upload buffer
-        elsewhere) and every byte is hashed (xxh3_128) on its way out. torch's own CRC32 is
+        ``torch.save`` writes straight into the file on local disks (into memory, then one
+        upload, elsewhere) and every byte is hashed (xxh3_128) on its way out. torch's own CRC32 is
         switched off meanwhile: the manifest's hash covers every byte, and the CRC doubled the
         serialization time.
         """
@@ -511,8 +500,7 @@ class CheckpointManager:
                     torch.serialization.set_crc32_options(crc)
             stats["serialize_s"] = time.perf_counter() - t0
 
-        size = storage.write_streamed(self.fs, storage.join(own, _DATA_FILE), produce,
-                                      size_hint=_estimate_size(snap), hasher=hasher)
+        size = storage.write_streamed(self.fs, storage.join(own, _DATA_FILE), produce, hasher=hasher)
         stats["bytes"] = size
         return {f"{self.writer_id}/{_DATA_FILE}": {"size": size, "hash": HASH, "digest": hasher.hexdigest()}}
 

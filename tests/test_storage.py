@@ -129,7 +129,7 @@ def test_write_streamed_writes_and_hashes_every_byte_in_order(any_url, monkeypat
         for p in pieces:
             out.write(p)
 
-    assert storage.write_streamed(fs, path, produce, size_hint=10, hasher=hasher) == len(want)
+    assert storage.write_streamed(fs, path, produce, hasher=hasher) == len(want)
     assert storage.read_bytes(fs, path) == want
     assert hasher.hexdigest() == xxhash.xxh3_128(want).hexdigest()
     if storage.is_local(fs) and real is not None:
@@ -168,6 +168,5 @@ def test_write_streamed_reports_the_storage_error_not_torch_save_s(tmp_path):
             return FullAfter(path, 100_000) if "w" in mode else super().open(path, mode, **kwargs)
 
     with pytest.raises(OSError, match="No space left on device") as info:
-        storage.write_streamed(FullDisk(), str(tmp_path / "f.pt"), lambda out: torch.save(torch.ones(100_000), out),
-                               size_hint=400_000)
+        storage.write_streamed(FullDisk(), str(tmp_path / "f.pt"), lambda out: torch.save(torch.ones(100_000), out))
     assert info.value.errno == errno.ENOSPC
