@@ -35,11 +35,13 @@ from elastic_trainer.rendezvous._etcd import EtcdConnection, EtcdOptions
 from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
 from elastic_trainer.rendezvous.fence import FencedError, RoundFence
 from elastic_trainer.rendezvous.handler import RendezvousOptions
+from elastic_trainer.rendezvous.lease import LeaseKeeper
 from elastic_trainer.rendezvous.state import (
     EtcdRendezvousStateHolder,
     decode_state,
     encode_state,
     node_name,
+    parse_node_name,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -225,11 +227,26 @@ def test_holder_removes_a_node_only_when_its_lease_key_is_gone(backend, conn, ru
     assert holder.state.participants == {} and holder.state.round == 1 and not holder.state.complete
 
 
-def test_polls_read_only_new_member_keys_and_a_deletion_forces_a_full_read(backend, conn):
-    """The alive/joining views are kept by reading only keys created since the last read;
-    after any deletion (also a delete-and-recreate) the view is read whole, so it always
-    equals what etcd holds."""
-    backend.set_state(b"{}")
+def test_joining_nodes_come_from_key_names_and_need_a_live_lease(backend, conn, run_id):
+    """Readers take a joining node from its key's name (keys only; the value is not read):
+    an address may hold ``_``; a malformed name is ignored; a name without a live lease key too."""
+    lease = conn.client.lease(30)
+    nodes = [_NodeDesc("127.0.0.1", 7, 0), _NodeDesc("host_with_underscore", 8, 2)]
+    names = [node_name(n) for n in nodes] + ["no-pid-here", "127.0.0.1_9_0"]
+    for name in names[:3]:
+        conn.client.put(backend.alive_key(name), b"", lease=lease)
+    for name in names:
+        conn.client.put(backend.joining_key(name), b"not read", lease=lease)
+    backend.set_state(encode_state(_RendezvousState()))
+    holder = EtcdRendezvousStateHolder(backend, _settings(run_id))
+    holder.sync()
+    assert holder.joining == nodes  # "no-pid-here" is malformed; 127.0.0.1_9_0 holds no alive key
+    assert parse_node_name(node_name(nodes[1])) == nodes[1] and parse_node_name("a_b_c") is None
+
+
+def _count_requests(backend) -> tuple[list[int], object]:
+    """Make ``backend`` record the operations of each etcd transaction it sends; the list and
+    the real ``_txn``."""
     sent: list[int] = []
     real = backend._txn
 
@@ -237,6 +254,15 @@ def test_polls_read_only_new_member_keys_and_a_deletion_forces_a_full_read(backe
         sent.append(len(success))
         return real(what, compare, success, failure, retry_timeout)
     backend._txn = counting
+    return sent, real
+
+
+def test_polls_read_only_new_member_keys_and_a_deletion_forces_a_full_read(backend, conn):
+    """The alive/joining views are kept by reading only keys created since the last read;
+    after any deletion (also a delete-and-recreate) the view is read whole, so it always
+    equals what etcd holds."""
+    backend.set_state(b"{}")
+    sent, real = _count_requests(backend)
 
     def poll() -> frozenset[str]:
         sent.clear()
@@ -263,6 +289,51 @@ def test_polls_read_only_new_member_keys_and_a_deletion_forces_a_full_read(backe
     assert poll() == alive_in_etcd() and len(sent) == 2
     conn.client.revoke_lease(lease.id)
     assert poll() == alive_in_etcd() == frozenset()
+
+
+def test_a_lazy_joining_view_skips_the_full_read_until_an_exact_one_is_asked(backend, conn):
+    """Non-admitters read joining/ lazily: a deletion does not cost them a full read, the view
+    keeps the deleted name and says it is not exact; an exact read (the admitter's) fixes it."""
+    backend.set_state(b"{}")
+    sent, _ = _count_requests(backend)
+    lease = conn.client.lease(60)
+    for i in range(3):
+        conn.client.put(backend.joining_key(f"n{i}"), b"", lease=lease)
+    backend.get_state(exact_joining=False)
+    assert set(backend.last_joining) == {"n0", "n1", "n2"} and backend.joining_exact
+    conn.client.delete(backend.joining_key("n1"))
+    conn.client.put(backend.joining_key("n3"), b"", lease=lease)
+    sent.clear()
+    backend.get_state(exact_joining=False)
+    assert len(sent) == 1 and set(backend.last_joining) == {"n0", "n1", "n2", "n3"} and not backend.joining_exact
+    sent.clear()
+    backend.get_state(exact_joining=False)  # stays lazy (and incremental) until asked
+    assert len(sent) == 1 and not backend.joining_exact
+    sent.clear()
+    backend.get_state(exact_joining=True)
+    assert len(sent) == 1 and set(backend.last_joining) == {"n0", "n2", "n3"} and backend.joining_exact
+    conn.client.delete(backend.joining_key("n0"))
+    sent.clear()
+    backend.get_state()  # exact by default (torch's contract): a deletion forces the full read
+    assert len(sent) == 2 and set(backend.last_joining) == {"n2", "n3"} and backend.joining_exact
+    conn.client.revoke_lease(lease.id)
+
+
+def test_a_lease_that_ran_out_unnoticed_is_replaced_when_the_node_rejoins(backend, conn):
+    """A network cut longer than the lease: the keeper could not learn that the lease ended,
+    and the next rendezvous must take a new lease instead of dying on 'lease not found'."""
+    keeper = LeaseKeeper(conn, backend.alive_key("n0"), ttl=30, interval=60)
+    try:
+        keeper.ensure()
+        old = keeper._lease_id
+        conn.client.revoke_lease(old)  # etcd ended it; the keeper was not told
+        assert not keeper.lost
+        keeper.ensure()
+        assert keeper._lease_id != old
+        value, meta = conn.client.get(backend.alive_key("n0"))
+        assert value == b"" and meta.lease_id == keeper._lease_id
+    finally:
+        keeper.close()
 
 
 def test_options_are_parsed_and_bad_ones_named(etcd, run_id):

@@ -11,7 +11,8 @@ Keys of one run (prefix ``/elastic-trainer/<run_id>/`` by default):
     <prefix>state          the rendezvous state: an envelope line, then the JSON state
     <prefix>summary        "<round> <complete> <closed>", written with every state write
     <prefix>alive/<node>   one empty key per live node, attached to that node's lease
-    <prefix>joining/<node> the node's descriptor (JSON) while it waits to join a round, on its lease
+    <prefix>joining/<node> present while the node waits to join a round, on its lease (readers take
+                           the node from the key's name; the value, its descriptor, is for people)
     <prefix>store/<key>    the etcd-backed torch Store (``etcd_store.EtcdStore``)
 
 Every read of the state also reads the ``alive/`` and ``joining/`` keys in the same
@@ -62,6 +63,13 @@ class _Members:
     new ones, no key was deleted and the view is complete again; otherwise (a node died or
     left) the caller reads the prefix whole. So a poll costs O(new keys), and a full read
     happens only after a deletion.
+
+    A *lazy* view skips that full read: after a deletion it adds the new keys and keeps the
+    old ones, some of which may be gone (``exact`` is then False until a full read). The
+    ``joining/`` view of a node that is not the admitter is lazy: every node deletes its
+    joining key once it has its rank, so at the end of a round of N nodes every other
+    waiting node saw a deletion and read the whole list (at 1,000 agents, 3,000 reads and
+    190 MB), although only the admitter acts on that list.
     """
 
     def __init__(self, prefix: str, keys_only: bool) -> None:
@@ -71,21 +79,31 @@ class _Members:
         self.revision = 0
         """The etcd revision at which ``items`` was complete (0: never read)."""
         self.items: dict[str, bytes] = {}
+        self.exact = True
+        """False when ``items`` may hold keys deleted from etcd (a lazy view after a deletion)."""
+        self._full = True  # the last request asked for the whole prefix
 
     def request(self, full: bool = False) -> etcdrpc.RequestOp:
         r = etcdrpc.RangeRequest(key=self.prefix, range_end=self._end, keys_only=self._keys_only)
-        if self.revision and not full:
+        self._full = full or not self.revision
+        if not self._full:
             r.min_create_revision = self.revision + 1
         return etcdrpc.RequestOp(request_range=r)
 
-    def update(self, response: etcdrpc.RangeResponse, revision: int, full: bool) -> bool:
-        """Apply a range answer read at ``revision``; False when a key was deleted (read it whole)."""
+    def update(self, response: etcdrpc.RangeResponse, revision: int, lazy: bool = False) -> bool:
+        """Apply a range answer read at ``revision`` for the last ``request``; False when a key
+        was deleted and the view is not lazy (read it whole)."""
         n = len(self.prefix)
         new = {kv.key[n:].decode(): kv.value for kv in response.kvs}
-        if full or not self.revision:
-            self.items = new
-        elif response.count == len(self.items) + len(new):
-            self.items = {**self.items, **new}
+        if self._full:
+            self.items, self.exact = new, True
+        elif self.exact and response.count == len(self.items) + len(new):
+            if new:  # else keep the same dict: readers skip work when it is the same object
+                self.items = {**self.items, **new}
+        elif lazy:
+            if new:
+                self.items = {**self.items, **new}
+            self.exact = False
         else:
             return False
         self.revision = revision
@@ -133,10 +151,11 @@ class EtcdRendezvousBackend(RendezvousBackend):
         """Node names with a live lease key, read in the same transaction as the last state."""
         self._cache: tuple[int, bytes] | None = None  # (mod revision, state) last seen
         self.last_joining: dict[str, bytes] = {}
-        """Node name -> descriptor of the nodes waiting to join, read with the last state."""
+        """Names of the nodes waiting to join (values not read), read with the last state."""
         # get_state/set_state run in the agent's thread, read() in the watchdog's: each keeps its view
-        self._alive, self._joining = _Members(self.alive_prefix, True), _Members(self.joining_prefix, False)
+        self._alive, self._joining = _Members(self.alive_prefix, True), _Members(self.joining_prefix, True)
         self._watch_alive = _Members(self.alive_prefix, True)
+        self._published_alive: dict | None = None
         self._read_lock = threading.Lock()
 
     @property
@@ -183,16 +202,24 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return self._conn.call(call, what, retry_timeout)
 
     def _members(self, ranges: list, revision: int, what: str, views: tuple[_Members, ...],
-                 retry_timeout: float | None = None) -> None:
-        """Update ``views`` from their range answers; read whole the ones where a key was deleted."""
-        stale = [v for v, r in zip(views, ranges) if not v.update(r.response_range, revision, full=False)]
+                 retry_timeout: float | None = None, lazy: tuple[_Members, ...] = ()) -> None:
+        """Update ``views`` from their range answers; read whole the ones where a key was deleted
+        (unless they are in ``lazy``)."""
+        stale = [v for v, r in zip(views, ranges) if not v.update(r.response_range, revision, v in lazy)]
         if stale:
             resp = self._txn(what, [], [v.request(full=True) for v in stale], retry_timeout=retry_timeout)
             for v, r in zip(stale, resp.responses):
-                v.update(r.response_range, resp.header.revision, full=True)
+                v.update(r.response_range, resp.header.revision)
+
+    def _member_ranges(self, exact_joining: bool) -> tuple[list, tuple[_Members, ...]]:
+        """The range requests of alive/ and joining/ for a state read or write, and the lazy views."""
+        ranges = [self._alive.request(), self._joining.request(full=exact_joining and not self._joining.exact)]
+        return ranges, (() if exact_joining else (self._joining,))
 
     def _publish(self) -> None:
-        self.last_alive = frozenset(self._alive.items)
+        if self._alive.items is not self._published_alive:  # a poll that found nothing new builds nothing
+            self._published_alive = self._alive.items
+            self.last_alive = frozenset(self._alive.items)
         self.last_joining = self._joining.items
 
     def _state_value(self, kvs) -> tuple[bytes, int] | None:
@@ -214,12 +241,24 @@ class EtcdRendezvousBackend(RendezvousBackend):
             return None, None, names
         return found[0], found[1], names
 
-    def get_state(self) -> tuple[bytes, Token] | None:
+    @property
+    def joining_exact(self) -> bool:
+        """Whether ``last_joining`` is exactly etcd's joining/ keys (see ``get_state``)."""
+        return self._joining.exact
+
+    def read_state(self) -> tuple[bytes, int] | None:
+        """The state and its token, without the member lists; None when there is no state."""
+        resp = self._txn("state read", [], [_get(self._state_key)])
+        return self._state_value(resp.responses[0].response_range.kvs)
+
+    def get_state(self, exact_joining: bool = True) -> tuple[bytes, Token] | None:
+        """torch's contract. With ``exact_joining`` False the ``joining/`` view is lazy
+        (``_Members``): it may keep names whose keys were deleted; True reads it whole if so."""
         # A conditional read: when the state is still at the revision we last saw, etcd sends
         # only what is new under alive/ and joining/, not the state (waiting nodes poll it).
         cached = self._cache
         views = (self._alive, self._joining)
-        ranges = [v.request() for v in views]
+        ranges, lazy = self._member_ranges(exact_joining)
         if cached is None:
             resp = self._txn("state read", [], [_get(self._state_key), *ranges])
         else:
@@ -228,7 +267,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         unchanged = cached is not None and resp.succeeded
         answers = list(resp.responses)
         state_kvs = None if unchanged else answers.pop(0).response_range.kvs
-        self._members(answers, resp.header.revision, "state read", views)
+        self._members(answers, resp.header.revision, "state read", views, lazy=lazy)
         self._publish()
         if unchanged:
             return cached[1], cached[0]  # type: ignore[index]
@@ -248,20 +287,21 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return (kvs[0].value if kvs else None), int(resp.responses[1].response_range.count)
 
     def set_state(self, state: bytes, token: Token | None = None, *,
-                  summary: bytes | None = None) -> tuple[bytes, Token, bool] | None:
-        """torch's contract; ``summary`` is stored with the state (or removed when None)."""
+                  summary: bytes | None = None, exact_joining: bool = True) -> tuple[bytes, Token, bool] | None:
+        """torch's contract; ``summary`` is stored with the state (or removed when None);
+        ``exact_joining`` as in ``get_state``."""
         if token is not None:
             try:
                 token = int(token)
             except (TypeError, ValueError):
-                result = self.get_state()
+                result = self.get_state(exact_joining)
                 return None if result is None else (*result, False)
             if token <= 0:
-                result = self.get_state()
+                result = self.get_state(exact_joining)
                 return None if result is None else (*result, False)
 
         views = (self._alive, self._joining)
-        ranges = [v.request() for v in views]
+        ranges, lazy = self._member_ranges(exact_joining)
         compare = [_mod_equals(self._state_key, token)] if token is not None else [_absent(self._state_key)]
         put = etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=self._state_key, value=self._wrap(state)))
         if summary is None:
@@ -271,7 +311,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         resp = self._txn("state write", compare, [put, *ranges, mark], [_get(self._state_key), *ranges])
         answers = list(resp.responses)[:3]
         first = answers.pop(0)
-        self._members(answers, resp.header.revision, "state write", views)
+        self._members(answers, resp.header.revision, "state write", views, lazy=lazy)
         self._publish()
         if resp.succeeded:
             revision = first.response_put.header.revision

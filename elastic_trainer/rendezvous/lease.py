@@ -6,6 +6,8 @@ import logging
 import threading
 import time
 
+import grpc
+
 from elastic_trainer.rendezvous._etcd import EtcdConnection
 
 logger = logging.getLogger(__name__)
@@ -39,15 +41,31 @@ class LeaseKeeper:
     def lost(self) -> bool:
         return self._lost
 
+    def _grant(self) -> None:
+        lease = self._conn.call(lambda c: c.lease(self._ttl), "lease grant")
+        self.requests += 1
+        self._lease_id, self._lost = lease.id, False
+
+    def _put_alive(self) -> None:
+        self._conn.call(lambda c: c.put(self._key, b"", lease=self._lease_id), "alive key")
+        self.requests += 1
+
     def ensure(self) -> None:
         with self._lock:
             sent = time.monotonic()
             if self._lease_id is None or self._lost:
-                lease = self._conn.call(lambda c: c.lease(self._ttl), "lease grant")
-                self.requests += 1
-                self._lease_id, self._lost = lease.id, False
-            self._conn.call(lambda c: c.put(self._key, b"", lease=self._lease_id), "alive key")
-            self.requests += 1
+                self._grant()
+            try:
+                self._put_alive()
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+                # The lease ran out while etcd was out of reach (a network cut), before a
+                # renewal could tell us: this is the one place that may take a new lease.
+                logger.warning("the etcd lease of %s ended while etcd was out of reach; taking a new one",
+                               self._key)
+                self._grant()
+                self._put_alive()
             self._last_attempt = time.monotonic()
             self._last_renewed = sent
         if self._thread is None:

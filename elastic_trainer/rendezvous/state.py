@@ -52,6 +52,14 @@ def node_name(node: _NodeDesc) -> str:
     return f"{node.addr}_{node.pid}_{node.local_id}"
 
 
+def parse_node_name(name: str) -> _NodeDesc | None:
+    """``node_name``'s inverse (the address may hold ``_``; pid and local id are integers), or None."""
+    parts = name.rsplit("_", 2)
+    if len(parts) != 3 or not parts[0] or not parts[1].isdigit() or not parts[2].isdigit():
+        return None
+    return _NodeDesc(parts[0], int(parts[1]), int(parts[2]))
+
+
 def node_json(node: _NodeDesc) -> dict:
     return {"addr": node.addr, "pid": node.pid, "local_id": node.local_id}
 
@@ -210,7 +218,16 @@ class EtcdRendezvousStateHolder(_RendezvousStateHolder):
         """Names of the nodes with a live lease key, as of the last sync."""
         self.joining: list[_NodeDesc] = []
         """Live nodes that wait to join a round (their ``joining/`` keys), as of the last sync."""
-        self._joining_parsed: dict[tuple[str, bytes], _NodeDesc | None] = {}
+        self._joining_parsed: dict[str, _NodeDesc | None] = {}
+        self._sources: tuple = (None, None)  # the backend objects alive and joining were made from
+        self.exact_joining = True
+        """Whether syncs must read ``joining`` exactly; when False it may keep nodes whose
+        joining keys were deleted (cheaper; see ``etcd_backend._Members``)."""
+
+    @property
+    def joining_exact(self) -> bool:
+        """Whether ``joining`` is exactly the joining keys etcd held at the last sync."""
+        return self._backend.joining_exact
 
     @property
     def state(self) -> _RendezvousState:
@@ -225,7 +242,8 @@ class EtcdRendezvousStateHolder(_RendezvousStateHolder):
         if self._dirty:
             has_set: bool | None = False
             response = self._backend.set_state(encode_state(self._state), self._token,
-                                               summary=encode_summary(self._state))
+                                               summary=encode_summary(self._state),
+                                               exact_joining=self.exact_joining)
             if response is not None:
                 state_bits, token, has_set = response
         else:
@@ -233,7 +251,7 @@ class EtcdRendezvousStateHolder(_RendezvousStateHolder):
             if use_cache and self._cache_duration > 0 and \
                     self._last_sync_time >= max(time.monotonic() - self._cache_duration, 0):
                 return None
-            response = self._backend.get_state()
+            response = self._backend.get_state(self.exact_joining)
             if response is not None:
                 state_bits, token = response
         if state_bits is None:
@@ -254,18 +272,20 @@ class EtcdRendezvousStateHolder(_RendezvousStateHolder):
 
     def refresh_membership(self) -> None:
         """``alive`` and ``joining`` from the backend's last read (the state is left as it is)."""
+        sources = (self._backend.last_alive, self._backend.last_joining)
+        if sources[0] is self._sources[0] and sources[1] is self._sources[1]:
+            return  # nothing new was read (the backend keeps the same objects)
+        self._sources = sources
         self.alive = self._backend.last_alive or frozenset()
         self.joining = []
         parsed = {}
-        for name, value in sorted(self._backend.last_joining.items()):
-            node = self._joining_parsed.get((name, value), False)  # parsed once per key, not per poll
+        for name in sorted(self._backend.last_joining):
+            node = self._joining_parsed.get(name, False)  # parsed once per key, not per poll
             if node is False:
-                try:
-                    node = _node(json.loads(value))
-                except (ValueError, RendezvousStateError):
+                node = parse_node_name(name)
+                if node is None:
                     logger.warning("ignoring the malformed joining key of %r in etcd", name)
-                    node = None
-            parsed[(name, value)] = node
-            if node is not None and name in self.alive and node_name(node) == name:
+            parsed[name] = node
+            if node is not None and name in self.alive:
                 self.joining.append(node)
         self._joining_parsed = parsed
