@@ -3,7 +3,8 @@
 A checkpoint is the folder ``<url>/step-<N>/``::
 
     step-120/
-      <writer-id>/state.pt        the whole state, one torch.save file
+      <writer-id>/state.bin       the whole state: raw tensors behind a JSON header (format 3,
+                                  ``checkpoint_format``); state.pt, one torch.save file, in format 2
       manifest.json               written last: every file with its size and checksum
 
 A folder counts only once ``manifest.json`` exists, parses and every file it lists has the
@@ -15,8 +16,10 @@ rendezvous fence is checked: if two processes both think they are rank 0 (a zomb
 round), the fenced one never commits, and if both pass the fence only one manifest wins, and it
 lists exactly the winner's files, so the checkpoint always verifies.
 
-``CheckpointManager.save`` blocks only while the state is snapshotted into CPU memory; a
-background thread serializes (``torch.save`` streamed into the file, hashed on the way),
+``CheckpointManager.save`` blocks only while the state is snapshotted into CPU memory (every
+tensor into its view of one reused buffer, the arena, laid out as the file's data); a background
+thread serializes (a small header, then the arena as it is, streamed into the file and hashed on
+the way),
 uploads, fences, commits and prunes, one save in flight at a time. With ``async_save`` the
 bulk of the snapshot, the optimizer's parameters and states, is copied by that thread beside
 the next forward and backward: a global optimizer step pre-hook makes the next optimizer step
@@ -24,7 +27,8 @@ wait until the copy is done and then checks each tensor's version counter, so th
 never hold values from after the save (a tensor changed in place in between is reported and
 copied synchronously from then on). Upload failures are logged and retried with backoff and
 never raised into training; the last good checkpoint is never touched before a newer one is
-committed. Loading uses ``torch.load(weights_only=True)``: a checkpoint can never run code.
+committed. A checkpoint can never run code: format 3 is JSON and raw bytes, checked field by
+field, and formats 1 and 2 (still read) are loaded with ``torch.load(weights_only=True)``.
 
 Example::
 
@@ -57,19 +61,23 @@ import torch
 import xxhash
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from elastic_trainer import storage
+from elastic_trainer import checkpoint_format, storage
+from elastic_trainer.checkpoint_format import Arena
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 1: files listed with "sha256"; 2: with "hash" (algorithm) and "digest"
-_READABLE_FORMATS = (1, 2)
+FORMAT_VERSION = checkpoint_format.FORMAT
+"""What new manifests record: 3, one ``checkpoint_format`` file (2 when the state holds a tensor
+without a raw layout: one ``torch.save`` file; 1, still read: a file per top-level entry)."""
+_READABLE_FORMATS = (1, 2, 3)
 MANIFEST = "manifest.json"
 HASH = "xxh3_128"
 """The checksum new manifests record for each file (sha256 ones, from format 1, still verify)."""
 _HASHES: dict[str, Callable[[], Any]] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-_DATA_FILE = "state.pt"
+_DATA_FILE = "state.pt"  # format 2 (and 1): torch.save
+_DATA_FILE_V3 = "state.bin"  # format 3: checkpoint_format
 _SERIALIZE_LOCK = threading.Lock()  # torch's CRC32 switch is process-wide
 
 
@@ -162,13 +170,44 @@ class _DeferredCopy:
             return waited
 
 
-class _Snapshotter:
-    """Copies a state into CPU memory, reusing the buffers of the previous save when shapes match.
+class _Snapshot:
+    """What a save writes: the copied state, whose dense tensors are views of ``arena``."""
 
-    Reuse is safe because a new save starts only after the previous one finished with its copy;
-    it avoids allocating (and page-faulting) fresh memory for every save, which is most of the
-    cost of the copy. Copies go out in one ``torch._foreach_copy_`` (one dispatch instead of one
-    per tensor); CUDA sources land in pinned buffers, with one synchronize at the end.
+    __slots__ = ("state", "arena")
+
+    def __init__(self, state: dict, arena: Arena) -> None:
+        self.state = state
+        self.arena = arena
+
+
+class _Walk:
+    """The bookkeeping of one pass of ``_Snapshotter._copy`` over a state."""
+
+    __slots__ = ("defer", "dst", "src", "later", "tensors", "hits", "missing")
+
+    def __init__(self, defer: set[int]) -> None:
+        self.defer = defer
+        self.dst: list[torch.Tensor] = []  # copied inside save()
+        self.src: list[torch.Tensor] = []
+        self.later: list[tuple] = []  # copied beside training (_DeferredCopy items)
+        self.tensors: list[tuple[tuple, torch.Tensor]] = []  # every tensor that belongs in the arena
+        self.hits = 0  # tensors that found their view in the current arena
+        self.missing = False  # a tensor found none
+
+
+class _Snapshotter:
+    """Copies a state into CPU memory: every dense tensor into its view of one ``Arena``.
+
+    The arena is laid out as a format-3 file's data (``checkpoint_format``), so the writer
+    writes a small header and then the arena as it is: no pickling, no per-tensor work. It is
+    reused from save to save while every tensor of the state finds its view there (same key,
+    shape and dtype), which avoids allocating (and page-faulting) fresh memory for every save,
+    most of the cost of the copy; when the tensors change (one added, gone, reshaped, retyped)
+    a new arena is laid out and the state walked again. Reuse is safe because a new save starts
+    only after the previous one finished writing. Copies go out in one ``torch._foreach_copy_``
+    (one dispatch instead of one per tensor); with CUDA sources the arena is pinned and one
+    synchronize ends the copy. Tensors without a raw layout (sparse, quantized, sub-byte dtypes)
+    are copied apart, and their state is then written with ``torch.save`` (format 2).
 
     ``take(state, defer=ptrs)`` copies only the tensors whose memory is not in ``ptrs`` now; the
     others (the optimizer's parameters and states, which only an optimizer step changes) are
@@ -177,50 +216,56 @@ class _Snapshotter:
     """
 
     def __init__(self) -> None:
-        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.arena: Arena | None = None
+        self.buffers: dict[tuple, torch.Tensor] = {}  # key -> its view of the arena
         self.sync_keys: set[tuple] = set()
 
     def take(self, state: dict, defer: set[int] | None = None,
-             stats: dict | None = None) -> tuple[dict, _DeferredCopy | None]:
-        dst: list[torch.Tensor] = []
-        src: list[torch.Tensor] = []
-        later: list[tuple] = []
-        seen: set[tuple] = set()
-        snap = self._copy(state, (), seen, dst, src, later, defer or set())
-        if dst:
-            torch._foreach_copy_(dst, src, non_blocking=True)
-            if any(t.is_cuda for t in src):
+             stats: dict | None = None) -> tuple[_Snapshot, _DeferredCopy | None]:
+        walk = _Walk(defer or set())
+        snap = self._copy(state, (), walk)
+        if self.arena is None or walk.missing or walk.hits != len(self.buffers):
+            self.clear()  # free the old arena before allocating the new one
+            self.arena = Arena([(t.shape, t.dtype) for _, t in walk.tensors],
+                               pinned=any(t.is_cuda for _, t in walk.tensors))
+            self.buffers = {key: view for (key, _), view in zip(walk.tensors, self.arena.views)}
+            walk = _Walk(walk.defer)
+            snap = self._copy(state, (), walk)
+        if walk.dst:
+            torch._foreach_copy_(walk.dst, walk.src, non_blocking=True)
+            if any(t.is_cuda for t in walk.src):
                 torch.cuda.synchronize()
-        for key in set(self.buffers) - seen:  # tensors that are gone from the state
-            del self.buffers[key]
-        return snap, (_DeferredCopy(later, stats if stats is not None else {}) if later else None)
+        deferred = _DeferredCopy(walk.later, stats if stats is not None else {}) if walk.later else None
+        return _Snapshot(snap, self.arena), deferred
 
-    def _buffer(self, t: torch.Tensor, key: tuple) -> torch.Tensor:
-        buf = self.buffers.get(key)
-        if buf is not None and buf.shape == t.shape and buf.dtype == t.dtype and buf.is_pinned() == t.is_cuda:
-            return buf
-        return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+    def clear(self) -> None:
+        """Free the arena (the next ``take`` lays out a new one)."""
+        self.buffers = {}
+        self.arena = None
 
-    def _copy(self, value: Any, key: tuple, seen: set, dst: list, src: list, later: list, defer: set) -> Any:
+    def _copy(self, value: Any, key: tuple, walk: _Walk) -> Any:
         if isinstance(value, torch.Tensor):
             t = value.detach()
-            if t.layout != torch.strided or t.is_quantized or not t.is_contiguous():
-                return t.to("cpu", copy=True)  # rare in a state dict: no buffer reuse
-            buf = self._buffer(t, key)
-            self.buffers[key] = buf
-            seen.add(key)
-            if defer and not t.is_cuda and t.data_ptr() in defer and key not in self.sync_keys:
-                later.append((key, buf, t, t._version))
+            if not checkpoint_format.is_raw(t):
+                return t.to("cpu", copy=True)  # rare in a state dict: its own copy, written by torch.save
+            walk.tensors.append((key, t))
+            buf = self.buffers.get(key)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or (t.is_cuda and not self.arena.pinned):
+                walk.missing = True
+                return None
+            walk.hits += 1
+            if walk.defer and not t.is_cuda and t.data_ptr() in walk.defer and key not in self.sync_keys:
+                walk.later.append((key, buf, t, t._version))
             else:
-                dst.append(buf)
-                src.append(t)
+                walk.dst.append(buf)
+                walk.src.append(t)
             return buf
         if isinstance(value, dict):
-            return {k: self._copy(v, (*key, k), seen, dst, src, later, defer) for k, v in value.items()}
+            return {k: self._copy(v, (*key, k), walk) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             if all(type(v) in _PLAIN for v in value):  # e.g. python's RNG state, 625 ints: one pass in C
                 return list(value) if isinstance(value, list) else tuple(value)
-            items = [self._copy(v, (*key, i), seen, dst, src, later, defer) for i, v in enumerate(value)]
+            items = [self._copy(v, (*key, i), walk) for i, v in enumerate(value)]
             return items if isinstance(value, list) else tuple(items)
         if value is None or isinstance(value, (str, bool, int, float, torch.dtype, torch.Size)):
             return value
@@ -394,7 +439,7 @@ class CheckpointManager:
     def close(self) -> None:
         """Finish the in-flight save and free the snapshot buffers."""
         self.wait()
-        self._snapshotter.buffers.clear()
+        self._snapshotter.clear()
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -405,7 +450,7 @@ class CheckpointManager:
     def _step_dir(self, step: int) -> str:
         return storage.join(self.root, f"step-{step}")
 
-    def _write_in_background(self, step: int, snap: dict, stats: dict, deferred: _DeferredCopy | None) -> None:
+    def _write_in_background(self, step: int, snap: _Snapshot, stats: dict, deferred: _DeferredCopy | None) -> None:
         """Finish the snapshot copy (at normal priority: the next optimizer step may wait for it),
         then ``_write`` at a lower CPU priority (nice +10, this thread only), so that on a busy
         CPU the training thread comes first."""
@@ -433,10 +478,10 @@ class CheckpointManager:
                             "step, while it was being copied beside training; later saves copy it before "
                             "returning instead")
 
-    def _write(self, step: int, snap: dict, stats: dict) -> None:
+    def _write(self, step: int, snap: _Snapshot, stats: dict) -> None:
         """Serialize, upload, fence, commit, prune; retried with backoff; never raises."""
         name = f"step-{step}"
-        meta = snap.get("meta") if isinstance(snap.get("meta"), dict) else None
+        meta = snap.state.get("meta") if isinstance(snap.state.get("meta"), dict) else None
         t0 = time.perf_counter()
         for attempt in range(1, self.retries + 1):
             try:
@@ -479,32 +524,50 @@ class CheckpointManager:
         self.last_error = message
         log.error("%s", message)
 
-    def _write_files(self, own: str, snap: dict, stats: dict) -> dict:
-        """Serialize the snapshot into this writer's data file; returns the manifest's ``files``.
+    def _write_files(self, own: str, snap: _Snapshot, stats: dict) -> tuple[int, dict]:
+        """Serialize the snapshot into this writer's data file; returns the format and the
+        manifest's ``files``.
 
-        ``torch.save`` writes straight into the file on local disks (into memory, then one
-        upload, elsewhere) and every byte is hashed (xxh3_128) on its way out. torch's own CRC32 is
-        switched off meanwhile: the manifest's hash covers every byte, and the CRC doubled the
-        serialization time.
+        Format 3 (``checkpoint_format``): a JSON header, then the snapshot's arena as it is, written
+        straight into the file on local disks (into memory, then one upload, elsewhere) and hashed
+        (xxh3_128) on its way out. A state with a tensor that has no raw layout (sparse, quantized)
+        is written as format 2, one ``torch.save`` file, with torch's own CRC32 switched off
+        meanwhile (the manifest's hash covers every byte, and the CRC doubled the serialization time).
         """
         hasher = _HASHES[HASH]()
+        t0 = time.perf_counter()
+        head = checkpoint_format.header(snap.state, snap.arena)
+        if head is not None:
+            fmt, name = 3, _DATA_FILE_V3
 
-        def produce(out) -> None:
-            t0 = time.perf_counter()
-            with _SERIALIZE_LOCK:
-                crc = torch.serialization.get_crc32_options()
-                torch.serialization.set_crc32_options(False)
-                try:
-                    torch.save(snap, out)
-                finally:
-                    torch.serialization.set_crc32_options(crc)
-            stats["serialize_s"] = time.perf_counter() - t0
+            def produce(out) -> None:
+                out.write(head)
+                if snap.arena.size:
+                    out.write(snap.arena.data)
+        else:
+            fmt, name = 2, _DATA_FILE
 
-        size = storage.write_streamed(self.fs, storage.join(own, _DATA_FILE), produce, hasher=hasher)
+            def produce(out) -> None:
+                with _SERIALIZE_LOCK:
+                    crc = torch.serialization.get_crc32_options()
+                    torch.serialization.set_crc32_options(False)
+                    try:
+                        torch.save(snap.state, out)
+                    finally:
+                        torch.serialization.set_crc32_options(crc)
+
+        header_s = time.perf_counter() - t0
+
+        def timed(out) -> None:
+            t1 = time.perf_counter()
+            produce(out)
+            stats["serialize_s"] = header_s + time.perf_counter() - t1
+
+        size = storage.write_streamed(self.fs, storage.join(own, name), timed, hasher=hasher)
         stats["bytes"] = size
-        return {f"{self.writer_id}/{_DATA_FILE}": {"size": size, "hash": HASH, "digest": hasher.hexdigest()}}
+        return fmt, {f"{self.writer_id}/{name}": {"size": size, "hash": HASH, "digest": hasher.hexdigest()}}
 
-    def _upload_and_commit(self, step: int, snap: dict, meta: Any, stats: dict, attempt: int) -> None:
+    def _upload_and_commit(self, step: int, snap: _Snapshot, meta: Any, stats: dict, attempt: int) -> None:
         fs, step_dir = self.fs, self._step_dir(step)
         manifest_path = storage.join(step_dir, MANIFEST)
         if attempt > 1:  # only a retry can find a commit of its own (whose response was lost)
@@ -515,7 +578,7 @@ class CheckpointManager:
                 raise _Abandon("another writer already committed this step")
         own = storage.join(step_dir, self.writer_id)
         storage.makedirs(fs, own)
-        files = self._write_files(own, snap, stats)
+        fmt, files = self._write_files(own, snap, stats)
         if not storage.is_object_store(fs):
             # an object store's PUT either stored every byte or failed (and the check after the
             # commit below lists the folder anyway); a filesystem is asked once more here
@@ -523,7 +586,7 @@ class CheckpointManager:
         if self.fence is not None:
             self.fence()
         manifest = {
-            "format": FORMAT_VERSION, "step": step, "files": files, "writer": self.writer_id,
+            "format": fmt, "step": step, "files": files, "writer": self.writer_id,
             "fence_token": _fence_token(self.fence), "created": time.time(),
             "meta": meta, "host": socket.gethostname(),
         }
@@ -541,8 +604,13 @@ class CheckpointManager:
             raise _Abandon(f"{exc} (pruned by a newer writer?); manifest withdrawn") from exc
 
     def _check_landed(self, own: str, files: dict, when: str) -> None:
-        """One listing of this writer's folder: every file there with its size, else OSError."""
-        found = storage.sizes(self.fs, own)
+        """Every file in this writer's folder with its size, else OSError: one request for the one
+        file a save writes (a HEAD on S3 costs the server about half of a listing), one listing for more."""
+        names = [rel.split("/", 1)[1] for rel in files]
+        if len(names) == 1:
+            found = {names[0]: storage.size(self.fs, storage.join(own, names[0]))}
+        else:
+            found = storage.sizes(self.fs, own)
         for rel, info in files.items():
             got = found.get(rel.split("/", 1)[1])
             if got != info["size"]:
@@ -636,8 +704,9 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ loading
 
-    def _read_verified(self, step: int) -> dict[str, bytes]:
-        """The bytes of every file of ``step``, checked against its manifest; ValueError saying what is wrong."""
+    def _read_verified(self, step: int) -> tuple[int, dict[str, bytes]]:
+        """The manifest's format and the bytes of every file of ``step``, checked against its
+        manifest; ValueError saying what is wrong."""
         manifest = self._read_manifest(step)
         if manifest is None:
             raise ValueError("no manifest (never committed: in progress, killed or abandoned)")
@@ -653,14 +722,22 @@ class CheckpointManager:
             if _HASHES[algorithm](data).hexdigest() != digest:
                 raise ValueError(f"{rel} fails its {algorithm} check (corrupted)")
             out[rel] = data
-        return out
+        return manifest["format"], out
 
     def _verified_load(self, step: int) -> dict:
-        """Read, verify and deserialize ``step`` (``torch.load(weights_only=True)``: never runs code)."""
-        blobs = self._read_verified(step)
+        """Read, verify and deserialize ``step``; never runs code: format 3 is JSON and raw bytes,
+        formats 1 and 2 are read with ``torch.load(weights_only=True)``."""
+        fmt, blobs = self._read_verified(step)
         state: dict = {}
         for rel in list(blobs):
-            state.update(torch.load(io.BytesIO(blobs.pop(rel)), map_location="cpu", weights_only=True))
+            data = blobs.pop(rel)
+            try:
+                if fmt == 3:
+                    state.update(checkpoint_format.read(data))
+                else:
+                    state.update(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+            except Exception as exc:
+                raise ValueError(f"{rel} does not load ({type(exc).__name__}: {exc})") from exc
         return state
 
     def _candidates(self, step: int | None):
@@ -680,7 +757,7 @@ class CheckpointManager:
         return None
 
     def latest_step(self) -> int | None:
-        """The step of the newest checkpoint that verifies (sizes and sha256), or None."""
+        """The step of the newest checkpoint that verifies (sizes and checksums), or None."""
         for candidate in self._steps():
             try:
                 self._read_verified(candidate)

@@ -218,10 +218,10 @@ def test_manifest_lists_one_streamed_file_with_its_xxh3_128(any_url):
     mgr = CheckpointManager(any_url, async_save=False)
     mgr.save(7, _tiny_state(7))
     manifest = _manifest(any_url, 7)
-    assert manifest["format"] == 2 and list(manifest["files"]) == [f"{mgr.writer_id}/state.pt"]
-    info = manifest["files"][f"{mgr.writer_id}/state.pt"]
+    assert manifest["format"] == 3 and list(manifest["files"]) == [f"{mgr.writer_id}/state.bin"]
+    info = manifest["files"][f"{mgr.writer_id}/state.bin"]
     fs, d = _step_dir(any_url, 7)
-    data = fs.cat_file(storage.join(d, mgr.writer_id, "state.pt"))
+    data = fs.cat_file(storage.join(d, mgr.writer_id, "state.bin"))
     assert info == {"size": len(data), "hash": "xxh3_128", "digest": xxhash.xxh3_128(data).hexdigest()}
     assert mgr.last_save_stats["bytes"] == len(data)
 
@@ -237,7 +237,7 @@ def test_bit_flip_fails_the_xxh3_128_check_and_the_warning_says_so(tmp_path, cap
     Path(path).write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="elastic_trainer.checkpoint"):
         assert mgr.load()[0] == 1
-    assert "state.pt fails its xxh3_128 check (corrupted)" in caplog.text
+    assert "state.bin fails its xxh3_128 check (corrupted)" in caplog.text
 
 
 def _write_format1_checkpoint(url: str, step: int, state: dict) -> Path:
@@ -737,3 +737,25 @@ def test_checkpoint_benchmark_quick_mode_runs_and_prints_its_table(procs, tmp_pa
         assert r["step_s"] > 0 and r["blocked_s"] >= r["copy_wait_s"] >= 0 and r["save_mbps"] > 0
         assert r["plain_mbps"] > 0 and r["ratio"] > 0
     assert result["rows"][0]["durable_mbps"] > 0 and result["rows"][0]["streamed_mbps"] > 0
+
+
+def test_data_pruned_away_right_after_the_commit_withdraws_the_manifest(any_url, monkeypatch, caplog):
+    """A newer writer's retention may remove this writer's folder as a stale leftover just as it
+    commits: the check after the commit (one HEAD of the data file) sees it and takes the manifest back."""
+    mgr = CheckpointManager(any_url, keep_latest=3, async_save=False)
+    mgr.save(1, _tiny_state(1))
+    real = storage.create_exclusive
+
+    def commit_then_lose_the_data(fs, path, data):
+        won = real(fs, path, data)
+        storage.remove(fs, storage.join(path.rsplit("/", 1)[0], mgr.writer_id))
+        return won
+
+    monkeypatch.setattr(storage, "create_exclusive", commit_then_lose_the_data)
+    with caplog.at_level(logging.ERROR, logger="elastic_trainer.checkpoint"):
+        mgr.save(2, _tiny_state(2))
+    assert not mgr.last_save_stats["committed"]
+    assert "checkpoint step-2 abandoned" in caplog.text and "manifest withdrawn" in caplog.text
+    fs, d = _step_dir(any_url, 2)
+    assert not storage.exists(fs, storage.join(d, "manifest.json"))
+    assert mgr.load()[0] == 1

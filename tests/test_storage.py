@@ -105,19 +105,26 @@ def test_size_exists_remove_and_list(any_url):
     assert not storage.exists(fs, storage.join(root, "d", "f.bin"))
 
 
-def test_write_streamed_writes_and_hashes_every_byte_in_order(any_url, monkeypatch):
-    import array
 
-    import xxhash
-
-    monkeypatch.setattr(storage, "WRITEBACK_CHUNK", 4096)  # many writeback hints on a local disk
-    hints = []
+def _record_writeback_hints(monkeypatch) -> list[tuple[int, int]]:
+    """(offset, bytes) of every ``sync_file_range`` writeback hint storage sends (none where the
+    platform has no sync_file_range)."""
+    hints: list[tuple[int, int]] = []
     real = storage._SYNC_FILE_RANGE
     if real is not None:
         def recording(fd, offset, nbytes, flags):
             hints.append((offset, nbytes))
             return real(fd, offset, nbytes, flags)
         monkeypatch.setattr(storage, "_SYNC_FILE_RANGE", recording)
+    return hints
+
+def test_write_streamed_writes_and_hashes_every_byte_in_order(any_url, monkeypatch):
+    import array
+
+    import xxhash
+
+    monkeypatch.setattr(storage, "WRITEBACK_CHUNK", 4096)  # many writeback hints on a local disk
+    hints = _record_writeback_hints(monkeypatch)
     pieces = [b"header", bytes(range(256)) * 40, memoryview(array.array("d", range(1000))), b"", b"tail" * 3000]
     want = b"".join(bytes(memoryview(p).cast("B")) if isinstance(p, memoryview) else p for p in pieces)
     fs, root = storage.get_fs(any_url)
@@ -132,7 +139,7 @@ def test_write_streamed_writes_and_hashes_every_byte_in_order(any_url, monkeypat
     assert storage.write_streamed(fs, path, produce, hasher=hasher) == len(want)
     assert storage.read_bytes(fs, path) == want
     assert hasher.hexdigest() == xxhash.xxh3_128(want).hexdigest()
-    if storage.is_local(fs) and real is not None:
+    if storage.is_local(fs) and storage._SYNC_FILE_RANGE is not None:
         assert hints and hints[0][0] == 0
         assert all(a[0] + a[1] == b[0] for a, b in zip(hints, hints[1:]))  # contiguous, in order
 
@@ -170,3 +177,34 @@ def test_write_streamed_reports_the_storage_error_not_torch_save_s(tmp_path):
     with pytest.raises(OSError, match="No space left on device") as info:
         storage.write_streamed(FullDisk(), str(tmp_path / "f.pt"), lambda out: torch.save(torch.ones(100_000), out))
     assert info.value.errno == errno.ENOSPC
+
+
+def test_write_streamed_hashes_and_writes_one_large_write_in_pieces(any_url, monkeypatch):
+    """A format-3 save hands over its whole arena in one write: it still goes out (and, on a
+    local disk, starts its writeback) piece by piece, every byte hashed in order."""
+    import xxhash
+
+    monkeypatch.setattr(storage, "WRITE_PIECE", 1000)
+    monkeypatch.setattr(storage, "WRITEBACK_CHUNK", 4096)
+    hints, updates = _record_writeback_hints(monkeypatch), []
+
+    class Recorder:
+        def __init__(self):
+            self.h = xxhash.xxh3_128()
+
+        def update(self, data):
+            updates.append(memoryview(data).nbytes)
+            self.h.update(data)
+
+    blob = bytes(range(256)) * 100  # 25,600 bytes in one write
+    fs, root = storage.get_fs(any_url)
+    storage.makedirs(fs, root)
+    path = storage.join(root, "big.bin")
+    hasher = Recorder()
+    assert storage.write_streamed(fs, path, lambda out: out.write(blob), hasher=hasher) == len(blob)
+    assert storage.read_bytes(fs, path) == blob
+    assert hasher.h.hexdigest() == xxhash.xxh3_128(blob).hexdigest()
+    assert updates == [1000] * 25 + [600]
+    if storage.is_local(fs) and storage._SYNC_FILE_RANGE is not None:
+        assert len(hints) >= 5 and hints[0][0] == 0  # writeback started while the write went on
+        assert all(a[0] + a[1] == b[0] for a, b in zip(hints, hints[1:]))

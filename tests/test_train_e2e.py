@@ -15,7 +15,6 @@ LayerNorm bias has a zero true gradient too (the loss ignores a shift shared by 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
