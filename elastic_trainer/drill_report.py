@@ -1,335 +1,46 @@
-"""What a drill measured: read the trainer's logs, judge each fault, write the report.
+"""What a drill measured: judge each fault, and write the report.
 
-A drill (``elastic_trainer.drill``) leaves one log folder per node (``<out>/nodes/node-<i>/``,
-the node's ``--log-dir``) holding the trainer's step logs, sample ledger and events, plus its
-own record of what it did and saw (faults fired, worker processes started and gone). This
-module turns them into numbers:
+From a drill's logs (``drill_logs``) and its own record of what it did and saw (faults fired,
+worker processes started and gone, checkpoint commits), :func:`build_report` measures every fault
+and the whole run:
 
-* An **attempt** is one world: the workers of one rendezvous round (the step logs' ``round``;
-  without rounds, the workers whose steps overlap a rank-0 worker's). Attempts are ordered by
-  their first step.
-* The **final lineage** says, for every optimizer step ``1..final``, which attempt's work the
-  final model contains: the last attempt's steps, then the steps up to the one it resumed from
-  taken from the latest earlier attempt that reached that step, and so on back to step 1.
-  Exactly-once is judged over it: no dataset index twice in one epoch, every step present with
-  a full global batch, and the sampler offset never jumping forward.
 * Per fault (times from the fault): **detection** (a surviving node's workers stopped),
   **rendezvous** (new workers started for the next round), **first step** at the expected world
   size; **steps/samples lost** (last step before the fault minus the step resumed from); and
   **committed work lost** (a checkpoint committed before the resume that was newer than the
   step resumed from: that is a bug, the rest is the price of the checkpoint interval).
+* For the run: exactly-once over the final lineage (``drill_ledger``) and no two worlds
+  training at once.
 
 ``build_report`` returns a JSON-able dict; ``write_report`` writes ``report.json`` and the PNG
-timeline; ``summary_table`` formats one screen of text.
+timeline; ``summary_table`` formats one screen of text. The names of ``drill_logs`` and
+``drill_ledger`` stay importable from here (``load_logs``, ``check_exactly_once``, ...).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import re
-import time
-from collections import Counter
-from datetime import datetime
-from dataclasses import dataclass, field
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+from elastic_trainer.drill_ledger import check_exactly_once, find_overlapping_worlds, sampler_order
+from elastic_trainer.drill_logs import (Attempt, RunLogs, Worker, final_lineage, group_attempts, load_logs,
+                                        read_agent_log, read_jsonl)
+
+__all__ = ["CKPT_START_EVENTS", "DETECT_RE", "JOINED_RE", "WORLD_CHANGING", "Attempt", "RunLogs", "Worker",
+           "build_report", "check_exactly_once", "final_lineage", "find_overlapping_worlds", "group_attempts",
+           "load_logs", "measure_fault", "plot_timeline", "read_agent_log", "read_jsonl", "sampler_order",
+           "summary_table", "write_report"]
+
 
 # The trainer's events.jsonl entry written when a checkpoint save starts (an async save logs
 # "checkpoint_saved" when its upload begins; the commit itself is seen in the checkpoint dir).
 CKPT_START_EVENTS = ("checkpoint_saved", "checkpoint_save_start")
 WORLD_CHANGING = ("kill", "kill-rank0", "kill-during-checkpoint", "term", "add-node", "corrupt-checkpoint")
-_FILE_RE = re.compile(r"rank-(\d+)-(\d+)\.jsonl$")
-# Agent log lines: python logging "[2026-11-23 07:38:53,081] ..." and torch's "W1123 07:38:53.109000 pid file] ...".
-_PY_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\] (.*)$")
-_TORCH_LINE = re.compile(r"^\[?[IWEF](\d\d)(\d\d) (\d\d:\d\d:\d\d\.\d+) +\d+ (.*)$")
 # What an agent writes when it notices a lost or new peer and stops its workers.
 DETECT_RE = re.compile(r"stopping its workers|lost their etcd lease|round \d+ is over|closing signal|"
                        r"Detected \d+ new nodes|Worker group FAILED|will restart worker group", re.I)
 JOINED_RE = re.compile(r"joined round (\d+) of rendezvous")
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The JSON objects of a .jsonl file; a torn last line (writer killed mid-write) is skipped."""
-    out = []
-    try:
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
-        return out
-    for line in text.splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(obj, dict):
-            out.append(obj)
-    return out
-
-
-@dataclass
-class Worker:
-    """One worker process: its step-log lines and its ledger lines."""
-
-    node: str
-    rank: int
-    pid: int
-    steps: list[dict] = field(default_factory=list)
-    ledger: list[dict] = field(default_factory=list)
-
-
-@dataclass
-class Attempt:
-    """One world: the workers of one rendezvous round."""
-
-    key: str
-    workers: list[Worker] = field(default_factory=list)
-
-    @property
-    def lines(self) -> list[dict]:
-        return sorted((s for w in self.workers for s in w.steps), key=lambda s: s["time"])
-
-    @property
-    def rank0(self) -> list[dict]:
-        return [s for s in self.lines if s.get("rank") == 0]
-
-    @property
-    def start(self) -> float:
-        return min(s["time"] for w in self.workers for s in w.steps)
-
-    @property
-    def end(self) -> float:
-        return max(s["time"] for w in self.workers for s in w.steps)
-
-    @property
-    def first_step(self) -> int:
-        return min(s["step"] for w in self.workers for s in w.steps)
-
-    @property
-    def last_step(self) -> int:
-        return max(s["step"] for w in self.workers for s in w.steps)
-
-    @property
-    def world_size(self) -> int:
-        return Counter(s.get("world_size") for w in self.workers for s in w.steps).most_common(1)[0][0]
-
-    @property
-    def nodes(self) -> list[str]:
-        return sorted({w.node for w in self.workers})
-
-    def complete_last_step(self) -> int:
-        """The newest step every rank of this world logged (the killed end may be torn)."""
-        ranks: dict[int, int] = {}
-        for w in self.workers:
-            if w.steps:
-                ranks[w.rank] = max(ranks.get(w.rank, 0), max(s["step"] for s in w.steps))
-        return min(ranks.values()) if ranks else 0
-
-
-def read_agent_log(path: Path) -> list[dict]:
-    """Timestamped lines of a node's agent log: ``{"time", "text"}`` (local-time stamps)."""
-    out = []
-    try:
-        text = path.read_text(errors="replace")
-        year = time.localtime(path.stat().st_mtime).tm_year
-    except FileNotFoundError:
-        return out
-    for raw in text.replace("\r", "\n").splitlines():
-        line = raw.strip()
-        m = _PY_LINE.match(line)
-        try:
-            if m:
-                stamp = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + int(m.group(2)) / 1000
-                out.append({"time": stamp, "text": m.group(3)})
-                continue
-            m = _TORCH_LINE.match(line)
-            if m:
-                hms, frac = m.group(3).split(".")
-                stamp = datetime.strptime(f"{year}-{m.group(1)}-{m.group(2)} {hms}", "%Y-%m-%d %H:%M:%S").timestamp()
-                out.append({"time": stamp + float("0." + frac), "text": m.group(4)})
-        except ValueError:
-            continue
-    return out
-
-
-@dataclass
-class RunLogs:
-    workers: list[Worker]
-    events: list[dict]
-    attempts: list[Attempt]
-    agent: dict[str, list[dict]] = field(default_factory=dict)
-
-    @property
-    def rank0_lines(self) -> list[dict]:
-        return sorted((s for w in self.workers if w.rank == 0 for s in w.steps), key=lambda s: s["time"])
-
-    def attempt_of(self, line: dict) -> Attempt | None:
-        if not hasattr(self, "_index"):
-            self._index = {id(s): a for a in self.attempts for w in a.workers for s in w.steps}
-        return self._index.get(id(line))
-
-
-def load_logs(node_dirs: dict[str, Path]) -> RunLogs:
-    """Read every node's step logs, ledger and events (``{node name: its log dir}``)."""
-    workers: dict[tuple[str, int, int], Worker] = {}
-    events: list[dict] = []
-    for node, root in sorted(node_dirs.items()):
-        root = Path(root)
-        for sub, attr in (("steps", "steps"), ("ledger", "ledger")):
-            for path in sorted((root / sub).glob("rank-*.jsonl")):
-                match = _FILE_RE.search(path.name)
-                if not match:
-                    continue
-                key = (node, int(match.group(1)), int(match.group(2)))
-                worker = workers.setdefault(key, Worker(node, key[1], key[2]))
-                lines = read_jsonl(path)
-                if attr == "steps":
-                    lines = [s for s in lines if isinstance(s.get("time"), (int, float)) and "step" in s]
-                    for s in lines:
-                        s["_node"] = node
-                getattr(worker, attr).extend(lines)
-        for ev in read_jsonl(root / "events.jsonl"):
-            if isinstance(ev.get("time"), (int, float)):
-                ev["_node"] = node
-                events.append(ev)
-    events.sort(key=lambda e: e["time"])
-    agent = {node: read_agent_log(Path(root) / "agent.log") for node, root in node_dirs.items()}
-    return RunLogs(list(workers.values()), events, group_attempts(list(workers.values())), agent)
-
-
-def group_attempts(workers: list[Worker]) -> list[Attempt]:
-    """Group worker processes into worlds: by round when logged, else by overlap with rank 0."""
-    attempts: dict[str, Attempt] = {}
-    loose = []
-    for w in workers:
-        if not w.steps:
-            continue
-        rnd = w.steps[0].get("round")
-        if rnd not in (None, ""):
-            attempts.setdefault(f"round-{rnd}", Attempt(f"round-{rnd}")).workers.append(w)
-        elif w.rank == 0:
-            attempts.setdefault(f"{w.node}:{w.pid}", Attempt(f"{w.node}:{w.pid}")).workers.append(w)
-        else:
-            loose.append(w)
-    for w in loose:  # no round logged: join the rank-0 world that overlaps this worker most
-        start, end = min(s["time"] for s in w.steps), max(s["time"] for s in w.steps)
-        best, best_overlap = None, -1.0
-        for a in attempts.values():
-            overlap = min(end, a.end) - max(start, a.start)
-            if a.world_size == w.steps[0].get("world_size") and overlap > best_overlap:
-                best, best_overlap = a, overlap
-        if best is not None:
-            best.workers.append(w)
-    return sorted(attempts.values(), key=lambda a: a.start)
-
-
-def final_lineage(attempts: list[Attempt]) -> tuple[dict[int, Attempt], list[int], int]:
-    """Map each step of the final model's history to the attempt that did it.
-
-    Returns ``(step -> attempt, steps no attempt covers, final step)``.
-    """
-    if not attempts:
-        return {}, [], 0
-    lineage: dict[int, Attempt] = {}
-    missing: list[int] = []
-    current = attempts[-1]
-    final = current.complete_last_step()
-    top = final
-    while True:
-        first = current.first_step
-        for step in range(max(first, 1), top + 1):
-            lineage[step] = current
-        resumed = first - 1
-        if resumed <= 0:
-            break
-        earlier = [a for a in attempts if a.start < current.start and a.first_step <= resumed <= a.last_step]
-        if not earlier:
-            missing.extend(range(1, resumed + 1))
-            break
-        current, top = earlier[-1], resumed
-    return lineage, sorted(missing), final
-
-
-def check_exactly_once(logs: RunLogs, global_batch: int | None = None, expected=None) -> dict:
-    """Judge exactly-once sample consumption over the final lineage (see module docstring).
-
-    ``expected(step) -> list[int]``, when given, is the global batch the sampler must yield at
-    that step (the drill builds it from the trainer's dataset size and seed); every index it
-    lists that the step did not consume counts as skipped.
-    """
-    lineage, missing, final = final_lineage(logs.attempts)
-    have_ledger = any(w.ledger for w in logs.workers)
-    result = {"final_step": final, "order_checked": expected is not None, "steps_checked": 0, "samples_checked": 0, "repeated": 0,
-              "skipped": 0, "missing_steps": missing[:20], "missing_step_count": len(missing),
-              "bad_batch_steps": [], "offset_gaps": [], "repeated_examples": [], "ledger": have_ledger}
-    if not have_ledger:
-        result["ok"] = False
-        result["problem"] = "no sample ledger was written (run the trainer with --sample-ledger)"
-        return result
-    sizes: dict[int, int] = {}
-    per_epoch: dict[int, Counter] = {}
-    for step in range(1, final + 1):
-        attempt = lineage.get(step)
-        if attempt is None:
-            continue
-        rows = [row for w in attempt.workers for row in w.ledger if row.get("step") == step]
-        if not rows:
-            missing.append(step)
-            continue
-        indices = [i for row in rows for i in row.get("indices", [])]
-        sizes[step] = len(indices)
-        if expected is not None:
-            missed = set(expected(step)) - set(indices)
-            if missed:
-                result.setdefault("order_mismatch_steps", []).append(step)
-                result["skipped"] += len(missed)
-        per_epoch.setdefault(int(rows[0].get("epoch", 0)), Counter()).update(indices)
-        result["steps_checked"] += 1
-        result["samples_checked"] += len(indices)
-    batch = global_batch or (Counter(sizes.values()).most_common(1)[0][0] if sizes else 0)
-    result["global_batch"] = batch
-    for step, size in sizes.items():
-        if size != batch:
-            result["bad_batch_steps"].append({"step": step, "samples": size})
-            if size < batch:
-                result["skipped"] += batch - size
-    for epoch, counts in sorted(per_epoch.items()):
-        for index, count in counts.items():
-            if count > 1:
-                result["repeated"] += count - 1
-                if len(result["repeated_examples"]) < 10:
-                    result["repeated_examples"].append({"epoch": epoch, "index": index, "times": count})
-    # The sampler offset (samples of the epoch committed) must grow by exactly one batch a step.
-    offsets = {}
-    for step, attempt in lineage.items():
-        rows = [s for s in attempt.rank0 if s["step"] == step]
-        if rows and "offset" in rows[0]:
-            offsets[step] = (rows[0].get("epoch", 0), rows[0]["offset"])
-    for step in sorted(offsets):
-        if step - 1 in offsets:
-            (e0, o0), (e1, o1) = offsets[step - 1], offsets[step]
-            gap = (o1 - o0 - batch) if e1 == e0 else (o1 - batch if e1 == e0 + 1 else 0)
-            if gap > 0:
-                result["offset_gaps"].append({"step": step, "skipped": gap})
-                result["skipped"] += gap
-    result["missing_steps"] = sorted(set(missing))[:20]
-    result["missing_step_count"] = len(set(missing))
-    result["skipped"] += len(set(missing)) * batch
-    result["ok"] = result["repeated"] == 0 and result["skipped"] == 0 and not result["bad_batch_steps"]
-    return result
-
-
-def find_overlapping_worlds(attempts: list[Attempt], slack: float = 0.0) -> list[dict]:
-    """Pairs of worlds of the run that both made optimizer steps at the same time (split brain)."""
-    found = []
-    for i, a in enumerate(attempts):
-        for b in attempts[i + 1:]:
-            if a.end > b.start + slack:
-                found.append({"world_a": a.key, "world_b": b.key, "overlap_s": round(a.end - b.start, 3)})
-    return found
 
 
 def _mean(values: list[float]) -> float | None:
@@ -450,21 +161,6 @@ def measure_fault(rec: dict, logs: RunLogs, timeline: list[dict], global_batch: 
     out["notes"] = notes
     return out
 
-
-def sampler_order(dataset_len: int, global_batch: int, seed: int):
-    """``step -> global batch`` of the built-in ElasticSampler (shuffle on, constant global batch)."""
-    from elastic_trainer.sampler import epoch_permutation
-
-    per_epoch = dataset_len // global_batch
-    cache: dict[int, list[int]] = {}
-
-    def expected(step: int) -> list[int]:
-        epoch, k = divmod(step - 1, per_epoch)
-        if epoch not in cache:
-            cache.clear()
-            cache[epoch] = epoch_permutation(dataset_len, seed, epoch).tolist()
-        return cache[epoch][k * global_batch:(k + 1) * global_batch]
-    return expected
 
 
 def build_report(meta: dict, faults: list[dict], timeline: list[dict], node_dirs: dict[str, Path],

@@ -1,0 +1,281 @@
+"""The drill's cluster on this machine: its etcd, network, checkpoint folder and nodes.
+
+:class:`Cluster` sets up what a drill runs on (its own etcd unless ``--rdzv-endpoint``, one network
+namespace per node with ``--netns``, a tmpfs for the checkpoints when a fill-disk fault is planned),
+starts and kills nodes, and observes them: :meth:`Cluster.poll` notes node exits and workers
+started and gone on the timeline, and reads rank 0's step lines, the trainers' events and each
+checkpoint's commit as they appear. :meth:`Cluster.cleanup` removes all of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from elastic_trainer.drill_nodes import Node, children, die_with_drill, start_ticks
+from elastic_trainer.drill_scenario import DEFAULT_TRAINER_ARGS, ScenarioError
+from elastic_trainer.etcd_server import EtcdServer
+
+logger = logging.getLogger(__name__)
+
+POLL = 0.1  # seconds between two looks at the nodes and their logs
+
+
+class _Tail:
+    """Reads the new complete lines of growing .jsonl files."""
+
+    def __init__(self) -> None:
+        self.offsets: dict[Path, int] = {}
+
+    def read(self, paths) -> list[dict]:
+        out = []
+        for path in paths:
+            start = self.offsets.get(path, 0)
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(start)
+                    data = fh.read()
+            except OSError:
+                continue
+            end = data.rfind(b"\n")
+            if end < 0:
+                continue
+            self.offsets[path] = start + end + 1
+            for line in data[:end].splitlines():
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(obj, dict):
+                    obj["_path"] = path
+                    out.append(obj)
+        return out
+
+
+class Cluster:
+    """The etcd, network, checkpoint folder and nodes of one drill, and what they log."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.out = Path(args.out or f"runs/drill-{stamp}").resolve()
+        self.run_id = f"drill-{stamp}-{os.getpid()}"
+        self.rng = random.Random(args.seed)
+        self.nodes: list[Node] = []
+        self.timeline: list[dict] = []
+        self.r0: list[dict] = []  # rank-0 step lines as they appear
+        self.events: list[dict] = []
+        self.commits: dict[int, float] = {}  # checkpoint step -> commit time (manifest mtime)
+        self._tail = _Tail()
+        self.etcd: EtcdServer | None = None
+        self.network = None
+        self.tmpfs: Path | None = None
+        adds = sum(f.kind == "add-node" for f in args.faults)
+        self.max_nodes = args.nodes + adds
+        self.trainer_args = DEFAULT_TRAINER_ARGS + shlex.split(args.trainer_args or "")
+
+    # ---- set-up and clean-up
+
+    def setup(self) -> None:
+        """Make the output folders; start the network, the tmpfs and etcd this drill needs."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "nodes").mkdir(exist_ok=True)
+        host = "127.0.0.1"
+        if self.args.netns:
+            from elastic_trainer import netns
+            netns.sweep_stale()
+            self.network = netns.Network()
+            self.network.up()
+            host = self.network.host_address
+        if any(f.kind == "fill-disk" for f in self.args.faults):
+            self.tmpfs = self.out / "ckpt-tmpfs"
+            self.tmpfs.mkdir(exist_ok=True)
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.args.disk_size}", "tmpfs",
+                                   str(self.tmpfs)], capture_output=True, text=True)
+            if done.returncode != 0:
+                self.tmpfs.rmdir()
+                self.tmpfs = None
+                raise ScenarioError(f"fill-disk needs a tmpfs (root): mount failed: {done.stderr.strip()}")
+            self.checkpoint_dir = str(self.tmpfs / "checkpoints")
+        else:
+            self.checkpoint_dir = self.args.checkpoint_dir or str(self.out / "checkpoints")
+        if self.args.rdzv_endpoint:
+            self.endpoint = self.args.rdzv_endpoint
+        elif self.args.rdzv_backend == "c10d":
+            from elastic_trainer.etcd_server import free_port
+            self.endpoint = f"{host}:{free_port(host)}"
+        else:
+            self.etcd = EtcdServer(data_dir=self.out / "etcd", host=host, log_path=self.out / "etcd.log")
+            self.etcd.start()
+            self.endpoint = self.etcd.endpoint
+        logger.info("drill %s: out %s, endpoint %s, checkpoints %s", self.run_id, self.out, self.endpoint,
+                    self.checkpoint_dir)
+
+    def cleanup(self) -> None:
+        """Stop everything the cluster started; every step runs even when another fails."""
+        steps = [("nodes", self.stop_all_nodes), ("etcd", self._stop_etcd), ("netns", self._teardown_net),
+                 ("tmpfs", self._unmount)]
+        for name, step in steps:
+            try:
+                step()
+            except Exception:  # noqa: BLE001 - clean-up goes on; the error is logged with its trace
+                logger.exception("drill clean-up of %s failed", name)
+
+    def stop_all_nodes(self) -> None:
+        """SIGKILL every node and every worker ever seen that still runs; wait for the agents."""
+        for node in self.nodes:
+            if node.alive:
+                node.signal(signal.SIGKILL)
+                if node.state in ("running", "stopped", "cut"):
+                    node.state = "killed"
+        for node in self.nodes:
+            node.kill_leftovers()
+            try:
+                node.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                logger.error("node %s (pid %s) did not exit after SIGKILL", node.name, node.proc.pid)
+
+    def _stop_etcd(self) -> None:
+        if self.etcd is not None:
+            self.etcd.stop()
+            self.etcd = None
+
+    def _teardown_net(self) -> None:
+        if self.network is not None:
+            self.network.teardown()
+            self.network = None
+
+    def _unmount(self) -> None:
+        if self.tmpfs is not None:
+            done = subprocess.run(["umount", str(self.tmpfs)], capture_output=True, text=True)
+            if done.returncode != 0:
+                subprocess.run(["umount", "-l", str(self.tmpfs)], capture_output=True)
+            self.tmpfs.rmdir()
+            self.tmpfs = None
+
+    # ---- nodes
+
+    def start_node(self) -> Node:
+        """Start one more node (``node-<i>``, logs in ``<out>/nodes/node-<i>/``) and return it."""
+        index = len(self.nodes)
+        log_dir = self.out / "nodes" / f"node-{index}"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "elastic_trainer.cli", "--nnodes", f"{self.args.min_nodes}:{self.max_nodes}",
+               "--nproc-per-node", str(self.args.nproc_per_node), "--rdzv-backend", self.args.rdzv_backend,
+               "--rdzv-endpoint", self.endpoint, "--run-id", self.run_id, "--log-dir", str(log_dir),
+               "--checkpoint-dir", self.checkpoint_dir, "--max-restarts", "1000"]
+        if self.args.rdzv_conf:
+            cmd += ["--rdzv-conf", self.args.rdzv_conf]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        net = None
+        if self.network is not None:
+            from elastic_trainer import netns
+            net = self.network.add_node(index)
+            cmd += ["--local-addr", net.address]
+            env.update(GLOO_SOCKET_IFNAME=netns.INSIDE_IFNAME, TP_SOCKET_IFNAME=netns.INSIDE_IFNAME)
+        if self.args.script:
+            cmd.append(str(Path(self.args.script).resolve()))
+        cmd += ["--", *self.trainer_args]
+        if net is not None:
+            cmd = self.network.wrap(net, cmd)
+        with open(log_dir / "agent.log", "ab") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, env=env, preexec_fn=die_with_drill)
+        node = Node(index, log_dir, proc, net)
+        self.nodes.append(node)
+        self.note(node.name, "node_started", pid=proc.pid, cmd=shlex.join(cmd))
+        return node
+
+    def note(self, node: str | None, what: str, **extra) -> None:
+        """Add what happened (to ``node``, or to the drill) now to the timeline."""
+        self.timeline.append({"time": time.time(), "node": node, "what": what, **extra})
+
+    def members(self) -> list[Node]:
+        """The nodes the job counts now: alive and running, stopped or cut off."""
+        return [n for n in self.nodes if n.alive and n.state in ("running", "stopped", "cut")]
+
+    def poll(self) -> None:
+        """Observe: node exits, worker processes started and gone, new log lines."""
+        for node in self.nodes:
+            if not node.alive:
+                if node.state in ("running", "stopped", "cut"):
+                    node.state = "exited"
+                    self.note(node.name, "node_exited", code=node.proc.returncode)
+                if node.workers:
+                    self.note(node.name, "workers_gone", pids=sorted(node.workers))
+                    node.workers = set()
+                continue
+            if node.term_deadline and time.time() > node.term_deadline:
+                node.signal(signal.SIGKILL)
+                self.note(node.name, "term_grace_over_killed")
+                node.term_deadline = None
+            kids = set(children(node.proc.pid))
+            gone, new = node.workers - kids, kids - node.workers
+            if gone:
+                self.note(node.name, "workers_gone", pids=sorted(gone))
+            if new:
+                self.note(node.name, "workers_started", pids=sorted(new))
+                for pid in new:
+                    try:
+                        node.seen[pid] = (start_ticks(pid), os.getpgid(pid))
+                    except ProcessLookupError:
+                        continue
+            node.workers = kids
+        dirs = list((self.out / "nodes").glob("node-*"))
+        for line in self._tail.read([p for d in dirs for p in (d / "steps").glob("rank-0-*.jsonl")]):
+            if isinstance(line.get("time"), (int, float)) and "step" in line:
+                line["_node"] = line["_path"].parent.parent.name
+                self.r0.append(line)
+        self.r0.sort(key=lambda s: s["time"])
+        for line in self._tail.read([d / "events.jsonl" for d in dirs]):
+            if isinstance(line.get("time"), (int, float)):
+                self.events.append(line)
+        self.scan_commits()
+
+    def scan_commits(self) -> None:
+        """Record each checkpoint's commit (its manifest's mtime) before retention prunes it."""
+        root = Path(self.checkpoint_dir)
+        if "://" in self.checkpoint_dir or not root.is_dir():
+            return
+        for manifest in root.glob("step-*/manifest.json"):
+            step = manifest.parent.name[5:]
+            if step.isdigit() and int(step) not in self.commits:
+                try:
+                    self.commits[int(step)] = manifest.stat().st_mtime
+                except FileNotFoundError:
+                    continue
+
+    @property
+    def latest(self) -> dict | None:
+        """Rank 0's newest step line, or None before the first step."""
+        return self.r0[-1] if self.r0 else None
+
+    def pick(self, target: str) -> Node | None:
+        """The running node that ``target`` (node:N, rank0, random) names now, or None."""
+        live = [n for n in self.nodes if n.alive and n.state == "running"]
+        if target == "random":
+            return self.rng.choice(live) if live else None
+        if target == "rank0":
+            name = self.latest["_node"] if self.latest else None
+            return next((n for n in live if n.name == name), None)
+        index = int(target.split(":")[1])
+        return next((n for n in live if n.index == index), None)
+
+    def kill(self, node: Node) -> None:
+        """SIGKILL a node's process groups; wait up to 5 s for its agent to exit."""
+        groups = node.signal(signal.SIGKILL)
+        node.state = "killed"
+        self.note(node.name, "node_killed", pgids=sorted(groups))
+        try:
+            node.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            logger.warning("node %s still there 5 s after SIGKILL", node.name)

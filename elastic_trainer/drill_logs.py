@@ -1,0 +1,233 @@
+"""A drill's logs, read back: worker processes, worlds (attempts) and the final lineage.
+
+A drill (``elastic_trainer.drill``) leaves one log folder per node (``<out>/nodes/node-<i>/``,
+the node's ``--log-dir``) holding the trainer's step logs and sample ledger (one file per worker
+process, ``rank-<r>-<pid>.jsonl``), rank 0's ``events.jsonl`` and the agent's ``agent.log``.
+:func:`load_logs` reads them into :class:`RunLogs`:
+
+* An **attempt** is one world: the workers of one rendezvous round (the step logs' ``round``;
+  without rounds, the workers whose steps overlap a rank-0 worker's). Attempts are ordered by
+  their first step.
+* The **final lineage** (:func:`final_lineage`) says, for every optimizer step ``1..final``, which
+  attempt's work the final model contains: the last attempt's steps, then the steps up to the one
+  it resumed from taken from the latest earlier attempt that reached that step, and so on back to
+  step 1. ``drill_ledger`` judges exactly-once over it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+_FILE_RE = re.compile(r"rank-(\d+)-(\d+)\.jsonl$")
+# Agent log lines: python logging "[2026-11-23 07:38:53,081] ..." and torch's "W1123 07:38:53.109000 pid file] ...".
+_PY_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\] (.*)$")
+_TORCH_LINE = re.compile(r"^\[?[IWEF](\d\d)(\d\d) (\d\d:\d\d:\d\d\.\d+) +\d+ (.*)$")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The JSON objects of a .jsonl file; a torn last line (writer killed mid-write) is skipped."""
+    out = []
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return out
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out
+
+
+@dataclass
+class Worker:
+    """One worker process: its step-log lines and its ledger lines."""
+
+    node: str
+    rank: int
+    pid: int
+    steps: list[dict] = field(default_factory=list)
+    ledger: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Attempt:
+    """One world: the workers of one rendezvous round."""
+
+    key: str
+    workers: list[Worker] = field(default_factory=list)
+
+    @property
+    def lines(self) -> list[dict]:
+        return sorted((s for w in self.workers for s in w.steps), key=lambda s: s["time"])
+
+    @property
+    def rank0(self) -> list[dict]:
+        return [s for s in self.lines if s.get("rank") == 0]
+
+    @property
+    def start(self) -> float:
+        return min(s["time"] for w in self.workers for s in w.steps)
+
+    @property
+    def end(self) -> float:
+        return max(s["time"] for w in self.workers for s in w.steps)
+
+    @property
+    def first_step(self) -> int:
+        return min(s["step"] for w in self.workers for s in w.steps)
+
+    @property
+    def last_step(self) -> int:
+        return max(s["step"] for w in self.workers for s in w.steps)
+
+    @property
+    def world_size(self) -> int:
+        return Counter(s.get("world_size") for w in self.workers for s in w.steps).most_common(1)[0][0]
+
+    @property
+    def nodes(self) -> list[str]:
+        return sorted({w.node for w in self.workers})
+
+    def complete_last_step(self) -> int:
+        """The newest step every rank of this world logged (the killed end may be torn)."""
+        ranks: dict[int, int] = {}
+        for w in self.workers:
+            if w.steps:
+                ranks[w.rank] = max(ranks.get(w.rank, 0), max(s["step"] for s in w.steps))
+        return min(ranks.values()) if ranks else 0
+
+
+def read_agent_log(path: Path) -> list[dict]:
+    """Timestamped lines of a node's agent log: ``{"time", "text"}`` (local-time stamps)."""
+    out = []
+    try:
+        text = path.read_text(errors="replace")
+        year = time.localtime(path.stat().st_mtime).tm_year
+    except FileNotFoundError:
+        return out
+    for raw in text.replace("\r", "\n").splitlines():
+        line = raw.strip()
+        m = _PY_LINE.match(line)
+        try:
+            if m:
+                stamp = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + int(m.group(2)) / 1000
+                out.append({"time": stamp, "text": m.group(3)})
+                continue
+            m = _TORCH_LINE.match(line)
+            if m:
+                hms, frac = m.group(3).split(".")
+                stamp = datetime.strptime(f"{year}-{m.group(1)}-{m.group(2)} {hms}", "%Y-%m-%d %H:%M:%S").timestamp()
+                out.append({"time": stamp + float("0." + frac), "text": m.group(4)})
+        except ValueError:
+            continue
+    return out
+
+
+@dataclass
+class RunLogs:
+    workers: list[Worker]
+    events: list[dict]
+    attempts: list[Attempt]
+    agent: dict[str, list[dict]] = field(default_factory=dict)
+
+    @property
+    def rank0_lines(self) -> list[dict]:
+        return sorted((s for w in self.workers if w.rank == 0 for s in w.steps), key=lambda s: s["time"])
+
+    def attempt_of(self, line: dict) -> Attempt | None:
+        if not hasattr(self, "_index"):
+            self._index = {id(s): a for a in self.attempts for w in a.workers for s in w.steps}
+        return self._index.get(id(line))
+
+
+def load_logs(node_dirs: dict[str, Path]) -> RunLogs:
+    """Read every node's step logs, ledger and events (``{node name: its log dir}``)."""
+    workers: dict[tuple[str, int, int], Worker] = {}
+    events: list[dict] = []
+    for node, root in sorted(node_dirs.items()):
+        root = Path(root)
+        for sub, attr in (("steps", "steps"), ("ledger", "ledger")):
+            for path in sorted((root / sub).glob("rank-*.jsonl")):
+                match = _FILE_RE.search(path.name)
+                if not match:
+                    continue
+                key = (node, int(match.group(1)), int(match.group(2)))
+                worker = workers.setdefault(key, Worker(node, key[1], key[2]))
+                lines = read_jsonl(path)
+                if attr == "steps":
+                    lines = [s for s in lines if isinstance(s.get("time"), (int, float)) and "step" in s]
+                    for s in lines:
+                        s["_node"] = node
+                getattr(worker, attr).extend(lines)
+        for ev in read_jsonl(root / "events.jsonl"):
+            if isinstance(ev.get("time"), (int, float)):
+                ev["_node"] = node
+                events.append(ev)
+    events.sort(key=lambda e: e["time"])
+    agent = {node: read_agent_log(Path(root) / "agent.log") for node, root in node_dirs.items()}
+    return RunLogs(list(workers.values()), events, group_attempts(list(workers.values())), agent)
+
+
+def group_attempts(workers: list[Worker]) -> list[Attempt]:
+    """Group worker processes into worlds: by round when logged, else by overlap with rank 0."""
+    attempts: dict[str, Attempt] = {}
+    loose = []
+    for w in workers:
+        if not w.steps:
+            continue
+        rnd = w.steps[0].get("round")
+        if rnd not in (None, ""):
+            attempts.setdefault(f"round-{rnd}", Attempt(f"round-{rnd}")).workers.append(w)
+        elif w.rank == 0:
+            attempts.setdefault(f"{w.node}:{w.pid}", Attempt(f"{w.node}:{w.pid}")).workers.append(w)
+        else:
+            loose.append(w)
+    for w in loose:  # no round logged: join the rank-0 world that overlaps this worker most
+        start, end = min(s["time"] for s in w.steps), max(s["time"] for s in w.steps)
+        best, best_overlap = None, -1.0
+        for a in attempts.values():
+            overlap = min(end, a.end) - max(start, a.start)
+            if a.world_size == w.steps[0].get("world_size") and overlap > best_overlap:
+                best, best_overlap = a, overlap
+        if best is not None:
+            best.workers.append(w)
+    return sorted(attempts.values(), key=lambda a: a.start)
+
+
+def final_lineage(attempts: list[Attempt]) -> tuple[dict[int, Attempt], list[int], int]:
+    """Map each step of the final model's history to the attempt that did it.
+
+    Returns ``(step -> attempt, steps no attempt covers, final step)``.
+    """
+    if not attempts:
+        return {}, [], 0
+    lineage: dict[int, Attempt] = {}
+    missing: list[int] = []
+    current = attempts[-1]
+    final = current.complete_last_step()
+    top = final
+    while True:
+        first = current.first_step
+        for step in range(max(first, 1), top + 1):
+            lineage[step] = current
+        resumed = first - 1
+        if resumed <= 0:
+            break
+        earlier = [a for a in attempts if a.start < current.start and a.first_step <= resumed <= a.last_step]
+        if not earlier:
+            missing.extend(range(1, resumed + 1))
+            break
+        current, top = earlier[-1], resumed
+    return lineage, sorted(missing), final
