@@ -8,11 +8,14 @@ Inputs (a benchmark whose result is missing is skipped with a message):
 - ``overhead.json`` (``benchmarks/overhead.py --out``) -> ``overhead.png``
 - ``overhead_breakdown.json`` (``overhead.py --sides elastic,plain,trainer,trainer-nockpt --out``) ->
   ``overhead_breakdown.png``
-- ``checkpoint_bench.txt`` (its printed `` | `` table) -> ``checkpoint_bench.png``
+- ``checkpoint_bench.json`` (``benchmarks/checkpoint_bench.py --json``) if present, else
+  ``checkpoint_bench.txt`` (its printed `` | `` table) -> ``checkpoint_bench.png``
 - ``recovery.json`` (``benchmarks/recovery.py --json``) -> ``recovery.png``
-- ``rdzv_scale.json`` if present, else ``rdzv_scale.txt`` (its printed table) -> ``rdzv_scale.png``
+- ``rdzv_scale.json`` (``benchmarks/rdzv_scale.py --json``) if present, else ``rdzv_scale.txt``
+  (its printed table) -> ``rdzv_scale.png``
 
-The text tables are parsed because those scripts print tables; when they write JSON, prefer it.
+``run_all`` has every script write JSON; the printed tables are still read so that results saved
+before the scripts wrote JSON (the ``.txt`` files in ``docs/``) still plot.
 """
 
 from __future__ import annotations
@@ -147,57 +150,81 @@ def plot_overhead_breakdown(docs: Path) -> Path | None:
     return _save(fig, docs / "overhead_breakdown.png")
 
 
-def plot_checkpoint(docs: Path) -> Path | None:
-    src = docs / "checkpoint_bench.json"
-    rows: list[dict] = []
-    if src.exists():
-        data = json.loads(src.read_text())
-        rows = data.get("rows", data) if isinstance(data, dict) else data
-        rows = [{k: str(v) for k, v in row.items()} for row in rows]
-        # JSON rows carry seconds; turn them into the printed table's columns
+# checkpoint_bench.txt's table columns -> the JSON row keys of ``checkpoint_bench.py --json``, with the
+# factor that turns the printed unit into the JSON's (ms -> s, % -> fraction)
+_CKPT_COLUMNS = {"step ms": ("step_s", 1e-3), "async blocked ms": ("blocked_s", 1e-3), "sync save s": ("sync_s", 1),
+                 "save MB/s": ("save_mbps", 1), "plain copy MB/s": ("plain_mbps", 1), "save/plain": ("ratio", 1e-2),
+                 "plain+fsync MB/s": ("durable_mbps", 1), "save/(plain+fsync)": ("durable_ratio", 1e-2)}
+# the line checkpoint_bench.py prints below its table for the copy through the save's own write path
+_STREAMED = re.compile(r"^(\S+) d_model=(\d+): plain copy through the save's write path.*? ([\d.]+) MB/s, "
+                       r"save/that ([\d.]+)%", re.M)
+
+
+def _checkpoint_rows(docs: Path) -> list[dict]:
+    """Rows of ``checkpoint_bench.json`` if present, else of the table in ``checkpoint_bench.txt``, in the JSON's keys.
+
+    Each row has ``store``, ``d_model`` and the numbers (None where missing): ``step_s``, ``blocked_s``,
+    ``sync_s``, ``save_mbps``, ``plain_mbps``, ``ratio``, ``durable_mbps``, ``durable_ratio``,
+    ``streamed_mbps``, ``streamed_ratio``.
+    """
+    keys = [key for key, _ in _CKPT_COLUMNS.values()] + ["streamed_mbps", "streamed_ratio"]
+    if (docs / "checkpoint_bench.json").exists():
+        data = json.loads((docs / "checkpoint_bench.json").read_text())
+        rows = data["rows"] if isinstance(data, dict) else data
+        return [{"store": r.get("store", "?"), "d_model": r.get("d_model", "?"), **{k: r.get(k) for k in keys}}
+                for r in rows]
+    if not (docs / "checkpoint_bench.txt").exists():
+        return []
+    text = (docs / "checkpoint_bench.txt").read_text()
+    rows = []
+    for cells in parse_pipe_table(text):
+        row = {"store": cells.get("store", "?"), "d_model": cells.get("d_model", "?"), **dict.fromkeys(keys)}
+        for column, (key, scale) in _CKPT_COLUMNS.items():
+            value = _column(cells, column)
+            row[key] = value * scale if value is not None else None
+        rows.append(row)
+    for store, d_model, mbps, ratio in _STREAMED.findall(text):
         for row in rows:
-            for key, new in (("step_s", "step ms"), ("blocked_s", "async blocked ms"), ("sync_s", "sync save s"),
-                             ("save_mbps", "save MB/s"), ("plain_mbps", "plain copy MB/s")):
-                if key in row and number(row[key]) is not None:
-                    row[new] = str(number(row[key]) * (1e3 if new.endswith(" ms") else 1))
-    elif (docs / "checkpoint_bench.txt").exists():
-        rows = parse_pipe_table((docs / "checkpoint_bench.txt").read_text())
+            if row["store"] == store and str(row["d_model"]) == d_model:
+                row["streamed_mbps"], row["streamed_ratio"] = float(mbps), float(ratio) / 100
+    return rows
+
+
+def plot_checkpoint(docs: Path) -> Path | None:
+    rows = _checkpoint_rows(docs)
     if not rows:
         return None
-    labels = [f"{row.get('store', '?')}\nd={row.get('d_model', '?')}" for row in rows]
-    step = [_column(row, "step ms") for row in rows]
-    blocked = [_column(row, "async blocked ms") for row in rows]
-    sync = [(_column(row, "sync save s") or 0) * 1e3 for row in rows]
-    save = [_column(row, "save MB/s") for row in rows]
-    plain = [_column(row, "plain copy MB/s") for row in rows]
+    labels = [f"{row['store']}\nd={row['d_model']}" for row in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     x = range(len(rows))
     w = 0.27
-    ax1.bar([i - w for i in x], [v or 0 for v in step], w, label="training step")
-    ax1.bar(list(x), [v or 0 for v in blocked], w, label="step blocked by async save")
-    ax1.bar([i + w for i in x], sync, w, label="synchronous save")
+    for offset, key, label in ((-w, "step_s", "training step"), (0, "blocked_s", "step blocked by async save"),
+                               (w, "sync_s", "synchronous save")):
+        ax1.bar([i + offset for i in x], [(row[key] or 0) * 1e3 for row in rows], w, label=label)
     ax1.set_yscale("log")
     ax1.set_ylabel("ms (log scale)")
     ax1.set_xticks(list(x), labels, fontsize=8)
     ax1.set_title("Blocked time per checkpoint (target: async < 5% of a step)")
     ax1.legend(fontsize=8)
-    durable = [_column(row, "plain+fsync MB/s") for row in rows]
-    bw = 0.27 if any(durable) else 0.4
-    ax2.bar([i - bw / 2 - (bw / 2 if any(durable) else 0) for i in x], [v or 0 for v in save], bw,
-            label="checkpoint save")
-    ax2.bar([i + bw / 2 - (bw / 2 if any(durable) else 0) for i in x], [v or 0 for v in plain], bw,
-            label="plain copy of the same bytes")
-    if any(durable):
-        ax2.bar([i + bw for i in x], [v or 0 for v in durable], bw, label="plain copy + fsync")
-    for i, (row, s, p) in enumerate(zip(rows, save, plain)):
-        printed = _column(row, "save/plain")  # the script's own (pairwise) ratio when it prints one
-        if s and p:
-            ax2.annotate(f"{printed:.0f}%" if printed is not None else f"{s / p:.0%}",
-                         (i - bw if any(durable) else i - bw / 2, s), ha="center", va="bottom", fontsize=8)
-    ax2.set_ylabel("MB/s")
+    # the save, then each copy of the same bytes it is compared with; the durable copies (fsync) only
+    # exist on local disks, so their bars are drawn only when some row has them
+    series = [("save_mbps", None, "checkpoint save"), ("plain_mbps", "ratio", "plain copy of the same bytes"),
+              ("durable_mbps", "durable_ratio", "plain copy + fsync"),
+              ("streamed_mbps", "streamed_ratio", "plain copy through the save's write path (fsync)")]
+    series = [s for s in series if any(row[s[0]] for row in rows)]
+    bw = 0.8 / len(series)
+    for j, (key, ratio_key, label) in enumerate(series):
+        xs = [i - 0.4 + bw * (j + 0.5) for i in x]
+        ax2.bar(xs, [row[key] or 0 for row in rows], bw, label=label, color=f"C{j}")
+        if ratio_key is None:
+            continue
+        for xpos, row in zip(xs, rows):  # save / this copy: the script's own (pairwise median) ratio
+            if row[key] and row[ratio_key] is not None:
+                ax2.annotate(f"{row[ratio_key]:.0%}", (xpos, row[key]), ha="center", va="bottom", fontsize=7)
+    ax2.set_ylabel("MB/s (label: save / that copy)")
     ax2.set_xticks(list(x), labels, fontsize=8)
     ax2.set_title("Save throughput (target: >= 80% of a plain copy)")
-    ax2.legend(fontsize=8)
+    ax2.legend(fontsize=7)
     fig.suptitle("Checkpoint cost (benchmarks/checkpoint_bench.py)", fontsize=10)
     return _save(fig, docs / "checkpoint_bench.png")
 
@@ -244,9 +271,16 @@ def plot_recovery(docs: Path) -> Path | None:
 
 
 def _rdzv_rows(docs: Path) -> list[dict]:
+    """Rows of ``rdzv_scale.json`` if present, else of the table in ``rdzv_scale.txt``.
+
+    Each row has ``agents``, ``all_ranked_s`` (None when not every agent got a rank in time),
+    ``timeout_s`` (the join timeout, where known) and ``requests_per_agent``.
+    """
     if (docs / "rdzv_scale.json").exists():
         data = json.loads((docs / "rdzv_scale.json").read_text())
-        return data.get("results", data.get("rows", data)) if isinstance(data, dict) else data
+        if not isinstance(data, dict):
+            return data
+        return [{"timeout_s": data.get("timeout_s"), **row} for row in data["results"]]
     if not (docs / "rdzv_scale.txt").exists():
         return []
     rows = []

@@ -150,7 +150,7 @@ class Job:
 
 
 def _steady(job: Job, size: int, timeout: float) -> dict[int, int]:
-    ranks = job.world_formed(size, timeout)
+    job.world_formed(size, timeout)
     time.sleep(1.0)  # a few steps in the steady state before the fault
     return job.world_formed(size, timeout)
 

@@ -9,6 +9,7 @@ the repository yet is skipped with the reason; one that exists and fails is a fa
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -109,9 +110,65 @@ def test_plots_draw_one_png_per_benchmark_from_results(tmp_path):
         assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{name}.png not written"
 
 
+def _load_plots():
+    spec = importlib.util.spec_from_file_location("bench_plots", BENCH / "plots.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CKPT_TABLE = (
+    "command: python benchmarks/checkpoint_bench.py\n"
+    "store | d_model | step ms | async blocked ms | sync save s | save MB/s | plain copy MB/s | save/plain | "
+    "plain+fsync MB/s | save/(plain+fsync)\n"
+    "--- | --- | --- | --- | --- | --- | --- | --- | --- | ---\n"
+    "file | 128 | 40 | 2.0 | 0.30 | 80 | 100 | 75% | 90 | 88%\n"
+    "s3 | 128 | 300 | 9.0 | 2.10 | 50 | 70 | 70% | n/a | n/a\n"
+    "file d_model=128: plain copy through the save's write path (early writeback + fsync) 120 MB/s, save/that 66%\n")
+CKPT_JSON_ROWS = [
+    {"store": "file", "d_model": 128, "step_s": 0.040, "blocked_s": 0.002, "sync_s": 0.30, "save_mbps": 80.0,
+     "plain_mbps": 100.0, "ratio": 0.75, "durable_mbps": 90.0, "durable_ratio": 0.88, "streamed_mbps": 120.0,
+     "streamed_ratio": 0.66},
+    {"store": "s3", "d_model": 128, "step_s": 0.300, "blocked_s": 0.009, "sync_s": 2.10, "save_mbps": 50.0,
+     "plain_mbps": 70.0, "ratio": 0.70, "durable_mbps": None, "durable_ratio": None, "streamed_mbps": None,
+     "streamed_ratio": None}]
+
+
+def test_plots_read_checkpoint_json_and_printed_table_alike(tmp_path):
+    """The JSON of checkpoint_bench.py and its printed table give the same rows, durable copies included."""
+    plots = _load_plots()
+    (tmp_path / "checkpoint_bench.txt").write_text(CKPT_TABLE)
+    from_table = plots._checkpoint_rows(tmp_path)
+    (tmp_path / "checkpoint_bench.json").write_text(json.dumps({"command": "x", "rows": CKPT_JSON_ROWS}))
+    from_json = plots._checkpoint_rows(tmp_path)
+    assert from_json[0]["d_model"] == 128, "the JSON (d_model an int) is read before the table when both are there"
+    assert [(r["store"], str(r["d_model"])) for r in from_table] == [(r["store"], str(r["d_model"])) for r in from_json]
+    for t, j in zip(from_table, from_json):
+        for key, value in j.items():
+            if key in ("store", "d_model"):
+                continue
+            assert (t[key] is None) == (value is None), key
+            if value is not None:
+                assert t[key] == pytest.approx(value), key
+    assert plots.plot_checkpoint(tmp_path).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plots_read_rdzv_scale_json_with_its_timeout(tmp_path):
+    """A size whose agents were not all ranked is drawn at the join timeout the JSON records."""
+    plots = _load_plots()
+    (tmp_path / "rdzv_scale.json").write_text(json.dumps({"timeout_s": 120.0, "results": [
+        {"agents": 8, "all_ranked_s": 0.2, "requests_per_agent": 13},
+        {"agents": 1000, "all_ranked_s": None, "requests_per_agent": 28}]}))
+    rows = plots._rdzv_rows(tmp_path)
+    assert [(r["agents"], r["all_ranked_s"], r["timeout_s"]) for r in rows] == [(8, 0.2, 120.0), (1000, None, 120.0)]
+    assert plots.plot_rdzv_scale(tmp_path).read_bytes()[:4] == b"\x89PNG"
+
+
 def test_run_all_is_valid_bash_and_calls_every_benchmark():
     script = BENCH / "run_all"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     text = script.read_text()
     for name in ("overhead.py", "checkpoint_bench.py", "recovery.py", "rdzv_scale.py", "plots.py"):
         assert f"benchmarks/{name}" in text
+    for name in ("checkpoint_bench", "rdzv_scale"):  # results as JSON, which plots.py prefers
+        assert re.search(rf'benchmarks/{name}\.py .*--json "\$OUT/{name}\.json"', text), name
