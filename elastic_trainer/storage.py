@@ -6,7 +6,7 @@ fsspec knows work the same way. Storage options come from the environment (for S
 non-AWS endpoint) and are never logged.
 
 Besides opening a filesystem this module offers the few operations a checkpoint needs:
-``write_bytes`` and ``write_streamed`` (durable on local disks), ``create_exclusive`` (atomic
+``write_bytes``, ``write_streamed`` and ``write_parts`` (durable on local disks), ``create_exclusive`` (atomic
 create-if-absent, the commit primitive), ``read_bytes``, ``list_dir``, ``exists``, ``remove``
 and ``redact``.
 
@@ -15,7 +15,9 @@ straight into the destination file (no copy in memory) and the kernel is asked t
 writing them back every ``WRITEBACK_CHUNK`` bytes (``sync_file_range``), so the final
 ``fsync`` waits only for the tail; elsewhere they are collected in memory (``io.BytesIO``, whose
 ``getvalue()`` hands over its ``bytes`` without a copy) and uploaded in one call (s3fs turns a
-large one into a concurrent multipart upload).
+large one into a concurrent multipart upload). ``write_parts`` takes buffers that are already
+complete (a checkpoint's header and its arena): on S3 the request body is read from them directly,
+so nothing is copied in memory at all.
 
 How ``create_exclusive`` is atomic on each store:
 
@@ -40,7 +42,7 @@ import os
 import re
 import threading
 import uuid
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -276,6 +278,99 @@ def write_streamed(fs: fsspec.AbstractFileSystem, path: str, produce: Callable[[
     if sink.fd is None:
         _fsync_path(path)
     return sink.size
+
+
+class _PartsReader(io.RawIOBase):
+    """A read-only, seekable file over a sequence of buffers, which it never copies: the body of
+    one S3 request sent straight from the buffers (botocore takes any seekable file as a body,
+    reads it once for its checksum and once to send it, and seeks back to retry). Slicing gives
+    a reader over that byte range, which is how s3fs cuts a large body into multipart parts."""
+
+    def __init__(self, parts: Sequence[memoryview]) -> None:
+        super().__init__()
+        self.parts = [p for p in parts if p.nbytes]
+        self.starts = []
+        offset = 0
+        for p in self.parts:
+            self.starts.append(offset)
+            offset += p.nbytes
+        self.size = offset
+        self.pos = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, key: slice) -> "_PartsReader":
+        start, stop, step = key.indices(self.size)
+        if step != 1:
+            raise ValueError("only contiguous slices")
+        out = []
+        for p, base in zip(self.parts, self.starts):
+            lo, hi = max(start - base, 0), min(stop - base, p.nbytes)
+            if lo < hi:
+                out.append(p[lo:hi])
+        return _PartsReader(out)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        if base + offset < 0:
+            raise ValueError("negative seek position")
+        self.pos = base + offset
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        out = memoryview(buffer).cast("B")
+        n = 0
+        for p, base in zip(self.parts, self.starts):
+            if n == out.nbytes:
+                break
+            if self.pos < base + p.nbytes:
+                lo = max(self.pos - base, 0)
+                take = min(p.nbytes - lo, out.nbytes - n)
+                out[n:n + take] = p[lo:lo + take]
+                n += take
+                self.pos = base + lo + take
+        return n
+
+
+def _as_bytes_view(data) -> memoryview:
+    view = memoryview(data)
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+
+def write_parts(fs: fsspec.AbstractFileSystem, path: str, parts: Sequence, *,
+                hasher: Hasher | None = None) -> int:
+    """Write the concatenation of ``parts`` (bytes-like) to ``path`` (overwriting); returns the
+    number of bytes. ``hasher`` (if given) sees every byte, in order.
+
+    Local disks: as ``write_streamed`` (straight into the file, early writeback, fsync). S3: one
+    upload whose body is read from the parts themselves, with no copy of them in memory (a large
+    one becomes s3fs's multipart upload, each part read from the same buffers). Other stores: the
+    parts joined into one ``bytes``, then one call.
+    """
+    views = [_as_bytes_view(p) for p in parts]
+    if is_local(fs):
+        def produce(out) -> None:
+            for v in views:
+                out.write(v)
+        return write_streamed(fs, path, produce, hasher=hasher)
+    if hasher is not None:
+        for v in views:
+            for start in range(0, v.nbytes, WRITE_PIECE):
+                hasher.update(v[start:start + WRITE_PIECE])
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    body = _PartsReader(views) if any(p in ("s3", "s3a") for p in protocols) else b"".join(views)
+    fs.pipe_file(path, body)
+    return sum(v.nbytes for v in views)
 
 
 def create_exclusive(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
