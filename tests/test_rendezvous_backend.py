@@ -190,6 +190,20 @@ def test_state_round_trips_through_json_without_pickle():
     assert "last_heartbeats" not in doc
 
 
+def test_decoded_node_descriptors_are_interned_and_still_validated():
+    data = encode_state(_sample_state())
+    first, second = decode_state(data), decode_state(data)
+    assert first.participants == second.participants
+    assert all(a is b for a, b in zip(first.participants, second.participants))  # no new objects per read
+    doc = json.loads(data)
+    doc["participants"][0][0]["pid"] = True  # a bool is not a pid, even though True == 1
+    with pytest.raises(RendezvousStateError, match="a node pid must be an integer"):
+        decode_state(json.dumps(doc).encode())
+    doc["participants"][0][0] = {"addr": "h1", "pid": 10, "local_id": 0, "extra": 1}
+    with pytest.raises(RendezvousStateError, match="a node must be"):
+        decode_state(json.dumps(doc).encode())
+
+
 @pytest.mark.parametrize("mutate, message", [
     (lambda d: d.update(round="1"), "round must be an integer"),
     (lambda d: d.update(extra=1), "missing or unexpected"),

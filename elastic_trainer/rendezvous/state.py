@@ -75,12 +75,30 @@ def _int(value, what: str) -> int:
     return value
 
 
+_NODES: dict[tuple[str, int, int], _NodeDesc] = {}
+"""Interned node descriptors: every read of a 1,000-node state decodes into the same objects
+(a new descriptor per node and read was most of the decoding time)."""
+_NODES_MAX = 100_000
+
+
 def _node(value) -> _NodeDesc:
+    if type(value) is dict and len(value) == 3:
+        addr, pid, local_id = value.get("addr"), value.get("pid"), value.get("local_id")
+        if type(addr) is str and addr and type(pid) is int and type(local_id) is int:
+            key = (addr, pid, local_id)
+            node = _NODES.get(key)
+            if node is None:
+                if len(_NODES) >= _NODES_MAX:
+                    _NODES.clear()
+                node = _NODES.setdefault(key, _NodeDesc(addr, pid, local_id))
+            return node
     if not isinstance(value, dict) or set(value) != {"addr", "pid", "local_id"}:
         raise _bad(f"a node must be {{addr, pid, local_id}}, got {value!r:.200}")
     if not isinstance(value["addr"], str) or not value["addr"]:
         raise _bad(f"a node addr must be a non-empty string, got {value['addr']!r}")
-    return _NodeDesc(value["addr"], _int(value["pid"], "a node pid"), _int(value["local_id"], "a node local_id"))
+    _int(value["pid"], "a node pid")
+    _int(value["local_id"], "a node local_id")
+    raise _bad(f"a node must be {{addr, pid, local_id}}, got {value!r:.200}")
 
 
 def _time(value) -> datetime:
@@ -156,10 +174,12 @@ def decode_state(data: bytes) -> _RendezvousState:
             raise _bad(f"{name} must be true or false, got {doc[name]!r}")
         setattr(state, name, doc[name])
     state.deadline = None if doc["deadline"] is None else _time(doc["deadline"])
+    participants = state.participants
     for item in _list(doc["participants"], "participants"):
-        if not isinstance(item, list) or len(item) != 2:
+        if type(item) is not list or len(item) != 2:
             raise _bad(f"a participant must be [node, rank], got {item!r:.200}")
-        state.participants[_node(item[0])] = _int(item[1], "a rank")
+        rank = item[1]
+        participants[_node(item[0])] = rank if type(rank) is int else _int(rank, "a rank")
     state.wait_list = {_node(n) for n in _list(doc["wait_list"], "wait_list")}
     state.redundancy_list = {_node(n) for n in _list(doc["redundancy_list"], "redundancy_list")}
     now = datetime.now(timezone.utc)
