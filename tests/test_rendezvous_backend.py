@@ -10,6 +10,7 @@ connection errors (unreachable, TLS, user/password).
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import subprocess
 import threading
@@ -348,6 +349,27 @@ def test_a_lease_that_ran_out_unnoticed_is_replaced_when_the_node_rejoins(backen
         assert value == b"" and meta.lease_id == keeper._lease_id
     finally:
         keeper.close()
+
+
+def test_closing_the_keeper_waits_for_a_watchdog_check_in_flight_and_logs_no_failure(backend, conn, caplog):
+    """Shutdown closes the lease keeper, then the connection: a watchdog check still running
+    then must not end in a 'watchdog check failed' traceback (it did, at the end of every run)."""
+    started, release = threading.Event(), threading.Event()
+
+    def slow_check():
+        started.set()
+        release.wait(5)
+        raise RuntimeError("Channel closed!")  # what a check sees when the connection went away
+
+    keeper = LeaseKeeper(conn, backend.alive_key("n1"), ttl=30, interval=0.05, on_tick=slow_check)
+    keeper.ensure()
+    assert started.wait(5)
+    threading.Timer(0.2, release.set).start()
+    with caplog.at_level(logging.ERROR, logger="elastic_trainer.rendezvous.lease"):
+        keeper.close()
+    assert not keeper._thread.is_alive()  # the check ended before close() returned
+    assert "watchdog check failed" not in caplog.text
+    assert conn.client.get(backend.alive_key("n1"))[0] is None  # revoked after the last check
 
 
 def test_options_are_parsed_and_bad_ones_named(etcd, run_id):

@@ -118,10 +118,14 @@ class LeaseKeeper:
                 try:
                     self._on_tick()
                 except Exception:  # noqa: BLE001 - the watchdog must survive etcd hiccups; logged
-                    logger.exception("rendezvous watchdog check failed")
+                    if not self._stop.is_set():  # else the connection was closed under a last check
+                        logger.exception("rendezvous watchdog check failed")
 
     def close(self, revoke: bool = True) -> None:
         self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=1.0)  # let a renewal or watchdog check in flight end first
         with self._lock:
             lease_id, self._lease_id = self._lease_id, None
         if revoke and lease_id is not None and not self._lost:
