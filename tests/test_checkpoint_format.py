@@ -23,8 +23,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elastic_trainer import checkpoint_format, storage
-from elastic_trainer.checkpoint import CheckpointManager, _Snapshotter, capture_rng_state
+from elastic_trainer.checkpoint import CheckpointManager, capture_rng_state
 from elastic_trainer.checkpoint_format import Arena
+from elastic_trainer.checkpoint_snapshot import _Snapshotter
 
 pytestmark = pytest.mark.timeout(180)
 
