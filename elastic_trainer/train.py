@@ -103,7 +103,7 @@ def build_parser():
 
 def parse_config(argv: list[str] | None = None):
     """Parse flags into a ``TrainConfig`` (unknown flags go to the task as ``args.task_argv``)."""
-    from elastic_trainer.trainer import TrainConfig
+    from elastic_trainer.config import TrainConfig
 
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)

@@ -25,32 +25,37 @@ every rank), ``<log dir>/events.jsonl`` (rank 0), ``<log dir>/ledger/rank-<r>-<p
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import datetime
 import gc
-import importlib.util
-import json
 import logging
 import os
-import random
 import re
 import signal
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from elastic_trainer import config as cfgmod
 from elastic_trainer import metrics
+from elastic_trainer.config import TrainConfig
 from elastic_trainer.metrics import print0
 from elastic_trainer.tasks import Task, as_task, load_builder
+from elastic_trainer.worker import (
+    DistInfo,
+    _broadcast,
+    _fence_check,
+    _JsonLines,
+    _MicroBatches,
+    _SignalWatcher,
+    seed_everything,
+    setup_distributed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,302 +65,7 @@ PEER_STOPPED = "a peer was stopped by a signal"
 EXIT_PEER_STOPPED = 75  # EX_TEMPFAIL: not an error of this worker; torchrun restarts it
 
 
-@dataclass
-class TrainConfig:
-    """Everything the trainer needs besides the task; each field is a flag of ``elastic_trainer.train``."""
-
-    task: str | None = None
-    """``package.module:build`` or ``file.py:build``; None = the built-in Transformer example."""
-    global_batch_size: int = 32
-    """Samples per optimizer step over all ranks; constant across world sizes (unless ``scale_lr``)."""
-    micro_batch_size: int | None = None
-    """Most samples per forward/backward on one rank; None = the rank's whole share in one pass."""
-    max_steps: int | None = None
-    """Stop after this many optimizer steps in total (counted across restarts)."""
-    epochs: int | None = None
-    """Stop after this many epochs; when neither this nor ``max_steps`` is set, 1 epoch."""
-    max_seconds: float | None = None
-    """Stop (with a checkpoint) after this many seconds of this process's training."""
-    lr: float = 1e-3
-    """Learning rate of the default Adam optimizer (the seeds' 1e-3)."""
-    scale_lr: bool = False
-    """Linear rule: ``global_batch_size`` is per rank, the learning rate is multiplied by the world size."""
-    clip_grad_norm: float | None = None
-    """Clip the global gradient norm to this value; None = no clipping."""
-    seed: int = 0
-    """Seeds python, numpy, torch (the model's initialisation) and the sampler's permutations."""
-    checkpoint_dir: str | None = None
-    """fsspec URL of the checkpoints; default env ELASTIC_TRAINER_CHECKPOINT_DIR; None = no checkpoints."""
-    checkpoint_every: int | None = None
-    """Save every N optimizer steps (rank 0)."""
-    checkpoint_every_seconds: float | None = None
-    """Save when this many seconds have passed since the last save (rank 0's clock)."""
-    keep_checkpoints: int = 3
-    """Committed checkpoints to keep; older ones are removed after each commit."""
-    async_checkpoint: bool = True
-    """Serialize and upload in the background (the step is blocked only for the CPU copy)."""
-    resume: bool = True
-    """Load the newest valid checkpoint at start; False starts from scratch (checkpoints still saved)."""
-    grace_seconds: float = 20.0
-    """After SIGTERM: save at the next step boundary and exit; exit anyway after this many seconds."""
-    log_dir: str = "runs/local"
-    """Step log, events, ledger, profiler traces and offline W&B files go here."""
-    step_log: bool = True
-    """Write one JSON line per optimizer step per rank to ``<log dir>/steps/``."""
-    sample_ledger: bool = False
-    """Write the dataset indices each rank consumed per step to ``<log dir>/ledger/``."""
-    wandb: bool = True
-    """Log to W&B from rank 0 (offline unless WANDB_API_KEY is set)."""
-    wandb_project: str = "elastic-trainer"
-    """W&B project name."""
-    progress: bool = True
-    """Show the tqdm bar on global rank 0."""
-    device: str = "auto"
-    """``auto`` (cuda:<local rank> when CUDA is available, else cpu), ``cpu`` or ``cuda``."""
-    fsdp: bool = False
-    """Shard parameters, gradients and optimizer state with FSDP (``fully_shard``) instead of DDP."""
-    bucket_cap_mb: float | None = None
-    """DDP gradient bucket size in MiB; None = torch's default (25)."""
-    amp: bool = False
-    """Mixed precision: bf16 autocast on CPU; fp16 autocast with a GradScaler on CUDA."""
-    compile: bool = False
-    """Wrap the model in ``torch.compile``."""
-    profile: bool = False
-    """Record a torch.profiler trace (one Chrome trace per rank + key-averages table in ``<log dir>/profile``)."""
-    profile_wait: int = 1
-    """Profiler schedule: steps to skip first."""
-    profile_warmup: int = 1
-    """Profiler schedule: warm-up steps (traced, discarded)."""
-    profile_active: int = 3
-    """Profiler schedule: steps recorded."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank."""
-    sleep_per_step: float = 0.0
-    """Seconds to sleep in every step (tests and drills use it to slow training down)."""
-    collective_timeout: float = 300.0
-    """Seconds a collective may hang before the process group gives up."""
-    task_args: Any = None
-    """The ``argparse.Namespace`` handed to the task builder (set by ``train.py``)."""
-
-    def __post_init__(self) -> None:
-        def positive(name: str, value: Any, allow_none: bool = True) -> None:
-            if value is None and allow_none:
-                return
-            if value is None or not value > 0:
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} must be a positive number, got {value!r}")
-
-        for name in ("global_batch_size", "micro_batch_size", "max_steps", "epochs", "max_seconds", "lr",
-                     "clip_grad_norm", "checkpoint_every", "checkpoint_every_seconds", "keep_checkpoints",
-                     "grace_seconds", "bucket_cap_mb", "profile_active", "collective_timeout"):
-            positive(name, getattr(self, name))
-        for name in ("profile_wait", "profile_warmup", "num_workers"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")
-        if self.sleep_per_step < 0:
-            raise ValueError(f"--sleep-per-step must be 0 or more seconds, got {self.sleep_per_step}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
-        if self.task is not None and ":" not in self.task:
-            raise ValueError(f"--task {self.task!r} must look like package.module:build")
-        if self.max_steps is None and self.epochs is None:
-            self.epochs = 1
-        if self.checkpoint_dir == "":
-            self.checkpoint_dir = None
-        if self.checkpoint_dir is None and (self.checkpoint_every or self.checkpoint_every_seconds):
-            raise ValueError("--checkpoint-every/--checkpoint-every-seconds need --checkpoint-dir "
-                             f"(or the env var {cfgmod.ENV_CHECKPOINT_DIR})")
-
-
-# ---------------------------------------------------------------------------------- helpers
-
-@dataclass
-class DistInfo:
-    """Where this process sits in the job."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    distributed: bool = False
-    round: int | None = None
-    restart: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def _env_int(name: str, default: int | None = None) -> int | None:
-    value = os.environ.get(name, "")
-    return int(value) if value.strip().lstrip("-").isdigit() else default
-
-
-def setup_distributed(config: TrainConfig) -> DistInfo:
-    """Join the process group when launched by torchrun (or with RANK/WORLD_SIZE/MASTER_* set)."""
-    info = DistInfo(rank=_env_int("RANK", 0), world_size=_env_int("WORLD_SIZE", 1),
-                    local_rank=_env_int("LOCAL_RANK", 0), round=_env_int(cfgmod.ENV_RDZV_ROUND),
-                    restart=_env_int("TORCHELASTIC_RESTART_COUNT", 0))
-    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
-        info.device = torch.device("cuda", torch.cuda.current_device())
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if use_cuda else "gloo",
-                                    timeout=datetime.timedelta(seconds=config.collective_timeout))
-        info.distributed = True
-        info.rank, info.world_size = dist.get_rank(), dist.get_world_size()
-    return info
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    return batch
-
-
-class _JsonLines:
-    """Append-only JSON lines, flushed per line (the drills read them while training runs)."""
-
-    def __init__(self, path: Path | None) -> None:
-        self.file = None
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(path, "a", buffering=1, encoding="utf-8")
-
-    def write(self, record: dict) -> None:
-        if self.file is not None:
-            self.file.write(json.dumps(record, separators=(",", ":")) + "\n")
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
-
-
-class _RecordingBatchSampler:
-    """Wraps the sampler and remembers the indices of micro-batches not yet consumed (FIFO)."""
-
-    def __init__(self, sampler) -> None:
-        self.sampler = sampler
-        self.pending: collections.deque[list[int]] = collections.deque()
-
-    def __iter__(self):
-        self.pending.clear()
-        for indices in self.sampler:
-            self.pending.append(list(indices))
-            yield indices
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-
-class _MicroBatches:
-    """This rank's micro-batches from a DataLoader over the elastic sampler, with their indices.
-
-    A DataLoader iterator runs to the end of the sampler's epoch; the next one starts where the
-    sampler's committed position is then (the next epoch, after the last step's commit).
-    """
-
-    def __init__(self, task: Task, sampler, num_workers: int, seed: int, device: torch.device) -> None:
-        self.sampler, self.device = sampler, device
-        self.recorder = _RecordingBatchSampler(sampler)
-        self.loader = torch.utils.data.DataLoader(
-            task.dataset, batch_sampler=self.recorder, num_workers=num_workers, collate_fn=task.collate_fn,
-            pin_memory=device.type == "cuda",
-            generator=torch.Generator().manual_seed(seed))  # worker seeds from here, not the global RNG
-        self.iterator = None
-
-    def next(self, first_of_step: bool) -> tuple[int, list[int], Any]:
-        """``(epoch, indices, batch on the device)`` of the next micro-batch."""
-        if self.iterator is None:
-            self.iterator = iter(self.loader)
-        try:
-            batch = next(self.iterator)
-        except StopIteration:
-            if not first_of_step:
-                raise RuntimeError("the sampler's epoch ended in the middle of a step; this is a bug") from None
-            self.iterator = iter(self.loader)  # the sampler rolled to the next epoch at the last commit
-            batch = next(self.iterator)
-        return self.sampler.epoch, self.recorder.pending.popleft(), _to_device(batch, self.device)
-
-
-def _fence_check() -> Callable[[], None] | None:
-    """The rendezvous round fence's ``check`` when running under the etcd-v3 rendezvous."""
-    try:
-        present = importlib.util.find_spec("elastic_trainer.rendezvous.fence") is not None
-    except ModuleNotFoundError:
-        present = False
-    if not present:
-        return None
-    from elastic_trainer.rendezvous.fence import RoundFence
-
-    fence = RoundFence.from_env()
-    return fence.check if fence is not None else None
-
-
-def _broadcast(value: Any, dinfo: DistInfo) -> Any:
-    if not dinfo.distributed or dinfo.world_size == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 # ---------------------------------------------------------------------------------- trainer
-
-class _SignalWatcher:
-    """Acts on SIGTERM when it arrives, not when the main thread next runs Python code.
-
-    Python runs signal handlers in the main thread between bytecodes, so a worker blocked in a
-    collective with a dead peer would never see the signal. ``signal.set_wakeup_fd`` makes the
-    C-level handler write the signal number to a socket at delivery; this thread reads it and
-    calls ``callback(signum)`` (the grace timers start from there).
-    """
-
-    def __init__(self, callback: Callable[[int], None]) -> None:
-        self._callback = callback
-        self._read, self._write = socket.socketpair()
-        self._write.setblocking(False)
-        self._old_fd = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
-        self._thread = threading.Thread(target=self._run, name="sigterm-watcher", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            try:
-                data = self._read.recv(64)
-            except OSError:
-                return
-            if not data:
-                return
-            if signal.SIGTERM in data:
-                self._callback(signal.SIGTERM)
-
-    def close(self) -> None:
-        """Restore the previous wakeup fd and end the thread (no thread may outlive the trainer)."""
-        signal.set_wakeup_fd(self._old_fd)
-        try:
-            self._read.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._thread.join(timeout=5)
-        self._write.close()
-        self._read.close()
-
 
 class Trainer:
     """Runs a ``Task`` data-parallel, elastic and resumable; see the module docstring."""

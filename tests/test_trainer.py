@@ -19,7 +19,8 @@ import torch
 
 from elastic_trainer.checkpoint import CheckpointManager
 from elastic_trainer.train import parse_config
-from elastic_trainer.trainer import TrainConfig, Trainer
+from elastic_trainer.config import TrainConfig
+from elastic_trainer.trainer import Trainer
 from elastic_trainer.etcd_server import free_port
 from tests.conftest import REPO
 

@@ -1,0 +1,217 @@
+"""The worker process around the training loop: where it sits in the job, and its plumbing.
+
+``setup_distributed`` joins the process group that torchrun's environment describes (gloo on
+CPU, NCCL on GPU) and returns a ``DistInfo``; ``seed_everything`` seeds every RNG;
+``_MicroBatches`` feeds this rank's micro-batches from a DataLoader over the elastic sampler,
+with the dataset indices of each; ``_JsonLines`` writes the step log, events and ledger the
+drills read; ``_fence_check`` finds the rendezvous round fence; ``_SignalWatcher`` acts on
+SIGTERM even while the main thread is blocked in a collective. ``trainer.Trainer`` uses them all.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import importlib.util
+import json
+import os
+import random
+import signal
+import socket
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from elastic_trainer import config as cfgmod
+from elastic_trainer.config import TrainConfig
+from elastic_trainer.tasks import Task
+
+
+@dataclass
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    distributed: bool = False
+    round: int | None = None
+    restart: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int | None = None) -> int | None:
+    value = os.environ.get(name, "")
+    return int(value) if value.strip().lstrip("-").isdigit() else default
+
+
+def setup_distributed(config: TrainConfig) -> DistInfo:
+    """Join the process group when launched by torchrun (or with RANK/WORLD_SIZE/MASTER_* set)."""
+    info = DistInfo(rank=_env_int("RANK", 0), world_size=_env_int("WORLD_SIZE", 1),
+                    local_rank=_env_int("LOCAL_RANK", 0), round=_env_int(cfgmod.ENV_RDZV_ROUND),
+                    restart=_env_int("TORCHELASTIC_RESTART_COUNT", 0))
+    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        info.device = torch.device("cuda", torch.cuda.current_device())
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if use_cuda else "gloo",
+                                    timeout=datetime.timedelta(seconds=config.collective_timeout))
+        info.distributed = True
+        info.rank, info.world_size = dist.get_rank(), dist.get_world_size()
+    return info
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+class _JsonLines:
+    """Append-only JSON lines, flushed per line (the drills read them while training runs)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.file = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "a", buffering=1, encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+class _RecordingBatchSampler:
+    """Wraps the sampler and remembers the indices of micro-batches not yet consumed (FIFO)."""
+
+    def __init__(self, sampler) -> None:
+        self.sampler = sampler
+        self.pending: collections.deque[list[int]] = collections.deque()
+
+    def __iter__(self):
+        self.pending.clear()
+        for indices in self.sampler:
+            self.pending.append(list(indices))
+            yield indices
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+class _MicroBatches:
+    """This rank's micro-batches from a DataLoader over the elastic sampler, with their indices.
+
+    A DataLoader iterator runs to the end of the sampler's epoch; the next one starts where the
+    sampler's committed position is then (the next epoch, after the last step's commit).
+    """
+
+    def __init__(self, task: Task, sampler, num_workers: int, seed: int, device: torch.device) -> None:
+        self.sampler, self.device = sampler, device
+        self.recorder = _RecordingBatchSampler(sampler)
+        self.loader = torch.utils.data.DataLoader(
+            task.dataset, batch_sampler=self.recorder, num_workers=num_workers, collate_fn=task.collate_fn,
+            pin_memory=device.type == "cuda",
+            generator=torch.Generator().manual_seed(seed))  # worker seeds from here, not the global RNG
+        self.iterator = None
+
+    def next(self, first_of_step: bool) -> tuple[int, list[int], Any]:
+        """``(epoch, indices, batch on the device)`` of the next micro-batch."""
+        if self.iterator is None:
+            self.iterator = iter(self.loader)
+        try:
+            batch = next(self.iterator)
+        except StopIteration:
+            if not first_of_step:
+                raise RuntimeError("the sampler's epoch ended in the middle of a step; this is a bug") from None
+            self.iterator = iter(self.loader)  # the sampler rolled to the next epoch at the last commit
+            batch = next(self.iterator)
+        return self.sampler.epoch, self.recorder.pending.popleft(), _to_device(batch, self.device)
+
+
+def _fence_check() -> Callable[[], None] | None:
+    """The rendezvous round fence's ``check`` when running under the etcd-v3 rendezvous."""
+    try:
+        present = importlib.util.find_spec("elastic_trainer.rendezvous.fence") is not None
+    except ModuleNotFoundError:
+        present = False
+    if not present:
+        return None
+    from elastic_trainer.rendezvous.fence import RoundFence
+
+    fence = RoundFence.from_env()
+    return fence.check if fence is not None else None
+
+
+def _broadcast(value: Any, dinfo: DistInfo) -> Any:
+    if not dinfo.distributed or dinfo.world_size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+
+class _SignalWatcher:
+    """Acts on SIGTERM when it arrives, not when the main thread next runs Python code.
+
+    Python runs signal handlers in the main thread between bytecodes, so a worker blocked in a
+    collective with a dead peer would never see the signal. ``signal.set_wakeup_fd`` makes the
+    C-level handler write the signal number to a socket at delivery; this thread reads it and
+    calls ``callback(signum)`` (the grace timers start from there).
+    """
+
+    def __init__(self, callback: Callable[[int], None]) -> None:
+        self._callback = callback
+        self._read, self._write = socket.socketpair()
+        self._write.setblocking(False)
+        self._old_fd = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._run, name="sigterm-watcher", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                data = self._read.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            if signal.SIGTERM in data:
+                self._callback(signal.SIGTERM)
+
+    def close(self) -> None:
+        """Restore the previous wakeup fd and end the thread (no thread may outlive the trainer)."""
+        signal.set_wakeup_fd(self._old_fd)
+        try:
+            self._read.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._thread.join(timeout=5)
+        self._write.close()
+        self._read.close()
