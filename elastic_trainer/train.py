@@ -12,6 +12,8 @@ Run it::
     python -m elastic_trainer.train --task my_pkg.my_task:build --epochs 3 --my-flag 7
 
 The process sets PR_SET_PDEATHSIG(SIGKILL) first thing, so it dies with the agent that started it.
+After a clean finish it leaves with ``os._exit`` (``exit_without_teardown``): gloo's teardown at
+interpreter exit could abort a worker whose run succeeded.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import logging
 import os
 import signal
 import sys
+from typing import NoReturn
 
 from elastic_trainer import config as cfgmod
 
@@ -136,5 +139,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_without_teardown(code: int) -> NoReturn:
+    """End this worker now with ``code``, after flushing its output, skipping the exit-time
+    teardown of the interpreter and of C++ statics.
+
+    Call it when everything is closed: the trainer has saved, closed its logs and the checkpoint
+    manager, and left the process group. What is left to tear down at exit is torch's: the
+    process group's C++ objects, still referenced by the model (DDP, FSDP), die during
+    interpreter finalization, and there gloo can abort a worker whose run succeeded
+    ("terminate called without an active exception", SIGABRT; seen once in the CI of two
+    sessions, on rank 1 right after a clean finish), which torchrun reports as a failed job.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":  # python -m elastic_trainer.train
-    sys.exit(main())
+    exit_without_teardown(main())

@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from elastic_trainer.train import exit_without_teardown
+
+    exit_without_teardown(main())
 
 
 # -- harness for the tests and benchmarks that drive this worker ------------------------
