@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import gc
 import json
 import os
 import random
@@ -108,12 +107,6 @@ def main(argv: list[str] | None = None) -> int:
                   "first_step": w + 1, "last_step": len(times), "seconds": span,
                   "global_batch_size": args.global_batch_size, "world_size": world, "final_loss": final_loss}
         print("plain_ddp: " + json.dumps(result), flush=True)
-    # Leave together, with nothing in flight, and free DDP (which holds the process group) before
-    # destroying it: a gloo group that outlives destroy_process_group() is torn down during
-    # interpreter finalization, where it can abort ("terminate called without an active exception").
-    dist.barrier()
-    del model, optimizer, loss
-    gc.collect()
     dist.destroy_process_group()
     return 0
 

@@ -170,6 +170,12 @@ _SYNC_FILE_RANGE = _sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not wait
 
 
+def _as_bytes_view(data) -> memoryview:
+    """``data`` as a flat view of bytes (a tensor's or an array's memory, without a copy)."""
+    view = memoryview(data)
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+
 class _FileSink:
     """A write-only stream into an open local file that hashes what it writes and asks the
     kernel to start writing back every ``WRITEBACK_CHUNK`` bytes (a hint: ``fsync`` at the end
@@ -187,9 +193,7 @@ class _FileSink:
             self.fd = None
 
     def write(self, data) -> int:
-        view = memoryview(data)
-        if view.ndim != 1 or view.format != "B":
-            view = view.cast("B")
+        view = _as_bytes_view(data)
         for start in range(0, view.nbytes, WRITE_PIECE):
             piece = view[start:start + WRITE_PIECE] if view.nbytes > WRITE_PIECE else view
             if self.hasher is not None:
@@ -232,9 +236,7 @@ class _BufferSink:
         self.size = 0
 
     def write(self, data) -> int:
-        view = memoryview(data)
-        if view.ndim != 1 or view.format != "B":
-            view = view.cast("B")
+        view = _as_bytes_view(data)
         for start in range(0, view.nbytes, WRITE_PIECE):
             piece = view[start:start + WRITE_PIECE] if view.nbytes > WRITE_PIECE else view
             if self.hasher is not None:
@@ -340,11 +342,6 @@ class _PartsReader(io.RawIOBase):
                 n += take
                 self.pos = base + lo + take
         return n
-
-
-def _as_bytes_view(data) -> memoryview:
-    view = memoryview(data)
-    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
 
 
 def write_parts(fs: fsspec.AbstractFileSystem, path: str, parts: Sequence, *,

@@ -26,7 +26,6 @@ every rank), ``<log dir>/events.jsonl`` (rank 0), ``<log dir>/ledger/rank-<r>-<p
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import re
@@ -528,12 +527,6 @@ class Trainer:
         if self._grace_timer is not None:
             self._grace_timer.cancel()
         if self.dinfo.distributed and dist.is_initialized():
-            # DDP holds the process group: free it first, so the group is torn down here and not
-            # during interpreter finalization, where gloo can abort the process at exit.
-            if self.ddp is not None:
-                self.ddp = None
-                self.model = self.module
-                gc.collect()
             dist.destroy_process_group()
 
     def _abort(self, exc: BaseException | None = None) -> None:
