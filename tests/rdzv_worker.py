@@ -3,7 +3,8 @@
 Each step all-reduces one tensor over the world torchrun formed, sleeps, and appends
 one JSON line to ``<out>/rank-<rank>-<pid>.jsonl``:
 
-    {"time": unix time the allreduce returned, "step": n, "round": ELASTIC_TRAINER_RDZV_ROUND,
+    {"start": unix time the allreduce was entered, "time": unix time it returned, "step": n,
+     "round": ELASTIC_TRAINER_RDZV_ROUND,
      "world_size": W, "rank": R, "restart": TORCHELASTIC_RESTART_COUNT, "pid": pid, "sum": allreduce result}
 
 It dies with its agent (PR_SET_PDEATHSIG), so killing an agent kills its node.
@@ -50,12 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     with open(path, "a", buffering=1) as log:
         while time.time() < end:
             t = torch.ones(1)
+            start = time.time()
             dist.all_reduce(t)
             now = time.time()
             if fence is not None:
                 fence.check()
             step += 1
-            log.write(json.dumps({"time": now, "step": step, "round": os.environ.get("ELASTIC_TRAINER_RDZV_ROUND"),
+            log.write(json.dumps({"start": start, "time": now, "step": step, "round": os.environ.get("ELASTIC_TRAINER_RDZV_ROUND"),
                                   "world_size": world, "rank": rank, "pid": os.getpid(), "sum": float(t.item()),
                                   "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT")}) + "\n")
             time.sleep(args.sleep)
@@ -138,13 +140,17 @@ def world_problems(steps: list[dict]) -> list[str]:
     """What breaks "one world at a time" in the step logs (empty when nothing does).
 
     A world is a (round, world size) pair; within one, every step must report the same
-    world size, and the time spans of two worlds must not overlap.
+    world size, and the spans of two worlds must not overlap. A world's span runs from the
+    first to the last time one of its steps entered the allreduce: a worker paused inside an
+    allreduce (SIGSTOP) may finish it after it resumes, which is the tail of a step its peers
+    already took, not a step of a second world; a step it *starts* after another world began
+    would be one.
     """
     spans: dict[tuple, list[float]] = {}
     for s in steps:
         key = (s["round"], s["world_size"])
-        span = spans.setdefault(key, [s["time"], s["time"]])
-        span[0], span[1] = min(span[0], s["time"]), max(span[1], s["time"])
+        span = spans.setdefault(key, [s["start"], s["start"]])
+        span[0], span[1] = min(span[0], s["start"]), max(span[1], s["start"])
     problems = []
     rounds: dict = {}
     for (round_, world) in spans:
@@ -157,3 +163,13 @@ def world_problems(steps: list[dict]) -> list[str]:
                 problems.append(f"world {k1} ({s1[0]:.3f}-{s1[1]:.3f}) overlaps world {k2} "
                                 f"({s2[0]:.3f}-{s2[1]:.3f})")
     return problems
+
+
+def world_summary(steps: list[dict]) -> list[str]:
+    """One line per (round, world size, pid): how many steps, first start and last end (for failures)."""
+    rows: dict[tuple, list] = {}
+    for s in steps:
+        row = rows.setdefault((s["round"], s["world_size"], s["pid"]), [0, s["start"], s["time"]])
+        row[0], row[1], row[2] = row[0] + 1, min(row[1], s["start"]), max(row[2], s["time"])
+    return [f"round {r} world {w} pid {p}: {n} steps, {a:.3f}-{b:.3f}"
+            for (r, w, p), (n, a, b) in sorted(rows.items(), key=lambda kv: kv[1][1])]

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.rdzv_worker import agent_cmd, read_steps, signal_tree, world_problems
+from tests.rdzv_worker import agent_cmd, read_steps, signal_tree, world_problems, world_summary
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -47,7 +47,7 @@ class Nodes:
                 return steps
             time.sleep(0.2)
         logs = {p.name: p.read_text()[-1500:] for p in self.tmp.glob("*.log")}
-        pytest.fail(f"timed out waiting for {what}; last steps {read_steps(self.out)[-3:]}; agent logs: {logs}")
+        pytest.fail(f"timed out waiting for {what}; worlds {world_summary(read_steps(self.out))}; agent logs: {logs}")
 
     def kill_all(self) -> None:
         for proc in self.started:
@@ -64,7 +64,8 @@ def nodes(procs, etcd, run_id, tmp_path):
 
 
 def _after(steps, t, world):
-    return [s for s in steps if s["time"] > t and s["world_size"] == world]
+    """Steps at ``world`` that entered their allreduce after ``t`` (see ``world_problems``)."""
+    return [s for s in steps if s["start"] > t and s["world_size"] == world]
 
 
 def test_node_killed_survivor_continues_then_a_new_node_grows_the_world(nodes):
