@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import bisect
 import io
 import os
 import re
@@ -285,8 +286,15 @@ def write_streamed(fs: fsspec.AbstractFileSystem, path: str, produce: Callable[[
 class _PartsReader(io.RawIOBase):
     """A read-only, seekable file over a sequence of buffers, which it never copies: the body of
     one S3 request sent straight from the buffers (botocore takes any seekable file as a body,
-    reads it once for its checksum and once to send it, and seeks back to retry). Slicing gives
-    a reader over that byte range, which is how s3fs cuts a large body into multipart parts."""
+    reads it for its checksum, for the SigV4 payload hash over plain http, and once more to send
+    it, and seeks back to retry). Slicing gives a reader over that byte range, which is how s3fs
+    cuts a large body into multipart parts.
+
+    ``read(n)`` returns a ``memoryview`` of the buffer when the range lies in one part (a copy,
+    as ``bytes``, only across a boundary or at the end): every reader of an upload body here
+    only hashes or sends the chunks, and copying each into a fresh ``bytes`` cost 3.6 ms of an
+    11 MB PUT (56 ms) on the local S3 endpoint. Chunks stay valid while the buffers do: the
+    caller keeps them unchanged until the upload returns."""
 
     def __init__(self, parts: Sequence[memoryview]) -> None:
         super().__init__()
@@ -328,6 +336,19 @@ class _PartsReader(io.RawIOBase):
             raise ValueError("negative seek position")
         self.pos = base + offset
         return self.pos
+
+    def read(self, size: int | None = -1) -> bytes | memoryview:
+        if size is None or size < 0:
+            size = self.size - self.pos
+        if size == 0 or self.pos >= self.size:
+            return b""
+        i = bisect.bisect_right(self.starts, self.pos) - 1
+        lo = self.pos - self.starts[i]
+        part = self.parts[i]
+        if lo + size <= part.nbytes:
+            self.pos += size
+            return part[lo:lo + size]
+        return super().read(size)
 
     def readinto(self, buffer) -> int:
         out = memoryview(buffer).cast("B")

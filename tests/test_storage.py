@@ -210,6 +210,14 @@ def test_parts_reader_reads_seeks_and_slices_without_copying():
         part = reader[lo:hi]
         assert len(part) == hi - lo and part.read() == blob[lo:hi]
     assert all(v.obj is blob for v in reader[500:5000].parts)  # views of the caller's buffers
+    reader.seek(100)
+    chunk = reader.read(800)  # inside one part: a view of it, no copy
+    assert isinstance(chunk, memoryview) and chunk.obj is blob and chunk == blob[100:900]
+    reader.seek(990)
+    across = reader.read(20)  # across parts: joined
+    assert isinstance(across, bytes) and across == blob[990:1010] and reader.tell() == 1010
+    reader.seek(len(blob) - 5)
+    assert reader.read(100) == blob[-5:] and reader.read(100) == b"" and reader.read(0) == b""
 
 
 def test_write_parts_multipart_upload_reads_each_part_from_the_buffers(s3_url):
