@@ -44,6 +44,7 @@ from elastic_trainer import config as cfgmod
 from elastic_trainer import metrics
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.metrics import print0
+from elastic_trainer.parallel import Parallel
 from elastic_trainer.tasks import Task, as_task, load_builder
 from elastic_trainer.worker import (
     DistInfo,
@@ -133,44 +134,6 @@ class Trainer:
                                    f"loaded from {self.config.checkpoint_dir}; is the storage shared by all nodes?")
         return found
 
-    def _wrap(self) -> None:
-        """DDP (or FSDP) around the module, then torch.compile; the optimizer on the wrapped params."""
-        c, d = self.config, self.dinfo
-        self.model = self.module
-        self.ddp = None
-        self.fsdp = False
-        if d.distributed and c.fsdp:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh(d.device.type, (d.world_size,))
-            fully_shard(self.module, mesh=mesh)
-            self.fsdp = True
-        elif d.distributed:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            kwargs = {"bucket_cap_mb": c.bucket_cap_mb} if c.bucket_cap_mb else {}
-            if d.device.type == "cuda":
-                kwargs["device_ids"] = [d.device.index]
-            self.ddp = self.model = DDP(self.module, **kwargs)  # broadcasts rank 0's parameters
-        if c.compile:
-            self.model = torch.compile(self.model)
-
-    def _no_sync(self):
-        if self.ddp is not None:
-            return self.ddp.no_sync()
-        if self.fsdp:
-            return self._fsdp_no_sync()
-        return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def _fsdp_no_sync(self):
-        self.module.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.module.set_requires_gradient_sync(True)
-
     def _autocast(self):
         if not self.config.amp:
             return contextlib.nullcontext()
@@ -190,26 +153,11 @@ class Trainer:
         self.scaler = (torch.amp.GradScaler("cuda") if c.amp and self.dinfo.device.type == "cuda" else None)
 
     # ---- state -----------------------------------------------------------------------
-    def _model_state(self) -> dict:
-        if self.fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return self.module.state_dict()
-
-    def _optimizer_state(self) -> dict:
-        if self.fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-            return get_optimizer_state_dict(self.module, self.optimizer,
-                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return self.optimizer.state_dict()
-
     def _capture_state(self) -> dict | None:
         """The checkpoint's content (collective under FSDP; None on ranks other than 0)."""
         from elastic_trainer.checkpoint import capture_rng_state
 
-        model_state, optim_state = self._model_state(), self._optimizer_state()
+        model_state, optim_state = self.par.model_state(), self.par.optimizer_state(self.optimizer)
         if not self.dinfo.is_main:
             return None
         return {
@@ -223,7 +171,7 @@ class Trainer:
                      "world_size": self.dinfo.world_size, "wandb_run_id": self.run_id,
                      "lr_world_size": self.dinfo.world_size if self.config.scale_lr else 1,
                      "global_batch_size": self.gbs, "round": self.dinfo.round, "time": time.time(),
-                     "fsdp": self.fsdp},
+                     "fsdp": self.par.fsdp},
         }
 
     def _restore(self, step: int, state: dict) -> None:
@@ -231,17 +179,11 @@ class Trainer:
         from elastic_trainer.checkpoint import restore_rng_state
 
         meta = state.get("meta", {})
-        if bool(meta.get("fsdp", False)) != self.fsdp:
+        if bool(meta.get("fsdp", False)) != self.par.fsdp:
             raise ValueError(f"checkpoint step-{step} was written {'with' if meta.get('fsdp') else 'without'} --fsdp "
                              f"and its optimizer state is keyed accordingly; resume {'with' if meta.get('fsdp') else 'without'} "
                              "--fsdp, or start over with --no-resume")
-        if self.fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-            set_optimizer_state_dict(self.module, self.optimizer, optim_state_dict=state["optimizer"],
-                                     options=StateDictOptions(full_state_dict=True))
-        else:
-            self.optimizer.load_state_dict(state["optimizer"])
+        self.par.load_optimizer_state(self.optimizer, state["optimizer"])
         if self.scheduler is not None and state.get("scheduler"):
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
@@ -279,7 +221,8 @@ class Trainer:
             self.module.load_state_dict(loaded[1]["model"])
         self.sampler = ElasticSampler(len(self.task.dataset), self.gbs, d.rank, d.world_size, seed=c.seed,
                                       micro_batch_size=c.micro_batch_size)
-        self._wrap()
+        self.par = Parallel.wrap(self.module, c, d)
+        self.model = self.par.model
         self._make_optimizer()
         prev_world = None
         if loaded is not None:
@@ -391,7 +334,7 @@ class Trainer:
         for i in range(mbps):
             epoch, indices, batch = batches.next(first_of_step=i == 0)
             consumed.extend(indices)
-            with (self._no_sync() if i < mbps - 1 else contextlib.nullcontext()):  # all-reduce on the last only
+            with (self.par.no_sync() if i < mbps - 1 else contextlib.nullcontext()):  # all-reduce on the last only
                 with self._autocast():
                     loss = self.task.compute_loss(self.model, batch)
                 scaled = loss.float() * loss_weight(len(indices), self.gbs, d.world_size)
@@ -547,7 +490,7 @@ class Trainer:
         # closes is applied but its ledger lines are missing (a dead peer's for sure), so a save
         # of it could not be accounted for; the last checkpoint is the honest fallback then.
         logged = self.step == self._logged_step
-        if peer_lost and logged and not self.fsdp and self.dinfo.is_main and self.step > (self._last_save_step or 0):
+        if peer_lost and logged and not self.par.fsdp and self.dinfo.is_main and self.step > (self._last_save_step or 0):
             logger.warning("a collective failed (%s); saving the last completed step %d before exiting",
                            type(exc).__name__, self.step)
             saver = threading.Thread(target=self._save_after_failure, daemon=True)
