@@ -199,6 +199,34 @@ class Trainer:
         self.step = int(meta.get("step", step))
         self.run_id = meta.get("wandb_run_id")
 
+    def _resume(self, step: int, state: dict) -> None:
+        """Restore a loaded checkpoint and say so (stdout, events), with any change of world size."""
+        c, d = self.config, self.dinfo
+        self._restore(step, state)
+        self._last_save_step = self.step
+        prev_world = int(state.get("meta", {}).get("world_size", d.world_size))
+        print0(f"resumed from checkpoint step-{self.step} (epoch {self.sampler.epoch}, sample offset "
+               f"{self.sampler.offset}) of {c.checkpoint_dir}")
+        self._event("checkpoint_loaded", step=self.step, epoch=self.sampler.epoch, offset=self.sampler.offset,
+                    world_size=d.world_size, saved_world_size=prev_world)
+        self._event("resume", step=self.step, world_size=d.world_size, restart=d.restart, round=d.round)
+        if prev_world != d.world_size:
+            print0(f"world size changed: {prev_world} -> {d.world_size} ranks; global batch stays "
+                   f"{self.gbs}, {self.sampler.micro_batches_per_step} micro-batch(es) per step on rank 0"
+                   if not c.scale_lr else
+                   f"world size changed: {prev_world} -> {d.world_size} ranks; global batch now {self.gbs}, "
+                   f"learning rate scaled by {d.world_size}/{prev_world}")
+            self._event("world_size_changed", old=prev_world, new=d.world_size, step=self.step)
+
+    def _total_steps(self) -> int:
+        """The step to stop at: ``--max-steps`` and/or ``--epochs`` (10**18 when only the sampler can tell)."""
+        c = self.config
+        if c.epochs is None:
+            return c.max_steps
+        if c.scale_lr:  # steps per epoch follow the world size: only the sampler's epoch can tell the end
+            return c.max_steps or 10**18
+        return min(c.max_steps or 10**18, c.epochs * self.sampler.steps_per_epoch)
+
     # ---- the loop ----------------------------------------------------------------------
     def train(self) -> dict:
         """Build, resume, train until done (or stopped), save. Returns a summary dict."""
@@ -224,36 +252,16 @@ class Trainer:
         self.par = Parallel.wrap(self.module, c, d)
         self.model = self.par.model
         self._make_optimizer()
-        prev_world = None
         if loaded is not None:
-            self._restore(*loaded)
-            self._last_save_step = self.step
-            prev_world = int(loaded[1].get("meta", {}).get("world_size", d.world_size))
+            self._resume(*loaded)
             del loaded
-            print0(f"resumed from checkpoint step-{self.step} (epoch {self.sampler.epoch}, sample offset "
-                   f"{self.sampler.offset}) of {c.checkpoint_dir}")
-            self._event("checkpoint_loaded", step=self.step, epoch=self.sampler.epoch, offset=self.sampler.offset,
-                        world_size=d.world_size, saved_world_size=prev_world)
-            self._event("resume", step=self.step, world_size=d.world_size, restart=d.restart, round=d.round)
-            if prev_world != d.world_size:
-                print0(f"world size changed: {prev_world} -> {d.world_size} ranks; global batch stays "
-                       f"{self.gbs}, {self.sampler.micro_batches_per_step} micro-batch(es) per step on rank 0"
-                       if not c.scale_lr else
-                       f"world size changed: {prev_world} -> {d.world_size} ranks; global batch now {self.gbs}, "
-                       f"learning rate scaled by {d.world_size}/{prev_world}")
-                self._event("world_size_changed", old=prev_world, new=d.world_size, step=self.step)
         else:
             self._event("start", world_size=d.world_size, restart=d.restart, round=d.round)
         if self.run_id is None and d.is_main:
             self.run_id = metrics.new_run_id()
 
         spe = self.sampler.steps_per_epoch
-        if c.epochs is None:
-            total = c.max_steps
-        elif c.scale_lr:  # steps per epoch follow the world size: only the sampler's epoch can tell the end
-            total = c.max_steps or 10**18
-        else:
-            total = min(c.max_steps or 10**18, c.epochs * spe)
+        total = self._total_steps()
         print0(f"training {self.step}/{total if total < 10**18 else '?'} steps, world size {d.world_size} "
                f"({'distributed ' + dist.get_backend() if d.distributed else 'single process'}, {d.device}), "
                f"global batch {self.gbs}, {spe} steps/epoch, restart {d.restart}, round {d.round}")
