@@ -224,9 +224,12 @@ def test_nodes_cut_off_from_etcd_stop_training_before_a_newcomer_forms_a_new_wor
         alone_from = min(s["time"] for s in _after(steps, cut_at, 1))
         old_world_last = max(s["time"] for s in steps if s["world_size"] == 2)
         assert old_world_last < alone_from, "the cut-off nodes' world trained beside the new one"
-        for name in ("a", "b"):
-            log = (tmp_path / f"{name}.log").read_text()
-            assert "has not been renewed" in log, log[-2000:]
+        # The first of a and b to stop did so on its own lease check (their gloo links were up); the
+        # other may do the same, or its worker fails first when the peer's worker is gone.
+        logs = {name: (tmp_path / f"{name}.log").read_text() for name in ("a", "b")}
+        assert any("has not been renewed" in log for log in logs.values()), logs["a"][-2000:]
+        for log in logs.values():
+            assert "has not been renewed" in log or "Worker group FAILED" in log, log[-2000:]
     finally:
         n.kill_all()
         proxy.cut()
