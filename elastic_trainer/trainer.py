@@ -78,7 +78,6 @@ class Trainer:
         self._boundaries = 0  # step boundaries passed: a SIGTERM watchdog tells a hung step by it
         self._signal_lock = threading.Lock()
         self._saving_after_failure = False
-        self._logged_step = 0  # the newest step in the ledger
         self._pending: list[tuple] = []  # (step, epoch, offset, loss sum, step s, end time) not in the step log yet
         self._boundary_at: float | None = None  # perf_counter at the end of the last step
         self._cycle_s: float | None = None  # seconds from one step's end to the next's
@@ -294,7 +293,7 @@ class Trainer:
         self.model.train()
         while not self._done(total):
             t0 = time.perf_counter()
-            epoch, consumed, loss_sum = self._train_step(batches)
+            loss_sum = self._train_step(batches)
             self._boundaries += 1
             self._last_step_s = time.perf_counter() - t0
             self._pending.append((self.step, self.sampler.epoch, self.sampler.offset, loss_sum, self._last_step_s,
@@ -302,7 +301,6 @@ class Trainer:
             agree_in -= 1
             every_n = c.checkpoint_every is not None and self.step % c.checkpoint_every == 0
             if agree_in > 0 and not every_n and not self._done(total):
-                self._log_ledger(epoch, consumed)  # the next step's collectives prove every rank wrote it
                 self._after_step(profiler)
                 continue
             now, main = time.monotonic(), self.dinfo.is_main  # rank 0's clock decides the timed events
@@ -310,7 +308,6 @@ class Trainer:
                 signalled=self._stop_signal is not None,
                 timed_out=main and c.max_seconds is not None and now - started >= c.max_seconds,
                 save_due=main and c.checkpoint_every_seconds is not None and now - last_save >= c.checkpoint_every_seconds)
-            self._log_ledger(epoch, consumed)
             self._after_step(profiler)
             if signalled or timed_out:
                 if self._stop_signal is not None:
@@ -331,8 +328,12 @@ class Trainer:
         c = self.config
         return self.step >= total or (c.epochs is not None and self.sampler.epoch >= c.epochs)
 
-    def _train_step(self, batches: "_MicroBatches") -> tuple[int, list[int], torch.Tensor]:
-        """One optimizer step over this rank's micro-batches; returns (epoch, indices, sum of sample losses)."""
+    def _train_step(self, batches: "_MicroBatches") -> torch.Tensor:
+        """One optimizer step over this rank's micro-batches; returns the sum of its sample losses.
+
+        The step's ledger line is written once its last micro-batch is fetched, before the backward
+        that all-reduces the gradients: a step whose all-reduce completed anywhere was logged by
+        every rank, even one killed right after it (see ``_abort``)."""
         from elastic_trainer.sampler import loss_weight
 
         d = self.dinfo
@@ -342,6 +343,8 @@ class Trainer:
         for i in range(mbps):
             epoch, indices, batch = batches.next(first_of_step=i == 0)
             consumed.extend(indices)
+            if i == mbps - 1:
+                self._log_ledger(self.step + 1, epoch, consumed)
             with (self.par.no_sync() if i < mbps - 1 else contextlib.nullcontext()):  # all-reduce on the last only
                 with self._autocast():
                     loss = self.task.compute_loss(self.model, batch)
@@ -362,7 +365,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.sampler.commit_step()
         self.step += 1
-        return epoch, consumed, loss_sum
+        return loss_sum
 
     def _agree(self, *, signalled: bool, timed_out: bool, save_due: bool) -> tuple[bool, bool, bool, int]:
         """One small all-reduce every few steps: the global-batch losses of the steps since the last
@@ -406,10 +409,8 @@ class Trainer:
         cycle = self._cycle_s or 0.0
         return max(1, min(32, int(0.2 / cycle))) if cycle > 0 else 1
 
-    def _log_ledger(self, epoch: int, consumed: list[int]) -> None:
-        d = self.dinfo
-        self.ledger.write({"step": self.step, "epoch": epoch, "round": d.round, "indices": consumed})
-        self._logged_step = self.step
+    def _log_ledger(self, step: int, epoch: int, consumed: list[int]) -> None:
+        self.ledger.write({"step": step, "epoch": epoch, "round": self.dinfo.round, "indices": consumed})
 
     def _log_step(self, step: int, epoch: int, offset: int, step_time: float, ended: float) -> None:
         d = self.dinfo
@@ -494,11 +495,10 @@ class Trainer:
         if self.ckpt is None:
             return
         peer_lost = isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc).lower())
-        # Only a step that every rank has logged: if the step-end agreement failed, the step it
-        # closes is applied but its ledger lines are missing (a dead peer's for sure), so a save
-        # of it could not be accounted for; the last checkpoint is the honest fallback then.
-        logged = self.step == self._logged_step
-        if peer_lost and logged and not self.par.fsdp and self.dinfo.is_main and self.step > (self._last_save_step or 0):
+        # Every rank wrote the ledger line of this step before its gradient all-reduce, which
+        # completed here, so a save of it is accounted for (a peer killed right after that
+        # all-reduce included; the drill catalogue once caught a ledger written after it).
+        if peer_lost and not self.par.fsdp and self.dinfo.is_main and self.step > (self._last_save_step or 0):
             logger.warning("a collective failed (%s); saving the last completed step %d before exiting",
                            type(exc).__name__, self.step)
             saver = threading.Thread(target=self._save_after_failure, daemon=True)

@@ -193,6 +193,30 @@ def test_gradient_accumulation_matches_one_pass_over_the_global_batch(tmp_path):
     assert gauge <= 4 * 1e-3 * 1.01  # key biases: at most lr per step (see param_drift)
 
 
+def test_each_step_is_in_the_ledger_before_its_backward_all_reduces_it(tmp_path):
+    """A peer killed right after a step's gradient all-reduce must already have logged that step,
+    since rank 0 may save it: the ledger line is written before the last micro-batch's backward."""
+    from elastic_trainer.tasks import Task
+
+    ledger_dir = tmp_path / "logs" / "ledger"
+    seen = []  # (micro-batches run so far, newest step in the ledger when the next one starts)
+
+    def training_step(model, batch):
+        rows = read_jsonl(ledger_dir, "rank-0-*.jsonl") if ledger_dir.exists() else []
+        seen.append(max((r["step"] for r in rows), default=0))
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    task = Task(model=torch.nn.Linear(4, 1), dataset=data, training_step=training_step)
+    config = parse_config(["--max-steps", "3", "--global-batch-size", "8", "--micro-batch-size", "4",
+                           "--log-dir", str(tmp_path / "logs"), "--sample-ledger", "--no-wandb", "--no-progress"])
+    Trainer(config, task).train()
+    # two micro-batches a step: the first runs before the step's line is written, the last after it
+    assert seen == [0, 1, 1, 2, 2, 3]
+    rows = read_jsonl(ledger_dir, "rank-0-*.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(len(r["indices"]) == 8 for r in rows)
+
+
 def test_no_resume_starts_from_scratch(tmp_path):
     args = ["--task", FIXTURE, "--global-batch-size", "16", "--checkpoint-dir", str(tmp_path / "ck"),
             "--log-dir", str(tmp_path / "l")]
