@@ -34,10 +34,10 @@ How ``create_exclusive`` is atomic on each store:
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
 import errno
-import bisect
 import io
 import os
 import re

@@ -199,7 +199,7 @@ def test_each_step_is_in_the_ledger_before_its_backward_all_reduces_it(tmp_path)
     from elastic_trainer.tasks import Task
 
     ledger_dir = tmp_path / "logs" / "ledger"
-    seen = []  # (micro-batches run so far, newest step in the ledger when the next one starts)
+    seen = []  # the newest step in the ledger as each micro-batch's forward starts
 
     def training_step(model, batch):
         rows = read_jsonl(ledger_dir, "rank-0-*.jsonl") if ledger_dir.exists() else []
