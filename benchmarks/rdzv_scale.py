@@ -38,18 +38,18 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters  # noqa: E402
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E402
-    DynamicRendezvousHandler,
+from elastic_trainer.rendezvous.torch_private import (  # noqa: E402
     RendezvousSettings,
     RendezvousTimeout,
+    generate_node_desc,
 )
 
 from elastic_trainer.etcd_server import EtcdServer  # noqa: E402
-from elastic_trainer.rendezvous._etcd import EtcdConnection  # noqa: E402
+from elastic_trainer.rendezvous.etcd_client import EtcdConnection  # noqa: E402
 from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend  # noqa: E402
 from elastic_trainer.rendezvous.etcd_store import EtcdStore  # noqa: E402
 from elastic_trainer.rendezvous.handler import (  # noqa: E402
-    _NO_STATE_HEARTBEATS,
+    NO_STATE_HEARTBEATS,
     EtcdRendezvousHandler,
     RendezvousOptions,
 )
@@ -69,13 +69,13 @@ def run_agents(endpoint: str, run_id: str, n: int, count: int, connections: int,
     settings = RendezvousSettings(run_id, n, n, RendezvousTimeout(
         join=timedelta(seconds=timeout), last_call=timedelta(seconds=options.last_call_timeout),
         close=timedelta(seconds=options.close_timeout), heartbeat=timedelta(seconds=options.heartbeat_timeout)),
-        keep_alive_interval=_NO_STATE_HEARTBEATS, keep_alive_max_attempt=3)
+        keep_alive_interval=NO_STATE_HEARTBEATS, keep_alive_max_attempt=3)
     handlers = []
     for i in range(count):
         conn = conns[i % len(conns)]
         backend = EtcdRendezvousBackend(conn, run_id, options.key_prefix)
         store = EtcdStore(conn, backend.prefix + "store/")
-        node = DynamicRendezvousHandler._node_desc_generator.generate("127.0.0.1")
+        node = generate_node_desc("127.0.0.1")
         handlers.append(EtcdRendezvousHandler(node, settings, store, backend, conn, options))
     done: list = [None] * count
     errors: list[str] = []

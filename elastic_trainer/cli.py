@@ -178,7 +178,8 @@ def parse_run_config(argv: list[str]) -> RunConfig:
 
 def check_environment(run: RunConfig) -> None:
     """Checks that need the outside world: the etcd binary or endpoint, the checkpoint dir."""
-    from elastic_trainer import etcd_server, storage
+    from elastic_trainer import etcd_server
+    from elastic_trainer.checkpoint import storage
 
     if run.embedded_etcd:
         try:
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] == ["etcd"]:
             return _etcd_main(argv[1:])
         if argv[:1] == ["drill"]:
-            from elastic_trainer import drill
+            from elastic_trainer.drill import command as drill
             return drill.main(argv[1:])
         run = parse_run_config(argv)
         check_environment(run)

@@ -188,7 +188,7 @@ def example_args(args: argparse.Namespace | None = None) -> argparse.Namespace:
 def build_example(args: argparse.Namespace | None = None) -> Task:
     """The seeds' synthetic ``torch.nn.Transformer`` task (Adam with the trainer's ``--lr``)."""
     a = example_args(args)
-    from elastic_trainer import data  # the seeds' synthetic data, in memory or in an HDF5 file
+    from elastic_trainer.training import data  # the seeds' synthetic data, in memory or in an HDF5 file
 
     if a.data == "synthetic":
         dataset = data.synthetic_dataset(a.dataset_size, (a.src_len, a.d_model), (a.tgt_len, a.d_model), a.data_seed)
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path")
     add_example_arguments(p)
     args = p.parse_args(argv)
-    from elastic_trainer.data import write_synthetic_h5
+    from elastic_trainer.training.data import write_synthetic_h5
 
     out = write_synthetic_h5(args.path, args.dataset_size, (args.src_len, args.d_model),
                              (args.tgt_len, args.d_model), args.data_seed)

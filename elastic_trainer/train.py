@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("ELASTIC_TRAINER_LOG_LEVEL", "INFO"),
                         format=f"[%(asctime)s] rank{rank} %(levelname)s %(name)s: %(message)s")
     config = parse_config(argv)
-    from elastic_trainer.trainer import EXIT_PEER_STOPPED, PEER_STOPPED, Trainer
+    from elastic_trainer.training.trainer import EXIT_PEER_STOPPED, PEER_STOPPED, Trainer
 
     summary = Trainer(config).train()
     if summary["stopped_by"] == PEER_STOPPED:

@@ -22,7 +22,7 @@ import pytest
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from elastic_trainer import storage
+from elastic_trainer.checkpoint import storage
 from elastic_trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 
 try:
@@ -679,16 +679,16 @@ def test_resumed_run_continues_exactly_like_an_uninterrupted_one(tmp_path):
 
 
 def test_round_fence_on_real_etcd_lets_only_the_current_round_commit(etcd, run_id, tmp_path):
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+    from elastic_trainer.rendezvous.torch_private import RendezvousState
 
-    from elastic_trainer.rendezvous._etcd import EtcdConnection, EtcdOptions, parse_endpoints
+    from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
     from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
     from elastic_trainer.rendezvous.fence import RoundFence
     from elastic_trainer.rendezvous.state import encode_state
 
     conn = EtcdConnection(EtcdOptions(endpoints=parse_endpoints(etcd.endpoint), retry_timeout=10))
     backend = EtcdRendezvousBackend(conn, run_id)
-    state = _RendezvousState()
+    state = RendezvousState()
     state.round, state.complete = 4, True
     backend.set_state(encode_state(state))
     url = str(tmp_path / "c")

@@ -1,4 +1,4 @@
-"""Format 3 (elastic_trainer.checkpoint_format): exact round trips, corruption, old formats, S3.
+"""Format 3 (elastic_trainer.checkpoint.format): exact round trips, corruption, old formats, S3.
 
 Files are written by ``CheckpointManager`` on real stores (local files, memory://, s3:// on
 moto's HTTP server) or by the format's own ``write``; damaged and hostile files are made by hand.
@@ -22,10 +22,10 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic_trainer import checkpoint_format, storage
+from elastic_trainer.checkpoint import format as checkpoint_format, storage
 from elastic_trainer.checkpoint import CheckpointManager, capture_rng_state
-from elastic_trainer.checkpoint_format import Arena
-from elastic_trainer.checkpoint_snapshot import _Snapshotter
+from elastic_trainer.checkpoint.format import Arena
+from elastic_trainer.checkpoint.snapshot import Snapshotter
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -88,7 +88,7 @@ def _odd_state() -> dict:
 
 
 def _through_format3(state: dict) -> tuple[dict, bytes]:
-    snap, _ = _Snapshotter().take(state)
+    snap, _ = Snapshotter().take(state)
     out = io.BytesIO()
     assert checkpoint_format.write(snap.state, snap.arena, out)
     data = out.getvalue()
@@ -294,7 +294,7 @@ def test_a_sparse_tensor_falls_back_to_a_format2_file_that_round_trips(any_url):
 
 
 def test_arena_is_reused_while_the_tensors_keep_their_shapes_and_relaid_when_they_change():
-    snapper = _Snapshotter()
+    snapper = Snapshotter()
     state = {"a": torch.ones(3), "b": {"c": torch.zeros(2, 2, dtype=torch.float64)}}
     first, _ = snapper.take(state)
     arena = first.arena

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from elastic_trainer.data import H5Dataset, synthetic_dataset, write_synthetic_h5
+from elastic_trainer.training.data import H5Dataset, synthetic_dataset, write_synthetic_h5
 from elastic_trainer.sampler import ElasticSampler
 
 SHAPES = dict(src_shape=(1, 8), tgt_shape=(4, 8))

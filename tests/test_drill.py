@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic_trainer import drill, drill_report
-from elastic_trainer.drill import ScenarioError, Trigger, parse_args, parse_fault
+from elastic_trainer.drill import command as drill, report as drill_report
+from elastic_trainer.drill.scenario import ScenarioError, Trigger, parse_args, parse_fault
 
 REPO = Path(__file__).resolve().parent.parent
 

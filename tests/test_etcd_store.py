@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elastic_trainer.rendezvous._etcd import EtcdConnection, EtcdOptions
+from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions
 from elastic_trainer.rendezvous.etcd_store import EtcdStore
 
 pytestmark = pytest.mark.timeout(120)

@@ -13,7 +13,7 @@ import pytest
 
 from elastic_trainer.etcd_server import free_port
 from tests.conftest import REPO
-from tests.test_train_e2e import TINY, _wait, agent, latest, read_jsonl
+from tests.test_train_e2e import TINY, wait_for_steps, agent, latest, read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -23,12 +23,12 @@ def test_sigterm_to_one_node_saves_and_the_other_node_continues_alone(etcd, run_
     args = ("--max-steps", "100000", "--checkpoint-every", "1000", "--sleep-per-step", "0.2")
     outs = [tmp_path / "node-a.log", tmp_path / "node-b.log"]
     nodes = [agent(procs, etcd, run_id, 1, ck, logs, *args, nnodes="1:2", out=out) for out in outs]
-    _wait("a world of 2 at step 3", lambda st: any(s["world_size"] == 2 and s["step"] >= 3 for s in st),
+    wait_for_steps("a world of 2 at step 3", lambda st: any(s["world_size"] == 2 and s["step"] >= 3 for s in st),
           logs, 240, nodes, outs)
     nodes[1].send_signal(signal.SIGTERM)  # node b is preempted
     t_term = time.time()
     nodes[1].wait(timeout=120)
-    steps = _wait("node a training alone", lambda st: sum(s["world_size"] == 1 and s["time"] > t_term
+    steps = wait_for_steps("node a training alone", lambda st: sum(s["world_size"] == 1 and s["time"] > t_term
                                                            for s in st) >= 3, logs, 240, nodes, outs)
     assert nodes[0].poll() is None, "the surviving node must keep training"
     stopped_at = max(s["step"] for s in steps if s["world_size"] == 2)

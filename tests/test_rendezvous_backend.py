@@ -23,16 +23,16 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousParameters,
     RendezvousStateError,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+from elastic_trainer.rendezvous.torch_private import (
+    NodeDesc,
     RendezvousSettings,
+    RendezvousState,
     RendezvousTimeout,
-    _NodeDesc,
-    _RendezvousState,
 )
 
 from elastic_trainer.etcd_server import EtcdServer, free_port
 from elastic_trainer.rendezvous import handler_creator
-from elastic_trainer.rendezvous._etcd import EtcdConnection, EtcdOptions
+from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions
 from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
 from elastic_trainer.rendezvous.fence import FencedError, RoundFence
 from elastic_trainer.rendezvous.handler import RendezvousOptions
@@ -167,9 +167,9 @@ def test_state_of_another_run_id_is_refused(conn, run_id):
         ours.get_state()
 
 
-def _sample_state() -> _RendezvousState:
-    a, b, c = _NodeDesc("h1", 10, 0), _NodeDesc("h2", 11, 0), _NodeDesc("h3", 12, 1)
-    s = _RendezvousState()
+def _sample_state() -> RendezvousState:
+    a, b, c = NodeDesc("h1", 10, 0), NodeDesc("h2", 11, 0), NodeDesc("h3", 12, 1)
+    s = RendezvousState()
     s.round, s.complete, s.closed = 4, True, False
     s.deadline = datetime(2026, 1, 2, 3, 4, 5, 6789, tzinfo=timezone.utc)
     s.participants = {a: 0, b: 1}
@@ -225,10 +225,10 @@ def test_invalid_json_state_is_refused(mutate, message):
 
 def test_holder_removes_a_node_only_when_its_lease_key_is_gone(backend, conn, run_id):
     settings = _settings(run_id)
-    live, dead = _NodeDesc("127.0.0.1", 1, 0), _NodeDesc("127.0.0.1", 2, 0)
+    live, dead = NodeDesc("127.0.0.1", 1, 0), NodeDesc("127.0.0.1", 2, 0)
     lease = conn.client.lease(30)
     conn.client.put(backend.alive_key(node_name(live)), b"", lease=lease)
-    state = _RendezvousState()
+    state = RendezvousState()
     state.complete, state.participants = True, {live: 0, dead: 1}
     # Ancient heartbeats: torch's holder would drop both; ours keeps the one with a lease.
     old = datetime(2000, 1, 1, tzinfo=timezone.utc)
@@ -246,13 +246,13 @@ def test_joining_nodes_come_from_key_names_and_need_a_live_lease(backend, conn, 
     """Readers take a joining node from its key's name (keys only; the value is not read):
     an address may hold ``_``; a malformed name is ignored; a name without a live lease key too."""
     lease = conn.client.lease(30)
-    nodes = [_NodeDesc("127.0.0.1", 7, 0), _NodeDesc("host_with_underscore", 8, 2)]
+    nodes = [NodeDesc("127.0.0.1", 7, 0), NodeDesc("host_with_underscore", 8, 2)]
     names = [node_name(n) for n in nodes] + ["no-pid-here", "127.0.0.1_9_0"]
     for name in names[:3]:
         conn.client.put(backend.alive_key(name), b"", lease=lease)
     for name in names:
         conn.client.put(backend.joining_key(name), b"not read", lease=lease)
-    backend.set_state(encode_state(_RendezvousState()))
+    backend.set_state(encode_state(RendezvousState()))
     holder = EtcdRendezvousStateHolder(backend, _settings(run_id))
     holder.sync()
     assert holder.joining == nodes  # "no-pid-here" is malformed; 127.0.0.1_9_0 holds no alive key

@@ -9,7 +9,7 @@ import uuid
 import pytest
 import torch
 
-from elastic_trainer import storage
+from elastic_trainer.checkpoint import storage
 from elastic_trainer.etcd_server import free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -111,12 +111,12 @@ def _record_writeback_hints(monkeypatch) -> list[tuple[int, int]]:
     """(offset, bytes) of every ``sync_file_range`` writeback hint storage sends (none where the
     platform has no sync_file_range)."""
     hints: list[tuple[int, int]] = []
-    real = storage._SYNC_FILE_RANGE
+    real = storage.SYNC_FILE_RANGE
     if real is not None:
         def recording(fd, offset, nbytes, flags):
             hints.append((offset, nbytes))
             return real(fd, offset, nbytes, flags)
-        monkeypatch.setattr(storage, "_SYNC_FILE_RANGE", recording)
+        monkeypatch.setattr(storage, "SYNC_FILE_RANGE", recording)
     return hints
 
 def test_write_streamed_writes_and_hashes_every_byte_in_order(any_url, monkeypatch):
@@ -140,7 +140,7 @@ def test_write_streamed_writes_and_hashes_every_byte_in_order(any_url, monkeypat
     assert storage.write_streamed(fs, path, produce, hasher=hasher) == len(want)
     assert storage.read_bytes(fs, path) == want
     assert hasher.hexdigest() == xxhash.xxh3_128(want).hexdigest()
-    if storage.is_local(fs) and storage._SYNC_FILE_RANGE is not None:
+    if storage.is_local(fs) and storage.SYNC_FILE_RANGE is not None:
         assert hints and hints[0][0] == 0
         assert all(a[0] + a[1] == b[0] for a, b in zip(hints, hints[1:]))  # contiguous, in order
 
@@ -200,7 +200,7 @@ def test_write_parts_writes_and_hashes_the_concatenation(any_url):
 def test_parts_reader_reads_seeks_and_slices_without_copying():
     blob = bytes(range(256)) * 50
     parts = [memoryview(blob)[:1000], memoryview(blob)[1000:1001], memoryview(b""), memoryview(blob)[1001:]]
-    reader = storage._PartsReader(parts)
+    reader = storage.PartsReader(parts)
     assert len(reader) == len(blob) and reader.read() == blob and reader.read() == b""
     reader.seek(995)
     assert reader.read(10) == blob[995:1005] and reader.tell() == 1005
@@ -229,7 +229,7 @@ def test_write_parts_multipart_upload_reads_each_part_from_the_buffers(s3_url):
     a, b = rnd.randbytes(7_000_000), rnd.randbytes(5_000_000)
     fs, root = storage.get_fs(s3_url)
     path = storage.join(root, "multipart.bin")
-    fs.pipe_file(path, storage._PartsReader([memoryview(a), memoryview(b)]), chunksize=5 << 20)
+    fs.pipe_file(path, storage.PartsReader([memoryview(a), memoryview(b)]), chunksize=5 << 20)
     assert storage.read_bytes(fs, path) == a + b
     assert "-3" in fs.info(path)["ETag"]  # a multipart ETag: <md5 of the part md5s>-<parts>
 
@@ -260,6 +260,6 @@ def test_write_streamed_hashes_and_writes_one_large_write_in_pieces(any_url, mon
     assert storage.read_bytes(fs, path) == blob
     assert hasher.h.hexdigest() == xxhash.xxh3_128(blob).hexdigest()
     assert updates == [1000] * 25 + [600]
-    if storage.is_local(fs) and storage._SYNC_FILE_RANGE is not None:
+    if storage.is_local(fs) and storage.SYNC_FILE_RANGE is not None:
         assert len(hints) >= 5 and hints[0][0] == 0  # writeback started while the write went on
         assert all(a[0] + a[1] == b[0] for a, b in zip(hints, hints[1:]))

@@ -116,7 +116,7 @@ def test_world_size_3_then_1_then_2_matches_an_uninterrupted_run(etcd, run_id, p
     check_equivalence(state["model"], base_model, 12)
 
 
-def _wait(what: str, pred, logs: Path, timeout: float, agents: list[subprocess.Popen], outs: list[Path]):
+def wait_for_steps(what: str, pred, logs: Path, timeout: float, agents: list[subprocess.Popen], outs: list[Path]):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         steps = read_jsonl(logs / "steps", "*.jsonl") if (logs / "steps").exists() else []
@@ -145,16 +145,16 @@ def test_live_run_loses_two_nodes_gains_one_and_ends_like_an_uninterrupted_run(e
     args = ("--max-steps", "100000", "--checkpoint-every", "2", "--sleep-per-step", "0.2")
     outs = [tmp_path / f"node-{n}.log" for n in "abcd"]
     nodes = [agent(procs, etcd, run_id, 1, ck, logs, *args, nnodes="1:3", out=outs[i]) for i in range(3)]
-    _wait("a world of 3 at step 4", lambda st: any(s["world_size"] == 3 and s["step"] >= 4 for s in st),
+    wait_for_steps("a world of 3 at step 4", lambda st: any(s["world_size"] == 3 and s["step"] >= 4 for s in st),
           logs, 240, nodes, outs)
     t_kill = time.time()
     for proc in nodes[1:]:
         _kill_tree(proc)
-    _wait("the survivor training alone", lambda st: sum(s["world_size"] == 1 and s["time"] > t_kill for s in st) >= 3,
+    wait_for_steps("the survivor training alone", lambda st: sum(s["world_size"] == 1 and s["time"] > t_kill for s in st) >= 3,
           logs, 240, nodes, outs)
     t_join = time.time()
     nodes.append(agent(procs, etcd, run_id, 1, ck, logs, *args, nnodes="1:3", out=outs[3]))
-    _wait("a world of 2 after the join", lambda st: sum(s["world_size"] == 2 and s["time"] > t_join for s in st) >= 6,
+    wait_for_steps("a world of 2 after the join", lambda st: sum(s["world_size"] == 2 and s["time"] > t_join for s in st) >= 6,
           logs, 240, nodes, outs)
     for proc in (nodes[0], nodes[3]):  # preemption: the agents stop their workers with SIGTERM
         proc.send_signal(signal.SIGTERM)

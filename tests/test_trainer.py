@@ -20,7 +20,7 @@ import torch
 from elastic_trainer.checkpoint import CheckpointManager
 from elastic_trainer.train import parse_config
 from elastic_trainer.config import TrainConfig
-from elastic_trainer.trainer import Trainer
+from elastic_trainer.training.trainer import Trainer
 from elastic_trainer.etcd_server import free_port
 from tests.conftest import REPO
 
@@ -151,7 +151,7 @@ def test_task_from_a_test_file_runs_through_the_task_flag(tmp_path):
 
 
 def test_h5_variant_of_the_example_trains_exactly_like_the_in_memory_data(tmp_path):
-    from elastic_trainer.data import write_synthetic_h5
+    from elastic_trainer.training.data import write_synthetic_h5
 
     write_synthetic_h5(tmp_path / "d.h5", 256, (2, 16), (4, 16), seed=0)
     for name, data in (("mem", []), ("h5", ["--data", f"h5:{tmp_path / 'd.h5'}"])):

@@ -38,7 +38,7 @@ from etcd3 import etcdrpc
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
-from elastic_trainer.rendezvous._etcd import EtcdConnection
+from elastic_trainer.rendezvous.etcd_client import EtcdConnection
 
 logger = logging.getLogger(__name__)
 

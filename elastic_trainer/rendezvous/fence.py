@@ -82,7 +82,7 @@ class RoundFence:
 
     def _connect(self):
         if self._backend is None:
-            from elastic_trainer.rendezvous._etcd import EtcdConnection, EtcdOptions, parse_endpoints
+            from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
             from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
 
             o = self._conn_options

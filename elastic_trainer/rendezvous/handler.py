@@ -54,20 +54,21 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+from elastic_trainer.rendezvous.torch_private import (
+    Action,
+    DistributedOpExecutor,
     DynamicRendezvousHandler,
+    ExitOp,
+    JoinOp,
+    NodeDesc,
+    RendezvousContext,
     RendezvousSettings,
+    RendezvousState,
     RendezvousTimeout,
-    _Action,
-    _DistributedRendezvousOpExecutor,
-    _NodeDesc,
-    _RendezvousContext,
-    _RendezvousExitOp,
-    _RendezvousJoinOp,
-    _RendezvousState,
+    generate_node_desc,
 )
 
-from elastic_trainer.rendezvous._etcd import EtcdConnection
+from elastic_trainer.rendezvous.etcd_client import EtcdConnection
 from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
 from elastic_trainer.rendezvous.etcd_store import EtcdStore
 from elastic_trainer.rendezvous.lease import LeaseKeeper
@@ -93,9 +94,9 @@ ENV_RDZV_CONN = "ELASTIC_TRAINER_RDZV_CONN"
 # torch writes heartbeat timestamps into the state whenever the last one is older than
 # the settings' keep-alive interval; with leases those writes are pure load, so the
 # interval the state machine sees is a year.
-_NO_STATE_HEARTBEATS = timedelta(days=365)
+NO_STATE_HEARTBEATS = timedelta(days=365)
 
-def _record(obj, node: _NodeDesc, message: str, node_state: NodeState, rank: int | None = None) -> None:
+def _record(obj, node: NodeDesc, message: str, node_state: NodeState, rank: int | None = None) -> None:
     """torch's ``_record`` without ``inspect.stack()``.
 
     torch names each rendezvous event after the calling method with two ``inspect.stack()``
@@ -113,7 +114,7 @@ def _crowd(state) -> int:
     return len(state.participants) + len(state.wait_list) + len(state.redundancy_list)
 
 
-class _EtcdOpExecutor(_DistributedRendezvousOpExecutor):
+class _EtcdOpExecutor(DistributedOpExecutor):
     """torch's operation loop with fresh reads, a short adaptive poll and early completion."""
 
     lost_races = 0
@@ -131,7 +132,7 @@ class _EtcdOpExecutor(_DistributedRendezvousOpExecutor):
     def _run(self, holder: EtcdRendezvousStateHolder, state_handler, deadline: float, update_deadline) -> None:
         action = None
         self._state = holder.state
-        while action != _Action.FINISH:
+        while action != Action.FINISH:
             # Only a node that admits needs the exact joining list: the admitter, or a node the
             # admitter kept waiting too long (it writes itself in with everyone waiting). The
             # others keep a lazy one (see etcd_backend._Members), which names the admitter as
@@ -144,22 +145,22 @@ class _EtcdOpExecutor(_DistributedRendezvousOpExecutor):
                 time.sleep(random.uniform(0, min(0.5, 0.0005 * _crowd(holder.state))))
                 holder.sync(use_cache=False)
             self._state = holder.state
-            ctx = _RendezvousContext(self._node, self._state, self._settings)
+            ctx = RendezvousContext(self._node, self._state, self._settings)
             action = state_handler(ctx, deadline)
-            if action == _Action.FINISH:
+            if action == Action.FINISH:
                 continue
-            if action == _Action.ERROR_CLOSED:
+            if action == Action.ERROR_CLOSED:
                 raise RendezvousClosedError(f"the rendezvous of run '{self._settings.run_id}' is closed "
                                             f"(the job finished or was shut down)")
-            if action == _Action.ERROR_TIMEOUT:
+            if action == Action.ERROR_TIMEOUT:
                 raise RendezvousTimeoutError(
                     f"the rendezvous of run '{self._settings.run_id}' did not complete in time "
                     f"(join_timeout {self._settings.timeout.join.total_seconds():g}s); fewer than "
                     f"min nodes ({self._settings.min_nodes}) joined")
-            joining_op = isinstance(state_handler, _RendezvousJoinOp)
-            if action == _Action.SYNC and joining_op and self._everyone_alive_has_joined(holder.alive):
-                action = _Action.MARK_RENDEZVOUS_COMPLETE
-            if joining_op and action in (_Action.SYNC, _Action.ADD_TO_PARTICIPANTS):
+            joining_op = isinstance(state_handler, JoinOp)
+            if action == Action.SYNC and joining_op and self._everyone_alive_has_joined(holder.alive):
+                action = Action.MARK_RENDEZVOUS_COMPLETE
+            if joining_op and action in (Action.SYNC, Action.ADD_TO_PARTICIPANTS):
                 if self._is_admitter(holder):
                     if not holder.joining_exact:
                         continue  # the admitter acts on the list: the next sync reads it exactly
@@ -169,28 +170,28 @@ class _EtcdOpExecutor(_DistributedRendezvousOpExecutor):
                 if self._may_wait_lightly(holder, action):
                     self._wait_lightly(holder, deadline)
                     continue
-            if action == _Action.SYNC:
+            if action == Action.SYNC:
                 self._pause(fast=joining_op and self._is_admitter(holder))
                 continue
-            if action == _Action.KEEP_ALIVE:
+            if action == Action.KEEP_ALIVE:
                 self._keep_alive()
-            elif action == _Action.ADD_TO_PARTICIPANTS:
+            elif action == Action.ADD_TO_PARTICIPANTS:
                 self._add_to_participants()
-            elif action == _Action.ADD_TO_WAIT_LIST:
+            elif action == Action.ADD_TO_WAIT_LIST:
                 self._add_to_wait_list()
-            elif action == _Action.ADD_TO_REDUNDANCY_LIST:
+            elif action == Action.ADD_TO_REDUNDANCY_LIST:
                 self._add_to_redundancy_list()
-            elif action == _Action.REMOVE_FROM_PARTICIPANTS:
+            elif action == Action.REMOVE_FROM_PARTICIPANTS:
                 self._remove_from_participants()
-            elif action == _Action.REMOVE_FROM_WAIT_LIST:
+            elif action == Action.REMOVE_FROM_WAIT_LIST:
                 self._remove_from_wait_list()
-            elif action == _Action.REMOVE_FROM_REDUNDANCY_LIST:
+            elif action == Action.REMOVE_FROM_REDUNDANCY_LIST:
                 self._remove_from_redundancy_list()
                 if update_deadline:
                     deadline = update_deadline(self._settings.timeout.join)
-            elif action == _Action.MARK_RENDEZVOUS_COMPLETE:
+            elif action == Action.MARK_RENDEZVOUS_COMPLETE:
                 self._mark_rendezvous_complete()
-            elif action == _Action.MARK_RENDEZVOUS_CLOSED:
+            elif action == Action.MARK_RENDEZVOUS_CLOSED:
                 self._mark_rendezvous_closed()
             holder.mark_dirty()
 
@@ -263,13 +264,13 @@ class _EtcdOpExecutor(_DistributedRendezvousOpExecutor):
         """Seconds a node waits to be admitted while the admitter admits nobody."""
         return 2.0 + 0.005 * crowd
 
-    def _may_wait_lightly(self, holder: EtcdRendezvousStateHolder, action: _Action) -> bool:
+    def _may_wait_lightly(self, holder: EtcdRendezvousStateHolder, action: Action) -> bool:
         state = self._state
         if state.closed:
             return False
         if state.complete:  # waiting in the wait list for the next round
-            return action == _Action.SYNC
-        if action == _Action.ADD_TO_PARTICIPANTS and (
+            return action == Action.SYNC
+        if action == Action.ADD_TO_PARTICIPANTS and (
                 time.monotonic() < self._bypass_gate_until or self._node not in holder.joining):
             return False  # the admitter cannot see us (yet), or it kept us waiting too long
         admitter = self._admitter(holder)
@@ -333,7 +334,7 @@ class _EtcdOpExecutor(_DistributedRendezvousOpExecutor):
 class EtcdRendezvousHandler(DynamicRendezvousHandler):
     """torch's dynamic rendezvous handler on etcd v3 with leases and a membership watchdog."""
 
-    def __init__(self, node: _NodeDesc, settings: RendezvousSettings, store: EtcdStore,
+    def __init__(self, node: NodeDesc, settings: RendezvousSettings, store: EtcdStore,
                  backend: EtcdRendezvousBackend, conn: EtcdConnection, options: RendezvousOptions) -> None:
         holder = EtcdRendezvousStateHolder(backend, settings)
         super().__init__(node, settings, backend.name, store, holder)
@@ -370,12 +371,12 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             self._reopen_finished_run()
             time.sleep(random.uniform(0, 0.1))
         else:
-            self._op_executor.run(_RendezvousExitOp(), deadline)
+            self._op_executor.run(ExitOp(), deadline)
         # Only after leaving the last round may others admit this node to the next one.
         joining_key = self._etcd_backend.joining_key(self.node_name)
         self._lease.put(joining_key, json.dumps(node_json(self._this_node)).encode())
         try:
-            self._op_executor.run(_RendezvousJoinOp(), deadline, self._get_deadline)
+            self._op_executor.run(JoinOp(), deadline, self._get_deadline)
         finally:
             try:
                 self._lease.delete(joining_key)
@@ -423,7 +424,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         others = backend.read()[2] - {self.node_name}
         if others:
             return
-        fresh = _RendezvousState()
+        fresh = RendezvousState()
         fresh.round = old.round + 1
         if backend.set_state(encode_state(fresh), token, summary=encode_summary(fresh)) is not None:
             logger.info("rendezvous '%s' was closed by a finished job; starting it over at round %d",
@@ -534,6 +535,6 @@ def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
                           last_call=timedelta(seconds=options.last_call_timeout),
                           close=timedelta(seconds=options.close_timeout),
                           heartbeat=timedelta(seconds=options.heartbeat_timeout)),
-        keep_alive_interval=_NO_STATE_HEARTBEATS, keep_alive_max_attempt=3)
-    node = DynamicRendezvousHandler._node_desc_generator.generate(params.local_addr)
+        keep_alive_interval=NO_STATE_HEARTBEATS, keep_alive_max_attempt=3)
+    node = generate_node_desc(params.local_addr)
     return EtcdRendezvousHandler(node, settings, store, backend, conn, options)

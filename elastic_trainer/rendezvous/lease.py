@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from elastic_trainer.rendezvous._etcd import EtcdConnection
+from elastic_trainer.rendezvous.etcd_client import EtcdConnection
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
-from elastic_trainer.rendezvous._etcd import EtcdOptions, parse_endpoints
+from elastic_trainer.rendezvous.etcd_client import EtcdOptions, parse_endpoints
 
 # Options torch's launcher adds by itself; accepted and ignored.
 _TORCH_ADDED = {"timeout", "is_host", "rank", "store_type"}

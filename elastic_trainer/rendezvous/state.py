@@ -1,6 +1,6 @@
 """The rendezvous state as JSON, and a state holder whose liveness comes from etcd leases.
 
-torch's ``_BackendRendezvousStateHolder`` pickles ``_RendezvousState`` into the backend,
+torch's ``_BackendRendezvousStateHolder`` pickles ``RendezvousState`` into the backend,
 so anyone who can write the key can run code in every agent. Here the state is plain
 JSON with a fixed schema, checked field by field when read back:
 
@@ -30,14 +30,13 @@ import time
 from datetime import datetime, timezone
 
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+from elastic_trainer.rendezvous.torch_private import (
+    NodeDesc,
     RendezvousSettings,
-    _NodeDesc,
-    _remove_participant_epilogue,
-    _RendezvousState,
-    _RendezvousStateHolder,
+    RendezvousState,
+    StateHolder,
+    remove_participant_epilogue,
 )
-
 from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
 
 logger = logging.getLogger(__name__)
@@ -47,20 +46,20 @@ _KEYS = {"version", "round", "complete", "closed", "deadline", "participants", "
          "redundancy_list"}
 
 
-def node_name(node: _NodeDesc) -> str:
+def node_name(node: NodeDesc) -> str:
     """The name of a node in etcd keys: ``<addr>_<pid>_<local_id>`` (torch's repr)."""
     return f"{node.addr}_{node.pid}_{node.local_id}"
 
 
-def parse_node_name(name: str) -> _NodeDesc | None:
+def parse_node_name(name: str) -> NodeDesc | None:
     """``node_name``'s inverse (the address may hold ``_``; pid and local id are integers), or None."""
     parts = name.rsplit("_", 2)
     if len(parts) != 3 or not parts[0] or not parts[1].isdigit() or not parts[2].isdigit():
         return None
-    return _NodeDesc(parts[0], int(parts[1]), int(parts[2]))
+    return NodeDesc(parts[0], int(parts[1]), int(parts[2]))
 
 
-def node_json(node: _NodeDesc) -> dict:
+def node_json(node: NodeDesc) -> dict:
     return {"addr": node.addr, "pid": node.pid, "local_id": node.local_id}
 
 
@@ -75,13 +74,13 @@ def _int(value, what: str) -> int:
     return value
 
 
-_NODES: dict[tuple[str, int, int], _NodeDesc] = {}
+_NODES: dict[tuple[str, int, int], NodeDesc] = {}
 """Interned node descriptors: every read of a 1,000-node state decodes into the same objects
 (a new descriptor per node and read was most of the decoding time)."""
 _NODES_MAX = 100_000
 
 
-def _node(value) -> _NodeDesc:
+def _node(value) -> NodeDesc:
     if type(value) is dict and len(value) == 3:
         addr, pid, local_id = value.get("addr"), value.get("pid"), value.get("local_id")
         if type(addr) is str and addr and type(pid) is int and type(local_id) is int:
@@ -90,7 +89,7 @@ def _node(value) -> _NodeDesc:
             if node is None:
                 if len(_NODES) >= _NODES_MAX:
                     _NODES.clear()
-                node = _NODES.setdefault(key, _NodeDesc(addr, pid, local_id))
+                node = _NODES.setdefault(key, NodeDesc(addr, pid, local_id))
             return node
     if not isinstance(value, dict) or set(value) != {"addr", "pid", "local_id"}:
         raise _bad(f"a node must be {{addr, pid, local_id}}, got {value!r:.200}")
@@ -119,8 +118,8 @@ def _list(value, what: str) -> list:
     return value
 
 
-def encode_state(state: _RendezvousState) -> bytes:
-    """``_RendezvousState`` -> JSON bytes (sorted, so equal states encode equally)."""
+def encode_state(state: RendezvousState) -> bytes:
+    """``RendezvousState`` -> JSON bytes (sorted, so equal states encode equally)."""
     doc = {
         "version": SCHEMA_VERSION,
         "round": state.round,
@@ -134,7 +133,7 @@ def encode_state(state: _RendezvousState) -> bytes:
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
-def encode_summary(state: _RendezvousState) -> bytes:
+def encode_summary(state: RendezvousState) -> bytes:
     """What waiting and training nodes watch instead of the whole state:
     ``b"<round> <complete> <closed> <participants> <waiting>"`` (counts of nodes).
 
@@ -155,8 +154,8 @@ def decode_summary(data: bytes | None) -> tuple[int, ...] | None:
     return numbers if len(numbers) == 5 else None
 
 
-def decode_state(data: bytes) -> _RendezvousState:
-    """JSON bytes -> ``_RendezvousState``; anything unexpected raises ``RendezvousStateError``."""
+def decode_state(data: bytes) -> RendezvousState:
+    """JSON bytes -> ``RendezvousState``; anything unexpected raises ``RendezvousStateError``."""
     try:
         doc = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -167,7 +166,7 @@ def decode_state(data: bytes) -> _RendezvousState:
         raise _bad(f"fields {sorted(set(doc) ^ _KEYS)} are missing or unexpected")
     if doc["version"] != SCHEMA_VERSION:
         raise _bad(f"schema version {doc['version']!r}, this code reads {SCHEMA_VERSION}")
-    state = _RendezvousState()
+    state = RendezvousState()
     state.round = _int(doc["round"], "round")
     for name in ("complete", "closed"):
         if type(doc[name]) is not bool:
@@ -187,7 +186,7 @@ def decode_state(data: bytes) -> _RendezvousState:
     return state
 
 
-def remove_dead_nodes(state: _RendezvousState, alive: frozenset[str], settings: RendezvousSettings) -> list[_NodeDesc]:
+def remove_dead_nodes(state: RendezvousState, alive: frozenset[str], settings: RendezvousSettings) -> list[NodeDesc]:
     """Drop every node whose lease key is not in ``alive``; return the dropped ones."""
     nodes = set(state.participants) | state.wait_list | state.redundancy_list | set(state.last_heartbeats)
     dead = sorted(n for n in nodes if node_name(n) not in alive)
@@ -199,13 +198,13 @@ def remove_dead_nodes(state: _RendezvousState, alive: frozenset[str], settings: 
         state.wait_list.discard(node)
         state.redundancy_list.discard(node)
     if participant_removed:
-        _remove_participant_epilogue(state, settings)
+        remove_participant_epilogue(state, settings)
     return dead
 
 
-def _copy(state: _RendezvousState) -> _RendezvousState:
+def _copy(state: RendezvousState) -> RendezvousState:
     """A copy that the state machine may change (node descriptors are immutable)."""
-    new = _RendezvousState()
+    new = RendezvousState()
     new.round, new.complete, new.deadline, new.closed = state.round, state.complete, state.deadline, state.closed
     new.participants = dict(state.participants)
     new.wait_list = set(state.wait_list)
@@ -214,7 +213,7 @@ def _copy(state: _RendezvousState) -> _RendezvousState:
     return new
 
 
-class EtcdRendezvousStateHolder(_RendezvousStateHolder):
+class EtcdRendezvousStateHolder(StateHolder):
     """Keeps the local copy of the rendezvous state in sync with etcd, as JSON.
 
     Args:
@@ -229,16 +228,16 @@ class EtcdRendezvousStateHolder(_RendezvousStateHolder):
         self._backend = backend
         self._settings = settings
         self._cache_duration = cache_duration
-        self._state = _RendezvousState()
+        self._state = RendezvousState()
         self._token = None
         self._dirty = False
         self._last_sync_time = -1.0
-        self._pristine: tuple[object, _RendezvousState] | None = None  # decoded state by token
+        self._pristine: tuple[object, RendezvousState] | None = None  # decoded state by token
         self.alive: frozenset[str] = frozenset()
         """Names of the nodes with a live lease key, as of the last sync."""
-        self.joining: list[_NodeDesc] = []
+        self.joining: list[NodeDesc] = []
         """Live nodes that wait to join a round (their ``joining/`` keys), as of the last sync."""
-        self._joining_parsed: dict[str, _NodeDesc | None] = {}
+        self._joining_parsed: dict[str, NodeDesc | None] = {}
         self._sources: tuple = (None, None)  # the backend objects alive and joining were made from
         self.exact_joining = True
         """Whether syncs must read ``joining`` exactly; when False it may keep nodes whose
@@ -250,7 +249,7 @@ class EtcdRendezvousStateHolder(_RendezvousStateHolder):
         return self._backend.joining_exact
 
     @property
-    def state(self) -> _RendezvousState:
+    def state(self) -> RendezvousState:
         return self._state
 
     def mark_dirty(self) -> None:
@@ -275,7 +274,7 @@ class EtcdRendezvousStateHolder(_RendezvousStateHolder):
             if response is not None:
                 state_bits, token = response
         if state_bits is None:
-            self._state = _RendezvousState()
+            self._state = RendezvousState()
         else:
             if self._pristine is None or self._pristine[0] != token:
                 self._pristine = (token, decode_state(state_bits))

@@ -19,7 +19,7 @@ import sys
 import uuid
 from typing import Any
 
-logger = logging.getLogger("elastic_trainer.metrics")
+logger = logging.getLogger("elastic_trainer.training.metrics")
 
 _RANK = int(os.environ.get("RANK", "0"))
 _BAR: "Progress | None" = None

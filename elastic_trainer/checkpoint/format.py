@@ -2,7 +2,7 @@
 
 ``torch.save`` pickles: for the example model's 258 tensors that is ~5.4 ms of Python (about
 22 pickler callbacks a tensor), more than writing its 11 MB. A snapshot's tensors already lie
-in one buffer, the ``Arena`` (``checkpoint_snapshot._Snapshotter`` copies the state into it), so a save
+in one buffer, the ``Arena`` (``checkpoint_snapshot.Snapshotter`` copies the state into it), so a save
 here is a header of a few KB and then that buffer, written and hashed in large pieces as it is::
 
     offset 0       b"ETSTATE3"                      magic, 8 bytes

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from elastic_trainer.drill_logs import Attempt, RunLogs, final_lineage
+from elastic_trainer.drill.logs import Attempt, RunLogs, final_lineage
 
 
 def check_exactly_once(logs: RunLogs, global_batch: int | None = None, expected=None) -> dict:

@@ -1,7 +1,7 @@
 """A drill's faults, applied one at a time, and when each counts as recovered.
 
-:class:`FaultDriver` fires a :class:`~elastic_trainer.drill_scenario.Fault` on a
-:class:`~elastic_trainer.drill_cluster.Cluster` (SIGKILL, SIGSTOP, SIGTERM or cut a node, add a
+:class:`FaultDriver` fires a :class:`~elastic_trainer.drill.scenario.Fault` on a
+:class:`~elastic_trainer.drill.cluster.Cluster` (SIGKILL, SIGSTOP, SIGTERM or cut a node, add a
 node, restart etcd, corrupt the newest checkpoint, fill the checkpoint disk), ends the faults that
 last ``for:SECONDS``, and decides when the run has recovered: :data:`SETTLE_STEPS` steps of one
 world at the expected size since the fault (or its end). Each fault leaves a record (a dict: what
@@ -17,10 +17,10 @@ import signal
 import time
 from pathlib import Path
 
-from elastic_trainer import drill_report
-from elastic_trainer.drill_cluster import POLL, Cluster
-from elastic_trainer.drill_nodes import killpg
-from elastic_trainer.drill_scenario import Fault
+from elastic_trainer.drill import report as drill_report
+from elastic_trainer.drill.cluster import POLL, Cluster
+from elastic_trainer.drill.nodes import killpg
+from elastic_trainer.drill.scenario import Fault
 
 SETTLE_STEPS = 3  # steps of one world at the expected size that make a fault recovered
 

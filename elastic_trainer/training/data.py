@@ -6,7 +6,7 @@ Both are here, generated from the same seeded chunks, so the file holds exactly 
 ``synthetic_dataset`` with the same arguments. Any map-style dataset works with
 ``ElasticSampler``; these are the ones the built-in task and the tests use.
 
-    python -c "from elastic_trainer.data import write_synthetic_h5; write_synthetic_h5('data.h5', 2048)"
+    python -c "from elastic_trainer.training.data import write_synthetic_h5; write_synthetic_h5('data.h5', 2048)"
 
 ``H5Dataset`` opens its file lazily, once per process, on first access: a handle opened in the
 parent would be shared by forked ``DataLoader`` workers (h5py handles are not fork-safe) and cannot

@@ -167,11 +167,11 @@ def _sync_file_range():
     return func
 
 
-_SYNC_FILE_RANGE = _sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not wait
+SYNC_FILE_RANGE = _sync_file_range()
+SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not wait
 
 
-def _as_bytes_view(data) -> memoryview:
+def as_bytes_view(data) -> memoryview:
     """``data`` as a flat view of bytes (a tensor's or an array's memory, without a copy)."""
     view = memoryview(data)
     return view if view.ndim == 1 and view.format == "B" else view.cast("B")
@@ -189,12 +189,12 @@ class _FileSink:
         self.started = 0  # bytes whose writeback was started
         self.error: OSError | None = None
         try:
-            self.fd: int | None = f.fileno() if _SYNC_FILE_RANGE is not None else None
+            self.fd: int | None = f.fileno() if SYNC_FILE_RANGE is not None else None
         except (AttributeError, OSError, ValueError):  # a wrapper without a real descriptor
             self.fd = None
 
     def write(self, data) -> int:
-        view = _as_bytes_view(data)
+        view = as_bytes_view(data)
         for start in range(0, view.nbytes, WRITE_PIECE):
             piece = view[start:start + WRITE_PIECE] if view.nbytes > WRITE_PIECE else view
             if self.hasher is not None:
@@ -211,7 +211,7 @@ class _FileSink:
         return view.nbytes
 
     def _start_writeback(self) -> None:
-        if _SYNC_FILE_RANGE(self.fd, self.started, self.size - self.started, _SYNC_FILE_RANGE_WRITE) != 0:
+        if SYNC_FILE_RANGE(self.fd, self.started, self.size - self.started, SYNC_FILE_RANGE_WRITE) != 0:
             err = ctypes.get_errno()
             if err not in (errno.EINVAL, errno.ESPIPE, errno.ENOSYS, errno.EOPNOTSUPP):
                 raise OSError(err, f"sync_file_range: {os.strerror(err)}")
@@ -237,7 +237,7 @@ class _BufferSink:
         self.size = 0
 
     def write(self, data) -> int:
-        view = _as_bytes_view(data)
+        view = as_bytes_view(data)
         for start in range(0, view.nbytes, WRITE_PIECE):
             piece = view[start:start + WRITE_PIECE] if view.nbytes > WRITE_PIECE else view
             if self.hasher is not None:
@@ -283,7 +283,7 @@ def write_streamed(fs: fsspec.AbstractFileSystem, path: str, produce: Callable[[
     return sink.size
 
 
-class _PartsReader(io.RawIOBase):
+class PartsReader(io.RawIOBase):
     """A read-only, seekable file over a sequence of buffers, which it never copies: the body of
     one S3 request sent straight from the buffers (botocore takes any seekable file as a body,
     reads it for its checksum, for the SigV4 payload hash over plain http, and once more to send
@@ -310,7 +310,7 @@ class _PartsReader(io.RawIOBase):
     def __len__(self) -> int:
         return self.size
 
-    def __getitem__(self, key: slice) -> "_PartsReader":
+    def __getitem__(self, key: slice) -> "PartsReader":
         start, stop, step = key.indices(self.size)
         if step != 1:
             raise ValueError("only contiguous slices")
@@ -319,7 +319,7 @@ class _PartsReader(io.RawIOBase):
             lo, hi = max(start - base, 0), min(stop - base, p.nbytes)
             if lo < hi:
                 out.append(p[lo:hi])
-        return _PartsReader(out)
+        return PartsReader(out)
 
     def readable(self) -> bool:
         return True
@@ -375,7 +375,7 @@ def write_parts(fs: fsspec.AbstractFileSystem, path: str, parts: Sequence, *,
     one becomes s3fs's multipart upload, each part read from the same buffers). Other stores: the
     parts joined into one ``bytes``, then one call.
     """
-    views = [_as_bytes_view(p) for p in parts]
+    views = [as_bytes_view(p) for p in parts]
     if is_local(fs):
         def produce(out) -> None:
             for v in views:
@@ -386,7 +386,7 @@ def write_parts(fs: fsspec.AbstractFileSystem, path: str, parts: Sequence, *,
             for start in range(0, v.nbytes, WRITE_PIECE):
                 hasher.update(v[start:start + WRITE_PIECE])
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    body = _PartsReader(views) if any(p in ("s3", "s3a") for p in protocols) else b"".join(views)
+    body = PartsReader(views) if any(p in ("s3", "s3a") for p in protocols) else b"".join(views)
     fs.pipe_file(path, body)
     return sum(v.nbytes for v in views)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from elastic_trainer.config import TrainConfig
-from elastic_trainer.worker import DistInfo
+from elastic_trainer.training.worker import DistInfo
 
 
 @dataclass

@@ -41,18 +41,18 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer import config as cfgmod
-from elastic_trainer import metrics
+from elastic_trainer.training import metrics
 from elastic_trainer.config import TrainConfig
-from elastic_trainer.metrics import print0
-from elastic_trainer.parallel import Parallel
+from elastic_trainer.training.metrics import print0
+from elastic_trainer.training.parallel import Parallel
 from elastic_trainer.tasks import Task, as_task, load_builder
-from elastic_trainer.worker import (
+from elastic_trainer.training.worker import (
     DistInfo,
-    _broadcast,
-    _fence_check,
-    _JsonLines,
-    _MicroBatches,
-    _SignalWatcher,
+    broadcast_object,
+    fence_check,
+    JsonLines,
+    MicroBatches,
+    SignalWatcher,
     seed_everything,
     setup_distributed,
 )
@@ -102,17 +102,17 @@ class Trainer:
         self.log_dir = Path(c.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.node = socket.gethostname()
-        self.events = _JsonLines(self.log_dir / "events.jsonl" if d.is_main else None)
+        self.events = JsonLines(self.log_dir / "events.jsonl" if d.is_main else None)
         pid = os.getpid()
-        self.step_log = _JsonLines(self.log_dir / "steps" / f"rank-{d.rank}-{pid}.jsonl" if c.step_log else None)
-        self.ledger = _JsonLines(self.log_dir / "ledger" / f"rank-{d.rank}-{pid}.jsonl" if c.sample_ledger else None)
+        self.step_log = JsonLines(self.log_dir / "steps" / f"rank-{d.rank}-{pid}.jsonl" if c.step_log else None)
+        self.ledger = JsonLines(self.log_dir / "ledger" / f"rank-{d.rank}-{pid}.jsonl" if c.sample_ledger else None)
         self.ckpt = None
         if c.checkpoint_dir:
             from elastic_trainer.checkpoint import CheckpointManager
 
             writer = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{self.node}-{pid}-r{d.round if d.round is not None else 'x'}")
             self.ckpt = CheckpointManager(c.checkpoint_dir, keep_latest=c.keep_checkpoints,
-                                          async_save=c.async_checkpoint, fence=_fence_check() if d.is_main else None,
+                                          async_save=c.async_checkpoint, fence=fence_check() if d.is_main else None,
                                           writer_id=writer[:64])
 
     def _event(self, event: str, **fields: Any) -> None:
@@ -123,7 +123,7 @@ class Trainer:
         if self.ckpt is None or not self.config.resume:
             return None
         found = self.ckpt.load() if self.dinfo.is_main else None
-        step = _broadcast(found[0] if found else None, self.dinfo)
+        step = broadcast_object(found[0] if found else None, self.dinfo)
         if step is None:
             return None
         if not self.dinfo.is_main:
@@ -230,7 +230,7 @@ class Trainer:
     def train(self) -> dict:
         """Build, resume, train until done (or stopped), save. Returns a summary dict."""
         old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)  # acted on at the first step boundary
-        watcher = _SignalWatcher(self._on_sigterm)
+        watcher = SignalWatcher(self._on_sigterm)
         try:
             return self._train()
         finally:
@@ -287,7 +287,7 @@ class Trainer:
     def _loop(self, total: int, profiler) -> str:
         """Steps until done or stopped; returns why it ended ("done", "max-seconds", "signal SIGTERM")."""
         c = self.config
-        batches = _MicroBatches(self.task, self.sampler, c.num_workers, c.seed, self.dinfo.device)
+        batches = MicroBatches(self.task, self.sampler, c.num_workers, c.seed, self.dinfo.device)
         started = last_save = time.monotonic()
         agree_in = 1  # steps until the ranks next agree (the first step does)
         self.model.train()
@@ -328,7 +328,7 @@ class Trainer:
         c = self.config
         return self.step >= total or (c.epochs is not None and self.sampler.epoch >= c.epochs)
 
-    def _train_step(self, batches: "_MicroBatches") -> torch.Tensor:
+    def _train_step(self, batches: "MicroBatches") -> torch.Tensor:
         """One optimizer step over this rank's micro-batches; returns the sum of its sample losses.
 
         The step's ledger line is written once its last micro-batch is fetched, before the backward
@@ -519,7 +519,7 @@ class Trainer:
 
     # ---- signals, profiler ---------------------------------------------------------------
     def _on_sigterm(self, signum: int, frame: Any = None) -> None:
-        """SIGTERM, from the Python handler (main thread) or the ``_SignalWatcher`` (at delivery)."""
+        """SIGTERM, from the Python handler (main thread) or the ``SignalWatcher`` (at delivery)."""
         with self._signal_lock:
             if self._stop_signal is not None:
                 return

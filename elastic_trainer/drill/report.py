@@ -23,8 +23,8 @@ import json
 import re
 from pathlib import Path
 
-from elastic_trainer.drill_ledger import check_exactly_once, find_overlapping_worlds, sampler_order
-from elastic_trainer.drill_logs import (Attempt, RunLogs, Worker, final_lineage, group_attempts, load_logs,
+from elastic_trainer.drill.ledger import check_exactly_once, find_overlapping_worlds, sampler_order
+from elastic_trainer.drill.logs import (Attempt, RunLogs, Worker, final_lineage, group_attempts, load_logs,
                                         read_agent_log, read_jsonl)
 
 __all__ = ["CKPT_START_EVENTS", "DETECT_RE", "JOINED_RE", "WORLD_CHANGING", "Attempt", "RunLogs", "Worker",

@@ -2,9 +2,9 @@
 
 ``setup_distributed`` joins the process group that torchrun's environment describes (gloo on
 CPU, NCCL on GPU) and returns a ``DistInfo``; ``seed_everything`` seeds every RNG;
-``_MicroBatches`` feeds this rank's micro-batches from a DataLoader over the elastic sampler,
-with the dataset indices of each; ``_JsonLines`` writes the step log, events and ledger the
-drills read; ``_fence_check`` finds the rendezvous round fence; ``_SignalWatcher`` acts on
+``MicroBatches`` feeds this rank's micro-batches from a DataLoader over the elastic sampler,
+with the dataset indices of each; ``JsonLines`` writes the step log, events and ledger the
+drills read; ``fence_check`` finds the rendezvous round fence; ``SignalWatcher`` acts on
 SIGTERM even while the main thread is blocked in a collective. ``trainer.Trainer`` uses them all.
 """
 
@@ -88,7 +88,7 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-class _JsonLines:
+class JsonLines:
     """Append-only JSON lines, flushed per line (the drills read them while training runs)."""
 
     def __init__(self, path: Path | None) -> None:
@@ -124,7 +124,7 @@ class _RecordingBatchSampler:
         return len(self.sampler)
 
 
-class _MicroBatches:
+class MicroBatches:
     """This rank's micro-batches from a DataLoader over the elastic sampler, with their indices.
 
     A DataLoader iterator runs to the end of the sampler's epoch; the next one starts where the
@@ -154,7 +154,7 @@ class _MicroBatches:
         return self.sampler.epoch, self.recorder.pending.popleft(), _to_device(batch, self.device)
 
 
-def _fence_check() -> Callable[[], None] | None:
+def fence_check() -> Callable[[], None] | None:
     """The rendezvous round fence's ``check`` when running under the etcd-v3 rendezvous."""
     try:
         present = importlib.util.find_spec("elastic_trainer.rendezvous.fence") is not None
@@ -168,7 +168,7 @@ def _fence_check() -> Callable[[], None] | None:
     return fence.check if fence is not None else None
 
 
-def _broadcast(value: Any, dinfo: DistInfo) -> Any:
+def broadcast_object(value: Any, dinfo: DistInfo) -> Any:
     if not dinfo.distributed or dinfo.world_size == 1:
         return value
     box = [value]
@@ -177,7 +177,7 @@ def _broadcast(value: Any, dinfo: DistInfo) -> Any:
 
 
 
-class _SignalWatcher:
+class SignalWatcher:
     """Acts on SIGTERM when it arrives, not when the main thread next runs Python code.
 
     Python runs signal handlers in the main thread between bytecodes, so a worker blocked in a

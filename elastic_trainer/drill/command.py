@@ -33,10 +33,10 @@ import signal
 import sys
 import time
 
-from elastic_trainer import drill_report
-from elastic_trainer.drill_cluster import POLL, Cluster
-from elastic_trainer.drill_faults import SETTLE_STEPS, FaultDriver
-from elastic_trainer.drill_scenario import (DEFAULT_FOR, DEFAULT_TRAINER_ARGS, DEFAULTS, FAULT_HELP, NEEDS_TARGET,
+from elastic_trainer.drill import report as drill_report
+from elastic_trainer.drill.cluster import POLL, Cluster
+from elastic_trainer.drill.faults import SETTLE_STEPS, FaultDriver
+from elastic_trainer.drill.scenario import (DEFAULT_FOR, DEFAULT_TRAINER_ARGS, DEFAULTS, FAULT_HELP, NEEDS_TARGET,
                                             NO_TARGET, Fault, ScenarioError, Trigger, build_parser, parse_args,
                                             parse_fault, parse_fault_line)
 
@@ -252,5 +252,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if report["ok"] else 1
 
 
-if __name__ == "__main__":  # python -m elastic_trainer.drill
+if __name__ == "__main__":  # python -m elastic_trainer.drill.command
     sys.exit(main())

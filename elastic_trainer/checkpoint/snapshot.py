@@ -1,11 +1,11 @@
 """Snapshots: a checkpoint's state copied into CPU memory, beside training where it can be.
 
-``CheckpointManager.save`` calls ``_Snapshotter.take``: every dense tensor of the state goes into
+``CheckpointManager.save`` calls ``Snapshotter.take``: every dense tensor of the state goes into
 its view of one reused buffer, the ``checkpoint_format.Arena``, laid out as a format-3 file's
 data, so the writer later writes a small header and then the arena as it is. With
 ``async_save`` the optimizer's parameters and states are not copied inside ``save`` but
-returned as a ``_DeferredCopy`` that the writer thread runs beside the next forward and
-backward; ``_OptimizerWatch`` (one global optimizer step pre-hook) makes the next optimizer
+returned as a ``DeferredCopy`` that the writer thread runs beside the next forward and
+backward; ``OptimizerWatch`` (one global optimizer step pre-hook) makes the next optimizer
 step wait for that copy and then checks every source's version counter, so a snapshot can
 never hold values from after the save.
 """
@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from elastic_trainer import checkpoint_format
-from elastic_trainer.checkpoint_format import Arena
+from elastic_trainer.checkpoint import format as checkpoint_format
+from elastic_trainer.checkpoint.format import Arena
 
 if TYPE_CHECKING:
     from elastic_trainer.checkpoint import CheckpointManager
@@ -31,11 +31,11 @@ if TYPE_CHECKING:
 _PLAIN = frozenset({str, bool, int, float, type(None)})
 
 
-def _where(key: tuple) -> str:
+def where(key: tuple) -> str:
     return "state" + "".join(f"[{k!r}]" for k in key)
 
 
-class _DeferredCopy:
+class DeferredCopy:
     """Tensor copies that run beside training, checked before anything may have changed them.
 
     ``run`` copies (in the writer thread); ``settle`` (in the training thread, at the next
@@ -77,7 +77,7 @@ class _DeferredCopy:
             return waited
 
 
-class _Snapshot:
+class Snapshot:
     """What a save writes: the copied state, whose dense tensors are views of ``arena``."""
 
     __slots__ = ("state", "arena")
@@ -88,7 +88,7 @@ class _Snapshot:
 
 
 class _Walk:
-    """The bookkeeping of one pass of ``_Snapshotter._copy`` over a state."""
+    """The bookkeeping of one pass of ``Snapshotter._copy`` over a state."""
 
     __slots__ = ("defer", "dst", "src", "later", "tensors", "hits", "missing")
 
@@ -96,13 +96,13 @@ class _Walk:
         self.defer = defer
         self.dst: list[torch.Tensor] = []  # copied inside save()
         self.src: list[torch.Tensor] = []
-        self.later: list[tuple] = []  # copied beside training (_DeferredCopy items)
+        self.later: list[tuple] = []  # copied beside training (DeferredCopy items)
         self.tensors: list[tuple[tuple, torch.Tensor]] = []  # every tensor that belongs in the arena
         self.hits = 0  # tensors that found their view in the current arena
         self.missing = False  # a tensor found none
 
 
-class _Snapshotter:
+class Snapshotter:
     """Copies a state into CPU memory: every dense tensor into its view of one ``Arena``.
 
     The arena is laid out as a format-3 file's data (``checkpoint_format``), so the writer
@@ -118,7 +118,7 @@ class _Snapshotter:
 
     ``take(state, defer=ptrs)`` copies only the tensors whose memory is not in ``ptrs`` now; the
     others (the optimizer's parameters and states, which only an optimizer step changes) are
-    returned as a ``_DeferredCopy`` to run beside training. A deferred tensor found changed is
+    returned as a ``DeferredCopy`` to run beside training. A deferred tensor found changed is
     copied synchronously by every later ``take`` (``sync_keys``).
     """
 
@@ -128,7 +128,7 @@ class _Snapshotter:
         self.sync_keys: set[tuple] = set()
 
     def take(self, state: dict, defer: set[int] | None = None,
-             stats: dict | None = None) -> tuple[_Snapshot, _DeferredCopy | None]:
+             stats: dict | None = None) -> tuple[Snapshot, DeferredCopy | None]:
         walk = _Walk(defer or set())
         snap = self._copy(state, (), walk)
         if self.arena is None or walk.missing or walk.hits != len(self.buffers):
@@ -142,8 +142,8 @@ class _Snapshotter:
             torch._foreach_copy_(walk.dst, walk.src, non_blocking=True)
             if any(t.is_cuda for t in walk.src):
                 torch.cuda.synchronize()
-        deferred = _DeferredCopy(walk.later, stats if stats is not None else {}) if walk.later else None
-        return _Snapshot(snap, self.arena), deferred
+        deferred = DeferredCopy(walk.later, stats if stats is not None else {}) if walk.later else None
+        return Snapshot(snap, self.arena), deferred
 
     def clear(self) -> None:
         """Free the arena (the next ``take`` lays out a new one)."""
@@ -178,11 +178,11 @@ class _Snapshotter:
             return value
         if isinstance(value, np.generic):
             return value.item()
-        raise TypeError(f"cannot checkpoint {_where(key)} of type {type(value).__name__}: use tensors and plain "
+        raise TypeError(f"cannot checkpoint {where(key)} of type {type(value).__name__}: use tensors and plain "
                         "python values (str/int/float/bool/None/list/tuple/dict)")
 
 
-class _OptimizerWatch:
+class OptimizerWatch:
     """One global optimizer step pre-hook for the process (registered by the first manager).
 
     It remembers the optimizers that step (their tensors are the ones a save may copy beside
@@ -190,7 +190,7 @@ class _OptimizerWatch:
     every manager that has one in flight.
     """
 
-    _instance: "_OptimizerWatch | None" = None
+    _instance: "OptimizerWatch | None" = None
     _instance_lock = threading.Lock()
 
     def __init__(self) -> None:
@@ -199,7 +199,7 @@ class _OptimizerWatch:
         register_optimizer_step_pre_hook(self._before_step)
 
     @classmethod
-    def get(cls) -> "_OptimizerWatch":
+    def get(cls) -> "OptimizerWatch":
         with cls._instance_lock:
             if cls._instance is None:
                 cls._instance = cls()
@@ -209,7 +209,7 @@ class _OptimizerWatch:
         self.optimizers.add(optimizer)
         if self.waiting:
             for manager in list(self.waiting):
-                manager._settle_copy()
+                manager.settle_copy()
 
     def owned(self) -> set[int]:
         """Data pointers of every parameter and optimizer-state tensor of the optimizers seen."""

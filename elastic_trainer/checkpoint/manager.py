@@ -59,8 +59,8 @@ import numpy as np
 import torch
 import xxhash
 
-from elastic_trainer import checkpoint_format, storage
-from elastic_trainer.checkpoint_snapshot import _DeferredCopy, _OptimizerWatch, _Snapshot, _Snapshotter, _where
+from elastic_trainer.checkpoint import format as checkpoint_format, storage
+from elastic_trainer.checkpoint.snapshot import DeferredCopy, OptimizerWatch, Snapshot, Snapshotter, where
 
 log = logging.getLogger(__name__)
 
@@ -179,9 +179,9 @@ class CheckpointManager:
         self.last_committed_step: int | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._snapshotter = _Snapshotter()
-        self._deferred: _DeferredCopy | None = None
-        self._watch = _OptimizerWatch.get() if async_save and overlap_copy else None
+        self._snapshotter = Snapshotter()
+        self._deferred: DeferredCopy | None = None
+        self._watch = OptimizerWatch.get() if async_save and overlap_copy else None
 
     # ------------------------------------------------------------------ save
 
@@ -216,8 +216,8 @@ class CheckpointManager:
             self.last_save_stats = stats
         return blocked
 
-    def _settle_copy(self) -> None:
-        """Judge the copy running beside training (waiting for it if needed); see ``_DeferredCopy``."""
+    def settle_copy(self) -> None:
+        """Judge the copy running beside training (waiting for it if needed); see ``DeferredCopy``."""
         deferred = self._deferred
         if deferred is None:
             return
@@ -231,7 +231,7 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is done; its failure is in ``last_error``."""
-        self._settle_copy()
+        self.settle_copy()
         thread = self._thread
         if thread is not None:
             thread.join()
@@ -251,7 +251,7 @@ class CheckpointManager:
     def _step_dir(self, step: int) -> str:
         return storage.join(self.root, f"step-{step}")
 
-    def _write_in_background(self, step: int, snap: _Snapshot, stats: dict, deferred: _DeferredCopy | None) -> None:
+    def _write_in_background(self, step: int, snap: Snapshot, stats: dict, deferred: DeferredCopy | None) -> None:
         """Finish the snapshot copy (at normal priority: the next optimizer step may wait for it),
         then ``_write`` at a lower CPU priority (nice +10, this thread only), so that on a busy
         CPU the training thread comes first."""
@@ -268,18 +268,18 @@ class CheckpointManager:
                 return
         self._write(step, snap, stats)
 
-    def _copy_failed(self, step: int, stats: dict, deferred: _DeferredCopy) -> None:
+    def _copy_failed(self, step: int, stats: dict, deferred: DeferredCopy) -> None:
         if deferred.error is not None:
             self._failed(stats, f"checkpoint step-{step} not saved: copying the state failed "
                                 f"({type(deferred.error).__name__}: {deferred.error})")
             return
         self._snapshotter.sync_keys.update(deferred.changed)
-        names = ", ".join(_where(k) for k in deferred.changed[:3]) + (" ..." if len(deferred.changed) > 3 else "")
+        names = ", ".join(where(k) for k in deferred.changed[:3]) + (" ..." if len(deferred.changed) > 3 else "")
         self._failed(stats, f"checkpoint step-{step} abandoned: {names} changed in place before the optimizer "
                             "step, while it was being copied beside training; later saves copy it before "
                             "returning instead")
 
-    def _write(self, step: int, snap: _Snapshot, stats: dict) -> None:
+    def _write(self, step: int, snap: Snapshot, stats: dict) -> None:
         """Serialize, upload, fence, commit, prune; retried with backoff; never raises."""
         name = f"step-{step}"
         meta = snap.state.get("meta") if isinstance(snap.state.get("meta"), dict) else None
@@ -325,7 +325,7 @@ class CheckpointManager:
         self.last_error = message
         log.error("%s", message)
 
-    def _write_files(self, own: str, snap: _Snapshot, stats: dict) -> tuple[int, dict]:
+    def _write_files(self, own: str, snap: Snapshot, stats: dict) -> tuple[int, dict]:
         """Serialize the snapshot into this writer's data file; returns the format and the
         manifest's ``files``.
 
@@ -364,7 +364,7 @@ class CheckpointManager:
         stats["bytes"] = size
         return fmt, {f"{self.writer_id}/{name}": {"size": size, "hash": HASH, "digest": hasher.hexdigest()}}
 
-    def _upload_and_commit(self, step: int, snap: _Snapshot, meta: Any, stats: dict, attempt: int) -> None:
+    def _upload_and_commit(self, step: int, snap: Snapshot, meta: Any, stats: dict, attempt: int) -> None:
         fs, step_dir = self.fs, self._step_dir(step)
         manifest_path = storage.join(step_dir, MANIFEST)
         if attempt > 1:  # only a retry can find a commit of its own (whose response was lost)

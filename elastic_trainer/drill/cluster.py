@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from elastic_trainer.drill_nodes import Node, children, die_with_drill, start_ticks
-from elastic_trainer.drill_scenario import DEFAULT_TRAINER_ARGS, ScenarioError
+from elastic_trainer.drill.nodes import Node, children, die_with_drill, start_ticks
+from elastic_trainer.drill.scenario import DEFAULT_TRAINER_ARGS, ScenarioError
 from elastic_trainer.etcd_server import EtcdServer
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class Cluster:
         (self.out / "nodes").mkdir(exist_ok=True)
         host = "127.0.0.1"
         if self.args.netns:
-            from elastic_trainer import netns
+            from elastic_trainer.drill import netns
             netns.sweep_stale()
             self.network = netns.Network()
             self.network.up()
@@ -178,7 +178,7 @@ class Cluster:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         net = None
         if self.network is not None:
-            from elastic_trainer import netns
+            from elastic_trainer.drill import netns
             net = self.network.add_node(index)
             cmd += ["--local-addr", net.address]
             env.update(GLOO_SOCKET_IFNAME=netns.INSIDE_IFNAME, TP_SOCKET_IFNAME=netns.INSIDE_IFNAME)

@@ -1,0 +1,29 @@
+"""Checkpoints on shared storage: save, commit, verify, load, retention.
+
+Modules:
+
+- ``manager``: ``CheckpointManager`` (save asynchronously, commit fenced and atomically, verify,
+  load the newest valid step, keep the latest K), ``capture_rng_state``/``restore_rng_state``;
+- ``format``: the file format (raw tensor bytes in an arena behind a JSON header; no pickle);
+- ``snapshot``: the state copied into CPU memory, beside training where it can be (the
+  manager's internal API: ``Snapshotter``, ``DeferredCopy``, ``OptimizerWatch``);
+- ``storage``: every byte to and from storage, through fsspec (file, memory, s3, ...).
+
+Exports ``CheckpointManager``, ``capture_rng_state``, ``restore_rng_state``; importing this
+package is cheap (``storage`` alone needs no torch), the manager is imported on first use.
+Design and numbers: docs/checkpoints.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["CheckpointManager", "capture_rng_state", "restore_rng_state"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from elastic_trainer.checkpoint import manager
+
+        return getattr(manager, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

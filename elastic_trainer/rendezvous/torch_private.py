@@ -1,0 +1,104 @@
+"""torch's private rendezvous API, in one place.
+
+The ``etcd-v3`` handler is torch's ``DynamicRendezvousHandler`` state machine with a few changes
+(see ``handler.py``), so it needs names that torch keeps private (underscore names of
+``torch.distributed.elastic.rendezvous.dynamic_rendezvous``). They are imported here and
+nowhere else, under public names, and ``check_compatible()`` verifies every signature,
+attribute and enum member we rely on; ``tests/test_torch_private.py`` calls it, so a torch
+upgrade that changes any of them fails loudly in one test rather than deep inside a recovery.
+
+Checked against torch 2.13 (2.13.0, what CI installs); ``pyproject.toml`` bounds torch to
+``>=2.13,<2.14``. To admit a new torch: run ``tests/test_torch_private.py`` and the rendezvous
+tests on it, then widen the bound and ``TESTED_TORCH``.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous as _dr
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: F401 - re-exported
+    DynamicRendezvousHandler,
+    RendezvousSettings,
+    RendezvousTimeout,
+)
+
+TESTED_TORCH = ("2.13",)
+"""The torch minor versions this module was checked against."""
+
+Action = _dr._Action
+"""The state machine's next step (``SYNC``, ``KEEP_ALIVE``, ``ADD_TO_PARTICIPANTS``, ...)."""
+DistributedOpExecutor = _dr._DistributedRendezvousOpExecutor
+"""torch's loop that reads the state, asks an operation for the next action and applies it."""
+NodeDesc = _dr._NodeDesc
+"""A node's identity in the state: ``(addr, pid, local_id)``."""
+RendezvousContext = _dr._RendezvousContext
+"""What an operation sees: ``(node, state, settings)``."""
+ExitOp = _dr._RendezvousExitOp
+JoinOp = _dr._RendezvousJoinOp
+RendezvousState = _dr._RendezvousState
+"""The round, participants, wait list, redundancy list, deadline, closed/complete flags."""
+StateHolder = _dr._RendezvousStateHolder
+"""The abstract state holder that our etcd-backed holder implements."""
+remove_participant_epilogue = _dr._remove_participant_epilogue
+"""torch's bookkeeping after a participant is removed (round completion, deadline)."""
+
+
+def generate_node_desc(local_addr: str | None) -> NodeDesc:
+    """A new node descriptor, as torch's handler makes one (unique per process and call)."""
+    return DynamicRendezvousHandler._node_desc_generator.generate(local_addr)
+
+
+# What the subclasses in handler.py and state.py call or override on torch's classes.
+_METHODS = {
+    DynamicRendezvousHandler: ("__init__", "_get_world", "_get_store", "_get_deadline", "_keep_alive", "_close",
+                               "next_rendezvous", "num_nodes_waiting", "shutdown", "set_closed", "is_closed"),
+    DistributedOpExecutor: ("__init__", "run", "_keep_alive", "_add_to_participants", "_add_to_wait_list",
+                            "_add_to_redundancy_list", "_remove_from_participants", "_remove_from_wait_list",
+                            "_remove_from_redundancy_list", "_mark_rendezvous_complete",
+                            "_mark_rendezvous_closed"),
+    StateHolder: ("state", "sync", "mark_dirty"),
+}
+_SIGNATURES = {
+    "DynamicRendezvousHandler.__init__": ["self", "node", "settings", "backend_name", "store", "state_holder"],
+    "DistributedOpExecutor.__init__": ["self", "node", "state_holder", "settings"],
+    "DistributedOpExecutor.run": ["self", "state_handler", "deadline", "update_deadline"],
+    "NodeDesc": ["addr", "pid", "local_id"],
+    "RendezvousContext": ["node", "state", "settings"],
+    "remove_participant_epilogue": ["state", "settings"],
+}
+_STATE_FIELDS = ("round", "complete", "deadline", "closed", "participants", "wait_list", "redundancy_list",
+                 "last_heartbeats")
+_ACTIONS = ("KEEP_ALIVE", "ADD_TO_PARTICIPANTS", "ADD_TO_WAIT_LIST", "ADD_TO_REDUNDANCY_LIST",
+            "REMOVE_FROM_PARTICIPANTS", "REMOVE_FROM_WAIT_LIST", "REMOVE_FROM_REDUNDANCY_LIST",
+            "MARK_RENDEZVOUS_COMPLETE", "MARK_RENDEZVOUS_CLOSED", "SYNC", "ERROR_CLOSED", "ERROR_TIMEOUT", "FINISH")
+
+
+def check_compatible() -> list[str]:
+    """Every mismatch between the installed torch and what we rely on, as sentences (empty: fine)."""
+    problems: list[str] = []
+    for cls, names in _METHODS.items():
+        for name in names:
+            if not hasattr(cls, name):
+                problems.append(f"{cls.__qualname__}.{name} is gone")
+    objects = {"DynamicRendezvousHandler.__init__": DynamicRendezvousHandler.__init__,
+               "DistributedOpExecutor.__init__": DistributedOpExecutor.__init__,
+               "DistributedOpExecutor.run": DistributedOpExecutor.run,
+               "NodeDesc": NodeDesc, "RendezvousContext": RendezvousContext,
+               "remove_participant_epilogue": remove_participant_epilogue}
+    for label, expected in _SIGNATURES.items():
+        params = list(inspect.signature(objects[label]).parameters)
+        if params[:len(expected)] != expected:
+            problems.append(f"{label} takes {params}, expected {expected}")
+    state = RendezvousState()
+    problems += [f"RendezvousState has no field {f!r}" for f in _STATE_FIELDS if not hasattr(state, f)]
+    problems += [f"Action has no member {a}" for a in _ACTIONS if a not in Action.__members__]
+    if not hasattr(DynamicRendezvousHandler, "_node_desc_generator") or not callable(
+            getattr(DynamicRendezvousHandler._node_desc_generator, "generate", None)):
+        problems.append("DynamicRendezvousHandler._node_desc_generator.generate is gone")
+    return problems
+
+
+__all__ = ["TESTED_TORCH", "Action", "DistributedOpExecutor", "DynamicRendezvousHandler", "ExitOp", "JoinOp",
+           "NodeDesc", "RendezvousContext", "RendezvousSettings", "RendezvousState", "RendezvousTimeout",
+           "StateHolder", "check_compatible", "generate_node_desc", "remove_participant_epilogue"]
