@@ -126,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="restarts of the worker group after failures, a lost peer included (default 100)")
     agent.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.1,
                        help="seconds between the agent's checks of its workers (default 0.1)")
+    agent.add_argument("--recovery", choices=("live", "restart"), default=None,
+                       help="live: survivors keep their processes and state when a node is lost or added "
+                            "(the built-in trainer with DDP; the default there); restart: every fault restarts "
+                            "the workers and resumes from the newest checkpoint (the default for your own "
+                            "scripts, FSDP and --scale-lr)")
     io = p.add_argument_group("storage")
     io.add_argument("--checkpoint-dir", default=None, metavar="URL",
                     help="checkpoint root: a path, memory://, s3://bucket/prefix, ... (default checkpoints/<run-id>)")
@@ -166,10 +171,20 @@ def parse_run_config(argv: list[str]) -> RunConfig:
             raise UsageError(f"the training script {args.training_script!r} does not exist; "
                              "give a path to a .py file, or nothing for the built-in trainer")
         program = ["-u", args.training_script, *args.training_script_args, *trainer_args]
+    rdzv_conf = dict(args.rdzv_conf)
+    recovery = args.recovery or rdzv_conf.get("recovery")
+    builtin = args.training_script is None
+    live_ok = builtin and args.rdzv_backend == "etcd-v3" and not {"--fsdp", "--scale-lr"} & set(trainer_args)
+    if recovery == "live" and not live_ok:
+        raise UsageError("--recovery live needs the built-in trainer with DDP, a constant global batch and the "
+                         "etcd-v3 rendezvous (not your own script, --fsdp, --scale-lr or c10d); "
+                         "use --recovery restart")
+    if args.rdzv_backend == "etcd-v3":
+        rdzv_conf["recovery"] = recovery or ("live" if live_ok else "restart")
     try:
         return RunConfig(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=args.nproc_per_node,
                          rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend,
-                         rdzv_conf=args.rdzv_conf, run_id=args.run_id, max_restarts=args.max_restarts,
+                         rdzv_conf=rdzv_conf, run_id=args.run_id, max_restarts=args.max_restarts,
                          monitor_interval=args.monitor_interval, checkpoint_dir=args.checkpoint_dir,
                          log_dir=args.log_dir, local_addr=args.local_addr, program=program)
     except ValueError as exc:

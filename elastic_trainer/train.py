@@ -129,7 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
     from elastic_trainer.training.trainer import EXIT_PEER_STOPPED, PEER_STOPPED, Trainer
 
-    summary = Trainer(config).train()
+    from elastic_trainer.training.live import EXIT_EXCLUDED, LiveExcluded, RunFinished
+
+    try:
+        summary = Trainer(config).train()
+    except RunFinished:  # a spare that was never needed: the run is done
+        return 0
+    except LiveExcluded:  # left out of the live group: the agent starts this worker again as a newcomer
+        return EXIT_EXCLUDED
     if summary["stopped_by"] == PEER_STOPPED:
         # Only the preempted node's workers end for good; ours go on at the next round.
         logging.getLogger("elastic_trainer.train").warning(

@@ -32,6 +32,12 @@ with four changes:
 
 It also completes a round as soon as every node with a live lease has joined it
 (instead of always waiting ``last_call_timeout``), which is what makes recovery fast.
+
+5. **Live recovery** (``recovery=live``, what ``elastic-train`` sets for its DDP trainer): each
+   agent's rendezvous is a world of its own node (``_live_rendezvous``), so torch's agent never
+   stops healthy workers for a lost or added node; the workers agree on who trains together in
+   the live quorum (``training/live.py``). torch's agent still starts, supervises and restarts
+   them, and the node's lease watchdog still stops them when this node's lease is lost.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import sys
 import time
 from datetime import timedelta
 
+from torch.distributed import PrefixStore
 from torch.distributed.elastic.events import NodeState, construct_and_record_rdzv_event
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
@@ -350,6 +357,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._revoked: str | None = None
         self._waiting = 0
         self._alive_count = 0  # live nodes at the watchdog's last look
+        self._live_rounds = 0  # worker groups started in live mode
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING, rank: int | None = None) -> None:
         _record(self, self._this_node, message, node_state, rank)
@@ -361,6 +369,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         self._joined, self._revoked, self._waiting, self._alive_count = None, None, 0, 0
+        if self._options.recovery == "live":
+            return self._live_rendezvous()
         logger.info("node %s joins the next round of rendezvous '%s'", self.node_name, self._settings.run_id)
         self._lease.ensure()
         deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
@@ -398,6 +408,32 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         logger.info("node %s joined round %d of rendezvous '%s' as rank %d of %d", self.node_name,
                     state.round, self._settings.run_id, rank, world_size)
         return RendezvousInfo(store, rank, world_size, bootstrap)
+
+    def _live_rendezvous(self) -> RendezvousInfo:
+        """Live recovery (``recovery=live``): a world of this node alone, for torch's agent.
+
+        torch's agent starts, watches and restarts this node's workers as usual, but which workers
+        train together is agreed by the workers themselves, in the live quorum in etcd
+        (``training/live.py``), so a node lost or added never stops the others' workers. The
+        node's lease still tells whether this node may run workers at all: if it is lost (a pause,
+        a cut from etcd) ``num_nodes_waiting`` makes the agent stop them, and they come back as
+        newcomers.
+        """
+        from elastic_trainer.training.live import ENV_LIVE, LiveSettings
+
+        self._lease.ensure()
+        self._live_rounds += 1
+        store = PrefixStore(f"live-agent/{self.node_name}/{self._live_rounds}/", self._store)
+        bootstrap = RendezvousStoreInfo.build(0, store, local_addr=self._this_node.addr)
+        self._joined = (0, frozenset())  # the lease watchdog runs; the round checks do not
+        self._export_env(0)
+        o, s = self._options, self._settings
+        os.environ[ENV_LIVE] = LiveSettings(
+            min_nodes=s.min_nodes, max_nodes=s.max_nodes, last_call=o.last_call_timeout,
+            join_timeout=o.join_timeout, report_timeout=o.report_timeout, lease_ttl=o.lease_ttl,
+            keep_alive_interval=o.keep_alive_interval).to_env()
+        logger.info("node %s starts its workers in the live group of run '%s'", self.node_name, s.run_id)
+        return RendezvousInfo(store, 0, 1, bootstrap)
 
     def _reopen_finished_run(self) -> None:
         """Start over when the run's state says a finished job closed it and nobody is left.
@@ -475,6 +511,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         if self._lease.lost:
             self._revoke("its etcd lease expired")
             return
+        if self._options.recovery == "live":
+            return  # membership is the live quorum's business (training/live.py)
         round_, members = joined
         try:
             # The summary and the count of live nodes, a few bytes: the whole state and the

@@ -36,6 +36,7 @@ class RendezvousOptions:
         "ca_cert": None, "cert": None, "key": None, "read_timeout": 10.0, "connect_timeout": 4.0,
         "retry_timeout": 60.0, "join_timeout": 600.0, "last_call_timeout": 1.0, "close_timeout": 30.0,
         "heartbeat_timeout": 5.0, "lease_ttl": 3, "keep_alive_interval": 1.0,
+        "recovery": "restart", "report_timeout": 2.0,
     }
 
     def __init__(self, params: RendezvousParameters) -> None:
@@ -52,12 +53,16 @@ class RendezvousOptions:
             raise ValueError(f"the rendezvous option protocol={protocol!r} must be http or https")
         timeouts = {k: _seconds(params, k, self.DEFAULTS[k]) for k in (
             "read_timeout", "connect_timeout", "retry_timeout", "join_timeout", "last_call_timeout",
-            "close_timeout", "heartbeat_timeout", "keep_alive_interval")}
+            "close_timeout", "heartbeat_timeout", "keep_alive_interval", "report_timeout")}
         self.join_timeout = timeouts["join_timeout"]
         self.last_call_timeout = timeouts["last_call_timeout"]
         self.close_timeout = timeouts["close_timeout"]
         self.heartbeat_timeout = timeouts["heartbeat_timeout"]
         self.keep_alive_interval = timeouts["keep_alive_interval"]
+        self.report_timeout = timeouts["report_timeout"]
+        self.recovery = str(params.get("recovery", "restart")).lower()
+        if self.recovery not in ("live", "restart"):
+            raise ValueError(f"the rendezvous option recovery={self.recovery!r} must be live or restart")
         try:
             self.lease_ttl = int(params.get("lease_ttl", self.DEFAULTS["lease_ttl"]))
         except (TypeError, ValueError) as exc:

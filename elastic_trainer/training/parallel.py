@@ -56,6 +56,10 @@ class Parallel:
             par.model = torch.compile(par.model)
         return par
 
+    def unwrap(self) -> "Parallel":
+        """The bare module without its DDP wrapper (which must go before its process group does)."""
+        return Parallel(module=self.module, model=self.module, fsdp=self.fsdp)
+
     def no_sync(self):
         """A context in which backward accumulates gradients locally, without all-reducing them."""
         if self.ddp is not None:

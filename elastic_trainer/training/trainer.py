@@ -44,17 +44,20 @@ from elastic_trainer import config as cfgmod
 from elastic_trainer.training import metrics
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.training.metrics import print0
+from elastic_trainer.training.live import LiveExcluded, LiveGroup, broadcast_state
 from elastic_trainer.training.parallel import Parallel
 from elastic_trainer.tasks import Task, as_task, load_builder
 from elastic_trainer.training.worker import (
     DistInfo,
     broadcast_object,
     fence_check,
+    join_live,
     JsonLines,
     MicroBatches,
     SignalWatcher,
     seed_everything,
     setup_distributed,
+    warm_up_ddp,
 )
 
 logger = logging.getLogger(__name__)
@@ -63,6 +66,28 @@ PEER_STOPPED = "a peer was stopped by a signal"
 """Why a rank stops when another node was preempted: it saves with the others, then exits with
 ``EXIT_PEER_STOPPED`` so that its agent restarts it into a round without the preempted node."""
 EXIT_PEER_STOPPED = 75  # EX_TEMPFAIL: not an error of this worker; torchrun restarts it
+
+
+def _collective_failed(exc: BaseException) -> bool:
+    """A collective with a peer failed (the peer died, or its group was torn down)."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(k in text for k in ("gloo", "nccl", "connection", "peer"))
+
+
+def _abort_process_group() -> None:
+    """Abort (NCCL: tear the communicators down, unblocking queued work) and destroy the default group."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.group.WORLD.abort()
+    except Exception as exc:  # noqa: BLE001 - gloo has little to abort; destroy below frees it
+        logger.debug("abort of the process group: %s", exc)
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - a broken group may fail to destroy cleanly
+        logger.info("destroying the broken process group: %s", exc)
 
 
 # ---------------------------------------------------------------------------------- trainer
@@ -92,31 +117,43 @@ class Trainer:
     # ---- build -----------------------------------------------------------------------
     def _build(self) -> None:
         c = self.config
-        self.dinfo = d = setup_distributed(c)
-        metrics.set_rank(d.rank)
+        self.live = LiveGroup.from_env()
+        if self.live is not None and (c.fsdp or c.scale_lr):
+            raise ValueError(f"live recovery works with DDP and a constant global batch; {'--fsdp' if c.fsdp else '--scale-lr'} "
+                             "needs `elastic-train --recovery restart`")
+        self.dinfo = d = setup_distributed(c, self.live)
         seed_everything(c.seed)
         task = self._task if self._task is not None else load_builder(c.task)(c.task_args)
         self.task = as_task(task)
         self.module = self.task.model.to(d.device)
-        self.gbs = c.global_batch_size * (d.world_size if c.scale_lr else 1)
         self.log_dir = Path(c.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.node = socket.gethostname()
-        self.events = JsonLines(self.log_dir / "events.jsonl" if d.is_main else None)
         pid = os.getpid()
-        self.step_log = JsonLines(self.log_dir / "steps" / f"rank-{d.rank}-{pid}.jsonl" if c.step_log else None)
-        self.ledger = JsonLines(self.log_dir / "ledger" / f"rank-{d.rank}-{pid}.jsonl" if c.sample_ledger else None)
         self.ckpt = None
         if c.checkpoint_dir:
             from elastic_trainer.checkpoint import CheckpointManager
 
-            writer = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{self.node}-{pid}-r{d.round if d.round is not None else 'x'}")
+            tag = "live" if self.live is not None else f"r{d.round if d.round is not None else 'x'}"
+            writer = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{self.node}-{pid}-{tag}")
+            fence = self.live.fence_check if self.live is not None else fence_check() if d.is_main else None
             self.ckpt = CheckpointManager(c.checkpoint_dir, keep_latest=c.keep_checkpoints,
-                                          async_save=c.async_checkpoint, fence=fence_check() if d.is_main else None,
-                                          writer_id=writer[:64])
+                                          async_save=c.async_checkpoint, fence=fence, writer_id=writer[:64])
+        if self.live is not None:  # ready to train: only now ask the live group to admit us
+            import elastic_trainer.sampler  # noqa: F401 - imported before the others wait for us
+
+            warm_up_ddp()
+
+            join_live(d, c, self.live)
+        metrics.set_rank(d.rank)
+        self.gbs = c.global_batch_size * (d.world_size if c.scale_lr else 1)
+        self.events = JsonLines(self.log_dir / "events.jsonl" if d.is_main or self.live else None)
+        self.step_log = JsonLines(self.log_dir / "steps" / f"rank-{d.rank}-{pid}.jsonl" if c.step_log else None)
+        self.ledger = JsonLines(self.log_dir / "ledger" / f"rank-{d.rank}-{pid}.jsonl" if c.sample_ledger else None)
 
     def _event(self, event: str, **fields: Any) -> None:
-        self.events.write({"time": time.time(), "event": event, **fields})
+        if self.dinfo.is_main:  # rank 0 of the current world (live recovery changes who that is)
+            self.events.write({"time": time.time(), "event": event, **fields})
 
     def _load_checkpoint(self) -> tuple[int, dict] | None:
         """Rank 0 picks the newest valid checkpoint; every rank loads that same step."""
@@ -152,12 +189,12 @@ class Trainer:
         self.scaler = (torch.amp.GradScaler("cuda") if c.amp and self.dinfo.device.type == "cuda" else None)
 
     # ---- state -----------------------------------------------------------------------
-    def _capture_state(self) -> dict | None:
-        """The checkpoint's content (collective under FSDP; None on ranks other than 0)."""
+    def _capture_state(self, any_rank: bool = False) -> dict | None:
+        """The checkpoint's content (collective under FSDP; None on ranks other than 0 unless ``any_rank``)."""
         from elastic_trainer.checkpoint import capture_rng_state
 
         model_state, optim_state = self.par.model_state(), self.par.optimizer_state(self.optimizer)
-        if not self.dinfo.is_main:
+        if not self.dinfo.is_main and not any_rank:
             return None
         return {
             "model": model_state,
@@ -198,12 +235,19 @@ class Trainer:
         self.step = int(meta.get("step", step))
         self.run_id = meta.get("wandb_run_id")
 
-    def _resume(self, step: int, state: dict) -> None:
-        """Restore a loaded checkpoint and say so (stdout, events), with any change of world size."""
+    def _resume(self, step: int, state: dict, from_peer: bool = False) -> None:
+        """Restore a loaded checkpoint (or a live peer's state) and say so (stdout, events)."""
         c, d = self.config, self.dinfo
         self._restore(step, state)
-        self._last_save_step = self.step
         prev_world = int(state.get("meta", {}).get("world_size", d.world_size))
+        if from_peer:
+            print0(f"joined the live group at step {self.step} (state from rank {self.live.quorum.source}, "
+                   f"{self._peer_state_s:.3f}s); world size {d.world_size}")
+            self._event("peer_state_loaded", step=self.step, epoch=self.sampler.epoch, offset=self.sampler.offset,
+                        world_size=d.world_size, source=self.live.quorum.source, seconds=self._peer_state_s,
+                        round=d.round)
+            return
+        self._last_save_step = self.step
         print0(f"resumed from checkpoint step-{self.step} (epoch {self.sampler.epoch}, sample offset "
                f"{self.sampler.offset}) of {c.checkpoint_dir}")
         self._event("checkpoint_loaded", step=self.step, epoch=self.sampler.epoch, offset=self.sampler.offset,
@@ -243,16 +287,24 @@ class Trainer:
         d = self.dinfo
         from elastic_trainer.sampler import ElasticSampler
 
-        loaded = self._load_checkpoint()
+        from_peer = self.live is not None and not self.live.quorum.cold
+        if from_peer:  # a newcomer: the state comes from a live rank over the new group, not storage
+            t0 = time.perf_counter()
+            state = broadcast_state(None, self.live.quorum.source, d.device)
+            loaded = (int(state["meta"]["step"]), state)
+            self._peer_state_s = time.perf_counter() - t0
+            logger.info("live: received the training state of step %d from rank %d in %.3fs", loaded[0],
+                        self.live.quorum.source, self._peer_state_s)
+        else:
+            loaded = self._load_checkpoint()
         if loaded is not None:  # into the bare module, before DDP/FSDP: every rank starts identical
             self.module.load_state_dict(loaded[1]["model"])
-        self.sampler = ElasticSampler(len(self.task.dataset), self.gbs, d.rank, d.world_size, seed=c.seed,
-                                      micro_batch_size=c.micro_batch_size)
+        self.sampler = self._new_sampler()
         self.par = Parallel.wrap(self.module, c, d)
         self.model = self.par.model
         self._make_optimizer()
         if loaded is not None:
-            self._resume(*loaded)
+            self._resume(*loaded, from_peer=from_peer)
             del loaded
         else:
             self._event("start", world_size=d.world_size, restart=d.restart, round=d.round)
@@ -287,42 +339,136 @@ class Trainer:
     def _loop(self, total: int, profiler) -> str:
         """Steps until done or stopped; returns why it ended ("done", "max-seconds", "signal SIGTERM")."""
         c = self.config
-        batches = MicroBatches(self.task, self.sampler, c.num_workers, c.seed, self.dinfo.device)
+        self.batches = MicroBatches(self.task, self.sampler, c.num_workers, c.seed, self.dinfo.device)
         started = last_save = time.monotonic()
-        agree_in = 1  # steps until the ranks next agree (the first step does)
+        self._agree_in = 1  # steps until the ranks next agree (the first step does)
         self.model.train()
+        if self.live is not None:
+            self.live.start_watching()
         while not self._done(total):
-            t0 = time.perf_counter()
-            loss_sum = self._train_step(batches)
-            self._boundaries += 1
-            self._last_step_s = time.perf_counter() - t0
-            self._pending.append((self.step, self.sampler.epoch, self.sampler.offset, loss_sum, self._last_step_s,
-                                  time.time()))
-            agree_in -= 1
-            every_n = c.checkpoint_every is not None and self.step % c.checkpoint_every == 0
-            if agree_in > 0 and not every_n and not self._done(total):
-                self._after_step(profiler)
+            try:
+                reason = self._loop_step(total, profiler, started, last_save)
+            except Exception as exc:  # noqa: BLE001 - only a failed collective is recovered here
+                if self.live is None or not _collective_failed(exc):
+                    raise
+                self._live_reform(f"a collective failed ({type(exc).__name__})")
                 continue
-            now, main = time.monotonic(), self.dinfo.is_main  # rank 0's clock decides the timed events
-            signalled, timed_out, save_due, agree_in = self._agree(
-                signalled=self._stop_signal is not None,
-                timed_out=main and c.max_seconds is not None and now - started >= c.max_seconds,
-                save_due=main and c.checkpoint_every_seconds is not None and now - last_save >= c.checkpoint_every_seconds)
-            self._after_step(profiler)
-            if signalled or timed_out:
-                if self._stop_signal is not None:
-                    reason = f"signal {signal.Signals(self._stop_signal).name}"
-                elif signalled:  # another node was preempted: save with it, then go on without it
-                    reason = PEER_STOPPED
-                else:
-                    reason = "max-seconds"
-                print0(f"stopping at step {self.step} ({reason})")
-                self._event("stop", step=self.step, reason=reason)
-                return reason  # _finish saves this step
-            if self.ckpt is not None and (save_due or every_n) and not self._done(total):
-                self._save(blocking=False)
+            if reason == "saved":
                 last_save = time.monotonic()
+            elif reason == "reform":
+                self._live_reform(f"planned: {self.live.change_reason or 'a member asked'}")
+            elif reason is not None:
+                return reason
         return "done"
+
+    def _loop_step(self, total: int, profiler, started: float, last_save: float) -> str | None:
+        """One step, and the agreement when one is due. Returns None to go on, "saved" after a
+        periodic save, "reform" when the live group re-forms now, or why training stops."""
+        c = self.config
+        t0 = time.perf_counter()
+        loss_sum = self._train_step(self.batches)
+        self._boundaries += 1
+        self._last_step_s = time.perf_counter() - t0
+        self._pending.append((self.step, self.sampler.epoch, self.sampler.offset, loss_sum, self._last_step_s,
+                              time.time()))
+        self._agree_in -= 1
+        every_n = c.checkpoint_every is not None and self.step % c.checkpoint_every == 0
+        if self._agree_in > 0 and not every_n and not self._done(total):
+            self._after_step(profiler)
+            return None
+        now, main = time.monotonic(), self.dinfo.is_main  # rank 0's clock decides the timed events
+        signalled, timed_out, save_due, reform, self._agree_in = self._agree(
+            signalled=self._stop_signal is not None,
+            timed_out=main and c.max_seconds is not None and now - started >= c.max_seconds,
+            save_due=main and c.checkpoint_every_seconds is not None and now - last_save >= c.checkpoint_every_seconds,
+            reform=self.live is not None and self.live.change_pending.is_set())
+        self._after_step(profiler)
+        if signalled and self.live is not None and self._stop_signal is None and not timed_out:
+            return "reform"  # a peer was preempted: it leaves, the others go on without it
+        if signalled or timed_out:
+            if self._stop_signal is not None:
+                reason = f"signal {signal.Signals(self._stop_signal).name}"
+            elif signalled:  # another node was preempted: save with it, then go on without it
+                reason = PEER_STOPPED
+            else:
+                reason = "max-seconds"
+            print0(f"stopping at step {self.step} ({reason})")
+            self._event("stop", step=self.step, reason=reason)
+            return reason  # _finish saves this step
+        if self.ckpt is not None and (save_due or every_n) and not self._done(total):
+            self._save(blocking=False)
+            return "saved"
+        if reform and not self._done(total):
+            return "reform"
+        return None
+
+    # ---- live recovery (training/live.py) -------------------------------------------------
+    def _new_sampler(self):
+        from elastic_trainer.sampler import ElasticSampler
+
+        d, c = self.dinfo, self.config
+        return ElasticSampler(len(self.task.dataset), self.gbs, d.rank, d.world_size, seed=c.seed,
+                              micro_batch_size=c.micro_batch_size)
+
+    def _live_reform(self, cause: str) -> None:
+        """Re-form the group in place: same process, same state; a new group at the new world size.
+
+        The step that failed (if any) did not change the parameters under DDP: a collective fails
+        inside backward, before the optimizer step, or in the step-end agreement, after it. So
+        this rank holds the state of ``self.step``; the quorum continues at the highest step any
+        survivor reported, and ranks behind it (and newcomers) load that rank's state."""
+        c, d = self.config, self.dinfo
+        t0 = time.perf_counter()
+        failed_at = time.time()
+        self._log_unagreed_steps()
+        old_world, old_round, old_rank = d.world_size, d.round, d.rank
+        self.par = self.par.unwrap()  # DDP goes before its process group
+        self.model = None
+        _abort_process_group()
+        self.optimizer.zero_grad(set_to_none=True)
+        torn = time.perf_counter()
+        step_s = self._last_step_s or 0.0
+        try:
+            quorum = self.live.reform(self.step, cause, report_timeout=max(self.live.settings.report_timeout,
+                                                                            3 * step_s))
+        except LiveExcluded as exc:
+            logger.error("live: %s; exiting so that the agent starts this worker again as a newcomer", exc)
+            self._event("live_excluded", step=self.step, reason=str(exc))
+            raise
+        agreed = time.perf_counter()
+        d.rank, d.world_size, d.round = quorum.rank_of(self.live.id), quorum.world_size, quorum.q
+        metrics.set_rank(d.rank)
+        self.live.init_process_group("nccl" if d.device.type == "cuda" else "gloo", c.collective_timeout)
+        grouped = time.perf_counter()
+        state = None
+        if quorum.receivers:
+            state = broadcast_state(self._capture_state(any_rank=True) if d.rank == quorum.source else None,
+                                    quorum.source, d.device)
+            if d.rank in quorum.receivers:
+                self.module.load_state_dict(state["model"])
+        self.par = Parallel.wrap(self.module, c, d)
+        self.model = self.par.model
+        self.model.train()
+        position = self.sampler.state_dict()
+        self.sampler = self._new_sampler()
+        self.sampler.load_state_dict(position)
+        if state is not None and d.rank in quorum.receivers:
+            self._restore(quorum.step, state)
+        del state
+        self.batches = MicroBatches(self.task, self.sampler, c.num_workers, c.seed, d.device)
+        self._agree_in = 1
+        done = time.perf_counter()
+        timings = {"teardown_s": torn - t0, "agree_s": agreed - torn, "group_s": grouped - agreed,
+                   "state_s": done - grouped, "total_s": done - t0}
+        logger.info("live: rank %d -> %d of %d in quorum %d (%s) in %.3fs", old_rank, d.rank, d.world_size,
+                    quorum.q, quorum.cause, timings["total_s"])
+        print0(f"world size changed: {old_world} -> {d.world_size} ranks without a restart ({quorum.cause}); "
+               f"step {self.step}, global batch stays {self.gbs}")
+        self._event("live_reform", step=self.step, old=old_world, new=d.world_size, round=quorum.q,
+                    old_round=old_round, cause=quorum.cause, failed_at=failed_at,
+                    receivers=list(quorum.receivers), **timings)
+        if old_world != d.world_size:
+            self._event("world_size_changed", old=old_world, new=d.world_size, step=self.step)
 
     def _done(self, total: int) -> bool:
         c = self.config
@@ -367,12 +513,14 @@ class Trainer:
         self.step += 1
         return loss_sum
 
-    def _agree(self, *, signalled: bool, timed_out: bool, save_due: bool) -> tuple[bool, bool, bool, int]:
+    def _agree(self, *, signalled: bool, timed_out: bool, save_due: bool,
+               reform: bool = False) -> tuple[bool, bool, bool, bool, int]:
         """One small all-reduce every few steps: the global-batch losses of the steps since the last
         one, and stop/save decisions that every rank then shares.
 
-        Returns (some rank got SIGTERM, rank 0's --max-seconds ran out, a timed save is due, steps
-        until the next agreement). A stop or save request from any rank applies to all of them at
+        Returns (some rank got SIGTERM, rank 0's --max-seconds ran out, a timed save is due, some
+        rank's live group asks to re-form (a newcomer waits, a member's lease expired), steps until
+        the next agreement). A stop or save request from any rank applies to all of them at
         this step, so they save together. A gloo all-reduce costs about 0.25 ms of CPU, 1-2% of a
         small CPU step, so the ranks agree every ``_agree_interval`` steps (about 0.2 s, chosen by
         rank 0 and shared in the same all-reduce), at every checkpoint step and at the last step;
@@ -381,7 +529,8 @@ class Trainer:
         d = self.dinfo
         losses = torch.stack([p[3] for p in self._pending])
         interval = float(self._agree_interval()) if d.is_main else 0.0
-        flags = torch.tensor([float(signalled), float(timed_out), float(save_due), interval], dtype=torch.float64,
+        flags = torch.tensor([float(signalled), float(timed_out), float(save_due), float(reform), interval],
+                             dtype=torch.float64,
                              device=losses.device)  # the process group's device (NCCL needs CUDA tensors)
         shared = torch.cat([losses, flags])
         if d.distributed and d.world_size > 1:
@@ -392,7 +541,7 @@ class Trainer:
             self.last_loss = loss / self.gbs
             self._log_step(step, epoch, offset, step_time, ended)
         self._pending.clear()
-        return values[n] > 0, values[n + 1] > 0, values[n + 2] > 0, max(1, int(values[n + 3]))
+        return values[n] > 0, values[n + 1] > 0, values[n + 2] > 0, values[n + 3] > 0, max(1, int(values[n + 4]))
 
     def _after_step(self, profiler) -> None:
         if profiler is not None:
@@ -471,6 +620,10 @@ class Trainer:
             if self.step != self._last_save_step:  # the same decision on every rank (FSDP gathers)
                 self._save(blocking=True)
             self.ckpt.close()
+        if self.live is not None:
+            if stopped_by == "done" and self.dinfo.is_main:
+                self.live.finish()  # waiting newcomers exit 0 instead of starting the run again
+            self.live.close()
         self._event("finished" if stopped_by == "done" else "stopped", step=self.step, reason=stopped_by)
         print0(f"{'finished' if stopped_by == 'done' else 'stopped'} at step {self.step}, loss {self.last_loss:.6f}")
         self.wandb.finish()
@@ -492,8 +645,12 @@ class Trainer:
         FSDP cannot gather its shards without the lost peer, so it falls back to the last save.
         """
         self._log_unagreed_steps()
+        if self.live is not None:  # the state lives on in the other members; leave now, visibly
+            self.live.close()
         if self.ckpt is None:
             return
+        if self.live is not None:  # a live rank never saves after a failure: it is fenced or recovered
+            exc = None
         peer_lost = isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc).lower())
         # Every rank wrote the ledger line of this step before its gradient all-reduce, which
         # completed here, so a save of it is accounted for (a peer killed right after that

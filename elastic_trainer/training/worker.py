@@ -14,11 +14,13 @@ import collections
 import datetime
 import importlib.util
 import json
+import logging
 import os
 import random
 import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -30,6 +32,8 @@ import torch.distributed as dist
 from elastic_trainer import config as cfgmod
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.tasks import Task
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,8 +58,11 @@ def _env_int(name: str, default: int | None = None) -> int | None:
     return int(value) if value.strip().lstrip("-").isdigit() else default
 
 
-def setup_distributed(config: TrainConfig) -> DistInfo:
-    """Join the process group when launched by torchrun (or with RANK/WORLD_SIZE/MASTER_* set)."""
+def setup_distributed(config: TrainConfig, live=None) -> DistInfo:
+    """Join the process group when launched by torchrun (or with RANK/WORLD_SIZE/MASTER_* set).
+
+    With a ``live`` group (``training/live.py``) only the device is chosen here: the worker builds
+    its model first and then calls ``join_live``, so that the others never wait for its start-up."""
     info = DistInfo(rank=_env_int("RANK", 0), world_size=_env_int("WORLD_SIZE", 1),
                     local_rank=_env_int("LOCAL_RANK", 0), round=_env_int(cfgmod.ENV_RDZV_ROUND),
                     restart=_env_int("TORCHELASTIC_RESTART_COUNT", 0))
@@ -63,6 +70,8 @@ def setup_distributed(config: TrainConfig) -> DistInfo:
     if use_cuda:
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
         info.device = torch.device("cuda", torch.cuda.current_device())
+    if live is not None:
+        return info
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if not dist.is_initialized():
             dist.init_process_group("nccl" if use_cuda else "gloo",
@@ -70,6 +79,31 @@ def setup_distributed(config: TrainConfig) -> DistInfo:
         info.distributed = True
         info.rank, info.world_size = dist.get_rank(), dist.get_world_size()
     return info
+
+
+def warm_up_ddp() -> None:
+    """Construct DDP once on a throwaway one-process group: its first construction imports ~800
+    modules (1.6 s here), which a newcomer must not spend while the others wait for it."""
+    if dist.is_initialized():
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
+    finally:
+        dist.destroy_process_group()
+
+
+def join_live(info: DistInfo, config: TrainConfig, live) -> None:
+    """Wait until the live quorum admits this worker, then join its process group (fills ``info``)."""
+    t0 = time.perf_counter()
+    quorum = live.join()
+    t1 = time.perf_counter()
+    live.init_process_group("nccl" if info.device.type == "cuda" else "gloo", config.collective_timeout)
+    logger.info("live: admitted to quorum %d as rank %d of %d after %.3fs (%s); group in %.3fs", quorum.q,
+                dist.get_rank(), quorum.world_size, t1 - t0, "cold start" if quorum.cold else "newcomer",
+                time.perf_counter() - t1)
+    info.distributed, info.round = True, quorum.q
+    info.rank, info.world_size = dist.get_rank(), dist.get_world_size()
 
 
 def seed_everything(seed: int) -> None:

@@ -1,0 +1,583 @@
+"""Live recovery: the workers keep their processes and their state when a node is lost or added.
+
+Under ``--recovery live`` (the default for DDP) every agent's rendezvous is a world of its own
+node (``rendezvous/handler.py``, live mode): torchrun still starts, supervises and restarts the
+workers, but *which workers train together* is decided here, by the workers, through etcd.
+
+The **quorum** is one etcd key, ``<run prefix>live/quorum``: a number ``q`` and the members in
+rank order. Every change of it is a compare-and-swap on that key, so there is one quorum at a
+time, and every process group is built on a fresh store under ``live/store/<q>/`` in etcd (no
+process hosts a single point of failure). Each worker keeps ``live/alive/<id>`` on its own lease
+(``lease_ttl``): etcd's lease, not a peer's clock, says who is alive.
+
+- **Cold start** (no quorum with a live member): workers register ``live/join/<id>``; once
+  ``min_nodes`` whole nodes registered and ``last_call`` passed (or ``max_nodes`` registered),
+  one of them writes quorum ``q+1`` with ``cold: true``; its ranks load the newest checkpoint.
+- **Node lost**: a collective fails on the survivors (a dead peer's sockets close at once). Each
+  survivor destroys its group and reports ``live/report/<q+1>/<id>`` with the step it completed.
+  The quorum closes when every old member reported, or is provably dead (its lease is gone, or
+  its probe port refuses connections: a killed process's listening socket is closed by the
+  kernel), or after ``report_timeout``. Whole nodes only: a node missing a worker is dropped
+  (its agent restarts them all). The new quorum continues at the highest reported step, from a
+  survivor that completed it; survivors behind it (at most one step, under DDP) receive its state.
+- **Node added**: a newcomer starts, builds its model and registers ``live/join/<id>`` while the
+  others train. A member's watcher sees it; at the next step-end agreement all members re-form at
+  once (planned, nothing fails), and the newcomer receives the full training state from a live
+  rank over the new group. Storage is read only by a cold quorum.
+- **Fencing**: a worker not in the quorum that was formed (paused past its lease, too slow to
+  report, cut off) raises ``LiveExcluded``: it exits, and its agent starts a new worker that joins
+  as a newcomer. A worker whose own lease is lost exits at once. Checkpoint commits check the
+  quorum number and the lease (``fence_check``).
+
+Anything the live path cannot handle (a hang past ``--collective-timeout``, an error while
+re-forming, FSDP) ends the worker with an error; its agent restarts it, and it joins as a
+newcomer (state from a live peer) or, when no member is left, cold (state from storage).
+Design and numbers: docs/trainer.md, "Live recovery".
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+ENV_LIVE = "ELASTIC_TRAINER_LIVE"
+"""Set by the etcd-v3 handler in live mode: JSON of ``LiveSettings``."""
+EXIT_EXCLUDED = 76
+"""A worker left out of the quorum exits with this; its agent restarts it as a newcomer."""
+
+
+class LiveExcluded(RuntimeError):
+    """This worker is not a member of the quorum that was formed: it may not train or commit."""
+
+
+class RunFinished(LiveExcluded):
+    """The run finished while this worker waited to be admitted (a spare that was not needed)."""
+
+
+class LiveTimeout(RuntimeError):
+    """No quorum could be formed in time (too few nodes, or etcd out of reach)."""
+
+
+@dataclass(frozen=True)
+class LiveSettings:
+    """What the live quorum needs from the launcher (exported by the handler as ``ENV_LIVE``)."""
+
+    min_nodes: int = 1
+    max_nodes: int = 1
+    last_call: float = 1.0
+    """Seconds a cold start waits for more nodes once ``min_nodes`` registered."""
+    join_timeout: float = 600.0
+    """Seconds a worker waits to be admitted, or for ``min_nodes`` after a loss."""
+    report_timeout: float = 2.0
+    """Seconds the survivors wait for a member that neither reported nor is provably dead."""
+    lease_ttl: int = 3
+    keep_alive_interval: float = 1.0
+    poll: float = 0.1
+    """Seconds between the watcher's looks at joiners and leases while training."""
+
+    @classmethod
+    def from_env(cls) -> LiveSettings | None:
+        text = os.environ.get(ENV_LIVE)
+        if not text:
+            return None
+        values = json.loads(text)
+        return cls(**{k: v for k, v in values.items() if k in cls.__dataclass_fields__})
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+
+@dataclass(frozen=True)
+class Member:
+    id: str
+    node: str
+    local_rank: int
+    probe: str  # host:port of the member's probe listener
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """One membership of the live group: rank ``i`` is ``members[i]``."""
+
+    q: int
+    members: tuple[Member, ...]
+    step: int = -1
+    source: int = 0
+    """The rank whose state the receivers load (one that completed ``step``)."""
+    receivers: tuple[int, ...] = ()
+    cold: bool = False
+    finished: bool = False
+    cause: str = ""
+    formed_at: float = 0.0
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    @property
+    def nodes(self) -> list[str]:
+        return list(dict.fromkeys(m.node for m in self.members))
+
+    def rank_of(self, member_id: str) -> int | None:
+        for i, m in enumerate(self.members):
+            if m.id == member_id:
+                return i
+        return None
+
+    def to_json(self) -> bytes:
+        d = asdict(self)
+        return json.dumps(d).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Quorum:
+        d = json.loads(data)
+        if not isinstance(d, dict) or not isinstance(d.get("q"), int) or not isinstance(d.get("members"), list):
+            raise ValueError("the live quorum in etcd is malformed")
+        members = tuple(Member(str(m["id"]), str(m["node"]), int(m["local_rank"]), str(m["probe"]))
+                        for m in d["members"])
+        return cls(q=d["q"], members=members, step=int(d.get("step", -1)), source=int(d.get("source", 0)),
+                   receivers=tuple(int(r) for r in d.get("receivers", ())), cold=bool(d.get("cold")),
+                   finished=bool(d.get("finished")), cause=str(d.get("cause", "")),
+                   formed_at=float(d.get("formed_at", 0.0)))
+
+
+def _probe_dead(address: str, timeout: float = 0.05) -> bool:
+    """True when nothing listens at ``address`` any more (connection refused): the process is gone.
+
+    A stopped process still accepts (the kernel completes the handshake), and an unreachable
+    host times out: both count as "not provably dead"."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
+class _ProbeListener:
+    """A listening socket whose refusal tells peers that this process is gone."""
+
+    def __init__(self, host: str) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.bind((host, 0))
+        self.sock.listen(64)
+        self.address = f"{host}:{self.sock.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._run, name="live-probe", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            conn.close()
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+@dataclass
+class _View:
+    """One read of the live keys."""
+
+    quorum: Quorum | None
+    quorum_rev: int  # mod revision of the quorum key (0: absent)
+    alive: set[str]
+    joiners: dict[str, tuple[dict, int]]  # id -> (value, create revision)
+    reports: dict[str, dict] = field(default_factory=dict)
+
+
+class LiveGroup:
+    """This worker's membership in the live quorum of its run (see the module docstring)."""
+
+    def __init__(self, conn, prefix: str, node: str, local_rank: int, nproc: int, host: str,
+                 settings: LiveSettings) -> None:
+        from elastic_trainer.rendezvous.lease import LeaseKeeper
+
+        self.conn = conn
+        self.prefix = prefix.rstrip("/") + "/live/"
+        self.node, self.local_rank, self.nproc = node, local_rank, nproc
+        self.settings = settings
+        self.id = f"{node}-{local_rank}-{os.getpid()}"
+        self._probe = _ProbeListener(host)
+        self.me = Member(self.id, node, local_rank, self._probe.address)
+        self.quorum: Quorum | None = None
+        self.change_pending = threading.Event()
+        self.change_reason = ""
+        self._lease = LeaseKeeper(conn, self._key("alive/" + self.id), settings.lease_ttl,
+                                  settings.keep_alive_interval, self._on_lease_tick)
+        self._lease.ensure()
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._store = None
+        self.requests = 0
+
+    @classmethod
+    def from_env(cls) -> LiveGroup | None:
+        """The live group of this worker when its agent runs the etcd-v3 rendezvous in live mode."""
+        settings = LiveSettings.from_env()
+        if settings is None:
+            return None
+        from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
+        from elastic_trainer.rendezvous.fence import ENV_RDZV_CONN, ENV_RDZV_NODE, ENV_RDZV_PREFIX
+
+        conn_opts = json.loads(os.environ.get(ENV_RDZV_CONN) or "{}")
+        options = EtcdOptions(endpoints=parse_endpoints(conn_opts["endpoints"]),
+                              protocol=conn_opts.get("protocol") or "http", user=conn_opts.get("user"),
+                              password=conn_opts.get("password"), ca_cert=conn_opts.get("ca_cert"),
+                              cert=conn_opts.get("cert"), key=conn_opts.get("key"), retry_timeout=15.0)
+        node = os.environ[ENV_RDZV_NODE]
+        host = node.rsplit("_", 2)[0] if node.count("_") >= 2 else "127.0.0.1"
+        host = _resolvable(host)
+        return cls(EtcdConnection(options), os.environ[ENV_RDZV_PREFIX], node,
+                   int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")), host,
+                   settings)
+
+    # ---- etcd ------------------------------------------------------------------------------
+    def _key(self, sub: str) -> str:
+        return self.prefix + sub
+
+    def _call(self, fn, what: str):
+        self.requests += 1
+        return self.conn.call(fn, f"live {what}")
+
+    def _read(self, report_q: int | None = None) -> _View:
+        p = self.prefix
+
+        def txn(c):
+            t = c.transactions
+            ops = [t.get(p + "quorum"), t.get(p + "alive/", range_end=_range_end(p + "alive/")),
+                   t.get(p + "join/", range_end=_range_end(p + "join/"))]
+            if report_q is not None:
+                rp = f"{p}report/{report_q}/"
+                ops.append(t.get(rp, range_end=_range_end(rp)))
+            return c.transaction(compare=[], success=ops, failure=[])
+
+        _, responses = self._call(txn, "read")
+        quorum, rev = None, 0
+        if responses[0]:
+            value, meta = responses[0][0]
+            quorum, rev = Quorum.from_json(value), meta.mod_revision
+        alive = {meta.key.decode()[len(p + "alive/"):] for _, meta in responses[1]}
+        joiners = {}
+        for value, meta in responses[2]:
+            try:
+                joiners[meta.key.decode()[len(p + "join/"):]] = (json.loads(value), meta.create_revision)
+            except ValueError:
+                continue
+        reports = {}
+        if report_q is not None:
+            rp = f"{p}report/{report_q}/"
+            for value, meta in responses[3]:
+                try:
+                    reports[meta.key.decode()[len(rp):]] = json.loads(value)
+                except ValueError:
+                    continue
+        return _View(quorum, rev, alive, joiners, reports)
+
+    def _cas_quorum(self, new: Quorum, expected_rev: int) -> bool:
+        key = self._key("quorum")
+
+        def txn(c):
+            t = c.transactions
+            compare = [t.create(key) == 0] if expected_rev == 0 else [t.mod(key) == expected_rev]
+            return c.transaction(compare=compare, success=[t.put(key, new.to_json())], failure=[])
+
+        ok, _ = self._call(txn, "quorum compare-and-swap")
+        return bool(ok)
+
+    def _on_lease_tick(self) -> None:
+        if self._lease.lost and not self._stop.is_set():
+            # etcd declared this worker dead (it was paused or cut off past its lease): the
+            # others may already train without it. It must not touch the old group again.
+            logger.error("live: this worker's etcd lease expired; it was left out of the group and exits "
+                         "(its agent starts a newcomer)")
+            logging.shutdown()
+            os._exit(EXIT_EXCLUDED)
+
+    # ---- joining -------------------------------------------------------------------------------
+    def join(self) -> Quorum:
+        """Wait until a quorum includes this worker (as a newcomer, or in a cold start)."""
+        value = json.dumps({"node": self.node, "local_rank": self.local_rank, "nproc": self.nproc,
+                            "probe": self.me.probe, "since": time.time()}).encode()
+        self._lease.put(self._key("join/" + self.id), value)
+        deadline = time.monotonic() + self.settings.join_timeout
+        enough_since: float | None = None
+        try:
+            while True:
+                view = self._read()
+                q = view.quorum
+                if q is not None and q.finished:
+                    raise RunFinished("the run finished before this worker was admitted")
+                if q is not None and q.rank_of(self.id) is not None:
+                    return self._adopt(q)
+                live_quorum = q is not None and any(m.id in view.alive for m in q.members)
+                if not live_quorum:
+                    nodes = _complete_nodes(view)
+                    if len(nodes) >= self.settings.min_nodes:
+                        enough_since = enough_since or time.monotonic()
+                        if (len(nodes) >= self.settings.max_nodes
+                                or time.monotonic() - enough_since >= self.settings.last_call):
+                            chosen = nodes[:self.settings.max_nodes]
+                            members = tuple(m for n in chosen for m in n[1])
+                            new = Quorum(q=(q.q if q else 0) + 1, members=members, step=-1, cold=True,
+                                         cause="cold start", formed_at=time.time())
+                            self._cas_quorum(new, view.quorum_rev)
+                            continue
+                    else:
+                        enough_since = None
+                if time.monotonic() > deadline:
+                    raise LiveTimeout(f"not admitted to the run within join_timeout "
+                                      f"{self.settings.join_timeout:g}s")
+                time.sleep(0.02)
+        finally:
+            try:
+                self._call(lambda c: c.delete(self._key("join/" + self.id)), "join key delete")
+            except Exception as exc:  # noqa: BLE001 - it goes with the lease
+                logger.info("live: could not delete the join key (%s); it goes with the lease", exc)
+
+    def _adopt(self, q: Quorum) -> Quorum:
+        self.quorum = q
+        self.change_pending.clear()
+        self.change_reason = ""
+        return q
+
+    # ---- re-forming ---------------------------------------------------------------------------
+    def reform(self, step: int, cause: str, report_timeout: float | None = None) -> Quorum:
+        """After a failure (or at an agreed step, for a join): the next quorum with this worker in it.
+
+        Raises ``LiveExcluded`` when the quorum formed without this worker."""
+        old = self.quorum
+        assert old is not None
+        target = old.q + 1
+        self._lease.put(self._key(f"report/{target}/{self.id}"),
+                        json.dumps({"step": step, "cause": cause}).encode())
+        timeout = self.settings.report_timeout if report_timeout is None else report_timeout
+        deadline = time.monotonic() + timeout
+        min_deadline = time.monotonic() + self.settings.join_timeout
+        dead: set[str] = set()
+        last_probe = 0.0
+        while True:
+            view = self._read(report_q=target)
+            q = view.quorum
+            if q is not None and q.q >= target:
+                if q.rank_of(self.id) is None:
+                    raise LiveExcluded(f"quorum {q.q} formed without this worker ({q.cause})")
+                return self._adopt(q)
+            if q is None or q.q != old.q:
+                raise LiveExcluded(f"the quorum moved from {old.q} to {q.q if q else None} without this worker")
+            now = time.monotonic()
+            pending = [m for m in old.members if m.id not in view.reports and m.id in view.alive
+                       and m.id not in dead]
+            if pending and now - last_probe > 0.02:
+                last_probe = now
+                dead |= {m.id for m in pending if _probe_dead(m.probe)}
+                pending = [m for m in pending if m.id not in dead]
+            if not pending or now > deadline:
+                new = self._propose(old, view, target, cause)
+                if new is None:
+                    if now > min_deadline:
+                        raise LiveTimeout(f"fewer than min_nodes={self.settings.min_nodes} nodes within "
+                                          f"join_timeout {self.settings.join_timeout:g}s")
+                elif self._cas_quorum(new, view.quorum_rev):
+                    logger.info("live: quorum %d formed (%s) after %.3fs: %d ranks, step %d; %s", new.q, cause,
+                                timeout - (deadline - now), new.world_size, new.step,
+                                "all reported" if not pending else f"{len(pending)} silent past {timeout:g}s")
+                    continue
+            time.sleep(0.003)
+
+    def _propose(self, old: Quorum, view: _View, target: int, cause: str) -> Quorum | None:
+        """The next quorum from what ``view`` shows, or None while there are too few nodes."""
+        by_node: dict[str, list[Member]] = {}
+        for m in old.members:
+            by_node.setdefault(m.node, []).append(m)
+        survivors = [m for node, ms in by_node.items() for m in ms
+                     if all(x.id in view.reports for x in ms)]
+        nodes = list(dict.fromkeys(m.node for m in survivors))
+        room = self.settings.max_nodes - len(nodes)
+        joiners = [(n, ms) for n, ms in _complete_nodes(view) if n not in nodes][:max(0, room)]
+        if len(nodes) + len(joiners) < self.settings.min_nodes or not survivors:
+            return None
+        members = tuple(survivors) + tuple(m for _, ms in joiners for m in ms)
+        steps = [int(view.reports[m.id].get("step", -1)) for m in survivors]
+        top = max(steps)
+        source = steps.index(top)
+        receivers = tuple(i for i, s in enumerate(steps) if s < top) + tuple(range(len(survivors), len(members)))
+        lost = sorted(set(by_node) - set(nodes))
+        why = cause + (f"; lost {', '.join(lost)}" if lost else "") + (
+            f"; added {', '.join(n for n, _ in joiners)}" if joiners else "")
+        return Quorum(q=target, members=members, step=top, source=source, receivers=receivers,
+                      cause=why, formed_at=time.time())
+
+    # ---- the process group -------------------------------------------------------------------------
+    def init_process_group(self, backend: str, timeout: float) -> None:
+        """Join the default process group of the current quorum, on a fresh store in etcd."""
+        from elastic_trainer.rendezvous.etcd_store import EtcdStore
+
+        q = self.quorum
+        assert q is not None
+        rank = q.rank_of(self.id)
+        self._store = EtcdStore(self.conn, self._key(f"store/{q.q}/"),
+                                timeout=datetime.timedelta(seconds=max(5.0, self.settings.report_timeout * 3)))
+        dist.init_process_group(backend, store=self._store, rank=rank, world_size=q.world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        if rank == 0 and q.q >= 3:  # what no one reads any more
+            for sub in (f"store/{q.q - 2}/", f"report/{q.q - 1}/"):
+                try:
+                    self._call(lambda c, s=sub: c.delete_prefix(self._key(s)), "cleanup")
+                except Exception as exc:  # noqa: BLE001 - leftovers only cost etcd space
+                    logger.info("live: could not delete %s: %s", sub, exc)
+
+    # ---- while training --------------------------------------------------------------------------
+    def start_watching(self) -> None:
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="live-watch", daemon=True)
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.settings.poll):
+            q = self.quorum
+            if q is None or self.change_pending.is_set():
+                continue
+            try:
+                view = self._read()
+            except Exception as exc:  # noqa: BLE001 - etcd out of reach: the lease decides
+                logger.info("live: watcher could not read etcd: %s", exc)
+                continue
+            reason = ""
+            if view.quorum is not None and view.quorum.q != q.q:
+                reason = f"the quorum moved to {view.quorum.q}"
+            elif any(m.id not in view.alive for m in q.members):
+                reason = "a member's lease expired"
+            elif len(q.nodes) < self.settings.max_nodes and any(
+                    n not in q.nodes for n, _ in _complete_nodes(view)):
+                reason = "a node asks to join"
+            if reason:
+                self.change_reason = reason
+                self.change_pending.set()
+
+    def fence_check(self) -> None:
+        """Raise ``FencedError`` unless this worker's quorum is still the current one and its lease lives."""
+        from elastic_trainer.rendezvous.fence import FencedError
+
+        q = self.quorum
+        try:
+            view = self._read()
+        except Exception as exc:  # noqa: BLE001 - cannot prove the quorum current: fail safe
+            raise FencedError(f"live quorum cannot be read: {exc}") from exc
+        if q is None or view.quorum is None or view.quorum.q != q.q or self.id not in view.alive:
+            raise FencedError(f"live quorum {q.q if q else None} is over (etcd has "
+                              f"{view.quorum.q if view.quorum else None})")
+
+    @property
+    def token(self) -> str:
+        return f"quorum-{self.quorum.q if self.quorum else 0}"
+
+    def finish(self) -> None:
+        """Rank 0 at the end of training: mark the run finished, so that waiting newcomers exit 0."""
+        view = self._read()
+        q = view.quorum
+        if q is not None and self.quorum is not None and q.q == self.quorum.q and not q.finished:
+            done = Quorum(**{**{f: getattr(q, f) for f in q.__dataclass_fields__}, "finished": True})
+            self._cas_quorum(done, view.quorum_rev)
+
+    def close(self) -> None:
+        """Leave: the lease is revoked, so the others see at once that this worker is gone."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=2)
+        self._probe.close()
+        self._lease.close(revoke=True)
+
+
+# ---- state transfer ----------------------------------------------------------------------------------
+def broadcast_state(state: dict | None, src: int, device: torch.device) -> dict:
+    """Send ``state`` (on rank ``src``) to every rank of the default group; returns it everywhere."""
+    import io
+
+    if dist.get_rank() == src:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        data = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src)
+    if dist.get_rank() != src:
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+    payload = data.to(device) if device.type != "cpu" else data
+    dist.broadcast(payload, src=src)
+    if dist.get_rank() == src:
+        return state  # type: ignore[return-value]
+    raw = payload.cpu().numpy().tobytes()
+    return torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+
+
+# ---- helpers -----------------------------------------------------------------------------------------
+def _range_end(prefix: str) -> bytes:
+    import etcd3.utils
+
+    return etcd3.utils.prefix_range_end(prefix.encode())
+
+
+def _complete_nodes(view: _View) -> list[tuple[str, list[Member]]]:
+    """Joiners grouped by node, nodes with all their workers registered, first come first."""
+    by_node: dict[str, list[tuple[int, Member]]] = {}
+    nproc: dict[str, int] = {}
+    for mid, (value, rev) in view.joiners.items():
+        if mid not in view.alive:
+            continue
+        node = str(value.get("node"))
+        nproc[node] = int(value.get("nproc", 1))
+        by_node.setdefault(node, []).append((rev, Member(mid, node, int(value.get("local_rank", 0)),
+                                                         str(value.get("probe", "")))))
+    out = []
+    for node, items in by_node.items():
+        ranks = {m.local_rank for _, m in items}
+        if len(items) == nproc[node] and ranks == set(range(nproc[node])):
+            out.append((min(r for r, _ in items), node, sorted((m for _, m in items), key=lambda m: m.local_rank)))
+    out.sort()
+    return [(node, ms) for _, node, ms in out]
+
+
+def _resolvable(host: str) -> str:
+    """An address this host can bind to for the probe listener (the node's address, else loopback)."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return "127.0.0.1"
+    for family, *_rest, sockaddr in infos:
+        addr = sockaddr[0]
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((addr, 0))
+            return addr
+        except OSError:
+            continue
+    return "127.0.0.1"
+
+
+__all__ = ["ENV_LIVE", "EXIT_EXCLUDED", "LiveExcluded", "LiveGroup", "LiveSettings", "LiveTimeout", "Member",
+           "Quorum", "RunFinished", "broadcast_state"]
