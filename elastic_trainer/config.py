@@ -5,7 +5,7 @@ Every field is checked in ``__post_init__``; a bad value raises ``ValueError`` w
 sentence that names the value and says what to change, which the CLI prints as one line.
 The environment variables through which the launcher tells the workers where things are
 are named here once. The checkpoint manager and the sampler take their few settings as
-arguments (``CheckpointManager(url, keep_latest=..., async_save=...)``).
+arguments (``CheckpointManager(url, keep_checkpoints=..., async_checkpoint=...)``).
 """
 
 from __future__ import annotations

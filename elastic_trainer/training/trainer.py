@@ -111,9 +111,9 @@ class Trainer:
             from elastic_trainer.checkpoint import CheckpointManager
 
             writer = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{self.node}-{pid}-r{d.round if d.round is not None else 'x'}")
-            self.ckpt = CheckpointManager(c.checkpoint_dir, keep_latest=c.keep_checkpoints,
-                                          async_save=c.async_checkpoint, fence=fence_check() if d.is_main else None,
-                                          writer_id=writer[:64])
+            self.ckpt = CheckpointManager(c.checkpoint_dir, keep_checkpoints=c.keep_checkpoints,
+                                          async_checkpoint=c.async_checkpoint,
+                                          fence=fence_check() if d.is_main else None, writer_id=writer[:64])
 
     def _event(self, event: str, **fields: Any) -> None:
         self.events.write({"time": time.time(), "event": event, **fields})
