@@ -71,9 +71,11 @@ class RunConfig:
     monitor_interval: float = 0.1
     """Seconds between the agent's checks of its workers."""
     checkpoint_dir: str | None = None
-    """fsspec URL of the checkpoint root; ``checkpoints/<run id>`` when None."""
+    """The trainer's ``--checkpoint-dir`` (``TrainConfig.checkpoint_dir``) for this run; when None,
+    ``checkpoints/<run id>``, the launcher's default, defined here only; empty = no checkpoints."""
     log_dir: str | None = None
-    """Local folder for the embedded etcd's data and the agents' logs; ``runs/<run id>`` when None."""
+    """The trainer's ``--log-dir`` for this run, also the embedded etcd's data and the agents' logs;
+    ``runs/<run id>`` when None (the launcher's default, defined here only)."""
     local_addr: str | None = None
     """The address other nodes reach this one at; looked up from the host name when None."""
     program: list[str] = field(default_factory=list)
