@@ -23,7 +23,8 @@ BAD_INPUTS = {
     "bad_run_id": (["--run-id", "a b"], "--run-id"),
     "bad_rdzv_conf": (["--rdzv-conf", "novalue"], "key=value"),
     # the built-in trainer's flags after `--` are checked by the launcher, with the trainer's parser
-    "trainer_batch_zero": (["--", "--global-batch-size", "0"], "trainer: --global-batch-size must be a positive number"),
+    "trainer_batch_zero": (["--", "--global-batch-size", "0"],
+                           "trainer: --global-batch-size must be a positive number"),
     "trainer_unknown_flag": (["--", "--bogus", "1"], "trainer: unrecognized arguments: --bogus 1"),
     "trainer_not_a_number": (["--", "--lr", "fast"], "trainer: argument --lr: invalid float value: 'fast'"),
     "trainer_every_zero": (["--", "--checkpoint-every", "0"], "trainer: --checkpoint-every must be a positive number"),

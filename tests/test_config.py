@@ -133,5 +133,6 @@ def test_the_drills_default_trainer_args_parse_with_the_generated_parser():
     handed_over = {config.ENV_CHECKPOINT_DIR: "out/checkpoints", config.ENV_LOG_DIR: "out/nodes/node-0"}
     parsed = train.parse_config(list(scenario.DEFAULT_TRAINER_ARGS), train.build_parser(environ=handed_over))
     assert parsed.task_args.task_argv == []
-    assert (parsed.global_batch_size, parsed.checkpoint_every, parsed.sample_ledger, parsed.wandb) == (12, 5, True, False)
+    assert (parsed.global_batch_size, parsed.checkpoint_every, parsed.sample_ledger) == (12, 5, True)
+    assert not parsed.wandb
     assert parsed.checkpoint_dir == "out/checkpoints"

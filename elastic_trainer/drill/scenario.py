@@ -184,8 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-size", default=None, help="size of the checkpoint tmpfs for fill-disk (default 48m)")
     p.add_argument("--netns", action="store_true", default=None, help="each node in its own network namespace (root)")
     p.add_argument("--trainer-args", default=None,
-                   help="extra trainer flags, one string, appended after the drill's (e.g. --trainer-args=--no-resume); "
-                   "'--checkpoint-dir URL' here moves the checkpoints from <out>/checkpoints (a tmpfs with fill-disk)")
+                   help="extra trainer flags, one string, appended after the drill's "
+                   "(e.g. --trainer-args=--no-resume); '--checkpoint-dir URL' here moves the checkpoints "
+                   "from <out>/checkpoints (a tmpfs with fill-disk)")
     p.add_argument("--script", default=None, help="run this training script instead of the built-in trainer "
                    "(it must write the same step log, ledger and events)")
     p.add_argument("--recovery-timeout", type=float, default=None,
