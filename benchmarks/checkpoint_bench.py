@@ -81,7 +81,7 @@ def bench(url: str, d_model: int, layers: int, steps: int, saves: int) -> dict:
         step()  # warm up; Adam state now exists
     plain_steps = [step() for _ in range(steps)]
 
-    mgr = CheckpointManager(url, keep_latest=1, async_save=True)
+    mgr = CheckpointManager(url, keep_checkpoints=1, async_checkpoint=True)
     blocked, copy_wait, during = [], [], []
     for i in range(saves + 1):  # the first save allocates the snapshot buffers: reported apart
         mgr.save(i + 1, state())
@@ -96,7 +96,7 @@ def bench(url: str, d_model: int, layers: int, steps: int, saves: int) -> dict:
 
     # synchronous saves alternated with plain copies of the same number of bytes, so that both
     # see the same machine load; ratios are taken pair by pair
-    sync = CheckpointManager(url, keep_latest=1, async_save=False)
+    sync = CheckpointManager(url, keep_checkpoints=1, async_checkpoint=False)
     fs, root = storage.get_fs(url)
     blob = None
     sync_s, e2e_bps, plain_bps, durable_bps, ratios, durable_ratios, ser, upl = ([] for _ in range(8))

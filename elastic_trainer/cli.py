@@ -20,7 +20,9 @@ Examples::
     # Kill-node recovery drills (see docs/drills.md):
     elastic-train drill --help
 
-The launcher parses and checks its flags (a bad one ends it with one line and status 2),
+The launcher parses and checks its flags and those of the built-in trainer after ``--`` (with
+the trainer's own parser, generated from ``TrainConfig``; a bad one ends it with one line and
+status 2),
 starts the embedded etcd when no endpoint is given, and hands a ``LaunchConfig`` to
 ``torch.distributed.launcher.api.elastic_launch``: the agents, their restarts and their
 workers are torchrun's own.
@@ -42,6 +44,9 @@ from elastic_trainer.config import RunConfig
 logger = logging.getLogger("elastic_trainer")
 
 USAGE_ERROR = 2
+BUILTIN_TRAINER = ["-m", "elastic_trainer.train"]
+# Trainer flags the launcher needs too: it checks the checkpoint dir and keeps its own logs in the log dir.
+SHARED_TRAINER_FLAGS = ("checkpoint_dir", "log_dir")
 
 
 class UsageError(Exception):
@@ -53,6 +58,13 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         raise UsageError(message)
+
+
+class _TrainerParser(_Parser):
+    """The built-in trainer's generated parser as the launcher uses it: errors say whose flag it was."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(f"trainer: {message}")
 
 
 def _positive_int(flag: str):
@@ -131,11 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(the built-in trainer with DDP; the default there); restart: every fault restarts "
                             "the workers and resumes from the newest checkpoint (the default for your own "
                             "scripts, FSDP and --scale-lr)")
-    io = p.add_argument_group("storage")
-    io.add_argument("--checkpoint-dir", default=None, metavar="URL",
-                    help="checkpoint root: a path, memory://, s3://bucket/prefix, ... (default checkpoints/<run-id>)")
-    io.add_argument("--log-dir", default=None,
-                    help="local folder for the embedded etcd and the agent's logs (default runs/<run-id>)")
+    io = p.add_argument_group("storage (the trainer's own flags: give each here or after `--`, not both)")
+    for name in SHARED_TRAINER_FLAGS:  # declared once, in TrainConfig; None here means "not given"
+        cfg.add_train_flag(io, name, default=None)
     prog = p.add_argument_group("program")
     prog.add_argument("-m", "--module", action="store_true",
                       help="run the program as a Python module (python -m), like torchrun")
@@ -163,7 +173,7 @@ def parse_run_config(argv: list[str]) -> RunConfig:
     if args.training_script is None:
         if args.module:
             raise UsageError("-m/--module needs a module name after the flags")
-        program = ["-m", "elastic_trainer.train", *trainer_args]
+        program = [*BUILTIN_TRAINER, *trainer_args]
     elif args.module:
         program = ["-m", args.training_script, *args.training_script_args, *trainer_args]
     else:
@@ -182,13 +192,37 @@ def parse_run_config(argv: list[str]) -> RunConfig:
     if args.rdzv_backend == "etcd-v3":
         rdzv_conf["recovery"] = recovery or ("live" if live_ok else "restart")
     try:
-        return RunConfig(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=args.nproc_per_node,
-                         rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend,
-                         rdzv_conf=rdzv_conf, run_id=args.run_id, max_restarts=args.max_restarts,
-                         monitor_interval=args.monitor_interval, checkpoint_dir=args.checkpoint_dir,
-                         log_dir=args.log_dir, local_addr=args.local_addr, program=program)
+        run = RunConfig(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=args.nproc_per_node,
+                        rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend,
+                        rdzv_conf=rdzv_conf, run_id=args.run_id, max_restarts=args.max_restarts,
+                        monitor_interval=args.monitor_interval, checkpoint_dir=args.checkpoint_dir,
+                        log_dir=args.log_dir, local_addr=args.local_addr, program=program)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
+    if program[:2] == BUILTIN_TRAINER:
+        check_trainer_flags(run, given_here={name: getattr(args, name) for name in SHARED_TRAINER_FLAGS})
+    return run
+
+
+def check_trainer_flags(run: RunConfig, given_here: dict[str, str | None]) -> None:
+    """Parse the built-in trainer's flags (``run.program[2:]``) with its generated parser, as each
+    worker will, and check them as ``TrainConfig`` does: a bad one ends the launcher now, with one
+    line, instead of every worker after the start. A shared flag (``--checkpoint-dir``, ``--log-dir``)
+    given there becomes the run's; given both here and there with different values, it is an error.
+    """
+    from elastic_trainer import train
+
+    # What the workers get: the launcher hands its checkpoint and log folders over in these env vars.
+    environ = {cfg.ENV_CHECKPOINT_DIR: run.checkpoint_dir or "", cfg.ENV_LOG_DIR: run.log_dir or ""}
+    trainer = train.parse_config(run.program[2:], train.build_parser(_TrainerParser, environ))
+    for name in SHARED_TRAINER_FLAGS:
+        here, there = getattr(run, name) or "", getattr(trainer, name) or ""
+        if there == here:
+            continue
+        if given_here[name] is not None:
+            raise UsageError(f"{cfg.flag_name(name)} is given twice, {here!r} before `--` and {there!r} "
+                             "after it; give it once")
+        setattr(run, name, there)
 
 
 def check_environment(run: RunConfig) -> None:
@@ -207,6 +241,8 @@ def check_environment(run: RunConfig) -> None:
             etcd_server.probe_endpoint(run.rdzv_endpoint or "", timeout=3.0)
         except (ValueError, etcd_server.EtcdError) as exc:
             raise UsageError(f"--rdzv-endpoint: {exc}") from exc
+    if not run.checkpoint_dir:
+        return  # an empty --checkpoint-dir: no checkpoints
     try:
         storage.check_writable(run.checkpoint_dir)
     except storage.StorageError as exc:

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
-    mgr = CheckpointManager(args.url, keep_latest=args.keep, async_save=False, writer_id=args.writer_id,
+    mgr = CheckpointManager(args.url, keep_checkpoints=args.keep, async_checkpoint=False, writer_id=args.writer_id,
                             retry_backoff_s=0.05)
     while args.go_file and not os.path.exists(args.go_file):
         time.sleep(0.01)

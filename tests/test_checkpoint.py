@@ -78,9 +78,9 @@ def _data_files(url: str, step: int) -> list[str]:
 # --------------------------------------------------------------------------- round trips
 
 
-@pytest.mark.parametrize("async_save", [True, False])
-def test_round_trip_restores_every_tensor_and_value(any_url, async_save):
-    mgr = CheckpointManager(any_url, keep_latest=2, async_save=async_save)
+@pytest.mark.parametrize("async_checkpoint", [True, False])
+def test_round_trip_restores_every_tensor_and_value(any_url, async_checkpoint):
+    mgr = CheckpointManager(any_url, keep_checkpoints=2, async_checkpoint=async_checkpoint)
     state = _tiny_state(5)
     blocked = mgr.save(5, state)
     mgr.wait()
@@ -100,7 +100,7 @@ def test_round_trip_restores_every_tensor_and_value(any_url, async_save):
 
 
 def test_save_copies_state_so_later_training_cannot_change_it(tmp_path):
-    mgr = CheckpointManager(str(tmp_path / "c"), async_save=True)
+    mgr = CheckpointManager(str(tmp_path / "c"), async_checkpoint=True)
     weights = torch.zeros(1000)
     mgr.save(1, {"model": {"w": weights}})
     weights += 1  # the next training step, while the upload may still run
@@ -109,7 +109,7 @@ def test_save_copies_state_so_later_training_cannot_change_it(tmp_path):
 
 
 def test_snapshot_buffers_reused_across_saves_never_mix_checkpoints(tmp_path):
-    mgr = CheckpointManager(str(tmp_path / "c"), keep_latest=5, async_save=True)
+    mgr = CheckpointManager(str(tmp_path / "c"), keep_checkpoints=5, async_checkpoint=True)
     w, transposed = torch.zeros(10), torch.arange(12.0).reshape(3, 4).t()
     mgr.save(1, {"model": {"w": w, "t": transposed}})
     w += 1
@@ -135,7 +135,7 @@ def test_empty_store_loads_nothing(tmp_path):
 
 def test_rng_state_round_trips_through_weights_only_load(tmp_path):
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
-    mgr = CheckpointManager(str(tmp_path / "c"), async_save=False)
+    mgr = CheckpointManager(str(tmp_path / "c"), async_checkpoint=False)
     mgr.save(1, {"rng": capture_rng_state()})
     want = (random.random(), np.random.rand(3), torch.rand(3), np.random.randn())
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
@@ -151,7 +151,7 @@ def test_checkpoint_that_would_run_code_is_refused(tmp_path, caplog):
     import io
 
     url = str(tmp_path / "c")
-    mgr = CheckpointManager(url, async_save=False, writer_id="w")
+    mgr = CheckpointManager(url, async_checkpoint=False, writer_id="w")
     mgr.save(1, _tiny_state(1))
     buf = io.BytesIO()
     torch.save({"evil": os.system}, buf)
@@ -192,7 +192,7 @@ def _garble_manifest(fs, path):
 @pytest.mark.parametrize("damage", [_flip_bit, _truncate, _remove_manifest, _garble_manifest],
                          ids=["bit-flip", "truncate", "half-written", "torn-manifest"])
 def test_damaged_newest_checkpoint_is_skipped_and_previous_loads(any_url, damage, caplog):
-    mgr = CheckpointManager(any_url, keep_latest=3, async_save=False)
+    mgr = CheckpointManager(any_url, keep_checkpoints=3, async_checkpoint=False)
     mgr.save(10, _tiny_state(10))
     mgr.save(20, _tiny_state(20))
     fs, _ = storage.get_fs(any_url)
@@ -215,7 +215,7 @@ def _manifest(url: str, step: int) -> dict:
 def test_manifest_lists_one_streamed_file_with_its_xxh3_128(any_url):
     import xxhash
 
-    mgr = CheckpointManager(any_url, async_save=False)
+    mgr = CheckpointManager(any_url, async_checkpoint=False)
     mgr.save(7, _tiny_state(7))
     manifest = _manifest(any_url, 7)
     assert manifest["format"] == 3 and list(manifest["files"]) == [f"{mgr.writer_id}/state.bin"]
@@ -228,7 +228,7 @@ def test_manifest_lists_one_streamed_file_with_its_xxh3_128(any_url):
 
 def test_bit_flip_fails_the_xxh3_128_check_and_the_warning_says_so(tmp_path, caplog):
     url = str(tmp_path / "c")
-    mgr = CheckpointManager(url, async_save=False)
+    mgr = CheckpointManager(url, async_checkpoint=False)
     mgr.save(1, _tiny_state(1))
     mgr.save(2, _tiny_state(2))
     path = _data_files(url, 2)[0]
@@ -265,7 +265,7 @@ def test_format1_sha256_checkpoint_still_verifies_and_loads(tmp_path, caplog):
     url = str(tmp_path / "c")
     state = _tiny_state(3)
     step_dir = _write_format1_checkpoint(url, 3, state)
-    mgr = CheckpointManager(url, keep_latest=2, async_save=False)
+    mgr = CheckpointManager(url, keep_checkpoints=2, async_checkpoint=False)
     assert mgr.latest_step() == 3
     step, loaded = mgr.load()
     assert step == 3
@@ -285,7 +285,7 @@ def test_format1_sha256_checkpoint_still_verifies_and_loads(tmp_path, caplog):
 
 def test_manifest_with_an_unknown_checksum_is_skipped_with_its_name(tmp_path, caplog):
     url = str(tmp_path / "c")
-    mgr = CheckpointManager(url, keep_latest=3, async_save=False)
+    mgr = CheckpointManager(url, keep_checkpoints=3, async_checkpoint=False)
     mgr.save(1, _tiny_state(1))
     mgr.save(2, _tiny_state(2))
     path = Path(url) / "step-2" / "manifest.json"
@@ -328,7 +328,7 @@ def _clone(state):
 
 def test_optimizer_tensors_copied_beside_training_hold_the_values_of_the_save(tmp_path):
     model, opt = _mlp()
-    mgr = CheckpointManager(str(tmp_path / "c"), async_save=True)
+    mgr = CheckpointManager(str(tmp_path / "c"), async_checkpoint=True)
     for step in range(1, 4):
         _step(model, opt)  # the optimizer has stepped once before the first save: its tensors are known
         want = _clone({"model": model.state_dict(), "optimizer": opt.state_dict()})
@@ -348,7 +348,7 @@ def test_buffers_changed_by_forward_are_copied_before_save_returns(tmp_path):
     model, opt = _mlp(bn=True)
     model.train()
     _step(model, opt)
-    mgr = CheckpointManager(str(tmp_path / "c"), async_save=True)
+    mgr = CheckpointManager(str(tmp_path / "c"), async_checkpoint=True)
     want = _clone(model.state_dict())
     mgr.save(1, {"model": model.state_dict(), "optimizer": opt.state_dict()})
     _step(model, opt)  # forward updates the BatchNorm running stats before the optimizer step
@@ -361,7 +361,7 @@ def test_parameter_changed_in_place_before_the_optimizer_step_abandons_that_save
     model, opt = _mlp()
     _step(model, opt)
     url = str(tmp_path / "c")
-    mgr = CheckpointManager(url, async_save=True)
+    mgr = CheckpointManager(url, async_checkpoint=True)
     mgr.save(1, {"model": model.state_dict(), "optimizer": opt.state_dict()})
     assert mgr._deferred is not None
     with torch.no_grad():
@@ -385,8 +385,8 @@ def test_parameter_changed_in_place_before_the_optimizer_step_abandons_that_save
 def test_blocking_saves_and_overlap_copy_false_copy_everything_inside_save(tmp_path):
     model, opt = _mlp()
     _step(model, opt)
-    for mgr, kwargs in ((CheckpointManager(str(tmp_path / "a"), async_save=True), {"blocking": True}),
-                        (CheckpointManager(str(tmp_path / "b"), async_save=True, overlap_copy=False), {})):
+    for mgr, kwargs in ((CheckpointManager(str(tmp_path / "a"), async_checkpoint=True), {"blocking": True}),
+                        (CheckpointManager(str(tmp_path / "b"), async_checkpoint=True, overlap_copy=False), {})):
         want = _clone(model.state_dict())
         mgr.save(1, {"model": model.state_dict(), "optimizer": opt.state_dict()}, **kwargs)
         assert mgr._deferred is None
@@ -402,7 +402,7 @@ def test_blocking_saves_and_overlap_copy_false_copy_everything_inside_save(tmp_p
 
 def test_retention_keeps_newest_k_and_prunes_only_after_commit(tmp_path):
     url = str(tmp_path / "c")
-    mgr = CheckpointManager(url, keep_latest=2, async_save=True)
+    mgr = CheckpointManager(url, keep_checkpoints=2, async_checkpoint=True)
     stale = tmp_path / "c" / "step-1" / "dead-writer"
     stale.mkdir(parents=True)
     (stale / "model.pt").write_bytes(b"partial")
@@ -411,7 +411,7 @@ def test_retention_keeps_newest_k_and_prunes_only_after_commit(tmp_path):
     mgr.wait()
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["step-4", "step-5"]
     # a failed save prunes nothing
-    fenced = CheckpointManager(url, keep_latest=1, async_save=False, fence=_raise_fenced)
+    fenced = CheckpointManager(url, keep_checkpoints=1, async_checkpoint=False, fence=_raise_fenced)
     fenced.save(6, _tiny_state(6))
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["step-4", "step-5", "step-6"]
     assert not any((tmp_path / "c" / "step-6").iterdir())
@@ -420,10 +420,10 @@ def test_retention_keeps_newest_k_and_prunes_only_after_commit(tmp_path):
 
 def test_retention_never_removes_the_checkpoint_just_committed_for_a_damaged_newer_one(tmp_path):
     url = str(tmp_path / "c")
-    CheckpointManager(url, async_save=False).save(30, _tiny_state(30))
+    CheckpointManager(url, async_checkpoint=False).save(30, _tiny_state(30))
     fs, _ = storage.get_fs(url)
     _flip_bit(fs, _data_files(url, 30)[0])  # a newer step whose manifest parses but data rotted
-    mgr = CheckpointManager(url, keep_latest=1, async_save=False)
+    mgr = CheckpointManager(url, keep_checkpoints=1, async_checkpoint=False)
     mgr.save(20, _tiny_state(20))
     assert (tmp_path / "c" / "step-20" / "manifest.json").exists()
     assert mgr.load()[0] == 20
@@ -437,9 +437,9 @@ def _raise_fenced():
 
 
 def test_fenced_writer_never_commits(any_url, caplog):
-    good = CheckpointManager(any_url, async_save=False)
+    good = CheckpointManager(any_url, async_checkpoint=False)
     good.save(1, _tiny_state(1))
-    zombie = CheckpointManager(any_url, async_save=True, fence=_raise_fenced)
+    zombie = CheckpointManager(any_url, async_checkpoint=True, fence=_raise_fenced)
     with caplog.at_level(logging.ERROR, logger="elastic_trainer.checkpoint"):
         zombie.save(2, _tiny_state(2))
         zombie.wait()
@@ -457,7 +457,7 @@ def test_fence_is_called_once_right_before_commit_and_token_recorded(tmp_path, m
     def fence():
         calls.append(sorted(p.name for p in (tmp_path / "c" / "step-3").iterdir()))
 
-    mgr = CheckpointManager(url, async_save=False, fence=fence)
+    mgr = CheckpointManager(url, async_checkpoint=False, fence=fence)
     mgr.save(3, _tiny_state(3))
     assert calls == [[mgr.writer_id]]  # data uploaded, manifest not yet written
     manifest = json.loads((tmp_path / "c" / "step-3" / "manifest.json").read_text())
@@ -484,7 +484,7 @@ class _FlakyFileSystem(LocalFileSystem):
 
 
 def test_failed_upload_is_retried_with_backoff_and_commits(tmp_path, caplog):
-    mgr = CheckpointManager(str(tmp_path / "c"), async_save=True, retries=3, retry_backoff_s=0.01)
+    mgr = CheckpointManager(str(tmp_path / "c"), async_checkpoint=True, retries=3, retry_backoff_s=0.01)
     mgr.fs = _FlakyFileSystem(failures=2)
     with caplog.at_level(logging.WARNING, logger="elastic_trainer.checkpoint"):
         mgr.save(1, _tiny_state(1))
@@ -496,7 +496,7 @@ def test_failed_upload_is_retried_with_backoff_and_commits(tmp_path, caplog):
 
 def test_upload_failing_every_time_keeps_training_and_last_good_checkpoint(tmp_path, caplog):
     url = str(tmp_path / "c")
-    mgr = CheckpointManager(url, async_save=True, retries=3, retry_backoff_s=0.01)
+    mgr = CheckpointManager(url, async_checkpoint=True, retries=3, retry_backoff_s=0.01)
     mgr.save(1, _tiny_state(1))
     mgr.wait()
     mgr.fs = _FlakyFileSystem(failures=10**6)
@@ -516,7 +516,7 @@ def test_disk_full_on_a_real_tiny_filesystem_keeps_last_good_checkpoint(tmp_path
                       capture_output=True).returncode != 0:
         pytest.skip("mounting a tmpfs needs root")
     try:
-        mgr = CheckpointManager(str(mnt / "c"), keep_latest=3, async_save=True, retry_backoff_s=0.01)
+        mgr = CheckpointManager(str(mnt / "c"), keep_checkpoints=3, async_checkpoint=True, retry_backoff_s=0.01)
         mgr.save(1, {"model": {"w": torch.ones(1000)}})
         mgr.wait()
         assert mgr.last_error is None
@@ -562,7 +562,7 @@ def test_sigkill_during_upload_leaves_newest_complete_checkpoint_loadable(tmp_pa
     assert step == 1 and state["writer"] == "victim"
     assert "step-2" in caplog.text
     # the next writer commits over the leftovers and verifies
-    nxt = CheckpointManager(url, async_save=False)
+    nxt = CheckpointManager(url, async_checkpoint=False)
     nxt.save(3, {"model": {"w": torch.ones(3)}})
     assert nxt.load()[0] == 3
 
@@ -645,7 +645,7 @@ def test_resumed_run_continues_exactly_like_an_uninterrupted_one(tmp_path):
     for _ in range(k):
         _train(model, opt, 1)
         sched.step()
-    mgr = CheckpointManager(url, async_save=True)
+    mgr = CheckpointManager(url, async_checkpoint=True)
     mgr.save(k, {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                  "rng": capture_rng_state(), "step": k})
     want_draws = []
@@ -694,8 +694,8 @@ def test_round_fence_on_real_etcd_lets_only_the_current_round_commit(etcd, run_i
     url = str(tmp_path / "c")
     fences = [RoundFence(r, backend.prefix, etcd.endpoint, retry_timeout=5) for r in (3, 4)]
     try:
-        zombie = CheckpointManager(url, async_save=True, fence=fences[0].check, writer_id="zombie-round-3")
-        current = CheckpointManager(url, async_save=True, fence=fences[1].check, writer_id="rank0-round-4")
+        zombie = CheckpointManager(url, async_checkpoint=True, fence=fences[0].check, writer_id="zombie-round-3")
+        current = CheckpointManager(url, async_checkpoint=True, fence=fences[1].check, writer_id="rank0-round-4")
         zombie.save(10, _tiny_state(10))
         zombie.wait()  # first, so that it reaches its fence (a later one would see the commit and stop)
         current.save(10, _tiny_state(10, seed=1))
@@ -744,8 +744,8 @@ def test_a_stale_writer_pruned_as_it_commits_leaves_nothing_a_load_would_pick(an
     steps 3-5 and, in its retention, removes step-2 as an uncommitted leftover, just before the
     stale writer's manifest lands. That manifest points at nothing, but only below every kept
     checkpoint: loading skips it (naming why), and the next retention removes it."""
-    stale = CheckpointManager(any_url, keep_latest=3, async_save=False, writer_id="stale")
-    newer = CheckpointManager(any_url, keep_latest=3, async_save=False, writer_id="newer")
+    stale = CheckpointManager(any_url, keep_checkpoints=3, async_checkpoint=False, writer_id="stale")
+    newer = CheckpointManager(any_url, keep_checkpoints=3, async_checkpoint=False, writer_id="newer")
     real = storage.create_exclusive
 
     def newer_writer_prunes_first(fs, path, data):
@@ -769,7 +769,7 @@ def test_a_stale_writer_pruned_as_it_commits_leaves_nothing_a_load_would_pick(an
         # on a disk the folder went with it: the link fails and the retry commits a whole step 2
         assert stale.load(step=2)[0] == 2
 
-    for reader in (newer, CheckpointManager(any_url, async_save=False)):
+    for reader in (newer, CheckpointManager(any_url, async_checkpoint=False)):
         step, state = reader.load()
         assert step == 5 and torch.equal(state["model"]["weight"], _tiny_state(5)["model"]["weight"])
         assert reader.latest_step() == 5

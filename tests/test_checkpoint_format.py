@@ -143,7 +143,7 @@ def _manifest(url: str, step: int) -> tuple:
 
 def test_manager_writes_format3_on_every_store_and_loads_it_exactly(any_url):
     state = _odd_state()
-    mgr = CheckpointManager(any_url, async_save=False)
+    mgr = CheckpointManager(any_url, async_checkpoint=False)
     mgr.save(3, state)
     fs, step_dir, manifest = _manifest(any_url, 3)
     assert manifest["format"] == 3 and list(manifest["files"]) == [f"{mgr.writer_id}/state.bin"]
@@ -155,7 +155,7 @@ def test_manager_writes_format3_on_every_store_and_loads_it_exactly(any_url):
 
 
 def test_corrupt_byte_anywhere_in_a_format3_file_is_caught_by_its_checksum(any_url, caplog):
-    mgr = CheckpointManager(any_url, keep_latest=5, async_save=False)
+    mgr = CheckpointManager(any_url, keep_checkpoints=5, async_checkpoint=False)
     mgr.save(1, {"model": {"w": torch.ones(1000)}})
     fs, step_dir, manifest = _manifest(any_url, 1)
     path = storage.join(step_dir, next(iter(manifest["files"])))
@@ -209,7 +209,7 @@ _GOOD = {"format": 3, "byteorder": sys.byteorder, "data_size": 8, "tensors": [["
         "no-such-tensor", "dtype-not-a-dtype", "unhashable-key", "byte-order", "data-size"])
 def test_malformed_format3_file_with_a_valid_checksum_is_skipped_saying_why(tmp_path, bad, message, caplog):
     url = str(tmp_path / "c")
-    mgr = CheckpointManager(url, keep_latest=5, async_save=False)
+    mgr = CheckpointManager(url, keep_checkpoints=5, async_checkpoint=False)
     mgr.save(1, {"w": torch.zeros(2)})
     mgr.save(2, {"w": torch.ones(2)})
     assert checkpoint_format.read(_file_with_header(_GOOD, bytes(8)))["w"].shape == (2,)  # the good one reads
@@ -224,7 +224,7 @@ def test_malformed_format3_file_with_a_valid_checksum_is_skipped_saying_why(tmp_
 
 def test_a_pickle_under_a_format3_manifest_is_never_unpickled(tmp_path, caplog):
     url = str(tmp_path / "c")
-    mgr = CheckpointManager(url, keep_latest=5, async_save=False)
+    mgr = CheckpointManager(url, keep_checkpoints=5, async_checkpoint=False)
     mgr.save(1, {"w": torch.zeros(2)})
     mgr.save(2, {"w": torch.ones(2)})
     buf = io.BytesIO()
@@ -263,14 +263,14 @@ def test_formats_1_2_and_3_side_by_side_all_load_and_count_for_retention(tmp_pat
                   "sampler": {"offset": 32 * s}} for s in (1, 2, 3, 4)}
     _write_by_hand(url, 1, {f"old/{k}.pt": _torch_saved({k: v}) for k, v in states[1].items()}, 1, "sha256")
     _write_by_hand(url, 2, {"old/state.pt": _torch_saved(states[2])}, 2, "xxh3_128")
-    mgr = CheckpointManager(url, keep_latest=4, async_save=False)
+    mgr = CheckpointManager(url, keep_checkpoints=4, async_checkpoint=False)
     mgr.save(3, states[3])
     assert _manifest(url, 3)[2]["format"] == 3
     for step in (1, 2, 3):
         got_step, got = mgr.load(step)
         assert got_step == step
         _assert_identical(states[step], got)
-    mgr.keep_latest = 2
+    mgr.keep_checkpoints = 2
     mgr.save(4, states[4])  # retention counts the old formats like any other
     assert sorted(p.name for p in Path(url).iterdir()) == ["step-3", "step-4"]
 
@@ -279,7 +279,7 @@ def test_formats_1_2_and_3_side_by_side_all_load_and_count_for_retention(tmp_pat
 def test_a_sparse_tensor_falls_back_to_a_format2_file_that_round_trips(any_url):
     sparse = torch.sparse_coo_tensor([[0, 2]], [1.5, -2.0], (4,))
     state = {"model": {"dense": torch.arange(3.0), "sparse": sparse}, "step": 3}
-    mgr = CheckpointManager(any_url, async_save=False)
+    mgr = CheckpointManager(any_url, async_checkpoint=False)
     mgr.save(1, state)
     _, _, manifest = _manifest(any_url, 1)
     assert manifest["format"] == 2 and list(manifest["files"]) == [f"{mgr.writer_id}/state.pt"]

@@ -1,4 +1,5 @@
-"""The launcher rejects bad input with one line, status 2, no traceback, within 5 s."""
+"""The launcher rejects bad input, its own flags and the built-in trainer's after ``--``, with one
+line, status 2, no traceback, within seconds, before it starts anything."""
 
 from __future__ import annotations
 
@@ -21,11 +22,28 @@ BAD_INPUTS = {
     "nnodes_and_min": (["--nnodes", "1:2", "--min-nodes", "1"], "not both"),
     "bad_run_id": (["--run-id", "a b"], "--run-id"),
     "bad_rdzv_conf": (["--rdzv-conf", "novalue"], "key=value"),
+    # the built-in trainer's flags after `--` are checked by the launcher, with the trainer's parser
+    "trainer_batch_zero": (["--", "--global-batch-size", "0"],
+                           "trainer: --global-batch-size must be a positive number"),
+    "trainer_unknown_flag": (["--", "--bogus", "1"], "trainer: unrecognized arguments: --bogus 1"),
+    "trainer_not_a_number": (["--", "--lr", "fast"], "trainer: argument --lr: invalid float value: 'fast'"),
+    "trainer_every_zero": (["--", "--checkpoint-every", "0"], "trainer: --checkpoint-every must be a positive number"),
+    "trainer_bad_choice": (["--nnodes", "1", "--", "--device", "tpu"], "trainer: argument --device: invalid choice"),
+    "checkpoint_dir_twice": (["--checkpoint-dir", "a", "--", "--checkpoint-dir", "b"],
+                             "--checkpoint-dir is given twice, 'a' before `--` and 'b' after it"),
 }
 
 
+@pytest.fixture
+def nothing_launched(monkeypatch):
+    """Fail the test if the launcher gets as far as starting etcd and the agent."""
+    def launch(run):
+        raise AssertionError(f"launched {run.program} despite bad input")
+    monkeypatch.setattr(cli, "_launch", launch)
+
+
 @pytest.mark.parametrize("name", sorted(BAD_INPUTS))
-def test_bad_flags_are_one_line_errors_in_process(name, capsys):
+def test_bad_flags_are_one_line_errors_in_process(name, capsys, nothing_launched):
     argv, expected = BAD_INPUTS[name]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -42,11 +60,12 @@ def _run_cli(argv, env=None, timeout=60):
     return proc, time.monotonic() - start
 
 
-@pytest.mark.parametrize("name", ["min_above_max", "nnodes_three_parts", "missing_script"])
+@pytest.mark.parametrize("name", ["min_above_max", "nnodes_three_parts", "missing_script", "trainer_batch_zero"])
 def test_bad_flags_are_one_line_errors_as_a_subprocess(name):
     argv, expected = BAD_INPUTS[name]
-    proc, _ = _run_cli(argv)
+    proc, elapsed = _run_cli(argv)
     assert proc.returncode == 2
+    assert elapsed < 30, f"{elapsed:.1f} s"  # seconds, not the start of every worker (wide: a loaded CI box)
     assert proc.stderr.strip().count("\n") == 0 and expected in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -80,6 +99,15 @@ def test_unwritable_checkpoint_dir_is_reported(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_unwritable_checkpoint_dir_after_double_dash_is_reported_before_launching(tmp_path, capsys,
+                                                                                  nothing_launched):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    assert cli.main(["--", "--checkpoint-dir", str(blocker / "sub")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--checkpoint-dir" in err and "not writable" in err
+
+
 def test_missing_etcd_binary_says_how_to_install(tmp_path):
     proc, _ = _run_cli(["--checkpoint-dir", str(tmp_path)], env={"ELASTIC_TRAINER_ETCD_BINARY": "/nonexistent/etcd",
                                                                  "PATH": "/nonexistent"})
@@ -96,6 +124,25 @@ def test_nnodes_sets_min_and_max():
 def test_trainer_flags_after_double_dash_reach_the_builtin_trainer():
     run = cli.parse_run_config(["--min-nodes", "1", "--", "--max-steps", "5"])
     assert run.program == ["-m", "elastic_trainer.train", "--max-steps", "5"]
+
+
+def test_checkpoint_and_log_dirs_are_taken_before_or_after_double_dash_with_one_default():
+    run = cli.parse_run_config(["--run-id", "r1"])
+    assert (run.checkpoint_dir, run.log_dir) == ("checkpoints/r1", "runs/r1")
+    run = cli.parse_run_config(["--checkpoint-dir", "s3://b/c", "--log-dir", "L"])
+    assert (run.checkpoint_dir, run.log_dir) == ("s3://b/c", "L")
+    run = cli.parse_run_config(["--", "--checkpoint-dir", "s3://b/c", "--log-dir", "L"])
+    assert (run.checkpoint_dir, run.log_dir) == ("s3://b/c", "L")
+    assert run.program == ["-m", "elastic_trainer.train", "--checkpoint-dir", "s3://b/c", "--log-dir", "L"]
+    run = cli.parse_run_config(["--checkpoint-dir", "same", "--", "--checkpoint-dir", "same"])
+    assert run.checkpoint_dir == "same"
+
+
+def test_a_scripts_flags_are_its_own_and_not_checked_as_the_trainers(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    run = cli.parse_run_config([str(script), "--", "--global-batch-size", "0"])
+    assert run.program == ["-u", str(script), "--global-batch-size", "0"]
 
 
 def test_script_and_its_arguments_are_passed_like_torchrun(tmp_path):

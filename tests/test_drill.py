@@ -82,7 +82,7 @@ def test_default_catalogue_parses_and_covers_every_fault():
 
 @pytest.mark.parametrize("argv, words", [
     (["--cut", "node:1@step:5,for:3"], "needs --netns"),
-    (["--fill-disk", "@step:5", "--checkpoint-dir", "/tmp/x"], "tmpfs"),
+    (["--fill-disk", "@step:5", "--trainer-args=--checkpoint-dir /tmp/x"], "tmpfs"),
     (["--restart-etcd", "@step:5", "--rdzv-endpoint", "127.0.0.1:1"], "own etcd"),
 ])
 def test_faults_that_need_the_drills_own_resources_say_so(argv, words):

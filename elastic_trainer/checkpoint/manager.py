@@ -20,7 +20,7 @@ lists exactly the winner's files, so the checkpoint always verifies.
 tensor into its view of one reused buffer, the arena, laid out as the file's data); a background
 thread serializes (a small header, then the arena as it is, streamed into the file and hashed on
 the way),
-uploads, fences, commits and prunes, one save in flight at a time. With ``async_save`` the
+uploads, fences, commits and prunes, one save in flight at a time. With ``async_checkpoint`` the
 bulk of the snapshot, the optimizer's parameters and states, is copied by that thread beside
 the next forward and backward: a global optimizer step pre-hook makes the next optimizer step
 wait until the copy is done and then checks each tensor's version counter, so the copy can
@@ -32,7 +32,7 @@ field, and formats 1 and 2 (still read) are loaded with ``torch.load(weights_onl
 
 Example::
 
-    ckpt = CheckpointManager("s3://bucket/run-1", keep_latest=3, fence=fence.check)
+    ckpt = CheckpointManager("s3://bucket/run-1", keep_checkpoints=3, fence=fence.check)
     found = ckpt.load()                       # None on a fresh run
     ...
     blocked_s = ckpt.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict(),
@@ -149,23 +149,23 @@ class CheckpointManager:
 
     Args:
         url: any fsspec URL or local path (storage options from the environment).
-        keep_latest: how many committed checkpoints to keep (older ones pruned after a commit).
-        async_save: serialize and upload in a background thread (else inside ``save``).
+        keep_checkpoints: how many committed checkpoints to keep (older ones pruned after a commit).
+        async_checkpoint: serialize and upload in a background thread (else inside ``save``).
         fence: called right before the commit; raising ``FencedError`` (or anything) prevents it.
         writer_id: names this writer's data folder and appears in the manifest (default unique).
-        overlap_copy: with ``async_save``, copy the optimizer's tensors (parameters and states)
+        overlap_copy: with ``async_checkpoint``, copy the optimizer's tensors (parameters and states)
             beside training instead of inside ``save``; the next optimizer step waits for that
             copy if it is still running (see the module docstring).
     """
 
-    def __init__(self, url: str, keep_latest: int = 3, async_save: bool = True,
+    def __init__(self, url: str, keep_checkpoints: int = 3, async_checkpoint: bool = True,
                  fence: Callable[[], None] | None = None, writer_id: str | None = None,
                  *, retries: int = 3, retry_backoff_s: float = 1.0, overlap_copy: bool = True) -> None:
-        if keep_latest < 1:
-            raise ValueError(f"keep_latest must be at least 1, got {keep_latest}")
+        if keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be at least 1, got {keep_checkpoints}")
         self.url = url
-        self.keep_latest = keep_latest
-        self.async_save = async_save
+        self.keep_checkpoints = keep_checkpoints
+        self.async_checkpoint = async_checkpoint
         self.overlap_copy = overlap_copy
         self.fence = fence
         self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -181,7 +181,7 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self._snapshotter = Snapshotter()
         self._deferred: DeferredCopy | None = None
-        self._watch = OptimizerWatch.get() if async_save and overlap_copy else None
+        self._watch = OptimizerWatch.get() if async_checkpoint and overlap_copy else None
 
     # ------------------------------------------------------------------ save
 
@@ -197,7 +197,7 @@ class CheckpointManager:
         self.wait()
         stats = {"step": int(step), "blocked_s": 0.0, "copy_s": 0.0, "copy_wait_s": 0.0, "serialize_s": 0.0,
                  "upload_s": 0.0, "bytes": 0, "committed": False, "error": None}
-        background = self.async_save and not blocking
+        background = self.async_checkpoint and not blocking
         defer = self._watch.owned() if background and self._watch is not None else None
         snap, deferred = self._snapshotter.take(state, defer, stats)
         stats["copy_s"] = time.perf_counter() - start
@@ -458,7 +458,7 @@ class CheckpointManager:
         return manifest
 
     def _prune(self, protect: int) -> None:
-        """Keep the newest ``keep_latest`` committed checkpoints; remove older ones and stale leftovers.
+        """Keep the newest ``keep_checkpoints`` committed checkpoints; remove older ones and stale leftovers.
 
         ``protect`` (the step this writer just committed and knows complete) is never removed, even
         if newer manifests exist whose data might be damaged.
@@ -477,12 +477,12 @@ class CheckpointManager:
                 committed.append((step, manifest))
         if not committed:
             return
-        kept = committed[: self.keep_latest]
+        kept = committed[: self.keep_checkpoints]
         oldest_kept = kept[-1][0]
-        for step, _ in committed[self.keep_latest:]:
+        for step, _ in committed[self.keep_checkpoints:]:
             if step == protect:
                 continue
-            log.info("removing old checkpoint step-%d (keeping %d)", step, self.keep_latest)
+            log.info("removing old checkpoint step-%d (keeping %d)", step, self.keep_checkpoints)
             storage.remove(self.fs, self._step_dir(step))
         for step in uncommitted:
             # leftovers of killed or fenced writers; a writer still uploading an older step could

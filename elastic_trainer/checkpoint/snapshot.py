@@ -3,7 +3,7 @@
 ``CheckpointManager.save`` calls ``Snapshotter.take``: every dense tensor of the state goes into
 its view of one reused buffer, the ``checkpoint_format.Arena``, laid out as a format-3 file's
 data, so the writer later writes a small header and then the arena as it is. With
-``async_save`` the optimizer's parameters and states are not copied inside ``save`` but
+``async_checkpoint`` the optimizer's parameters and states are not copied inside ``save`` but
 returned as a ``DeferredCopy`` that the writer thread runs beside the next forward and
 backward; ``OptimizerWatch`` (one global optimizer step pre-hook) makes the next optimizer
 step wait for that copy and then checks every source's version counter, so a snapshot can

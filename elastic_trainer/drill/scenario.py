@@ -12,6 +12,11 @@ underscores) and a ``faults`` list of ``"KIND SPEC"`` lines (``drills/default.to
 the command line win over the file, the file over :data:`DEFAULTS`; faults from the file fire
 before those from flags. :func:`parse_args` returns the merged settings with ``faults``, a list of
 :class:`Fault`, and refuses combinations the drill cannot run.
+
+The drill declares no trainer flag: its trainer flags are :data:`DEFAULT_TRAINER_ARGS` followed
+by ``--trainer-args``, read with the trainer's own generated parser, which also checks them before
+any node starts. ``--trainer-args='--checkpoint-dir URL'`` puts the checkpoints at URL instead of
+``<out>/checkpoints``; ``--log-dir`` is the drill's to set (one per node).
 """
 
 from __future__ import annotations
@@ -176,11 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-endpoint", default=None, help="use this etcd instead of starting one (restart-etcd is then refused)")
     p.add_argument("--rdzv-backend", default=None, help="rendezvous backend (default etcd-v3)")
     p.add_argument("--rdzv-conf", default=None, help="passed to every node's --rdzv-conf")
-    p.add_argument("--checkpoint-dir", default=None, help="checkpoint URL (default <out>/checkpoints, a tmpfs with fill-disk)")
     p.add_argument("--disk-size", default=None, help="size of the checkpoint tmpfs for fill-disk (default 48m)")
     p.add_argument("--netns", action="store_true", default=None, help="each node in its own network namespace (root)")
     p.add_argument("--trainer-args", default=None,
-                   help="extra trainer flags, one string, appended after the drill's (e.g. --trainer-args=--no-resume)")
+                   help="extra trainer flags, one string, appended after the drill's "
+                   "(e.g. --trainer-args=--no-resume); '--checkpoint-dir URL' here moves the checkpoints "
+                   "from <out>/checkpoints (a tmpfs with fill-disk)")
     p.add_argument("--script", default=None, help="run this training script instead of the built-in trainer "
                    "(it must write the same step log, ledger and events)")
     p.add_argument("--recovery-timeout", type=float, default=None,
@@ -217,7 +223,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             file_faults.extend(parse_fault_line(line))
         for key, value in table.items():
             key = key.replace("-", "_")
-            if key not in DEFAULTS and key not in ("out", "rdzv_endpoint", "rdzv_conf", "checkpoint_dir", "script"):
+            if key not in DEFAULTS and key not in ("out", "rdzv_endpoint", "rdzv_conf", "script"):
                 raise ScenarioError(f"{args.scenario}: unknown setting {key!r} in [drill]")
             if key == "trainer_args" and isinstance(value, list):
                 value = shlex.join(str(v) for v in value)
@@ -227,6 +233,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     args.faults = file_faults + flag_faults
+    args.checkpoint_dir = _trainer_checkpoint_dir(DEFAULT_TRAINER_ARGS + shlex.split(args.trainer_args),
+                                                  builtin=not args.script)
     if args.nodes < 1 or args.nproc_per_node < 1:
         raise ScenarioError("--nodes and --nproc-per-node must be at least 1")
     kinds = {f.kind for f in args.faults}
@@ -235,7 +243,34 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if "restart-etcd" in kinds and args.rdzv_endpoint:
         raise ScenarioError("restart-etcd needs the drill's own etcd: leave out --rdzv-endpoint")
     if "fill-disk" in kinds and args.checkpoint_dir:
-        raise ScenarioError("fill-disk needs the drill's own tmpfs checkpoint dir: leave out --checkpoint-dir")
+        raise ScenarioError("fill-disk needs the drill's own tmpfs checkpoint dir: leave --checkpoint-dir "
+                            "out of --trainer-args")
     if args.netns and args.rdzv_endpoint:
         raise ScenarioError("--netns starts its own etcd on the drill bridge: leave out --rdzv-endpoint")
     return args
+
+
+class _TrainerParser(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        raise ScenarioError(f"--trainer-args: {message}")
+
+
+def _trainer_checkpoint_dir(trainer_argv: list[str], builtin: bool) -> str | None:
+    """Read the trainer flags with the trainer's generated parser; return their ``--checkpoint-dir``
+    (None when not given). For the built-in trainer they are also checked as every worker will
+    check them (``TrainConfig``, with the folders the drill hands over); a ``--script`` gets them as
+    they are.
+    """
+    from elastic_trainer import config, train
+
+    unset = "\0unset"  # the env default of --log-dir, to tell whether it was given
+    given, _ = train.build_parser(_TrainerParser, {config.ENV_LOG_DIR: unset}).parse_known_args(trainer_argv)
+    if given.log_dir != unset:
+        raise ScenarioError("--trainer-args: leave --log-dir out; the drill gives each node its own")
+    if given.checkpoint_dir == "":
+        raise ScenarioError("--trainer-args: an empty --checkpoint-dir turns checkpoints off; a drill needs them")
+    if builtin:
+        handed_over = {config.ENV_CHECKPOINT_DIR: given.checkpoint_dir or "<out>/checkpoints",
+                       config.ENV_LOG_DIR: "<out>/nodes/node-<i>"}
+        train.parse_config(trainer_argv, train.build_parser(_TrainerParser, handed_over))
+    return given.checkpoint_dir

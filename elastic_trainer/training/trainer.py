@@ -137,13 +137,12 @@ class Trainer:
             tag = "live" if self.live is not None else f"r{d.round if d.round is not None else 'x'}"
             writer = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{self.node}-{pid}-{tag}")
             fence = self.live.fence_check if self.live is not None else fence_check() if d.is_main else None
-            self.ckpt = CheckpointManager(c.checkpoint_dir, keep_latest=c.keep_checkpoints,
-                                          async_save=c.async_checkpoint, fence=fence, writer_id=writer[:64])
+            self.ckpt = CheckpointManager(c.checkpoint_dir, keep_checkpoints=c.keep_checkpoints,
+                                          async_checkpoint=c.async_checkpoint, fence=fence, writer_id=writer[:64])
         if self.live is not None:  # ready to train: only now ask the live group to admit us
             import elastic_trainer.sampler  # noqa: F401 - imported before the others wait for us
 
             warm_up_ddp()
-
             join_live(d, c, self.live)
         metrics.set_rank(d.rank)
         self.gbs = c.global_batch_size * (d.world_size if c.scale_lr else 1)
