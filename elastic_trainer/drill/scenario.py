@@ -181,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-endpoint", default=None, help="use this etcd instead of starting one (restart-etcd is then refused)")
     p.add_argument("--rdzv-backend", default=None, help="rendezvous backend (default etcd-v3)")
     p.add_argument("--rdzv-conf", default=None, help="passed to every node's --rdzv-conf")
+    p.add_argument("--recovery", choices=("live", "restart"), default=None,
+                   help="every node's --recovery (default restart): live keeps the survivors' processes")
     p.add_argument("--disk-size", default=None, help="size of the checkpoint tmpfs for fill-disk (default 48m)")
     p.add_argument("--netns", action="store_true", default=None, help="each node in its own network namespace (root)")
     p.add_argument("--trainer-args", default=None,
@@ -205,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 DEFAULTS = {"nodes": 3, "nproc_per_node": 1, "min_nodes": 1, "rdzv_backend": "etcd-v3", "disk_size": "48m",
             "netns": False, "recovery_timeout": 120.0, "tail_steps": 5, "timeout": 1200.0, "term_grace": 30.0,
-            "seed": 0, "trainer_args": ""}
+            "seed": 0, "trainer_args": "", "recovery": "restart"}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -1,0 +1,170 @@
+"""Live recovery: survivors keep their processes and state when a node is lost or added.
+
+Real ``elastic-train --recovery live`` agents (torchrun's elastic agent, our etcd-v3 rendezvous in
+live mode) on a real etcd, real workers, real SIGKILL and SIGSTOP of whole nodes (process groups).
+What is asserted is read back from the trainer's own logs: the step logs (one file per worker
+process, so a worker that keeps its pid across a fault kept its process), the events and the
+sample ledger.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_train_e2e import GBS, TINY, baseline, check_equivalence, final_batches
+from tests.test_trainer import latest, read_jsonl
+from tests.conftest import REPO, cli_cmd
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+CONF = "lease_ttl=3,keep_alive_interval=1,last_call_timeout=1"
+
+
+def live_agent(procs, etcd, run_id: str, ck: Path, logs: Path, out: Path, *trainer_args: str, nnodes: str = "2:3"):
+    with open(out, "a") as log:
+        return procs.start(cli_cmd("--nnodes", nnodes, "--rdzv-endpoint", etcd.endpoint, "--run-id", run_id,
+                                   "--rdzv-conf", CONF, "--recovery", "live", "--checkpoint-dir", str(ck),
+                                   "--log-dir", str(logs), "--", *TINY, *trainer_args),
+                           cwd=REPO, stdout=log, stderr=log)
+
+
+def steps_of(logs: Path) -> list[dict]:
+    out = []
+    for path in sorted((logs / "steps").glob("*.jsonl")):
+        pid = int(path.stem.rsplit("-", 1)[1])
+        out += [{**rec, "pid": pid} for rec in read_jsonl(path.parent, path.name)]
+    return out
+
+
+def wait_steps(what: str, pred, logs: Path, timeout: float, outs: list[Path]) -> list[dict]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        st = steps_of(logs)
+        if pred(st):
+            return st
+        time.sleep(0.2)
+    tails = "\n".join(f"--- {o.name}\n" + o.read_text()[-2500:] for o in outs if o.exists())
+    raise AssertionError(f"timed out waiting for {what}; steps so far: "
+                         f"{sorted({(s['round'], s['world_size'], s['pid']) for s in steps_of(logs)})}\n{tails}")
+
+
+def agent_of(worker_pid: int, agents) -> object:
+    """The agent (torchrun) process whose child this worker is."""
+    ppid = int(Path(f"/proc/{worker_pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return next(a for a in agents if a.pid == ppid)
+
+
+def current_ranks(st: list[dict]) -> dict[int, int]:
+    """rank -> pid in the newest round."""
+    newest = max(s["round"] for s in st)
+    return {s["rank"]: s["pid"] for s in st if s["round"] == newest}
+
+
+def test_live_run_that_loses_two_nodes_and_gains_one_keeps_survivors_and_matches_an_uninterrupted_run(
+        etcd, run_id, procs, tmp_path):
+    """Kill a non-rank-0 node, add a node, kill rank 0's node: every survivor keeps its process and
+    its state (no checkpoint read, 0 steps redone), the newcomer gets its state from a live peer,
+    every sample is used exactly once, and the end state equals an uninterrupted run's."""
+    total = 60
+    base_model, base_loss, base_ledger = baseline(tmp_path, total)
+    ck, logs = tmp_path / "ck", tmp_path / "logs"
+    outs = [tmp_path / f"agent{i}.log" for i in range(4)]
+    args = ("--max-steps", str(total), "--sleep-per-step", "0.1")
+    agents = [live_agent(procs, etcd, run_id, ck, logs, outs[i], *args) for i in range(3)]
+
+    st = wait_steps("a world of 3 at step 5", lambda st: any(s["world_size"] == 3 and s["step"] >= 5 for s in st),
+                    logs, 120, outs)
+    ranks = current_ranks(st)
+    victim = agent_of(ranks[2], agents)
+    os.killpg(victim.pid, signal.SIGKILL)
+    t_kill = time.time()
+    st = wait_steps("two survivors training at 2", lambda st: sum(
+        s["world_size"] == 2 and s["time"] > t_kill for s in st) >= 6, logs, 60, outs)
+    survivors = {ranks[0], ranks[1]}
+    assert {s["pid"] for s in st if s["world_size"] == 2} == survivors  # the same processes
+
+    agents.append(live_agent(procs, etcd, run_id, ck, logs, outs[3], *args))
+    t_join = time.time()
+    st = wait_steps("a world of 3 after the join", lambda st: sum(
+        s["world_size"] == 3 and s["time"] > t_join for s in st) >= 6, logs, 120, outs)
+    newcomer = {s["pid"] for s in st if s["world_size"] == 3 and s["time"] > t_join} - survivors
+    assert len(newcomer) == 1
+
+    ranks = current_ranks(st)
+    rank0_agent = agent_of(ranks[0], agents)
+    os.killpg(rank0_agent.pid, signal.SIGKILL)
+    t_kill0 = time.time()
+    for a in agents:
+        if a not in (victim, rank0_agent):
+            assert a.wait(timeout=200) == 0, [o.read_text()[-3000:] for o in outs]
+
+    st = steps_of(logs)
+    final_pids = {s["pid"] for s in st if s["time"] > t_kill0}
+    assert final_pids == {ranks[1], ranks[2]}  # again the survivors' own processes
+    by_pid: dict[int, list[int]] = {}
+    for s in sorted(st, key=lambda s: s["time"]):
+        by_pid.setdefault(s["pid"], []).append(s["step"])
+    for pid, steps in by_pid.items():  # no process redid a step: each logged strictly increasing steps
+        assert steps == sorted(set(steps)), (pid, steps)
+    assert max(s["step"] for s in st) == total
+
+    events = read_jsonl(logs, "events.jsonl")
+    kinds = [e["event"] for e in events]
+    assert "checkpoint_loaded" not in kinds  # nothing was read from storage
+    reforms = [e for e in events if e["event"] == "live_reform"]
+    assert [(e["old"], e["new"]) for e in reforms] == [(3, 2), (2, 3), (3, 2)], reforms
+    assert reforms[1]["receivers"] == [2]  # the newcomer got the state over the new group
+    peer = [e for e in events if e["event"] == "peer_state_loaded"]
+    assert len(peer) <= 1  # logged by rank 0 only; the newcomer's own line is in its log:
+    assert "received the training state of step" in outs[3].read_text()
+    for e in reforms:
+        assert e["total_s"] < 5, e
+
+    # every step consumed the uninterrupted run's global batch, each sample once
+    assert final_batches(logs) == {n: sorted(ix) for n, ix in base_ledger.items()}
+    for s in st:
+        if "loss_scope" not in s:
+            assert abs(s["loss"] - base_loss[s["step"]]) <= 1e-5 * abs(base_loss[s["step"]]), s
+    step, state = latest(ck)
+    assert step == total and state["meta"]["world_size"] == 2
+    check_equivalence(state["model"], base_model, total)
+
+
+def test_a_node_stopped_past_its_lease_never_trains_in_the_old_group_and_rejoins_as_a_newcomer(
+        etcd, run_id, procs, tmp_path):
+    ck, logs = tmp_path / "ck", tmp_path / "logs"
+    outs = [tmp_path / f"agent{i}.log" for i in range(3)]
+    args = ("--max-steps", "100000", "--sleep-per-step", "0.1", "--collective-timeout", "8")
+    agents = [live_agent(procs, etcd, run_id, ck, logs, outs[i], *args) for i in range(3)]
+    st = wait_steps("a world of 3 at step 3", lambda st: any(s["world_size"] == 3 and s["step"] >= 3 for s in st),
+                    logs, 120, outs)
+    ranks = current_ranks(st)
+    stopped = agent_of(ranks[1], agents)
+    stopped_worker = ranks[1]
+    old_round = max(s["round"] for s in st)
+    os.killpg(stopped.pid, signal.SIGSTOP)
+    time.sleep(6)  # twice the lease
+    os.killpg(stopped.pid, signal.SIGCONT)
+    t_resume = time.time()
+    st = wait_steps("a world of 3 again, with a new worker on the stopped node", lambda st: any(
+        s["world_size"] == 3 and s["time"] > t_resume and s["round"] > old_round + 1 for s in st), logs, 150, outs)
+    # The stopped worker never started a step after it resumed: at most the step it was stopped
+    # inside (its peers' data already in its sockets) completes, before it learns that its lease is
+    # gone and exits; the quorum then re-forms without it.
+    late = [s for s in st if s["pid"] == stopped_worker and s["time"] > t_resume]
+    assert len(late) <= 1 and all(s["time"] < t_resume + 1.0 for s in late), late
+    # one world at a time: no round's steps overlap in time with another round's
+    spans: dict[int, tuple[float, float]] = {}
+    for s in st:
+        lo, hi = spans.get(s["round"], (s["time"], s["time"]))
+        spans[s["round"]] = (min(lo, s["time"]), max(hi, s["time"]))
+    ordered = sorted(spans.items())
+    for (r1, (_, end1)), (r2, (start2, _)) in zip(ordered, ordered[1:]):
+        assert end1 <= start2 + 0.5, (r1, r2, ordered)
+    newcomers = {s["pid"] for s in st if s["time"] > t_resume} - set(ranks.values())
+    assert newcomers, "the stopped node came back with a new worker (a newcomer)"
