@@ -3,8 +3,8 @@
 Modules:
 
 - ``trainer``: ``Trainer``, the loop (build, resume, step, agree, save) and the recovery paths;
-- ``worker``: the process around the loop (process group, seeding, micro-batch feed, JSON-lines
-  logs, the round fence, SIGTERM while blocked in a collective);
+- ``worker``: the process around the loop (process group, seeding, micro-batch feed, the round
+  fence, SIGTERM while blocked in a collective);
 - ``parallel``: DDP or FSDP2 wrapping, ``no_sync`` and full state dicts (``Parallel``);
 - ``data``: the example task's synthetic and HDF5 datasets;
 - ``metrics``: rank-0 printing, the progress bar and the W&B logger (a no-op when off).

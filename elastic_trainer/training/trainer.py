@@ -18,9 +18,9 @@
    at the end, and at the step boundary after SIGTERM (then it exits 0 within ``--grace-seconds``).
    Saves are asynchronous except the last one.
 
-Logs (contract with the drills): ``<log dir>/steps/rank-<r>-<pid>.jsonl`` (one line per step,
-every rank), ``<log dir>/events.jsonl`` (rank 0), ``<log dir>/ledger/rank-<r>-<pid>.jsonl``
-(with ``--sample-ledger``). See docs/trainer.md.
+Logs (contract with the drills, defined in ``elastic_trainer.records``): a step log (one line per
+step, every rank), events (rank 0) and the sample ledger (with ``--sample-ledger``), under
+``--log-dir``. See docs/trainer.md.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer import config as cfgmod
+from elastic_trainer import records
+from elastic_trainer.records import Event, EventRecord, JsonLines, LedgerRecord, StepRecord
 from elastic_trainer.training import metrics
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.training.metrics import print0
@@ -52,7 +54,6 @@ from elastic_trainer.training.worker import (
     broadcast_object,
     fence_check,
     join_live,
-    JsonLines,
     MicroBatches,
     SignalWatcher,
     seed_everything,
@@ -146,13 +147,13 @@ class Trainer:
             join_live(d, c, self.live)
         metrics.set_rank(d.rank)
         self.gbs = c.global_batch_size * (d.world_size if c.scale_lr else 1)
-        self.events = JsonLines(self.log_dir / "events.jsonl" if d.is_main or self.live else None)
-        self.step_log = JsonLines(self.log_dir / "steps" / f"rank-{d.rank}-{pid}.jsonl" if c.step_log else None)
-        self.ledger = JsonLines(self.log_dir / "ledger" / f"rank-{d.rank}-{pid}.jsonl" if c.sample_ledger else None)
+        self.events = JsonLines(records.events_path(self.log_dir) if d.is_main or self.live else None)
+        self.step_log = JsonLines(records.steps_path(self.log_dir, d.rank, pid) if c.step_log else None)
+        self.ledger = JsonLines(records.ledger_path(self.log_dir, d.rank, pid) if c.sample_ledger else None)
 
     def _event(self, event: str, **fields: Any) -> None:
         if self.dinfo.is_main:  # rank 0 of the current world (live recovery changes who that is)
-            self.events.write({"time": time.time(), "event": event, **fields})
+            self.events.write(EventRecord(time=time.time(), event=Event(event), **fields))
 
     def _load_checkpoint(self) -> tuple[int, dict] | None:
         """Rank 0 picks the newest valid checkpoint; every rank loads that same step."""
@@ -558,14 +559,13 @@ class Trainer:
         return max(1, min(32, int(0.2 / cycle))) if cycle > 0 else 1
 
     def _log_ledger(self, step: int, epoch: int, consumed: list[int]) -> None:
-        self.ledger.write({"step": step, "epoch": epoch, "round": self.dinfo.round, "indices": consumed})
+        self.ledger.write(LedgerRecord(step=step, epoch=epoch, round=self.dinfo.round, indices=consumed))
 
     def _log_step(self, step: int, epoch: int, offset: int, step_time: float, ended: float) -> None:
         d = self.dinfo
-        record = {"time": ended, "step": step, "epoch": epoch, "offset": offset,
-                  "world_size": d.world_size, "rank": d.rank, "round": d.round, "restart": d.restart,
-                  "loss": self.last_loss, "node": self.node}
-        self.step_log.write(record)
+        self.step_log.write(StepRecord(time=ended, step=step, epoch=epoch, offset=offset, world_size=d.world_size,
+                                       rank=d.rank, round=d.round, restart=d.restart, loss=self.last_loss,
+                                       node=self.node))
         samples_s = self.gbs / step_time if step_time > 0 else 0.0
         self.progress.update(step=step, epoch=epoch, loss=self.last_loss,
                              samples_per_s=samples_s, world_size=d.world_size)
@@ -589,10 +589,10 @@ class Trainer:
         d = self.dinfo
         share = max(1, self.gbs // max(1, d.world_size))
         for step, epoch, offset, loss_sum, _, ended in self._pending:
-            self.step_log.write({"time": ended, "step": step, "epoch": epoch, "offset": offset,
-                                 "world_size": d.world_size, "rank": d.rank, "round": d.round,
-                                 "restart": d.restart, "loss": float(loss_sum) / share, "loss_scope": "rank",
-                                 "node": self.node})
+            self.step_log.write(StepRecord(time=ended, step=step, epoch=epoch, offset=offset,
+                                           world_size=d.world_size, rank=d.rank, round=d.round,
+                                           restart=d.restart, loss=float(loss_sum) / share, loss_scope="rank",
+                                           node=self.node))
         self._pending.clear()
 
     def _save(self, *, blocking: bool) -> None:

@@ -3,9 +3,9 @@
 ``setup_distributed`` joins the process group that torchrun's environment describes (gloo on
 CPU, NCCL on GPU) and returns a ``DistInfo``; ``seed_everything`` seeds every RNG;
 ``MicroBatches`` feeds this rank's micro-batches from a DataLoader over the elastic sampler,
-with the dataset indices of each; ``JsonLines`` writes the step log, events and ledger the
-drills read; ``fence_check`` finds the rendezvous round fence; ``SignalWatcher`` acts on
-SIGTERM even while the main thread is blocked in a collective. ``trainer.Trainer`` uses them all.
+with the dataset indices of each; ``fence_check`` finds the rendezvous round fence;
+``SignalWatcher`` acts on SIGTERM even while the main thread is blocked in a collective.
+``trainer.Trainer`` uses them all (its logs are ``elastic_trainer.records``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import datetime
 import importlib.util
-import json
 import logging
 import os
 import random
@@ -22,7 +21,6 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -120,25 +118,6 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, dict):
         return {k: _to_device(v, device) for k, v in batch.items()}
     return batch
-
-
-class JsonLines:
-    """Append-only JSON lines, flushed per line (the drills read them while training runs)."""
-
-    def __init__(self, path: Path | None) -> None:
-        self.file = None
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(path, "a", buffering=1, encoding="utf-8")
-
-    def write(self, record: dict) -> None:
-        if self.file is not None:
-            self.file.write(json.dumps(record, separators=(",", ":")) + "\n")
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
 
 
 class _RecordingBatchSampler:
