@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from elastic_trainer import records
 from elastic_trainer.drill import command as drill, report as drill_report
+from elastic_trainer.records import LedgerRecord, StepRecord
 from elastic_trainer.drill.scenario import ScenarioError, Trigger, parse_args, parse_fault
 
 REPO = Path(__file__).resolve().parent.parent
@@ -76,7 +78,7 @@ def test_scenario_file_gives_settings_and_faults_and_flags_win(tmp_path):
 def test_default_catalogue_parses_and_covers_every_fault():
     args = parse_args(["--scenario", str(REPO / "drills" / "default.toml")])
     kinds = {f.kind for f in args.faults}
-    assert kinds == set(drill.FAULT_HELP), sorted(set(drill.FAULT_HELP) - kinds)
+    assert kinds == set(drill.FAULTS), sorted(set(drill.FAULTS) - kinds)
     assert args.netns
 
 
@@ -113,17 +115,15 @@ def write_attempt(root: Path, node_ranks: dict[str, list[int]], rnd: int, steps:
     for node, ranks in node_ranks.items():
         for rank in ranks:
             pid = pid_base + rnd * 100 + rank
-            (root / node / "steps").mkdir(parents=True, exist_ok=True)
-            (root / node / "ledger").mkdir(parents=True, exist_ok=True)
-            with open(root / node / "steps" / f"rank-{rank}-{pid}.jsonl", "a") as s, \
-                    open(root / node / "ledger" / f"rank-{rank}-{pid}.jsonl", "a") as led:
-                for k, step in enumerate(steps):
-                    batch = indices_of(step) if indices_of else list(range((step - 1) * GBS, step * GBS))
-                    share = batch[rank::world]
-                    s.write(json.dumps({"time": t0 + k, "step": step, "epoch": 0, "offset": offset_of(step),
-                                        "world_size": world, "rank": rank, "round": rnd, "loss": 1.0 / step,
-                                        "node": "vm"}) + "\n")
-                    led.write(json.dumps({"step": step, "epoch": 0, "round": rnd, "indices": share}) + "\n")
+            s, led = records.JsonLines(records.steps_path(root / node, rank, pid)), \
+                records.JsonLines(records.ledger_path(root / node, rank, pid))
+            for k, step in enumerate(steps):
+                batch = indices_of(step) if indices_of else list(range((step - 1) * GBS, step * GBS))
+                s.write(StepRecord(time=t0 + k, step=step, epoch=0, offset=offset_of(step), world_size=world,
+                                   rank=rank, round=rnd, loss=1.0 / step, node="vm"))
+                led.write(LedgerRecord(step=step, epoch=0, round=rnd, indices=batch[rank::world]))
+            s.close()
+            led.close()
 
 
 def kill_record(fired_at: float, expected: int = 1, survivors=("node-0",)) -> dict:
@@ -224,8 +224,11 @@ def test_two_worlds_training_at_once_fail(tmp_path):
 
 def test_a_torn_last_line_is_ignored_and_the_final_step_is_the_last_complete_one(tmp_path):
     dirs = two_attempts(tmp_path, resume_from=10)
-    with open(next((tmp_path / "node-0" / "steps").glob("rank-0-1100.jsonl")), "a") as f:
-        f.write('{"time": 160.5, "step": 31, "wor')
+    line = json.dumps(StepRecord(time=160.5, step=31, world_size=1, rank=0).to_json())
+    path = records.steps_path(tmp_path / "node-0", 0, 1100)
+    assert path.exists()
+    with open(path, "a") as f:
+        f.write(line[:len(line) // 2])
     report = drill_report.build_report({}, [kill_record(111.5)], TIMELINE, dirs, GBS, 60.0, COMMITS)
     assert report["ok"] and report["ledger"]["final_step"] == 30
 
@@ -287,10 +290,13 @@ def test_sigterm_to_the_drill_stops_everything_it_started(tmp_path):
     proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 150
-        while not list(out.glob("nodes/*/steps/rank-0-*.jsonl")) and time.monotonic() < deadline:
+        def trained() -> bool:
+            return any(records.step_files(node, rank=0) for node in out.glob("nodes/*"))
+
+        while not trained() and time.monotonic() < deadline:
             assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
             time.sleep(0.5)
-        assert list(out.glob("nodes/*/steps/rank-0-*.jsonl")), "the drill never trained"
+        assert trained(), "the drill never trained"
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=60) == 130
     finally:

@@ -10,7 +10,6 @@ checkpoint's commit as they appear. :meth:`Cluster.cleanup` removes all of it.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import random
@@ -20,26 +19,31 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TypeVar
 
+from elastic_trainer import records
+from elastic_trainer.records import EventRecord, StepRecord
 from elastic_trainer.drill.nodes import Node, children, die_with_drill, start_ticks
 from elastic_trainer.drill.scenario import DEFAULT_TRAINER_ARGS, ScenarioError
 from elastic_trainer.etcd_server import EtcdServer
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R", bound=records.Record)
 
 POLL = 0.1  # seconds between two looks at the nodes and their logs
 
 
 class _Tail:
-    """Reads the new complete lines of growing .jsonl files."""
+    """Reads the new complete lines of growing .jsonl files as records."""
 
     def __init__(self) -> None:
-        self.offsets: dict[Path, int] = {}
+        self.offsets: dict[Path, tuple[int, int]] = {}  # path -> (bytes read, lines read)
 
-    def read(self, paths) -> list[dict]:
+    def read(self, paths, cls: type[R], origin_of) -> list[R]:
+        """New records of ``cls`` in ``paths``; ``origin_of(path)`` names their origin."""
         out = []
         for path in paths:
-            start = self.offsets.get(path, 0)
+            start, lines = self.offsets.get(path, (0, 0))
             try:
                 with open(path, "rb") as fh:
                     fh.seek(start)
@@ -49,15 +53,12 @@ class _Tail:
             end = data.rfind(b"\n")
             if end < 0:
                 continue
-            self.offsets[path] = start + end + 1
-            for line in data[:end].splitlines():
-                try:
-                    obj = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(obj, dict):
-                    obj["_path"] = path
-                    out.append(obj)
+            chunk = data[:end].split(b"\n")
+            self.offsets[path] = (start + end + 1, lines + len(chunk))
+            for number, line in enumerate(chunk, start=lines + 1):
+                record = records.parse_line(line, cls, f"{path}:{number}", origin=origin_of(path))
+                if record is not None:
+                    out.append(record)
         return out
 
 
@@ -72,8 +73,8 @@ class Cluster:
         self.rng = random.Random(args.seed)
         self.nodes: list[Node] = []
         self.timeline: list[dict] = []
-        self.r0: list[dict] = []  # rank-0 step lines as they appear
-        self.events: list[dict] = []
+        self.r0: list[StepRecord] = []  # rank-0 step lines as they appear (origin: the node)
+        self.events: list[EventRecord] = []
         self.commits: dict[int, float] = {}  # checkpoint step -> commit time (manifest mtime)
         self._tail = _Tail()
         self.etcd: EtcdServer | None = None
@@ -233,14 +234,11 @@ class Cluster:
                         continue
             node.workers = kids
         dirs = list((self.out / "nodes").glob("node-*"))
-        for line in self._tail.read([p for d in dirs for p in (d / "steps").glob("rank-0-*.jsonl")]):
-            if isinstance(line.get("time"), (int, float)) and "step" in line:
-                line["_node"] = line["_path"].parent.parent.name
-                self.r0.append(line)
-        self.r0.sort(key=lambda s: s["time"])
-        for line in self._tail.read([d / "events.jsonl" for d in dirs]):
-            if isinstance(line.get("time"), (int, float)):
-                self.events.append(line)
+        self.r0.extend(self._tail.read([f.path for d in dirs for f in records.step_files(d, rank=0)], StepRecord,
+                                       lambda path: path.parent.parent.name))  # <node dir>/steps/<file>
+        self.r0.sort(key=lambda s: s.time)
+        self.events.extend(self._tail.read([records.events_path(d) for d in dirs], EventRecord,
+                                           lambda path: path.parent.name))
         self.scan_commits()
 
     def scan_commits(self) -> None:
@@ -257,7 +255,7 @@ class Cluster:
                     continue
 
     @property
-    def latest(self) -> dict | None:
+    def latest(self) -> StepRecord | None:
         """Rank 0's newest step line, or None before the first step."""
         return self.r0[-1] if self.r0 else None
 
@@ -267,7 +265,7 @@ class Cluster:
         if target == "random":
             return self.rng.choice(live) if live else None
         if target == "rank0":
-            name = self.latest["_node"] if self.latest else None
+            name = self.latest.origin if self.latest else None
             return next((n for n in live if n.name == name), None)
         index = int(target.split(":")[1])
         return next((n for n in live if n.index == index), None)

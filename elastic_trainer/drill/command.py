@@ -14,6 +14,7 @@ One module per part; this one runs them (:class:`Drill`) and is the command (:fu
 
 - ``drill_scenario``: the fault grammar (``--FAULT [TARGET]@WHEN[,for:SECONDS]``), the flags
   and the scenario file;
+- ``kinds``: the fault kinds (``FAULTS``): help, target rule, duration, fire and heal of each;
 - ``drill_nodes``: a simulated node and the processes under it;
 - ``drill_cluster``: the drill's etcd, network, checkpoint folder and nodes, and what they log;
 - ``drill_faults``: firing a fault, ending it, and when the run counts as recovered;
@@ -36,14 +37,13 @@ import time
 from elastic_trainer.drill import report as drill_report
 from elastic_trainer.drill.cluster import POLL, Cluster
 from elastic_trainer.drill.faults import SETTLE_STEPS, FaultDriver
-from elastic_trainer.drill.scenario import (DEFAULT_FOR, DEFAULT_TRAINER_ARGS, DEFAULTS, FAULT_HELP, NEEDS_TARGET,
-                                            NO_TARGET, Fault, ScenarioError, Trigger, build_parser, parse_args,
-                                            parse_fault, parse_fault_line)
+from elastic_trainer.drill.kinds import FAULTS, FaultKind
+from elastic_trainer.drill.scenario import (DEFAULT_TRAINER_ARGS, DEFAULTS, Fault, ScenarioError, Trigger,
+                                            build_parser, parse_args, parse_fault, parse_fault_line)
 
 # the scenario's names stay importable from here, as they were before the drill was split into modules
-__all__ = ["DEFAULT_FOR", "DEFAULT_TRAINER_ARGS", "DEFAULTS", "FAULT_HELP", "NEEDS_TARGET", "NO_TARGET", "Drill",
-           "DrillInterrupted", "Fault", "ScenarioError", "Trigger", "build_parser", "main", "parse_args",
-           "parse_fault", "parse_fault_line"]
+__all__ = ["DEFAULT_TRAINER_ARGS", "DEFAULTS", "FAULTS", "Drill", "DrillInterrupted", "Fault", "FaultKind",
+           "ScenarioError", "Trigger", "build_parser", "main", "parse_args", "parse_fault", "parse_fault_line"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class Drill:
     def triggered(self, fault: Fault, settle_step: int) -> bool:
         """Whether ``fault``'s WHEN has come (``settle_step``: the step when the previous one recovered)."""
         latest = self.cluster.latest
-        step = latest["step"] if latest else 0
+        step = latest.step if latest else 0
         if fault.trigger.kind == "step":
             return step >= fault.trigger.value
         if fault.trigger.kind == "after":
@@ -98,14 +98,14 @@ class Drill:
         while self.first_step_time is None:
             self.cluster.poll()
             if self.cluster.latest:
-                self.first_step_time = self.cluster.latest["time"]
+                self.first_step_time = self.cluster.latest.time
             elif time.time() > startup_limit or not any(n.alive for n in self.cluster.nodes):
                 self.problems.append("the run made no optimizer step at start (see nodes/*/agent.log)")
                 break
             time.sleep(POLL)
         queue = list(self.args.faults) if self.first_step_time else []
         current = None
-        settle_step = self.cluster.latest["step"] if self.cluster.latest else 0
+        settle_step = self.cluster.latest.step if self.cluster.latest else 0
         while self.first_step_time is not None:
             self.cluster.poll()
             if time.time() > self.deadline:
@@ -120,11 +120,11 @@ class Drill:
                     self.cluster.note(current.get("node"), "fault_done", index=current["index"],
                                       status=current["status"])
                     logger.info("fault %d (%s): %s at step %s", current["index"], current["label"],
-                                current["status"], self.cluster.latest["step"] if self.cluster.latest else None)
+                                current["status"], self.cluster.latest.step if self.cluster.latest else None)
                     if current["status"] == "timeout":
                         if not self.restart_job(current):
                             break
-                    settle_step = self.cluster.latest["step"] if self.cluster.latest else settle_step
+                    settle_step = self.cluster.latest.step if self.cluster.latest else settle_step
                     current = None
             elif queue:
                 if self.triggered(queue[0], settle_step):
@@ -134,7 +134,7 @@ class Drill:
                     self.cluster.note(current.get("node"), "fault_fired", index=current["index"],
                                       label=fault.label)
                     logger.info("fault %d %s fired at step %s", current["index"], fault.label, current["fired_step"])
-            elif self.cluster.latest and self.cluster.latest["step"] >= settle_step + self.args.tail_steps:
+            elif self.cluster.latest and self.cluster.latest.step >= settle_step + self.args.tail_steps:
                 break
             time.sleep(POLL)
         for fault in queue:
@@ -170,7 +170,7 @@ class Drill:
         while time.time() < min(self.deadline, marker + max(self.args.recovery_timeout, 180)):
             self.cluster.poll()
             fresh = [s for s in self.cluster.r0[-SETTLE_STEPS:]
-                     if s["time"] > marker and s.get("world_size") == want]
+                     if s.time > marker and s.world_size == want]
             if len(fresh) == SETTLE_STEPS:
                 return True
             time.sleep(POLL)

@@ -1,9 +1,10 @@
 """A drill's faults, applied one at a time, and when each counts as recovered.
 
 :class:`FaultDriver` fires a :class:`~elastic_trainer.drill.scenario.Fault` on a
-:class:`~elastic_trainer.drill.cluster.Cluster` (SIGKILL, SIGSTOP, SIGTERM or cut a node, add a
+:class:`~elastic_trainer.drill.cluster.Cluster` through its kind's entry in
+:data:`~elastic_trainer.drill.kinds.FAULTS` (SIGKILL, SIGSTOP, SIGTERM or cut a node, add a
 node, restart etcd, corrupt the newest checkpoint, fill the checkpoint disk), ends the faults that
-last ``for:SECONDS``, and decides when the run has recovered: :data:`SETTLE_STEPS` steps of one
+last ``for:SECONDS`` (the entry's ``heal``), and decides when the run has recovered: :data:`SETTLE_STEPS` steps of one
 world at the expected size since the fault (or its end). Each fault leaves a record (a dict: what
 fired, when, on which node, the world expected after it, the outcome) that ``drill_report``
 measures afterwards.
@@ -13,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import time
 from pathlib import Path
 
 from elastic_trainer.drill import report as drill_report
 from elastic_trainer.drill.cluster import POLL, Cluster
-from elastic_trainer.drill.nodes import killpg
+from elastic_trainer.drill.kinds import FAULTS
 from elastic_trainer.drill.scenario import Fault
 
 SETTLE_STEPS = 3  # steps of one world at the expected size that make a fault recovered
@@ -70,97 +70,45 @@ class FaultDriver:
         self._watch: DirWatch | None = None
 
     def fire(self, fault: Fault, index: int) -> dict:
-        """Apply one fault now; return its record (measured later by drill_report)."""
-        latest = self.cluster.latest or {}
+        """Apply one fault now (its ``FAULTS`` entry's ``fire``); return its record (measured later by drill_report)."""
+        latest = self.cluster.latest
         members = self.cluster.members()
         rec = {"index": index, "label": fault.label, "kind": fault.kind, "target": fault.target,
                "trigger": str(fault.trigger), "duration": fault.duration, "fired_at": None, "end_at": None,
-               "fired_step": latest.get("step"), "world_before": latest.get("world_size"),
-               "round_before": latest.get("round"), "node": None, "status": "fired", "notes": [],
+               "fired_step": latest.step if latest else None, "world_before": latest.world_size if latest else None,
+               "round_before": latest.round if latest else None, "node": None, "status": "fired", "notes": [],
                "corrupted_steps": []}
-        kind = fault.kind
-        if kind == "kill-during-checkpoint":
-            rec["armed_at"] = time.time()
-            rec["status"] = "armed"
-            root = Path(self.cluster.checkpoint_dir)
-            if "://" not in self.cluster.checkpoint_dir and root.is_dir():
-                self._watch = DirWatch(root)  # the step-N folder appears when the upload starts
+        kind = FAULTS[fault.kind]
+        if kind.arms:
+            kind.fire(self, rec, None, len(members), time.time())
             return rec
         node = None
-        if kind in ("kill", "kill-rank0", "stop", "term", "cut", "corrupt-checkpoint"):
-            node = self.cluster.pick("rank0" if kind == "kill-rank0" else fault.target)
+        if kind.victim is not None:
+            node = self.cluster.pick("rank0" if kind.victim == "rank0" else fault.target)
             if node is None:
                 rec["status"] = f"skipped: no live node matches {fault.target or 'rank0'}"
                 return rec
             rec["node"] = node.name
-            rec["was_rank0"] = bool(self.cluster.latest and self.cluster.latest["_node"] == node.name)
+            rec["was_rank0"] = bool(self.cluster.latest and self.cluster.latest.origin == node.name)
         rec["survivors"] = [n.name for n in members if n is not node]
         size = len(members)
         rec["expected_world"] = rec["final_world"] = min(size, self.cluster.max_nodes)
-        if kind == "corrupt-checkpoint":
-            corrupted = self.corrupt_newest_checkpoint()
-            if corrupted is None:
-                rec["status"] = "skipped: no checkpoint to corrupt (local checkpoint dir only)"
+        if kind.prepare is not None:
+            skipped = kind.prepare(self, rec)
+            if skipped:
+                rec["status"] = skipped
                 return rec
-            rec["corrupted_steps"] = [corrupted[0]]
-            rec["corrupted_file"] = corrupted[1]
-            self.cluster.note(None, "checkpoint_corrupted", step=corrupted[0], file=corrupted[1])
         now = time.time()
         rec["fired_at"] = now
-        if kind in ("kill", "kill-rank0", "corrupt-checkpoint"):
-            self.cluster.kill(node)
-            rec["expected_world"] = rec["final_world"] = min(size - 1, self.cluster.max_nodes)
-        elif kind == "term":
-            node.signal(signal.SIGTERM)
-            node.state = "terminated"
-            node.term_deadline = now + self.args.term_grace
-            self.cluster.note(node.name, "node_terminated")
-            rec["expected_world"] = rec["final_world"] = min(size - 1, self.cluster.max_nodes)
-        elif kind == "stop":
-            node.paused_pgids = node.signal(signal.SIGSTOP)
-            node.state = "stopped"
-            self.cluster.note(node.name, "node_stopped", pgids=sorted(node.paused_pgids))
-            rec["expected_world"] = size - 1
-        elif kind == "cut":
-            self.cluster.network.cut(node.net)
-            node.state = "cut"
-            self.cluster.note(node.name, "node_cut")
-            rec["expected_world"] = size - 1
-        elif kind == "add-node":
-            new = self.cluster.start_node()
-            rec["node"] = new.name
-            rec["expected_world"] = rec["final_world"] = min(size + 1, self.cluster.max_nodes)
-        elif kind == "restart-etcd":
-            self.cluster.etcd.kill()
-            self.cluster.note(None, "etcd_killed")
-        elif kind == "fill-disk":
-            rec["filled_bytes"] = self.fill_disk()
-            self.cluster.note(None, "disk_filled", bytes=rec["filled_bytes"])
-        if fault.duration is not None and kind in ("stop", "cut", "restart-etcd", "fill-disk"):
+        kind.fire(self, rec, node, size, now)
+        if fault.duration is not None and kind.heal is not None:
             rec["end_due"] = now + fault.duration
         return rec
 
     def end_fault(self, rec: dict) -> None:
-        """The second half of a fault with a duration: SIGCONT, link up, etcd back, disk freed."""
+        """The second half of a fault with a duration (its ``heal``): SIGCONT, link up, etcd back, disk freed."""
         node = next((n for n in self.cluster.nodes if n.name == rec.get("node")), None)
-        kind = rec["kind"]
-        if kind == "stop" and node is not None:
-            for pgid in node.paused_pgids:
-                killpg(pgid, signal.SIGCONT)
-            if node.state == "stopped":
-                node.state = "running"
-            self.cluster.note(node.name, "node_continued")
-        elif kind == "cut" and node is not None:
-            self.cluster.network.restore(node.net)
-            if node.state == "cut":
-                node.state = "running"
-            self.cluster.note(node.name, "node_restored")
-        elif kind == "restart-etcd":
-            self.cluster.etcd.start()
-            self.cluster.note(None, "etcd_started")
-        elif kind == "fill-disk":
-            (self.cluster.tmpfs / ".drill-fill").unlink(missing_ok=True)
-            self.cluster.note(None, "disk_freed")
+        FAULTS[rec["kind"]].heal(self, rec, node)
         rec["end_at"] = time.time()
         rec.pop("end_due", None)
 
@@ -179,10 +127,10 @@ class FaultDriver:
         must_restart = rec["kind"] in drill_report.WORLD_CHANGING and rec["round_before"] is not None
         # Settled: SETTLE_STEPS steps of one world at the expected size since the fault (one
         # stray step of the old world finishing after a stall does not count).
-        fresh = [s for s in self.cluster.r0[-SETTLE_STEPS:] if s["time"] > since
-                 and s.get("world_size") == rec["final_world"]
-                 and not (must_restart and s.get("round") == rec["round_before"])]
-        if len(fresh) == SETTLE_STEPS and len({s.get("round") for s in fresh}) == 1:
+        fresh = [s for s in self.cluster.r0[-SETTLE_STEPS:] if s.time > since
+                 and s.world_size == rec["final_world"]
+                 and not (must_restart and s.round == rec["round_before"])]
+        if len(fresh) == SETTLE_STEPS and len({s.round for s in fresh}) == 1:
             rec["status"] = "recovered"
             return True
         if now - since > self.args.recovery_timeout:
@@ -196,9 +144,9 @@ class FaultDriver:
             started = [n for n in self._watch.read(POLL) if n.startswith("step-") and n[5:].isdigit()]
             step = int(started[-1][5:]) if started else None
         else:  # remote storage: the trainer's save event (written when the async save starts)
-            start = next((e for e in self.cluster.events if e.get("event") in drill_report.CKPT_START_EVENTS
-                          and e["time"] >= rec["armed_at"]), None)
-            step = start.get("step") if start else None
+            start = next((e for e in self.cluster.events if e.event in drill_report.CKPT_START_EVENTS
+                          and e.time >= rec["armed_at"]), None)
+            step = start.step if start else None
         node = self.cluster.pick("rank0")
         if step is not None and node is not None:
             members = self.cluster.members()
@@ -208,8 +156,8 @@ class FaultDriver:
             during = "://" not in self.cluster.checkpoint_dir and not manifest.exists()
             latest = self.cluster.latest
             rec.update(status="fired", fired_at=created, node=node.name, was_rank0=True,
-                       fired_step=latest["step"], world_before=latest.get("world_size"),
-                       round_before=latest.get("round"), checkpoint_step=step, during_upload=during,
+                       fired_step=latest.step, world_before=latest.world_size,
+                       round_before=latest.round, checkpoint_step=step, during_upload=during,
                        survivors=[n.name for n in members if n is not node],
                        expected_world=min(len(members) - 1, self.cluster.max_nodes))
             rec["final_world"] = rec["expected_world"]
@@ -221,6 +169,12 @@ class FaultDriver:
             self.close_watch()
             return True
         return False
+
+    def watch_checkpoints(self) -> None:
+        """Watch the checkpoint folder for a ``step-N`` folder (kill-during-checkpoint), if it is local."""
+        root = Path(self.cluster.checkpoint_dir)
+        if "://" not in self.cluster.checkpoint_dir and root.is_dir():
+            self._watch = DirWatch(root)  # the step-N folder appears when the upload starts
 
     def close_watch(self) -> None:
         """Stop watching the checkpoint folder (kill-during-checkpoint), if it is watched."""
@@ -265,3 +219,7 @@ class FaultDriver:
         finally:
             os.close(fd)
         return written
+
+    def free_disk(self) -> None:
+        """Delete what ``fill_disk`` wrote."""
+        (self.cluster.tmpfs / ".drill-fill").unlink(missing_ok=True)

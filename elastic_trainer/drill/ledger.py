@@ -41,18 +41,18 @@ def check_exactly_once(logs: RunLogs, global_batch: int | None = None, expected=
         attempt = lineage.get(step)
         if attempt is None:
             continue
-        rows = [row for w in attempt.workers for row in w.ledger if row.get("step") == step]
+        rows = [row for w in attempt.workers for row in w.ledger if row.step == step]
         if not rows:
             missing.append(step)
             continue
-        indices = [i for row in rows for i in row.get("indices", [])]
+        indices = [i for row in rows for i in row.indices]
         sizes[step] = len(indices)
         if expected is not None:
             missed = set(expected(step)) - set(indices)
             if missed:
                 result.setdefault("order_mismatch_steps", []).append(step)
                 result["skipped"] += len(missed)
-        per_epoch.setdefault(int(rows[0].get("epoch", 0)), Counter()).update(indices)
+        per_epoch.setdefault(int(rows[0].epoch), Counter()).update(indices)
         result["steps_checked"] += 1
         result["samples_checked"] += len(indices)
     batch = global_batch or (Counter(sizes.values()).most_common(1)[0][0] if sizes else 0)
@@ -71,9 +71,9 @@ def check_exactly_once(logs: RunLogs, global_batch: int | None = None, expected=
     # The sampler offset (samples of the epoch committed) must grow by exactly one batch a step.
     offsets = {}
     for step, attempt in lineage.items():
-        rows = [s for s in attempt.rank0 if s["step"] == step]
-        if rows and "offset" in rows[0]:
-            offsets[step] = (rows[0].get("epoch", 0), rows[0]["offset"])
+        rows = [s for s in attempt.rank0 if s.step == step]
+        if rows and rows[0].offset is not None:
+            offsets[step] = (rows[0].epoch or 0, rows[0].offset)
     for step in sorted(offsets):
         if step - 1 in offsets:
             (e0, o0), (e1, o1) = offsets[step - 1], offsets[step]

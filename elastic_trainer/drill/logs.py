@@ -2,8 +2,9 @@
 
 A drill (``elastic_trainer.drill``) leaves one log folder per node (``<out>/nodes/node-<i>/``,
 the node's ``--log-dir``) holding the trainer's step logs and sample ledger (one file per worker
-process, ``rank-<r>-<pid>.jsonl``), rank 0's ``events.jsonl`` and the agent's ``agent.log``.
-:func:`load_logs` reads them into :class:`RunLogs`:
+process), rank 0's events (all three are ``elastic_trainer.records``) and the agent's
+``agent.log``. :func:`load_logs` reads them into :class:`RunLogs`; each record's ``origin`` is
+the name of the node whose folder held it:
 
 * An **attempt** is one world: the workers of one rendezvous round (the step logs' ``round``;
   without rounds, the workers whose steps overlap a rank-0 worker's). Attempts are ordered by
@@ -16,7 +17,6 @@ process, ``rank-<r>-<pid>.jsonl``), rank 0's ``events.jsonl`` and the agent's ``
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections import Counter
@@ -24,30 +24,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-_FILE_RE = re.compile(r"rank-(\d+)-(\d+)\.jsonl$")
+from elastic_trainer import records
+from elastic_trainer.records import EventRecord, LedgerRecord, StepRecord
+
 # Agent log lines: python logging "[2026-11-23 07:38:53,081] ..." and torch's "W1123 07:38:53.109000 pid file] ...".
 _PY_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\] (.*)$")
 _TORCH_LINE = re.compile(r"^\[?[IWEF](\d\d)(\d\d) (\d\d:\d\d:\d\d\.\d+) +\d+ (.*)$")
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The JSON objects of a .jsonl file; a torn last line (writer killed mid-write) is skipped."""
-    out = []
-    try:
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
-        return out
-    for line in text.splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(obj, dict):
-            out.append(obj)
-    return out
 
 
 @dataclass
@@ -57,8 +39,8 @@ class Worker:
     node: str
     rank: int
     pid: int
-    steps: list[dict] = field(default_factory=list)
-    ledger: list[dict] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
+    ledger: list[LedgerRecord] = field(default_factory=list)
 
 
 @dataclass
@@ -69,32 +51,32 @@ class Attempt:
     workers: list[Worker] = field(default_factory=list)
 
     @property
-    def lines(self) -> list[dict]:
-        return sorted((s for w in self.workers for s in w.steps), key=lambda s: s["time"])
+    def lines(self) -> list[StepRecord]:
+        return sorted((s for w in self.workers for s in w.steps), key=lambda s: s.time)
 
     @property
-    def rank0(self) -> list[dict]:
-        return [s for s in self.lines if s.get("rank") == 0]
+    def rank0(self) -> list[StepRecord]:
+        return [s for s in self.lines if s.rank == 0]
 
     @property
     def start(self) -> float:
-        return min(s["time"] for w in self.workers for s in w.steps)
+        return min(s.time for w in self.workers for s in w.steps)
 
     @property
     def end(self) -> float:
-        return max(s["time"] for w in self.workers for s in w.steps)
+        return max(s.time for w in self.workers for s in w.steps)
 
     @property
     def first_step(self) -> int:
-        return min(s["step"] for w in self.workers for s in w.steps)
+        return min(s.step for w in self.workers for s in w.steps)
 
     @property
     def last_step(self) -> int:
-        return max(s["step"] for w in self.workers for s in w.steps)
+        return max(s.step for w in self.workers for s in w.steps)
 
     @property
     def world_size(self) -> int:
-        return Counter(s.get("world_size") for w in self.workers for s in w.steps).most_common(1)[0][0]
+        return Counter(s.world_size for w in self.workers for s in w.steps).most_common(1)[0][0]
 
     @property
     def nodes(self) -> list[str]:
@@ -105,7 +87,7 @@ class Attempt:
         ranks: dict[int, int] = {}
         for w in self.workers:
             if w.steps:
-                ranks[w.rank] = max(ranks.get(w.rank, 0), max(s["step"] for s in w.steps))
+                ranks[w.rank] = max(ranks.get(w.rank, 0), max(s.step for s in w.steps))
         return min(ranks.values()) if ranks else 0
 
 
@@ -138,15 +120,15 @@ def read_agent_log(path: Path) -> list[dict]:
 @dataclass
 class RunLogs:
     workers: list[Worker]
-    events: list[dict]
+    events: list[EventRecord]
     attempts: list[Attempt]
     agent: dict[str, list[dict]] = field(default_factory=dict)
 
     @property
-    def rank0_lines(self) -> list[dict]:
-        return sorted((s for w in self.workers if w.rank == 0 for s in w.steps), key=lambda s: s["time"])
+    def rank0_lines(self) -> list[StepRecord]:
+        return sorted((s for w in self.workers if w.rank == 0 for s in w.steps), key=lambda s: s.time)
 
-    def attempt_of(self, line: dict) -> Attempt | None:
+    def attempt_of(self, line: StepRecord) -> Attempt | None:
         if not hasattr(self, "_index"):
             self._index = {id(s): a for a in self.attempts for w in a.workers for s in w.steps}
         return self._index.get(id(line))
@@ -155,27 +137,15 @@ class RunLogs:
 def load_logs(node_dirs: dict[str, Path]) -> RunLogs:
     """Read every node's step logs, ledger and events (``{node name: its log dir}``)."""
     workers: dict[tuple[str, int, int], Worker] = {}
-    events: list[dict] = []
+    events: list[EventRecord] = []
     for node, root in sorted(node_dirs.items()):
-        root = Path(root)
-        for sub, attr in (("steps", "steps"), ("ledger", "ledger")):
-            for path in sorted((root / sub).glob("rank-*.jsonl")):
-                match = _FILE_RE.search(path.name)
-                if not match:
-                    continue
-                key = (node, int(match.group(1)), int(match.group(2)))
-                worker = workers.setdefault(key, Worker(node, key[1], key[2]))
-                lines = read_jsonl(path)
-                if attr == "steps":
-                    lines = [s for s in lines if isinstance(s.get("time"), (int, float)) and "step" in s]
-                    for s in lines:
-                        s["_node"] = node
-                getattr(worker, attr).extend(lines)
-        for ev in read_jsonl(root / "events.jsonl"):
-            if isinstance(ev.get("time"), (int, float)):
-                ev["_node"] = node
-                events.append(ev)
-    events.sort(key=lambda e: e["time"])
+        for attr, files, kind in (("steps", records.step_files(root), StepRecord),
+                                  ("ledger", records.ledger_files(root), LedgerRecord)):
+            for f in files:
+                worker = workers.setdefault((node, f.rank, f.pid), Worker(node, f.rank, f.pid))
+                getattr(worker, attr).extend(records.read_file(f.path, kind, origin=node))
+        events.extend(records.read_events(root, origin=node))
+    events.sort(key=lambda e: e.time)
     agent = {node: read_agent_log(Path(root) / "agent.log") for node, root in node_dirs.items()}
     return RunLogs(list(workers.values()), events, group_attempts(list(workers.values())), agent)
 
@@ -187,7 +157,7 @@ def group_attempts(workers: list[Worker]) -> list[Attempt]:
     for w in workers:
         if not w.steps:
             continue
-        rnd = w.steps[0].get("round")
+        rnd = w.steps[0].round
         if rnd not in (None, ""):
             attempts.setdefault(f"round-{rnd}", Attempt(f"round-{rnd}")).workers.append(w)
         elif w.rank == 0:
@@ -195,11 +165,11 @@ def group_attempts(workers: list[Worker]) -> list[Attempt]:
         else:
             loose.append(w)
     for w in loose:  # no round logged: join the rank-0 world that overlaps this worker most
-        start, end = min(s["time"] for s in w.steps), max(s["time"] for s in w.steps)
+        start, end = min(s.time for s in w.steps), max(s.time for s in w.steps)
         best, best_overlap = None, -1.0
         for a in attempts.values():
             overlap = min(end, a.end) - max(start, a.start)
-            if a.world_size == w.steps[0].get("world_size") and overlap > best_overlap:
+            if a.world_size == w.steps[0].world_size and overlap > best_overlap:
                 best, best_overlap = a, overlap
         if best is not None:
             best.workers.append(w)

@@ -23,20 +23,23 @@ import json
 import re
 from pathlib import Path
 
+from elastic_trainer.drill.kinds import FAULTS
 from elastic_trainer.drill.ledger import check_exactly_once, find_overlapping_worlds, sampler_order
 from elastic_trainer.drill.logs import (Attempt, RunLogs, Worker, final_lineage, group_attempts, load_logs,
-                                        read_agent_log, read_jsonl)
+                                        read_agent_log)
+from elastic_trainer.records import CHECKPOINT_START_EVENTS, Event
 
 __all__ = ["CKPT_START_EVENTS", "DETECT_RE", "JOINED_RE", "WORLD_CHANGING", "Attempt", "RunLogs", "Worker",
            "build_report", "check_exactly_once", "final_lineage", "find_overlapping_worlds", "group_attempts",
-           "load_logs", "measure_fault", "plot_timeline", "read_agent_log", "read_jsonl", "sampler_order",
+           "load_logs", "measure_fault", "plot_timeline", "read_agent_log", "sampler_order",
            "summary_table", "write_report"]
 
 
-# The trainer's events.jsonl entry written when a checkpoint save starts (an async save logs
-# "checkpoint_saved" when its upload begins; the commit itself is seen in the checkpoint dir).
-CKPT_START_EVENTS = ("checkpoint_saved", "checkpoint_save_start")
-WORLD_CHANGING = ("kill", "kill-rank0", "kill-during-checkpoint", "term", "add-node", "corrupt-checkpoint")
+# The trainer's event written when a checkpoint save starts (an async save logs "checkpoint_saved"
+# when its upload begins; the commit itself is seen in the checkpoint dir).
+CKPT_START_EVENTS = CHECKPOINT_START_EVENTS
+# The faults after which the run goes on at another world size, in a new round.
+WORLD_CHANGING = tuple(name for name, kind in FAULTS.items() if kind.changes_world)
 # What an agent writes when it notices a lost or new peer and stops its workers.
 DETECT_RE = re.compile(r"stopping its workers|lost their etcd lease|round \d+ is over|closing signal|"
                        r"Detected \d+ new nodes|Worker group FAILED|will restart worker group", re.I)
@@ -65,35 +68,35 @@ def measure_fault(rec: dict, logs: RunLogs, timeline: list[dict], global_batch: 
     kind = rec["kind"]
     # Only what happened before the next fault (and within the deadline) belongs to this one.
     horizon = min(rec.get("window_end") or float("inf"), t_end + deadline)
-    r0 = [s for s in logs.rank0_lines if s["time"] <= horizon]
-    before = [s for s in r0 if s["time"] <= tf]
+    r0 = [s for s in logs.rank0_lines if s.time <= horizon]
+    before = [s for s in r0 if s.time <= tf]
     last = before[-1] if before else None
     attempt_before = logs.attempt_of(last) if last else None
-    out["last_step_before"] = last["step"] if last else None
-    out["world_logged_before"] = last.get("world_size") if last else None
+    out["last_step_before"] = last.step if last else None
+    out["world_logged_before"] = last.world_size if last else None
 
     if kind in WORLD_CHANGING:
         want = rec.get("expected_world")
-        rec_line = _first(r0, lambda s: s["time"] > tf and s.get("world_size") == want
+        rec_line = _first(r0, lambda s: s.time > tf and s.world_size == want
                           and logs.attempt_of(s) is not attempt_before)
         start_from = tf
     else:  # stop/cut: back at full size after the node returns; etcd/disk: steps go on
         want = rec.get("final_world", rec.get("world_before"))
         start_from = t_end
-        later = [s for s in r0 if s["time"] > t_end and s.get("world_size") == want]
+        later = [s for s in r0 if s.time > t_end and s.world_size == want]
         restarted_after = [s for s in later if logs.attempt_of(s) is not attempt_before]
         rec_line = (restarted_after or later or [None])[0]
         if kind in ("stop", "cut"):
-            evicted = _first(r0, lambda s: tf < s["time"] and s.get("world_size") == rec.get("expected_world")
+            evicted = _first(r0, lambda s: tf < s.time and s.world_size == rec.get("expected_world")
                              and logs.attempt_of(s) is not attempt_before)
-            out["evicted_first_step_s"] = round(evicted["time"] - tf, 3) if evicted else None
+            out["evicted_first_step_s"] = round(evicted.time - tf, 3) if evicted else None
             if evicted is None:
                 notes.append("the survivors did not train without the node while it was away")
-        out["steps_during_fault"] = len([s for s in r0 if tf < s["time"] <= t_end])
+        out["steps_during_fault"] = len([s for s in r0 if tf < s.time <= t_end])
     recovered = rec_line is not None
     out["recovered"] = recovered
-    out["first_step_s"] = round(rec_line["time"] - tf, 3) if rec_line else None
-    limit = rec_line["time"] if rec_line else float("inf")
+    out["first_step_s"] = round(rec_line.time - tf, 3) if rec_line else None
+    limit = rec_line.time if rec_line else float("inf")
     survivors = set(rec.get("survivors", []))
     seen = [o["time"] for o in timeline if tf < o["time"] <= limit and o["what"] == "workers_gone"
             and o["node"] in survivors]
@@ -117,7 +120,7 @@ def measure_fault(rec: dict, logs: RunLogs, timeline: list[dict], global_batch: 
     if restarted:
         resumed = new_attempt.first_step - 1
         out["resumed_from"] = resumed
-        lost = max(0, (last["step"] if last else 0) - resumed)
+        lost = max(0, (last.step if last else 0) - resumed)
         out["steps_lost"], out["samples_lost"] = lost, lost * global_batch
         bad = set(rec.get("corrupted_steps", []))
         committed = max((step for step, t in commits.items() if t < new_attempt.start and step not in bad),
@@ -133,13 +136,13 @@ def measure_fault(rec: dict, logs: RunLogs, timeline: list[dict], global_batch: 
             notes.append(f"resumed from the corrupted checkpoint of step {resumed}")
         elif bad and resumed > max(bad):
             notes.append("a newer checkpoint was committed before the resume: the corrupt one was not read")
-        out["loss_after"] = _mean([s.get("loss") for s in new_attempt.rank0[:5]])
+        out["loss_after"] = _mean([s.loss for s in new_attempt.rank0[:5]])
     else:
         out.update(resumed_from=None, steps_lost=0, samples_lost=0, committed_lost=0)
         if kind in WORLD_CHANGING and recovered:
             notes.append("no restart was seen")
-        out["loss_after"] = _mean([s.get("loss") for s in r0 if s["time"] > start_from][:5])
-    out["loss_before"] = _mean([s.get("loss") for s in before[-5:]])
+        out["loss_after"] = _mean([s.loss for s in r0 if s.time > start_from][:5])
+    out["loss_before"] = _mean([s.loss for s in before[-5:]])
     if kind == "fill-disk":
         saved_after = min((t for t in commits.values() if t > t_end), default=None)
         out["checkpoint_after_free_s"] = round(saved_after - t_end, 3) if saved_after else None
@@ -151,8 +154,8 @@ def measure_fault(rec: dict, logs: RunLogs, timeline: list[dict], global_batch: 
     if not recovered:
         notes.append(f"no step at world size {want} within {deadline:g}s")
         # What the run did instead, to start the diagnosis from the report.
-        ends = [f"rank 0 on {e['_node']} logged '{e['event']}' ({e.get('reason', '?')}) at +{e['time'] - tf:.1f}s"
-                for e in logs.events if tf < e["time"] <= horizon and e.get("event") in ("stopped", "finished")]
+        ends = [f"rank 0 on {e.origin} logged '{e.event}' ({e.reason or '?'}) at +{e.time - tf:.1f}s"
+                for e in logs.events if tf < e.time <= horizon and e.event in (Event.STOPPED, Event.FINISHED)]
         exits = [f"{o['node']} exited with {o.get('code')} at +{o['time'] - tf:.1f}s"
                  for o in timeline if tf < o["time"] <= horizon and o["what"] == "node_exited"]
         if ends or exits:
@@ -204,8 +207,8 @@ def build_report(meta: dict, faults: list[dict], timeline: list[dict], node_dirs
                     "last_step": a.last_step, "world_size": a.world_size, "nodes": a.nodes} for a in logs.attempts],
         "overlapping_worlds": overlaps,
         "commits": [{"step": k, "time": v} for k, v in sorted(commits.items())],
-        "series": [[round(s["time"], 3), s["step"], s.get("world_size"), s.get("loss")] for s in r0],
-        "events": [{k: v for k, v in e.items() if k != "_node"} | {"node": e["_node"]} for e in logs.events],
+        "series": [[round(s.time, 3), s.step, s.world_size, s.loss] for s in r0],
+        "events": [e.to_json() | {"node": e.origin} for e in logs.events],
         "timeline": timeline,
     }
     return report

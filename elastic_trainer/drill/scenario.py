@@ -10,7 +10,8 @@ Faults fire in the order given; one fires only once the previous one has recover
 A scenario file (``--scenario``) is TOML: a ``[drill]`` table with any of the flags (dashes or
 underscores) and a ``faults`` list of ``"KIND SPEC"`` lines (``drills/default.toml``). Flags given on
 the command line win over the file, the file over :data:`DEFAULTS`; faults from the file fire
-before those from flags. :func:`parse_args` returns the merged settings with ``faults``, a list of
+before those from flags. The kinds of fault, their help, target rules and durations are
+``kinds.FAULTS``. :func:`parse_args` returns the merged settings with ``faults``, a list of
 :class:`Fault`, and refuses combinations the drill cannot run.
 
 The drill declares no trainer flag: its trainer flags are :data:`DEFAULT_TRAINER_ARGS` followed
@@ -27,6 +28,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from elastic_trainer.drill.kinds import FAULTS, Target
+
 DESCRIPTION = "``elastic-train drill``: break a training run on purpose and prove that it recovers."
 
 # A model small enough that a step is dominated by --sleep-per-step on a 2-core machine.
@@ -35,23 +38,6 @@ DEFAULT_TRAINER_ARGS = [
     "--tgt-len", "4", "--dataset-size", "100000", "--global-batch-size", "12",
     "--sleep-per-step", "0.25", "--checkpoint-every", "5", "--sample-ledger", "--no-wandb",
 ]
-FAULT_HELP = {
-    "kill": "SIGKILL a node: its agent's and every worker's process group",
-    "kill-rank0": "SIGKILL the node that hosts global rank 0 (no TARGET)",
-    "kill-during-checkpoint": "SIGKILL rank 0's node as soon as a checkpoint save starts at or after WHEN",
-    "stop": "SIGSTOP a node for:SECONDS (past the lease TTL), then SIGCONT it: a zombie",
-    "term": "SIGTERM a node (preemption); SIGKILL what is left after --term-grace",
-    "add-node": "start one more node (no TARGET)",
-    "restart-etcd": "SIGKILL the drill's etcd, start it again for:SECONDS later (default 1) on the same port and data",
-    "cut": "cut a node off the network for:SECONDS (needs --netns)",
-    "corrupt-checkpoint": "flip bytes in the newest checkpoint, then SIGKILL TARGET (default random) so the run must resume past it",
-    "fill-disk": "fill the checkpoint tmpfs for:SECONDS, then free it",
-}
-NEEDS_TARGET = {"kill", "stop", "term", "cut"}
-NO_TARGET = {"kill-rank0", "kill-during-checkpoint", "add-node", "restart-etcd", "fill-disk"}
-DEFAULT_FOR = {"stop": 8.0, "cut": 6.0, "fill-disk": 8.0, "restart-etcd": 1.0}
-
-
 class ScenarioError(ValueError):
     """A fault spec or scenario file that cannot be understood; the message says how to fix it."""
 
@@ -69,7 +55,7 @@ class Trigger:
 
 @dataclass
 class Fault:
-    """One fault of a scenario: its kind (a key of FAULT_HELP), target, trigger and duration."""
+    """One fault of a scenario: its kind (a key of ``FAULTS``), target, trigger and duration."""
 
     kind: str
     target: str | None
@@ -84,12 +70,13 @@ class Fault:
 
 def _parse_target(kind: str, text: str) -> str | None:
     text = text.strip()
+    rule = FAULTS[kind].target
     if not text:
-        if kind in NEEDS_TARGET:
+        if rule is Target.REQUIRED:
             raise ScenarioError(f"--{kind} needs a target before '@': node:N, rank0 or random "
                                 f"(for example --{kind} node:1@step:20)")
-        return "random" if kind == "corrupt-checkpoint" else None
-    if kind in NO_TARGET:
+        return FAULTS[kind].default_target
+    if rule is Target.NONE:
         raise ScenarioError(f"--{kind} takes no target, got {text!r} (write --{kind} @step:20)")
     if text in ("rank0", "random"):
         return text
@@ -115,8 +102,8 @@ def parse_fault(kind: str, spec: str) -> list[Fault]:
             out.append(Fault("kill", "random", Trigger("after", every)))
             out.append(Fault("add-node", None, Trigger("after", 1)))
         return out
-    if kind not in FAULT_HELP:
-        raise ScenarioError(f"unknown fault {kind!r}; known: {', '.join(sorted(FAULT_HELP))}, random-kills")
+    if kind not in FAULTS:
+        raise ScenarioError(f"unknown fault {kind!r}; known: {', '.join(sorted(FAULTS))}, random-kills")
     target_text, at, rest = spec.partition("@")
     if not at:
         raise ScenarioError(f"--{kind} {spec!r}: say when with '@', e.g. @step:20, @time:30 or @after:5")
@@ -128,12 +115,12 @@ def parse_fault(kind: str, spec: str) -> list[Fault]:
         raise ScenarioError(f"--{kind} {spec!r}: WHEN must be step:S, time:T or after:K") from None
     if wkind not in ("step", "time", "after") or trigger.value < 0:
         raise ScenarioError(f"--{kind} {spec!r}: WHEN must be step:S, time:T or after:K with a number >= 0")
-    duration = DEFAULT_FOR.get(kind)
+    duration = FAULTS[kind].duration
     for opt in options:
         key, _, val = opt.partition(":")
         if key != "for":
             raise ScenarioError(f"--{kind} {spec!r}: unknown option {opt!r} (only for:SECONDS)")
-        if kind not in DEFAULT_FOR:
+        if FAULTS[kind].duration is None:
             raise ScenarioError(f"--{kind} takes no for:SECONDS")
         try:
             duration = float(val)
@@ -198,8 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--term-grace", type=float, default=None, help="seconds after SIGTERM before SIGKILL (default 30)")
     p.add_argument("--seed", type=int, default=None, help="seed of random targets (default 0)")
     faults = p.add_argument_group("faults ([TARGET]@WHEN[,for:SECONDS]; fire in the order given)")
-    for kind, text in FAULT_HELP.items():
-        faults.add_argument(f"--{kind}", dest=kind.replace("-", "_"), action=_FaultAction, metavar="SPEC", help=text)
+    for kind in FAULTS.values():
+        faults.add_argument(f"--{kind.name}", dest=kind.name.replace("-", "_"), action=_FaultAction, metavar="SPEC",
+                            help=kind.help)
     faults.add_argument("--random-kills", dest="random_kills", action=_FaultAction, metavar="N[,every:K]",
                         help="N times: SIGKILL a random node K steps (default 5) after the last recovery, then add a node")
     return p
@@ -240,13 +228,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.nodes < 1 or args.nproc_per_node < 1:
         raise ScenarioError("--nodes and --nproc-per-node must be at least 1")
     kinds = {f.kind for f in args.faults}
-    if "cut" in kinds and not args.netns:
-        raise ScenarioError("the cut fault needs --netns (each node in its own network namespace)")
-    if "restart-etcd" in kinds and args.rdzv_endpoint:
-        raise ScenarioError("restart-etcd needs the drill's own etcd: leave out --rdzv-endpoint")
-    if "fill-disk" in kinds and args.checkpoint_dir:
-        raise ScenarioError("fill-disk needs the drill's own tmpfs checkpoint dir: leave --checkpoint-dir "
-                            "out of --trainer-args")
+    for kind in FAULTS.values():
+        problem = kind.refuse(args) if kind.refuse is not None and kind.name in kinds else None
+        if problem:
+            raise ScenarioError(problem)
     if args.netns and args.rdzv_endpoint:
         raise ScenarioError("--netns starts its own etcd on the drill bridge: leave out --rdzv-endpoint")
     return args
