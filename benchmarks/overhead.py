@@ -49,6 +49,8 @@ import time
 import uuid
 from pathlib import Path
 
+from elastic_trainer import records
+
 REPO = Path(__file__).resolve().parent.parent
 PLAIN_SCRIPT = REPO / "benchmarks" / "plain_ddp.py"
 
@@ -184,17 +186,12 @@ def run_command(cmd: list[str], *, env: dict, cwd: Path, log: Path, timeout: flo
 # ------------------------------------------------------------------------------- measures
 
 def read_step_times(log_dir: Path, rank: int = 0) -> dict[int, float]:
-    """``{step: unix time}`` from ``<log_dir>/steps/rank-<rank>-*.jsonl`` (one process expected)."""
-    files = sorted((log_dir / "steps").glob(f"rank-{rank}-*.jsonl"))
+    """``{step: unix time}`` from the step log of ``rank`` under ``log_dir`` (one process expected)."""
+    files = records.step_files(log_dir, rank)
     if len(files) != 1:
-        raise RuntimeError(f"expected one step log of rank {rank} in {log_dir / 'steps'}, found {len(files)} "
-                           "(a worker restarted? the run is not a steady state)")
-    times = {}
-    with open(files[0], encoding="utf-8") as f:
-        for line in f:
-            record = json.loads(line)
-            times[int(record["step"])] = float(record["time"])
-    return times
+        raise RuntimeError(f"expected one step log of rank {rank} in {log_dir / records.STEPS_DIR}, found "
+                           f"{len(files)} (a worker restarted? the run is not a steady state)")
+    return {int(s.step): float(s.time) for s in records.read_file(files[0].path, records.StepRecord)}
 
 
 def throughput(times: dict[int, float], warmup: int, global_batch: int) -> dict:
@@ -211,18 +208,10 @@ def throughput(times: dict[int, float], warmup: int, global_batch: int) -> dict:
             "first_step": warmup + 1, "last_step": last, "window": (times[warmup], times[last])}
 
 
-def checkpoint_events(log_dir: Path, window: tuple[float, float]) -> list[dict]:
+def checkpoint_events(log_dir: Path, window: tuple[float, float]) -> list[records.EventRecord]:
     """The trainer's ``checkpoint_saved`` events (rank 0) inside the measured window."""
-    path = log_dir / "events.jsonl"
-    if not path.exists():
-        return []
-    events = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            e = json.loads(line)
-            if e.get("event") == "checkpoint_saved" and window[0] <= e["time"] <= window[1]:
-                events.append(e)
-    return events
+    return [e for e in records.read_events(log_dir)
+            if e.event == records.Event.CHECKPOINT_SAVED and window[0] <= e.time <= window[1]]
 
 
 def summary(values: list[float]) -> dict:
@@ -282,7 +271,7 @@ def measure(kind: str, args, run_dir: Path, env: dict) -> dict:
     result["cpu_ms_per_sample_by_role"] = {k: v * 1e3 / samples for k, v in sorted(cpu.items())} if cpu else {}
     saves = checkpoint_events(run_dir, window)
     result.update(kind=kind, wall_s=wall, load_before=load, command=shlex.join(cmd),
-                  checkpoints=len(saves), blocked_s=sum(e.get("blocked_s", 0.0) for e in saves))
+                  checkpoints=len(saves), blocked_s=sum(e.blocked_s or 0.0 for e in saves))
     return result
 
 

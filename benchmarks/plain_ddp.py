@@ -10,9 +10,9 @@ trainer uses (``elastic_trainer.tasks.build_example``, same flags, same defaults
 identical workload at the same global batch and world size; only the loop around it differs.
 
 Timing: rank 0 keeps the wall-clock time after every optimizer step in memory (no I/O in the loop).
-At the end each rank writes those times as ``<log-dir>/steps/rank-<r>-<pid>.jsonl``, one line
-``{"time", "step", "world_size", "rank"}`` per step (the trainer's step-log format, so one parser
-reads both), and rank 0 prints one line::
+At the end each rank writes those times as its step log under ``--log-dir``, one
+``elastic_trainer.records.StepRecord`` per step with its time, step, world size and rank (the
+trainer's step-log format, so one parser reads both), and rank 0 prints one line::
 
     plain_ddp: {"samples_per_s": ..., "first_step": W, "last_step": N, "global_batch_size": ..., ...}
 
@@ -29,7 +29,6 @@ import random
 import signal
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -37,6 +36,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
+from elastic_trainer import records
 from elastic_trainer.tasks import add_example_arguments, build_example
 
 
@@ -94,11 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     final_loss = float(loss.detach())
 
     if args.log_dir:
-        out = Path(args.log_dir) / "steps"
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / f"rank-{rank}-{os.getpid()}.jsonl", "w", encoding="utf-8") as f:
-            for i, t in enumerate(times, start=1):
-                f.write(json.dumps({"time": t, "step": i, "world_size": world, "rank": rank}) + "\n")
+        log = records.JsonLines(records.steps_path(args.log_dir, rank, os.getpid()))
+        for i, t in enumerate(times, start=1):
+            log.write(records.StepRecord(time=t, step=i, world_size=world, rank=rank))
+        log.close()
     if rank == 0:
         w = min(args.warmup_steps, len(times) - 2) if len(times) >= 2 else 0
         span = times[-1] - times[w] if len(times) >= 2 else float("nan")
