@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic_trainer import records
 from tests.conftest import cli_cmd
 from tests.rdzv_worker import descendants
 
@@ -36,11 +36,10 @@ def alive(pid: int) -> bool:
 def wait_for_steps(log_dir: Path, count: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        lines = [ln for f in (log_dir / "steps").glob("*.jsonl") for ln in f.read_text().splitlines()]
-        if len(lines) >= count:
+        if len(records.read_steps(log_dir)) >= count:
             return
         time.sleep(0.2)
-    raise AssertionError(f"fewer than {count} step lines in {log_dir}/steps after {timeout}s")
+    raise AssertionError(f"fewer than {count} step lines in {log_dir} after {timeout}s")
 
 
 def test_short_run_on_embedded_etcd_trains_and_exits_zero(tmp_path):
@@ -52,9 +51,9 @@ def test_short_run_on_embedded_etcd_trains_and_exits_zero(tmp_path):
         capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "embedded etcd at 127.0.0.1:" in proc.stderr
-    steps = [json.loads(ln) for f in (log_dir / "steps").glob("*.jsonl") for ln in f.read_text().splitlines()]
-    assert {s["rank"] for s in steps} == {0, 1} and max(s["step"] for s in steps) == 6
-    assert {s["world_size"] for s in steps} == {2}
+    steps = records.read_steps(log_dir)
+    assert {s.rank for s in steps} == {0, 1} and max(s.step for s in steps) == 6
+    assert {s.world_size for s in steps} == {2}
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-"))[-1] == "step-6"
 
 

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from elastic_trainer import records
 from elastic_trainer.etcd_server import free_port
+from elastic_trainer.records import Event
 from tests.conftest import REPO
-from tests.test_train_e2e import TINY, wait_for_steps, agent, latest, read_jsonl
+from tests.test_train_e2e import TINY, wait_for_steps, agent, latest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -23,25 +25,25 @@ def test_sigterm_to_one_node_saves_and_the_other_node_continues_alone(etcd, run_
     args = ("--max-steps", "100000", "--checkpoint-every", "1000", "--sleep-per-step", "0.2")
     outs = [tmp_path / "node-a.log", tmp_path / "node-b.log"]
     nodes = [agent(procs, etcd, run_id, 1, ck, logs, *args, nnodes="1:2", out=out) for out in outs]
-    wait_for_steps("a world of 2 at step 3", lambda st: any(s["world_size"] == 2 and s["step"] >= 3 for s in st),
+    wait_for_steps("a world of 2 at step 3", lambda st: any(s.world_size == 2 and s.step >= 3 for s in st),
           logs, 240, nodes, outs)
     nodes[1].send_signal(signal.SIGTERM)  # node b is preempted
     t_term = time.time()
     nodes[1].wait(timeout=120)
-    steps = wait_for_steps("node a training alone", lambda st: sum(s["world_size"] == 1 and s["time"] > t_term
+    steps = wait_for_steps("node a training alone", lambda st: sum(s.world_size == 1 and s.time > t_term
                                                            for s in st) >= 3, logs, 240, nodes, outs)
     assert nodes[0].poll() is None, "the surviving node must keep training"
-    stopped_at = max(s["step"] for s in steps if s["world_size"] == 2)
+    stopped_at = max(s.step for s in steps if s.world_size == 2)
     # (the first agent up may have trained alone for a moment before the other joined)
-    first_alone = min(s["step"] for s in steps if s["world_size"] == 1 and s["time"] > t_term)
+    first_alone = min(s.step for s in steps if s.world_size == 1 and s.time > t_term)
     assert first_alone == stopped_at + 1, "the preempted step is saved: nothing is redone, nothing lost"
-    events = read_jsonl(logs, "events.jsonl")
-    assert any(e["event"] == "checkpoint_loaded" and e["step"] == stopped_at for e in events)
-    assert any(e["event"] == "stop" and e["reason"] == "a peer was stopped by a signal" for e in events)
+    events = records.read_events(logs)
+    assert any(e.event == Event.CHECKPOINT_LOADED and e.step == stopped_at for e in events)
+    assert any(e.event == Event.STOP and e.reason == "a peer was stopped by a signal" for e in events)
     nodes[0].send_signal(signal.SIGTERM)
     nodes[0].wait(timeout=120)
     assert nodes[0].returncode == 128 + signal.SIGTERM
-    assert latest(ck)[0] == max(s["step"] for s in read_jsonl(logs / "steps", "*.jsonl"))
+    assert latest(ck)[0] == max(s.step for s in records.read_steps(logs))
 
 
 def _two_rank_world(procs, tmp_path: Path, *trainer_args: str) -> tuple[list[subprocess.Popen], Path]:
@@ -57,7 +59,7 @@ def _two_rank_world(procs, tmp_path: Path, *trainer_args: str) -> tuple[list[sub
                                     "--checkpoint-dir", str(tmp_path / "ck"), *trainer_args],
                                    cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     end = time.monotonic() + 180
-    while time.monotonic() < end and len(read_jsonl(logs / "steps", "*.jsonl") if (logs / "steps").exists() else []) < 6:
+    while time.monotonic() < end and len(records.read_steps(logs)) < 6:
         time.sleep(0.2)
     return workers, logs
 
@@ -84,7 +86,7 @@ def test_a_killed_peer_costs_no_step_rank_0_saves_the_last_completed_one(procs, 
     os.kill(workers[1].pid, signal.SIGKILL)
     _, err = workers[0].communicate(timeout=120)
     assert workers[0].returncode != 0
-    logged = max(s["step"] for s in read_jsonl(logs / "steps", "*.jsonl") if s["rank"] == 0)
+    logged = max(s.step for s in records.read_steps(logs) if s.rank == 0)
     # The kill lands between steps (--sleep-per-step): rank 0's next backward fails, and the
     # step it logged last is whole on every rank, so it saves that one.
     assert "saving the last completed step" in err, err[-2000:]

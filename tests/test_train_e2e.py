@@ -25,8 +25,10 @@ from pathlib import Path
 
 import pytest
 
+from elastic_trainer import records
+from elastic_trainer.records import Event
 from tests.conftest import REPO, cli_cmd
-from tests.test_trainer import latest, param_drift, read_jsonl
+from tests.test_trainer import latest, param_drift
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -48,8 +50,8 @@ def baseline(tmp_path: Path, steps: int) -> tuple[dict, dict[int, float], dict[i
                           cwd=REPO, capture_output=True, text=True, timeout=180,
                           env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = {s["step"]: s["loss"] for s in read_jsonl(logs / "steps", "*.jsonl")}
-    ledger = {r["step"]: r["indices"] for r in read_jsonl(logs / "ledger", "*.jsonl")}
+    losses = {s.step: s.loss for s in records.read_steps(logs)}
+    ledger = {r.step: r.indices for r in records.read_ledger(logs)}
     return latest(ck)[1]["model"], losses, ledger
 
 
@@ -72,8 +74,8 @@ def final_batches(logs: Path) -> dict[int, list[int]]:
     from the last checkpoint); the final lineage is the last round's run of it.
     """
     by_round_step: dict[tuple[int, int], list[int]] = defaultdict(list)
-    for rec in read_jsonl(logs / "ledger", "*.jsonl"):
-        by_round_step[(rec["round"], rec["step"])] += rec["indices"]
+    for rec in records.read_ledger(logs):
+        by_round_step[(rec.round, rec.step)] += rec.indices
     last = {}
     for rnd, step in by_round_step:
         last[step] = max(last.get(step, rnd), rnd)
@@ -100,16 +102,16 @@ def test_world_size_3_then_1_then_2_matches_an_uninterrupted_run(etcd, run_id, p
         if i:
             assert "world size changed: " in err and "resumed from checkpoint step-" in err
 
-    steps = read_jsonl(logs / "steps", "*.jsonl")
-    assert {(s["step"], s["world_size"]) for s in steps} == \
+    steps = records.read_steps(logs)
+    assert {(s.step, s.world_size) for s in steps} == \
         {(n, 3 if n <= 4 else 1 if n <= 8 else 2) for n in range(1, 13)}
-    assert all(s["round"] is not None for s in steps)  # set by the etcd-v3 rendezvous
+    assert all(s.round is not None for s in steps)  # set by the etcd-v3 rendezvous
     for s in steps:
-        assert abs(s["loss"] - base_loss[s["step"]]) <= LOSS_RTOL * abs(base_loss[s["step"]])
+        assert abs(s.loss - base_loss[s.step]) <= LOSS_RTOL * abs(base_loss[s.step])
         assert "loss_scope" not in s  # clean stops: every step's global loss was agreed
     # every step consumed the very global batch of the uninterrupted run, each sample once
     assert final_batches(logs) == {n: sorted(ix) for n, ix in base_ledger.items()}
-    changes = [(e["old"], e["new"]) for e in read_jsonl(logs, "events.jsonl") if e["event"] == "world_size_changed"]
+    changes = [(e.old, e.new) for e in records.read_events(logs) if e.event == Event.WORLD_SIZE_CHANGED]
     assert changes == [(3, 1), (1, 2)]
     step, state = latest(ck)
     assert step == 12 and state["meta"]["world_size"] == 2
@@ -119,7 +121,7 @@ def test_world_size_3_then_1_then_2_matches_an_uninterrupted_run(etcd, run_id, p
 def wait_for_steps(what: str, pred, logs: Path, timeout: float, agents: list[subprocess.Popen], outs: list[Path]):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        steps = read_jsonl(logs / "steps", "*.jsonl") if (logs / "steps").exists() else []
+        steps = records.read_steps(logs)
         if pred(steps):
             return steps
         time.sleep(0.2)
@@ -145,40 +147,40 @@ def test_live_run_loses_two_nodes_gains_one_and_ends_like_an_uninterrupted_run(e
     args = ("--max-steps", "100000", "--checkpoint-every", "2", "--sleep-per-step", "0.2")
     outs = [tmp_path / f"node-{n}.log" for n in "abcd"]
     nodes = [agent(procs, etcd, run_id, 1, ck, logs, *args, nnodes="1:3", out=outs[i]) for i in range(3)]
-    wait_for_steps("a world of 3 at step 4", lambda st: any(s["world_size"] == 3 and s["step"] >= 4 for s in st),
+    wait_for_steps("a world of 3 at step 4", lambda st: any(s.world_size == 3 and s.step >= 4 for s in st),
           logs, 240, nodes, outs)
     t_kill = time.time()
     for proc in nodes[1:]:
         _kill_tree(proc)
-    wait_for_steps("the survivor training alone", lambda st: sum(s["world_size"] == 1 and s["time"] > t_kill for s in st) >= 3,
+    wait_for_steps("the survivor training alone", lambda st: sum(s.world_size == 1 and s.time > t_kill for s in st) >= 3,
           logs, 240, nodes, outs)
     t_join = time.time()
     nodes.append(agent(procs, etcd, run_id, 1, ck, logs, *args, nnodes="1:3", out=outs[3]))
-    wait_for_steps("a world of 2 after the join", lambda st: sum(s["world_size"] == 2 and s["time"] > t_join for s in st) >= 6,
+    wait_for_steps("a world of 2 after the join", lambda st: sum(s.world_size == 2 and s.time > t_join for s in st) >= 6,
           logs, 240, nodes, outs)
     for proc in (nodes[0], nodes[3]):  # preemption: the agents stop their workers with SIGTERM
         proc.send_signal(signal.SIGTERM)
     for proc in (nodes[0], nodes[3]):
         proc.wait(timeout=120)
 
-    steps = read_jsonl(logs / "steps", "*.jsonl")
-    total = max(s["step"] for s in steps)
+    steps = records.read_steps(logs)
+    total = max(s.step for s in steps)
     step, state = latest(ck)
     assert step == total, "SIGTERM must leave a checkpoint at the step the run was at"
-    worlds = [s["world_size"] for s in sorted(steps, key=lambda s: s["time"])]
+    worlds = [s.world_size for s in sorted(steps, key=lambda s: s.time)]
     # The first agent up may train alone for a moment before the other two hold leases
     # (min nodes is 1, and a round completes once every live node joined): only the order
     # around the faults is fixed.
-    assert 3 in {s["world_size"] for s in steps if s["time"] < t_kill}
+    assert 3 in {s.world_size for s in steps if s.time < t_kill}
     assert worlds[-1] == 2 and 1 in worlds
-    changes = [(e["old"], e["new"]) for e in read_jsonl(logs, "events.jsonl") if e["event"] == "world_size_changed"]
+    changes = [(e.old, e.new) for e in records.read_events(logs) if e.event == Event.WORLD_SIZE_CHANGED]
     assert (3, 1) in changes and (1, 2) in changes
 
     base_model, base_loss, base_ledger = baseline(tmp_path, total)
     for s in steps:  # repeated steps (after a loss, from the last checkpoint) repeat the same numbers
         if s.get("loss_scope") == "rank":  # logged by a survivor after its peers died: its own samples only
             continue
-        assert abs(s["loss"] - base_loss[s["step"]]) <= LOSS_RTOL * abs(base_loss[s["step"]])
+        assert abs(s.loss - base_loss[s.step]) <= LOSS_RTOL * abs(base_loss[s.step])
     # the last round that ran each step consumed exactly that step's global batch of the baseline
     assert final_batches(logs) == {n: sorted(ix) for n, ix in base_ledger.items()}
     check_equivalence(state["model"], base_model, total)

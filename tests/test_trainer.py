@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from elastic_trainer import records
 from elastic_trainer.checkpoint import CheckpointManager
+from elastic_trainer.records import Event, StepRecord
 from elastic_trainer.train import parse_config
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.training.trainer import Trainer
@@ -84,13 +86,6 @@ def param_drift(a: dict, b: dict) -> tuple[float, float]:
     return worst, gauge
 
 
-def read_jsonl(pattern_dir: Path, glob: str) -> list[dict]:
-    out = []
-    for path in sorted(pattern_dir.glob(glob)):
-        out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return out
-
-
 def worker_cmd(*argv: str) -> list[str]:
     return [sys.executable, "-m", "elastic_trainer.train", *argv]
 
@@ -141,11 +136,12 @@ def test_task_from_a_test_file_runs_through_the_task_flag(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "world size 1 (distributed gloo, cpu)" in proc.stderr
     assert json.loads(marker.read_text()) == {"task_argv": ["--marker", str(marker)], "global_batch_size": 16}
-    steps = read_jsonl(tmp_path / "logs" / "steps", "rank-0-*.jsonl")
-    assert [s["step"] for s in steps] == [1, 2, 3]
-    assert set(steps[0]) == STEP_KEYS and steps[-1]["offset"] == 48 and steps[-1]["world_size"] == 1
-    events = [e["event"] for e in read_jsonl(tmp_path / "logs", "events.jsonl")]
-    assert events[0] == "start" and "checkpoint_saved" in events and events[-1] == "finished"
+    steps = records.read_steps(tmp_path / "logs", rank=0)
+    assert [s.step for s in steps] == [1, 2, 3]
+    assert set(steps[0].to_json()) == STEP_KEYS and not steps[0].extra
+    assert steps[-1].offset == 48 and steps[-1].world_size == 1
+    events = [e.event for e in records.read_events(tmp_path / "logs")]
+    assert events[0] == Event.START and Event.CHECKPOINT_SAVED in events and events[-1] == Event.FINISHED
     assert latest(tmp_path / "ck")[0] == 3
     assert "finished at step 3" in proc.stderr
 
@@ -180,7 +176,7 @@ def test_resume_restores_optimizer_scheduler_step_and_rng_exactly(tmp_path):
         assert_same(a[key], b[key], key)
     assert a["optimizer"]["state"][0]["step"].item() == 10  # AdamW's own step counter came back too
     assert resumed["loss"] == full["loss"]
-    assert "resume" in [e["event"] for e in read_jsonl(tmp_path / "lb", "events.jsonl")]
+    assert Event.RESUME in [e.event for e in records.read_events(tmp_path / "lb")]
 
 
 def test_gradient_accumulation_matches_one_pass_over_the_global_batch(tmp_path):
@@ -198,23 +194,23 @@ def test_each_step_is_in_the_ledger_before_its_backward_all_reduces_it(tmp_path)
     since rank 0 may save it: the ledger line is written before the last micro-batch's backward."""
     from elastic_trainer.tasks import Task
 
-    ledger_dir = tmp_path / "logs" / "ledger"
+    log_dir = tmp_path / "logs"
     seen = []  # the newest step in the ledger as each micro-batch's forward starts
 
     def training_step(model, batch):
-        rows = read_jsonl(ledger_dir, "rank-0-*.jsonl") if ledger_dir.exists() else []
-        seen.append(max((r["step"] for r in rows), default=0))
+        rows = records.read_ledger(log_dir, rank=0)
+        seen.append(max((r.step for r in rows), default=0))
         return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
 
     data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
     task = Task(model=torch.nn.Linear(4, 1), dataset=data, training_step=training_step)
     config = parse_config(["--max-steps", "3", "--global-batch-size", "8", "--micro-batch-size", "4",
-                           "--log-dir", str(tmp_path / "logs"), "--sample-ledger", "--no-wandb", "--no-progress"])
+                           "--log-dir", str(log_dir), "--sample-ledger", "--no-wandb", "--no-progress"])
     Trainer(config, task).train()
     # two micro-batches a step: the first runs before the step's line is written, the last after it
     assert seen == [0, 1, 1, 2, 2, 3]
-    rows = read_jsonl(ledger_dir, "rank-0-*.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3] and all(len(r["indices"]) == 8 for r in rows)
+    rows = records.read_ledger(log_dir, rank=0)
+    assert [r.step for r in rows] == [1, 2, 3] and all(len(r.indices) == 8 for r in rows)
 
 
 def test_no_resume_starts_from_scratch(tmp_path):
@@ -223,15 +219,15 @@ def test_no_resume_starts_from_scratch(tmp_path):
     train_inprocess(*args, "--max-steps", "2")
     again = train_inprocess(*args, "--max-steps", "3", "--no-resume")
     assert again["step"] == 3
-    assert [e["event"] for e in read_jsonl(tmp_path / "l", "events.jsonl")].count("start") == 2
+    assert [e.event for e in records.read_events(tmp_path / "l")].count(Event.START) == 2
 
 
 # ------------------------------------------------------------------------------------- processes
 
-def _wait_for_steps(log_dir: Path, count: int, proc: subprocess.Popen, timeout: float = 90) -> list[dict]:
+def _wait_for_steps(log_dir: Path, count: int, proc: subprocess.Popen, timeout: float = 90) -> list[StepRecord]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        steps = read_jsonl(log_dir / "steps", "*.jsonl") if (log_dir / "steps").exists() else []
+        steps = records.read_steps(log_dir)
         if len(steps) >= count:
             return steps
         assert proc.poll() is None, f"trainer exited early with {proc.returncode}"
@@ -249,13 +245,12 @@ def test_sigterm_during_training_saves_the_current_step_and_exits_zero(tmp_path,
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-3000:]
-    last = read_jsonl(log_dir / "steps", "*.jsonl")[-1]["step"]
+    last = records.read_steps(log_dir)[-1].step
     step, state = latest(ck)
     assert step == last and state["meta"]["step"] == last
     assert state["sampler"]["offset"] == 16 * last
-    events = read_jsonl(log_dir, "events.jsonl")
-    assert {"event": "stop", "step": last, "reason": "signal SIGTERM"}.items() <= events[-3].items() or \
-        any(e["event"] == "stop" and e["reason"] == "signal SIGTERM" for e in events)
+    events = records.read_events(log_dir)
+    assert any(e.event == Event.STOP and e.reason == "signal SIGTERM" for e in events)
     assert f"stopping at step {last} (signal SIGTERM)" in err
 
 
@@ -266,7 +261,7 @@ def test_sigterm_while_a_step_hangs_exits_after_the_grace_period(tmp_path, procs
                                   "--log-dir", str(log_dir), "--no-wandb", "--grace-seconds", "2"),
                        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 90  # wait until the first step is under way (the task was built)
-    while not list((log_dir).glob("events.jsonl")) and time.monotonic() < deadline:
+    while not records.events_path(log_dir).exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     time.sleep(1.0)
     sent = time.monotonic()
@@ -320,9 +315,9 @@ def test_time_based_checkpoints_and_max_seconds_stop_with_a_saved_step(tmp_path)
                           "--sleep-per-step", "0.1", "--max-seconds", "1", "--checkpoint-every-seconds", "0.25",
                           "--checkpoint-dir", str(tmp_path / "ck"), "--log-dir", str(tmp_path / "l"))
     assert out["stopped_by"] == "max-seconds" and 3 <= out["step"] < 100
-    events = read_jsonl(tmp_path / "l", "events.jsonl")
-    saves = [e for e in events if e["event"] == "checkpoint_saved"]
-    assert len(saves) >= 3 and saves[-1]["step"] == out["step"] and saves[-1]["committed"] is True
+    events = records.read_events(tmp_path / "l")
+    saves = [e for e in events if e.event == Event.CHECKPOINT_SAVED]
+    assert len(saves) >= 3 and saves[-1].step == out["step"] and saves[-1].committed is True
     assert any(not e["blocking"] for e in saves)  # periodic saves are asynchronous
     assert latest(tmp_path / "ck")[0] == out["step"]
 
@@ -333,9 +328,9 @@ def test_dataloader_workers_feed_the_same_samples_and_parameters(tmp_path):
         train_inprocess("--task", FIXTURE, "--noise", "0", "--global-batch-size", "16", "--micro-batch-size", "6",
                         "--max-steps", "20", "--num-workers", workers, "--sample-ledger",
                         "--checkpoint-dir", str(tmp_path / name), "--log-dir", str(tmp_path / f"l{name}"))
-    ledgers = [read_jsonl(tmp_path / f"l{name}" / "ledger", "*.jsonl") for name in ("w0", "w2")]
+    ledgers = [records.read_ledger(tmp_path / f"l{name}") for name in ("w0", "w2")]
     assert ledgers[0] == ledgers[1] and len(ledgers[0]) == 20
-    assert ledgers[0][15]["epoch"] == 0 and ledgers[0][16]["epoch"] == 1  # 256 samples: 16 steps per epoch
+    assert ledgers[0][15].epoch == 0 and ledgers[0][16].epoch == 1  # 256 samples: 16 steps per epoch
     assert_same(latest(tmp_path / "w0")[1]["model"], latest(tmp_path / "w2")[1]["model"])
 
 
