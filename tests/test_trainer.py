@@ -318,7 +318,7 @@ def test_time_based_checkpoints_and_max_seconds_stop_with_a_saved_step(tmp_path)
     events = records.read_events(tmp_path / "l")
     saves = [e for e in events if e.event == Event.CHECKPOINT_SAVED]
     assert len(saves) >= 3 and saves[-1].step == out["step"] and saves[-1].committed is True
-    assert any(not e["blocking"] for e in saves)  # periodic saves are asynchronous
+    assert any(not e.blocking for e in saves)  # periodic saves are asynchronous
     assert latest(tmp_path / "ck")[0] == out["step"]
 
 
