@@ -108,7 +108,7 @@ def test_world_size_3_then_1_then_2_matches_an_uninterrupted_run(etcd, run_id, p
     assert all(s.round is not None for s in steps)  # set by the etcd-v3 rendezvous
     for s in steps:
         assert abs(s.loss - base_loss[s.step]) <= LOSS_RTOL * abs(base_loss[s.step])
-        assert "loss_scope" not in s  # clean stops: every step's global loss was agreed
+        assert s.loss_scope is None  # clean stops: every step's global loss was agreed
     # every step consumed the very global batch of the uninterrupted run, each sample once
     assert final_batches(logs) == {n: sorted(ix) for n, ix in base_ledger.items()}
     changes = [(e.old, e.new) for e in records.read_events(logs) if e.event == Event.WORLD_SIZE_CHANGED]
@@ -178,7 +178,7 @@ def test_live_run_loses_two_nodes_gains_one_and_ends_like_an_uninterrupted_run(e
 
     base_model, base_loss, base_ledger = baseline(tmp_path, total)
     for s in steps:  # repeated steps (after a loss, from the last checkpoint) repeat the same numbers
-        if s.get("loss_scope") == "rank":  # logged by a survivor after its peers died: its own samples only
+        if s.loss_scope == "rank":  # logged by a survivor after its peers died: its own samples only
             continue
         assert abs(s.loss - base_loss[s.step]) <= LOSS_RTOL * abs(base_loss[s.step])
     # the last round that ran each step consumed exactly that step's global batch of the baseline
