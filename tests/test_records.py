@@ -35,6 +35,11 @@ OLD_EVENT_LINES = [
     '{"time":2.2,"event":"world_size_changed","old":2,"new":1,"step":5}',
     '{"time":3.0,"event":"checkpoint_saved","step":10,"blocked_s":0.01,"blocking":false,"committed":null,'
     '"epoch":0,"offset":160,"world_size":1}',
+    '{"time":3.5,"event":"peer_state_loaded","step":11,"epoch":0,"offset":176,"world_size":2,"source":0,'
+    '"seconds":0.2,"round":null}',
+    '{"time":3.6,"event":"live_reform","step":11,"old":3,"new":2,"round":5,"old_round":4,"cause":"lost",'
+    '"failed_at":3.1,"receivers":[1],"teardown_s":0.1,"agree_s":0.1,"group_s":0.1,"state_s":0.1,"total_s":0.4}',
+    '{"time":3.7,"event":"live_excluded","step":11,"reason":"not in quorum 5"}',
     '{"time":4.0,"event":"stop","step":12,"reason":"signal SIGTERM"}',
     '{"time":4.5,"event":"stopped","step":12,"reason":"signal SIGTERM"}',
     '{"time":5.0,"event":"finished","step":20,"reason":"done"}',
