@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from elastic_trainer import records
+from elastic_trainer.records import Event
 from tests.test_train_e2e import GBS, TINY, baseline, check_equivalence, final_batches
-from tests.test_trainer import latest, read_jsonl
+from tests.test_trainer import latest
 from tests.conftest import REPO, cli_cmd
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -34,11 +36,9 @@ def live_agent(procs, etcd, run_id: str, ck: Path, logs: Path, out: Path, *train
 
 
 def steps_of(logs: Path) -> list[dict]:
-    out = []
-    for path in sorted((logs / "steps").glob("*.jsonl")):
-        pid = int(path.stem.rsplit("-", 1)[1])
-        out += [{**rec, "pid": pid} for rec in read_jsonl(path.parent, path.name)]
-    return out
+    """Every step line as its JSON object, with the ``pid`` of the worker process that wrote it."""
+    return [{**rec.to_json(), "pid": f.pid} for f in records.step_files(logs)
+            for rec in records.read_file(f.path, records.StepRecord)]
 
 
 def wait_steps(what: str, pred, logs: Path, timeout: float, outs: list[Path]) -> list[dict]:
@@ -113,17 +113,17 @@ def test_live_run_that_loses_two_nodes_and_gains_one_keeps_survivors_and_matches
         assert steps == sorted(set(steps)), (pid, steps)
     assert max(s["step"] for s in st) == total
 
-    events = read_jsonl(logs, "events.jsonl")
-    kinds = [e["event"] for e in events]
-    assert "checkpoint_loaded" not in kinds  # nothing was read from storage
-    reforms = [e for e in events if e["event"] == "live_reform"]
-    assert [(e["old"], e["new"]) for e in reforms] == [(3, 2), (2, 3), (3, 2)], reforms
-    assert reforms[1]["receivers"] == [2]  # the newcomer got the state over the new group
-    peer = [e for e in events if e["event"] == "peer_state_loaded"]
+    events = records.read_events(logs)
+    kinds = [e.event for e in events]
+    assert Event.CHECKPOINT_LOADED not in kinds  # nothing was read from storage
+    reforms = [e for e in events if e.event == Event.LIVE_REFORM]
+    assert [(e.old, e.new) for e in reforms] == [(3, 2), (2, 3), (3, 2)], reforms
+    assert reforms[1].receivers == [2]  # the newcomer got the state over the new group
+    peer = [e for e in events if e.event == Event.PEER_STATE_LOADED]
     assert len(peer) <= 1  # logged by rank 0 only; the newcomer's own line is in its log:
     assert "received the training state of step" in outs[3].read_text()
     for e in reforms:
-        assert e["total_s"] < 5, e
+        assert e.total_s < 5, e
 
     # every step consumed the uninterrupted run's global batch, each sample once
     assert final_batches(logs) == {n: sorted(ix) for n, ix in base_ledger.items()}
