@@ -17,6 +17,10 @@ trainer's step-log format, so one parser reads both), and rank 0 prints one line
     plain_ddp: {"samples_per_s": ..., "first_step": W, "last_step": N, "global_batch_size": ..., ...}
 
 with samples/s measured over the steps after ``--warmup-steps``.
+
+``--live-step-log`` writes each line as its step ends instead (``benchmarks/live_recovery.py`` reads
+the logs while torchrun recovers the job), and ``--sleep-per-step`` pads every step as the trainer's
+flag of that name does.
 """
 
 from __future__ import annotations
@@ -55,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3, as the trainer)")
     p.add_argument("--seed", type=int, default=0, help="model init and data order seed (default 0)")
     p.add_argument("--log-dir", default=None, help="write the per-step times to <log-dir>/steps/ at the end")
+    p.add_argument("--live-step-log", action="store_true",
+                   help="write each step's line to <log-dir>/steps/ as it ends, not at exit (recovery benchmarks "
+                        "read it while the job runs; a killed worker keeps what it logged)")
+    p.add_argument("--sleep-per-step", type=float, default=0.0,
+                   help="seconds to sleep after every step, as the trainer's flag (default 0)")
     add_example_arguments(p)
     return p
 
@@ -78,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
 
     times: list[float] = []
     step, epoch = 0, 0
+    live_log = None
+    if args.live_step_log:
+        if not args.log_dir:
+            raise SystemExit("--live-step-log needs --log-dir")
+        live_log = records.JsonLines(records.steps_path(args.log_dir, rank, os.getpid()))  # flushed per line
     model.train()
     while step < args.max_steps:
         sampler.set_epoch(epoch)
@@ -88,12 +102,18 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.step()
             step += 1
             times.append(time.time())
+            if live_log is not None:
+                live_log.write(records.StepRecord(time=times[-1], step=step, world_size=world, rank=rank))
+            if args.sleep_per_step:
+                time.sleep(args.sleep_per_step)
             if step >= args.max_steps:
                 break
         epoch += 1
     final_loss = float(loss.detach())
 
-    if args.log_dir:
+    if live_log is not None:
+        live_log.close()
+    elif args.log_dir:
         log = records.JsonLines(records.steps_path(args.log_dir, rank, os.getpid()))
         for i, t in enumerate(times, start=1):
             log.write(records.StepRecord(time=t, step=i, world_size=world, rank=rank))

@@ -81,10 +81,18 @@ class Job:
         else:
             self.endpoint = f"127.0.0.1:{free_port()}"
 
+    def node_cmd(self) -> list[str]:
+        """The command line of one node (a torchrun agent and its worker); subclasses run other workers."""
+        return agent_cmd(self.endpoint, "bench", self.out, nnodes=f"1:{self.max_nodes}",
+                         backend=self.rdzv_backend, conf=self.conf, worker_args=("--sleep", "0.05"))
+
+    def steps(self) -> list[dict]:
+        """Every step line the workers logged so far, sorted by time."""
+        return read_steps(self.out)
+
     def start_node(self) -> subprocess.Popen:
         i = len(self.agents)
-        cmd = agent_cmd(self.endpoint, "bench", self.out, nnodes=f"1:{self.max_nodes}",
-                        backend=self.rdzv_backend, conf=self.conf, worker_args=("--sleep", "0.05"))
+        cmd = self.node_cmd()
         with open(self.dir / f"agent-{i}.log", "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                     env=dict(os.environ, ELASTIC_TRAINER_RDZV_LOG="INFO", LOGLEVEL="INFO", **self.env))
@@ -96,7 +104,7 @@ class Job:
     def wait(self, what: str, pred, timeout: float) -> list[dict]:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            steps = read_steps(self.out)
+            steps = self.steps()
             found = pred(steps)
             if found:
                 return found
