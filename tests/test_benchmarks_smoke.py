@@ -76,6 +76,24 @@ def test_recovery_one_trial_of_etcd_v3_measures_each_scenario(procs, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_live_recovery_one_trial_recovers_each_fault_and_measures_goodput(procs, tmp_path):
+    """One live trial (kill a node, add one, kill rank 0) and a 20 s goodput run with two faults."""
+    out = run_script(procs, "live_recovery.py", "--systems", "live", "--trials", "1", "--goodput-seconds", "20",
+                     "--json", str(tmp_path / "live.json"), timeout=270)
+    result = json.loads((tmp_path / "live.json").read_text())
+    trial = result["results"]["live"][0]
+    for scenario in ("kill-other", "join", "kill-rank0"):
+        assert isinstance(trial[scenario], dict), f"live did not recover from {scenario}: {trial[scenario]}"
+        assert trial[scenario]["s"] > 0 and trial[scenario]["redone"] is not None
+    assert trial["join"]["pause"] > 0 and trial["join"]["hwm_extra_mib"]["survivors"] == 2
+    goodput = result["goodput"]["live"]
+    assert goodput["clean"]["steps"] > 0 and goodput["faults"]["steps"] > 0 and goodput["ratio"] > 0
+    assert len(goodput["faults"]["faults"]) == 1  # one fault at 10 s (the next would be at 20 s, the end)
+    assert "targets (issue 17):" in out and "median s" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_rdzv_scale_eight_agents_all_get_a_rank(procs):
     out = run_script(procs, "rdzv_scale.py", "--sizes", "8")
     rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["8"]]
@@ -168,7 +186,8 @@ def test_run_all_is_valid_bash_and_calls_every_benchmark():
     script = BENCH / "run_all"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     text = script.read_text()
-    for name in ("overhead.py", "checkpoint_bench.py", "recovery.py", "rdzv_scale.py", "plots.py"):
+    for name in ("overhead.py", "checkpoint_bench.py", "recovery.py", "live_recovery.py", "rdzv_scale.py",
+                 "plots.py"):
         assert f"benchmarks/{name}" in text
-    for name in ("checkpoint_bench", "rdzv_scale"):  # results as JSON, which plots.py prefers
+    for name in ("checkpoint_bench", "live_recovery", "rdzv_scale"):  # results as JSON (plots.py prefers it)
         assert re.search(rf'benchmarks/{name}\.py .*--json "\$OUT/{name}\.json"', text), name

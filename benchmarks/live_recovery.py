@@ -1,0 +1,495 @@
+"""Live recovery (issue 17): seconds lost per fault and goodput, live vs restart vs torchrun's c10d.
+
+Run (from the repository root; about 3 min per trial of all three systems, plus 2 x
+``--goodput-seconds`` per goodput system and their start-ups):
+
+    .venv/bin/python benchmarks/live_recovery.py --trials 20 --json out.json
+    .venv/bin/python benchmarks/live_recovery.py --trials 3 --goodput-seconds 60     # a quick look
+    .venv/bin/python benchmarks/live_recovery.py --systems live --trials 1 --goodput-seconds 20   # the smoke test
+
+Three systems, ``--nodes`` nodes of one worker each on loopback, the same small model (``TINY``):
+
+  live        ``elastic-train --recovery live``: survivors keep their processes and re-form the group;
+  restart     ``elastic-train --recovery restart``: every change restarts the workers, which resume
+              from the newest checkpoint (the same ``--checkpoint-every`` on both of ours);
+  c10d-tuned  ``torchrun`` + ``benchmarks/plain_ddp.py`` (DDP, no checkpoints) on c10d as
+              ``benchmarks/recovery.py`` tunes it (1 s heartbeats, last call 1 s, store not shared).
+
+Each trial, per system, in one job while it survives (a fresh job for what follows a failure):
+
+  kill-other  SIGKILL the node of the highest rank -> the first step at N-1;
+  join        then start a node -> the survivors' pause (their last step at N-1 to the first step at N)
+              and the newcomer's start -> its first step;
+  kill-rank0  SIGKILL the node of rank 0 -> the first step at N-1.
+
+For each fault it also counts the steps redone (the last step any rank completed before it, minus
+the first step after it, plus one; 0 when nothing is lost; plain_ddp has no checkpoints and starts
+over at step 1) and, on the live path, the survivors' extra peak memory: VmHWM from
+/proc/<pid>/status before and after the re-form (a join broadcasts the whole training state).
+
+Steps are padded with ``--sleep-per-step`` (0.05 s; printed with the measured step interval) so that
+the step rate is set by the sleep, not by 2 shared cores. Goodput: per ``--goodput-systems``, a run
+of ``--goodput-seconds`` with a fault every ``--fault-every`` seconds (alternately SIGKILL a random
+node of the world and start a node) against the same run without faults; the window starts once
+the world has N nodes, and its steps are the highest step reached minus the step at its start.
+
+Every process it starts is an agent in its own session, killed with its workers through the
+recorded agent PID (``signal_tree``), and every etcd is stopped, also on error, Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import recovery  # noqa: E402  (benchmarks/recovery.py: the job, c10d's settings, the waits)
+from recovery import Failed  # noqa: E402
+from tests.rdzv_worker import agent_cmd, descendants, signal_tree  # noqa: E402
+
+SYSTEMS = ("live", "restart", "c10d-tuned")
+SCENARIOS = ("kill-other", "join", "kill-rank0")
+EXAMPLE = ["--d-model", "16", "--nhead", "2", "--layers", "1", "--dim-feedforward", "32", "--src-len", "2",
+           "--tgt-len", "4", "--dataset-size", "2400", "--loss", "mse", "--global-batch-size", "12"]
+"""The model and data of /tmp/live/try.py's experiment, flags both the trainer and plain_ddp.py take."""
+TRAINER = ["--micro-batch-size", "3", "--no-wandb", "--no-progress", "--max-steps", "1000000"]
+RDZV_CONF = "lease_ttl=3,keep_alive_interval=1,last_call_timeout=1"
+TARGETS = {"kill": "median < 0.5 s, worst < 1 s, all recovered", "join": "pause median < 0.5 s",
+           "goodput": ">= 0.9 (restart path measured before: 0.53)"}
+_STEP_FILE = re.compile(r"rank-(\d+)-(\d+)\.jsonl$")
+
+
+def read_steps(folder: Path) -> list[dict]:
+    """Every complete step line under ``folder``, with the worker's pid from the file name, by time."""
+    steps = []
+    for path in folder.glob("rank-*.jsonl") if folder.is_dir() else ():
+        m = _STEP_FILE.search(path.name)
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.endswith("\n"):
+                    steps.append({**json.loads(line), "pid": int(m.group(2))})
+    return sorted(steps, key=lambda s: s["time"])
+
+
+class TrainerJob(recovery.Job):
+    """Our trainer (``elastic-train``) on one etcd, with ``--recovery live`` or ``restart``."""
+
+    def __init__(self, recovery_mode: str, nodes: int, workdir: Path, settings: argparse.Namespace) -> None:
+        super().__init__("etcd-v3", nodes, workdir)
+        self.name, self.recovery, self.settings = recovery_mode, recovery_mode, settings
+        self.env = {"OMP_NUM_THREADS": "1"}
+
+    def node_cmd(self) -> list[str]:
+        s = self.settings
+        return [sys.executable, "-m", "elastic_trainer.cli", "--nnodes", f"{s.min_nodes}:{self.max_nodes}",
+                "--rdzv-endpoint", self.endpoint, "--run-id", "bench", "--rdzv-conf", RDZV_CONF,
+                "--recovery", self.recovery, "--local-addr", "127.0.0.1",
+                "--checkpoint-dir", str(self.dir / "ckpt"), "--log-dir", str(self.dir), "--",
+                *EXAMPLE, *TRAINER, "--sleep-per-step", str(s.sleep_per_step),
+                "--checkpoint-every", str(s.checkpoint_every)]
+
+    def steps(self) -> list[dict]:
+        return read_steps(Path(self.out))
+
+    def events(self) -> list[dict]:
+        path = self.dir / "events.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class PlainJob(recovery.Job):
+    """torchrun on c10d (as ``recovery.py`` tunes it) running ``benchmarks/plain_ddp.py``."""
+
+    def __init__(self, nodes: int, workdir: Path, settings: argparse.Namespace) -> None:
+        super().__init__("c10d-tuned", nodes, workdir)
+        self.settings = settings
+        self.env = {**self.env, "OMP_NUM_THREADS": "1"}
+
+    def node_cmd(self) -> list[str]:
+        s = self.settings
+        cmd = agent_cmd(self.endpoint, "bench", self.out, nnodes=f"{s.min_nodes}:{self.max_nodes}",
+                        backend=self.rdzv_backend, conf=self.conf)
+        cmd = cmd[:cmd.index("--out") - 1]  # torchrun's flags, without tests/rdzv_worker.py
+        return [*cmd, str(REPO / "benchmarks" / "plain_ddp.py"), *EXAMPLE, "--max-steps", "1000000",
+                "--log-dir", str(self.dir), "--live-step-log", "--sleep-per-step", str(s.sleep_per_step)]
+
+    def steps(self) -> list[dict]:
+        return read_steps(Path(self.out))
+
+    def events(self) -> list[dict]:
+        return []
+
+
+def make_job(system: str, nodes: int, workdir: Path, settings: argparse.Namespace) -> recovery.Job:
+    if system == "c10d-tuned":
+        return PlainJob(nodes, workdir, settings)
+    return TrainerJob(system, nodes, workdir, settings)
+
+
+# ---- what the step logs say --------------------------------------------------------------------
+def vm_hwm_mib(pid: int) -> float | None:
+    """The peak resident memory of ``pid`` so far (VmHWM), in MiB; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def world_pids(steps: list[dict], size: int) -> dict[int, int]:
+    """{rank: pid} of the newest world of ``size`` in the logs."""
+    last: dict[int, int] = {}
+    for s in steps:
+        if s["world_size"] == size:
+            last[s["rank"]] = s["pid"]
+    return last
+
+
+def redone_steps(steps: list[dict], t0: float, size: int) -> int | None:
+    """Steps done again after a change at ``t0``: the last step completed before the first step at
+    world size ``size`` after ``t0``, minus that first step, plus one (0: training went on where it
+    stopped; a step that ended just after a kill, its all-reduce done before it, counts as done)."""
+    after = [s for s in steps if s["time"] > t0 and s["world_size"] == size]
+    if not after:
+        return None
+    before = [s["step"] for s in steps if s["time"] < after[0]["time"] and not (
+        s["time"] > t0 and s["world_size"] == size)]
+    return max(before) - after[0]["step"] + 1 if before else None
+
+
+def pause_around(steps: list[dict], t0: float, old: int, new: int) -> float | None:
+    """Seconds between the last step at size ``old`` and the first step at size ``new`` after ``t0``."""
+    firsts = [s["time"] for s in steps if s["time"] > t0 and s["world_size"] == new]
+    if not firsts:
+        return None
+    lasts = [s["time"] for s in steps if s["world_size"] == old and s["time"] < firsts[0]]
+    return firsts[0] - lasts[-1] if lasts else None
+
+
+def step_interval(steps: list[dict], size: int) -> float | None:
+    """Median seconds between consecutive steps of one rank (rank 0) at world size ``size``."""
+    times = [s["time"] for s in steps if s["world_size"] == size and s["rank"] == 0 and "loss_scope" not in s]
+    gaps = [b - a for a, b in zip(times, times[1:]) if 0 < b - a < 1.0]
+    return statistics.median(gaps) if gaps else None
+
+
+def reform_event(job: recovery.Job, t0: float) -> dict | None:
+    """The first ``live_reform`` event rank 0 logged after ``t0`` (its phase timings)."""
+    for e in job.events():
+        if e.get("event") == "live_reform" and e.get("time", 0) > t0:
+            return {k: e[k] for k in ("cause", "teardown_s", "agree_s", "group_s", "state_s", "total_s",
+                                      "receivers") if k in e}
+    return None
+
+
+# ---- one trial ----------------------------------------------------------------------------------
+def _steady(job: recovery.Job, size: int, timeout: float) -> dict[int, int]:
+    """Wait for ``size`` ranks stepping at world size ``size``, then a second of steady steps."""
+    job.world_formed(size, timeout)
+    time.sleep(1.0)
+    job.world_formed(size, timeout)
+    return world_pids(job.steps(), size)
+
+
+def _kill(job: recovery.Job, rank: int, n: int, timeout: float, live: bool) -> dict:
+    """SIGKILL the node of ``rank`` in the world of ``n``; measure the way back to ``n - 1``."""
+    ranks = _steady(job, n, timeout)
+    survivors = [pid for r, pid in ranks.items() if r != rank]
+    hwm_before = {pid: vm_hwm_mib(pid) for pid in survivors}
+    victim = job.agent_of(ranks[rank])
+    t0 = time.time()
+    signal_tree(victim.pid, signal.SIGKILL)
+    victim.wait()
+    out: dict = {"s": job.first_step_after(t0, n - 1, timeout)}
+    job.world_formed(n - 1, timeout)
+    time.sleep(0.5)  # a few steps at n - 1: their lines are logged at the next step-end agreement
+    steps = job.steps()
+    out["redone"] = redone_steps(steps, t0, n - 1)
+    if live:
+        out["hwm_extra_mib"] = _hwm_extra(hwm_before)
+        out["reform"] = reform_event(job, t0)
+    return out
+
+
+def _join(job: recovery.Job, n: int, timeout: float, live: bool) -> dict:
+    """Start a node in the world of ``n - 1``; measure the survivors' pause and the newcomer's start."""
+    ranks = _steady(job, n - 1, timeout)
+    hwm_before = {pid: vm_hwm_mib(pid) for pid in ranks.values()}
+    t0 = time.time()
+    job.start_node()
+    out: dict = {"s": job.first_step_after(t0, n, timeout)}
+    job.world_formed(n, timeout)
+    time.sleep(0.5)
+    steps = job.steps()
+    out["pause"] = pause_around(steps, t0, n - 1, n)
+    out["redone"] = redone_steps(steps, t0, n)
+    if live:
+        out["hwm_extra_mib"] = _hwm_extra(hwm_before)
+        out["reform"] = reform_event(job, t0)
+    return out
+
+
+def _hwm_extra(before: dict[int, float | None]) -> dict[str, float] | None:
+    """The survivors' VmHWM growth since ``before``, in MiB: the largest and the median."""
+    grown = [after - b for pid, b in before.items()
+             if b is not None and (after := vm_hwm_mib(pid)) is not None]
+    if not grown:
+        return None
+    return {"max": max(grown), "median": statistics.median(grown), "survivors": len(grown)}
+
+
+def trial(system: str, args: argparse.Namespace, root: Path) -> dict:
+    """Every scenario once; a scenario that fails ends its job, and the next one starts a fresh job."""
+    n, live, results = args.nodes, system == "live", {}
+    job, jobs = None, 0
+    try:
+        for scenario in SCENARIOS:
+            if scenario == "join" and not isinstance(results.get("kill-other"), dict):
+                results["join"] = "not run (kill-other failed)"
+                continue
+            try:
+                if job is None:
+                    jobs += 1
+                    job = make_job(system, n, root / f"{system}-{jobs}", args)
+                    for _ in range(n):
+                        job.start_node()
+                    try:
+                        _steady(job, n, args.timeout)
+                    except Failed as exc:
+                        raise Failed(f"setup {exc}") from exc
+                    results.setdefault("step_interval", step_interval(job.steps(), n))
+                if scenario == "join":
+                    results[scenario] = _join(job, n, args.timeout, live)
+                else:
+                    results[scenario] = _kill(job, 0 if scenario == "kill-rank0" else n - 1, n, args.timeout, live)
+            except Failed as exc:
+                results[scenario] = str(exc)
+                job.close()
+                job = None
+    finally:
+        if job is not None:
+            job.close()
+    return results
+
+
+# ---- goodput ------------------------------------------------------------------------------------
+def goodput_run(system: str, args: argparse.Namespace, workdir: Path, faults: bool) -> dict:
+    """Steps reached in ``--goodput-seconds`` after the world has N nodes, with or without faults."""
+    n, rng = args.nodes, random.Random(args.seed)
+    job = make_job(system, n, workdir, args)
+    log: list[str] = []
+    try:
+        for _ in range(n):
+            job.start_node()
+        job.world_formed(n, args.timeout)
+        t_start = time.time()
+        end = t_start + args.goodput_seconds
+        step_start = max(s["step"] for s in job.steps() if s["time"] <= t_start)
+        kill_next, next_fault = True, t_start + args.fault_every
+        while faults and next_fault < end:
+            time.sleep(max(0.0, next_fault - time.time()))
+            if kill_next:
+                log.append(_kill_random_member(job, rng, t_start))
+            else:
+                job.start_node()
+                log.append(f"{time.time() - t_start:.1f}s add a node")
+            kill_next, next_fault = not kill_next, next_fault + args.fault_every
+        time.sleep(max(0.0, end - time.time()) + 1.0)  # +1 s: steps before `end` are logged at an agreement
+        steps = [s for s in job.steps() if s["time"] <= end]
+        return {"steps": max(s["step"] for s in steps) - step_start, "seconds": args.goodput_seconds,
+                "faults": log, "final_world": steps[-1]["world_size"]}
+    except Failed as exc:
+        return {"steps": None, "error": str(exc), "faults": log}
+    finally:
+        job.close()
+
+
+def _kill_random_member(job: recovery.Job, rng: random.Random, t_start: float) -> str:
+    """SIGKILL a random node of the newest world (not a newcomer still starting); not the last one."""
+    steps = job.steps()
+    newest = steps[-1]
+    pids = {s["pid"] for s in steps if s["world_size"] == newest["world_size"] and s["time"] > newest["time"] - 2}
+    members = [a for a in job.agents if a.poll() is None and pids & set(descendants(a.pid))]
+    when = f"{time.time() - t_start:.1f}s"
+    if len(members) < 2:
+        return f"{when} kill skipped: {len(members)} node(s) in the world"
+    victim = rng.choice(members)
+    signal_tree(victim.pid, signal.SIGKILL)
+    victim.wait()
+    return f"{when} kill a node of {len(members)} (agent {victim.pid})"
+
+
+# ---- report -------------------------------------------------------------------------------------
+def _stats(values: list) -> tuple[str, str]:
+    ok = [v for v in values if isinstance(v, (int, float))]
+    med = f"{statistics.median(ok):.3f}" if ok else "-"
+    worst = f"{max(ok):.3f}" if ok else "-"
+    return med, worst
+
+
+def summarize(results: dict[str, list[dict]]) -> str:
+    head = (f"{'system':<11} {'scenario':<11} {'ok':>5} {'median s':>9} {'worst s':>8} {'pause med':>9} "
+            f"{'pause max':>9} {'redone':>7} {'+HWM MiB':>8}  failures")
+    lines = [head]
+    for system, trials in results.items():
+        for sc in SCENARIOS:
+            vals = [t.get(sc, "not run") for t in trials]
+            ok = [v for v in vals if isinstance(v, dict)]
+            med, worst = _stats([v["s"] for v in ok])
+            pmed, pmax = _stats([v.get("pause") for v in ok]) if sc == "join" else ("", "")
+            redone = [v["redone"] for v in ok if v.get("redone") is not None]
+            red = f"{min(redone)}-{max(redone)}" if redone and min(redone) != max(redone) else (
+                str(redone[0]) if redone else "-")
+            hwm = [v["hwm_extra_mib"]["max"] for v in ok if v.get("hwm_extra_mib")]
+            hw = f"{max(hwm):.1f}" if hwm else "-"
+            bad = "; ".join(sorted({v for v in vals if isinstance(v, str)}))
+            lines.append(f"{system:<11} {sc:<11} {len(ok):>2}/{len(vals):<2} {med:>9} {worst:>8} {pmed:>9} "
+                         f"{pmax:>9} {red:>7} {hw:>8}  {bad}")
+    return "\n".join(lines)
+
+
+def verdicts(results: dict[str, list[dict]], goodput: dict[str, dict]) -> list[str]:
+    """The issue's targets for the live path, met or not."""
+    out = []
+    trials = results.get("live", [])
+    for sc in ("kill-other", "kill-rank0"):
+        vals = [t.get(sc) for t in trials]
+        ok = [v["s"] for v in vals if isinstance(v, dict)]
+        if vals:
+            met = len(ok) == len(vals) and statistics.median(ok) < 0.5 and max(ok) < 1.0
+            med, worst = _stats(ok)
+            out.append(f"live {sc}: median {med} s, worst {worst} s, {len(ok)}/{len(vals)} "
+                       f"(target {TARGETS['kill']}): {'met' if met else 'NOT met'}")
+    pauses = [t["join"]["pause"] for t in trials if isinstance(t.get("join"), dict) and t["join"].get("pause")]
+    if trials:
+        med = statistics.median(pauses) if pauses else None
+        out.append(f"live join: survivors' pause median {med if med is None else f'{med:.3f}'} s "
+                   f"(target {TARGETS['join']}): {'met' if med is not None and med < 0.5 else 'NOT met'}")
+    for system, g in goodput.items():
+        ratio = g.get("ratio")
+        out.append(f"{system} goodput: {ratio if ratio is None else f'{ratio:.3f}'} (target {TARGETS['goodput']}): "
+                   f"{'met' if ratio is not None and ratio >= 0.9 else 'NOT met'}")
+    return out
+
+
+def _systems(text: str, p: argparse.ArgumentParser) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    for s in names:
+        if s not in SYSTEMS:
+            p.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Live recovery vs restart vs c10d (see the module docstring).",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--trials", type=int, default=20, help="trials of the live path (the issue asks for 20)")
+    p.add_argument("--baseline-trials", type=int, default=None,
+                   help="trials of restart and c10d-tuned (default: --trials)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
+    p.add_argument("--nodes", type=int, default=3, help="nodes per job, one worker each")
+    p.add_argument("--min-nodes", type=int, default=1, help="the jobs' minimum nodes (--nnodes MIN:nodes)")
+    p.add_argument("--sleep-per-step", type=float, default=0.05,
+                   help="seconds every step sleeps, so that the sleep, not 2 shared cores, sets the step rate")
+    p.add_argument("--checkpoint-every", type=int, default=20, help="our trainer saves every N steps")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds before a measurement fails")
+    p.add_argument("--goodput-seconds", type=float, default=300.0, help="length of each goodput run (0: none)")
+    p.add_argument("--goodput-systems", default="live", help="systems whose goodput is measured (comma list)")
+    p.add_argument("--fault-every", type=float, default=10.0,
+                   help="seconds between faults in the goodput run (alternately kill a node, add one)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the goodput run's choice of nodes to kill")
+    p.add_argument("--json", default=None, help="also write every measurement to this JSON file")
+    p.add_argument("--keep", action="store_true", help="keep every job's logs")
+    args = p.parse_args(argv)
+    systems = _systems(args.systems, p)
+    goodput_systems = _systems(args.goodput_systems, p) if args.goodput_seconds > 0 else []
+    if not 1 <= args.min_nodes < args.nodes:
+        p.error(f"--min-nodes {args.min_nodes} must be at least 1 and below --nodes {args.nodes}")
+
+    def on_sigterm(signum, frame):  # unwind through every `finally` that closes a job
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    root = Path(tempfile.mkdtemp(prefix="live-recovery-bench-"))
+    counts = {s: args.trials if s == "live" else (args.baseline_trials or args.trials) for s in systems}
+    results: dict[str, list[dict]] = {s: [] for s in systems}
+    goodput: dict[str, dict] = {}
+    started = time.time()
+    try:
+        for i in range(max(counts.values(), default=0)):
+            for s in systems:  # alternate the systems trial by trial, so load hits all alike
+                if i < counts[s]:
+                    r = trial(s, args, root / f"trial-{i}")
+                    results[s].append(r)
+                    print(f"trial {i + 1} {s}: " + ", ".join(
+                        f"{k}={v['s']:.3f}s" + (f" (pause {v['pause']:.3f}s)" if v.get("pause") is not None else "")
+                        + (f" redone {v['redone']}" if v.get("redone") is not None else "")
+                        if isinstance(v, dict) else f"{k}={v}" for k, v in r.items() if k in SCENARIOS), flush=True)
+        for s in goodput_systems:
+            base = goodput_run(s, args, root / f"goodput-{s}-clean", faults=False)
+            print(f"goodput {s} without faults: {base.get('steps')} steps in {args.goodput_seconds:.0f} s", flush=True)
+            hit = goodput_run(s, args, root / f"goodput-{s}-faults", faults=True)
+            print(f"goodput {s} with a fault every {args.fault_every:.0f} s: {hit.get('steps')} steps "
+                  f"({len(hit['faults'])} faults)", flush=True)
+            ratio = hit["steps"] / base["steps"] if hit.get("steps") is not None and base.get("steps") else None
+            goodput[s] = {"clean": base, "faults": hit, "ratio": ratio}
+    finally:
+        if args.keep:
+            print(f"logs kept in {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+    print()
+    print(summarize(results))
+    print("  ok: recovered/trials; median/worst s: kill -> first step at N-1, join: the newcomer's start -> its "
+          "first step; pause: the survivors' last step at N-1 -> first at N; redone: steps done again (range); "
+          "+HWM: the survivors' largest VmHWM growth over the re-form (live)")
+    for s in systems:
+        for sc in SCENARIOS:
+            phases = [t[sc]["reform"] for t in results[s] if isinstance(t.get(sc), dict) and t[sc].get("reform")]
+            if phases:
+                print(f"  {s} {sc} re-form on rank 0, median s: " + ", ".join(
+                    f"{k[:-2]} {statistics.median(ph[k] for ph in phases):.3f}"
+                    for k in ("teardown_s", "agree_s", "group_s", "state_s", "total_s")))
+    intervals = [t["step_interval"] for ts in results.values() for t in ts if t.get("step_interval")]
+    if intervals:
+        print(f"  steps padded with --sleep-per-step {args.sleep_per_step}: median step interval "
+              f"{statistics.median(intervals):.3f} s at {args.nodes} nodes, so about "
+              f"{max(0.0, statistics.median(intervals) - args.sleep_per_step):.3f} s of compute and waiting per step")
+    for s, g in goodput.items():
+        ratio = "-" if g["ratio"] is None else f"{g['ratio']:.3f}"
+        print(f"goodput {s}: {g['faults'].get('steps')} / {g['clean'].get('steps')} steps = {ratio} "
+              f"({args.goodput_seconds:.0f} s each, a fault every {args.fault_every:.0f} s)")
+    print()
+    print("targets (issue 17):")
+    for line in verdicts(results, goodput):
+        print("  " + line)
+    print(f"\n{args.nodes} nodes x 1 worker on loopback, --nnodes {args.min_nodes}:{args.nodes}, {os.cpu_count()} "
+          f"CPUs, load average {os.getloadavg()[0]:.1f}, {time.time() - started:.0f} s in all")
+    print("command: " + " ".join([Path(sys.executable).name, *sys.argv]))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "targets": TARGETS, "results": results,
+                                               "goodput": goodput, "verdicts": verdicts(results, goodput)},
+                                              indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
