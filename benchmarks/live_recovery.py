@@ -31,7 +31,9 @@ Steps are padded with ``--sleep-per-step`` (0.05 s; printed with the measured st
 the step rate is set by the sleep, not by 2 shared cores. Goodput: per ``--goodput-systems``, a run
 of ``--goodput-seconds`` with a fault every ``--fault-every`` seconds (alternately SIGKILL a random
 node of the world and start a node) against the same run without faults; the window starts once
-the world has N nodes, and its steps are the highest step reached minus the step at its start.
+the world has N nodes, and its steps are the highest step reached minus the step at its start;
+beside that ratio it prints the share of the faulted window not stalled (see ``stalled_seconds``),
+which load on a shared machine does not move.
 
 Every process it starts is an agent in its own session, killed with its workers through the
 recorded agent PID (``signal_tree``), and every etcd is stopped, also on error, Ctrl-C or SIGTERM.
@@ -43,7 +45,6 @@ import argparse
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import statistics
@@ -58,6 +59,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import recovery  # noqa: E402  (benchmarks/recovery.py: the job, c10d's settings, the waits)
 from recovery import Failed  # noqa: E402
+
+from elastic_trainer import records  # noqa: E402
 from tests.rdzv_worker import agent_cmd, descendants, signal_tree  # noqa: E402
 
 SYSTEMS = ("live", "restart", "c10d-tuned")
@@ -69,18 +72,12 @@ TRAINER = ["--micro-batch-size", "3", "--no-wandb", "--no-progress", "--max-step
 RDZV_CONF = "lease_ttl=3,keep_alive_interval=1,last_call_timeout=1"
 TARGETS = {"kill": "median < 0.5 s, worst < 1 s, all recovered", "join": "pause median < 0.5 s",
            "goodput": ">= 0.9 (restart path measured before: 0.53)"}
-_STEP_FILE = re.compile(r"rank-(\d+)-(\d+)\.jsonl$")
 
 
-def read_steps(folder: Path) -> list[dict]:
-    """Every complete step line under ``folder``, with the worker's pid from the file name, by time."""
-    steps = []
-    for path in folder.glob("rank-*.jsonl") if folder.is_dir() else ():
-        m = _STEP_FILE.search(path.name)
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.endswith("\n"):
-                    steps.append({**json.loads(line), "pid": int(m.group(2))})
+def read_steps(log_dir: Path) -> list[dict]:
+    """Every step the workers under ``log_dir`` logged (``records``), as dicts with the worker's pid, by time."""
+    steps = [{**r.to_json(), "pid": f.pid} for f in records.step_files(log_dir)
+             for r in records.read_file(f.path, records.StepRecord)]
     return sorted(steps, key=lambda s: s["time"])
 
 
@@ -102,13 +99,10 @@ class TrainerJob(recovery.Job):
                 "--checkpoint-every", str(s.checkpoint_every)]
 
     def steps(self) -> list[dict]:
-        return read_steps(Path(self.out))
+        return read_steps(self.dir)
 
     def events(self) -> list[dict]:
-        path = self.dir / "events.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [e.to_json() for e in records.read_events(self.dir)]
 
 
 class PlainJob(recovery.Job):
@@ -128,7 +122,7 @@ class PlainJob(recovery.Job):
                 "--log-dir", str(self.dir), "--live-step-log", "--sleep-per-step", str(s.sleep_per_step)]
 
     def steps(self) -> list[dict]:
-        return read_steps(Path(self.out))
+        return read_steps(self.dir)
 
     def events(self) -> list[dict]:
         return []
@@ -314,11 +308,30 @@ def goodput_run(system: str, args: argparse.Namespace, workdir: Path, faults: bo
         time.sleep(max(0.0, end - time.time()) + 1.0)  # +1 s: steps before `end` are logged at an agreement
         steps = [s for s in job.steps() if s["time"] <= end]
         return {"steps": max(s["step"] for s in steps) - step_start, "seconds": args.goodput_seconds,
-                "faults": log, "final_world": steps[-1]["world_size"]}
+                "stalled_s": stalled_seconds(steps, step_start, t_start), "faults": log,
+                "final_world": steps[-1]["world_size"]}
     except Failed as exc:
         return {"steps": None, "error": str(exc), "faults": log}
     finally:
         job.close()
+
+
+def stalled_seconds(steps: list[dict], step_start: int, t_start: float) -> float:
+    """Seconds of the window in which no new step was completed beyond the usual step interval.
+
+    Each step counts at its first completion (a redone step adds nothing); a gap between two new
+    steps longer than three median intervals is a stall, and what it lasts beyond one median
+    interval is lost time. Unlike the ratio of steps, this does not move with the step rate."""
+    first: dict[int, float] = {}
+    for s in steps:
+        if s["step"] > step_start:
+            first.setdefault(s["step"], s["time"])
+    times = [t_start, *sorted(first.values())]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    if not gaps:
+        return 0.0
+    usual = statistics.median(gaps)
+    return sum(g - usual for g in gaps if g > 3 * usual)
 
 
 def _kill_random_member(job: recovery.Job, rng: random.Random, t_start: float) -> str:
@@ -449,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"goodput {s} with a fault every {args.fault_every:.0f} s: {hit.get('steps')} steps "
                   f"({len(hit['faults'])} faults)", flush=True)
             ratio = hit["steps"] / base["steps"] if hit.get("steps") is not None and base.get("steps") else None
-            goodput[s] = {"clean": base, "faults": hit, "ratio": ratio}
+            busy = 1 - hit["stalled_s"] / args.goodput_seconds if hit.get("steps") is not None else None
+            goodput[s] = {"clean": base, "faults": hit, "ratio": ratio, "time_ratio": busy}
     finally:
         if args.keep:
             print(f"logs kept in {root}")
@@ -475,8 +489,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{max(0.0, statistics.median(intervals) - args.sleep_per_step):.3f} s of compute and waiting per step")
     for s, g in goodput.items():
         ratio = "-" if g["ratio"] is None else f"{g['ratio']:.3f}"
+        busy = "-" if g["time_ratio"] is None else f"{g['time_ratio']:.3f}"
         print(f"goodput {s}: {g['faults'].get('steps')} / {g['clean'].get('steps')} steps = {ratio} "
-              f"({args.goodput_seconds:.0f} s each, a fault every {args.fault_every:.0f} s)")
+              f"({args.goodput_seconds:.0f} s each, a fault every {args.fault_every:.0f} s); time not stalled "
+              f"in the run with faults: {busy} ({g['faults'].get('stalled_s', float('nan')):.1f} s stalled, "
+              f"{g['clean'].get('stalled_s', float('nan')):.1f} s without faults). On 2 shared cores the step "
+              "ratio also moves with the load and with smaller worlds stepping faster")
     print()
     print("targets (issue 17):")
     for line in verdicts(results, goodput):

@@ -88,6 +88,7 @@ def test_live_recovery_one_trial_recovers_each_fault_and_measures_goodput(procs,
     assert trial["join"]["pause"] > 0 and trial["join"]["hwm_extra_mib"]["survivors"] == 2
     goodput = result["goodput"]["live"]
     assert goodput["clean"]["steps"] > 0 and goodput["faults"]["steps"] > 0 and goodput["ratio"] > 0
+    assert 0 < goodput["time_ratio"] <= 1
     assert len(goodput["faults"]["faults"]) == 1  # one fault at 10 s (the next would be at 20 s, the end)
     assert "targets (issue 17):" in out and "median s" in out
 
