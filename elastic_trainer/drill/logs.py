@@ -147,7 +147,26 @@ def load_logs(node_dirs: dict[str, Path]) -> RunLogs:
         events.extend(records.read_events(root, origin=node))
     events.sort(key=lambda e: e.time)
     agent = {node: read_agent_log(Path(root) / "agent.log") for node, root in node_dirs.items()}
-    return RunLogs(list(workers.values()), events, group_attempts(list(workers.values())), agent)
+    split = [part for w in workers.values() for part in split_by_round(w)]
+    return RunLogs(split, events, group_attempts(split), agent)
+
+
+def split_by_round(worker: Worker) -> list[Worker]:
+    """One ``Worker`` per round that this process trained in, with its rank in that round.
+
+    Under live recovery a worker process outlives its world: it trains in one round, re-forms the
+    group in place and goes on in the next one, maybe at another rank. Each (process, round) is
+    one member of one world, exactly like a process of the restart path."""
+    rounds = {s.round for s in worker.steps} | {l.round for l in worker.ledger}
+    if len(rounds) <= 1:
+        return [worker]
+    parts = []
+    for rnd in sorted(rounds, key=lambda r: (r is None, r)):
+        steps = [s for s in worker.steps if s.round == rnd]
+        ledger = [l for l in worker.ledger if l.round == rnd]
+        rank = steps[0].rank if steps else worker.rank
+        parts.append(Worker(worker.node, rank, worker.pid, steps, ledger))
+    return parts
 
 
 def group_attempts(workers: list[Worker]) -> list[Attempt]:

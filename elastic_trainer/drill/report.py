@@ -43,7 +43,9 @@ WORLD_CHANGING = tuple(name for name, kind in FAULTS.items() if kind.changes_wor
 # What an agent writes when it notices a lost or new peer and stops its workers.
 DETECT_RE = re.compile(r"stopping its workers|lost their etcd lease|round \d+ is over|closing signal|"
                        r"Detected \d+ new nodes|Worker group FAILED|will restart worker group", re.I)
-JOINED_RE = re.compile(r"joined round (\d+) of rendezvous")
+# A completed round: the agents' rendezvous (restart path), or a live quorum the workers re-formed
+# in place ("live: rank 1 -> 0 of 2 in quorum 5 (...)") or admitted a newcomer to (live recovery).
+JOINED_RE = re.compile(r"joined round (\d+) of rendezvous|-> \d+ of \d+ in quorum (\d+)|admitted to quorum (\d+)")
 
 
 def _mean(values: list[float]) -> float | None:
@@ -102,6 +104,8 @@ def measure_fault(rec: dict, logs: RunLogs, timeline: list[dict], global_batch: 
             and o["node"] in survivors]
     seen += [e["time"] for node in survivors for e in logs.agent.get(node, [])
              if tf < e["time"] <= limit and DETECT_RE.search(e["text"])]
+    seen += [e.failed_at for e in logs.events  # live recovery: when a survivor caught the failure
+             if e.event == Event.LIVE_REFORM and e.failed_at is not None and tf < e.failed_at <= limit]
     out["detect_s"] = round(min(seen) - tf, 3) if seen else None
     new_attempt = logs.attempt_of(rec_line) if rec_line else None
     restarted = new_attempt is not None and new_attempt is not attempt_before
@@ -110,7 +114,7 @@ def measure_fault(rec: dict, logs: RunLogs, timeline: list[dict], global_batch: 
         key = new_attempt.key
         new_round = int(key[6:]) if key.startswith("round-") and key[6:].isdigit() else None
         joined = [e["time"] for lines in logs.agent.values() for e in lines if tf < e["time"] <= limit
-                  and (m := JOINED_RE.search(e["text"])) and int(m.group(1)) == new_round]
+                  and (m := JOINED_RE.search(e["text"])) and int(m.group(m.lastindex)) == new_round]
         if not joined:
             after = tf + (out["detect_s"] or 0.0)
             joined = [o["time"] for o in timeline if o["what"] == "workers_started" and after < o["time"] <= limit]

@@ -377,6 +377,7 @@ class LiveGroup:
         min_deadline = time.monotonic() + self.settings.join_timeout
         dead: set[str] = set()
         last_probe = 0.0
+        next_say = time.monotonic() + 5.0
         while True:
             view = self._read(report_q=target)
             q = view.quorum
@@ -393,6 +394,11 @@ class LiveGroup:
                 last_probe = now
                 dead |= {m.id for m in pending if _probe_dead(m.probe)}
                 pending = [m for m in pending if m.id not in dead]
+            if now > next_say:  # a long wait says what it waits for
+                next_say = now + 5.0
+                logger.warning("live: quorum %d not formed after %.0fs: reported %s; silent %s; min_nodes %d",
+                               target, now - (deadline - timeout), sorted(view.reports),
+                               sorted(m.id for m in pending), self.settings.min_nodes)
             if not pending or now > deadline:
                 new = self._propose(old, view, target, cause)
                 if new is None:
@@ -513,26 +519,38 @@ class LiveGroup:
 
 
 # ---- state transfer ----------------------------------------------------------------------------------
-def broadcast_state(state: dict | None, src: int, device: torch.device) -> dict:
-    """Send ``state`` (on rank ``src``) to every rank of the default group; returns it everywhere."""
+def send_state(state: dict | None, src: int, receivers: tuple[int, ...], device: torch.device) -> dict | None:
+    """Send ``state`` from rank ``src`` to each rank in ``receivers`` (point to point: other ranks
+    neither receive nor decode it). Returns the state on the receivers, None elsewhere.
+
+    Peak extra memory: one serialized copy on the sender; on a receiver, the received bytes and
+    the decoded state (``torch.load`` reads the buffer in place, through a zero-copy reader)."""
     import io
 
-    if dist.get_rank() == src:
+    from elastic_trainer.checkpoint.storage import PartsReader
+
+    rank = dist.get_rank()
+    if rank == src:
         buf = io.BytesIO()
         torch.save(state, buf)
-        data = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+        data = torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
+        payload = data.to(device) if device.type != "cpu" else data
         size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    else:
-        size = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.broadcast(size, src=src)
-    if dist.get_rank() != src:
-        data = torch.empty(int(size.item()), dtype=torch.uint8)
-    payload = data.to(device) if device.type != "cpu" else data
-    dist.broadcast(payload, src=src)
-    if dist.get_rank() == src:
-        return state  # type: ignore[return-value]
-    raw = payload.cpu().numpy().tobytes()
-    return torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+        works = []
+        for dst in receivers:
+            works += [dist.isend(size, dst=dst), dist.isend(payload, dst=dst)]
+        for work in works:
+            work.wait()
+        del payload, data
+        return None
+    if rank not in receivers:
+        return None
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(size, src=src)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.recv(payload, src=src)
+    raw = payload.cpu().numpy() if device.type != "cpu" else payload.numpy()
+    return torch.load(PartsReader([memoryview(raw)]), weights_only=True, map_location="cpu")
 
 
 # ---- helpers -----------------------------------------------------------------------------------------
@@ -580,4 +598,4 @@ def _resolvable(host: str) -> str:
 
 
 __all__ = ["ENV_LIVE", "EXIT_EXCLUDED", "LiveExcluded", "LiveGroup", "LiveSettings", "LiveTimeout", "Member",
-           "Quorum", "RunFinished", "broadcast_state"]
+           "Quorum", "RunFinished", "send_state"]

@@ -46,7 +46,7 @@ from elastic_trainer.records import Event, EventRecord, JsonLines, LedgerRecord,
 from elastic_trainer.training import metrics
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.training.metrics import print0
-from elastic_trainer.training.live import LiveExcluded, LiveGroup, broadcast_state
+from elastic_trainer.training.live import LiveExcluded, LiveGroup, send_state
 from elastic_trainer.training.parallel import Parallel
 from elastic_trainer.tasks import Task, as_task, load_builder
 from elastic_trainer.training.worker import (
@@ -290,7 +290,8 @@ class Trainer:
         from_peer = self.live is not None and not self.live.quorum.cold
         if from_peer:  # a newcomer: the state comes from a live rank over the new group, not storage
             t0 = time.perf_counter()
-            state = broadcast_state(None, self.live.quorum.source, d.device)
+            q = self.live.quorum
+            state = send_state(None, q.source, q.receivers, d.device)
             loaded = (int(state["meta"]["step"]), state)
             self._peer_state_s = time.perf_counter() - t0
             logger.info("live: received the training state of step %d from rank %d in %.3fs", loaded[0],
@@ -442,9 +443,9 @@ class Trainer:
         grouped = time.perf_counter()
         state = None
         if quorum.receivers:
-            state = broadcast_state(self._capture_state(any_rank=True) if d.rank == quorum.source else None,
-                                    quorum.source, d.device)
-            if d.rank in quorum.receivers:
+            state = send_state(self._capture_state(any_rank=True) if d.rank == quorum.source else None,
+                               quorum.source, quorum.receivers, d.device)
+            if state is not None:
                 self.module.load_state_dict(state["model"])
         self.par = Parallel.wrap(self.module, c, d)
         self.model = self.par.model
@@ -452,7 +453,7 @@ class Trainer:
         position = self.sampler.state_dict()
         self.sampler = self._new_sampler()
         self.sampler.load_state_dict(position)
-        if state is not None and d.rank in quorum.receivers:
+        if state is not None:
             self._restore(quorum.step, state)
         del state
         self.batches = MicroBatches(self.task, self.sampler, c.num_workers, c.seed, d.device)
