@@ -234,8 +234,11 @@ class Cluster:
                         continue
             node.workers = kids
         dirs = list((self.out / "nodes").glob("node-*"))
-        self.r0.extend(self._tail.read([f.path for d in dirs for f in records.step_files(d, rank=0)], StepRecord,
-                                       lambda path: path.parent.parent.name))  # <node dir>/steps/<file>
+        # Every worker's file: under live recovery a process changes rank when its world re-forms,
+        # so rank 0's lines are the lines that say rank 0, not those of the file named rank-0.
+        lines = self._tail.read([f.path for d in dirs for f in records.step_files(d)], StepRecord,
+                                lambda path: path.parent.parent.name)  # <node dir>/steps/<file>
+        self.r0.extend(s for s in lines if s.rank == 0)
         self.r0.sort(key=lambda s: s.time)
         self.events.extend(self._tail.read([records.events_path(d) for d in dirs], EventRecord,
                                            lambda path: path.parent.name))
