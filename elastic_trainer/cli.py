@@ -139,9 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.1,
                        help="seconds between the agent's checks of its workers (default 0.1)")
     agent.add_argument("--recovery", choices=("live", "restart"), default=None,
-                       help="live: survivors keep their processes and state when a node is lost or added "
-                            "(the built-in trainer with DDP); restart (default): every fault restarts the "
-                            "workers and resumes from the newest checkpoint")
+                       help="live (the default for the built-in trainer with DDP): survivors keep their "
+                            "processes and state when a node is lost or added; restart (the default for your "
+                            "own scripts, --fsdp and --scale-lr): every fault restarts the workers, which resume "
+                            "from the newest checkpoint")
     io = p.add_argument_group("storage (the trainer's own flags: give each here or after `--`, not both)")
     for name in SHARED_TRAINER_FLAGS:  # declared once, in TrainConfig; None here means "not given"
         cfg.add_train_flag(io, name, default=None)
@@ -188,8 +189,8 @@ def parse_run_config(argv: list[str]) -> RunConfig:
         raise UsageError("--recovery live needs the built-in trainer with DDP, a constant global batch and the "
                          "etcd-v3 rendezvous (not your own script, --fsdp, --scale-lr or c10d); "
                          "use --recovery restart")
-    if args.rdzv_backend == "etcd-v3" and recovery:  # restart (the handler's default) until the drills pass on live
-        rdzv_conf["recovery"] = recovery
+    if args.rdzv_backend == "etcd-v3":
+        rdzv_conf["recovery"] = recovery or ("live" if live_ok else "restart")
     try:
         run = RunConfig(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=args.nproc_per_node,
                         rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend,

@@ -174,7 +174,7 @@ class Cluster:
                "--nproc-per-node", str(self.args.nproc_per_node), "--rdzv-backend", self.args.rdzv_backend,
                "--rdzv-endpoint", self.endpoint, "--run-id", self.run_id, "--log-dir", str(log_dir),
                "--checkpoint-dir", self.checkpoint_dir, "--max-restarts", "1000"]
-        if self.args.rdzv_backend == "etcd-v3":
+        if getattr(self.args, "recovery", None):
             cmd += ["--recovery", self.args.recovery]
         if self.args.rdzv_conf:
             cmd += ["--rdzv-conf", self.args.rdzv_conf]

@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-backend", default=None, help="rendezvous backend (default etcd-v3)")
     p.add_argument("--rdzv-conf", default=None, help="passed to every node's --rdzv-conf")
     p.add_argument("--recovery", choices=("live", "restart"), default=None,
-                   help="every node's --recovery (default restart): live keeps the survivors' processes")
+                   help="every node's --recovery (default: the launcher's, live for the built-in trainer)")
     p.add_argument("--disk-size", default=None, help="size of the checkpoint tmpfs for fill-disk (default 48m)")
     p.add_argument("--netns", action="store_true", default=None, help="each node in its own network namespace (root)")
     p.add_argument("--trainer-args", default=None,
@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 DEFAULTS = {"nodes": 3, "nproc_per_node": 1, "min_nodes": 1, "rdzv_backend": "etcd-v3", "disk_size": "48m",
             "netns": False, "recovery_timeout": 120.0, "tail_steps": 5, "timeout": 1200.0, "term_grace": 30.0,
-            "seed": 0, "trainer_args": "", "recovery": "restart"}
+            "seed": 0, "trainer_args": ""}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -213,7 +213,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             file_faults.extend(parse_fault_line(line))
         for key, value in table.items():
             key = key.replace("-", "_")
-            if key not in DEFAULTS and key not in ("out", "rdzv_endpoint", "rdzv_conf", "script"):
+            if key not in DEFAULTS and key not in ("out", "rdzv_endpoint", "rdzv_conf", "script", "recovery"):
                 raise ScenarioError(f"{args.scenario}: unknown setting {key!r} in [drill]")
             if key == "trainer_args" and isinstance(value, list):
                 value = shlex.join(str(v) for v in value)
