@@ -321,7 +321,11 @@ def test_sigterm_to_the_drill_stops_everything_it_started(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(330)
 def test_drill_against_a_trainer_without_resume_fails(tmp_path):
-    code, report, output = run_drill(tmp_path, "--kill", "node:1@step:8", "--trainer-args=--no-resume")
+    # On the restart path a node's loss restarts every worker from storage, so a trainer that
+    # ignores its checkpoints starts over and the drill must catch the lost committed work.
+    # (Live recovery never reads storage after a loss, so --no-resume changes nothing there.)
+    code, report, output = run_drill(tmp_path, "--recovery", "restart", "--kill", "node:1@step:8",
+                                     "--trainer-args=--no-resume")
     print(output[-3000:])
     assert code == 1, output[-3000:]
     assert report["faults"][0]["committed_lost"] > 0

@@ -56,10 +56,12 @@ def baseline(tmp_path: Path, steps: int) -> tuple[dict, dict[int, float], dict[i
 
 
 def agent(procs, etcd, run_id: str, nproc: int, ck: Path, logs: Path, *trainer_args: str,
-          nnodes: str = "1", out: Path | None = None) -> subprocess.Popen:
+          nnodes: str = "1", out: Path | None = None, recovery: str | None = None) -> subprocess.Popen:
+    """An ``elastic-train`` node; ``recovery`` is its --recovery (None: the launcher's default)."""
     log = open(out, "a") if out else subprocess.DEVNULL
+    extra = ("--recovery", recovery) if recovery else ()
     proc = procs.start(cli_cmd("--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-endpoint", etcd.endpoint,
-                               "--run-id", run_id, "--rdzv-conf", CONF, "--checkpoint-dir", str(ck),
+                               "--run-id", run_id, "--rdzv-conf", CONF, *extra, "--checkpoint-dir", str(ck),
                                "--log-dir", str(logs), "--", *TINY, *trainer_args),
                        cwd=REPO, stdout=log, stderr=subprocess.STDOUT if out else subprocess.PIPE, text=True)
     if out:

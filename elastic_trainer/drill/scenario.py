@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
   elastic-train drill --netns --nodes 3 --cut node:1@step:20,for:6
   elastic-train drill --nodes 3 --random-kills 5,every:4
   elastic-train drill --scenario drills/default.toml --out runs/drill-default
-  elastic-train drill --nodes 2 --kill node:1@step:12 --trainer-args=--no-resume   # must FAIL
+  elastic-train drill --nodes 2 --recovery restart --kill node:1@step:12 --trainer-args=--no-resume   # must FAIL
 """
     p = argparse.ArgumentParser(prog="elastic-train drill", description=DESCRIPTION,
                                 epilog=__doc__.split("\n\n")[1] + "\n\n" + examples,
