@@ -168,3 +168,57 @@ def test_a_node_stopped_past_its_lease_never_trains_in_the_old_group_and_rejoins
         assert end1 <= start2 + 0.5, (r1, r2, ordered)
     newcomers = {s["pid"] for s in st if s["time"] > t_resume} - set(ranks.values())
     assert newcomers, "the stopped node came back with a new worker (a newcomer)"
+
+
+def test_the_watcher_tells_a_lost_process_within_a_poll_and_calls_the_abort_hook(etcd, run_id):
+    """NCCL collectives may hang on a dead peer instead of failing, so on CUDA the trainer sets
+    ``on_member_lost`` (it aborts the group): the watcher must call it as soon as a member of
+    another node is gone (its probe port refuses: what the kernel does when a process dies), long
+    before the member's lease (3 s) expires. Real etcd, two members of two nodes in one process."""
+    import threading
+
+    from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
+    from elastic_trainer.training.live import LiveGroup, LiveSettings
+
+    settings = LiveSettings(min_nodes=2, max_nodes=2, last_call=0.1, join_timeout=20, lease_ttl=3)
+    conn = EtcdConnection(EtcdOptions(endpoints=parse_endpoints(etcd.endpoint), retry_timeout=10))
+    groups = [LiveGroup(conn, f"/t/{run_id}", node, 0, 1, "127.0.0.1", settings) for node in ("node-a", "node-b")]
+    try:
+        joined = [threading.Thread(target=g.join) for g in groups]
+        for t in joined:
+            t.start()
+        for t in joined:
+            t.join(timeout=30)
+        assert all(g.quorum is not None and g.quorum.world_size == 2 for g in groups)
+        a, b = groups
+        calls: list[tuple[float, str]] = []
+        a.on_member_lost = lambda why: calls.append((time.monotonic(), why))
+        a.start_watching()
+        time.sleep(0.5)
+        assert calls == [] and not a.change_pending.is_set(), "no loss while both members live"
+        b._probe.close()  # noqa: SLF001 - what the kernel does to a killed process's listening socket
+        t_gone = time.monotonic()
+        end = t_gone + 2.0
+        while not calls and time.monotonic() < end:
+            time.sleep(0.01)
+        assert calls, "the watcher did not call on_member_lost"
+        assert calls[0][0] - t_gone < 1.0, f"took {calls[0][0] - t_gone:.2f}s"
+        assert "is gone" in calls[0][1] and b.id in calls[0][1]
+        assert a.change_pending.is_set() and a.change_reason == calls[0][1]
+    finally:
+        for g in groups:
+            g.close()
+
+
+def test_nccl_groups_of_the_live_path_abort_instead_of_ending_the_process(monkeypatch, caplog):
+    """torch's default NCCL error handling ends the process on an error or timeout, which would
+    turn every live re-form on GPUs into a restart; the live path asks for clean-up only, and
+    keeps (and warns about) a value the user chose."""
+    from elastic_trainer.training.live import NCCL_ERROR_HANDLING, nccl_error_handling
+
+    monkeypatch.delenv(NCCL_ERROR_HANDLING, raising=False)
+    assert nccl_error_handling() == "2" and os.environ[NCCL_ERROR_HANDLING] == "2"
+    monkeypatch.setenv(NCCL_ERROR_HANDLING, "3")
+    with caplog.at_level("WARNING"):
+        assert nccl_error_handling() == "3"
+    assert "falls back to restarting" in caplog.text

@@ -29,6 +29,16 @@ process hosts a single point of failure). Each worker keeps ``live/alive/<id>`` 
   as a newcomer. A worker whose own lease is lost exits at once. Checkpoint commits check the
   quorum number and the lease (``fence_check``).
 
+**NCCL.** A gloo collective fails at once when a peer's sockets close; an NCCL collective may
+instead hang on the GPU. So with ``on_member_lost`` set (the trainer sets it on CUDA) the watcher
+also probes one member of every other node each ``poll`` and, on a lost member (probe refused,
+lease gone, or a newer quorum), calls it: the trainer aborts the NCCL group, which ends the hung
+collective with an error on the training thread, and the re-form proceeds as on gloo. The NCCL
+group is created with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (clean up only: the watchdog aborts
+the communicators on an error or timeout and the error reaches the training thread; torch's
+default tears the whole process down) unless the user set it, and bound to its device
+(``device_id``) so that its communicators are made during the re-form, not in the first step.
+
 Anything the live path cannot handle (a hang past ``--collective-timeout``, an error while
 re-forming, FSDP) ends the worker with an error; its agent restarts it, and it joins as a
 newcomer (state from a live peer) or, when no member is left, cold (state from storage).
@@ -45,7 +55,7 @@ import socket
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -56,6 +66,10 @@ ENV_LIVE = "ELASTIC_TRAINER_LIVE"
 """Set by the etcd-v3 handler in live mode: JSON of ``LiveSettings``."""
 EXIT_EXCLUDED = 76
 """A worker left out of the quorum exits with this; its agent restarts it as a newcomer."""
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_CLEAN_UP_ONLY = "2"
+"""torch's ErrorHandlingMode CleanUpOnly: abort the communicators, keep the process (live recovery
+needs the process); 1 (TearDown) and 3 (SkipCleanUp, torch's default) end it."""
 
 
 class LiveExcluded(RuntimeError):
@@ -224,6 +238,8 @@ class LiveGroup:
         self.quorum: Quorum | None = None
         self.change_pending = threading.Event()
         self.change_reason = ""
+        self.on_member_lost: Callable[[str], None] | None = None
+        """Called from the watcher thread when a member is lost (NCCL: abort the hung group)."""
         self._lease = LeaseKeeper(conn, self._key("alive/" + self.id), settings.lease_ttl,
                                   settings.keep_alive_interval, self._on_lease_tick)
         self._lease.ensure()
@@ -436,8 +452,9 @@ class LiveGroup:
                       cause=why, formed_at=time.time())
 
     # ---- the process group -------------------------------------------------------------------------
-    def init_process_group(self, backend: str, timeout: float) -> None:
-        """Join the default process group of the current quorum, on a fresh store in etcd."""
+    def init_process_group(self, backend: str, timeout: float, device: torch.device | None = None) -> None:
+        """Join the default process group of the current quorum, on a fresh store in etcd (NCCL:
+        communicators that abort instead of ending the process, made now on ``device``)."""
         from elastic_trainer.rendezvous.etcd_store import EtcdStore
 
         q = self.quorum
@@ -445,8 +462,13 @@ class LiveGroup:
         rank = q.rank_of(self.id)
         self._store = EtcdStore(self.conn, self._key(f"store/{q.q}/"),
                                 timeout=datetime.timedelta(seconds=max(5.0, self.settings.report_timeout * 3)))
+        extra: dict[str, Any] = {}
+        if backend == "nccl":
+            nccl_error_handling()
+            if device is not None and device.type == "cuda":
+                extra["device_id"] = device
         dist.init_process_group(backend, store=self._store, rank=rank, world_size=q.world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
+                                timeout=datetime.timedelta(seconds=timeout), **extra)
         if rank == 0 and q.q >= 3:  # what no one reads any more
             for sub in (f"store/{q.q - 2}/", f"report/{q.q - 1}/"):
                 try:
@@ -470,17 +492,34 @@ class LiveGroup:
             except Exception as exc:  # noqa: BLE001 - etcd out of reach: the lease decides
                 logger.info("live: watcher could not read etcd: %s", exc)
                 continue
-            reason = ""
+            lost = ""
             if view.quorum is not None and view.quorum.q != q.q:
-                reason = f"the quorum moved to {view.quorum.q}"
+                lost = f"the quorum moved to {view.quorum.q}"
             elif any(m.id not in view.alive for m in q.members):
-                reason = "a member's lease expired"
-            elif len(q.nodes) < self.settings.max_nodes and any(
+                lost = "a member's lease expired"
+            elif self.on_member_lost is not None and (gone := self._probe_other_nodes(q)):
+                lost = f"the process of {gone} is gone"
+            reason = lost
+            if not lost and len(q.nodes) < self.settings.max_nodes and any(
                     n not in q.nodes for n, _ in _complete_nodes(view)):
                 reason = "a node asks to join"
             if reason:
                 self.change_reason = reason
                 self.change_pending.set()
+            if lost and self.on_member_lost is not None:
+                logger.warning("live: %s in quorum %d: aborting the process group", lost, q.q)
+                self.on_member_lost(lost)
+
+    def _probe_other_nodes(self, q: Quorum) -> str | None:
+        """The id of a member of another node whose probe port refuses connections, if any (one
+        member per node is probed: a node is kept or dropped whole)."""
+        seen = {self.node}
+        for m in q.members:
+            if m.node not in seen:
+                seen.add(m.node)
+                if _probe_dead(m.probe):
+                    return m.id
+        return None
 
     def fence_check(self) -> None:
         """Raise ``FencedError`` unless this worker's quorum is still the current one and its lease lives."""
@@ -516,6 +555,18 @@ class LiveGroup:
             self._watcher.join(timeout=2)
         self._probe.close()
         self._lease.close(revoke=True)
+
+
+def nccl_error_handling() -> str:
+    """Ask NCCL process groups made from now on to abort their communicators on an error or a
+    timeout and raise it, instead of ending the process (``NCCL_CLEAN_UP_ONLY``); a value the user
+    set is kept, with a warning when it ends the process. Returns the value in force."""
+    value = os.environ.setdefault(NCCL_ERROR_HANDLING, NCCL_CLEAN_UP_ONLY)
+    if value != NCCL_CLEAN_UP_ONLY:
+        logger.warning("live: %s=%s ends a worker on an NCCL error or timeout, so live recovery falls back to "
+                       "restarting it; unset it (or set %s) to keep the process", NCCL_ERROR_HANDLING, value,
+                       NCCL_CLEAN_UP_ONLY)
+    return value
 
 
 # ---- state transfer ----------------------------------------------------------------------------------

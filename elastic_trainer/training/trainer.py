@@ -77,6 +77,16 @@ def _collective_failed(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(k in text for k in ("gloo", "nccl", "connection", "peer"))
 
 
+def _abort_world_group() -> None:
+    """Abort the default group from another thread (NCCL: ends its collectives in flight with an
+    error, which the training thread takes as a failed collective and re-forms)."""
+    try:
+        if dist.is_initialized():
+            dist.group.WORLD.abort()
+    except Exception as exc:  # noqa: BLE001 - the group may already be gone (re-formed meanwhile)
+        logger.info("live: abort of the process group from the watcher: %s", exc)
+
+
 def _abort_process_group() -> None:
     """Abort (NCCL: tear the communicators down, unblocking queued work) and destroy the default group."""
     if not dist.is_initialized():
@@ -144,6 +154,8 @@ class Trainer:
             import elastic_trainer.sampler  # noqa: F401 - imported before the others wait for us
 
             warm_up_ddp()
+            if d.device.type == "cuda":  # an NCCL collective may hang on a lost peer instead of failing
+                self.live.on_member_lost = lambda why: _abort_world_group()
             join_live(d, c, self.live)
         metrics.set_rank(d.rank)
         self.gbs = c.global_batch_size * (d.world_size if c.scale_lr else 1)
@@ -439,7 +451,7 @@ class Trainer:
         agreed = time.perf_counter()
         d.rank, d.world_size, d.round = quorum.rank_of(self.live.id), quorum.world_size, quorum.q
         metrics.set_rank(d.rank)
-        self.live.init_process_group("nccl" if d.device.type == "cuda" else "gloo", c.collective_timeout)
+        self.live.init_process_group("nccl" if d.device.type == "cuda" else "gloo", c.collective_timeout, d.device)
         grouped = time.perf_counter()
         state = None
         if quorum.receivers:

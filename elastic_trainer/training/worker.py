@@ -96,7 +96,8 @@ def join_live(info: DistInfo, config: TrainConfig, live) -> None:
     t0 = time.perf_counter()
     quorum = live.join()
     t1 = time.perf_counter()
-    live.init_process_group("nccl" if info.device.type == "cuda" else "gloo", config.collective_timeout)
+    live.init_process_group("nccl" if info.device.type == "cuda" else "gloo", config.collective_timeout,
+                            info.device)
     logger.info("live: admitted to quorum %d as rank %d of %d after %.3fs (%s); group in %.3fs", quorum.q,
                 dist.get_rank(), quorum.world_size, t1 - t0, "cold start" if quorum.cold else "newcomer",
                 time.perf_counter() - t1)
