@@ -225,6 +225,21 @@ def check_trainer_flags(run: RunConfig, given_here: dict[str, str | None]) -> No
         setattr(run, name, there)
 
 
+def rendezvous_etcd_options(run: RunConfig):
+    """How the etcd-v3 rendezvous will reach etcd (``EtcdOptions``), from ``--rdzv-conf`` as its
+    handler parses it; a bad option is a ``UsageError`` now rather than in every agent later."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+
+    from elastic_trainer.rendezvous.options import RendezvousOptions
+
+    try:
+        params = RendezvousParameters("etcd-v3", run.rdzv_endpoint or "", run.run_id, run.min_nodes,
+                                      run.max_nodes, **run.rdzv_conf)
+        return RendezvousOptions(params).etcd
+    except ValueError as exc:
+        raise UsageError(f"--rdzv-conf: {exc}") from exc
+
+
 def check_environment(run: RunConfig) -> None:
     """Checks that need the outside world: the etcd binary or endpoint, the checkpoint dir."""
     from elastic_trainer import etcd_server
@@ -238,8 +253,14 @@ def check_environment(run: RunConfig) -> None:
     elif run.rdzv_backend == "etcd-v3":
         try:
             etcd_server.parse_endpoints(run.rdzv_endpoint or "")
-            etcd_server.probe_endpoint(run.rdzv_endpoint or "", timeout=3.0)
-        except (ValueError, etcd_server.EtcdError) as exc:
+        except ValueError as exc:
+            raise UsageError(f"--rdzv-endpoint: {exc}") from exc
+        etcd = rendezvous_etcd_options(run)
+        try:
+            # With the rendezvous's own TLS and auth options: a check in plain http would fail
+            # against an etcd that serves TLS although the rendezvous would reach it.
+            etcd_server.probe_endpoint(run.rdzv_endpoint or "", timeout=3.0, options=etcd)
+        except etcd_server.EtcdError as exc:
             raise UsageError(f"--rdzv-endpoint: {exc}") from exc
     if not run.checkpoint_dir:
         return  # an empty --checkpoint-dir: no checkpoints

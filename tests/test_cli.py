@@ -150,3 +150,53 @@ def test_script_and_its_arguments_are_passed_like_torchrun(tmp_path):
     script.write_text("print('hi')\n")
     run = cli.parse_run_config(["--nnodes", "1", str(script), "--lr", "3"])
     assert run.program == ["-u", str(script), "--lr", "3"]
+
+
+@pytest.fixture(scope="module")
+def tls_etcd(tmp_path_factory):
+    """An etcd on loopback that serves client TLS and requires a client certificate: (server, certs)."""
+    from elastic_trainer.etcd_server import EtcdServer
+    from tests.tls_certs import make_certs
+
+    certs = make_certs(tmp_path_factory.mktemp("certs"))
+    data = tmp_path_factory.mktemp("etcd-tls") / "data"
+    server = EtcdServer(data_dir=data, log_path=data.with_suffix(".log"), extra_args=[
+        "--cert-file", str(certs / "server.pem"), "--key-file", str(certs / "server-key.pem"),
+        "--trusted-ca-file", str(certs / "ca.pem"), "--client-cert-auth"])
+    server.start()
+    try:
+        yield server, certs
+    finally:
+        server.stop()
+
+
+def _tls_conf(certs, client: bool = True) -> str:
+    conf = f"protocol=https,ca_cert={certs / 'ca.pem'}"
+    return conf + (f",cert={certs / 'client.pem'},key={certs / 'client-key.pem'}" if client else "")
+
+
+@pytest.mark.timeout(60)
+def test_start_check_reaches_an_etcd_that_requires_client_certificates(tls_etcd, tmp_path):
+    # k8s/components/etcd-tls: the start-up check must speak TLS with the --rdzv-conf certificates,
+    # as the rendezvous will, instead of failing every pod with status 2.
+    server, certs = tls_etcd
+    run = cli.parse_run_config(["--rdzv-endpoint", server.endpoint, "--rdzv-conf", _tls_conf(certs),
+                                "--checkpoint-dir", str(tmp_path)])
+    cli.check_environment(run)
+
+
+@pytest.mark.timeout(60)
+def test_start_check_against_tls_etcd_without_a_client_certificate_names_the_tls_options(tls_etcd, tmp_path):
+    server, certs = tls_etcd
+    for conf in (_tls_conf(certs, client=False), ""):
+        run = cli.parse_run_config(["--rdzv-endpoint", server.endpoint, "--rdzv-conf", conf,
+                                    "--checkpoint-dir", str(tmp_path)])
+        with pytest.raises(cli.UsageError, match="no etcd answered.*TLS options"):
+            cli.check_environment(run)
+
+
+def test_bad_rendezvous_options_are_reported_at_start(tmp_path):
+    run = cli.parse_run_config(["--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "protocol=https",
+                                "--checkpoint-dir", str(tmp_path)])
+    with pytest.raises(cli.UsageError, match="--rdzv-conf: protocol=https needs ca_cert"):
+        cli.check_environment(run)
