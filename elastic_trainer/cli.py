@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 from elastic_trainer import config as cfg
+from elastic_trainer import cpus
 from elastic_trainer.config import RunConfig
 
 logger = logging.getLogger("elastic_trainer")
@@ -297,9 +298,10 @@ def _launch(run: RunConfig) -> int:
     elif endpoint is None:
         endpoint = "127.0.0.1:29400"  # torch's c10d default, for side-by-side runs
     if "OMP_NUM_THREADS" not in os.environ:
-        # torchrun sets 1 for several workers; we give each worker its share of this node's cores,
-        # so that N workers do not each start a thread per core (measured: 30x slower on 2 cores).
-        threads = max(1, len(os.sched_getaffinity(0)) // run.nproc_per_node)
+        # torchrun sets 1 for several workers; we give each worker its share of the CPUs this node
+        # may use (the affinity mask capped by the cgroup's CPU quota: a pod's limits.cpu), so that
+        # N workers do not each start a thread per core (measured: 30x slower on 2 cores).
+        threads = cpus.threads_per_worker(run.nproc_per_node)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         logger.info("OMP_NUM_THREADS=%d for each of %d worker(s) (set it to override)", threads, run.nproc_per_node)
     os.environ.update({cfg.ENV_RDZV_ENDPOINT: endpoint, cfg.ENV_RUN_ID: run.run_id,
