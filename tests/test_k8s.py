@@ -18,12 +18,14 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from elastic_trainer import cli
+from tests import k8s_pod
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
@@ -122,6 +124,8 @@ def expand_argv(container: dict, config_maps: dict[str, dict[str, str]]) -> list
         if "configMapKeyRef" in source:
             ref = source["configMapKeyRef"]
             data = config_maps.get(ref["name"])
+            if ref.get("optional") and ref["key"] not in (data or {}):
+                continue  # the kubelet leaves the variable unset
             assert data is not None and ref["key"] in data, \
                 f"env {var['name']} reads ConfigMap {ref['name']} key {ref['key']}, which the kustomization lacks"
             env[var["name"]] = data[ref["key"]]
@@ -352,15 +356,65 @@ def test_storage_overlays_share_checkpoints_between_pods(rendered):
                 continue  # base alone keeps checkpoints per pod; README says to deploy an overlay
             if run.checkpoint_dir.startswith("s3://"):
                 assert cms["elastic-trainer-config"]["CHECKPOINT_DIR"] == run.checkpoint_dir
-                refs = {v["name"]: v["valueFrom"]["secretKeyRef"] for v in container["env"]
-                        if "secretKeyRef" in v.get("valueFrom", {})}
-                assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "ELASTIC_TRAINER_S3_ENDPOINT_URL",
-                        "WANDB_API_KEY"} <= set(refs), f"k8s/{path}: credentials come from Secrets"
+                env = {v["name"]: v for v in container["env"]}
+                secret_mounts = {m["mountPath"]: volumes[m["name"]]["secret"]["secretName"]
+                                 for m in container["volumeMounts"] if "secret" in volumes[m["name"]]}
+                folder = env["AWS_SHARED_CREDENTIALS_FILE"]["value"].rsplit("/", 1)[0]
+                assert secret_mounts.get(folder) == "elastic-trainer-s3", f"k8s/{path}: S3 keys come from the Secret"
+                assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} & set(env), \
+                    f"k8s/{path}: static keys in env would override workload identity"
             else:
                 assert run.checkpoint_dir.startswith("/checkpoints/"), f"k8s/{path} {label}"
                 claim = volumes["checkpoints"]["persistentVolumeClaim"]["claimName"]
                 pvc = next(o for o in objs if o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == claim)
                 assert pvc["spec"]["accessModes"] == ["ReadWriteMany"], f"k8s/{path}: the claim must be RWX"
+
+
+S3_PATHS = ["overlays/s3", *COMBINED]
+# What the EKS pod identity webhook adds to a pod whose ServiceAccount names an IAM role (IRSA).
+IRSA_ENV = {"AWS_ROLE_ARN": "arn:aws:iam::111122223333:role/elastic-trainer",
+            "AWS_WEB_IDENTITY_TOKEN_FILE": "/var/run/secrets/eks.amazonaws.com/serviceaccount/token"}
+
+
+def _credential_method(env: dict[str, str]) -> str | None:
+    """Which of botocore's credential providers answers in a process with exactly ``env``."""
+    code = ("import botocore.session as s; c = s.Session().get_credentials(); "
+            "print(c.method if c else None)")
+    clean = {**{k: v for k, v in env.items()}, "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+             "AWS_CONFIG_FILE": env.get("AWS_CONFIG_FILE", "/nonexistent/aws-config"),
+             "AWS_EC2_METADATA_DISABLED": "true"}
+    out = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return None if out.stdout.strip() == "None" else out.stdout.strip()
+
+
+@needs_kubectl
+@pytest.mark.parametrize("path", S3_PATHS)
+def test_s3_pods_start_without_the_key_secret_and_web_identity_wins_over_static_keys(rendered, path, tmp_path):
+    """IRSA / Workload Identity (what the README recommends): no key Secret, so every reference to it
+    must be optional; and where a Secret with static keys exists too, the web identity must win."""
+    cms = _config_maps(rendered[path])
+    fields = {"metadata.name": "pod-0", "metadata.namespace": "elastic-trainer", "status.podIP": "10.77.0.3"}
+    others = {"etcd-client-tls": {"ca.crt": "", "tls.crt": "", "tls.key": ""}}  # required where mounted
+    static = {**others, "elastic-trainer-s3": {"credentials": "[default]\naws_access_key_id = testing\n"
+                                                              "aws_secret_access_key = testing\n"}}
+    for n, (_, label, obj, tmpl, container) in enumerate(_trainer_containers({path: rendered[path]})):
+        where = f"k8s/{path} {label}"
+        for case, secrets, irsa, expected in [("IRSA, no Secret", others, True, "assume-role-with-web-identity"),
+                                              ("IRSA and a key Secret", static, True, "assume-role-with-web-identity"),
+                                              ("a key Secret only", static, False, "shared-credentials-file")]:
+            root = tmp_path / f"{n}-{len(secrets)}-{irsa}"  # one pod per case
+            try:
+                env = k8s_pod.container_env(container, cms, secrets, fields)
+                claims = {o["metadata"]["name"]: tmp_path / "claim" for o in rendered[path]
+                          if o["kind"] == "PersistentVolumeClaim"}
+                mounts = k8s_pod.mount_volumes(tmpl["spec"], container, secrets, root,
+                                               claims=claims, config_maps=cms)
+            except k8s_pod.CreateContainerConfigError as exc:
+                pytest.fail(f"{where}, {case}: the pod would not start: {exc}")
+            env = {k: k8s_pod.localize(v, mounts) for k, v in env.items()}
+            env.update(IRSA_ENV if irsa else {})
+            assert _credential_method(env) == expected, f"{where}, {case}"
 
 
 @needs_kubectl
@@ -550,8 +604,13 @@ def test_rendered_env_takes_credentials_from_secrets_only(rendered):
     for path, objs in rendered.items():
         assert not [o for o in objs if o["kind"] == "Secret"], f"k8s/{path} renders a Secret"
         for _, label, _, tmpl in _all_templates({path: objs}):
+            secret_volumes = {v["name"] for v in tmpl["spec"].get("volumes", []) if "secret" in v}
             for c in _containers(tmpl["spec"]):
+                secret_folders = tuple(m["mountPath"] + "/" for m in c.get("volumeMounts", [])
+                                       if m["name"] in secret_volumes)
                 for var in c.get("env", []):
+                    if var["name"].endswith("_FILE") and var.get("value", "").startswith(secret_folders or ("\0",)):
+                        continue  # the path of a file in a mounted Secret
                     if sensitive.search(var["name"]):
                         assert "secretKeyRef" in var.get("valueFrom", {}), \
                             f"k8s/{path} {label}: {var['name']} must come from a Secret (secretKeyRef)"
