@@ -108,6 +108,12 @@ def _config_maps(objs: list[dict]) -> dict[str, dict[str, str]]:
     return {o["metadata"]["name"]: o.get("data", {}) for o in objs if o["kind"] == "ConfigMap"}
 
 
+def _run_config_map(objs: list[dict]) -> dict[str, str]:
+    """The data of the run's ConfigMap, elastic-trainer-config-<hash>."""
+    [data] = [d for n, d in _config_maps(objs).items() if n.startswith("elastic-trainer-config-")]
+    return data
+
+
 def expand_argv(container: dict, config_maps: dict[str, dict[str, str]]) -> list[str]:
     """The container's command + args after the kubelet's $(VAR) expansion.
 
@@ -244,6 +250,55 @@ def test_pytorchjob_schema_rejects_what_the_operator_rejects(rendered):
     assert broken(lambda j: j["spec"]["runPolicy"].update(cleanPodPolicy="Sometimes"))
 
 
+# ------------------------------------------------------------------------------------ the ConfigMap
+
+def _config_map_refs(obj: dict) -> list[str]:
+    """Names of the ConfigMaps a workload's pod templates read (env, envFrom, volumes)."""
+    names = []
+    for _, tmpl in pod_templates(obj):
+        spec = tmpl["spec"]
+        for c in _containers(spec):
+            names += [v["valueFrom"]["configMapKeyRef"]["name"] for v in c.get("env", [])
+                      if "configMapKeyRef" in v.get("valueFrom", {})]
+            names += [e["configMapRef"]["name"] for e in c.get("envFrom", []) if "configMapRef" in e]
+        names += [v["configMap"]["name"] for v in spec.get("volumes", []) if "configMap" in v]
+    return names
+
+
+@needs_kubectl
+@pytest.mark.parametrize("path", [*KUSTOMIZATIONS, *COMBINED])
+def test_the_run_config_map_is_hash_named_and_immutable_and_every_reference_follows_it(rendered, path):
+    """A re-applied, changed ConfigMap must not change in place under running pods (replacements would
+    read another RUN_ID or CHECKPOINT_DIR): its name carries a hash of its data, it is immutable, and
+    kustomize rewrites every reference to it (the PyTorchJob's too, a kind kustomize does not know)."""
+    objs = rendered[path]
+    cms = [o for o in objs if o["kind"] == "ConfigMap"]
+    assert len(cms) == 1, [_name(o) for o in cms]
+    name = cms[0]["metadata"]["name"]
+    assert re.fullmatch(r"elastic-trainer-config-[a-z0-9]{10}", name), f"k8s/{path}: {name} has no hash suffix"
+    assert cms[0].get("immutable") is True, f"k8s/{path}: {name} is not immutable"
+    refs = [(o, ref) for o in objs for ref in _config_map_refs(o)]
+    assert refs and all(ref == name for _, ref in refs), \
+        f"k8s/{path}: references not rewritten to {name}: {sorted({(_name(o), r) for o, r in refs if r != name})}"
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", ["overlays/pvc", "overlays/pytorchjob"])
+def test_a_changed_run_config_is_a_new_config_map_and_a_new_pod_template(tmp_path, overlay, rendered):
+    folder = tmp_path / "next-run"
+    folder.mkdir()
+    (folder / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [os.path.relpath(K8S / overlay, folder)],
+        "configMapGenerator": [{"name": "elastic-trainer-config", "behavior": "merge", "options": {"immutable": True},
+                                "literals": ["RUN_ID=next-run", "CHECKPOINT_DIR=/checkpoints/next-run"]}]}))
+    before, after = rendered[overlay], _build(folder)
+    old = next(o for o in before if o["kind"] == "ConfigMap")["metadata"]["name"]
+    new = next(o for o in after if o["kind"] == "ConfigMap")["metadata"]["name"]
+    assert old != new
+    workload = next(o for o in after if o["kind"] in ("Job", "PyTorchJob"))
+    assert set(_config_map_refs(workload)) == {new}
+
+
 # ---------------------------------------------------------------------------------------- commands
 
 @needs_kubectl
@@ -348,14 +403,13 @@ def test_indexed_job_replaces_a_pod_only_after_it_has_terminated(rendered):
 def test_storage_overlays_share_checkpoints_between_pods(rendered):
     for path in rendered:
         objs = rendered[path]
-        cms = _config_maps(objs)
         for _, label, obj, tmpl, container in _trainer_containers({path: objs}):
             _, run = _run_config(path, container, rendered)
             volumes = {v["name"]: v for v in tmpl["spec"]["volumes"]}
             if path == "base":
                 continue  # base alone keeps checkpoints per pod; README says to deploy an overlay
             if run.checkpoint_dir.startswith("s3://"):
-                assert cms["elastic-trainer-config"]["CHECKPOINT_DIR"] == run.checkpoint_dir
+                assert _run_config_map(objs)["CHECKPOINT_DIR"] == run.checkpoint_dir
                 env = {v["name"]: v for v in container["env"]}
                 secret_mounts = {m["mountPath"]: volumes[m["name"]]["secret"]["secretName"]
                                  for m in container["volumeMounts"] if "secret" in volumes[m["name"]]}
@@ -448,7 +502,7 @@ def test_etcd_members_bootstrap_from_their_stable_dns_names(rendered):
             assert members == {f"etcd-{i}": f"http://etcd-{i}.{svc}.$(POD_NAMESPACE).svc:2380" for i in range(3)}
             assert args["initial-advertise-peer-urls"] == f"http://$(POD_NAME).{svc}.$(POD_NAMESPACE).svc:2380"
             client = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "etcd")
-            assert _config_maps(objs)["elastic-trainer-config"]["RDZV_ENDPOINT"] == \
+            assert _run_config_map(objs)["RDZV_ENDPOINT"] == \
                 f"{client['metadata']['name']}:{client['spec']['ports'][0]['port']}"
 
 
