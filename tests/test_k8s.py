@@ -545,7 +545,7 @@ def test_only_trainer_pods_and_peers_reach_etcd(rendered):
         policies = [o for o in objs if o["kind"] == "NetworkPolicy" and _selects(o["spec"]["podSelector"], etcd_labels)]
         assert len(policies) == 1, f"k8s/{path}: one NetworkPolicy must select the etcd pods"
         policy = policies[0]["spec"]
-        assert policy["policyTypes"] == ["Ingress"]
+        assert policy["policyTypes"] == ["Ingress", "Egress"]
         trainer_labels = [t["metadata"]["labels"] for _, _, o, t in _all_templates({path: objs}) if o is not etcd[0]]
         assert trainer_labels
         for rule in policy["ingress"]:
@@ -559,6 +559,101 @@ def test_only_trainer_pods_and_peers_reach_etcd(rendered):
                 assert is_etcd or is_trainer, f"k8s/{path}: {peer} admits pods that are neither etcd nor trainers"
                 assert is_etcd or ports == {2379}, "trainers reach the client port only"
                 assert not (is_etcd and is_trainer)
+
+
+# ------------------------------------------------------------------------------- trainer network
+
+# A namespace whose default is deny, as many clusters set it up; the test adds it to the rendered ones.
+DEFAULT_DENY = {"kind": "NetworkPolicy", "metadata": {"name": "default-deny", "namespace": "elastic-trainer"},
+                "spec": {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}}
+
+
+def _peer_matches(peer: dict, policy_ns: str, end: dict) -> bool:
+    """Does a NetworkPolicy peer (podSelector / namespaceSelector / ipBlock) match ``end``
+    (``{"ns", "labels"}`` for a pod, ``{"ip"}`` for an address outside the cluster)?"""
+    import ipaddress
+
+    if "ipBlock" in peer:
+        block = peer["ipBlock"]
+        return "ip" in end and ipaddress.ip_address(end["ip"]) in ipaddress.ip_network(block["cidr"]) and \
+            not any(ipaddress.ip_address(end["ip"]) in ipaddress.ip_network(c) for c in block.get("except", []))
+    if "ip" in end:
+        return False
+    if "namespaceSelector" in peer:
+        ns_ok = _selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": end["ns"]})
+    else:
+        ns_ok = end["ns"] == policy_ns
+    return ns_ok and _selects(peer.get("podSelector", {}), end["labels"])
+
+
+def _rule_matches(rule: dict, peers_key: str, policy_ns: str, other: dict, port: int, proto: str) -> bool:
+    peers = rule.get(peers_key)
+    ports = rule.get("ports")
+    peer_ok = not peers or any(_peer_matches(p, policy_ns, other) for p in peers)
+    port_ok = not ports or any(p.get("protocol", "TCP") == proto and
+                               (p.get("port") is None or p["port"] <= port <= p.get("endPort", p["port"]))
+                               for p in ports)
+    return peer_ok and port_ok
+
+
+def _allowed(policies: list[dict], src: dict, dst: dict, port: int, proto: str = "TCP") -> bool:
+    """Whether Kubernetes NetworkPolicy semantics let ``src`` open ``dst``:``port``."""
+    def side(end, kind, rules_key, peers_key, other):
+        if "ip" in end:
+            return True  # outside the cluster: no policy of ours applies
+        selecting = [p for p in policies if p["metadata"]["namespace"] == end["ns"]
+                     and _selects(p["spec"]["podSelector"], end["labels"]) and kind in p["spec"]["policyTypes"]]
+        return not selecting or any(_rule_matches(r, peers_key, p["metadata"]["namespace"], other, port, proto)
+                                    for p in selecting for r in p["spec"].get(rules_key, []))
+    return side(src, "Egress", "egress", "to", dst) and side(dst, "Ingress", "ingress", "from", src)
+
+
+def test_the_network_policy_model_denies_by_default_and_allows_what_a_rule_names():
+    pod = lambda **labels: {"ns": "elastic-trainer", "labels": labels}  # noqa: E731
+    allow_web = {"kind": "NetworkPolicy", "metadata": {"name": "w", "namespace": "elastic-trainer"},
+                 "spec": {"podSelector": {"matchLabels": {"app": "web"}}, "policyTypes": ["Ingress"],
+                          "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "client"}}}],
+                                       "ports": [{"protocol": "TCP", "port": 80}]}]}}
+    assert _allowed([], pod(app="a"), pod(app="b"), 1)
+    assert not _allowed([DEFAULT_DENY], pod(app="a"), pod(app="b"), 1)
+    assert _allowed([allow_web], pod(app="client"), pod(app="web"), 80)
+    assert not _allowed([allow_web], pod(app="client"), pod(app="web"), 81)
+    assert not _allowed([allow_web], {"ns": "other", "labels": {"app": "client"}}, pod(app="web"), 80)
+
+
+@needs_kubectl
+@pytest.mark.parametrize("path", [p for p in [*KUSTOMIZATIONS, *COMBINED]])
+def test_trainers_reach_each_other_dns_etcd_and_storage_under_default_deny_and_nothing_else_reaches_them(
+        rendered, path):
+    objs = rendered[path]
+    policies = [copy.deepcopy(DEFAULT_DENY)] + [o for o in objs if o["kind"] == "NetworkPolicy"]
+    trainers = {json.dumps(t["metadata"]["labels"], sort_keys=True): t["metadata"]["labels"]
+                for _, _, o, t in _all_templates({path: objs}) if o["kind"] != "StatefulSet"}
+    assert trainers
+    etcd = [t["metadata"]["labels"] for _, _, o, t in _all_templates({path: objs}) if o["kind"] == "StatefulSet"]
+    dns = {"ns": "kube-system", "labels": {"k8s-app": "kube-dns"}}
+    for labels in trainers.values():
+        me, peer = {"ns": "elastic-trainer", "labels": labels}, {"ns": "elastic-trainer", "labels": labels}
+        where = f"k8s/{path} trainer {labels}"
+        for port in (29500, 29400, 45123, 60999):  # rank 0's store, gloo/NCCL: any port
+            assert _allowed(policies, me, peer, port), f"{where}: trainer to trainer on {port}"
+        assert _allowed(policies, me, dns, 53, "UDP") and _allowed(policies, me, dns, 53, "TCP"), f"{where}: DNS"
+        assert _allowed(policies, me, {"ip": "52.216.0.1"}, 443), f"{where}: S3 / W&B over HTTPS"
+        for stranger in ({"ns": "elastic-trainer", "labels": {"app": "debug"}},
+                         {"ns": "other", "labels": labels}, {"ip": "203.0.113.9"}):
+            assert not _allowed(policies, stranger, me, 29500), f"{where}: {stranger} must not reach the store"
+        assert not _allowed(policies, me, {"ip": "203.0.113.9"}, 22), f"{where}: egress is not open"
+        for member in etcd:
+            pod = {"ns": "elastic-trainer", "labels": member}
+            assert _allowed(policies, me, pod, 2379), f"{where}: etcd's client port"
+            assert not _allowed(policies, me, pod, 2380), f"{where}: etcd's peer port"
+        if path == "overlays/existing-etcd":
+            assert _allowed(policies, me, {"ip": "192.0.2.10"}, 2379), f"{where}: the etcd outside"
+    for member in etcd:  # the members find each other by name and talk on both ports
+        pod = {"ns": "elastic-trainer", "labels": member}
+        assert _allowed(policies, pod, pod, 2380) and _allowed(policies, pod, pod, 2379), f"k8s/{path}: etcd peers"
+        assert _allowed(policies, pod, dns, 53, "UDP"), f"k8s/{path}: etcd's DNS"
+        assert not _allowed(policies, pod, {"ip": "203.0.113.9"}, 443), f"k8s/{path}: etcd needs no other egress"
 
 
 # ---------------------------------------------------------------------------- pod security standard
