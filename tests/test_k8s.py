@@ -472,6 +472,18 @@ def test_s3_pods_start_without_the_key_secret_and_web_identity_wins_over_static_
 
 
 @needs_kubectl
+def test_a_lost_nodes_trainer_pod_is_evicted_after_30_seconds_not_5_minutes(rendered):
+    """Kubernetes adds not-ready/unreachable tolerations of 300 s to every pod; the trainers say 30 s,
+    in every overlay (the gpu component adds its own toleration beside them, not instead)."""
+    for path, label, obj, tmpl, _ in _trainer_containers(rendered):
+        tolerations = tmpl["spec"].get("tolerations", [])
+        for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"):
+            found = [t for t in tolerations if t.get("key") == key and t.get("effect") == "NoExecute"]
+            assert len(found) == 1 and found[0].get("operator") == "Exists", f"k8s/{path} {label}: {key}"
+            assert found[0].get("tolerationSeconds") == 30, f"k8s/{path} {label}: {key} after 30 s"
+
+
+@needs_kubectl
 def test_gpu_overlay_runs_one_worker_per_gpu(rendered):
     gpu = {p: objs for p, objs in rendered.items() if "gpu" in p}
     assert len(gpu) == 2
