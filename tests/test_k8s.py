@@ -483,6 +483,27 @@ def test_a_lost_nodes_trainer_pod_is_evicted_after_30_seconds_not_5_minutes(rend
             assert found[0].get("tolerationSeconds") == 30, f"k8s/{path} {label}: {key} after 30 s"
 
 
+def _readme_overlay_example() -> dict:
+    """The ``my-overlay/kustomization.yaml`` block of k8s/README.md (Deploy, step 1)."""
+    blocks = re.findall(r"```yaml\n(.*?)```", (K8S / "README.md").read_text(), re.S)
+    [block] = [b for b in blocks if "# my-overlay/kustomization.yaml" in b]
+    return yaml.safe_load("\n".join(line[3:] if line.startswith("   ") else line for line in block.splitlines()))
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", ["overlays/pvc", "overlays/gpu", "overlays/pytorchjob"])
+def test_the_readme_example_pins_every_trainer_image_by_digest(tmp_path, overlay):
+    example = _readme_overlay_example()
+    folder = tmp_path / "my-overlay"
+    folder.mkdir()
+    example["resources"] = [os.path.relpath(K8S / overlay, folder)]
+    (folder / "kustomization.yaml").write_text(yaml.safe_dump(example))
+    objs = _build(folder)
+    images = {c["image"] for _, _, o, t in _all_templates({overlay: objs}) if o["kind"] != "StatefulSet"
+              for c in _containers(t["spec"])}
+    assert images and all(re.fullmatch(r"[a-z0-9./-]+/elastic-trainer@sha256:[0-9a-f]{64}", i) for i in images), images
+
+
 @needs_kubectl
 def test_gpu_overlay_runs_one_worker_per_gpu(rendered):
     gpu = {p: objs for p, objs in rendered.items() if "gpu" in p}
