@@ -276,6 +276,7 @@ def _launch(run: RunConfig) -> int:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from elastic_trainer.etcd_server import EtcdError, EtcdServer
@@ -321,6 +322,12 @@ def _launch(run: RunConfig) -> int:
         print(f"elastic-train: training failed: {exc.name} "
               f"(exit code {getattr(first, 'exitcode', '?')}; see the worker output above)", file=sys.stderr)
         return 1
+    except RendezvousClosedError as exc:
+        # A spare beyond --max-nodes, or a node that came after the end: the run is over, and this
+        # node has nothing to do. Success, so that a Job does not recreate the pod (which, alone in
+        # etcd later, could start the finished run over).
+        print(f"elastic-train: nothing to do: {exc}", file=sys.stderr)
+        return 0
     except SignalException as exc:
         print(f"elastic-train: stopped by {signal.Signals(exc.sigval).name}; workers ended", file=sys.stderr)
         return 128 + int(exc.sigval)

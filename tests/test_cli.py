@@ -200,3 +200,22 @@ def test_bad_rendezvous_options_are_reported_at_start(tmp_path):
                                 "--checkpoint-dir", str(tmp_path)])
     with pytest.raises(cli.UsageError, match="--rdzv-conf: protocol=https needs ca_cert"):
         cli.check_environment(run)
+
+
+def test_a_node_that_finds_the_run_closed_ends_with_success(tmp_path, monkeypatch, capsys):
+    """A spare pod beyond --max-nodes, or a pod that arrives after the run finished, finds the
+    rendezvous closed: it has nothing to do, and a failure status would make its Job recreate it
+    (which could reopen the finished run alone)."""
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+    def closed(config, entrypoint):
+        def run(*args):
+            raise RendezvousClosedError("the rendezvous of run 'r' is closed (the job finished or was shut down)")
+        return run
+
+    monkeypatch.setattr(launcher_api, "elastic_launch", closed)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # elastic-train exports the run's variables
+    assert cli.main(["--rdzv-backend", "c10d", "--checkpoint-dir", str(tmp_path / "c"),
+                     "--log-dir", str(tmp_path / "logs"), "--recovery", "restart"]) == 0
+    assert "closed" in capsys.readouterr().err

@@ -572,3 +572,35 @@ def test_a_closed_run_with_a_live_node_stays_closed(etcd, run_id):
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_a_spare_node_beyond_max_nodes_is_told_the_run_is_closed_when_it_finishes(etcd, run_id):
+    """A pod beyond --max-nodes waits as a spare (torch's redundancy list). When the run finishes, torch's
+    join raises RendezvousGracefulExitError, which its agent turns into a run() that returns None and its
+    launcher into an AttributeError (exit 1; a Job recreates the pod). Ours says RendezvousClosedError,
+    which elastic-train ends with status 0."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+    create = handler_creator()
+    a, spare = create(_params(etcd, run_id, 1, 1)), create(_params(etcd, run_id, 1, 1, last_call_timeout="0.5"))
+    outcome: list[BaseException | None] = []
+
+    def join_as_spare():
+        try:
+            spare.next_rendezvous()
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - the test checks which one
+            outcome.append(exc)
+
+    try:
+        assert a.next_rendezvous().world_size == 1
+        thread = threading.Thread(target=join_as_spare, daemon=True)
+        thread.start()
+        time.sleep(3)  # the spare registers and waits: the round is full
+        assert thread.is_alive() and not outcome, outcome
+        a.set_closed()  # the run finished: torch's launcher closes the rendezvous
+        thread.join(30)
+        assert outcome and isinstance(outcome[0], RendezvousClosedError), outcome
+    finally:
+        a.shutdown()
+        spare.shutdown()
