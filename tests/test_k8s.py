@@ -504,6 +504,43 @@ def test_the_readme_example_pins_every_trainer_image_by_digest(tmp_path, overlay
     assert images and all(re.fullmatch(r"[a-z0-9./-]+/elastic-trainer@sha256:[0-9a-f]{64}", i) for i in images), images
 
 
+def _operator_counts_against_backoff_limit(replica: dict) -> bool:
+    """Whether the training operator's backoffLimit can ever stop this replica's failures.
+
+    training-operator (pkg/controller.v1/common/job.go, PastBackoffLimit, v1.7-v1.9) sums the
+    containers' restartCount of the replica's Running pods, for restartPolicy OnFailure or Always
+    (v1.8+ also lists ExitCode). With ExitCode a failed pod whose code is retryable (128+: an OOM kill)
+    is deleted and created anew, with restartCount 0: nothing ever adds up, and the pod is recreated
+    forever. With OnFailure the kubelet restarts the container in place (with its crash-loop
+    back-off) and every restart counts."""
+    return replica["restartPolicy"] in ("OnFailure", "Always")
+
+
+@needs_kubectl
+def test_a_pytorchjob_that_keeps_failing_is_stopped_by_its_backoff_limit(rendered):
+    for path, objs in rendered.items():
+        for job in (o for o in objs if o["kind"] == "PyTorchJob"):
+            limit = job["spec"]["runPolicy"].get("backoffLimit")
+            assert isinstance(limit, int) and 0 < limit <= 50, f"k8s/{path}: runPolicy.backoffLimit"
+            for role, replica in job["spec"]["pytorchReplicaSpecs"].items():
+                assert replica["restartPolicy"] != "Always", f"k8s/{path} {role}: a finished run must end"
+                assert _operator_counts_against_backoff_limit(replica), \
+                    f"k8s/{path} {role}: restartPolicy {replica['restartPolicy']} is not counted against backoffLimit"
+
+
+@needs_kubectl
+def test_the_pvc_component_says_which_owner_and_mode_the_shared_volume_needs(rendered):
+    """fsGroup is not applied by every CSI driver to ReadWriteMany volumes (NFS-like ones skip it):
+    the volume's root must then be made writable for the pods' uid/gid by hand, and the claim says how."""
+    text = (K8S / "components" / "pvc" / "pvc.yaml").read_text()
+    readme = (K8S / "README.md").read_text()
+    for path, label, obj, tmpl, _ in _trainer_containers(rendered):
+        sc = tmpl["spec"]["securityContext"]
+        owner = f"{sc['runAsUser']}:{sc['fsGroup']}"
+        assert owner in text and owner in readme, f"k8s/{path} {label}: name the owner {owner} of the volume"
+    assert re.search(r"\b[02]77[05]\b", text), "name the mode, e.g. 0770 or 2770"
+
+
 @needs_kubectl
 def test_gpu_overlay_runs_one_worker_per_gpu(rendered):
     gpu = {p: objs for p, objs in rendered.items() if "gpu" in p}
