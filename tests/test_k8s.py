@@ -577,6 +577,22 @@ def test_etcd_members_bootstrap_from_their_stable_dns_names(rendered):
 
 
 @needs_kubectl
+def test_etcd_members_never_share_a_node_and_spread_over_zones(rendered):
+    """Two members on one node: losing that node loses the quorum. Preferred anti-affinity allows it."""
+    for path, objs in rendered.items():
+        for sts in (o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "etcd"):
+            spec = sts["spec"]["template"]["spec"]
+            labels = sts["spec"]["template"]["metadata"]["labels"]
+            required = spec["affinity"]["podAntiAffinity"].get("requiredDuringSchedulingIgnoredDuringExecution", [])
+            assert any(t["topologyKey"] == "kubernetes.io/hostname" and _selects(t["labelSelector"], labels)
+                       for t in required), f"k8s/{path}: etcd members must be on different nodes"
+            spread = [c for c in spec.get("topologySpreadConstraints", [])
+                      if c["topologyKey"] == "topology.kubernetes.io/zone"]
+            assert spread and _selects(spread[0]["labelSelector"], labels) and spread[0]["maxSkew"] == 1, \
+                f"k8s/{path}: spread the members over zones"
+
+
+@needs_kubectl
 @pytest.mark.parametrize("path", ["overlays/etcd-tls", *COMBINED])
 def test_etcd_tls_overlay_serves_https_and_trainers_present_a_client_certificate(rendered, path):
     objs = rendered[path]
