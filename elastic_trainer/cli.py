@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 from elastic_trainer import config as cfg
+from elastic_trainer import cpus
 from elastic_trainer.config import RunConfig
 
 logger = logging.getLogger("elastic_trainer")
@@ -225,6 +226,21 @@ def check_trainer_flags(run: RunConfig, given_here: dict[str, str | None]) -> No
         setattr(run, name, there)
 
 
+def rendezvous_etcd_options(run: RunConfig):
+    """How the etcd-v3 rendezvous will reach etcd (``EtcdOptions``), from ``--rdzv-conf`` as its
+    handler parses it; a bad option is a ``UsageError`` now rather than in every agent later."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+
+    from elastic_trainer.rendezvous.options import RendezvousOptions
+
+    try:
+        params = RendezvousParameters("etcd-v3", run.rdzv_endpoint or "", run.run_id, run.min_nodes,
+                                      run.max_nodes, **run.rdzv_conf)
+        return RendezvousOptions(params).etcd
+    except ValueError as exc:
+        raise UsageError(f"--rdzv-conf: {exc}") from exc
+
+
 def check_environment(run: RunConfig) -> None:
     """Checks that need the outside world: the etcd binary or endpoint, the checkpoint dir."""
     from elastic_trainer import etcd_server
@@ -238,8 +254,14 @@ def check_environment(run: RunConfig) -> None:
     elif run.rdzv_backend == "etcd-v3":
         try:
             etcd_server.parse_endpoints(run.rdzv_endpoint or "")
-            etcd_server.probe_endpoint(run.rdzv_endpoint or "", timeout=3.0)
-        except (ValueError, etcd_server.EtcdError) as exc:
+        except ValueError as exc:
+            raise UsageError(f"--rdzv-endpoint: {exc}") from exc
+        etcd = rendezvous_etcd_options(run)
+        try:
+            # With the rendezvous's own TLS and auth options: a check in plain http would fail
+            # against an etcd that serves TLS although the rendezvous would reach it.
+            etcd_server.probe_endpoint(run.rdzv_endpoint or "", timeout=3.0, options=etcd)
+        except etcd_server.EtcdError as exc:
             raise UsageError(f"--rdzv-endpoint: {exc}") from exc
     if not run.checkpoint_dir:
         return  # an empty --checkpoint-dir: no checkpoints
@@ -254,6 +276,7 @@ def _launch(run: RunConfig) -> int:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from elastic_trainer.etcd_server import EtcdError, EtcdServer
@@ -276,9 +299,10 @@ def _launch(run: RunConfig) -> int:
     elif endpoint is None:
         endpoint = "127.0.0.1:29400"  # torch's c10d default, for side-by-side runs
     if "OMP_NUM_THREADS" not in os.environ:
-        # torchrun sets 1 for several workers; we give each worker its share of this node's cores,
-        # so that N workers do not each start a thread per core (measured: 30x slower on 2 cores).
-        threads = max(1, len(os.sched_getaffinity(0)) // run.nproc_per_node)
+        # torchrun sets 1 for several workers; we give each worker its share of the CPUs this node
+        # may use (the affinity mask capped by the cgroup's CPU quota: a pod's limits.cpu), so that
+        # N workers do not each start a thread per core (measured: 30x slower on 2 cores).
+        threads = cpus.threads_per_worker(run.nproc_per_node)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         logger.info("OMP_NUM_THREADS=%d for each of %d worker(s) (set it to override)", threads, run.nproc_per_node)
     os.environ.update({cfg.ENV_RDZV_ENDPOINT: endpoint, cfg.ENV_RUN_ID: run.run_id,
@@ -298,6 +322,12 @@ def _launch(run: RunConfig) -> int:
         print(f"elastic-train: training failed: {exc.name} "
               f"(exit code {getattr(first, 'exitcode', '?')}; see the worker output above)", file=sys.stderr)
         return 1
+    except RendezvousClosedError as exc:
+        # A spare beyond --max-nodes, or a node that came after the end: the run is over, and this
+        # node has nothing to do. Success, so that a Job does not recreate the pod (which, alone in
+        # etcd later, could start the finished run over).
+        print(f"elastic-train: nothing to do: {exc}", file=sys.stderr)
+        return 0
     except SignalException as exc:
         print(f"elastic-train: stopped by {signal.Signals(exc.sigval).name}; workers ended", file=sys.stderr)
         return 128 + int(exc.sigval)

@@ -24,6 +24,10 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from elastic_trainer.rendezvous.etcd_client import EtcdOptions
 
 logger = logging.getLogger(__name__)
 
@@ -67,29 +71,40 @@ def parse_endpoints(value: str) -> list[tuple[str, int]]:
     return endpoints
 
 
-def probe_endpoint(endpoints: str, timeout: float = 3.0) -> str:
+def probe_endpoint(endpoints: str, timeout: float = 3.0, options: EtcdOptions | None = None) -> str:
     """Check that one of ``endpoints`` answers an etcd v3 status request; return its version.
 
-    Raises ``EtcdError`` naming the endpoints when none answers within ``timeout`` seconds.
+    ``options`` (the rendezvous's ``EtcdOptions``: TLS files, user and password) say how to speak
+    to etcd, so the check connects exactly as the rendezvous will; without them, plain http.
+    Raises ``EtcdError`` naming each endpoint and its failure when none answers within ``timeout``.
     """
-    import etcd3  # imported late: the CLI's parser must not pay for grpc
+    from dataclasses import replace
 
+    # imported late: the CLI's parser must not pay for grpc and torch
+    from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions
+
+    base = options or EtcdOptions(endpoints=())
     errors = []
     deadline = time.monotonic() + timeout
     for host, port in parse_endpoints(endpoints):
         left = max(0.5, deadline - time.monotonic())
         try:
+            # A closed port fails here at once, instead of being retried for the whole budget.
             with socket.create_connection((host, port), timeout=left):
                 pass
-            client = etcd3.client(host=host, port=port, timeout=left)
+            conn = EtcdConnection(replace(base, endpoints=((host, port),), connect_timeout=left,
+                                          read_timeout=left))
             try:
-                return client.status().version
+                return conn.client.status().version
             finally:
-                client.close()
+                conn.close()
         except Exception as exc:  # noqa: BLE001 - every failure is reported below, by endpoint
-            errors.append(f"{host}:{port} ({type(exc).__name__})")
-    raise EtcdError(f"no etcd answered at {', '.join(errors)} within {timeout:g}s; start one "
-                    f"(`elastic-train etcd`) or leave out --rdzv-endpoint to use the embedded one")
+            cause = exc.__cause__ if exc.__cause__ is not None else exc
+            errors.append(f"{host}:{port} ({type(cause).__name__})")
+    tls = "protocol=https, ca_cert, cert, key" if base.protocol == "https" else "none given"
+    raise EtcdError(f"no etcd answered at {', '.join(errors)} within {timeout:g}s; check that etcd runs there "
+                    f"(`elastic-train etcd` starts one; without --rdzv-endpoint the embedded one is used) and "
+                    f"the TLS options ({tls}) and user/password in --rdzv-conf")
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

@@ -150,3 +150,72 @@ def test_script_and_its_arguments_are_passed_like_torchrun(tmp_path):
     script.write_text("print('hi')\n")
     run = cli.parse_run_config(["--nnodes", "1", str(script), "--lr", "3"])
     assert run.program == ["-u", str(script), "--lr", "3"]
+
+
+@pytest.fixture(scope="module")
+def tls_etcd(tmp_path_factory):
+    """An etcd on loopback that serves client TLS and requires a client certificate: (server, certs)."""
+    from elastic_trainer.etcd_server import EtcdServer
+    from tests.tls_certs import make_certs
+
+    certs = make_certs(tmp_path_factory.mktemp("certs"))
+    data = tmp_path_factory.mktemp("etcd-tls") / "data"
+    server = EtcdServer(data_dir=data, log_path=data.with_suffix(".log"), extra_args=[
+        "--cert-file", str(certs / "server.pem"), "--key-file", str(certs / "server-key.pem"),
+        "--trusted-ca-file", str(certs / "ca.pem"), "--client-cert-auth"])
+    server.start()
+    try:
+        yield server, certs
+    finally:
+        server.stop()
+
+
+def _tls_conf(certs, client: bool = True) -> str:
+    conf = f"protocol=https,ca_cert={certs / 'ca.pem'}"
+    return conf + (f",cert={certs / 'client.pem'},key={certs / 'client-key.pem'}" if client else "")
+
+
+@pytest.mark.timeout(60)
+def test_start_check_reaches_an_etcd_that_requires_client_certificates(tls_etcd, tmp_path):
+    # k8s/components/etcd-tls: the start-up check must speak TLS with the --rdzv-conf certificates,
+    # as the rendezvous will, instead of failing every pod with status 2.
+    server, certs = tls_etcd
+    run = cli.parse_run_config(["--rdzv-endpoint", server.endpoint, "--rdzv-conf", _tls_conf(certs),
+                                "--checkpoint-dir", str(tmp_path)])
+    cli.check_environment(run)
+
+
+@pytest.mark.timeout(60)
+def test_start_check_against_tls_etcd_without_a_client_certificate_names_the_tls_options(tls_etcd, tmp_path):
+    server, certs = tls_etcd
+    for conf in (_tls_conf(certs, client=False), ""):
+        run = cli.parse_run_config(["--rdzv-endpoint", server.endpoint, "--rdzv-conf", conf,
+                                    "--checkpoint-dir", str(tmp_path)])
+        with pytest.raises(cli.UsageError, match="no etcd answered.*TLS options"):
+            cli.check_environment(run)
+
+
+def test_bad_rendezvous_options_are_reported_at_start(tmp_path):
+    run = cli.parse_run_config(["--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "protocol=https",
+                                "--checkpoint-dir", str(tmp_path)])
+    with pytest.raises(cli.UsageError, match="--rdzv-conf: protocol=https needs ca_cert"):
+        cli.check_environment(run)
+
+
+def test_a_node_that_finds_the_run_closed_ends_with_success(tmp_path, monkeypatch, capsys):
+    """A spare pod beyond --max-nodes, or a pod that arrives after the run finished, finds the
+    rendezvous closed: it has nothing to do, and a failure status would make its Job recreate it
+    (which could reopen the finished run alone)."""
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+    def closed(config, entrypoint):
+        def run(*args):
+            raise RendezvousClosedError("the rendezvous of run 'r' is closed (the job finished or was shut down)")
+        return run
+
+    monkeypatch.setattr(launcher_api, "elastic_launch", closed)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # elastic-train exports the run's variables
+    assert cli.main(["--rdzv-backend", "c10d", "--checkpoint-dir", str(tmp_path / "c"),
+                     "--log-dir", str(tmp_path / "logs"), "--recovery", "restart"]) == 0
+    assert "closed" in capsys.readouterr().err

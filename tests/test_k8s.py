@@ -18,12 +18,14 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from elastic_trainer import cli
+from tests import k8s_pod
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
@@ -106,6 +108,12 @@ def _config_maps(objs: list[dict]) -> dict[str, dict[str, str]]:
     return {o["metadata"]["name"]: o.get("data", {}) for o in objs if o["kind"] == "ConfigMap"}
 
 
+def _run_config_map(objs: list[dict]) -> dict[str, str]:
+    """The data of the run's ConfigMap, elastic-trainer-config-<hash>."""
+    [data] = [d for n, d in _config_maps(objs).items() if n.startswith("elastic-trainer-config-")]
+    return data
+
+
 def expand_argv(container: dict, config_maps: dict[str, dict[str, str]]) -> list[str]:
     """The container's command + args after the kubelet's $(VAR) expansion.
 
@@ -122,6 +130,8 @@ def expand_argv(container: dict, config_maps: dict[str, dict[str, str]]) -> list
         if "configMapKeyRef" in source:
             ref = source["configMapKeyRef"]
             data = config_maps.get(ref["name"])
+            if ref.get("optional") and ref["key"] not in (data or {}):
+                continue  # the kubelet leaves the variable unset
             assert data is not None and ref["key"] in data, \
                 f"env {var['name']} reads ConfigMap {ref['name']} key {ref['key']}, which the kustomization lacks"
             env[var["name"]] = data[ref["key"]]
@@ -240,6 +250,55 @@ def test_pytorchjob_schema_rejects_what_the_operator_rejects(rendered):
     assert broken(lambda j: j["spec"]["runPolicy"].update(cleanPodPolicy="Sometimes"))
 
 
+# ------------------------------------------------------------------------------------ the ConfigMap
+
+def _config_map_refs(obj: dict) -> list[str]:
+    """Names of the ConfigMaps a workload's pod templates read (env, envFrom, volumes)."""
+    names = []
+    for _, tmpl in pod_templates(obj):
+        spec = tmpl["spec"]
+        for c in _containers(spec):
+            names += [v["valueFrom"]["configMapKeyRef"]["name"] for v in c.get("env", [])
+                      if "configMapKeyRef" in v.get("valueFrom", {})]
+            names += [e["configMapRef"]["name"] for e in c.get("envFrom", []) if "configMapRef" in e]
+        names += [v["configMap"]["name"] for v in spec.get("volumes", []) if "configMap" in v]
+    return names
+
+
+@needs_kubectl
+@pytest.mark.parametrize("path", [*KUSTOMIZATIONS, *COMBINED])
+def test_the_run_config_map_is_hash_named_and_immutable_and_every_reference_follows_it(rendered, path):
+    """A re-applied, changed ConfigMap must not change in place under running pods (replacements would
+    read another RUN_ID or CHECKPOINT_DIR): its name carries a hash of its data, it is immutable, and
+    kustomize rewrites every reference to it (the PyTorchJob's too, a kind kustomize does not know)."""
+    objs = rendered[path]
+    cms = [o for o in objs if o["kind"] == "ConfigMap"]
+    assert len(cms) == 1, [_name(o) for o in cms]
+    name = cms[0]["metadata"]["name"]
+    assert re.fullmatch(r"elastic-trainer-config-[a-z0-9]{10}", name), f"k8s/{path}: {name} has no hash suffix"
+    assert cms[0].get("immutable") is True, f"k8s/{path}: {name} is not immutable"
+    refs = [(o, ref) for o in objs for ref in _config_map_refs(o)]
+    assert refs and all(ref == name for _, ref in refs), \
+        f"k8s/{path}: references not rewritten to {name}: {sorted({(_name(o), r) for o, r in refs if r != name})}"
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", ["overlays/pvc", "overlays/pytorchjob"])
+def test_a_changed_run_config_is_a_new_config_map_and_a_new_pod_template(tmp_path, overlay, rendered):
+    folder = tmp_path / "next-run"
+    folder.mkdir()
+    (folder / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [os.path.relpath(K8S / overlay, folder)],
+        "configMapGenerator": [{"name": "elastic-trainer-config", "behavior": "merge", "options": {"immutable": True},
+                                "literals": ["RUN_ID=next-run", "CHECKPOINT_DIR=/checkpoints/next-run"]}]}))
+    before, after = rendered[overlay], _build(folder)
+    old = next(o for o in before if o["kind"] == "ConfigMap")["metadata"]["name"]
+    new = next(o for o in after if o["kind"] == "ConfigMap")["metadata"]["name"]
+    assert old != new
+    workload = next(o for o in after if o["kind"] in ("Job", "PyTorchJob"))
+    assert set(_config_map_refs(workload)) == {new}
+
+
 # ---------------------------------------------------------------------------------------- commands
 
 @needs_kubectl
@@ -344,23 +403,142 @@ def test_indexed_job_replaces_a_pod_only_after_it_has_terminated(rendered):
 def test_storage_overlays_share_checkpoints_between_pods(rendered):
     for path in rendered:
         objs = rendered[path]
-        cms = _config_maps(objs)
         for _, label, obj, tmpl, container in _trainer_containers({path: objs}):
             _, run = _run_config(path, container, rendered)
             volumes = {v["name"]: v for v in tmpl["spec"]["volumes"]}
             if path == "base":
                 continue  # base alone keeps checkpoints per pod; README says to deploy an overlay
             if run.checkpoint_dir.startswith("s3://"):
-                assert cms["elastic-trainer-config"]["CHECKPOINT_DIR"] == run.checkpoint_dir
-                refs = {v["name"]: v["valueFrom"]["secretKeyRef"] for v in container["env"]
-                        if "secretKeyRef" in v.get("valueFrom", {})}
-                assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "ELASTIC_TRAINER_S3_ENDPOINT_URL",
-                        "WANDB_API_KEY"} <= set(refs), f"k8s/{path}: credentials come from Secrets"
+                assert _run_config_map(objs)["CHECKPOINT_DIR"] == run.checkpoint_dir
+                env = {v["name"]: v for v in container["env"]}
+                secret_mounts = {m["mountPath"]: volumes[m["name"]]["secret"]["secretName"]
+                                 for m in container["volumeMounts"] if "secret" in volumes[m["name"]]}
+                folder = env["AWS_SHARED_CREDENTIALS_FILE"]["value"].rsplit("/", 1)[0]
+                assert secret_mounts.get(folder) == "elastic-trainer-s3", f"k8s/{path}: S3 keys come from the Secret"
+                assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} & set(env), \
+                    f"k8s/{path}: static keys in env would override workload identity"
             else:
                 assert run.checkpoint_dir.startswith("/checkpoints/"), f"k8s/{path} {label}"
                 claim = volumes["checkpoints"]["persistentVolumeClaim"]["claimName"]
                 pvc = next(o for o in objs if o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == claim)
                 assert pvc["spec"]["accessModes"] == ["ReadWriteMany"], f"k8s/{path}: the claim must be RWX"
+
+
+S3_PATHS = ["overlays/s3", *COMBINED]
+# What the EKS pod identity webhook adds to a pod whose ServiceAccount names an IAM role (IRSA).
+IRSA_ENV = {"AWS_ROLE_ARN": "arn:aws:iam::111122223333:role/elastic-trainer",
+            "AWS_WEB_IDENTITY_TOKEN_FILE": "/var/run/secrets/eks.amazonaws.com/serviceaccount/token"}
+
+
+def _credential_method(env: dict[str, str]) -> str | None:
+    """Which of botocore's credential providers answers in a process with exactly ``env``."""
+    code = ("import botocore.session as s; c = s.Session().get_credentials(); "
+            "print(c.method if c else None)")
+    clean = {**{k: v for k, v in env.items()}, "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+             "AWS_CONFIG_FILE": env.get("AWS_CONFIG_FILE", "/nonexistent/aws-config"),
+             "AWS_EC2_METADATA_DISABLED": "true"}
+    out = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return None if out.stdout.strip() == "None" else out.stdout.strip()
+
+
+@needs_kubectl
+@pytest.mark.parametrize("path", S3_PATHS)
+def test_s3_pods_start_without_the_key_secret_and_web_identity_wins_over_static_keys(rendered, path, tmp_path):
+    """IRSA / Workload Identity (what the README recommends): no key Secret, so every reference to it
+    must be optional; and where a Secret with static keys exists too, the web identity must win."""
+    cms = _config_maps(rendered[path])
+    fields = {"metadata.name": "pod-0", "metadata.namespace": "elastic-trainer", "status.podIP": "10.77.0.3"}
+    others = {"etcd-client-tls": {"ca.crt": "", "tls.crt": "", "tls.key": ""}}  # required where mounted
+    static = {**others, "elastic-trainer-s3": {"credentials": "[default]\naws_access_key_id = testing\n"
+                                                              "aws_secret_access_key = testing\n"}}
+    for n, (_, label, obj, tmpl, container) in enumerate(_trainer_containers({path: rendered[path]})):
+        where = f"k8s/{path} {label}"
+        for case, secrets, irsa, expected in [("IRSA, no Secret", others, True, "assume-role-with-web-identity"),
+                                              ("IRSA and a key Secret", static, True, "assume-role-with-web-identity"),
+                                              ("a key Secret only", static, False, "shared-credentials-file")]:
+            root = tmp_path / f"{n}-{len(secrets)}-{irsa}"  # one pod per case
+            try:
+                env = k8s_pod.container_env(container, cms, secrets, fields)
+                claims = {o["metadata"]["name"]: tmp_path / "claim" for o in rendered[path]
+                          if o["kind"] == "PersistentVolumeClaim"}
+                mounts = k8s_pod.mount_volumes(tmpl["spec"], container, secrets, root,
+                                               claims=claims, config_maps=cms)
+            except k8s_pod.CreateContainerConfigError as exc:
+                pytest.fail(f"{where}, {case}: the pod would not start: {exc}")
+            env = {k: k8s_pod.localize(v, mounts) for k, v in env.items()}
+            env.update(IRSA_ENV if irsa else {})
+            assert _credential_method(env) == expected, f"{where}, {case}"
+
+
+@needs_kubectl
+def test_a_lost_nodes_trainer_pod_is_evicted_after_30_seconds_not_5_minutes(rendered):
+    """Kubernetes adds not-ready/unreachable tolerations of 300 s to every pod; the trainers say 30 s,
+    in every overlay (the gpu component adds its own toleration beside them, not instead)."""
+    for path, label, obj, tmpl, _ in _trainer_containers(rendered):
+        tolerations = tmpl["spec"].get("tolerations", [])
+        for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"):
+            found = [t for t in tolerations if t.get("key") == key and t.get("effect") == "NoExecute"]
+            assert len(found) == 1 and found[0].get("operator") == "Exists", f"k8s/{path} {label}: {key}"
+            assert found[0].get("tolerationSeconds") == 30, f"k8s/{path} {label}: {key} after 30 s"
+
+
+def _readme_overlay_example() -> dict:
+    """The ``my-overlay/kustomization.yaml`` block of k8s/README.md (Deploy, step 1)."""
+    blocks = re.findall(r"```yaml\n(.*?)```", (K8S / "README.md").read_text(), re.S)
+    [block] = [b for b in blocks if "# my-overlay/kustomization.yaml" in b]
+    return yaml.safe_load("\n".join(line[3:] if line.startswith("   ") else line for line in block.splitlines()))
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", ["overlays/pvc", "overlays/gpu", "overlays/pytorchjob"])
+def test_the_readme_example_pins_every_trainer_image_by_digest(tmp_path, overlay):
+    example = _readme_overlay_example()
+    folder = tmp_path / "my-overlay"
+    folder.mkdir()
+    example["resources"] = [os.path.relpath(K8S / overlay, folder)]
+    (folder / "kustomization.yaml").write_text(yaml.safe_dump(example))
+    objs = _build(folder)
+    images = {c["image"] for _, _, o, t in _all_templates({overlay: objs}) if o["kind"] != "StatefulSet"
+              for c in _containers(t["spec"])}
+    assert images and all(re.fullmatch(r"[a-z0-9./-]+/elastic-trainer@sha256:[0-9a-f]{64}", i) for i in images), images
+
+
+def _operator_counts_against_backoff_limit(replica: dict) -> bool:
+    """Whether the training operator's backoffLimit can ever stop this replica's failures.
+
+    training-operator (pkg/controller.v1/common/job.go, PastBackoffLimit, v1.7-v1.9) sums the
+    containers' restartCount of the replica's Running pods, for restartPolicy OnFailure or Always
+    (v1.8+ also lists ExitCode). With ExitCode a failed pod whose code is retryable (128+: an OOM kill)
+    is deleted and created anew, with restartCount 0: nothing ever adds up, and the pod is recreated
+    forever. With OnFailure the kubelet restarts the container in place (with its crash-loop
+    back-off) and every restart counts."""
+    return replica["restartPolicy"] in ("OnFailure", "Always")
+
+
+@needs_kubectl
+def test_a_pytorchjob_that_keeps_failing_is_stopped_by_its_backoff_limit(rendered):
+    for path, objs in rendered.items():
+        for job in (o for o in objs if o["kind"] == "PyTorchJob"):
+            limit = job["spec"]["runPolicy"].get("backoffLimit")
+            assert isinstance(limit, int) and 0 < limit <= 50, f"k8s/{path}: runPolicy.backoffLimit"
+            for role, replica in job["spec"]["pytorchReplicaSpecs"].items():
+                assert replica["restartPolicy"] != "Always", f"k8s/{path} {role}: a finished run must end"
+                assert _operator_counts_against_backoff_limit(replica), \
+                    f"k8s/{path} {role}: restartPolicy {replica['restartPolicy']} is not counted against backoffLimit"
+
+
+@needs_kubectl
+def test_the_pvc_component_says_which_owner_and_mode_the_shared_volume_needs(rendered):
+    """fsGroup is not applied by every CSI driver to ReadWriteMany volumes (NFS-like ones skip it):
+    the volume's root must then be made writable for the pods' uid/gid by hand, and the claim says how."""
+    text = (K8S / "components" / "pvc" / "pvc.yaml").read_text()
+    readme = (K8S / "README.md").read_text()
+    for path, label, obj, tmpl, _ in _trainer_containers(rendered):
+        sc = tmpl["spec"]["securityContext"]
+        owner = f"{sc['runAsUser']}:{sc['fsGroup']}"
+        assert owner in text and owner in readme, f"k8s/{path} {label}: name the owner {owner} of the volume"
+    assert re.search(r"\b[02]77[05]\b", text), "name the mode, e.g. 0770 or 2770"
 
 
 @needs_kubectl
@@ -394,8 +572,24 @@ def test_etcd_members_bootstrap_from_their_stable_dns_names(rendered):
             assert members == {f"etcd-{i}": f"http://etcd-{i}.{svc}.$(POD_NAMESPACE).svc:2380" for i in range(3)}
             assert args["initial-advertise-peer-urls"] == f"http://$(POD_NAME).{svc}.$(POD_NAMESPACE).svc:2380"
             client = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "etcd")
-            assert _config_maps(objs)["elastic-trainer-config"]["RDZV_ENDPOINT"] == \
+            assert _run_config_map(objs)["RDZV_ENDPOINT"] == \
                 f"{client['metadata']['name']}:{client['spec']['ports'][0]['port']}"
+
+
+@needs_kubectl
+def test_etcd_members_never_share_a_node_and_spread_over_zones(rendered):
+    """Two members on one node: losing that node loses the quorum. Preferred anti-affinity allows it."""
+    for path, objs in rendered.items():
+        for sts in (o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "etcd"):
+            spec = sts["spec"]["template"]["spec"]
+            labels = sts["spec"]["template"]["metadata"]["labels"]
+            required = spec["affinity"]["podAntiAffinity"].get("requiredDuringSchedulingIgnoredDuringExecution", [])
+            assert any(t["topologyKey"] == "kubernetes.io/hostname" and _selects(t["labelSelector"], labels)
+                       for t in required), f"k8s/{path}: etcd members must be on different nodes"
+            spread = [c for c in spec.get("topologySpreadConstraints", [])
+                      if c["topologyKey"] == "topology.kubernetes.io/zone"]
+            assert spread and _selects(spread[0]["labelSelector"], labels) and spread[0]["maxSkew"] == 1, \
+                f"k8s/{path}: spread the members over zones"
 
 
 @needs_kubectl
@@ -437,7 +631,7 @@ def test_only_trainer_pods_and_peers_reach_etcd(rendered):
         policies = [o for o in objs if o["kind"] == "NetworkPolicy" and _selects(o["spec"]["podSelector"], etcd_labels)]
         assert len(policies) == 1, f"k8s/{path}: one NetworkPolicy must select the etcd pods"
         policy = policies[0]["spec"]
-        assert policy["policyTypes"] == ["Ingress"]
+        assert policy["policyTypes"] == ["Ingress", "Egress"]
         trainer_labels = [t["metadata"]["labels"] for _, _, o, t in _all_templates({path: objs}) if o is not etcd[0]]
         assert trainer_labels
         for rule in policy["ingress"]:
@@ -451,6 +645,101 @@ def test_only_trainer_pods_and_peers_reach_etcd(rendered):
                 assert is_etcd or is_trainer, f"k8s/{path}: {peer} admits pods that are neither etcd nor trainers"
                 assert is_etcd or ports == {2379}, "trainers reach the client port only"
                 assert not (is_etcd and is_trainer)
+
+
+# ------------------------------------------------------------------------------- trainer network
+
+# A namespace whose default is deny, as many clusters set it up; the test adds it to the rendered ones.
+DEFAULT_DENY = {"kind": "NetworkPolicy", "metadata": {"name": "default-deny", "namespace": "elastic-trainer"},
+                "spec": {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}}
+
+
+def _peer_matches(peer: dict, policy_ns: str, end: dict) -> bool:
+    """Does a NetworkPolicy peer (podSelector / namespaceSelector / ipBlock) match ``end``
+    (``{"ns", "labels"}`` for a pod, ``{"ip"}`` for an address outside the cluster)?"""
+    import ipaddress
+
+    if "ipBlock" in peer:
+        block = peer["ipBlock"]
+        return "ip" in end and ipaddress.ip_address(end["ip"]) in ipaddress.ip_network(block["cidr"]) and \
+            not any(ipaddress.ip_address(end["ip"]) in ipaddress.ip_network(c) for c in block.get("except", []))
+    if "ip" in end:
+        return False
+    if "namespaceSelector" in peer:
+        ns_ok = _selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": end["ns"]})
+    else:
+        ns_ok = end["ns"] == policy_ns
+    return ns_ok and _selects(peer.get("podSelector", {}), end["labels"])
+
+
+def _rule_matches(rule: dict, peers_key: str, policy_ns: str, other: dict, port: int, proto: str) -> bool:
+    peers = rule.get(peers_key)
+    ports = rule.get("ports")
+    peer_ok = not peers or any(_peer_matches(p, policy_ns, other) for p in peers)
+    port_ok = not ports or any(p.get("protocol", "TCP") == proto and
+                               (p.get("port") is None or p["port"] <= port <= p.get("endPort", p["port"]))
+                               for p in ports)
+    return peer_ok and port_ok
+
+
+def _allowed(policies: list[dict], src: dict, dst: dict, port: int, proto: str = "TCP") -> bool:
+    """Whether Kubernetes NetworkPolicy semantics let ``src`` open ``dst``:``port``."""
+    def side(end, kind, rules_key, peers_key, other):
+        if "ip" in end:
+            return True  # outside the cluster: no policy of ours applies
+        selecting = [p for p in policies if p["metadata"]["namespace"] == end["ns"]
+                     and _selects(p["spec"]["podSelector"], end["labels"]) and kind in p["spec"]["policyTypes"]]
+        return not selecting or any(_rule_matches(r, peers_key, p["metadata"]["namespace"], other, port, proto)
+                                    for p in selecting for r in p["spec"].get(rules_key, []))
+    return side(src, "Egress", "egress", "to", dst) and side(dst, "Ingress", "ingress", "from", src)
+
+
+def test_the_network_policy_model_denies_by_default_and_allows_what_a_rule_names():
+    pod = lambda **labels: {"ns": "elastic-trainer", "labels": labels}  # noqa: E731
+    allow_web = {"kind": "NetworkPolicy", "metadata": {"name": "w", "namespace": "elastic-trainer"},
+                 "spec": {"podSelector": {"matchLabels": {"app": "web"}}, "policyTypes": ["Ingress"],
+                          "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "client"}}}],
+                                       "ports": [{"protocol": "TCP", "port": 80}]}]}}
+    assert _allowed([], pod(app="a"), pod(app="b"), 1)
+    assert not _allowed([DEFAULT_DENY], pod(app="a"), pod(app="b"), 1)
+    assert _allowed([allow_web], pod(app="client"), pod(app="web"), 80)
+    assert not _allowed([allow_web], pod(app="client"), pod(app="web"), 81)
+    assert not _allowed([allow_web], {"ns": "other", "labels": {"app": "client"}}, pod(app="web"), 80)
+
+
+@needs_kubectl
+@pytest.mark.parametrize("path", [p for p in [*KUSTOMIZATIONS, *COMBINED]])
+def test_trainers_reach_each_other_dns_etcd_and_storage_under_default_deny_and_nothing_else_reaches_them(
+        rendered, path):
+    objs = rendered[path]
+    policies = [copy.deepcopy(DEFAULT_DENY)] + [o for o in objs if o["kind"] == "NetworkPolicy"]
+    trainers = {json.dumps(t["metadata"]["labels"], sort_keys=True): t["metadata"]["labels"]
+                for _, _, o, t in _all_templates({path: objs}) if o["kind"] != "StatefulSet"}
+    assert trainers
+    etcd = [t["metadata"]["labels"] for _, _, o, t in _all_templates({path: objs}) if o["kind"] == "StatefulSet"]
+    dns = {"ns": "kube-system", "labels": {"k8s-app": "kube-dns"}}
+    for labels in trainers.values():
+        me, peer = {"ns": "elastic-trainer", "labels": labels}, {"ns": "elastic-trainer", "labels": labels}
+        where = f"k8s/{path} trainer {labels}"
+        for port in (29500, 29400, 45123, 60999):  # rank 0's store, gloo/NCCL: any port
+            assert _allowed(policies, me, peer, port), f"{where}: trainer to trainer on {port}"
+        assert _allowed(policies, me, dns, 53, "UDP") and _allowed(policies, me, dns, 53, "TCP"), f"{where}: DNS"
+        assert _allowed(policies, me, {"ip": "52.216.0.1"}, 443), f"{where}: S3 / W&B over HTTPS"
+        for stranger in ({"ns": "elastic-trainer", "labels": {"app": "debug"}},
+                         {"ns": "other", "labels": labels}, {"ip": "203.0.113.9"}):
+            assert not _allowed(policies, stranger, me, 29500), f"{where}: {stranger} must not reach the store"
+        assert not _allowed(policies, me, {"ip": "203.0.113.9"}, 22), f"{where}: egress is not open"
+        for member in etcd:
+            pod = {"ns": "elastic-trainer", "labels": member}
+            assert _allowed(policies, me, pod, 2379), f"{where}: etcd's client port"
+            assert not _allowed(policies, me, pod, 2380), f"{where}: etcd's peer port"
+        if path == "overlays/existing-etcd":
+            assert _allowed(policies, me, {"ip": "192.0.2.10"}, 2379), f"{where}: the etcd outside"
+    for member in etcd:  # the members find each other by name and talk on both ports
+        pod = {"ns": "elastic-trainer", "labels": member}
+        assert _allowed(policies, pod, pod, 2380) and _allowed(policies, pod, pod, 2379), f"k8s/{path}: etcd peers"
+        assert _allowed(policies, pod, dns, 53, "UDP"), f"k8s/{path}: etcd's DNS"
+        assert not _allowed(policies, pod, {"ip": "203.0.113.9"}, 443), f"k8s/{path}: etcd needs no other egress"
 
 
 # ---------------------------------------------------------------------------- pod security standard
@@ -550,8 +839,13 @@ def test_rendered_env_takes_credentials_from_secrets_only(rendered):
     for path, objs in rendered.items():
         assert not [o for o in objs if o["kind"] == "Secret"], f"k8s/{path} renders a Secret"
         for _, label, _, tmpl in _all_templates({path: objs}):
+            secret_volumes = {v["name"] for v in tmpl["spec"].get("volumes", []) if "secret" in v}
             for c in _containers(tmpl["spec"]):
+                secret_folders = tuple(m["mountPath"] + "/" for m in c.get("volumeMounts", [])
+                                       if m["name"] in secret_volumes)
                 for var in c.get("env", []):
+                    if var["name"].endswith("_FILE") and var.get("value", "").startswith(secret_folders or ("\0",)):
+                        continue  # the path of a file in a mounted Secret
                     if sensitive.search(var["name"]):
                         assert "secretKeyRef" in var.get("valueFrom", {}), \
                             f"k8s/{path} {label}: {var['name']} must come from a Secret (secretKeyRef)"

@@ -44,6 +44,7 @@ from elastic_trainer.rendezvous.state import (
     node_name,
     parse_node_name,
 )
+from tests.tls_certs import make_certs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -491,45 +492,8 @@ def test_node_that_lost_its_lease_must_leave_before_it_rejoins(etcd, run_id, con
 
 # -- TLS and user/password --------------------------------------------------------------
 
-def _make_certs(tmp_path):
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-    import ipaddress
-
-    def write_key(key, path):
-        path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-
-    now = datetime.now(timezone.utc)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test-ca")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(1).not_valid_before(now - timedelta(days=1)).not_valid_after(now + timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(ca_key, hashes.SHA256()))
-    (tmp_path / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-
-    def leaf(name, serial, usage):
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-                .issuer_name(ca_name).public_key(key.public_key()).serial_number(serial)
-                .not_valid_before(now - timedelta(days=1)).not_valid_after(now + timedelta(days=1))
-                .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                                                            x509.DNSName("localhost")]), critical=False)
-                .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
-                .sign(ca_key, hashes.SHA256()))
-        (tmp_path / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        write_key(key, tmp_path / f"{name}-key.pem")
-
-    from cryptography.x509.oid import ExtendedKeyUsageOID as EKU
-    leaf("server", 2, [EKU.SERVER_AUTH, EKU.CLIENT_AUTH])
-    leaf("client", 3, [EKU.CLIENT_AUTH])
-    return tmp_path
-
-
 def test_tls_with_client_certificates(tmp_path, run_id):
-    certs = _make_certs(tmp_path)
+    certs = make_certs(tmp_path / "certs")
     args = ["--cert-file", str(certs / "server.pem"), "--key-file", str(certs / "server-key.pem"),
             "--trusted-ca-file", str(certs / "ca.pem"), "--client-cert-auth"]
     server = EtcdServer(data_dir=tmp_path / "data", extra_args=args)
@@ -608,3 +572,35 @@ def test_a_closed_run_with_a_live_node_stays_closed(etcd, run_id):
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_a_spare_node_beyond_max_nodes_is_told_the_run_is_closed_when_it_finishes(etcd, run_id):
+    """A pod beyond --max-nodes waits as a spare (torch's redundancy list). When the run finishes, torch's
+    join raises RendezvousGracefulExitError, which its agent turns into a run() that returns None and its
+    launcher into an AttributeError (exit 1; a Job recreates the pod). Ours says RendezvousClosedError,
+    which elastic-train ends with status 0."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+    create = handler_creator()
+    a, spare = create(_params(etcd, run_id, 1, 1)), create(_params(etcd, run_id, 1, 1, last_call_timeout="0.5"))
+    outcome: list[BaseException | None] = []
+
+    def join_as_spare():
+        try:
+            spare.next_rendezvous()
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - the test checks which one
+            outcome.append(exc)
+
+    try:
+        assert a.next_rendezvous().world_size == 1
+        thread = threading.Thread(target=join_as_spare, daemon=True)
+        thread.start()
+        time.sleep(3)  # the spare registers and waits: the round is full
+        assert thread.is_alive() and not outcome, outcome
+        a.set_closed()  # the run finished: torch's launcher closes the rendezvous
+        thread.join(30)
+        assert outcome and isinstance(outcome[0], RendezvousClosedError), outcome
+    finally:
+        a.shutdown()
+        spare.shutdown()

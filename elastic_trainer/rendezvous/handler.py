@@ -56,6 +56,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
+    RendezvousGracefulExitError,
     RendezvousInfo,
     RendezvousParameters,
     RendezvousStoreInfo,
@@ -153,7 +154,14 @@ class _EtcdOpExecutor(DistributedOpExecutor):
                 holder.sync(use_cache=False)
             self._state = holder.state
             ctx = RendezvousContext(self._node, self._state, self._settings)
-            action = state_handler(ctx, deadline)
+            try:
+                action = state_handler(ctx, deadline)
+            except RendezvousGracefulExitError as exc:
+                # A spare (beyond max nodes) when the run finished. torch's agent turns this error
+                # into a run() that returns None, which its launcher then fails on (AttributeError,
+                # status 1: a Job would recreate the pod); a closed rendezvous is what happened.
+                raise RendezvousClosedError(f"the rendezvous of run '{self._settings.run_id}' is closed "
+                                            f"(the job finished) while this node waited as a spare") from exc
             if action == Action.FINISH:
                 continue
             if action == Action.ERROR_CLOSED:
