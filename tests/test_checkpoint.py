@@ -1,7 +1,7 @@
 """Checkpoints: round trips on real stores, corruption, kills, concurrent writers, fencing, resume.
 
 Every store is real: local files, fsspec's memory://, and s3:// on moto's HTTP server.
-Multi-process tests run tests/ckpt_writer.py in its own session (killed by the ``procs`` fixture).
+Multi-process tests run tests/helpers/ckpt_writer.py in its own session (killed by the ``procs`` fixture).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ except ImportError:  # the rendezvous engineer's module may not have landed yet
     class FencedError(RuntimeError):
         """Stand-in with the contract's name until elastic_trainer.rendezvous.fence exists."""
 
-WRITER = str(Path(__file__).resolve().parent / "ckpt_writer.py")
+WRITER = str(Path(__file__).resolve().parent / "helpers" / "ckpt_writer.py")
 pytestmark = pytest.mark.timeout(180)
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from elastic_trainer import records
 from tests.conftest import cli_cmd
-from tests.rdzv_worker import descendants
+from tests.helpers.rdzv_worker import descendants
 
 pytestmark = pytest.mark.slow
 

@@ -28,7 +28,7 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(180)
 
-FIXTURE = "tests.task_fixture:build"
+FIXTURE = "tests.helpers.task_fixture:build"
 TINY = ["--d-model", "16", "--nhead", "2", "--num-encoder-layers", "1", "--num-decoder-layers", "1",
         "--dim-feedforward", "32", "--src-len", "2", "--tgt-len", "4", "--dataset-size", "256"]
 STEP_KEYS = {"time", "step", "epoch", "offset", "world_size", "rank", "round", "restart", "loss", "node"}

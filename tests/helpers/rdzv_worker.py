@@ -10,7 +10,7 @@ one JSON line to ``<out>/rank-<rank>-<pid>.jsonl``:
 It dies with its agent (PR_SET_PDEATHSIG), so killing an agent kills its node.
 
     torchrun --rdzv-backend etcd-v3 --rdzv-endpoint 127.0.0.1:2379 --nnodes 1:3 \\
-        tests/rdzv_worker.py --out /tmp/steps --sleep 0.1 --seconds 60
+        tests/helpers/rdzv_worker.py --out /tmp/steps --sleep 0.1 --seconds 60
 """
 
 from __future__ import annotations

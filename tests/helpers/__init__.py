@@ -1,0 +1,7 @@
+"""What the tests share that is not a fixture (fixtures live in ``tests/conftest.py``).
+
+- ``rdzv_worker``: a torchrun worker (gloo allreduce steps) and the harness that drives it;
+  also imported by ``benchmarks/recovery.py`` and ``benchmarks/live_recovery.py``.
+- ``ckpt_writer``: a checkpoint writer run as its own process (kills mid-save, concurrent writers).
+- ``task_fixture``: a user task for the trainer, ``--task tests.helpers.task_fixture:build``.
+"""
