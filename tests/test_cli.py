@@ -11,7 +11,7 @@ import time
 import pytest
 
 from elastic_trainer import cli
-from tests.conftest import cli_cmd
+from tests.helpers.common import cli_cmd
 
 BAD_INPUTS = {
     "min_above_max": (["--min-nodes", "3", "--max-nodes", "1"], "--max-nodes (1) must be at least --min-nodes (3)"),

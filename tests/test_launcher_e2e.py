@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from elastic_trainer import records
-from tests.conftest import cli_cmd
-from tests.helpers.common import wait_until
+from tests.helpers.common import cli_cmd, wait_until
 from tests.helpers.rdzv_worker import descendants
 
 pytestmark = pytest.mark.slow

@@ -20,8 +20,7 @@ from elastic_trainer import records
 from elastic_trainer.records import Event
 from tests.test_train_e2e import GBS, TINY, baseline, check_equivalence, final_batches
 from tests.test_trainer import latest
-from tests.conftest import REPO, cli_cmd
-from tests.helpers.common import wait_until
+from tests.helpers.common import REPO, cli_cmd, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

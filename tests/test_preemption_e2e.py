@@ -14,8 +14,7 @@ import pytest
 from elastic_trainer import records
 from elastic_trainer.etcd_server import free_port
 from elastic_trainer.records import Event
-from tests.conftest import REPO
-from tests.helpers.common import wait_until
+from tests.helpers.common import REPO, wait_until
 from tests.test_train_e2e import TINY, wait_for_steps, agent, latest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]

@@ -27,8 +27,7 @@ import pytest
 
 from elastic_trainer import records
 from elastic_trainer.records import Event
-from tests.conftest import REPO, cli_cmd
-from tests.helpers.common import wait_until
+from tests.helpers.common import REPO, cli_cmd, wait_until
 from tests.test_trainer import latest, param_drift
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

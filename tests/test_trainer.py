@@ -24,8 +24,7 @@ from elastic_trainer.train import parse_config
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.training.trainer import Trainer
 from elastic_trainer.etcd_server import free_port
-from tests.conftest import REPO
-from tests.helpers.common import assert_same_state, wait_until
+from tests.helpers.common import REPO, assert_same_state, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 

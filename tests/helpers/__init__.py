@@ -1,7 +1,8 @@
 """What the tests share that is not a fixture (fixtures live in ``tests/conftest.py``).
 
-- ``common``: helpers the test modules call: ``wait_until`` (polling), ``read_jsonl``,
-  ``assert_same_state`` (exact state equality), ``mounted_tmpfs`` (a tiny filesystem, or a skip).
+- ``common``: helpers the test modules call: ``REPO``, ``cli_cmd``, ``wait_until`` (polling),
+  ``read_jsonl``, ``assert_same_state`` (exact state equality), ``mounted_tmpfs`` (a tiny
+  filesystem, or a skip).
 - ``rdzv_worker``: a torchrun worker (gloo allreduce steps) and the harness that drives it;
   also imported by ``benchmarks/recovery.py`` and ``benchmarks/live_recovery.py``.
 - ``ckpt_writer``: a checkpoint writer run as its own process (kills mid-save, concurrent writers).

@@ -1,6 +1,7 @@
-"""Helpers the test modules share: polling, JSON-lines logs, exact state equality, a tiny tmpfs.
+"""Helpers the test modules share: the repository and the CLI, polling, JSON-lines logs, exact
+state equality, a tiny tmpfs.
 
-    from tests.helpers.common import assert_same_state, mounted_tmpfs, read_jsonl, wait_until
+    from tests.helpers.common import REPO, assert_same_state, cli_cmd, mounted_tmpfs, wait_until
 
     steps = wait_until(lambda: records.read_steps(logs), 90, "3 steps", until=lambda s: len(s) >= 3)
     assert_same_state(resumed.state_dict(), uninterrupted.state_dict(), "model")
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +25,14 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
+REPO = Path(__file__).resolve().parent.parent.parent
+
 T = TypeVar("T")
+
+
+def cli_cmd(*args: str) -> list[str]:
+    """The command line of ``elastic-train`` in this interpreter."""
+    return [sys.executable, "-m", "elastic_trainer.cli", *args]
 
 
 def wait_until(poll: Callable[[], T], timeout: float, what: str, *, until: Callable[[T], object] = bool,
