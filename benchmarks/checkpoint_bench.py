@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/checkpoint_bench.py            # d_model 128 and 512, file and s3
     .venv/bin/python benchmarks/checkpoint_bench.py --quick    # smoke test (seconds)
-    .venv/bin/python benchmarks/checkpoint_bench.py --json docs/checkpoint_bench.json   # rows as JSON too
+    .venv/bin/python benchmarks/checkpoint_bench.py --json benchmarks/results/checkpoint_bench.json   # rows as JSON too
 
 For the example model (``torch.nn.Transformer``, 2 encoder + 2 decoder layers, feed-forward 4*d,
 Adam, batch 32 of src 4 / tgt 20 tokens) this runs a real forward/backward/step loop and measures:

@@ -1,7 +1,11 @@
-"""One PNG per benchmark, drawn from the results that ``benchmarks/run_all`` leaves in ``docs/``.
+"""One PNG per benchmark, drawn from the results in ``benchmarks/results/`` into ``docs/``.
 
-    .venv/bin/python benchmarks/plots.py                 # reads docs/, writes docs/*.png
-    .venv/bin/python benchmarks/plots.py --docs /tmp/out
+    .venv/bin/python benchmarks/plots.py                     # reads benchmarks/results/, writes docs/*.png
+    .venv/bin/python benchmarks/plots.py --results /tmp/out --out /tmp/out
+    .venv/bin/python benchmarks/plots.py --docs /tmp/out     # the same: reads and writes one folder
+
+``benchmarks/run_all`` writes the results and then runs this script; the PNGs go to ``docs/``
+because the prose there shows them.
 
 Inputs (a benchmark whose result is missing is skipped with a message):
 
@@ -15,7 +19,7 @@ Inputs (a benchmark whose result is missing is skipped with a message):
   (its printed table) -> ``rdzv_scale.png``
 
 ``run_all`` has every script write JSON; the printed tables are still read so that results saved
-before the scripts wrote JSON (the ``.txt`` files in ``docs/``) still plot.
+before the scripts wrote JSON (a ``.txt`` without its ``.json``) still plot.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"  # what run_all writes: <name>.json and the printed <name>.txt
+DOCS = REPO / "docs"  # the PNGs, beside the prose that shows them
 
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
@@ -71,8 +79,8 @@ def _column(row: dict[str, str], *names: str) -> float | None:
 
 # ---------------------------------------------------------------------------- per benchmark
 
-def plot_overhead(docs: Path) -> Path | None:
-    src = docs / "overhead.json"
+def plot_overhead(results: Path, out: Path | None = None) -> Path | None:
+    src = results / "overhead.json"
     if not src.exists():
         return None
     r = json.loads(src.read_text())
@@ -113,12 +121,12 @@ def plot_overhead(docs: Path) -> Path | None:
     ax2.legend(fontsize=8)
     fig.suptitle(f"Steady-state overhead ({r.get('cpus')} CPUs, {r['settings']['nproc_per_node']} workers, "
                  f"{r['settings']['max_steps']} steps, warm-up {r['settings']['warmup_steps']})", fontsize=10)
-    return _save(fig, docs / "overhead.png")
+    return _save(fig, (out or results) / "overhead.png")
 
 
-def plot_overhead_breakdown(docs: Path) -> Path | None:
+def plot_overhead_breakdown(results: Path, out: Path | None = None) -> Path | None:
     """CPU per sample by process for each side of ``overhead.py --sides ...`` (overhead_breakdown.json)."""
-    src = docs / "overhead_breakdown.json"
+    src = results / "overhead_breakdown.json"
     if not src.exists():
         return None
     r = json.loads(src.read_text())
@@ -147,7 +155,7 @@ def plot_overhead_breakdown(docs: Path) -> Path | None:
     ax2.set_ylabel("samples/s (median, min..max)")
     ax2.set_title("Throughput (moved by other load on the machine)")
     fig.suptitle(f"Overhead split: {r['settings']['repeats']} alternated repeats of each side", fontsize=10)
-    return _save(fig, docs / "overhead_breakdown.png")
+    return _save(fig, (out or results) / "overhead_breakdown.png")
 
 
 # checkpoint_bench.txt's table columns -> the JSON row keys of ``checkpoint_bench.py --json``, with the
@@ -160,7 +168,7 @@ _STREAMED = re.compile(r"^(\S+) d_model=(\d+): plain copy through the save's wri
                        r"save/that ([\d.]+)%", re.M)
 
 
-def _checkpoint_rows(docs: Path) -> list[dict]:
+def _checkpoint_rows(results: Path) -> list[dict]:
     """Rows of ``checkpoint_bench.json`` if present, else of the table in ``checkpoint_bench.txt``, in the JSON's keys.
 
     Each row has ``store``, ``d_model`` and the numbers (None where missing): ``step_s``, ``blocked_s``,
@@ -168,14 +176,14 @@ def _checkpoint_rows(docs: Path) -> list[dict]:
     ``streamed_mbps``, ``streamed_ratio``.
     """
     keys = [key for key, _ in _CKPT_COLUMNS.values()] + ["streamed_mbps", "streamed_ratio"]
-    if (docs / "checkpoint_bench.json").exists():
-        data = json.loads((docs / "checkpoint_bench.json").read_text())
+    if (results / "checkpoint_bench.json").exists():
+        data = json.loads((results / "checkpoint_bench.json").read_text())
         rows = data["rows"] if isinstance(data, dict) else data
         return [{"store": r.get("store", "?"), "d_model": r.get("d_model", "?"), **{k: r.get(k) for k in keys}}
                 for r in rows]
-    if not (docs / "checkpoint_bench.txt").exists():
+    if not (results / "checkpoint_bench.txt").exists():
         return []
-    text = (docs / "checkpoint_bench.txt").read_text()
+    text = (results / "checkpoint_bench.txt").read_text()
     rows = []
     for cells in parse_pipe_table(text):
         row = {"store": cells.get("store", "?"), "d_model": cells.get("d_model", "?"), **dict.fromkeys(keys)}
@@ -190,8 +198,8 @@ def _checkpoint_rows(docs: Path) -> list[dict]:
     return rows
 
 
-def plot_checkpoint(docs: Path) -> Path | None:
-    rows = _checkpoint_rows(docs)
+def plot_checkpoint(results: Path, out: Path | None = None) -> Path | None:
+    rows = _checkpoint_rows(results)
     if not rows:
         return None
     labels = [f"{row['store']}\nd={row['d_model']}" for row in rows]
@@ -226,11 +234,11 @@ def plot_checkpoint(docs: Path) -> Path | None:
     ax2.set_title("Save throughput (target: >= 80% of a plain copy)")
     ax2.legend(fontsize=7)
     fig.suptitle("Checkpoint cost (benchmarks/checkpoint_bench.py)", fontsize=10)
-    return _save(fig, docs / "checkpoint_bench.png")
+    return _save(fig, (out or results) / "checkpoint_bench.png")
 
 
-def plot_recovery(docs: Path) -> Path | None:
-    src = docs / "recovery.json"
+def plot_recovery(results: Path, out: Path | None = None) -> Path | None:
+    src = results / "recovery.json"
     if not src.exists():
         return None
     results: dict[str, list[dict]] = json.loads(src.read_text())["results"]
@@ -267,24 +275,24 @@ def plot_recovery(docs: Path) -> Path | None:
     ax.set_ylabel("seconds to the first step at the new world size")
     ax.set_title("Recovery: bar = median, whisker = worst, n = successful/trials", fontsize=10)
     ax.legend(fontsize=8)
-    return _save(fig, docs / "recovery.png")
+    return _save(fig, (out or results) / "recovery.png")
 
 
-def _rdzv_rows(docs: Path) -> list[dict]:
+def _rdzv_rows(results: Path) -> list[dict]:
     """Rows of ``rdzv_scale.json`` if present, else of the table in ``rdzv_scale.txt``.
 
     Each row has ``agents``, ``all_ranked_s`` (None when not every agent got a rank in time),
     ``timeout_s`` (the join timeout, where known) and ``requests_per_agent``.
     """
-    if (docs / "rdzv_scale.json").exists():
-        data = json.loads((docs / "rdzv_scale.json").read_text())
+    if (results / "rdzv_scale.json").exists():
+        data = json.loads((results / "rdzv_scale.json").read_text())
         if not isinstance(data, dict):
             return data
         return [{"timeout_s": data.get("timeout_s"), **row} for row in data["results"]]
-    if not (docs / "rdzv_scale.txt").exists():
+    if not (results / "rdzv_scale.txt").exists():
         return []
     rows = []
-    for line in (docs / "rdzv_scale.txt").read_text().splitlines():
+    for line in (results / "rdzv_scale.txt").read_text().splitlines():
         cells = line.split()
         if len(cells) >= 5 and cells[0].isdigit():
             rows.append({"agents": int(cells[0]), "all_ranked_s": number(cells[1]) if not cells[1].startswith(">")
@@ -293,8 +301,8 @@ def _rdzv_rows(docs: Path) -> list[dict]:
     return rows
 
 
-def plot_rdzv_scale(docs: Path) -> Path | None:
-    rows = _rdzv_rows(docs)
+def plot_rdzv_scale(results: Path, out: Path | None = None) -> Path | None:
+    rows = _rdzv_rows(results)
     if not rows:
         return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -320,7 +328,7 @@ def plot_rdzv_scale(docs: Path) -> Path | None:
     ax2.set_title("etcd requests per agent")
     ax2.set_ylim(bottom=0)
     fig.suptitle("Rendezvous scale on one etcd (benchmarks/rdzv_scale.py)", fontsize=10)
-    return _save(fig, docs / "rdzv_scale.png")
+    return _save(fig, (out or results) / "rdzv_scale.png")
 
 
 def _save(fig, path: Path) -> Path:
@@ -337,15 +345,21 @@ PLOTS = {"overhead": plot_overhead, "overhead_breakdown": plot_overhead_breakdow
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--docs", default=str(Path(__file__).resolve().parent.parent / "docs"),
-                   help="folder with the results; the PNGs are written there (default docs/)")
+    p.add_argument("--results", default=None, metavar="DIR",
+                   help=f"folder with the results (default {RESULTS.relative_to(REPO)}/)")
+    p.add_argument("--out", default=None, metavar="DIR", help=f"folder for the PNGs (default {DOCS.relative_to(REPO)}/)")
+    p.add_argument("--docs", default=None, metavar="DIR",
+                   help="one folder for both: read the results in DIR and write the PNGs there "
+                        "(--results or --out, when given, win)")
     p.add_argument("--only", default=None, help="comma list of " + ", ".join(PLOTS))
     args = p.parse_args(argv)
-    docs = Path(args.docs)
+    results = Path(args.results or args.docs or RESULTS)
+    out = Path(args.out or args.docs or DOCS)
+    out.mkdir(parents=True, exist_ok=True)
     names = args.only.split(",") if args.only else list(PLOTS)
     for name in names:
-        out = PLOTS[name](docs)
-        print(f"{name}: {'wrote ' + str(out) if out else 'no results in ' + str(docs) + ', skipped'}")
+        png = PLOTS[name](results, out)
+        print(f"{name}: {'wrote ' + str(png) if png else 'no results in ' + str(results) + ', skipped'}")
     return 0
 
 

@@ -1,7 +1,7 @@
 """Shared fixtures: a real etcd server, a real S3 HTTP endpoint, and process clean-up.
 
 Every fixture starts what it needs on a free loopback port and stops it afterwards,
-also when the test fails.
+also when the test fails. Helpers that are not fixtures are in ``tests/helpers/common.py``.
 """
 
 from __future__ import annotations
@@ -9,15 +9,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import uuid
-from pathlib import Path
 
 import pytest
 
 from elastic_trainer.etcd_server import EtcdServer, free_port
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 _HANDLER_EXPORTS = "ELASTIC_TRAINER_RDZV_"
@@ -103,8 +99,11 @@ def any_url(request, tmp_path) -> str:
     return request.getfixturevalue("s3_url")
 
 
-class ProcessGroup:
-    """Starts commands in their own sessions and kills every one of them at the end."""
+class Processes:
+    """OS processes a test starts, each in its own session, all killed (by process group) at the end.
+
+    (Not a torch process group: what it holds are ``subprocess.Popen`` objects.)
+    """
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
@@ -128,13 +127,8 @@ class ProcessGroup:
 @pytest.fixture
 def procs():
     """Start processes with ``procs.start([...])``; all are killed (by process group) after the test."""
-    group = ProcessGroup()
+    started = Processes()
     try:
-        yield group
+        yield started
     finally:
-        group.kill_all()
-
-
-def cli_cmd(*args: str) -> list[str]:
-    """The command line of ``elastic-train`` in this interpreter."""
-    return [sys.executable, "-m", "elastic_trainer.cli", *args]
+        started.kill_all()

@@ -129,6 +129,21 @@ def test_plots_draw_one_png_per_benchmark_from_results(tmp_path):
         assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{name}.png not written"
 
 
+def test_plots_read_the_results_folder_and_write_the_pngs_elsewhere(tmp_path):
+    """By default results come from benchmarks/results/ and PNGs go to docs/; --results and --out move each."""
+    plots = _load_plots()
+    assert plots.RESULTS == BENCH / "results" and plots.DOCS == REPO / "docs"
+    results, pngs = tmp_path / "results", tmp_path / "pngs"
+    results.mkdir()
+    (results / "recovery.json").write_text(json.dumps({"results": {
+        "etcd-v3": [{"kill-other": 3.0, "join": 2.0, "kill-rank0": 4.0}]}}))
+    out = subprocess.run([sys.executable, str(BENCH / "plots.py"), "--results", str(results), "--out", str(pngs),
+                          "--only", "recovery"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert (pngs / "recovery.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (results / "recovery.png").exists()
+
+
 def _load_plots():
     spec = importlib.util.spec_from_file_location("bench_plots", BENCH / "plots.py")
     module = importlib.util.module_from_spec(spec)

@@ -1,7 +1,7 @@
 """Checkpoints: round trips on real stores, corruption, kills, concurrent writers, fencing, resume.
 
 Every store is real: local files, fsspec's memory://, and s3:// on moto's HTTP server.
-Multi-process tests run tests/ckpt_writer.py in its own session (killed by the ``procs`` fixture).
+Multi-process tests run tests/helpers/ckpt_writer.py in its own session (killed by the ``procs`` fixture).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from elastic_trainer.checkpoint import storage
 from elastic_trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
+from tests.helpers.common import assert_same_state, mounted_tmpfs
 
 try:
     from elastic_trainer.rendezvous.fence import FencedError
@@ -31,7 +32,7 @@ except ImportError:  # the rendezvous engineer's module may not have landed yet
     class FencedError(RuntimeError):
         """Stand-in with the contract's name until elastic_trainer.rendezvous.fence exists."""
 
-WRITER = str(Path(__file__).resolve().parent / "ckpt_writer.py")
+WRITER = str(Path(__file__).resolve().parent / "helpers" / "ckpt_writer.py")
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -47,21 +48,6 @@ def _tiny_state(step: int, seed: int = 0) -> dict:
     return {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": capture_rng_state(),
             "sampler": {"epoch": 1, "offset": 96, "seed": 0}, "step": step, "epoch": 1,
             "meta": {"world_size": 2, "epoch": 1, "wandb_run_id": "abc123"}}
-
-
-def _assert_same(a, b) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert set(a) == set(b)
-        for k in a:
-            _assert_same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _assert_same(x, y)
-    else:
-        assert a == b
 
 
 def _step_dir(url: str, step: int) -> tuple:
@@ -90,7 +76,7 @@ def test_round_trip_restores_every_tensor_and_value(any_url, async_checkpoint):
     assert mgr.latest_step() == 5
     step, loaded = mgr.load()
     assert step == 5
-    _assert_same(state, loaded)
+    assert_same_state(state, loaded)
     fs, d = _step_dir(any_url, 5)
     manifest = json.loads(fs.cat_file(storage.join(d, "manifest.json")))
     assert manifest["meta"] == {"world_size": 2, "epoch": 1, "wandb_run_id": "abc123"}
@@ -201,7 +187,7 @@ def test_damaged_newest_checkpoint_is_skipped_and_previous_loads(any_url, damage
     with caplog.at_level(logging.WARNING, logger="elastic_trainer.checkpoint"):
         step, state = mgr.load()
     assert step == 10
-    _assert_same(_tiny_state(10)["model"], state["model"])
+    assert_same_state(_tiny_state(10)["model"], state["model"])
     assert "step-20" in caplog.text
     assert mgr.latest_step() == 10
     assert mgr.load(20) is None
@@ -269,7 +255,7 @@ def test_format1_sha256_checkpoint_still_verifies_and_loads(tmp_path, caplog):
     assert mgr.latest_step() == 3
     step, loaded = mgr.load()
     assert step == 3
-    _assert_same(state, loaded)
+    assert_same_state(state, loaded)
     # a new save beside it keeps it (retention counts it as committed) ...
     mgr.save(4, _tiny_state(4))
     assert sorted(p.name for p in Path(url).iterdir()) == ["step-3", "step-4"]
@@ -340,7 +326,7 @@ def test_optimizer_tensors_copied_beside_training_hold_the_values_of_the_save(tm
         assert mgr.last_error is None, mgr.last_error
         stats = mgr.last_save_stats
         assert stats["committed"] and stats["blocked_s"] >= stats["copy_wait_s"] >= 0
-        _assert_same(want, mgr.load(step)[1])
+        assert_same_state(want, mgr.load(step)[1])
     mgr.close()
 
 
@@ -354,7 +340,7 @@ def test_buffers_changed_by_forward_are_copied_before_save_returns(tmp_path):
     _step(model, opt)  # forward updates the BatchNorm running stats before the optimizer step
     mgr.wait()
     assert mgr.last_error is None, mgr.last_error
-    _assert_same(want, mgr.load(1)[1]["model"])
+    assert_same_state(want, mgr.load(1)[1]["model"])
 
 
 def test_parameter_changed_in_place_before_the_optimizer_step_abandons_that_save_only(tmp_path, caplog):
@@ -379,7 +365,7 @@ def test_parameter_changed_in_place_before_the_optimizer_step_abandons_that_save
     _step(model, opt)
     mgr.wait()
     assert mgr.last_error is None, mgr.last_error
-    _assert_same(want, mgr.load(2)[1]["model"])
+    assert_same_state(want, mgr.load(2)[1]["model"])
 
 
 def test_blocking_saves_and_overlap_copy_false_copy_everything_inside_save(tmp_path):
@@ -394,7 +380,7 @@ def test_blocking_saves_and_overlap_copy_false_copy_everything_inside_save(tmp_p
             model[0].weight.add_(1.0)  # not through an optimizer: only a copy made in save() is safe
         mgr.wait()
         assert mgr.last_error is None, mgr.last_error
-        _assert_same(want, mgr.load(1)[1]["model"])
+        assert_same_state(want, mgr.load(1)[1]["model"])
 
 
 # --------------------------------------------------------------------------- retention
@@ -510,12 +496,7 @@ def test_upload_failing_every_time_keeps_training_and_last_good_checkpoint(tmp_p
 
 
 def test_disk_full_on_a_real_tiny_filesystem_keeps_last_good_checkpoint(tmp_path):
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    try:
+    with mounted_tmpfs(tmp_path / "tiny", size="1m") as mnt:
         mgr = CheckpointManager(str(mnt / "c"), keep_checkpoints=3, async_checkpoint=True, retry_backoff_s=0.01)
         mgr.save(1, {"model": {"w": torch.ones(1000)}})
         mgr.wait()
@@ -529,8 +510,6 @@ def test_disk_full_on_a_real_tiny_filesystem_keeps_last_good_checkpoint(tmp_path
         mgr.save(3, {"model": {"w": torch.full((1000,), 3.0)}})  # space came back (failed files removed)
         mgr.wait()
         assert mgr.last_error is None and mgr.load()[0] == 3
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 # --------------------------------------------------------------------------- real processes
@@ -667,12 +646,10 @@ def test_resumed_run_continues_exactly_like_an_uninterrupted_one(tmp_path):
         got_draws += _train(model2, opt2, 1)
         sched2.step()
 
-    for p, q in zip(model.parameters(), model2.parameters()):
-        assert torch.equal(p, q)
-    _assert_same(opt.state_dict(), opt2.state_dict())
+    assert_same_state(model.state_dict(), model2.state_dict(), "model")
+    assert_same_state(opt.state_dict(), opt2.state_dict(), "optimizer")
     assert sched.state_dict() == sched2.state_dict()
-    for (t1, n1, r1), (t2, n2, r2) in zip(want_draws, got_draws):
-        assert torch.equal(t1, t2) and n1 == n2 and r1 == r2
+    assert_same_state(want_draws, got_draws, "draws")  # (torch, numpy, random) draws after the resume
 
 
 # --------------------------------------------------------------------------- fencing with a real etcd

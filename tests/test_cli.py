@@ -11,7 +11,7 @@ import time
 import pytest
 
 from elastic_trainer import cli
-from tests.conftest import cli_cmd
+from tests.helpers.common import cli_cmd
 
 BAD_INPUTS = {
     "min_above_max": (["--min-nodes", "3", "--max-nodes", "1"], "--max-nodes (1) must be at least --min-nodes (3)"),
@@ -156,7 +156,7 @@ def test_script_and_its_arguments_are_passed_like_torchrun(tmp_path):
 def tls_etcd(tmp_path_factory):
     """An etcd on loopback that serves client TLS and requires a client certificate: (server, certs)."""
     from elastic_trainer.etcd_server import EtcdServer
-    from tests.tls_certs import make_certs
+    from tests.helpers.tls_certs import make_certs
 
     certs = make_certs(tmp_path_factory.mktemp("certs"))
     data = tmp_path_factory.mktemp("etcd-tls") / "data"

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from elastic_trainer import records
 from elastic_trainer.drill import command as drill, report as drill_report
 from elastic_trainer.records import LedgerRecord, StepRecord
 from elastic_trainer.drill.scenario import ScenarioError, Trigger, parse_args, parse_fault
+from tests.helpers.common import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -289,14 +289,13 @@ def test_sigterm_to_the_drill_stops_everything_it_started(tmp_path):
            "--kill", "node:1@step:100000"] + (["--netns", "--fill-disk", "@step:100000"] if root else [])
     proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 150
         def trained() -> bool:
-            return any(records.step_files(node, rank=0) for node in out.glob("nodes/*"))
-
-        while not trained() and time.monotonic() < deadline:
+            if any(records.step_files(node, rank=0) for node in out.glob("nodes/*")):
+                return True
             assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            time.sleep(0.5)
-        assert trained(), "the drill never trained"
+            return False
+
+        wait_until(trained, 150, "the drill's first step", interval=0.5)
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=60) == 130
     finally:

@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from elastic_trainer import cli
-from tests import k8s_pod
+from tests.helpers import k8s_pod
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"

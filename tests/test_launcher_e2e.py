@@ -5,14 +5,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from elastic_trainer import records
-from tests.conftest import cli_cmd
-from tests.rdzv_worker import descendants
+from tests.helpers.common import cli_cmd, wait_until
+from tests.helpers.rdzv_worker import descendants
 
 pytestmark = pytest.mark.slow
 
@@ -34,12 +33,8 @@ def alive(pid: int) -> bool:
 
 
 def wait_for_steps(log_dir: Path, count: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if len(records.read_steps(log_dir)) >= count:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"fewer than {count} step lines in {log_dir} after {timeout}s")
+    wait_until(lambda: records.read_steps(log_dir), timeout, f"{count} step lines in {log_dir}",
+               until=lambda steps: len(steps) >= count)
 
 
 def test_short_run_on_embedded_etcd_trains_and_exits_zero(tmp_path):
@@ -72,10 +67,8 @@ def test_stop_signal_leaves_no_agent_worker_or_etcd(tmp_path, procs, sig):
     assert sum("elastic_trainer.train" in c for c in names.values()) == 2, names
     os.kill(cli.pid, sig)
     cli.wait(timeout=60)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(alive(p) for p in started):
-        time.sleep(0.2)
-    assert not [names.get(p, p) for p in started if alive(p)]
+    wait_until(lambda: not any(alive(p) for p in started), 10, "the agent, workers and etcd to exit",
+               details=lambda: f"still running: {[names.get(p, p) for p in started if alive(p)]}")
     assert cli.returncode == 128 + sig
 
 
@@ -91,7 +84,5 @@ def test_killed_launcher_takes_its_workers_and_etcd_along(tmp_path, procs):
     assert len(started) >= 3  # etcd and two workers at least
     os.kill(cli.pid, signal.SIGKILL)
     cli.wait(timeout=30)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(alive(p) for p in started):
-        time.sleep(0.2)
-    assert not [p for p in started if alive(p)]
+    wait_until(lambda: not any(alive(p) for p in started), 15, "the workers and etcd to exit",
+               details=lambda: f"still running: {[p for p in started if alive(p)]}")

@@ -20,7 +20,7 @@ from elastic_trainer import records
 from elastic_trainer.records import Event
 from tests.test_train_e2e import GBS, TINY, baseline, check_equivalence, final_batches
 from tests.test_trainer import latest
-from tests.conftest import REPO, cli_cmd
+from tests.helpers.common import REPO, cli_cmd, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -42,15 +42,11 @@ def steps_of(logs: Path) -> list[dict]:
 
 
 def wait_steps(what: str, pred, logs: Path, timeout: float, outs: list[Path]) -> list[dict]:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        st = steps_of(logs)
-        if pred(st):
-            return st
-        time.sleep(0.2)
-    tails = "\n".join(f"--- {o.name}\n" + o.read_text()[-2500:] for o in outs if o.exists())
-    raise AssertionError(f"timed out waiting for {what}; steps so far: "
-                         f"{sorted({(s['round'], s['world_size'], s['pid']) for s in steps_of(logs)})}\n{tails}")
+    def seen() -> str:
+        tails = "\n".join(f"--- {o.name}\n" + o.read_text()[-2500:] for o in outs if o.exists())
+        return f"steps so far: {sorted({(s['round'], s['world_size'], s['pid']) for s in steps_of(logs)})}\n{tails}"
+
+    return wait_until(lambda: steps_of(logs), timeout, what, until=pred, details=seen)
 
 
 def agent_of(worker_pid: int, agents) -> object:

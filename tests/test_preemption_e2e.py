@@ -14,7 +14,7 @@ import pytest
 from elastic_trainer import records
 from elastic_trainer.etcd_server import free_port
 from elastic_trainer.records import Event
-from tests.conftest import REPO
+from tests.helpers.common import REPO, wait_until
 from tests.test_train_e2e import TINY, wait_for_steps, agent, latest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -88,9 +88,8 @@ def _two_rank_world(procs, tmp_path: Path, *trainer_args: str) -> tuple[list[sub
                                     "--sleep-per-step", "0.1", "--log-dir", str(logs),
                                     "--checkpoint-dir", str(tmp_path / "ck"), *trainer_args],
                                    cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-    end = time.monotonic() + 180
-    while time.monotonic() < end and len(records.read_steps(logs)) < 6:
-        time.sleep(0.2)
+    wait_until(lambda: records.read_steps(logs), 180, "6 steps of the two-rank world",
+               until=lambda steps: len(steps) >= 6)
     return workers, logs
 
 

@@ -19,7 +19,7 @@ from elastic_trainer.training.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(120)
 
-FIXTURE = "tests.task_fixture:build"
+FIXTURE = "tests.helpers.task_fixture:build"
 
 # Lines as the trainer wrote them before the records existed (compact JSON, these key orders).
 OLD_STEP_LINES = [

@@ -1,7 +1,7 @@
 """Real torchrun agents on the etcd-v3 rendezvous: nodes die, pause and join; one world at a time.
 
 Each node is ``python -m torch.distributed.run --rdzv-backend etcd-v3`` (found through the
-``torchrun.handlers`` entry point) with one ``tests/rdzv_worker.py`` worker that logs every
+``torchrun.handlers`` entry point) with one ``tests/helpers/rdzv_worker.py`` worker that logs every
 allreduce step with its round and world size. The step logs are the evidence.
 """
 
@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from tests.rdzv_worker import agent_cmd, read_steps, signal_tree, world_problems, world_summary
+from tests.helpers.common import wait_until
+from tests.helpers.rdzv_worker import agent_cmd, read_steps, signal_tree, world_problems, world_summary
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -40,14 +41,11 @@ class Nodes:
         return proc
 
     def wait_for(self, what: str, pred, timeout: float = 90) -> list[dict]:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            steps = read_steps(self.out)
-            if pred(steps):
-                return steps
-            time.sleep(0.2)
-        logs = {p.name: p.read_text()[-1500:] for p in self.tmp.glob("*.log")}
-        pytest.fail(f"timed out waiting for {what}; worlds {world_summary(read_steps(self.out))}; agent logs: {logs}")
+        def worlds_and_logs() -> str:
+            logs = {p.name: p.read_text()[-1500:] for p in self.tmp.glob("*.log")}
+            return f"worlds {world_summary(read_steps(self.out))}; agent logs: {logs}"
+
+        return wait_until(lambda: read_steps(self.out), timeout, what, until=pred, details=worlds_and_logs)
 
     def kill_all(self) -> None:
         for proc in self.started:

@@ -44,7 +44,8 @@ from elastic_trainer.rendezvous.state import (
     node_name,
     parse_node_name,
 )
-from tests.tls_certs import make_certs
+from tests.helpers.common import wait_until
+from tests.helpers.tls_certs import make_certs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -433,9 +434,7 @@ def test_handlers_form_a_round_with_fresh_bootstrap_info_and_export_the_round(et
         handlers.append(third)
         joined = threading.Thread(target=lambda: third.next_rendezvous(), daemon=True)
         joined.start()
-        deadline = time.monotonic() + 20
-        while handlers[0].num_nodes_waiting() == 0 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: handlers[0].num_nodes_waiting() > 0, 20, "the members to see the third node", interval=0.1)
         assert handlers[0].num_nodes_waiting() == 1
         infos = _join_all(handlers[:2])
         joined.join(30)
@@ -455,10 +454,7 @@ def test_watchdog_revokes_the_round_when_a_peer_loses_its_lease(etcd, run_id):
         _join_all([a, b])
         assert a.num_nodes_waiting() == 0
         b._lease.close(revoke=True)  # b vanishes as if killed (its lease ends)
-        deadline = time.monotonic() + 10
-        while a.num_nodes_waiting() == 0 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert a.num_nodes_waiting() >= 1
+        wait_until(lambda: a.num_nodes_waiting() > 0, 10, "the watchdog to revoke the round", interval=0.1)
         assert "lost their etcd lease" in a._revoked
         # The survivor re-rendezvouses alone (no other live node to wait for).
         info = a.next_rendezvous()
@@ -477,9 +473,7 @@ def test_node_that_lost_its_lease_must_leave_before_it_rejoins(etcd, run_id, con
         fence.check()
         # etcd expires the lease behind the node's back (as after a long pause).
         conn.client.revoke_lease(a._lease._lease_id)
-        deadline = time.monotonic() + 10
-        while a.num_nodes_waiting() == 0 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: a.num_nodes_waiting() > 0, 10, "the node to notice its lease expired", interval=0.1)
         assert a._revoked == "its etcd lease expired"
         with pytest.raises(FencedError):
             fence.check()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import uuid
 
@@ -11,6 +10,7 @@ import torch
 
 from elastic_trainer.checkpoint import storage
 from elastic_trainer.etcd_server import free_port
+from tests.helpers.common import mounted_tmpfs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,17 +29,10 @@ def test_directory_under_a_file_is_a_one_line_error(tmp_path):
 
 
 def test_read_only_filesystem_is_a_one_line_error(tmp_path):
-    mnt = tmp_path / "ro"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    try:
+    with mounted_tmpfs(tmp_path / "ro", size="1m", read_only=True) as mnt:
         with pytest.raises(storage.StorageError, match="is not writable") as info:
             storage.check_writable(str(mnt / "ckpt"))
         assert "\n" not in str(info.value)
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_missing_bucket_is_a_one_line_error_and_is_not_created(s3_endpoint):

@@ -27,7 +27,7 @@ import pytest
 
 from elastic_trainer import records
 from elastic_trainer.records import Event
-from tests.conftest import REPO, cli_cmd
+from tests.helpers.common import REPO, cli_cmd, wait_until
 from tests.test_trainer import latest, param_drift
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -121,14 +121,11 @@ def test_world_size_3_then_1_then_2_matches_an_uninterrupted_run(etcd, run_id, p
 
 
 def wait_for_steps(what: str, pred, logs: Path, timeout: float, agents: list[subprocess.Popen], outs: list[Path]):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        steps = records.read_steps(logs)
-        if pred(steps):
-            return steps
-        time.sleep(0.2)
-    tails = {p.name: p.read_text()[-1500:] for p in outs if p.exists()}
-    pytest.fail(f"timed out waiting for {what}; agent logs: {tails}")
+    def agent_logs() -> str:
+        tails = {p.name: p.read_text()[-1500:] for p in outs if p.exists()}
+        return f"agent logs: {tails}"
+
+    return wait_until(lambda: records.read_steps(logs), timeout, what, until=pred, details=agent_logs)
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:

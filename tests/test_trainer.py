@@ -24,11 +24,11 @@ from elastic_trainer.train import parse_config
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.training.trainer import Trainer
 from elastic_trainer.etcd_server import free_port
-from tests.conftest import REPO
+from tests.helpers.common import REPO, assert_same_state, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
-FIXTURE = "tests.task_fixture:build"
+FIXTURE = "tests.helpers.task_fixture:build"
 TINY = ["--d-model", "16", "--nhead", "2", "--num-encoder-layers", "1", "--num-decoder-layers", "1",
         "--dim-feedforward", "32", "--src-len", "2", "--tgt-len", "4", "--dataset-size", "256"]
 STEP_KEYS = {"time", "step", "epoch", "offset", "world_size", "rank", "round", "restart", "loss", "node"}
@@ -49,22 +49,6 @@ def latest(ckpt_dir: Path) -> tuple[int, dict]:
     found = CheckpointManager(str(ckpt_dir)).load()
     assert found is not None, f"no checkpoint in {ckpt_dir}"
     return found
-
-
-def assert_same(a, b, where="state"):
-    """Exact equality of nested checkpoint states (tensors bit for bit)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} differs"
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"{where} keys differ: {set(a) ^ set(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{where} lengths differ"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def param_drift(a: dict, b: dict) -> tuple[float, float]:
@@ -153,7 +137,7 @@ def test_h5_variant_of_the_example_trains_exactly_like_the_in_memory_data(tmp_pa
     for name, data in (("mem", []), ("h5", ["--data", f"h5:{tmp_path / 'd.h5'}"])):
         train_inprocess(*TINY, *data, "--max-steps", "3", "--global-batch-size", "16",
                         "--checkpoint-dir", str(tmp_path / name), "--log-dir", str(tmp_path / f"log-{name}"))
-    assert_same(latest(tmp_path / "mem")[1]["model"], latest(tmp_path / "h5")[1]["model"])
+    assert_same_state(latest(tmp_path / "mem")[1]["model"], latest(tmp_path / "h5")[1]["model"])
 
 
 # ------------------------------------------------------------------------------------- resume
@@ -173,7 +157,7 @@ def test_resume_restores_optimizer_scheduler_step_and_rng_exactly(tmp_path):
     step_b, b = latest(tmp_path / "b")
     assert step_a == step_b == 10
     for key in ("model", "optimizer", "scheduler", "rng", "sampler"):
-        assert_same(a[key], b[key], key)
+        assert_same_state(a[key], b[key], key)
     assert a["optimizer"]["state"][0]["step"].item() == 10  # AdamW's own step counter came back too
     assert resumed["loss"] == full["loss"]
     assert Event.RESUME in [e.event for e in records.read_events(tmp_path / "lb")]
@@ -225,14 +209,13 @@ def test_no_resume_starts_from_scratch(tmp_path):
 # ------------------------------------------------------------------------------------- processes
 
 def _wait_for_steps(log_dir: Path, count: int, proc: subprocess.Popen, timeout: float = 90) -> list[StepRecord]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def steps_of_a_running_trainer() -> list[StepRecord]:
         steps = records.read_steps(log_dir)
-        if len(steps) >= count:
-            return steps
-        assert proc.poll() is None, f"trainer exited early with {proc.returncode}"
-        time.sleep(0.2)
-    raise AssertionError(f"fewer than {count} steps after {timeout}s")
+        assert len(steps) >= count or proc.poll() is None, f"trainer exited early with {proc.returncode}"
+        return steps
+
+    return wait_until(steps_of_a_running_trainer, timeout, f"{count} steps in {log_dir}",
+                      until=lambda steps: len(steps) >= count)
 
 
 def test_sigterm_during_training_saves_the_current_step_and_exits_zero(tmp_path, procs):
@@ -260,9 +243,8 @@ def test_sigterm_while_a_step_hangs_exits_after_the_grace_period(tmp_path, procs
                                   "--sleep-per-step", "60", "--checkpoint-dir", str(tmp_path / "ck"),
                                   "--log-dir", str(log_dir), "--no-wandb", "--grace-seconds", "2"),
                        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 90  # wait until the first step is under way (the task was built)
-    while not records.events_path(log_dir).exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
+    # wait until the first step is under way (the task was built)
+    wait_until(lambda: records.events_path(log_dir).exists(), 90, "the trainer's first event")
     time.sleep(1.0)
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -331,7 +313,7 @@ def test_dataloader_workers_feed_the_same_samples_and_parameters(tmp_path):
     ledgers = [records.read_ledger(tmp_path / f"l{name}") for name in ("w0", "w2")]
     assert ledgers[0] == ledgers[1] and len(ledgers[0]) == 20
     assert ledgers[0][15].epoch == 0 and ledgers[0][16].epoch == 1  # 256 samples: 16 steps per epoch
-    assert_same(latest(tmp_path / "w0")[1]["model"], latest(tmp_path / "w2")[1]["model"])
+    assert_same_state(latest(tmp_path / "w0")[1]["model"], latest(tmp_path / "w2")[1]["model"])
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """A checkpoint writer in its own process, for the kill-during-save and concurrent-writer tests.
 
-    python tests/ckpt_writer.py --url /tmp/ck --steps 1,2,3 --writer-id a [--size-kb 64]
+    python tests/helpers/ckpt_writer.py --url /tmp/ck --steps 1,2,3 --writer-id a [--size-kb 64]
         [--slow-from-step 2 --slow-bytes-per-s 1000000] [--keep 3] [--go-file PATH]
 
 Saves each step (blocking) with a state whose tensors are filled with a per-writer value and

@@ -10,7 +10,7 @@ one JSON line to ``<out>/rank-<rank>-<pid>.jsonl``:
 It dies with its agent (PR_SET_PDEATHSIG), so killing an agent kills its node.
 
     torchrun --rdzv-backend etcd-v3 --rdzv-endpoint 127.0.0.1:2379 --nnodes 1:3 \\
-        tests/rdzv_worker.py --out /tmp/steps --sleep 0.1 --seconds 60
+        tests/helpers/rdzv_worker.py --out /tmp/steps --sleep 0.1 --seconds 60
 """
 
 from __future__ import annotations
@@ -125,14 +125,14 @@ def signal_tree(pid: int, sig: int) -> None:
 
 
 def read_steps(out: str) -> list[dict]:
-    """Every step line under ``out``, sorted by time."""
+    """Every complete step line under ``out``, sorted by time."""
+    # imported here, not at the top: the worker above runs as a script, where tests/ is not importable
+    from tests.helpers.common import read_jsonl
+
     steps = []
     if os.path.isdir(out):
         for name in os.listdir(out):
-            with open(os.path.join(out, name)) as f:
-                for line in f:
-                    if line.endswith("\n"):
-                        steps.append(json.loads(line))
+            steps += read_jsonl(os.path.join(out, name))
     return sorted(steps, key=lambda s: s["time"])
 
 

@@ -1,4 +1,4 @@
-"""A user task, as a user would write one, for the trainer tests (``--task tests.task_fixture:build``).
+"""A user task, as a user would write one, for the trainer tests (``--task tests.helpers.task_fixture:build``).
 
 It uses every optional hook (its own optimizer and LR scheduler, a ``training_step`` that draws
 from the global torch RNG) so that resuming must restore all of them to match an uninterrupted

@@ -1,6 +1,6 @@
 """A throw-away PKI for tests of etcd with TLS: a CA, a server and a client certificate.
 
-    from tests.tls_certs import make_certs
+    from tests.helpers.tls_certs import make_certs
     certs = make_certs(tmp_path)                 # ca.pem, server.pem, server-key.pem, client.pem, client-key.pem
     certs = make_certs(tmp_path, hosts=["10.77.0.2", "etcd-0.etcd-peer.elastic-trainer.svc"])
 
