@@ -218,3 +218,26 @@ def test_nccl_groups_of_the_live_path_abort_instead_of_ending_the_process(monkey
     with caplog.at_level("WARNING"):
         assert nccl_error_handling() == "3"
     assert "falls back to restarting" in caplog.text
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_leaving_a_broken_group_frees_it_so_a_peer_blocked_on_it_fails_at_once(procs, tmp_path):
+    """A survivor blocked in a collective with another survivor (not with the dead peer) learns of
+    the failure only when that one's connections close: nothing may keep the left group alive
+    (DDP, a traceback, a stray reference), or the blocked peer waits for its timeout, reports
+    late and is left out of the quorum (a restart instead of a re-form)."""
+    import json
+    import subprocess
+    import sys
+
+    from elastic_trainer.etcd_server import free_port
+
+    port, out = free_port(), tmp_path / "times"
+    script = REPO / "tests" / "helpers" / "blocked_peer.py"
+    ranks = [procs.start([sys.executable, str(script), str(r), str(port), str(out)], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
+    for p in ranks:
+        p.wait(timeout=60)
+    left = json.loads(Path(f"{out}.0").read_text())["left"]
+    failed = json.loads(Path(f"{out}.1").read_text())["recv_failed"]
+    assert failed - left < 1.5, f"the blocked peer failed {failed - left:.2f}s after the other left (it lives 12 s)"

@@ -26,6 +26,7 @@ step, every rank), events (rank 0) and the sample ledger (with ``--sample-ledger
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import re
@@ -35,7 +36,7 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,7 @@ from elastic_trainer.training.worker import (
 )
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PEER_STOPPED = "a peer was stopped by a signal"
 """Why a rank stops when another node was preempted: it saves with the others, then exits with
@@ -87,10 +89,31 @@ def _abort_world_group() -> None:
         logger.info("live: abort of the process group from the watcher: %s", exc)
 
 
-def _abort_process_group() -> None:
-    """Abort (NCCL: tear the communicators down, unblocking queued work) and destroy the default group."""
+def run_or_failed_collective(step: Callable[[], T], recover: bool) -> tuple[T | None, str | None]:
+    """``(step(), None)``, or ``(None, cause)`` when ``recover`` and a collective failed in it.
+
+    The failure is returned, not handled inside the ``except`` block, so that the re-form runs
+    with the failed step's frames (its traceback) released: while anything refers to the broken
+    process group its gloo connections stay open (checked: a peer blocked on this process then
+    waits until it exits), and a survivor blocked on this one, not on the dead peer, would report
+    late and be left out of the next quorum."""
+    try:
+        return step(), None
+    except Exception as exc:  # noqa: BLE001 - only a failed collective is recovered; the rest re-raises
+        if not recover or not _collective_failed(exc):
+            raise
+        return None, f"a collective failed ({type(exc).__name__})"
+
+
+def leave_process_group() -> None:
+    """Abort (NCCL: tear the communicators down, unblocking queued work) and destroy the default group.
+
+    What still refers to the group keeps its connections open after ``destroy_process_group``
+    (peers blocked on this process then wait until it exits): the caller drops DDP first, and
+    ``gc.collect()`` here frees what only reference cycles still hold."""
     if not dist.is_initialized():
         return
+    gc.collect()
     try:
         dist.group.WORLD.abort()
     except Exception as exc:  # noqa: BLE001 - gloo has little to abort; destroy below frees it
@@ -359,12 +382,10 @@ class Trainer:
         if self.live is not None:
             self.live.start_watching()
         while not self._done(total):
-            try:
-                reason = self._loop_step(total, profiler, started, last_save)
-            except Exception as exc:  # noqa: BLE001 - only a failed collective is recovered here
-                if self.live is None or not _collective_failed(exc):
-                    raise
-                self._live_reform(f"a collective failed ({type(exc).__name__})")
+            reason, failed = run_or_failed_collective(
+                lambda: self._loop_step(total, profiler, started, last_save), recover=self.live is not None)
+            if failed is not None:  # re-form outside the except block: see run_or_failed_collective
+                self._live_reform(failed)
                 continue
             if reason == "saved":
                 last_save = time.monotonic()
@@ -437,7 +458,7 @@ class Trainer:
         old_world, old_round, old_rank = d.world_size, d.round, d.rank
         self.par = self.par.unwrap()  # DDP goes before its process group
         self.model = None
-        _abort_process_group()
+        leave_process_group()
         self.optimizer.zero_grad(set_to_none=True)
         torn = time.perf_counter()
         step_s = self._last_step_s or 0.0
