@@ -17,8 +17,10 @@ worker each, gloo allreduce "steps") and measures, from the workers' step logs:
 A measurement that does not happen within ``--timeout`` seconds is a failure ("died"
 when every agent exited). Backends: ``etcd-v3`` (ours, defaults), ``c10d`` (torchrun's
 defaults: heartbeats 5 s x 3, last call 30 s, shared TCP store), ``c10d-tuned``
-(keep_alive_interval=1, keep_alive_max_attempt=2, last_call_timeout=1, and
-TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1). It prints median and worst per backend and
+(keep_alive_interval=1, keep_alive_max_attempt=3, last_call_timeout=1, and
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; with 2 attempts, as before 2026-11-25, a joining node
+judged the running nodes' heartbeats stale and formed a world of its own beside theirs, so no
+join ever reached the grown world: see docs/rendezvous.md). It prints median and worst per backend and
 scenario, the number of successful trials, and the command that produced them; "rdzv"
 columns give the part until an agent logged "Rendezvous complete" (the rest is torchrun
 starting the workers: a new Python, ``import torch``, gloo init).
@@ -50,7 +52,7 @@ SCENARIOS = ("kill-other", "kill-rank0", "join")
 BACKENDS = {
     "etcd-v3": ("etcd-v3", "", {}),
     "c10d": ("c10d", "", {}),
-    "c10d-tuned": ("c10d", "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1",
+    "c10d-tuned": ("c10d", "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1",
                    {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
 }
 

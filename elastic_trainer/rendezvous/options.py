@@ -36,7 +36,7 @@ class RendezvousOptions:
         "ca_cert": None, "cert": None, "key": None, "read_timeout": 10.0, "connect_timeout": 4.0,
         "retry_timeout": 60.0, "join_timeout": 600.0, "last_call_timeout": 1.0, "close_timeout": 30.0,
         "heartbeat_timeout": 5.0, "lease_ttl": 3, "keep_alive_interval": 1.0,
-        "recovery": "restart", "report_timeout": 2.0,
+        "recovery": "restart", "report_timeout": 5.0,
     }
 
     def __init__(self, params: RendezvousParameters) -> None:

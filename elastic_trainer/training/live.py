@@ -17,7 +17,7 @@ process hosts a single point of failure). Each worker keeps ``live/alive/<id>`` 
   survivor destroys its group and reports ``live/report/<q+1>/<id>`` with the step it completed.
   The quorum closes when every old member reported, or is provably dead (its lease is gone, or
   its probe port refuses connections: a killed process's listening socket is closed by the
-  kernel), or after ``report_timeout``. Whole nodes only: a node missing a worker is dropped
+  kernel), or after ``report_timeout`` (a member alive but late). Whole nodes only: a node missing a worker is dropped
   (its agent restarts them all). The new quorum continues at the highest reported step, from a
   survivor that completed it; survivors behind it (at most one step, under DDP) receive its state.
 - **Node added**: a newcomer starts, builds its model and registers ``live/join/<id>`` while the
@@ -94,8 +94,9 @@ class LiveSettings:
     """Seconds a cold start waits for more nodes once ``min_nodes`` registered."""
     join_timeout: float = 600.0
     """Seconds a worker waits to be admitted, or for ``min_nodes`` after a loss."""
-    report_timeout: float = 2.0
-    """Seconds the survivors wait for a member that neither reported nor is provably dead."""
+    report_timeout: float = 5.0
+    """Seconds the survivors wait for a member that neither reported nor is provably dead (its
+    lease still renewed: a stopped or cut-off member is dropped when its lease expires)."""
     lease_ttl: int = 3
     keep_alive_interval: float = 1.0
     poll: float = 0.1
