@@ -241,3 +241,32 @@ def test_a_rank_leaving_a_broken_group_frees_it_so_a_peer_blocked_on_it_fails_at
     left = json.loads(Path(f"{out}.0").read_text())["left"]
     failed = json.loads(Path(f"{out}.1").read_text())["recv_failed"]
     assert failed - left < 1.5, f"the blocked peer failed {failed - left:.2f}s after the other left (it lives 12 s)"
+
+
+def test_a_short_etcd_outage_costs_a_live_run_no_restart(procs, run_id, tmp_path):
+    """etcd killed and started again 2 s later (same data): under live recovery the workers keep
+    their processes and train on (on the restart path every agent's cut-off watchdog stops its
+    workers after lease_ttl - keep_alive_interval without a renewal, and they restart)."""
+    from elastic_trainer.etcd_server import EtcdServer
+
+    server = EtcdServer(data_dir=tmp_path / "etcd", log_path=tmp_path / "etcd.log").start()
+    try:
+        ck, logs = tmp_path / "ck", tmp_path / "logs"
+        outs = [tmp_path / f"agent{i}.log" for i in range(2)]
+        args = ("--max-steps", "100000", "--sleep-per-step", "0.1")
+        for out in outs:
+            live_agent(procs, server, run_id, ck, logs, out, *args, nnodes="2:2")
+        st = wait_steps("a world of 2 at step 5", lambda st: any(s["world_size"] == 2 and s["step"] >= 5
+                                                                 for s in st), logs, 120, outs)
+        pids = set(current_ranks(st).values())
+        server.kill()
+        t_kill = time.time()
+        time.sleep(2.0)
+        server.start()
+        st = wait_steps("steps after etcd is back", lambda st: sum(s["time"] > t_kill + 3 for s in st) >= 10,
+                        logs, 60, outs)
+        after = {s["pid"] for s in st if s["time"] > t_kill}
+        assert after == pids, "the same worker processes trained on"
+        assert "has not been renewed" not in "".join(o.read_text() for o in outs)
+    finally:
+        server.stop()

@@ -481,7 +481,11 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             # This process was paused (or starved) for longer than a lease: find out now.
             self._lease.refresh()
             self._watch()
-        if self._joined is not None and self._revoked is None:
+        if self._joined is not None and self._revoked is None and self._options.recovery != "live":
+            # (Live mode: this agent's round is a world of its own node, and which workers train
+            # together is the live quorum's business: each worker holds its own lease and exits
+            # when etcd expired it, quorum changes are compare-and-swaps, commits are fenced.
+            # Stopping healthy workers here would turn a short etcd outage into a restart.)
             unrenewed = self._lease.seconds_since_renewal()
             if unrenewed > self._options.lease_ttl - self._options.keep_alive_interval:
                 # Cut off from etcd (or etcd is down): the lease may run out any moment and the
