@@ -14,7 +14,10 @@ warning that names it. Data files live under a per-writer folder, and the manife
 committed with an atomic create-if-absent (``storage.create_exclusive``) right after the
 rendezvous fence is checked: if two processes both think they are rank 0 (a zombie from an old
 round), the fenced one never commits, and if both pass the fence only one manifest wins, and it
-lists exactly the winner's files, so the checkpoint always verifies.
+lists exactly the winner's files, so the checkpoint always verifies. Given a fence object with
+``guard()`` (``RoundFence``, ``LiveGroup``) the commit is instead the etcd commit record
+(``record.py``), written in one transaction with the fence's token, so a writer paused after
+its check cannot commit either; loads and retention then follow that record.
 
 ``CheckpointManager.save`` blocks only while the state is snapshotted into CPU memory (every
 tensor into its view of one reused buffer, the arena, laid out as the file's data); a background
@@ -60,6 +63,7 @@ import torch
 import xxhash
 
 from elastic_trainer.checkpoint import format as checkpoint_format, storage
+from elastic_trainer.checkpoint.record import CommitRecord, Conflict
 from elastic_trainer.checkpoint.snapshot import DeferredCopy, OptimizerWatch, Snapshot, Snapshotter, where
 
 log = logging.getLogger(__name__)
@@ -151,7 +155,10 @@ class CheckpointManager:
         url: any fsspec URL or local path (storage options from the environment).
         keep_checkpoints: how many committed checkpoints to keep (older ones pruned after a commit).
         async_checkpoint: serialize and upload in a background thread (else inside ``save``).
-        fence: called right before the commit; raising ``FencedError`` (or anything) prevents it.
+        fence: either a fence object with ``guard()`` (``RoundFence``, ``LiveGroup``): the commit is
+            then the etcd commit record (``record.py``), written in one transaction with the fence's
+            token, and loads and retention follow that record; or a plain callable, called right
+            before the manifest is created (check-then-act: raising ``FencedError`` prevents it).
         writer_id: names this writer's data folder and appears in the manifest (default unique).
         overlap_copy: with ``async_checkpoint``, copy the optimizer's tensors (parameters and states)
             beside training instead of inside ``save``; the next optimizer step waits for that
@@ -167,7 +174,8 @@ class CheckpointManager:
         self.keep_checkpoints = keep_checkpoints
         self.async_checkpoint = async_checkpoint
         self.overlap_copy = overlap_copy
-        self.fence = fence
+        self.record = CommitRecord(fence, url) if hasattr(fence, "guard") else None
+        self.fence = None if self.record is not None else fence
         self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         if not _KEY_RE.match(self.writer_id):
             raise ValueError(f"writer_id {self.writer_id!r} may only use letters, digits, '_', '.' and '-'")
@@ -367,7 +375,12 @@ class CheckpointManager:
     def _upload_and_commit(self, step: int, snap: Snapshot, meta: Any, stats: dict, attempt: int) -> None:
         fs, step_dir = self.fs, self._step_dir(step)
         manifest_path = storage.join(step_dir, MANIFEST)
-        if attempt > 1:  # only a retry can find a commit of its own (whose response was lost)
+        if attempt > 1 and self.record is not None:  # a retry may find its own commit in the record
+            mine = next((e for e in self.record.read()[0] if e["step"] == step), None)
+            if mine is not None and mine.get("writer") == self.writer_id:
+                self._store_manifest(manifest_path, mine)
+                return
+        elif attempt > 1:  # only a retry can find a commit of its own (whose response was lost)
             writer = self._manifest_writer(manifest_path)
             if writer == self.writer_id:
                 return
@@ -387,6 +400,20 @@ class CheckpointManager:
             "fence_token": _fence_token(self.fence), "created": time.time(),
             "meta": meta, "host": socket.gethostname(),
         }
+        if self.record is not None:
+            # the commit point: one etcd transaction fenced by the round's (or quorum's) token;
+            # the manifest in storage follows, for a job whose etcd has no record
+            try:
+                manifest["fence_token"] = self.record.commit(manifest, self.keep_checkpoints)
+            except Conflict as exc:
+                raise _Abandon(str(exc)) from exc
+            try:
+                self._store_manifest(manifest_path, manifest)
+            except Exception as exc:  # noqa: BLE001 - committed already: never remove its data now
+                log.warning("checkpoint step-%d is committed in etcd, but its manifest could not be copied to "
+                            "%s (%s: %s); only a job with a new etcd would miss it", step,
+                            storage.redact(manifest_path), type(exc).__name__, storage.redact(exc))
+            return
         data = json.dumps(manifest, indent=1, sort_keys=True, default=str).encode()
         if not storage.create_exclusive(fs, manifest_path, data):
             if self._manifest_writer(manifest_path) == self.writer_id:
@@ -396,6 +423,14 @@ class CheckpointManager:
         # leftover just as the manifest lands, but it does so only below every checkpoint it
         # keeps; such a manifest fails verification on load (skipped, named) and the next
         # retention removes it (docs/checkpoints.md, "Commit").
+
+    def _store_manifest(self, manifest_path: str, manifest: dict) -> None:
+        """The storage copy of a manifest the etcd record committed (create-if-absent)."""
+        data = json.dumps(manifest, indent=1, sort_keys=True, default=str).encode()
+        if not storage.create_exclusive(self.fs, manifest_path, data) \
+                and self._manifest_writer(manifest_path) != self.writer_id:
+            log.warning("%s already holds another writer's manifest; the etcd record, which loaders follow, "
+                        "names this writer's files", storage.redact(manifest_path))
 
     def _check_landed(self, own: str, files: dict) -> None:
         """Every file in this writer's folder with its size, else OSError: a stat of the one file a
@@ -464,9 +499,13 @@ class CheckpointManager:
         if newer manifests exist whose data might be damaged.
         """
         steps = self._steps()
+        recorded = {e["step"]: e for e in self.record.read()[0]} if self.record is not None else {}
         committed: list[tuple[int, dict]] = []
         uncommitted: list[int] = []
         for step in steps:
+            if step in recorded:
+                committed.append((step, recorded[step]))
+                continue
             try:
                 manifest = self._read_manifest(step)
             except (ValueError, OSError):
@@ -477,10 +516,21 @@ class CheckpointManager:
                 committed.append((step, manifest))
         if not committed:
             return
-        kept = committed[: self.keep_checkpoints]
-        oldest_kept = kept[-1][0]
-        for step, _ in committed[self.keep_checkpoints:]:
-            if step == protect:
+        if recorded:
+            # the record's steps are what loaders pick (a round may be loading any of them); storage
+            # manifests below them fill up to keep_checkpoints; any other step is left alone
+            below = [(s, m) for s, m in committed if s < min(recorded)]
+            kept = [(s, recorded[s]) for s in sorted(recorded, reverse=True) if s in dict(committed)]
+            kept += below[: max(0, self.keep_checkpoints - len(kept))]
+            removable = [(s, m) for s, m in below if (s, m) not in kept]
+        else:
+            kept = committed[: self.keep_checkpoints]
+            removable = committed[self.keep_checkpoints:]
+        if not kept:
+            return
+        oldest_kept = min(s for s, _ in kept)
+        for step, _ in removable:
+            if step == protect or step in recorded:
                 continue
             log.info("removing old checkpoint step-%d (keeping %d)", step, self.keep_checkpoints)
             storage.remove(self.fs, self._step_dir(step))
@@ -498,10 +548,12 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ loading
 
-    def _read_verified(self, step: int) -> tuple[int, dict[str, bytes]]:
+    def _read_verified(self, step: int, manifest: dict | None = None) -> tuple[int, dict[str, bytes]]:
         """The manifest's format and the bytes of every file of ``step``, checked against its
-        manifest; ValueError saying what is wrong."""
-        manifest = self._read_manifest(step)
+        manifest (``manifest``, the etcd record's entry, else the one in storage); ValueError
+        saying what is wrong."""
+        if manifest is None:
+            manifest = self._read_manifest(step)
         if manifest is None:
             raise ValueError("no manifest (never committed: in progress, killed or abandoned)")
         out = {}
@@ -518,10 +570,10 @@ class CheckpointManager:
             out[rel] = data
         return manifest["format"], out
 
-    def _verified_load(self, step: int) -> dict:
+    def _verified_load(self, step: int, manifest: dict | None = None) -> dict:
         """Read, verify and deserialize ``step``; never runs code: format 3 is JSON and raw bytes,
         formats 1 and 2 are read with ``torch.load(weights_only=True)``."""
-        fmt, blobs = self._read_verified(step)
+        fmt, blobs = self._read_verified(step, manifest)
         state: dict = {}
         for rel in list(blobs):
             data = blobs.pop(rel)
@@ -534,15 +586,26 @@ class CheckpointManager:
                 raise ValueError(f"{rel} does not load ({type(exc).__name__}: {exc})") from exc
         return state
 
-    def _candidates(self, step: int | None):
-        steps = self._steps()
-        return [s for s in steps if s == step] if step is not None else steps
+    def _candidates(self, step: int | None) -> list[tuple[int, dict | None]]:
+        """``(step, manifest)`` to try, newest first: with an etcd record its steps (with the
+        record's file lists), then the storage manifests below them; without one, every step
+        folder (its manifest read from storage: None)."""
+        entries = self.record.read()[0] if self.record is not None else []
+        recorded = {e["step"]: e for e in entries}
+        if step is not None:
+            return [(step, recorded.get(step))] if step in recorded or step in self._steps() else []
+        if not entries:
+            return [(s, None) for s in self._steps()]
+        # never a storage manifest at or above the record's oldest step that the record lacks: the
+        # record is the commit, and such a manifest is not one of its checkpoints
+        return [(s, recorded[s]) for s in sorted(recorded, reverse=True)] + \
+            [(s, None) for s in self._steps() if s < min(recorded)]
 
     def load(self, step: int | None = None) -> tuple[int, dict] | None:
         """``(step, state)`` of the newest valid checkpoint (or of ``step``); None when there is none."""
-        for candidate in self._candidates(step):
+        for candidate, manifest in self._candidates(step):
             try:
-                state = self._verified_load(candidate)
+                state = self._verified_load(candidate, manifest)
             except Exception as exc:  # noqa: BLE001 - any defect means "skip it"; say which and why
                 self._warn_skip(candidate, exc)
                 continue
@@ -552,9 +615,9 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         """The step of the newest checkpoint that verifies (sizes and checksums), or None."""
-        for candidate in self._steps():
+        for candidate, manifest in self._candidates(None):
             try:
-                self._read_verified(candidate)
+                self._read_verified(candidate, manifest)
             except Exception as exc:  # noqa: BLE001 - skip defects, naming them
                 self._warn_skip(candidate, exc)
                 continue

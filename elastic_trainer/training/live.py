@@ -523,16 +523,35 @@ class LiveGroup:
 
     def fence_check(self) -> None:
         """Raise ``FencedError`` unless this worker's quorum is still the current one and its lease lives."""
-        from elastic_trainer.rendezvous.fence import FencedError
+        self.guard()
+
+    @property
+    def etcd(self):
+        """The ``EtcdConnection`` of the live group (for writes guarded by ``guard()``)."""
+        return self.conn
+
+    def guard(self):
+        """``fence_check()``, returning the fencing token (``rendezvous.fence.Guard``): the quorum
+        key unchanged since this read and this worker's alive key the same key (its lease lives)."""
+        from elastic_trainer.rendezvous.fence import FencedError, Guard
 
         q = self.quorum
+        quorum_key, alive_key = self._key("quorum"), self._key("alive/" + self.id)
+
+        def txn(c):
+            t = c.transactions
+            return c.transaction(compare=[], success=[t.get(quorum_key), t.get(alive_key)], failure=[])
+
         try:
-            view = self._read()
+            _, responses = self._call(txn, "fence check")
+            current = Quorum.from_json(responses[0][0][0]) if responses[0] else None
         except Exception as exc:  # noqa: BLE001 - cannot prove the quorum current: fail safe
             raise FencedError(f"live quorum cannot be read: {exc}") from exc
-        if q is None or view.quorum is None or view.quorum.q != q.q or self.id not in view.alive:
+        if q is None or current is None or current.q != q.q or not responses[1]:
             raise FencedError(f"live quorum {q.q if q else None} is over (etcd has "
-                              f"{view.quorum.q if view.quorum else None})")
+                              f"{current.q if current else None}{'' if responses[1] else ', and this lease is gone'})")
+        return Guard(self.token, ((quorum_key, "mod", responses[0][0][1].mod_revision),
+                                  (alive_key, "create", responses[1][0][1].create_revision)))
 
     @property
     def token(self) -> str:

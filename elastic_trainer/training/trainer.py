@@ -52,7 +52,7 @@ from elastic_trainer.tasks import Task, as_task, load_builder
 from elastic_trainer.training.worker import (
     DistInfo,
     broadcast_object,
-    fence_check,
+    round_fence,
     join_live,
     MicroBatches,
     SignalWatcher,
@@ -147,7 +147,7 @@ class Trainer:
 
             tag = "live" if self.live is not None else f"r{d.round if d.round is not None else 'x'}"
             writer = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{self.node}-{pid}-{tag}")
-            fence = self.live.fence_check if self.live is not None else fence_check() if d.is_main else None
+            fence = self.live if self.live is not None else round_fence()  # every rank loads what the record names
             self.ckpt = CheckpointManager(c.checkpoint_dir, keep_checkpoints=c.keep_checkpoints,
                                           async_checkpoint=c.async_checkpoint, fence=fence, writer_id=writer[:64])
         if self.live is not None:  # ready to train: only now ask the live group to admit us
