@@ -265,6 +265,12 @@ class Trainer:
         self._event("checkpoint_loaded", step=self.step, epoch=self.sampler.epoch, offset=self.sampler.offset,
                     world_size=d.world_size, saved_world_size=prev_world)
         self._event("resume", step=self.step, world_size=d.world_size, restart=d.restart, round=d.round)
+        self._check_resume_flags(step)
+        saved_gbs = state.get("meta", {}).get("global_batch_size")
+        if saved_gbs is not None and int(saved_gbs) != self.gbs:
+            print0(f"global batch changed: {saved_gbs} -> {self.gbs} samples; epoch {self.sampler.epoch} continues at "
+                   f"sample offset {self.sampler.offset} in steps of {self.gbs} ({self.sampler.remaining_steps} left in "
+                   f"it); the step count goes on from {self.step} (a step is one optimizer step, whatever its batch)")
         if prev_world != d.world_size:
             print0(f"world size changed: {prev_world} -> {d.world_size} ranks; global batch stays "
                    f"{self.gbs}, {self.sampler.micro_batches_per_step} micro-batch(es) per step on rank 0"
@@ -273,14 +279,33 @@ class Trainer:
                    f"learning rate scaled by {d.world_size}/{prev_world}")
             self._event("world_size_changed", old=prev_world, new=d.world_size, step=self.step)
 
+    def _check_resume_flags(self, step: int) -> None:
+        """A resumed position past where these flags stop is an error naming the flag, never a
+        silent "finished" (a run resumed exactly where it stopped is finished, and says so)."""
+        c, s = self.config, self.sampler
+        if c.max_steps is not None and self.step > c.max_steps:
+            raise ValueError(f"checkpoint step-{step} of {c.checkpoint_dir} is already {self.step - c.max_steps} "
+                             f"steps past --max-steps {c.max_steps}; raise --max-steps to train on, or start over "
+                             "with --no-resume (or another --checkpoint-dir)")
+        if c.epochs is not None and (s.epoch > c.epochs or (s.epoch == c.epochs and s.offset > 0)):
+            raise ValueError(f"checkpoint step-{step} of {c.checkpoint_dir} is in epoch {s.epoch + 1} (sample offset "
+                             f"{s.offset}), past --epochs {c.epochs}; raise --epochs to train on, or start over with "
+                             "--no-resume (or another --checkpoint-dir)")
+
     def _total_steps(self) -> int:
-        """The step to stop at: ``--max-steps`` and/or ``--epochs`` (10**18 when only the sampler can tell)."""
-        c = self.config
+        """The step to stop at: ``--max-steps`` and/or ``--epochs`` (10**18 when only the sampler can tell).
+
+        With ``--epochs`` it is counted from where the sampler is: the steps left in this epoch from
+        its sample offset at the current global batch, plus whole epochs, so a resume with another
+        ``--global-batch-size`` trains exactly the samples that are left (a step is one optimizer
+        step, whatever its batch, and ``--max-steps`` counts those)."""
+        c, s = self.config, self.sampler
         if c.epochs is None:
             return c.max_steps
         if c.scale_lr:  # steps per epoch follow the world size: only the sampler's epoch can tell the end
             return c.max_steps or 10**18
-        return min(c.max_steps or 10**18, c.epochs * self.sampler.steps_per_epoch)
+        to_end = 0 if s.epoch >= c.epochs else s.remaining_steps + (c.epochs - s.epoch - 1) * s.steps_per_epoch
+        return min(c.max_steps or 10**18, self.step + to_end)
 
     # ---- the loop ----------------------------------------------------------------------
     def train(self) -> dict:
