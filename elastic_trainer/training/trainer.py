@@ -337,6 +337,11 @@ class Trainer:
             loaded = self._load_checkpoint()
         if loaded is not None:  # into the bare module, before DDP/FSDP: every rank starts identical
             self.module.load_state_dict(loaded[1]["model"])
+        elif c.init_from is not None and not from_peer:
+            from elastic_trainer.export import load_weights
+
+            load_weights(self.module, c.init_from)
+            print0(f"initialized the model from {c.init_from}")
         self.sampler = self._new_sampler()
         self.par = Parallel.wrap(self.module, c, d)
         self.model = self.par.model
