@@ -60,6 +60,10 @@ def export(url: str, to: str, step: int | None = None) -> int:
         where = f"step-{step} of {storage.redact(url)}" if step is not None else storage.redact(url)
         raise ValueError(f"no complete checkpoint in {where} (see the warnings above for the ones skipped)")
     step, state = found
+    from elastic_trainer.checkpoint.sharded import gathered, is_sharded
+
+    if is_sharded(state):  # gathered from the shards of an --fsdp checkpoint
+        state = gathered(CheckpointManager(url), step, state)
     weights = _weights(state.get("model"))
     tmp = f"{to}.tmp-{os.getpid()}"
     try:

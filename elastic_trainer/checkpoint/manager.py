@@ -193,8 +193,12 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, state: dict, *, blocking: bool = False) -> float:
+    def save(self, step: int, state: dict, *, blocking: bool = False, include: str | None = None) -> float:
         """Snapshot ``state`` for ``step`` and write it (in the background unless ``blocking``).
+
+        ``include`` names a folder inside the step folder whose files others already wrote (the
+        DCP shards of a sharded save, ``sharded.py``): they are listed in the manifest too, each
+        with its size and checksum hashed from storage (blocking saves only).
 
         Returns the seconds the caller was blocked here (waiting for the previous save +
         copying). With ``overlap_copy`` the optimizer's tensors are copied beside training, and
@@ -205,7 +209,7 @@ class CheckpointManager:
         self.wait()
         stats = {"step": int(step), "blocked_s": 0.0, "copy_s": 0.0, "copy_wait_s": 0.0, "serialize_s": 0.0,
                  "upload_s": 0.0, "bytes": 0, "committed": False, "error": None}
-        background = self.async_checkpoint and not blocking
+        background = self.async_checkpoint and not blocking and include is None
         defer = self._watch.owned() if background and self._watch is not None else None
         snap, deferred = self._snapshotter.take(state, defer, stats)
         stats["copy_s"] = time.perf_counter() - start
@@ -217,7 +221,7 @@ class CheckpointManager:
                                             name=f"checkpoint-step-{step}", daemon=True)
             self._thread.start()
         else:
-            self._write(int(step), snap, stats)
+            self._write(int(step), snap, stats, include)
         blocked = time.perf_counter() - start
         with self._lock:
             stats["blocked_s"] += blocked
@@ -287,14 +291,14 @@ class CheckpointManager:
                             "step, while it was being copied beside training; later saves copy it before "
                             "returning instead")
 
-    def _write(self, step: int, snap: Snapshot, stats: dict) -> None:
+    def _write(self, step: int, snap: Snapshot, stats: dict, include: str | None = None) -> None:
         """Serialize, upload, fence, commit, prune; retried with backoff; never raises."""
         name = f"step-{step}"
         meta = snap.state.get("meta") if isinstance(snap.state.get("meta"), dict) else None
         t0 = time.perf_counter()
         for attempt in range(1, self.retries + 1):
             try:
-                self._upload_and_commit(step, snap, meta, stats, attempt)
+                self._upload_and_commit(step, snap, meta, stats, attempt, include)
                 stats["upload_s"] = time.perf_counter() - t0 - stats["serialize_s"]
                 stats["committed"] = True
                 self.last_committed_step = step
@@ -372,7 +376,8 @@ class CheckpointManager:
         stats["bytes"] = size
         return fmt, {f"{self.writer_id}/{name}": {"size": size, "hash": HASH, "digest": hasher.hexdigest()}}
 
-    def _upload_and_commit(self, step: int, snap: Snapshot, meta: Any, stats: dict, attempt: int) -> None:
+    def _upload_and_commit(self, step: int, snap: Snapshot, meta: Any, stats: dict, attempt: int,
+                           include: str | None = None) -> None:
         fs, step_dir = self.fs, self._step_dir(step)
         manifest_path = storage.join(step_dir, MANIFEST)
         if attempt > 1 and self.record is not None:  # a retry may find its own commit in the record
@@ -393,6 +398,8 @@ class CheckpointManager:
             # an object store's PUT either stored every byte or failed (on S3 the server also
             # checks the CRC32 botocore sends with it); a filesystem is asked once more here
             self._check_landed(own, files)
+        if include is not None:
+            files.update(self._hash_folder(step, include))
         if self.fence is not None:
             self.fence()
         manifest = {
@@ -423,6 +430,21 @@ class CheckpointManager:
         # leftover just as the manifest lands, but it does so only below every checkpoint it
         # keeps; such a manifest fails verification on load (skipped, named) and the next
         # retention removes it (docs/checkpoints.md, "Commit").
+
+    def _hash_folder(self, step: int, folder: str) -> dict:
+        """The manifest entries of every file under ``step-N/<folder>/``, hashed from storage."""
+        out = {}
+        base = storage.join(self._step_dir(step), folder)
+        for name in sorted(storage.list_dir(self.fs, base)):
+            hasher, size = _HASHES[HASH](), 0
+            with self.fs.open(storage.join(base, name), "rb") as f:
+                while chunk := f.read(storage.WRITE_PIECE * 4):
+                    hasher.update(chunk)
+                    size += len(chunk)
+            out[f"{folder}/{name}"] = {"size": size, "hash": HASH, "digest": hasher.hexdigest()}
+        if not out:
+            raise OSError(f"{folder} of step-{step} holds no files")
+        return out
 
     def _store_manifest(self, manifest_path: str, manifest: dict) -> None:
         """The storage copy of a manifest the etcd record committed (create-if-absent)."""
@@ -558,16 +580,27 @@ class CheckpointManager:
             raise ValueError("no manifest (never committed: in progress, killed or abandoned)")
         out = {}
         for rel, info in sorted(manifest["files"].items()):
+            keep = manifest["format"] != 3 or rel.rsplit("/", 1)[-1] in (_DATA_FILE_V3, _DATA_FILE)
+            path = storage.join(self._step_dir(step), rel)
             try:
-                data = storage.read_bytes(self.fs, storage.join(self._step_dir(step), rel))
+                if keep:
+                    data = storage.read_bytes(self.fs, path)
+                    size, hasher = len(data), None
+                else:  # a shard (sharded.py): verified here, read by its own loader; streamed
+                    data, size, hasher = None, 0, _HASHES[_expected_digest(info)[0]]()
+                    with self.fs.open(path, "rb") as f:
+                        while chunk := f.read(storage.WRITE_PIECE * 4):
+                            hasher.update(chunk)
+                            size += len(chunk)
             except FileNotFoundError as exc:
                 raise ValueError(f"{rel} is missing") from exc
-            if len(data) != info["size"]:
-                raise ValueError(f"{rel} has {len(data)} bytes, manifest says {info['size']} (truncated?)")
+            if size != info["size"]:
+                raise ValueError(f"{rel} has {size} bytes, manifest says {info['size']} (truncated?)")
             algorithm, digest = _expected_digest(info)
-            if _HASHES[algorithm](data).hexdigest() != digest:
+            if (hasher.hexdigest() if hasher is not None else _HASHES[algorithm](data).hexdigest()) != digest:
                 raise ValueError(f"{rel} fails its {algorithm} check (corrupted)")
-            out[rel] = data
+            if keep:
+                out[rel] = data
         return manifest["format"], out
 
     def _verified_load(self, step: int, manifest: dict | None = None) -> dict:

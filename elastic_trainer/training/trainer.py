@@ -205,12 +205,14 @@ class Trainer:
         """The checkpoint's content (collective under FSDP; None on ranks other than 0 unless ``any_rank``)."""
         from elastic_trainer.checkpoint import capture_rng_state
 
-        model_state, optim_state = self.par.model_state(), self.par.optimizer_state(self.optimizer)
+        sharded = self._sharded() and not any_rank  # each rank saves its own shards (sharded.py)
+        model_state = {} if sharded else self.par.model_state()
+        optim_state = {} if sharded else self.par.optimizer_state(self.optimizer)
         if not self.dinfo.is_main and not any_rank:
             return None
+        parts = {} if sharded else {"model": model_state, "optimizer": optim_state}
         return {
-            "model": model_state,
-            "optimizer": optim_state,
+            **parts,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
             "scaler": self.scaler.state_dict() if self.scaler is not None else {},
             "rng": capture_rng_state(),
@@ -222,6 +224,13 @@ class Trainer:
                      "fsdp": self.par.fsdp},
         }
 
+    def _sharded(self) -> bool:
+        """Whether checkpoints are sharded: ``--fsdp`` on a local or NFS checkpoint dir (other
+        stores get the full state gathered on rank 0, as before)."""
+        from elastic_trainer.checkpoint import storage
+
+        return self.par.fsdp and self.ckpt is not None and storage.is_local(self.ckpt.fs)
+
     def _restore(self, step: int, state: dict) -> None:
         """Put a loaded checkpoint back (model before wrapping; the rest after)."""
         from elastic_trainer.checkpoint import restore_rng_state
@@ -231,7 +240,12 @@ class Trainer:
             raise ValueError(f"checkpoint step-{step} was written {'with' if meta.get('fsdp') else 'without'} --fsdp "
                              f"and its optimizer state is keyed accordingly; resume {'with' if meta.get('fsdp') else 'without'} "
                              "--fsdp, or start over with --no-resume")
-        self.par.load_optimizer_state(self.optimizer, state["optimizer"])
+        from elastic_trainer.checkpoint.sharded import is_sharded, load_sharded
+
+        if is_sharded(state):  # every rank reads its part of the shards, resharded to this world size
+            load_sharded(self.ckpt, step, state, self.module, self.optimizer)
+        else:
+            self.par.load_optimizer_state(self.optimizer, state["optimizer"])
         if self.scheduler is not None and state.get("scheduler"):
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
@@ -335,8 +349,8 @@ class Trainer:
                         self.live.quorum.source, self._peer_state_s)
         else:
             loaded = self._load_checkpoint()
-        if loaded is not None:  # into the bare module, before DDP/FSDP: every rank starts identical
-            self.module.load_state_dict(loaded[1]["model"])
+        if loaded is not None and "model" in loaded[1]:  # into the bare module, before DDP/FSDP (a
+            self.module.load_state_dict(loaded[1]["model"])  # sharded one is loaded after: _restore)
         elif c.init_from is not None and not from_peer:
             from elastic_trainer.export import load_weights
 
@@ -639,7 +653,9 @@ class Trainer:
         self._pending.clear()
 
     def _save(self, *, blocking: bool) -> None:
-        """Capture (all ranks under FSDP) and save on rank 0."""
+        """Capture (all ranks under FSDP) and save on rank 0; sharded FSDP: every rank its shards."""
+        if self._sharded():
+            return self._save_sharded()
         state = self._capture_state()
         self._last_save_step = self.step
         if state is None or self.ckpt is None:
@@ -652,6 +668,22 @@ class Trainer:
         print0(f"checkpoint step-{self.step} {'saved' if blocking and committed else 'save started' if not blocking else 'NOT saved'}"
                f" (blocked {blocked * 1000:.0f} ms) to {self.config.checkpoint_dir}")
         self._event("checkpoint_saved", step=self.step, blocked_s=blocked, blocking=blocking,
+                    committed=committed, epoch=self.sampler.epoch, offset=self.sampler.offset,
+                    world_size=self.dinfo.world_size)
+
+    def _save_sharded(self) -> None:
+        """Every rank writes its shards (DCP), rank 0 commits the manifest last (blocking)."""
+        from elastic_trainer.checkpoint.sharded import save_sharded
+
+        t0 = time.perf_counter()
+        rest = self._capture_state()
+        self._last_save_step = self.step
+        self.ckpt.wait()
+        committed = save_sharded(self.ckpt, self.step, self.module, self.optimizer, rest)
+        blocked = time.perf_counter() - t0
+        print0(f"checkpoint step-{self.step} {'saved' if committed else 'NOT saved'} sharded "
+               f"(blocked {blocked * 1000:.0f} ms) to {self.config.checkpoint_dir}")
+        self._event("checkpoint_saved", step=self.step, blocked_s=blocked, blocking=True,
                     committed=committed, epoch=self.sampler.epoch, offset=self.sampler.offset,
                     world_size=self.dinfo.world_size)
 
