@@ -140,6 +140,40 @@ def test_loaders_follow_the_record_not_a_newer_manifest_in_storage(rendezvous, e
         fence.close()
 
 
+def test_a_run_started_over_commits_below_an_older_runs_steps_and_resumes_from_its_own(rendezvous, etcd, tmp_path):
+    """--no-resume into the same checkpoint dir and etcd: its commits are not refused for being
+    below the older run's steps, a restart resumes from its newest commit, and a step committed
+    again in a new round replaces the old round's entry; a twin in the same round cannot."""
+    url = str(tmp_path / "ckpt")
+    prefix = rendezvous.backend.prefix
+    fence = RoundFence(4, prefix, etcd.endpoint, retry_timeout=5)
+    fence5 = RoundFence(5, prefix, etcd.endpoint, retry_timeout=5)
+    try:
+        old = CheckpointManager(url, keep_checkpoints=3, async_checkpoint=False, fence=fence, writer_id="old")
+        for step in (99, 100):
+            old.save(step, _state(step, 100.0))
+        twin = CheckpointManager(url, keep_checkpoints=3, async_checkpoint=False, fence=fence, writer_id="twin")
+        twin.save(100, _state(100, 7.0))
+        assert not twin.last_save_stats["committed"] and "already committed by 'old' (round-4)" in twin.last_error
+
+        rendezvous.next_round()
+        again = CheckpointManager(url, keep_checkpoints=3, async_checkpoint=False, fence=fence5, writer_id="again")
+        for step in (1, 2, 99):
+            again.save(step, _state(step, 5.0))
+            assert again.last_save_stats["committed"], again.last_error
+        entries, _ = CommitRecord(fence5, url).read()
+        assert [(e["step"], e["writer"]) for e in entries] == [(99, "again"), (2, "again"), (1, "again")]
+        step, state = CheckpointManager(url, fence=fence5).load()
+        assert step == 99 and bool((state["model"]["w"] == 5.0).all())
+        step, state = CheckpointManager(url).load(step=99)  # the storage copy names the new files too
+        assert bool((state["model"]["w"] == 5.0).all())
+        again.save(3, _state(3, 5.0))
+        assert CheckpointManager(url, fence=fence5).load()[0] == 3  # the newest commit, not the highest step
+    finally:
+        fence.close()
+        fence5.close()
+
+
 def test_commit_recorded_in_etcd_loads_when_its_storage_manifest_never_landed(rendezvous, etcd, tmp_path,
                                                                               monkeypatch):
     url = str(tmp_path / "ckpt")

@@ -447,12 +447,16 @@ class CheckpointManager:
         return out
 
     def _store_manifest(self, manifest_path: str, manifest: dict) -> None:
-        """The storage copy of a manifest the etcd record committed (create-if-absent)."""
+        """The storage copy of a manifest the etcd record committed (create-if-absent). One left by
+        another writer (an older run's same step, which this commit replaced in the record) is
+        replaced too, so that the storage copy names the files the record names."""
         data = json.dumps(manifest, indent=1, sort_keys=True, default=str).encode()
-        if not storage.create_exclusive(self.fs, manifest_path, data) \
-                and self._manifest_writer(manifest_path) != self.writer_id:
-            log.warning("%s already holds another writer's manifest; the etcd record, which loaders follow, "
-                        "names this writer's files", storage.redact(manifest_path))
+        if storage.create_exclusive(self.fs, manifest_path, data) or self._manifest_writer(manifest_path) == self.writer_id:
+            return
+        log.warning("replacing %s, another writer's manifest of a step this writer committed in the etcd record",
+                    storage.redact(manifest_path))
+        storage.remove(self.fs, manifest_path)
+        storage.create_exclusive(self.fs, manifest_path, data)
 
     def _check_landed(self, own: str, files: dict) -> None:
         """Every file in this writer's folder with its size, else OSError: a stat of the one file a
@@ -620,9 +624,9 @@ class CheckpointManager:
         return state
 
     def _candidates(self, step: int | None) -> list[tuple[int, dict | None]]:
-        """``(step, manifest)`` to try, newest first: with an etcd record its steps (with the
-        record's file lists), then the storage manifests below them; without one, every step
-        folder (its manifest read from storage: None)."""
+        """``(step, manifest)`` to try, newest first: with an etcd record its steps in commit order
+        (with the record's file lists), then the storage manifests below them; without one, every
+        step folder (its manifest read from storage: None)."""
         entries = self.record.read()[0] if self.record is not None else []
         recorded = {e["step"]: e for e in entries}
         if step is not None:
@@ -631,7 +635,7 @@ class CheckpointManager:
             return [(s, None) for s in self._steps()]
         # never a storage manifest at or above the record's oldest step that the record lacks: the
         # record is the commit, and such a manifest is not one of its checkpoints
-        return [(s, recorded[s]) for s in sorted(recorded, reverse=True)] + \
+        return [(e["step"], e) for e in entries] + \
             [(s, None) for s in self._steps() if s < min(recorded)]
 
     def load(self, step: int | None = None) -> tuple[int, dict] | None:

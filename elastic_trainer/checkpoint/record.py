@@ -5,17 +5,23 @@ to write it: a rank 0 paused between its fence check and its manifest (a GC paus
 S3 client retrying a PUT) could commit after a new round had resumed from an older step. So
 under the etcd-v3 rendezvous the commit point is one etcd key per checkpoint URL,
 ``<run prefix>checkpoints/<hash of the URL>``, holding the newest ``keep_checkpoints`` committed
-checkpoints (step, writer, fencing token and the manifest's file list with sizes and checksums).
+checkpoints (step, writer, fencing token and the manifest's file list with sizes and checksums),
+newest commit first.
 It is written by one transaction that compares
 
 * the writer's fencing token (``rendezvous.fence.Guard``: the rendezvous state key's revision and
   the node's lease key under ``--recovery restart``, the live quorum key and the worker's lease
   key under ``--recovery live``), so a writer whose round or quorum is over, or whose lease
   ended, cannot write it however long it was paused after its check; and
-* the record's own revision, so two writers of one round cannot both commit (one winner).
+* the record's own revision, so two writers of one round cannot both commit a step (one winner).
 
-Readers trust the record: ``CheckpointManager.load`` tries its steps, verified against the file
-lists in the record; the manifest in storage (written after the record) is only a fallback for
+The entries are in commit order, not step order: a run started over (``--no-resume``) into the
+same checkpoint dir commits step 5 after an older run's step 100, and it is step 5 that a restart
+resumes from. A step committed again under another fencing token (that older run's step 5)
+replaces its entry; under the same token it is a conflict (a twin of this writer won).
+
+Readers trust the record: ``CheckpointManager.load`` tries its steps, newest commit first,
+verified against the file lists in the record; the manifest in storage (written after the record) is only a fallback for
 a job whose etcd has no record (a new etcd). Retention keeps every step in the record.
 
     record = CommitRecord(fence, "s3://bucket/run")   # fence: RoundFence or LiveGroup
@@ -69,7 +75,7 @@ class CommitRecord:
         self.key = record_key(fence.prefix, url)
 
     def read(self) -> tuple[list[dict], int]:
-        """The committed entries, newest first, and the key's mod revision (0 when absent)."""
+        """The committed entries, newest commit first, and the key's mod revision (0 when absent)."""
         key = self.key
 
         def get(c):
@@ -86,14 +92,14 @@ class CommitRecord:
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"the checkpoint record at etcd key {key} is malformed ({exc}); delete the key "
                              "to fall back to the manifests in storage") from exc
-        return sorted(entries, key=lambda e: -e["step"]), meta.mod_revision
+        return entries, meta.mod_revision
 
     def commit(self, entry: dict, keep: int) -> str:
         """Add ``entry`` (a manifest: step, files, writer, ...) as the newest, keeping ``keep``
         entries, in one transaction fenced by the fence's token; returns the token.
 
         Raises ``FencedError`` (from the fence) when the writer's round, quorum or lease is over,
-        and ``Conflict`` when the record already holds ``entry``'s step or a newer one.
+        and ``Conflict`` when ``entry``'s step is already committed under the same fencing token.
         """
         from elastic_trainer.rendezvous.fence import FencedError
 
@@ -101,10 +107,11 @@ class CommitRecord:
         for _ in range(ATTEMPTS):
             guard = self.fence.guard()  # raises FencedError
             entries, rev = self.read()
-            if entries and entries[0]["step"] >= entry["step"]:
-                newest = entries[0]
-                raise Conflict(f"step-{newest['step']} is already committed by {newest.get('writer')!r}")
-            body = {"url": self.url, "entries": [{**entry, "fence_token": guard.token}] + entries[: keep - 1]}
+            for e in entries:
+                if e["step"] == entry["step"] and e.get("fence_token") == guard.token:
+                    raise Conflict(f"step-{e['step']} is already committed by {e.get('writer')!r} ({guard.token})")
+            older = [e for e in entries if e["step"] != entry["step"]]  # another run's same step: replaced
+            body = {"url": self.url, "entries": [{**entry, "fence_token": guard.token}] + older[: keep - 1]}
             value = json.dumps(body, sort_keys=True, default=str)
 
             def txn(c, guard=guard, rev=rev, value=value):
