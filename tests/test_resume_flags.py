@@ -78,3 +78,29 @@ def test_resume_with_another_dataset_size_names_the_flag(tmp_path):
                            "--log-dir", str(tmp_path / "b"), "--no-wandb", "--no-progress"])
     with pytest.raises(ValueError, match=r"dataset of 256 samples but this dataset has 512.*--dataset-size 256"):
         Trainer(config).train()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_elastic_train_run_again_with_a_larger_batch_trains_the_rest_of_the_epoch(tmp_path, procs):
+    """As a new user would: `elastic-train` (live recovery, embedded etcd) to step 8 at global batch 16,
+    then the same command with --global-batch-size 64 --epochs 1: the second launch is not taken for a
+    spare of the finished run (which exits 0 without training) and trains the epoch's last 128 samples."""
+    import subprocess
+
+    from tests.helpers.common import cli_cmd
+
+    common = ["--nnodes", "1", "--nproc-per-node", "1", "--run-id", "again", "--checkpoint-dir", str(tmp_path / "ck"),
+              "--log-dir", str(tmp_path / "logs"), "--", *TINY, "--no-wandb", "--no-progress", "--seed", "3",
+              "--sample-ledger"]
+    outs = []
+    for extra in (["--global-batch-size", "16", "--max-steps", "8"], ["--global-batch-size", "64", "--epochs", "1"]):
+        proc = procs.start(cli_cmd(*common, *extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 0, out[-3000:]
+        outs.append(out)
+    assert "training 8/10 steps" in outs[1] and "finished at step 10" in outs[1], outs[1][-3000:]
+    perm = epoch_permutation(256, 3, 0).tolist()
+    rows = records.read_ledger(tmp_path / "logs")
+    assert sorted(i for r in rows for i in r.indices) == sorted(perm)  # each sample of the epoch exactly once
+    assert [i for r in sorted(rows, key=lambda r: r.step) if r.step > 8 for i in r.indices] == perm[128:]

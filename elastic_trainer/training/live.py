@@ -77,7 +77,11 @@ class LiveExcluded(RuntimeError):
 
 
 class RunFinished(LiveExcluded):
-    """The run finished while this worker waited to be admitted (a spare that was not needed)."""
+    """The run finished while this worker waited to be admitted (a spare that was not needed).
+
+    Only while a member of the finished quorum still lives: once none does, the finished quorum
+    is an earlier job's, and a new launch of the same run id (say with a larger ``--max-steps``)
+    starts it over with a cold quorum instead of exiting 0 without training."""
 
 
 class LiveTimeout(RuntimeError):
@@ -343,8 +347,10 @@ class LiveGroup:
             while True:
                 view = self._read()
                 q = view.quorum
-                if q is not None and q.finished:
+                if q is not None and q.finished and any(m.id in view.alive for m in q.members):
                     raise RunFinished("the run finished before this worker was admitted")
+                # a finished quorum with no live member is an earlier job of this run id (the
+                # embedded etcd keeps its data): this launch starts it over, cold, from storage
                 if q is not None and q.rank_of(self.id) is not None:
                     return self._adopt(q)
                 live_quorum = q is not None and any(m.id in view.alive for m in q.members)
