@@ -20,6 +20,10 @@ Examples::
     # Kill-node recovery drills (see docs/drills.md):
     elastic-train drill --help
 
+    # A checkpoint's model weights as safetensors, and a new run from them:
+    elastic-train export checkpoints/elastic-run --to model.safetensors
+    elastic-train --nnodes 1:4 -- --init-from model.safetensors
+
 The launcher parses and checks its flags and those of the built-in trainer after ``--`` (with
 the trainer's own parser, generated from ``TrainConfig``; a bad one ends it with one line and
 status 2),
@@ -367,13 +371,16 @@ def _etcd_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` and run: a node of a job, ``etcd`` or ``drill``. Return the exit status."""
+    """Parse ``argv`` and run: a node of a job, ``etcd``, ``export`` or ``drill``. Return the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=os.environ.get("ELASTIC_TRAINER_LOG_LEVEL", "INFO"),
                         format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
     try:
         if argv[:1] == ["etcd"]:
             return _etcd_main(argv[1:])
+        if argv[:1] == ["export"]:
+            from elastic_trainer import export
+            return export.main(argv[1:])
         if argv[:1] == ["drill"]:
             from elastic_trainer.drill import command as drill
             return drill.main(argv[1:])

@@ -188,6 +188,9 @@ class TrainConfig:
     resume: bool = field(default=True, metadata=flag(
         "checkpoint", "Load the newest valid checkpoint at start; --no-resume starts from scratch "
         "(checkpoints are still saved)."))
+    init_from: str | None = field(default=None, metadata=flag(
+        "checkpoint", "Start from the model weights in this safetensors file (`elastic-train export` writes "
+        "one) when there is no checkpoint to resume from.", metavar="PATH.safetensors"))
     grace_seconds: float = field(default=20.0, metadata=flag(
         "checkpoint", "After SIGTERM: save at the next step boundary and exit; exit anyway after this many seconds."))
 
@@ -260,6 +263,10 @@ class TrainConfig:
             raise ValueError("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
         if self.task is not None and ":" not in self.task:
             raise ValueError(f"--task {self.task!r} must look like package.module:build")
+        if self.init_from is not None and not (self.init_from.endswith(".safetensors")
+                                               and os.path.isfile(self.init_from)):
+            raise ValueError(f"--init-from {self.init_from!r} must be an existing .safetensors file "
+                             "(elastic-train export CHECKPOINT_URL --to PATH.safetensors writes one)")
         if self.max_steps is None and self.epochs is None:
             self.epochs = 1
         if self.checkpoint_dir == "":

@@ -323,7 +323,9 @@ class ElasticSampler(torch.utils.data.Sampler[list[int]]):
         if int(state["dataset_len"]) != self.dataset_len:
             raise ValueError(
                 f"the saved sampler position is for a dataset of {state['dataset_len']} samples but this "
-                f"dataset has {self.dataset_len}; train on the same dataset or start without resuming."
+                f"dataset has {self.dataset_len}: its sample offset would point into another order; train on "
+                f"the same dataset (the example task: --dataset-size {state['dataset_len']}) or start over with "
+                f"--no-resume."
             )
         epoch, offset = int(state["epoch"]), int(state["offset"])
         if epoch < 0 or not 0 <= offset <= self.dataset_len:

@@ -64,6 +64,16 @@ def test_checkpoint_bench_quick_prints_a_row_per_store(procs):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sharded_bench_small_measures_full_and_sharded_saves_and_loads(procs, tmp_path):
+    out = run_script(procs, "sharded_bench.py", "--ranks", "2", "--widths", "256", "--json", str(tmp_path / "s.json"))
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert sorted({(r["mode"], r["world"]) for r in rows}) == [("full", 2), ("load", 1), ("load", 2), ("sharded", 2)]
+    assert all(r["peak"] > 0 and r["rss_before"] > 0 and r["seconds"] > 0 for r in rows)
+    assert len([line for line in out.splitlines() if line.startswith("  256 |")]) == 4
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_recovery_one_trial_of_etcd_v3_measures_each_scenario(procs, tmp_path):
     out = run_script(procs, "recovery.py", "--trials", "1", "--backends", "etcd-v3", "--json",

@@ -222,6 +222,59 @@ def test_malformed_format3_file_with_a_valid_checksum_is_skipped_saying_why(tmp_
         checkpoint_format.read(bad)
 
 
+def _decoded_bytes(value) -> int:
+    """Bytes of the distinct tensor storages in a decoded state."""
+    seen: dict[int, int] = {}
+
+    def walk(v) -> None:
+        if isinstance(v, torch.Tensor):
+            seen[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+
+    walk(value)
+    return sum(seen.values())
+
+
+def test_many_references_to_one_tensor_row_decode_it_once(tmp_path, caplog):
+    mib = 1 << 20
+    head = {"format": 3, "byteorder": sys.byteorder, "data_size": mib, "tensors": [["uint8", [mib], 0, mib]],
+            "state": {"refs": [{"tensor": 0}] * 300}}
+    hostile = _file_with_header(head, bytes(mib))
+    state = checkpoint_format.read(hostile)
+    assert len(state["refs"]) == 300 and all(t is state["refs"][0] for t in state["refs"])
+    assert _decoded_bytes(state) <= len(hostile)  # was 300 MiB of tensors from a 1 MiB file
+
+
+def test_tensor_rows_that_overlap_past_the_data_size_are_refused_and_skipped(tmp_path, caplog):
+    mib = 1 << 20
+    head = {"format": 3, "byteorder": sys.byteorder, "data_size": mib,
+            "tensors": [["uint8", [mib], 0, mib]] * 300, "state": {"refs": [{"tensor": i} for i in range(300)]}}
+    hostile = _file_with_header(head, bytes(mib))
+    with pytest.raises(ValueError, match=r"rows add up to more bytes than the data holds \(1048576\)"):
+        checkpoint_format.read(hostile)
+    url = str(tmp_path / "c")
+    mgr = CheckpointManager(url, keep_checkpoints=5, async_checkpoint=False)
+    mgr.save(1, {"w": torch.zeros(2)})
+    mgr.save(2, {"w": torch.ones(2)})
+    _rewrite_with_valid_manifest(url, 2, hostile)
+    with caplog.at_level(logging.WARNING, logger="elastic_trainer.checkpoint"):
+        assert mgr.load()[0] == 1
+    assert "step-2" in caplog.text and "add up to more bytes than the data holds" in caplog.text
+
+
+def test_a_tensor_shared_in_the_saved_state_stays_one_tensor(tmp_path):
+    w = torch.arange(6.0)
+    mgr = CheckpointManager(str(tmp_path / "c"), async_checkpoint=False)
+    mgr.save(1, {"model": {"embed": w, "head": w}})
+    state = mgr.load()[1]
+    assert torch.equal(state["model"]["embed"], w) and torch.equal(state["model"]["head"], w)
+
+
 def test_a_pickle_under_a_format3_manifest_is_never_unpickled(tmp_path, caplog):
     url = str(tmp_path / "c")
     mgr = CheckpointManager(url, keep_checkpoints=5, async_checkpoint=False)

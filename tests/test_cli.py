@@ -29,6 +29,8 @@ BAD_INPUTS = {
     "trainer_not_a_number": (["--", "--lr", "fast"], "trainer: argument --lr: invalid float value: 'fast'"),
     "trainer_every_zero": (["--", "--checkpoint-every", "0"], "trainer: --checkpoint-every must be a positive number"),
     "trainer_bad_choice": (["--nnodes", "1", "--", "--device", "tpu"], "trainer: argument --device: invalid choice"),
+    "checkpoint_dir_gcs": (["--checkpoint-dir", "gs://bucket/run"],
+                           "'gs://bucket/run': checkpoints cannot be committed atomically on gs://"),
     "checkpoint_dir_twice": (["--checkpoint-dir", "a", "--", "--checkpoint-dir", "b"],
                              "--checkpoint-dir is given twice, 'a' before `--` and 'b' after it"),
 }

@@ -59,6 +59,24 @@ def test_unknown_protocol_is_a_storage_error():
         storage.get_fs("nosuchproto://x/y")
 
 
+@pytest.mark.parametrize("url", ["gs://bucket/run", "gcs://bucket/run", "az://container/run", "abfs://c@acct/run",
+                                 "simplecache::gs://bucket/run"])
+def test_stores_without_a_tested_atomic_create_are_refused_naming_the_protocol(url):
+    protocol = url.split("::")[-1].split("://")[0]
+    with pytest.raises(storage.StorageError, match=rf"checkpoints cannot be committed atomically on {protocol}://"):
+        storage.check_writable(url)
+
+
+def test_create_exclusive_refuses_a_filesystem_whose_create_is_check_then_write(tmp_path):
+    from fsspec.implementations.dirfs import DirFileSystem
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs = DirFileSystem(path=str(tmp_path), fs=LocalFileSystem())  # a real fsspec store, protocol "dir"
+    with pytest.raises(storage.StorageError, match="cannot be committed atomically on dir://"):
+        storage.create_exclusive(fs, "manifest.json", b"{}")
+    assert not (tmp_path / "manifest.json").exists()
+
+
 def test_credentials_in_urls_are_redacted():
     assert storage.redact("s3://AKIA:secret@bucket/x and http://u:p@h/") == "s3://***@bucket/x and http://***@h/"
     assert storage.redact("/plain/path") == "/plain/path"

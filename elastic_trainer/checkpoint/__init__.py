@@ -4,6 +4,7 @@ Modules:
 
 - ``manager``: ``CheckpointManager`` (save asynchronously, commit fenced and atomically, verify,
   load the newest valid step, keep the latest K), ``capture_rng_state``/``restore_rng_state``;
+- ``record``: the etcd commit record, written in one transaction with the fence's token;
 - ``format``: the file format (raw tensor bytes in an arena behind a JSON header; no pickle);
 - ``snapshot``: the state copied into CPU memory, beside training where it can be (the
   manager's internal API: ``Snapshotter``, ``DeferredCopy``, ``OptimizerWatch``);

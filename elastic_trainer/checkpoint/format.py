@@ -22,7 +22,11 @@ string or list, and anything else is an object with exactly one key that says wh
 
 Reading parses JSON and copies bytes into new tensors; nothing in the file can run code. Every
 field is checked (tags, dtype names from a fixed list, shapes, offsets inside the data) and a
-file that breaks a rule raises ``ValueError`` saying which. The manifest's checksum covers the
+file that breaks a rule raises ``ValueError`` saying which. Memory is bounded by the file: each
+row of the tensor table is decoded at most once (more references to it get the same tensor, as
+``torch.save`` keeps shared tensors shared), and the rows decoded may not add up to more bytes
+than the data section holds (a writer lays every row out in its own bytes), so a hostile header
+cannot turn a 1 MiB file into hundreds of MiB of tensors. The manifest's checksum covers the
 whole file, so this is the second line, not the first.
 
 Tensors of other kinds (sparse, quantized, sub-byte dtypes) have no raw layout here; a state that
@@ -185,10 +189,34 @@ def read(data: bytes | memoryview) -> dict:
     if type(size) is not int or start + size != view.nbytes:
         raise ValueError(f"format-3 data is {view.nbytes - start} bytes, header says {size!r}")
     raw = np.frombuffer(view, dtype=np.uint8, count=size, offset=start) if size else np.empty(0, np.uint8)
-    return _decode(head["state"], head["tensors"], raw)
+    return _decode(head["state"], _Table(head["tensors"], raw), raw)
 
 
-def _decode(value: Any, table: list, raw: np.ndarray) -> Any:
+class _Table:
+    """The tensor table while reading: every row decoded at most once, all rows decoded together
+    no larger than the data section."""
+
+    def __init__(self, rows: list, raw: np.ndarray) -> None:
+        self.rows, self.raw = rows, raw
+        self.decoded: dict[int, torch.Tensor] = {}
+        self.budget = raw.size
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def tensor(self, i: int) -> torch.Tensor:
+        if i not in self.decoded:
+            entry = self.rows[i]
+            out = _tensor(entry, self.raw)  # checked first: a row alone fits the data
+            if entry[3] > self.budget:
+                raise ValueError(f"format-3 tensor rows add up to more bytes than the data holds ({self.raw.size}); "
+                                 f"row {i} {_show(entry, 80)} overlaps others")
+            self.decoded[i] = out
+            self.budget -= entry[3]
+        return self.decoded[i]
+
+
+def _decode(value: Any, table: _Table, raw: np.ndarray) -> Any:
     kind = type(value)
     if kind in _SCALARS:
         return value
@@ -202,7 +230,7 @@ def _decode(value: Any, table: list, raw: np.ndarray) -> Any:
         return {k: _decode(v, table, raw) for k, v in value.items()}
     (tag, body), = value.items()
     if tag == "tensor" and type(body) is int and 0 <= body < len(table):
-        return _tensor(table[body], raw)
+        return table.tensor(body)
     if tag == "dict" and type(body) is list:
         out = {}
         for pair in body:

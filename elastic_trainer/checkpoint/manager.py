@@ -14,7 +14,10 @@ warning that names it. Data files live under a per-writer folder, and the manife
 committed with an atomic create-if-absent (``storage.create_exclusive``) right after the
 rendezvous fence is checked: if two processes both think they are rank 0 (a zombie from an old
 round), the fenced one never commits, and if both pass the fence only one manifest wins, and it
-lists exactly the winner's files, so the checkpoint always verifies.
+lists exactly the winner's files, so the checkpoint always verifies. Given a fence object with
+``guard()`` (``RoundFence``, ``LiveGroup``) the commit is instead the etcd commit record
+(``record.py``), written in one transaction with the fence's token, so a writer paused after
+its check cannot commit either; loads and retention then follow that record.
 
 ``CheckpointManager.save`` blocks only while the state is snapshotted into CPU memory (every
 tensor into its view of one reused buffer, the arena, laid out as the file's data); a background
@@ -60,6 +63,7 @@ import torch
 import xxhash
 
 from elastic_trainer.checkpoint import format as checkpoint_format, storage
+from elastic_trainer.checkpoint.record import CommitRecord, Conflict
 from elastic_trainer.checkpoint.snapshot import DeferredCopy, OptimizerWatch, Snapshot, Snapshotter, where
 
 log = logging.getLogger(__name__)
@@ -151,7 +155,10 @@ class CheckpointManager:
         url: any fsspec URL or local path (storage options from the environment).
         keep_checkpoints: how many committed checkpoints to keep (older ones pruned after a commit).
         async_checkpoint: serialize and upload in a background thread (else inside ``save``).
-        fence: called right before the commit; raising ``FencedError`` (or anything) prevents it.
+        fence: either a fence object with ``guard()`` (``RoundFence``, ``LiveGroup``): the commit is
+            then the etcd commit record (``record.py``), written in one transaction with the fence's
+            token, and loads and retention follow that record; or a plain callable, called right
+            before the manifest is created (check-then-act: raising ``FencedError`` prevents it).
         writer_id: names this writer's data folder and appears in the manifest (default unique).
         overlap_copy: with ``async_checkpoint``, copy the optimizer's tensors (parameters and states)
             beside training instead of inside ``save``; the next optimizer step waits for that
@@ -167,7 +174,8 @@ class CheckpointManager:
         self.keep_checkpoints = keep_checkpoints
         self.async_checkpoint = async_checkpoint
         self.overlap_copy = overlap_copy
-        self.fence = fence
+        self.record = CommitRecord(fence, url) if hasattr(fence, "guard") else None
+        self.fence = None if self.record is not None else fence
         self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         if not _KEY_RE.match(self.writer_id):
             raise ValueError(f"writer_id {self.writer_id!r} may only use letters, digits, '_', '.' and '-'")
@@ -185,8 +193,12 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, state: dict, *, blocking: bool = False) -> float:
+    def save(self, step: int, state: dict, *, blocking: bool = False, include: str | None = None) -> float:
         """Snapshot ``state`` for ``step`` and write it (in the background unless ``blocking``).
+
+        ``include`` names a folder inside the step folder whose files others already wrote (the
+        DCP shards of a sharded save, ``sharded.py``): they are listed in the manifest too, each
+        with its size and checksum hashed from storage (blocking saves only).
 
         Returns the seconds the caller was blocked here (waiting for the previous save +
         copying). With ``overlap_copy`` the optimizer's tensors are copied beside training, and
@@ -197,7 +209,7 @@ class CheckpointManager:
         self.wait()
         stats = {"step": int(step), "blocked_s": 0.0, "copy_s": 0.0, "copy_wait_s": 0.0, "serialize_s": 0.0,
                  "upload_s": 0.0, "bytes": 0, "committed": False, "error": None}
-        background = self.async_checkpoint and not blocking
+        background = self.async_checkpoint and not blocking and include is None
         defer = self._watch.owned() if background and self._watch is not None else None
         snap, deferred = self._snapshotter.take(state, defer, stats)
         stats["copy_s"] = time.perf_counter() - start
@@ -209,7 +221,7 @@ class CheckpointManager:
                                             name=f"checkpoint-step-{step}", daemon=True)
             self._thread.start()
         else:
-            self._write(int(step), snap, stats)
+            self._write(int(step), snap, stats, include)
         blocked = time.perf_counter() - start
         with self._lock:
             stats["blocked_s"] += blocked
@@ -279,14 +291,14 @@ class CheckpointManager:
                             "step, while it was being copied beside training; later saves copy it before "
                             "returning instead")
 
-    def _write(self, step: int, snap: Snapshot, stats: dict) -> None:
+    def _write(self, step: int, snap: Snapshot, stats: dict, include: str | None = None) -> None:
         """Serialize, upload, fence, commit, prune; retried with backoff; never raises."""
         name = f"step-{step}"
         meta = snap.state.get("meta") if isinstance(snap.state.get("meta"), dict) else None
         t0 = time.perf_counter()
         for attempt in range(1, self.retries + 1):
             try:
-                self._upload_and_commit(step, snap, meta, stats, attempt)
+                self._upload_and_commit(step, snap, meta, stats, attempt, include)
                 stats["upload_s"] = time.perf_counter() - t0 - stats["serialize_s"]
                 stats["committed"] = True
                 self.last_committed_step = step
@@ -364,10 +376,16 @@ class CheckpointManager:
         stats["bytes"] = size
         return fmt, {f"{self.writer_id}/{name}": {"size": size, "hash": HASH, "digest": hasher.hexdigest()}}
 
-    def _upload_and_commit(self, step: int, snap: Snapshot, meta: Any, stats: dict, attempt: int) -> None:
+    def _upload_and_commit(self, step: int, snap: Snapshot, meta: Any, stats: dict, attempt: int,
+                           include: str | None = None) -> None:
         fs, step_dir = self.fs, self._step_dir(step)
         manifest_path = storage.join(step_dir, MANIFEST)
-        if attempt > 1:  # only a retry can find a commit of its own (whose response was lost)
+        if attempt > 1 and self.record is not None:  # a retry may find its own commit in the record
+            mine = next((e for e in self.record.read()[0] if e["step"] == step), None)
+            if mine is not None and mine.get("writer") == self.writer_id:
+                self._store_manifest(manifest_path, mine)
+                return
+        elif attempt > 1:  # only a retry can find a commit of its own (whose response was lost)
             writer = self._manifest_writer(manifest_path)
             if writer == self.writer_id:
                 return
@@ -380,6 +398,8 @@ class CheckpointManager:
             # an object store's PUT either stored every byte or failed (on S3 the server also
             # checks the CRC32 botocore sends with it); a filesystem is asked once more here
             self._check_landed(own, files)
+        if include is not None:
+            files.update(self._hash_folder(step, include))
         if self.fence is not None:
             self.fence()
         manifest = {
@@ -387,6 +407,20 @@ class CheckpointManager:
             "fence_token": _fence_token(self.fence), "created": time.time(),
             "meta": meta, "host": socket.gethostname(),
         }
+        if self.record is not None:
+            # the commit point: one etcd transaction fenced by the round's (or quorum's) token;
+            # the manifest in storage follows, for a job whose etcd has no record
+            try:
+                manifest["fence_token"] = self.record.commit(manifest, self.keep_checkpoints)
+            except Conflict as exc:
+                raise _Abandon(str(exc)) from exc
+            try:
+                self._store_manifest(manifest_path, manifest)
+            except Exception as exc:  # noqa: BLE001 - committed already: never remove its data now
+                log.warning("checkpoint step-%d is committed in etcd, but its manifest could not be copied to "
+                            "%s (%s: %s); only a job with a new etcd would miss it", step,
+                            storage.redact(manifest_path), type(exc).__name__, storage.redact(exc))
+            return
         data = json.dumps(manifest, indent=1, sort_keys=True, default=str).encode()
         if not storage.create_exclusive(fs, manifest_path, data):
             if self._manifest_writer(manifest_path) == self.writer_id:
@@ -396,6 +430,33 @@ class CheckpointManager:
         # leftover just as the manifest lands, but it does so only below every checkpoint it
         # keeps; such a manifest fails verification on load (skipped, named) and the next
         # retention removes it (docs/checkpoints.md, "Commit").
+
+    def _hash_folder(self, step: int, folder: str) -> dict:
+        """The manifest entries of every file under ``step-N/<folder>/``, hashed from storage."""
+        out = {}
+        base = storage.join(self._step_dir(step), folder)
+        for name in sorted(storage.list_dir(self.fs, base)):
+            hasher, size = _HASHES[HASH](), 0
+            with self.fs.open(storage.join(base, name), "rb") as f:
+                while chunk := f.read(storage.WRITE_PIECE * 4):
+                    hasher.update(chunk)
+                    size += len(chunk)
+            out[f"{folder}/{name}"] = {"size": size, "hash": HASH, "digest": hasher.hexdigest()}
+        if not out:
+            raise OSError(f"{folder} of step-{step} holds no files")
+        return out
+
+    def _store_manifest(self, manifest_path: str, manifest: dict) -> None:
+        """The storage copy of a manifest the etcd record committed (create-if-absent). One left by
+        another writer (an older run's same step, which this commit replaced in the record) is
+        replaced too, so that the storage copy names the files the record names."""
+        data = json.dumps(manifest, indent=1, sort_keys=True, default=str).encode()
+        if storage.create_exclusive(self.fs, manifest_path, data) or self._manifest_writer(manifest_path) == self.writer_id:
+            return
+        log.warning("replacing %s, another writer's manifest of a step this writer committed in the etcd record",
+                    storage.redact(manifest_path))
+        storage.remove(self.fs, manifest_path)
+        storage.create_exclusive(self.fs, manifest_path, data)
 
     def _check_landed(self, own: str, files: dict) -> None:
         """Every file in this writer's folder with its size, else OSError: a stat of the one file a
@@ -464,9 +525,13 @@ class CheckpointManager:
         if newer manifests exist whose data might be damaged.
         """
         steps = self._steps()
+        recorded = {e["step"]: e for e in self.record.read()[0]} if self.record is not None else {}
         committed: list[tuple[int, dict]] = []
         uncommitted: list[int] = []
         for step in steps:
+            if step in recorded:
+                committed.append((step, recorded[step]))
+                continue
             try:
                 manifest = self._read_manifest(step)
             except (ValueError, OSError):
@@ -477,10 +542,21 @@ class CheckpointManager:
                 committed.append((step, manifest))
         if not committed:
             return
-        kept = committed[: self.keep_checkpoints]
-        oldest_kept = kept[-1][0]
-        for step, _ in committed[self.keep_checkpoints:]:
-            if step == protect:
+        if recorded:
+            # the record's steps are what loaders pick (a round may be loading any of them); storage
+            # manifests below them fill up to keep_checkpoints; any other step is left alone
+            below = [(s, m) for s, m in committed if s < min(recorded)]
+            kept = [(s, recorded[s]) for s in sorted(recorded, reverse=True) if s in dict(committed)]
+            kept += below[: max(0, self.keep_checkpoints - len(kept))]
+            removable = [(s, m) for s, m in below if (s, m) not in kept]
+        else:
+            kept = committed[: self.keep_checkpoints]
+            removable = committed[self.keep_checkpoints:]
+        if not kept:
+            return
+        oldest_kept = min(s for s, _ in kept)
+        for step, _ in removable:
+            if step == protect or step in recorded:
                 continue
             log.info("removing old checkpoint step-%d (keeping %d)", step, self.keep_checkpoints)
             storage.remove(self.fs, self._step_dir(step))
@@ -498,30 +574,43 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ loading
 
-    def _read_verified(self, step: int) -> tuple[int, dict[str, bytes]]:
+    def _read_verified(self, step: int, manifest: dict | None = None) -> tuple[int, dict[str, bytes]]:
         """The manifest's format and the bytes of every file of ``step``, checked against its
-        manifest; ValueError saying what is wrong."""
-        manifest = self._read_manifest(step)
+        manifest (``manifest``, the etcd record's entry, else the one in storage); ValueError
+        saying what is wrong."""
+        if manifest is None:
+            manifest = self._read_manifest(step)
         if manifest is None:
             raise ValueError("no manifest (never committed: in progress, killed or abandoned)")
         out = {}
         for rel, info in sorted(manifest["files"].items()):
+            keep = manifest["format"] != 3 or rel.rsplit("/", 1)[-1] in (_DATA_FILE_V3, _DATA_FILE)
+            path = storage.join(self._step_dir(step), rel)
             try:
-                data = storage.read_bytes(self.fs, storage.join(self._step_dir(step), rel))
+                if keep:
+                    data = storage.read_bytes(self.fs, path)
+                    size, hasher = len(data), None
+                else:  # a shard (sharded.py): verified here, read by its own loader; streamed
+                    data, size, hasher = None, 0, _HASHES[_expected_digest(info)[0]]()
+                    with self.fs.open(path, "rb") as f:
+                        while chunk := f.read(storage.WRITE_PIECE * 4):
+                            hasher.update(chunk)
+                            size += len(chunk)
             except FileNotFoundError as exc:
                 raise ValueError(f"{rel} is missing") from exc
-            if len(data) != info["size"]:
-                raise ValueError(f"{rel} has {len(data)} bytes, manifest says {info['size']} (truncated?)")
+            if size != info["size"]:
+                raise ValueError(f"{rel} has {size} bytes, manifest says {info['size']} (truncated?)")
             algorithm, digest = _expected_digest(info)
-            if _HASHES[algorithm](data).hexdigest() != digest:
+            if (hasher.hexdigest() if hasher is not None else _HASHES[algorithm](data).hexdigest()) != digest:
                 raise ValueError(f"{rel} fails its {algorithm} check (corrupted)")
-            out[rel] = data
+            if keep:
+                out[rel] = data
         return manifest["format"], out
 
-    def _verified_load(self, step: int) -> dict:
+    def _verified_load(self, step: int, manifest: dict | None = None) -> dict:
         """Read, verify and deserialize ``step``; never runs code: format 3 is JSON and raw bytes,
         formats 1 and 2 are read with ``torch.load(weights_only=True)``."""
-        fmt, blobs = self._read_verified(step)
+        fmt, blobs = self._read_verified(step, manifest)
         state: dict = {}
         for rel in list(blobs):
             data = blobs.pop(rel)
@@ -534,15 +623,26 @@ class CheckpointManager:
                 raise ValueError(f"{rel} does not load ({type(exc).__name__}: {exc})") from exc
         return state
 
-    def _candidates(self, step: int | None):
-        steps = self._steps()
-        return [s for s in steps if s == step] if step is not None else steps
+    def _candidates(self, step: int | None) -> list[tuple[int, dict | None]]:
+        """``(step, manifest)`` to try, newest first: with an etcd record its steps in commit order
+        (with the record's file lists), then the storage manifests below them; without one, every
+        step folder (its manifest read from storage: None)."""
+        entries = self.record.read()[0] if self.record is not None else []
+        recorded = {e["step"]: e for e in entries}
+        if step is not None:
+            return [(step, recorded.get(step))] if step in recorded or step in self._steps() else []
+        if not entries:
+            return [(s, None) for s in self._steps()]
+        # never a storage manifest at or above the record's oldest step that the record lacks: the
+        # record is the commit, and such a manifest is not one of its checkpoints
+        return [(e["step"], e) for e in entries] + \
+            [(s, None) for s in self._steps() if s < min(recorded)]
 
     def load(self, step: int | None = None) -> tuple[int, dict] | None:
         """``(step, state)`` of the newest valid checkpoint (or of ``step``); None when there is none."""
-        for candidate in self._candidates(step):
+        for candidate, manifest in self._candidates(step):
             try:
-                state = self._verified_load(candidate)
+                state = self._verified_load(candidate, manifest)
             except Exception as exc:  # noqa: BLE001 - any defect means "skip it"; say which and why
                 self._warn_skip(candidate, exc)
                 continue
@@ -552,9 +652,9 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         """The step of the newest checkpoint that verifies (sizes and checksums), or None."""
-        for candidate in self._steps():
+        for candidate, manifest in self._candidates(None):
             try:
-                self._read_verified(candidate)
+                self._read_verified(candidate, manifest)
             except Exception as exc:  # noqa: BLE001 - skip defects, naming them
                 self._warn_skip(candidate, exc)
                 continue

@@ -27,9 +27,12 @@ How ``create_exclusive`` is atomic on each store:
 - ``s3://``: a conditional PUT (``If-None-Match: *``, s3fs ``mode="create"``); AWS S3 and
   moto answer 412 when the key exists, which s3fs raises as ``FileExistsError``.
 - ``memory://``: check and write under one process-wide lock (the store is per-process).
-- anything else: fsspec's ``pipe_file(mode="create")``, which is check-then-write and NOT
-  atomic. Two writers can then both "win"; each manifest still lists only its own writer's
-  files, so whichever manifest survives describes a complete checkpoint that verifies.
+- anything else (``gs://``, Azure's ``az://``/``abfs://``, ...): refused, by ``check_writable``
+  at launch and by ``create_exclusive``, with one sentence naming the protocol. fsspec's generic
+  ``pipe_file(mode="create")`` checks and then writes there, so two writers could both commit; GCS
+  (``ifGenerationMatch=0``) and Azure (``If-None-Match: *``) have real conditional creates, but
+  none is wired up and tested here against a real endpoint, and a silent non-atomic commit is
+  worse than a clear refusal. Checkpoints on those stores can still be read (``export``).
 """
 
 from __future__ import annotations
@@ -90,11 +93,31 @@ def redact(text: str) -> str:
     return re.sub(r"(://)[^/@\s]+@", r"\1***@", str(text))
 
 
+ATOMIC_CREATE_PROTOCOLS = ("file", "local", "memory", "s3", "s3a")
+"""URL protocols whose atomic create-if-absent ``create_exclusive`` implements (and tests test)."""
+
+
+def _protocol(url: str) -> str:
+    return url.split("://", 1)[0].split("::")[-1].lower() if "://" in url else "file"
+
+
+def check_atomic_create(url: str) -> None:
+    """``StorageError`` (one sentence) unless checkpoints can be committed atomically under ``url``."""
+    protocol = _protocol(url)
+    if protocol not in ATOMIC_CREATE_PROTOCOLS:
+        raise StorageError(
+            f"{redact(url)!r}: checkpoints cannot be committed atomically on {protocol}:// (this version has a "
+            f"tested create-if-absent only for local/NFS paths, memory:// and s3://); use a mounted path (e.g. "
+            f"gcsfuse, blobfuse2) or an S3-compatible endpoint (ELASTIC_TRAINER_S3_ENDPOINT_URL)")
+
+
 def check_writable(url: str) -> None:
     """Create ``url`` if needed and write, read back and delete a probe file in it.
 
-    Raises ``StorageError`` with one sentence when the location cannot be written.
+    Raises ``StorageError`` with one sentence when the location cannot be written, or when a
+    checkpoint could not be committed there atomically (``check_atomic_create``).
     """
+    check_atomic_create(url)
     fs, root = get_fs(url)
     probe = join(root, f".write-probe-{uuid.uuid4().hex}")
     try:
@@ -426,6 +449,9 @@ def create_exclusive(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> b
                 return False
             fs.pipe_file(path, data)
             return True
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    if not any(p in ATOMIC_CREATE_PROTOCOLS for p in protocols):
+        check_atomic_create(f"{protocols[0]}://{path}")  # raises: never a silent check-then-write commit
     try:
         fs.pipe_file(path, data, mode="create")
     except FileExistsError:

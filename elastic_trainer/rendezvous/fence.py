@@ -15,17 +15,28 @@ while its workers go on. When etcd cannot be reached within ``retry_timeout``
 seconds the round cannot be proven current, so ``check()`` raises ``FencedError`` too
 (fail safe: the caller skips its commit).
 
+A check alone is check-then-act: a worker paused right after it can act when its round is
+long over. ``guard()`` makes the act conditional instead: it checks as ``check()`` does and
+returns a ``Guard``, the *fencing token*: etcd comparisons (the state key's mod revision, the
+node's lease key's create revision) that hold exactly as long as what was checked still holds.
+A write put in one transaction with them (the checkpoint commit record,
+``checkpoint/record.py``) fails once the round changes or the lease ends, however long the
+writer was paused in between. The live quorum (``training/live.py``) gives the same kind of
+``Guard`` for its quorum key and member lease.
+
     from elastic_trainer.rendezvous.fence import RoundFence, FencedError
     fence = RoundFence.from_env()          # None when not started by the etcd-v3 rendezvous
     if fence is not None:
         fence.check()                      # raises FencedError when this round is over
         token = fence.token                # "round-7", to record beside what was written
+        guard = fence.guard()              # the same check, plus comparisons for a fenced write
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
@@ -38,6 +49,19 @@ ENV_RDZV_CONN = "ELASTIC_TRAINER_RDZV_CONN"
 
 class FencedError(RuntimeError):
     """This worker's rendezvous round is over (or cannot be proven current)."""
+
+
+@dataclass(frozen=True)
+class Guard:
+    """A fencing token: what a write must compare in its etcd transaction to be fenced.
+
+    ``compares`` are ``(key, target, value)`` with target ``"mod"`` (the key's mod revision) or
+    ``"create"`` (its create revision; 0 means absent): all of them hold while the round (or the
+    live quorum) that was checked is current and the writer's lease lives.
+    """
+
+    token: str
+    compares: tuple[tuple[str, str, int], ...]
 
 
 class RoundFence:
@@ -95,8 +119,20 @@ class RoundFence:
             self._backend = EtcdRendezvousBackend(self._conn, run_id, root)
         return self._backend
 
+    @property
+    def etcd(self):
+        """The ``EtcdConnection`` this fence reads through (for writes guarded by ``guard()``)."""
+        self._connect()
+        return self._conn
+
     def check(self) -> None:
         """Raise ``FencedError`` unless this worker's round is still the run's current round."""
+        self.guard()
+
+    def guard(self) -> Guard:
+        """``check()``, and the comparisons that keep holding while what it checked holds: the
+        state key is unchanged since this read and the node's lease key is the same key (a lease
+        that ended deletes it; a new lease makes a new one)."""
         from elastic_trainer.rendezvous.state import decode_state, node_name
 
         try:
@@ -108,6 +144,9 @@ class RoundFence:
             _, responses = self._conn.call(txn, "fence check")
             state = decode_state(backend._unwrap(responses[0][0][0])) if responses[0] else None
             lease_alive = bool(responses[1]) if self.node else True
+            compares = [(backend.state_key, "mod", responses[0][0][1].mod_revision if responses[0] else 0)]
+            if self.node and responses[1]:
+                compares.append((backend.alive_key(self.node), "create", responses[1][0][1].create_revision))
         except RendezvousError as exc:
             raise FencedError(f"cannot prove that rendezvous {self.token} of {self.prefix} is current: {exc}") from exc
         if state is None:
@@ -120,6 +159,7 @@ class RoundFence:
                 raise FencedError(f"node {self.node} is no longer a participant of {self.token} of {self.prefix}")
             if not lease_alive:
                 raise FencedError(f"the etcd lease of node {self.node} expired; {self.token} is over for it")
+        return Guard(self.token, tuple(compares))
 
     def close(self) -> None:
         if self._conn is not None:

@@ -77,7 +77,11 @@ class LiveExcluded(RuntimeError):
 
 
 class RunFinished(LiveExcluded):
-    """The run finished while this worker waited to be admitted (a spare that was not needed)."""
+    """The run finished while this worker waited to be admitted (a spare that was not needed).
+
+    Only while a member of the finished quorum still lives: once none does, the finished quorum
+    is an earlier job's, and a new launch of the same run id (say with a larger ``--max-steps``)
+    starts it over with a cold quorum instead of exiting 0 without training."""
 
 
 class LiveTimeout(RuntimeError):
@@ -344,8 +348,10 @@ class LiveGroup:
             while True:
                 view = self._read()
                 q = view.quorum
-                if q is not None and q.finished:
+                if q is not None and q.finished and any(m.id in view.alive for m in q.members):
                     raise RunFinished("the run finished before this worker was admitted")
+                # a finished quorum with no live member is an earlier job of this run id (the
+                # embedded etcd keeps its data): this launch starts it over, cold, from storage
                 if q is not None and q.rank_of(self.id) is not None:
                     return self._adopt(q)
                 live_quorum = q is not None and any(m.id in view.alive for m in q.members)
@@ -524,16 +530,35 @@ class LiveGroup:
 
     def fence_check(self) -> None:
         """Raise ``FencedError`` unless this worker's quorum is still the current one and its lease lives."""
-        from elastic_trainer.rendezvous.fence import FencedError
+        self.guard()
+
+    @property
+    def etcd(self):
+        """The ``EtcdConnection`` of the live group (for writes guarded by ``guard()``)."""
+        return self.conn
+
+    def guard(self):
+        """``fence_check()``, returning the fencing token (``rendezvous.fence.Guard``): the quorum
+        key unchanged since this read and this worker's alive key the same key (its lease lives)."""
+        from elastic_trainer.rendezvous.fence import FencedError, Guard
 
         q = self.quorum
+        quorum_key, alive_key = self._key("quorum"), self._key("alive/" + self.id)
+
+        def txn(c):
+            t = c.transactions
+            return c.transaction(compare=[], success=[t.get(quorum_key), t.get(alive_key)], failure=[])
+
         try:
-            view = self._read()
+            _, responses = self._call(txn, "fence check")
+            current = Quorum.from_json(responses[0][0][0]) if responses[0] else None
         except Exception as exc:  # noqa: BLE001 - cannot prove the quorum current: fail safe
             raise FencedError(f"live quorum cannot be read: {exc}") from exc
-        if q is None or view.quorum is None or view.quorum.q != q.q or self.id not in view.alive:
+        if q is None or current is None or current.q != q.q or not responses[1]:
             raise FencedError(f"live quorum {q.q if q else None} is over (etcd has "
-                              f"{view.quorum.q if view.quorum else None})")
+                              f"{current.q if current else None}{'' if responses[1] else ', and this lease is gone'})")
+        return Guard(self.token, ((quorum_key, "mod", responses[0][0][1].mod_revision),
+                                  (alive_key, "create", responses[1][0][1].create_revision)))
 
     @property
     def token(self) -> str:

@@ -53,7 +53,7 @@ from elastic_trainer.tasks import Task, as_task, load_builder
 from elastic_trainer.training.worker import (
     DistInfo,
     broadcast_object,
-    fence_check,
+    round_fence,
     join_live,
     MicroBatches,
     SignalWatcher,
@@ -170,7 +170,7 @@ class Trainer:
 
             tag = "live" if self.live is not None else f"r{d.round if d.round is not None else 'x'}"
             writer = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{self.node}-{pid}-{tag}")
-            fence = self.live.fence_check if self.live is not None else fence_check() if d.is_main else None
+            fence = self.live if self.live is not None else round_fence()  # every rank loads what the record names
             self.ckpt = CheckpointManager(c.checkpoint_dir, keep_checkpoints=c.keep_checkpoints,
                                           async_checkpoint=c.async_checkpoint, fence=fence, writer_id=writer[:64])
         if self.live is not None:  # ready to train: only now ask the live group to admit us
@@ -228,12 +228,14 @@ class Trainer:
         """The checkpoint's content (collective under FSDP; None on ranks other than 0 unless ``any_rank``)."""
         from elastic_trainer.checkpoint import capture_rng_state
 
-        model_state, optim_state = self.par.model_state(), self.par.optimizer_state(self.optimizer)
+        sharded = self._sharded() and not any_rank  # each rank saves its own shards (sharded.py)
+        model_state = {} if sharded else self.par.model_state()
+        optim_state = {} if sharded else self.par.optimizer_state(self.optimizer)
         if not self.dinfo.is_main and not any_rank:
             return None
+        parts = {} if sharded else {"model": model_state, "optimizer": optim_state}
         return {
-            "model": model_state,
-            "optimizer": optim_state,
+            **parts,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
             "scaler": self.scaler.state_dict() if self.scaler is not None else {},
             "rng": capture_rng_state(),
@@ -245,6 +247,13 @@ class Trainer:
                      "fsdp": self.par.fsdp},
         }
 
+    def _sharded(self) -> bool:
+        """Whether checkpoints are sharded: ``--fsdp`` on a local or NFS checkpoint dir (other
+        stores get the full state gathered on rank 0, as before)."""
+        from elastic_trainer.checkpoint import storage
+
+        return self.par.fsdp and self.ckpt is not None and storage.is_local(self.ckpt.fs)
+
     def _restore(self, step: int, state: dict) -> None:
         """Put a loaded checkpoint back (model before wrapping; the rest after)."""
         from elastic_trainer.checkpoint import restore_rng_state
@@ -254,7 +263,12 @@ class Trainer:
             raise ValueError(f"checkpoint step-{step} was written {'with' if meta.get('fsdp') else 'without'} --fsdp "
                              f"and its optimizer state is keyed accordingly; resume {'with' if meta.get('fsdp') else 'without'} "
                              "--fsdp, or start over with --no-resume")
-        self.par.load_optimizer_state(self.optimizer, state["optimizer"])
+        from elastic_trainer.checkpoint.sharded import is_sharded, load_sharded
+
+        if is_sharded(state):  # every rank reads its part of the shards, resharded to this world size
+            load_sharded(self.ckpt, step, state, self.module, self.optimizer)
+        else:
+            self.par.load_optimizer_state(self.optimizer, state["optimizer"])
         if self.scheduler is not None and state.get("scheduler"):
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
@@ -288,6 +302,12 @@ class Trainer:
         self._event("checkpoint_loaded", step=self.step, epoch=self.sampler.epoch, offset=self.sampler.offset,
                     world_size=d.world_size, saved_world_size=prev_world)
         self._event("resume", step=self.step, world_size=d.world_size, restart=d.restart, round=d.round)
+        self._check_resume_flags(step)
+        saved_gbs = state.get("meta", {}).get("global_batch_size")
+        if saved_gbs is not None and int(saved_gbs) != self.gbs:
+            print0(f"global batch changed: {saved_gbs} -> {self.gbs} samples; epoch {self.sampler.epoch} continues at "
+                   f"sample offset {self.sampler.offset} in steps of {self.gbs} ({self.sampler.remaining_steps} left in "
+                   f"it); the step count goes on from {self.step} (a step is one optimizer step, whatever its batch)")
         if prev_world != d.world_size:
             print0(f"world size changed: {prev_world} -> {d.world_size} ranks; global batch stays "
                    f"{self.gbs}, {self.sampler.micro_batches_per_step} micro-batch(es) per step on rank 0"
@@ -296,14 +316,33 @@ class Trainer:
                    f"learning rate scaled by {d.world_size}/{prev_world}")
             self._event("world_size_changed", old=prev_world, new=d.world_size, step=self.step)
 
+    def _check_resume_flags(self, step: int) -> None:
+        """A resumed position past where these flags stop is an error naming the flag, never a
+        silent "finished" (a run resumed exactly where it stopped is finished, and says so)."""
+        c, s = self.config, self.sampler
+        if c.max_steps is not None and self.step > c.max_steps:
+            raise ValueError(f"checkpoint step-{step} of {c.checkpoint_dir} is already {self.step - c.max_steps} "
+                             f"steps past --max-steps {c.max_steps}; raise --max-steps to train on, or start over "
+                             "with --no-resume (or another --checkpoint-dir)")
+        if c.epochs is not None and (s.epoch > c.epochs or (s.epoch == c.epochs and s.offset > 0)):
+            raise ValueError(f"checkpoint step-{step} of {c.checkpoint_dir} is in epoch {s.epoch + 1} (sample offset "
+                             f"{s.offset}), past --epochs {c.epochs}; raise --epochs to train on, or start over with "
+                             "--no-resume (or another --checkpoint-dir)")
+
     def _total_steps(self) -> int:
-        """The step to stop at: ``--max-steps`` and/or ``--epochs`` (10**18 when only the sampler can tell)."""
-        c = self.config
+        """The step to stop at: ``--max-steps`` and/or ``--epochs`` (10**18 when only the sampler can tell).
+
+        With ``--epochs`` it is counted from where the sampler is: the steps left in this epoch from
+        its sample offset at the current global batch, plus whole epochs, so a resume with another
+        ``--global-batch-size`` trains exactly the samples that are left (a step is one optimizer
+        step, whatever its batch, and ``--max-steps`` counts those)."""
+        c, s = self.config, self.sampler
         if c.epochs is None:
             return c.max_steps
         if c.scale_lr:  # steps per epoch follow the world size: only the sampler's epoch can tell the end
             return c.max_steps or 10**18
-        return min(c.max_steps or 10**18, c.epochs * self.sampler.steps_per_epoch)
+        to_end = 0 if s.epoch >= c.epochs else s.remaining_steps + (c.epochs - s.epoch - 1) * s.steps_per_epoch
+        return min(c.max_steps or 10**18, self.step + to_end)
 
     # ---- the loop ----------------------------------------------------------------------
     def train(self) -> dict:
@@ -333,8 +372,13 @@ class Trainer:
                         self.live.quorum.source, self._peer_state_s)
         else:
             loaded = self._load_checkpoint()
-        if loaded is not None:  # into the bare module, before DDP/FSDP: every rank starts identical
-            self.module.load_state_dict(loaded[1]["model"])
+        if loaded is not None and "model" in loaded[1]:  # into the bare module, before DDP/FSDP (a
+            self.module.load_state_dict(loaded[1]["model"])  # sharded one is loaded after: _restore)
+        elif c.init_from is not None and not from_peer:
+            from elastic_trainer.export import load_weights
+
+            load_weights(self.module, c.init_from)
+            print0(f"initialized the model from {c.init_from}")
         self.sampler = self._new_sampler()
         self.par = Parallel.wrap(self.module, c, d)
         self.model = self.par.model
@@ -630,7 +674,9 @@ class Trainer:
         self._pending.clear()
 
     def _save(self, *, blocking: bool) -> None:
-        """Capture (all ranks under FSDP) and save on rank 0."""
+        """Capture (all ranks under FSDP) and save on rank 0; sharded FSDP: every rank its shards."""
+        if self._sharded():
+            return self._save_sharded()
         state = self._capture_state()
         self._last_save_step = self.step
         if state is None or self.ckpt is None:
@@ -643,6 +689,22 @@ class Trainer:
         print0(f"checkpoint step-{self.step} {'saved' if blocking and committed else 'save started' if not blocking else 'NOT saved'}"
                f" (blocked {blocked * 1000:.0f} ms) to {self.config.checkpoint_dir}")
         self._event("checkpoint_saved", step=self.step, blocked_s=blocked, blocking=blocking,
+                    committed=committed, epoch=self.sampler.epoch, offset=self.sampler.offset,
+                    world_size=self.dinfo.world_size)
+
+    def _save_sharded(self) -> None:
+        """Every rank writes its shards (DCP), rank 0 commits the manifest last (blocking)."""
+        from elastic_trainer.checkpoint.sharded import save_sharded
+
+        t0 = time.perf_counter()
+        rest = self._capture_state()
+        self._last_save_step = self.step
+        self.ckpt.wait()
+        committed = save_sharded(self.ckpt, self.step, self.module, self.optimizer, rest)
+        blocked = time.perf_counter() - t0
+        print0(f"checkpoint step-{self.step} {'saved' if committed else 'NOT saved'} sharded "
+               f"(blocked {blocked * 1000:.0f} ms) to {self.config.checkpoint_dir}")
+        self._event("checkpoint_saved", step=self.step, blocked_s=blocked, blocking=True,
                     committed=committed, epoch=self.sampler.epoch, offset=self.sampler.offset,
                     world_size=self.dinfo.world_size)
 

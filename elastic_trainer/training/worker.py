@@ -3,7 +3,7 @@
 ``setup_distributed`` joins the process group that torchrun's environment describes (gloo on
 CPU, NCCL on GPU) and returns a ``DistInfo``; ``seed_everything`` seeds every RNG;
 ``MicroBatches`` feeds this rank's micro-batches from a DataLoader over the elastic sampler,
-with the dataset indices of each; ``fence_check`` finds the rendezvous round fence;
+with the dataset indices of each; ``round_fence`` finds the rendezvous round fence;
 ``SignalWatcher`` acts on SIGTERM even while the main thread is blocked in a collective.
 ``trainer.Trainer`` uses them all (its logs are ``elastic_trainer.records``).
 """
@@ -168,8 +168,9 @@ class MicroBatches:
         return self.sampler.epoch, self.recorder.pending.popleft(), _to_device(batch, self.device)
 
 
-def fence_check() -> Callable[[], None] | None:
-    """The rendezvous round fence's ``check`` when running under the etcd-v3 rendezvous."""
+def round_fence() -> Any:
+    """The rendezvous round fence (``RoundFence``) when running under the etcd-v3 rendezvous, else
+    None. Given to ``CheckpointManager`` as its fence, its ``guard()`` fences the commit record."""
     try:
         present = importlib.util.find_spec("elastic_trainer.rendezvous.fence") is not None
     except ModuleNotFoundError:
@@ -178,8 +179,7 @@ def fence_check() -> Callable[[], None] | None:
         return None
     from elastic_trainer.rendezvous.fence import RoundFence
 
-    fence = RoundFence.from_env()
-    return fence.check if fence is not None else None
+    return RoundFence.from_env()
 
 
 def broadcast_object(value: Any, dinfo: DistInfo) -> Any:
