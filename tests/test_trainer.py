@@ -30,7 +30,8 @@ pytestmark = pytest.mark.timeout(180)
 
 FIXTURE = "tests.helpers.task_fixture:build"
 TINY = ["--d-model", "16", "--nhead", "2", "--num-encoder-layers", "1", "--num-decoder-layers", "1",
-        "--dim-feedforward", "32", "--src-len", "2", "--tgt-len", "4", "--dataset-size", "256"]
+        "--dim-feedforward", "32", "--src-len", "4", "--dataset-size", "256"]
+SEEDS = ["--example", "seeds", "--src-len", "2", "--tgt-len", "4"]  # after TINY: the seeds' workload
 STEP_KEYS = {"time", "step", "epoch", "offset", "world_size", "rank", "round", "restart", "loss", "node"}
 
 
@@ -107,6 +108,39 @@ def test_unknown_flags_go_to_a_user_task_and_are_refused_without_one(capsys):
 
 # ------------------------------------------------------------------------------------- tasks
 
+def test_default_example_learns_to_reverse_token_sequences(tmp_path):
+    """The default example has something to learn: its loss falls far below the first step's."""
+    train_inprocess("--d-model", "32", "--dim-feedforward", "64", "--layers", "1", "--src-len", "4",
+                    "--vocab-size", "8", "--lr", "1e-2", "--global-batch-size", "16", "--max-steps", "40",
+                    "--log-dir", str(tmp_path / "logs"))
+    losses = [s.loss for s in records.read_steps(tmp_path / "logs", rank=0)]
+    assert len(losses) == 40
+    assert losses[0] > 1.5, "a fresh model guesses among 7 tokens: about ln 7"
+    assert losses[-1] < losses[0] / 4, f"the loss did not fall: {losses[0]:.3f} -> {losses[-1]:.3f}"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--loss", "mse"], "--loss applies to --example seeds only"),
+    (["--example", "copy", "--data", "h5:x.h5"], "--data h5:x.h5 applies to --example seeds only"),
+    (["--vocab-size", "2"], "--vocab-size 2 is too small"),
+])
+def test_example_flags_that_do_not_fit_the_example_are_refused_in_one_line(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_config(flags)
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    parse_config(["--example", "seeds", "--loss", "mse"])  # the seeds' workload keeps its flags
+
+
+def test_seeds_example_is_the_seed_scripts_transformer_on_random_floats():
+    from elastic_trainer.tasks import build_example
+
+    task = build_example(parse_config(["--example", "seeds", "--dataset-size", "8"]).task_args)
+    assert isinstance(task.model, torch.nn.Transformer)
+    src, tgt = task.dataset[0]
+    assert src.shape == (16, 128) and tgt.shape == (20, 128) and src.dtype == torch.float32
+
+
 def test_task_from_a_test_file_runs_through_the_task_flag(tmp_path):
     """As a world of one that joins a gloo process group (RANK/WORLD_SIZE/MASTER_* as torchrun sets them)."""
     marker = tmp_path / "built.json"
@@ -135,7 +169,7 @@ def test_h5_variant_of_the_example_trains_exactly_like_the_in_memory_data(tmp_pa
 
     write_synthetic_h5(tmp_path / "d.h5", 256, (2, 16), (4, 16), seed=0)
     for name, data in (("mem", []), ("h5", ["--data", f"h5:{tmp_path / 'd.h5'}"])):
-        train_inprocess(*TINY, *data, "--max-steps", "3", "--global-batch-size", "16",
+        train_inprocess(*TINY, *SEEDS, *data, "--max-steps", "3", "--global-batch-size", "16",
                         "--checkpoint-dir", str(tmp_path / name), "--log-dir", str(tmp_path / f"log-{name}"))
     assert_same_state(latest(tmp_path / "mem")[1]["model"], latest(tmp_path / "h5")[1]["model"])
 
@@ -165,7 +199,7 @@ def test_resume_restores_optimizer_scheduler_step_and_rng_exactly(tmp_path):
 
 def test_gradient_accumulation_matches_one_pass_over_the_global_batch(tmp_path):
     for name, extra in (("one", []), ("acc", ["--micro-batch-size", "5"])):
-        train_inprocess(*TINY, "--loss", "mse", "--max-steps", "4", "--global-batch-size", "16", *extra,
+        train_inprocess(*TINY, "--max-steps", "4", "--global-batch-size", "16", *extra,
                         "--checkpoint-dir", str(tmp_path / name), "--log-dir", str(tmp_path / f"l{name}"))
     one, acc = latest(tmp_path / "one")[1]["model"], latest(tmp_path / "acc")[1]["model"]
     worst, gauge = param_drift(one, acc)
@@ -319,7 +353,7 @@ def test_dataloader_workers_feed_the_same_samples_and_parameters(tmp_path):
 @pytest.mark.slow
 def test_fsdp_on_two_workers_resumes_and_matches_one_process(tmp_path):
     """--fsdp (fully_shard over gloo): gathered checkpoints resume and train like plain single-process."""
-    tiny = [*TINY, "--loss", "mse", "--global-batch-size", "12", "--micro-batch-size", "3"]
+    tiny = [*TINY, "--global-batch-size", "12", "--micro-batch-size", "3"]
     for until in ("2", "4"):
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                "-m", "elastic_trainer.train", *tiny, "--fsdp", "--max-steps", until, "--no-wandb",

@@ -122,6 +122,7 @@ class Trainer:
         self.step = 0
         self.run_id: str | None = None
         self.last_loss: float = float("nan")
+        self.first_loss: tuple[int, float] | None = None  # (step, loss) of this process's first agreed step
         self._last_save_step: int | None = None
         self._logged_save_step: int | None = None
 
@@ -552,6 +553,8 @@ class Trainer:
         values = shared.tolist()
         for (step, epoch, offset, _, step_time, ended), loss in zip(self._pending, values[:n]):
             self.last_loss = loss / self.gbs
+            if self.first_loss is None:
+                self.first_loss = (step, self.last_loss)
             self._log_step(step, epoch, offset, step_time, ended)
         self._pending.clear()
         return values[n] > 0, values[n + 1] > 0, values[n + 2] > 0, values[n + 3] > 0, max(1, int(values[n + 4]))
@@ -637,7 +640,8 @@ class Trainer:
                 self.live.finish()  # waiting newcomers exit 0 instead of starting the run again
             self.live.close()
         self._event("finished" if stopped_by == "done" else "stopped", step=self.step, reason=stopped_by)
-        print0(f"{'finished' if stopped_by == 'done' else 'stopped'} at step {self.step}, loss {self.last_loss:.6f}")
+        first = f" (step {self.first_loss[0]}: {self.first_loss[1]:.6f})" if self.first_loss else ""
+        print0(f"{'finished' if stopped_by == 'done' else 'stopped'} at step {self.step}, loss {self.last_loss:.6f}{first}")
         self.wandb.finish()
         for f in (self.events, self.step_log, self.ledger):
             f.close()
