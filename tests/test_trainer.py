@@ -25,6 +25,7 @@ from elastic_trainer.config import TrainConfig
 from elastic_trainer.training.trainer import Trainer
 from elastic_trainer.etcd_server import free_port
 from tests.helpers.common import REPO, assert_same_state, wait_until
+from tests.helpers.wandb_records import exit_code, record_kinds
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -306,6 +307,66 @@ def test_wandb_run_id_after_a_restart_equals_the_first(tmp_path):
     # the offline run's own files name the id too (what `wandb sync` uploads)
     run_dir = sorted((tmp_path / "logs" / "wandb").glob("offline-run-*"))[1]
     assert (run_dir / f"run-{ids[0]}.wandb").exists()
+    # a run that finished is a success to W&B: exit code 0, never marked preempting
+    for path in (tmp_path / "logs" / "wandb").glob("offline-run-*/run-*.wandb"):
+        assert exit_code(path) == 0 and "preempting" not in record_kinds(path)
+
+
+def _wandb_env() -> dict[str, str]:
+    """Offline W&B (no key): the runs' files stay under the log dir."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+
+
+def _run_files(log_dir: Path) -> list[Path]:
+    return sorted((log_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_wandb_run_after_sigterm_is_marked_preempting_and_ends_as_not_a_success(tmp_path, procs):
+    log_dir = tmp_path / "logs"
+    proc = procs.start(worker_cmd("--task", FIXTURE, "--max-steps", "100000", "--global-batch-size", "16",
+                                  "--sleep-per-step", "0.05", "--checkpoint-dir", str(tmp_path / "ck"),
+                                  "--log-dir", str(log_dir), "--no-progress"),
+                       cwd=REPO, env=_wandb_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_until(lambda: len(records.read_steps(log_dir)) >= 3, 90, "three steps")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]  # the worker's own contract: saved and stopped cleanly
+    (run,) = _run_files(log_dir)
+    kinds = record_kinds(run)
+    assert "preempting" in kinds and kinds.index("preempting") < kinds.index("exit")
+    assert exit_code(run) == 128 + signal.SIGTERM, "W&B reads a non-zero exit code as failed or preempted"
+
+
+def test_wandb_forced_exit_after_the_grace_period_still_ends_the_run_as_preempted(tmp_path, procs):
+    log_dir = tmp_path / "logs"
+    proc = procs.start(worker_cmd("--task", FIXTURE, "--max-steps", "100", "--global-batch-size", "16",
+                                  "--sleep-per-step", "60", "--log-dir", str(log_dir), "--no-progress",
+                                  "--grace-seconds", "2"),
+                       cwd=REPO, env=_wandb_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_until(lambda: _run_files(log_dir) and records.read_steps(log_dir), 90, "the first step and the W&B run")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM and "grace period of 2s over" in err
+    (run,) = _run_files(log_dir)
+    assert "preempting" in record_kinds(run) and exit_code(run) == 128 + signal.SIGTERM
+
+
+def test_wandb_restart_before_the_first_checkpoint_resumes_the_same_run(tmp_path, procs):
+    log_dir, ck = tmp_path / "logs", tmp_path / "ck"
+    args = ["--task", FIXTURE, "--global-batch-size", "16", "--checkpoint-dir", str(ck), "--log-dir", str(log_dir),
+            "--no-progress"]
+    first = procs.start(worker_cmd(*args, "--max-steps", "100000", "--sleep-per-step", "0.05"), cwd=REPO,
+                        env=_wandb_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_until(lambda: _run_files(log_dir) and len(records.read_steps(log_dir)) >= 2, 90, "two steps")
+    first.kill()  # a crash: nothing saved
+    first.wait(timeout=30)
+    assert not list(ck.glob("step-*")), "the restart must come before any checkpoint"
+    proc = subprocess.run(worker_cmd(*args, "--max-steps", "2"), cwd=REPO, env=_wandb_env(),
+                          capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ids = _offline_run_ids(log_dir)
+    assert len(ids) == 2 and ids[0] == ids[1], f"a second W&B run was opened: {ids}"
+    assert (ck / "wandb-run-id").read_text() == ids[0] == latest(ck)[1]["meta"]["wandb_run_id"]
 
 
 # ------------------------------------------------------------------------------------- features

@@ -69,6 +69,20 @@ PEER_STOPPED = "a peer was stopped by a signal"
 EXIT_PEER_STOPPED = 75  # EX_TEMPFAIL: not an error of this worker; torchrun restarts it
 
 
+WANDB_FINISH_S = 3.0
+"""At most this long for the W&B run's final flush on a forced exit or an error (offline: milliseconds)."""
+
+
+def wandb_exit_code(stopped_by: str | None) -> int:
+    """The exit code the W&B run ends with: 0 when training finished or reached ``--max-seconds``;
+    preempted (143) after this rank's SIGTERM; ``EXIT_PEER_STOPPED`` when another node's was."""
+    if stopped_by in ("done", "max-seconds"):
+        return 0
+    if stopped_by == PEER_STOPPED:
+        return EXIT_PEER_STOPPED
+    return metrics.PREEMPTED_EXIT_CODE
+
+
 def _collective_failed(exc: BaseException) -> bool:
     """A collective with a peer failed (the peer died, or its group was torn down)."""
     if isinstance(exc, dist.DistError):
@@ -322,8 +336,9 @@ class Trainer:
             del loaded
         else:
             self._event("start", world_size=d.world_size, restart=d.restart, round=d.round)
-        if self.run_id is None and d.is_main:
-            self.run_id = metrics.new_run_id()
+        if self.run_id is None and d.is_main:  # fixed at the first start: restarts before a checkpoint resume it
+            self.run_id = (metrics.fixed_run_id(c.checkpoint_dir or str(self.log_dir), fresh=not c.resume)
+                           if c.wandb else metrics.new_run_id())
 
         spe = self.sampler.steps_per_epoch
         total = self._total_steps()
@@ -333,6 +348,8 @@ class Trainer:
         self.wandb = metrics.init_wandb(enabled=c.wandb, run_id=self.run_id, log_dir=str(self.log_dir),
                                         project=c.wandb_project, group=os.environ.get(cfgmod.ENV_RUN_ID),
                                         config={k: v for k, v in asdict(c).items() if k != "task_args"})
+        if self._stop_signal is not None:  # a SIGTERM came before the W&B run existed
+            self._mark_preempting()
         self.progress = metrics.Progress(total=total if total < 10**18 else None, initial=self.step,
                                          enabled=c.progress)
         profiler = self._start_profiler()
@@ -341,6 +358,7 @@ class Trainer:
             stopped_by = self._loop(total, profiler)
         except BaseException as exc:
             self._abort(exc)
+            self.wandb.finish_within(1, WANDB_FINISH_S)  # failed (W&B: not a success); a restart resumes it
             raise
         finally:
             if profiler is not None:
@@ -642,7 +660,7 @@ class Trainer:
         self._event("finished" if stopped_by == "done" else "stopped", step=self.step, reason=stopped_by)
         first = f" (step {self.first_loss[0]}: {self.first_loss[1]:.6f})" if self.first_loss else ""
         print0(f"{'finished' if stopped_by == 'done' else 'stopped'} at step {self.step}, loss {self.last_loss:.6f}{first}")
-        self.wandb.finish()
+        self.wandb.finish(exit_code=wandb_exit_code(stopped_by))
         for f in (self.events, self.step_log, self.ledger):
             f.close()
         if self._grace_timer is not None:
@@ -699,6 +717,7 @@ class Trainer:
             self._stop_signal = signum
         logger.warning("rank %d got %s: saving at the next step boundary, exiting within %.0fs",
                        self.dinfo.rank, signal.Signals(signum).name, self.config.grace_seconds)
+        self._mark_preempting()
         self._grace_timer = threading.Timer(self.config.grace_seconds, self._grace_expired)
         self._grace_timer.daemon = True
         self._grace_timer.start()
@@ -711,6 +730,13 @@ class Trainer:
             watchdog.daemon = True
             watchdog.start()
 
+    def _mark_preempting(self) -> None:
+        """W&B's ``mark_preempting()``, from a thread of its own: the caller may be a signal handler
+        that interrupted the main thread inside a W&B call."""
+        logger_ = getattr(self, "wandb", None)
+        if logger_ is not None:
+            threading.Thread(target=logger_.mark_preempting, name="wandb-preempting", daemon=True).start()
+
     def _exit_if_hung(self, boundaries_at_signal: int, waited: float) -> None:
         if self._boundaries != boundaries_at_signal or self._saving_after_failure:
             return
@@ -719,14 +745,22 @@ class Trainer:
                      self.dinfo.rank, waited, self._last_step_s or 0.0)
         if self.ckpt is not None:  # an async save already under way may still commit
             self._abort()
+        self._flush_wandb_before_exit()
         logging.shutdown()
         os._exit(128 + signal.SIGTERM)
 
     def _grace_expired(self) -> None:
         logger.error("rank %d: grace period of %.0fs over before the step boundary save finished; exiting now",
                      self.dinfo.rank, self.config.grace_seconds)
+        self._flush_wandb_before_exit()
         logging.shutdown()
         os._exit(128 + signal.SIGTERM)
+
+    def _flush_wandb_before_exit(self) -> None:
+        """A forced exit skips ``_finish``: end the W&B run as preempted, within ``WANDB_FINISH_S``."""
+        logger_ = getattr(self, "wandb", None)
+        if logger_ is not None:
+            logger_.finish_within(metrics.PREEMPTED_EXIT_CODE, WANDB_FINISH_S)
 
     def _start_profiler(self):
         c = self.config
