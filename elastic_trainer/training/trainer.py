@@ -139,6 +139,8 @@ class Trainer:
         self.first_loss: tuple[int, float] | None = None  # (step, loss) of this process's first agreed step
         self._last_save_step: int | None = None
         self._logged_save_step: int | None = None
+        self._status = None  # StatusPublisher of rank 0 (`elastic-train status`), made on first use
+        self._status_tried = False
 
     # ---- build -----------------------------------------------------------------------
     def _build(self) -> None:
@@ -180,7 +182,33 @@ class Trainer:
 
     def _event(self, event: str, **fields: Any) -> None:
         if self.dinfo.is_main:  # rank 0 of the current world (live recovery changes who that is)
-            self.events.write(EventRecord(time=time.time(), event=Event(event), **fields))
+            record = EventRecord(time=time.time(), event=Event(event), **fields)
+            self.events.write(record)
+            publisher = self._publisher()
+            if publisher is not None and record.event != Event.CHECKPOINT_SAVED:  # status shows the newest
+                publisher.event(record.to_json())
+
+    def _publisher(self):
+        """Rank 0's ``StatusPublisher`` (None elsewhere, or without the etcd-v3 rendezvous)."""
+        if not self.dinfo.is_main:
+            return None
+        if not self._status_tried:
+            self._status_tried = True
+            from elastic_trainer.status import StatusPublisher
+
+            try:
+                self._status = StatusPublisher.from_env()
+            except Exception as exc:  # noqa: BLE001 - the status is for people; training goes on without it
+                logger.warning("status: not publishing to etcd (%s)", exc)
+        return self._status
+
+    def _publish_checkpoint(self, step: int, saved_at: float) -> None:
+        publisher = self._publisher()
+        if publisher is not None:
+            from elastic_trainer.checkpoint import storage
+
+            publisher.update(checkpoint={"step": step, "time": saved_at,
+                                         "url": storage.redact(str(self.config.checkpoint_dir))})
 
     def _load_checkpoint(self) -> tuple[int, dict] | None:
         """Rank 0 picks the newest valid checkpoint; every rank loads that same step."""
@@ -275,6 +303,7 @@ class Trainer:
                         round=d.round)
             return
         self._last_save_step = self.step
+        self._publish_checkpoint(self.step, float(state.get("meta", {}).get("time") or time.time()))
         print0(f"resumed from checkpoint step-{self.step} (epoch {self.sampler.epoch}, sample offset "
                f"{self.sampler.offset}) of {c.checkpoint_dir}")
         self._event("checkpoint_loaded", step=self.step, epoch=self.sampler.epoch, offset=self.sampler.offset,
@@ -601,6 +630,10 @@ class Trainer:
                                        rank=d.rank, round=d.round, restart=d.restart, loss=self.last_loss,
                                        node=self.node))
         samples_s = self.gbs / step_time if step_time > 0 else 0.0
+        publisher = self._publisher()
+        if publisher is not None:
+            publisher.update(step=step, epoch=epoch, loss=self.last_loss, samples_per_s=samples_s,
+                             world_size=d.world_size, round=d.round, node=self.node, state="training")
         self.progress.update(step=step, epoch=epoch, loss=self.last_loss,
                              samples_per_s=samples_s, world_size=d.world_size)
         values = {"global_step": step, "train/loss": self.last_loss, "train/epoch": epoch,
@@ -611,6 +644,7 @@ class Trainer:
             st = self.ckpt.last_save_stats
             if st.get("committed") and st.get("step") != self._logged_save_step:
                 self._logged_save_step = st.get("step")
+                self._publish_checkpoint(int(st["step"]), time.time())
                 values["checkpoint/blocked_s"] = st.get("blocked_s", 0.0)
                 values["checkpoint/total_s"] = (st.get("blocked_s", 0.0) + st.get("serialize_s", 0.0)
                                                 + st.get("upload_s", 0.0))
@@ -642,6 +676,8 @@ class Trainer:
         committed = stats.get("committed") if blocking else None
         print0(f"checkpoint step-{self.step} {'saved' if blocking and committed else 'save started' if not blocking else 'NOT saved'}"
                f" (blocked {blocked * 1000:.0f} ms) to {self.config.checkpoint_dir}")
+        if committed:
+            self._publish_checkpoint(self.step, time.time())
         self._event("checkpoint_saved", step=self.step, blocked_s=blocked, blocking=blocking,
                     committed=committed, epoch=self.sampler.epoch, offset=self.sampler.offset,
                     world_size=self.dinfo.world_size)
@@ -661,6 +697,9 @@ class Trainer:
         first = f" (step {self.first_loss[0]}: {self.first_loss[1]:.6f})" if self.first_loss else ""
         print0(f"{'finished' if stopped_by == 'done' else 'stopped'} at step {self.step}, loss {self.last_loss:.6f}{first}")
         self.wandb.finish(exit_code=wandb_exit_code(stopped_by))
+        if self._status is not None:
+            self._status.update(state="finished" if stopped_by == "done" else "stopped", step=self.step)
+            self._status.close()
         for f in (self.events, self.step_log, self.ledger):
             f.close()
         if self._grace_timer is not None:
