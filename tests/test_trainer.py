@@ -426,3 +426,64 @@ def test_fsdp_on_two_workers_resumes_and_matches_one_process(tmp_path):
     assert step == 4 and fsdp["meta"]["fsdp"] is True
     worst, gauge = param_drift(fsdp["model"], latest(tmp_path / "one")[1]["model"])
     assert worst < 1e-5 and gauge <= 4 * 1e-3 * 1.01
+
+
+# ------------------------------------------------------------------------------------- console
+
+LOGGING_TASK = '''
+import logging
+from tests.helpers.task_fixture import build as fixture_build
+
+def build(args):
+    task = fixture_build(args)
+    step = task.training_step
+    calls = []
+
+    def training_step(model, batch):
+        calls.append(1)
+        if len(calls) == 8:
+            logging.getLogger("user.task").warning("MARKER from the task")
+        return step(model, batch)
+
+    task.training_step = training_step
+    return task
+'''
+
+
+def _console_run(tmp_path: Path, *argv: str) -> str:
+    task = tmp_path / "logging_task.py"
+    task.write_text(LOGGING_TASK)
+    proc = subprocess.run(worker_cmd("--task", f"{task}:build", "--global-batch-size", "16", "--no-wandb",
+                                     "--checkpoint-dir", str(tmp_path / "ck"), "--log-dir", str(tmp_path / "logs"),
+                                     *argv),
+                          cwd=REPO, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stderr
+
+
+def _screen_lines(err: str) -> list[str]:
+    """What each terminal line ends up showing: the text after its last carriage return."""
+    return [line.rsplit("\r", 1)[-1] for line in err.split("\n")]
+
+
+def test_console_log_lines_go_above_the_bar_and_the_bar_counts_seconds_with_max_seconds(tmp_path):
+    err = _console_run(tmp_path, "--epochs", "1000", "--max-seconds", "3", "--sleep-per-step", "0.05",
+                       "--checkpoint-every", "10")
+    marker = [line for line in err.split("\n") if "MARKER from the task" in line]
+    assert len(marker) == 1
+    # tqdm.write clears the bar's line first: the log line starts a line of its own, no bar text before it
+    shown = marker[0].rsplit("\r", 1)[-1]
+    assert shown.startswith("[") and "%|" not in shown, repr(marker[0])
+    bars = [s for s in err.replace("\n", "\r").split("\r") if "%|" in s]
+    assert bars and all("/3s [" in b for b in bars), bars[-1:]  # the total is --max-seconds, in seconds
+    assert "100%|" in bars[-1]
+
+
+def test_console_bar_counts_steps_with_max_steps_and_each_checkpoint_is_one_line(tmp_path):
+    err = _console_run(tmp_path, "--max-steps", "12", "--checkpoint-every", "4")
+    bars = [s for s in err.replace("\n", "\r").split("\r") if "%|" in s]
+    assert bars and "12/12 [" in bars[-1]
+    lines = [s for s in _screen_lines(err) if "checkpoint step-" in s]
+    steps = [int(s.split("checkpoint step-")[1].split()[0]) for s in lines]
+    assert steps == [4, 8, 12] and all("committed" in s for s in lines), lines
+    assert "save started" not in err and "removing old checkpoint" not in err

@@ -5,7 +5,9 @@ only; on other ranks the same calls do nothing, so the training loop never asks
 ``if rank == 0`` to print.
 
 - ``print0(msg)``: one log line on global rank 0 (written through the bar when one is shown).
-- ``Progress``: one tqdm bar on global rank 0 (epoch, step, loss, samples/s, world size).
+- ``Progress``: one tqdm bar on global rank 0 (epoch, step, loss, samples/s, world size). Its total
+  and ETA follow what stops the run: seconds with ``--max-seconds`` (and no ``--max-steps``), else
+  steps. While it is shown, this process's log lines go above it (tqdm's ``logging_redirect_tqdm``).
 - ``init_wandb(...)``: a W&B run on rank 0, resumed by id (``resume="allow"``) so one run shows
   the whole training across restarts; offline (files under ``<log dir>/wandb``) when
   ``WANDB_API_KEY`` is unset; ``enabled=False`` (``--no-wandb``) gives a logger that does nothing.
@@ -21,10 +23,12 @@ save, also from the forced exits (``finish_within``, bounded, before ``os._exit`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -52,16 +56,31 @@ def print0(msg: str) -> None:
 
 
 class Progress:
-    """One tqdm bar on global rank 0; a no-op elsewhere or when disabled."""
+    """One tqdm bar on global rank 0; a no-op elsewhere or when disabled.
 
-    def __init__(self, total: int | None, initial: int, enabled: bool = True) -> None:
+    ``total`` steps (None: unknown), or with ``seconds`` a bar of this many seconds of training
+    (``--max-seconds``): then its ETA is the time left, and the step is in the postfix.
+    """
+
+    def __init__(self, total: int | None, initial: int, enabled: bool = True, seconds: float | None = None) -> None:
         global _BAR
         self.bar = None
+        self._redirect = contextlib.ExitStack()
+        self._started = time.monotonic()
+        self.seconds = seconds
         if enabled and _RANK == 0:
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
-            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", file=sys.stderr,
-                            dynamic_ncols=True, mininterval=0.5)
+            if seconds is not None:
+                self.bar = tqdm(total=seconds, desc="train: ", unit="s", file=sys.stderr, dynamic_ncols=True,
+                                mininterval=0.5, bar_format="{desc}{percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f}s "
+                                                            "[{elapsed}<{remaining}{postfix}]")
+            else:
+                self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", file=sys.stderr,
+                                dynamic_ncols=True, mininterval=0.5)
+            # Log lines (ours, torch's) are written above the bar instead of into it.
+            self._redirect.enter_context(logging_redirect_tqdm(tqdm_class=tqdm))
         _BAR = self
 
     def update(self, *, step: int, epoch: int, loss: float, samples_per_s: float, world_size: int) -> None:
@@ -70,13 +89,17 @@ class Progress:
         self.bar.set_description(f"epoch {epoch}", refresh=False)
         self.bar.set_postfix(step=step, loss=f"{loss:.4f}", samples_s=f"{samples_per_s:.1f}",
                              world=world_size, refresh=False)
-        self.bar.update(step - self.bar.n)
+        if self.seconds is not None:
+            self.bar.update(min(self.seconds, time.monotonic() - self._started) - self.bar.n)
+        else:
+            self.bar.update(step - self.bar.n)
 
     def close(self) -> None:
         global _BAR
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        self._redirect.close()
         _BAR = None
 
 

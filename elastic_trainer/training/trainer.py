@@ -73,6 +73,13 @@ WANDB_FINISH_S = 3.0
 """At most this long for the W&B run's final flush on a forced exit or an error (offline: milliseconds)."""
 
 
+def storage_redact(url: str | None) -> str:
+    """``url`` without credentials, for people (``checkpoint.storage.redact``)."""
+    from elastic_trainer.checkpoint import storage
+
+    return storage.redact(str(url))
+
+
 def wandb_exit_code(stopped_by: str | None) -> int:
     """The exit code the W&B run ends with: 0 when training finished or reached ``--max-seconds``;
     preempted (143) after this rank's SIGTERM; ``EXIT_PEER_STOPPED`` when another node's was."""
@@ -371,7 +378,9 @@ class Trainer:
 
         spe = self.sampler.steps_per_epoch
         total = self._total_steps()
-        print0(f"training {self.step}/{total if total < 10**18 else '?'} steps, world size {d.world_size} "
+        until = [f"step {total}"] if total < 10**18 else []
+        until += [f"{c.max_seconds:g}s"] if c.max_seconds is not None else []
+        print0(f"training from step {self.step} until {' or '.join(until) or 'the sampler ends'}, world size {d.world_size} "
                f"({'distributed ' + dist.get_backend() if d.distributed else 'single process'}, {d.device}), "
                f"global batch {self.gbs}, {spe} steps/epoch, restart {d.restart}, round {d.round}")
         self.wandb = metrics.init_wandb(enabled=c.wandb, run_id=self.run_id, log_dir=str(self.log_dir),
@@ -380,7 +389,9 @@ class Trainer:
         if self._stop_signal is not None:  # a SIGTERM came before the W&B run existed
             self._mark_preempting()
         self.progress = metrics.Progress(total=total if total < 10**18 else None, initial=self.step,
-                                         enabled=c.progress)
+                                         enabled=c.progress,
+                                         seconds=c.max_seconds if c.max_seconds is not None and c.max_steps is None
+                                         else None)
         profiler = self._start_profiler()
         stopped_by = None
         try:
@@ -640,16 +651,25 @@ class Trainer:
                   "train/world_size": d.world_size, "train/step_time_s": step_time,
                   "train/samples_per_s": samples_s, "train/restarts": d.restart,
                   "train/lr": self.optimizer.param_groups[0]["lr"]}
-        if self.ckpt is not None and self.ckpt.last_save_stats:
-            st = self.ckpt.last_save_stats
-            if st.get("committed") and st.get("step") != self._logged_save_step:
-                self._logged_save_step = st.get("step")
-                self._publish_checkpoint(int(st["step"]), time.time())
-                values["checkpoint/blocked_s"] = st.get("blocked_s", 0.0)
-                values["checkpoint/total_s"] = (st.get("blocked_s", 0.0) + st.get("serialize_s", 0.0)
-                                                + st.get("upload_s", 0.0))
-                values["checkpoint/bytes"] = st.get("bytes", 0)
+        st = self._note_commit()
+        if st is not None:
+            values["checkpoint/blocked_s"] = st.get("blocked_s", 0.0)
+            values["checkpoint/total_s"] = (st.get("blocked_s", 0.0) + st.get("serialize_s", 0.0)
+                                            + st.get("upload_s", 0.0))
+            values["checkpoint/bytes"] = st.get("bytes", 0)
         self.wandb.log(values)
+
+    def _note_commit(self) -> dict | None:
+        """Once per committed save: one line for people, the status in etcd; returns its stats."""
+        st = self.ckpt.last_save_stats if self.ckpt is not None else None
+        if not st or not st.get("committed") or st.get("step") == self._logged_save_step:
+            return None
+        self._logged_save_step = st.get("step")
+        self._publish_checkpoint(int(st["step"]), time.time())
+        print0(f"checkpoint step-{st['step']} committed ({st.get('bytes', 0) / 1e6:.1f} MB, blocked "
+               f"{st.get('blocked_s', 0.0) * 1000:.0f} ms, {st.get('serialize_s', 0.0) + st.get('upload_s', 0.0):.2f}s "
+               f"in all) to {storage_redact(self.config.checkpoint_dir)}")
+        return st
 
     def _log_unagreed_steps(self) -> None:
         """After a failed collective: the step log gets the steps whose global loss was never agreed,
@@ -669,15 +689,16 @@ class Trainer:
         self._last_save_step = self.step
         if state is None or self.ckpt is None:
             return
+        self.ckpt.wait()  # save() waits for the previous save anyway; say first whether it committed
+        self._note_commit()
         blocked = self.ckpt.save(self.step, state, blocking=blocking)
         if blocking:
             self.ckpt.wait()
         stats = self.ckpt.last_save_stats
         committed = stats.get("committed") if blocking else None
-        print0(f"checkpoint step-{self.step} {'saved' if blocking and committed else 'save started' if not blocking else 'NOT saved'}"
-               f" (blocked {blocked * 1000:.0f} ms) to {self.config.checkpoint_dir}")
-        if committed:
-            self._publish_checkpoint(self.step, time.time())
+        if blocking and not committed:  # a committed save gets its one line from _note_commit
+            print0(f"checkpoint step-{self.step} NOT saved to {storage_redact(self.config.checkpoint_dir)}")
+        self._note_commit()
         self._event("checkpoint_saved", step=self.step, blocked_s=blocked, blocking=blocking,
                     committed=committed, epoch=self.sampler.epoch, offset=self.sampler.offset,
                     world_size=self.dinfo.world_size)
@@ -686,6 +707,7 @@ class Trainer:
         """Final blocking save (unless this step is saved already), flush logs, leave the process group."""
         if self.ckpt is not None:
             self.ckpt.wait()
+            self._note_commit()  # an async save that committed after the last step's line
             if self.step != self._last_save_step:  # the same decision on every rank (FSDP gathers)
                 self._save(blocking=True)
             self.ckpt.close()
