@@ -212,10 +212,8 @@ class Trainer:
     def _publish_checkpoint(self, step: int, saved_at: float) -> None:
         publisher = self._publisher()
         if publisher is not None:
-            from elastic_trainer.checkpoint import storage
-
             publisher.update(checkpoint={"step": step, "time": saved_at,
-                                         "url": storage.redact(str(self.config.checkpoint_dir))})
+                                         "url": storage_redact(self.config.checkpoint_dir)})
 
     def _load_checkpoint(self) -> tuple[int, dict] | None:
         """Rank 0 picks the newest valid checkpoint; every rank loads that same step."""
