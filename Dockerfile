@@ -8,10 +8,15 @@
 # No secret goes into the image: credentials come from Kubernetes Secrets at run time.
 FROM python:3.11-slim
 
-# cpu: torch from the PyTorch CPU index (small, no CUDA libraries).
-# cuda: torch from PyPI, whose Linux wheels bundle CUDA 12 libraries; nodes need an NVIDIA driver.
+# cpu: torch's CPU-only build, torch==<version>+cpu (small, no CUDA libraries).
+# cuda: torch==<version>, whose Linux wheels bundle CUDA 12 libraries; nodes need an NVIDIA driver.
+# pip uses the indexes the build is given: pass yours with --build-arg PIP_INDEX_URL=... and/or
+# --build-arg PIP_EXTRA_INDEX_URL=... (for the cpu variant, one that has torch's CPU builds). This
+# file names no package index.
 ARG VARIANT=cpu
 ARG TORCH_VERSION=2.13.0
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -27,7 +32,7 @@ RUN apt-get update \
  && useradd --uid 10001 --gid 10001 --home-dir /home/trainer --create-home --shell /usr/sbin/nologin trainer
 
 RUN case "$VARIANT" in \
-      cpu)  pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu ;; \
+      cpu)  pip install "torch==${TORCH_VERSION}+cpu" ;; \
       cuda) pip install "torch==${TORCH_VERSION}" ;; \
       *)    echo "VARIANT must be cpu or cuda, got '$VARIANT'" >&2; exit 2 ;; \
     esac

@@ -65,7 +65,7 @@ from tests.helpers.rdzv_worker import agent_cmd, descendants, signal_tree  # noq
 
 SYSTEMS = ("live", "restart", "c10d-tuned")
 SCENARIOS = ("kill-other", "join", "kill-rank0")
-EXAMPLE = ["--d-model", "16", "--nhead", "2", "--layers", "1", "--dim-feedforward", "32", "--src-len", "2",
+EXAMPLE = ["--example", "seeds", "--d-model", "16", "--nhead", "2", "--layers", "1", "--dim-feedforward", "32", "--src-len", "2",
            "--tgt-len", "4", "--dataset-size", "2400", "--loss", "mse", "--global-batch-size", "12"]
 """The model and data of /tmp/live/try.py's experiment, flags both the trainer and plain_ddp.py take."""
 TRAINER = ["--micro-batch-size", "3", "--no-wandb", "--no-progress", "--max-steps", "1000000"]

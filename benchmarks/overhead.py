@@ -287,7 +287,8 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--omp-threads", default="1",
                    help="OMP_NUM_THREADS for both sides (default 1, torchrun's; 'inherit' leaves the environment's)")
     p.add_argument("--task-args", default="", metavar="'FLAGS'",
-                   help="example-task flags for both sides, e.g. '--d-model 64' (default: the example's defaults)")
+                   help="example-task flags for both sides, e.g. '--d-model 64' (default: the example's defaults "
+                        "with --example seeds, the workload the recorded results were measured on)")
     p.add_argument("--sides", default="elastic,plain",
                    help="comma list, run in this order each repeat (default elastic,plain); also: trainer "
                         "(our trainer + checkpoints under plain torchrun) and trainer-nockpt, to split the overhead")
@@ -299,7 +300,7 @@ def parse_args(argv: list[str] | None):
     if args.quick:
         args.repeats, args.max_steps, args.warmup_steps, args.checkpoint_every = 1, 12, 2, 5
         args.task_args = args.task_args or "--d-model 32 --dim-feedforward 64 --dataset-size 256"
-    args.task_args = shlex.split(args.task_args)
+    args.task_args = ["--example", "seeds", *shlex.split(args.task_args)]  # a later --example wins
     args.sides = [x.strip() for x in args.sides.split(",") if x.strip()]
     if not {"elastic", "plain"} <= set(args.sides) or not set(args.sides) <= set(SIDES):
         p.error(f"--sides must include elastic and plain, and only these: {', '.join(SIDES)}")

@@ -283,6 +283,7 @@ def _launch(run: RunConfig) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from elastic_trainer import status
     from elastic_trainer.etcd_server import EtcdError, EtcdServer
 
     log_dir = Path(run.log_dir).resolve()
@@ -296,6 +297,8 @@ def _launch(run: RunConfig) -> int:
         except EtcdError as exc:
             raise UsageError(str(exc)) from exc
         endpoint = server.endpoint
+        endpoint_file = log_dir / status.ENDPOINT_FILE  # where `elastic-train status` finds it
+        endpoint_file.write_text(endpoint + "\n")
         print(f"elastic-train: embedded etcd at {endpoint} (run {run.run_id}); join from another "
               f"terminal with: elastic-train --nnodes {run.min_nodes}:{run.max_nodes} "
               f"--nproc-per-node {run.nproc_per_node} --run-id {run.run_id} --rdzv-endpoint {endpoint}",
@@ -339,6 +342,7 @@ def _launch(run: RunConfig) -> int:
         return 130
     finally:
         if server is not None:
+            (log_dir / status.ENDPOINT_FILE).unlink(missing_ok=True)
             server.stop()
 
 
@@ -381,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] == ["export"]:
             from elastic_trainer import export
             return export.main(argv[1:])
+        if argv[:1] == ["status"]:
+            from elastic_trainer import status
+            return status.main(argv[1:], _Parser)
         if argv[:1] == ["drill"]:
             from elastic_trainer.drill import command as drill
             return drill.main(argv[1:])

@@ -25,9 +25,11 @@ The loss must be the **mean over the samples of the micro-batch** (as ``reductio
 losses are): the trainer weights each micro-batch by its share of the global batch so that
 the gradient is the mean over the global batch whatever the world size.
 
-The built-in example is the seed scripts' workload: a ``torch.nn.Transformer`` trained on
-random source and target sequences with Adam at learning rate 1e-3, sizes set by flags,
-in memory (default) or read from an HDF5 file (``--data h5:PATH``).
+The built-in example (``--example``, default ``reverse``) trains a ``torch.nn.Transformer``
+with Adam to reverse (or ``copy``) random token sequences generated in memory from a seed: its
+loss falls from ln(vocab) towards 0 within a minute on two CPU workers. ``--example seeds`` is
+the seed scripts' workload instead: the same Transformer on random float source and target
+tensors (nothing to learn), in memory or read from an HDF5 file (``--data h5:PATH``).
 """
 
 from __future__ import annotations
@@ -137,11 +139,20 @@ def load_builder(spec: str | None) -> Callable[[argparse.Namespace], Any]:
 
 
 # --------------------------------------------------------------------------------------
-# The built-in example: the seed scripts' synthetic Transformer workload.
+# The built-in example: a Transformer that learns to reverse (or copy) token sequences, and the
+# seed scripts' synthetic workload one flag away (``--example seeds``).
+
+EXAMPLES = ("reverse", "copy", "seeds")
+
 
 def add_example_arguments(parser: argparse.ArgumentParser) -> None:
-    """The example task's flags (sizes of the model and of the synthetic data)."""
+    """The example task's flags (which example, the model's sizes, the synthetic data)."""
     g = parser.add_argument_group("example task (the default --task)")
+    g.add_argument("--example", choices=EXAMPLES, default="reverse",
+                   help="reverse: learn to reverse token sequences (the loss falls from ln(vocab) towards 0); "
+                        "copy: learn to copy them; seeds: the seed scripts' workload, random float tensors "
+                        "(nothing to learn; for comparisons with those scripts). Default reverse")
+    g.add_argument("--vocab-size", type=int, default=16, help="tokens, BOS included (reverse, copy; default 16)")
     g.add_argument("--d-model", type=int, default=128, help="Transformer width (seeds: 512; default 128)")
     g.add_argument("--nhead", type=int, default=4, help="attention heads (default 4)")
     g.add_argument("--num-encoder-layers", type=int, default=2, help="encoder layers (default 2)")
@@ -151,19 +162,69 @@ def add_example_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dim-feedforward", type=int, default=512, help="feed-forward width (default 512)")
     g.add_argument("--dropout", type=float, default=0.0,
                    help="dropout (default 0, so runs at different world sizes match exactly)")
-    g.add_argument("--src-len", type=int, default=16, help="source sequence length (seeds: 1; default 16)")
-    g.add_argument("--tgt-len", type=int, default=20, help="target sequence length (seeds: 20)")
+    g.add_argument("--src-len", type=int, default=16,
+                   help="reverse, copy: tokens per sequence; seeds: source sequence length (seeds: 1; default 16)")
+    g.add_argument("--tgt-len", type=int, default=20, help="seeds: target sequence length (seeds: 20)")
     g.add_argument("--dataset-size", type=int, default=2048, help="synthetic samples (seeds: 2048)")
     g.add_argument("--data-seed", type=int, default=0, help="seed of the synthetic data (default 0)")
     g.add_argument("--data", default="synthetic", metavar="synthetic|h5:PATH",
-                   help="where samples come from: generated in memory, or an HDF5 file with datasets "
+                   help="seeds: where samples come from: generated in memory, or an HDF5 file with datasets "
                         "'src' and 'tgt' (write one with `python -m elastic_trainer.tasks write-h5 PATH`)")
-    g.add_argument("--loss", choices=("ce", "mse"), default="ce",
-                   help="ce: the seeds' CrossEntropyLoss(output, target) with the random targets read "
-                        "as class probabilities over dim 1; mse: mean squared error (default ce)")
+    g.add_argument("--loss", choices=("ce", "mse"), default=None,
+                   help="seeds: ce, the seeds' CrossEntropyLoss(output, target) with the random targets read "
+                        "as class probabilities over dim 1, or mse, mean squared error (default ce)")
 
 
-def _example_loss(kind: str) -> Callable[[torch.Tensor, Any], torch.Tensor]:
+def check_example_args(args: argparse.Namespace) -> None:
+    """Raise ``ValueError`` (one line naming the flag) for example flags that do not fit ``--example``."""
+    a = example_args(args)
+    if a.example != "seeds":
+        if a.loss is not None:
+            raise ValueError(f"--loss applies to --example seeds only; --example {a.example} is scored with "
+                             "cross-entropy over its tokens (drop --loss, or add --example seeds)")
+        if a.data != "synthetic":
+            raise ValueError(f"--data {a.data} applies to --example seeds only; --example {a.example} "
+                             "generates its tokens in memory (drop --data, or add --example seeds)")
+        if a.vocab_size < 3:
+            raise ValueError(f"--vocab-size {a.vocab_size} is too small; give 3 or more (BOS and two tokens)")
+    if a.src_len < 1:
+        raise ValueError(f"--src-len {a.src_len} must be a positive number")
+
+
+class SequenceTransformer(torch.nn.Module):
+    """``torch.nn.Transformer`` with token and learned position embeddings and a vocabulary head.
+
+    ``forward(src, tgt)`` returns the logits ``(N, L, vocab)`` for every position of ``tgt``; the
+    decoder reads ``tgt`` shifted right behind ``BOS`` under a causal mask (teacher forcing), so
+    position ``t`` predicts ``tgt[t]`` from the source and ``tgt[:t]`` only.
+    """
+
+    def __init__(self, transformer: torch.nn.Transformer, vocab_size: int, max_len: int) -> None:
+        super().__init__()
+        d_model = transformer.d_model
+        self.embed = torch.nn.Embedding(vocab_size, d_model)
+        self.position = torch.nn.Embedding(max_len, d_model)
+        self.transformer = transformer
+        self.head = torch.nn.Linear(d_model, vocab_size)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        from elastic_trainer.training.data import BOS
+
+        bos = torch.full_like(tgt[:, :1], BOS)
+        tgt_in = torch.cat([bos, tgt[:, :-1]], dim=1)
+        n_src, n_tgt = src.shape[1], tgt_in.shape[1]
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(n_tgt, device=tgt.device)
+        out = self.transformer(self.embed(src) + self.position.weight[:n_src],
+                               self.embed(tgt_in) + self.position.weight[:n_tgt], tgt_mask=mask, tgt_is_causal=True)
+        return self.head(out)
+
+
+def _token_loss(output: torch.Tensor, batch: Any) -> torch.Tensor:
+    """Cross-entropy of every target token (the mean over the micro-batch's tokens)."""
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), batch[1].reshape(-1))
+
+
+def _example_loss(kind: str | None) -> Callable[[torch.Tensor, Any], torch.Tensor]:
     def loss_fn(output: torch.Tensor, batch: Any) -> torch.Tensor:
         target = batch[1].to(output.dtype)
         if kind == "mse":
@@ -186,22 +247,32 @@ def example_args(args: argparse.Namespace | None = None) -> argparse.Namespace:
 
 
 def build_example(args: argparse.Namespace | None = None) -> Task:
-    """The seeds' synthetic ``torch.nn.Transformer`` task (Adam with the trainer's ``--lr``)."""
-    a = example_args(args)
-    from elastic_trainer.training import data  # the seeds' synthetic data, in memory or in an HDF5 file
+    """The built-in example (``--example``): reverse or copy token sequences, or the seeds' workload.
 
+    Every variant trains the same ``torch.nn.Transformer`` (sizes from the flags) with Adam at
+    the trainer's ``--lr``; its data are generated in memory from ``--data-seed``.
+    """
+    a = example_args(args)
+    check_example_args(a)
+    from elastic_trainer.training import data  # the example datasets
+
+    transformer = torch.nn.Transformer(
+        d_model=a.d_model, nhead=a.nhead, num_encoder_layers=a.layers or a.num_encoder_layers,
+        num_decoder_layers=a.layers or a.num_decoder_layers, dim_feedforward=a.dim_feedforward,
+        dropout=a.dropout, batch_first=True)
+    if a.example != "seeds":
+        dataset = data.token_dataset(a.dataset_size, a.src_len, a.vocab_size, a.example, a.data_seed)
+        model = SequenceTransformer(transformer, a.vocab_size, a.src_len)
+        return Task(model=model, dataset=dataset, loss_fn=_token_loss,
+                    forward_inputs=lambda batch: (batch[0], batch[1]))
     if a.data == "synthetic":
         dataset = data.synthetic_dataset(a.dataset_size, (a.src_len, a.d_model), (a.tgt_len, a.d_model), a.data_seed)
     elif str(a.data).startswith("h5:"):
         dataset = data.H5Dataset(a.data[3:])  # opened lazily in each process
     else:
         raise ValueError(f"--data {a.data!r} must be 'synthetic' or 'h5:PATH'")
-    model = torch.nn.Transformer(
-        d_model=a.d_model, nhead=a.nhead, num_encoder_layers=a.layers or a.num_encoder_layers,
-        num_decoder_layers=a.layers or a.num_decoder_layers, dim_feedforward=a.dim_feedforward,
-        dropout=a.dropout, batch_first=True)
     # As in the seeds, the model sees the source and the target (no causal mask) and is scored on the target.
-    return Task(model=model, dataset=dataset, loss_fn=_example_loss(a.loss),
+    return Task(model=transformer, dataset=dataset, loss_fn=_example_loss(a.loss),
                 forward_inputs=lambda batch: (batch[0], batch[1]))
 
 
@@ -212,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("command", choices=["write-h5"])
     p.add_argument("path")
     add_example_arguments(p)
-    args = p.parse_args(argv)
+    args = p.parse_args(argv)  # the file holds the seeds' workload (--example seeds)
     from elastic_trainer.training.data import write_synthetic_h5
 
     out = write_synthetic_h5(args.path, args.dataset_size, (args.src_len, args.d_model),

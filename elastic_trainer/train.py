@@ -73,6 +73,10 @@ def parse_config(argv: list[str] | None = None,
     args.task_argv = unknown
     names = {f.name for f in cfgmod.train_flag_fields()}
     try:
+        if args.task is None:  # the built-in example: its flags must fit the --example chosen
+            from elastic_trainer.tasks import check_example_args
+
+            check_example_args(args)
         return cfgmod.TrainConfig(**{k: v for k, v in vars(args).items() if k in names}, task_args=args)
     except ValueError as exc:
         parser.error(str(exc))

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from elastic_trainer.training.data import H5Dataset, synthetic_dataset, write_synthetic_h5
+from elastic_trainer.training.data import BOS, H5Dataset, synthetic_dataset, token_dataset, write_synthetic_h5
 from elastic_trainer.sampler import ElasticSampler
 
 SHAPES = dict(src_shape=(1, 8), tgt_shape=(4, 8))
@@ -27,6 +27,20 @@ def test_synthetic_dataset_has_the_seed_shapes_and_is_the_same_for_one_seed():
     assert not torch.equal(a.tensors[0], synthetic_dataset(1500, seed=4, **SHAPES).tensors[0])
     default = synthetic_dataset(4)
     assert default.tensors[0].shape == (4, 1, 512) and default.tensors[1].shape == (4, 20, 512)
+
+
+def test_token_dataset_targets_are_the_reversed_or_copied_sources_and_one_seed_gives_one_dataset():
+    rev = token_dataset(300, 6, 10, "reverse", seed=1)
+    src, tgt = rev.tensors
+    assert src.shape == tgt.shape == (300, 6) and src.dtype == torch.int64
+    assert torch.equal(tgt, src.flip(1))
+    assert int(src.min()) > BOS and int(src.max()) < 10, "tokens are 1..vocab-1; 0 starts the decoder"
+    assert torch.equal(src, token_dataset(300, 6, 10, "reverse", seed=1).tensors[0])
+    assert not torch.equal(src, token_dataset(300, 6, 10, "reverse", seed=2).tensors[0])
+    copy = token_dataset(300, 6, 10, "copy", seed=1)
+    assert torch.equal(copy.tensors[0], src) and torch.equal(copy.tensors[1], src)
+    with pytest.raises(ValueError, match="one of reverse, copy"):
+        token_dataset(3, 6, 10, "sort")
 
 
 def test_h5_file_holds_exactly_the_synthetic_dataset(tmp_path):

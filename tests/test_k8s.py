@@ -869,7 +869,9 @@ def test_dockerfile_builds_cpu_and_cuda_variants_and_runs_as_non_root():
     args = {a.split("=", 1)[0]: (a.split("=", 1) + [""])[1] for i, a in steps if i == "ARG"}
     assert args.get("VARIANT") == "cpu", "ARG VARIANT=cpu (or cuda) picks the torch build"
     runs = " ".join(a for i, a in steps if i == "RUN")
-    assert "download.pytorch.org/whl/cpu" in runs and "cuda" in runs
+    assert 'torch==${TORCH_VERSION}+cpu' in runs and "cuda" in runs
+    assert {"PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"} <= set(args), "the builder passes pip its indexes"
+    assert "://" not in runs, "the Dockerfile names no package index (pip gets them from build args)"
     users = [a for i, a in steps if i == "USER"]
     assert users, "the image must set USER"
     user = users[-1].split(":")[0]

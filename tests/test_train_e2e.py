@@ -8,9 +8,16 @@ Tolerance. Every parameter with a gradient matches the uninterrupted run to with
 are the exception that float arithmetic forces: their true gradient is zero (softmax ignores a
 constant added to all scores), the computed one is rounding noise whose sign depends on the
 reduction order, and Adam normalises it into steps of about ``lr``. They are checked against
-``lr * steps`` and they do not change the model's output (see ``param_drift``). The example
-runs with ``--loss mse`` here because with the seeds' cross-entropy over dim 1 the final
-LayerNorm bias has a zero true gradient too (the loss ignores a shift shared by all positions).
+``lr * steps`` and they do not change the model's output (see ``param_drift``).
+
+Workloads. The test whose world sizes are fixed by design (3, then 1, then 2 workers) trains the
+default example, reversing token sequences (``LEARNING``), so it compares runs that learn. Tests
+whose world size at each step depends on timing (a kill lands between steps somewhere) train the
+seeds' workload with ``--loss mse`` (``TINY``): a task that learns amplifies the rounding of a
+different reduction order, and a live run under load was measured 1.3e-5 relative off the
+baseline's loss at step 57 of 60 (3.2e-5 on 2.44), over ``LOSS_RTOL``; the seeds' workload stays
+far within it. (With the seeds' cross-entropy over dim 1 the final LayerNorm bias has a zero true
+gradient too, hence ``--loss mse``.)
 """
 
 from __future__ import annotations
@@ -36,16 +43,17 @@ GBS = 12
 LR = 1e-3
 PARAM_ATOL = 1e-5
 LOSS_RTOL = 1e-5
-TINY = ["--d-model", "16", "--nhead", "2", "--layers", "1", "--dim-feedforward", "32", "--src-len", "2",
-        "--tgt-len", "4", "--dataset-size", "240", "--loss", "mse", "--global-batch-size", str(GBS),
-        "--micro-batch-size", "3", "--no-wandb", "--no-progress", "--sample-ledger"]
+SIZES = ["--d-model", "16", "--nhead", "2", "--layers", "1", "--dim-feedforward", "32", "--dataset-size", "240",
+         "--global-batch-size", str(GBS), "--micro-batch-size", "3", "--no-wandb", "--no-progress", "--sample-ledger"]
+TINY = [*SIZES, "--example", "seeds", "--src-len", "2", "--tgt-len", "4", "--loss", "mse"]
+LEARNING = [*SIZES, "--src-len", "4"]  # the default example: reversing 4 tokens
 CONF = "lease_ttl=3,keep_alive_interval=1,last_call_timeout=1"
 
 
-def baseline(tmp_path: Path, steps: int) -> tuple[dict, dict[int, float], dict[int, list[int]]]:
+def baseline(tmp_path: Path, steps: int, workload: list[str] = TINY) -> tuple[dict, dict[int, float], dict[int, list[int]]]:
     """An uninterrupted single-process run: (final model, loss per step, indices per step)."""
     ck, logs = tmp_path / "base-ck", tmp_path / "base-logs"
-    proc = subprocess.run([sys.executable, "-m", "elastic_trainer.train", *TINY, "--max-steps", str(steps),
+    proc = subprocess.run([sys.executable, "-m", "elastic_trainer.train", *workload, "--max-steps", str(steps),
                            "--checkpoint-dir", str(ck), "--log-dir", str(logs)],
                           cwd=REPO, capture_output=True, text=True, timeout=180,
                           env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
@@ -56,13 +64,14 @@ def baseline(tmp_path: Path, steps: int) -> tuple[dict, dict[int, float], dict[i
 
 
 def agent(procs, etcd, run_id: str, nproc: int, ck: Path, logs: Path, *trainer_args: str,
-          nnodes: str = "1", out: Path | None = None, recovery: str | None = None) -> subprocess.Popen:
+          nnodes: str = "1", out: Path | None = None, recovery: str | None = None,
+          workload: list[str] = TINY) -> subprocess.Popen:
     """An ``elastic-train`` node; ``recovery`` is its --recovery (None: the launcher's default)."""
     log = open(out, "a") if out else subprocess.DEVNULL
     extra = ("--recovery", recovery) if recovery else ()
     proc = procs.start(cli_cmd("--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-endpoint", etcd.endpoint,
                                "--run-id", run_id, "--rdzv-conf", CONF, *extra, "--checkpoint-dir", str(ck),
-                               "--log-dir", str(logs), "--", *TINY, *trainer_args),
+                               "--log-dir", str(logs), "--", *workload, *trainer_args),
                        cwd=REPO, stdout=log, stderr=subprocess.STDOUT if out else subprocess.PIPE, text=True)
     if out:
         log.close()
@@ -94,11 +103,13 @@ def check_equivalence(model: dict, base_model: dict, steps: int) -> float:
 
 
 def test_world_size_3_then_1_then_2_matches_an_uninterrupted_run(etcd, run_id, procs, tmp_path):
-    """Restarts from checkpoints at 3, 1 and 2 workers (the resume path of a lost or added node)."""
-    base_model, base_loss, base_ledger = baseline(tmp_path, 12)
+    """Restarts from checkpoints at 3, 1 and 2 workers (the resume path of a lost or added node), on
+    the example that learns: its loss falls over the 12 steps, and the runs still match."""
+    base_model, base_loss, base_ledger = baseline(tmp_path, 12, LEARNING)
+    assert base_loss[12] < base_loss[1] - 0.05, f"the baseline did not learn: {base_loss[1]} -> {base_loss[12]}"
     ck, logs = tmp_path / "ck", tmp_path / "logs"
     for i, (nproc, until) in enumerate([(3, 4), (1, 8), (2, 12)]):
-        proc = agent(procs, etcd, f"{run_id}-{i}", nproc, ck, logs, "--max-steps", str(until))
+        proc = agent(procs, etcd, f"{run_id}-{i}", nproc, ck, logs, "--max-steps", str(until), workload=LEARNING)
         _, err = proc.communicate(timeout=200)
         assert proc.returncode == 0, err[-3000:]
         if i:

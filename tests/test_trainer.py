@@ -26,12 +26,14 @@ from elastic_trainer.config import TrainConfig
 from elastic_trainer.training.trainer import Trainer
 from elastic_trainer.etcd_server import free_port
 from tests.helpers.common import REPO, assert_same_state, wait_until
+from tests.helpers.wandb_records import exit_code, record_kinds
 
 pytestmark = pytest.mark.timeout(180)
 
 FIXTURE = "tests.helpers.task_fixture:build"
 TINY = ["--d-model", "16", "--nhead", "2", "--num-encoder-layers", "1", "--num-decoder-layers", "1",
-        "--dim-feedforward", "32", "--src-len", "2", "--tgt-len", "4", "--dataset-size", "256"]
+        "--dim-feedforward", "32", "--src-len", "4", "--dataset-size", "256"]
+SEEDS = ["--example", "seeds", "--src-len", "2", "--tgt-len", "4"]  # after TINY: the seeds' workload
 STEP_KEYS = {"time", "step", "epoch", "offset", "world_size", "rank", "round", "restart", "loss", "node"}
 
 
@@ -108,6 +110,39 @@ def test_unknown_flags_go_to_a_user_task_and_are_refused_without_one(capsys):
 
 # ------------------------------------------------------------------------------------- tasks
 
+def test_default_example_learns_to_reverse_token_sequences(tmp_path):
+    """The default example has something to learn: its loss falls far below the first step's."""
+    train_inprocess("--d-model", "32", "--dim-feedforward", "64", "--layers", "1", "--src-len", "4",
+                    "--vocab-size", "8", "--lr", "1e-2", "--global-batch-size", "16", "--max-steps", "40",
+                    "--log-dir", str(tmp_path / "logs"))
+    losses = [s.loss for s in records.read_steps(tmp_path / "logs", rank=0)]
+    assert len(losses) == 40
+    assert losses[0] > 1.5, "a fresh model guesses among 7 tokens: about ln 7"
+    assert losses[-1] < losses[0] / 4, f"the loss did not fall: {losses[0]:.3f} -> {losses[-1]:.3f}"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--loss", "mse"], "--loss applies to --example seeds only"),
+    (["--example", "copy", "--data", "h5:x.h5"], "--data h5:x.h5 applies to --example seeds only"),
+    (["--vocab-size", "2"], "--vocab-size 2 is too small"),
+])
+def test_example_flags_that_do_not_fit_the_example_are_refused_in_one_line(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_config(flags)
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    parse_config(["--example", "seeds", "--loss", "mse"])  # the seeds' workload keeps its flags
+
+
+def test_seeds_example_is_the_seed_scripts_transformer_on_random_floats():
+    from elastic_trainer.tasks import build_example
+
+    task = build_example(parse_config(["--example", "seeds", "--dataset-size", "8"]).task_args)
+    assert isinstance(task.model, torch.nn.Transformer)
+    src, tgt = task.dataset[0]
+    assert src.shape == (16, 128) and tgt.shape == (20, 128) and src.dtype == torch.float32
+
+
 def test_task_from_a_test_file_runs_through_the_task_flag(tmp_path):
     """As a world of one that joins a gloo process group (RANK/WORLD_SIZE/MASTER_* as torchrun sets them)."""
     marker = tmp_path / "built.json"
@@ -136,7 +171,7 @@ def test_h5_variant_of_the_example_trains_exactly_like_the_in_memory_data(tmp_pa
 
     write_synthetic_h5(tmp_path / "d.h5", 256, (2, 16), (4, 16), seed=0)
     for name, data in (("mem", []), ("h5", ["--data", f"h5:{tmp_path / 'd.h5'}"])):
-        train_inprocess(*TINY, *data, "--max-steps", "3", "--global-batch-size", "16",
+        train_inprocess(*TINY, *SEEDS, *data, "--max-steps", "3", "--global-batch-size", "16",
                         "--checkpoint-dir", str(tmp_path / name), "--log-dir", str(tmp_path / f"log-{name}"))
     assert_same_state(latest(tmp_path / "mem")[1]["model"], latest(tmp_path / "h5")[1]["model"])
 
@@ -166,7 +201,7 @@ def test_resume_restores_optimizer_scheduler_step_and_rng_exactly(tmp_path):
 
 def test_gradient_accumulation_matches_one_pass_over_the_global_batch(tmp_path):
     for name, extra in (("one", []), ("acc", ["--micro-batch-size", "5"])):
-        train_inprocess(*TINY, "--loss", "mse", "--max-steps", "4", "--global-batch-size", "16", *extra,
+        train_inprocess(*TINY, "--max-steps", "4", "--global-batch-size", "16", *extra,
                         "--checkpoint-dir", str(tmp_path / name), "--log-dir", str(tmp_path / f"l{name}"))
     one, acc = latest(tmp_path / "one")[1]["model"], latest(tmp_path / "acc")[1]["model"]
     worst, gauge = param_drift(one, acc)
@@ -273,6 +308,66 @@ def test_wandb_run_id_after_a_restart_equals_the_first(tmp_path):
     # the offline run's own files name the id too (what `wandb sync` uploads)
     run_dir = sorted((tmp_path / "logs" / "wandb").glob("offline-run-*"))[1]
     assert (run_dir / f"run-{ids[0]}.wandb").exists()
+    # a run that finished is a success to W&B: exit code 0, never marked preempting
+    for path in (tmp_path / "logs" / "wandb").glob("offline-run-*/run-*.wandb"):
+        assert exit_code(path) == 0 and "preempting" not in record_kinds(path)
+
+
+def _wandb_env() -> dict[str, str]:
+    """Offline W&B (no key): the runs' files stay under the log dir."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+
+
+def _run_files(log_dir: Path) -> list[Path]:
+    return sorted((log_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_wandb_run_after_sigterm_is_marked_preempting_and_ends_as_not_a_success(tmp_path, procs):
+    log_dir = tmp_path / "logs"
+    proc = procs.start(worker_cmd("--task", FIXTURE, "--max-steps", "100000", "--global-batch-size", "16",
+                                  "--sleep-per-step", "0.05", "--checkpoint-dir", str(tmp_path / "ck"),
+                                  "--log-dir", str(log_dir), "--no-progress"),
+                       cwd=REPO, env=_wandb_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_until(lambda: len(records.read_steps(log_dir)) >= 3, 90, "three steps")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]  # the worker's own contract: saved and stopped cleanly
+    (run,) = _run_files(log_dir)
+    kinds = record_kinds(run)
+    assert "preempting" in kinds and kinds.index("preempting") < kinds.index("exit")
+    assert exit_code(run) == 128 + signal.SIGTERM, "W&B reads a non-zero exit code as failed or preempted"
+
+
+def test_wandb_forced_exit_after_the_grace_period_still_ends_the_run_as_preempted(tmp_path, procs):
+    log_dir = tmp_path / "logs"
+    proc = procs.start(worker_cmd("--task", FIXTURE, "--max-steps", "100", "--global-batch-size", "16",
+                                  "--sleep-per-step", "60", "--log-dir", str(log_dir), "--no-progress",
+                                  "--grace-seconds", "2"),
+                       cwd=REPO, env=_wandb_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_until(lambda: _run_files(log_dir) and records.read_steps(log_dir), 90, "the first step and the W&B run")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM and "grace period of 2s over" in err
+    (run,) = _run_files(log_dir)
+    assert "preempting" in record_kinds(run) and exit_code(run) == 128 + signal.SIGTERM
+
+
+def test_wandb_restart_before_the_first_checkpoint_resumes_the_same_run(tmp_path, procs):
+    log_dir, ck = tmp_path / "logs", tmp_path / "ck"
+    args = ["--task", FIXTURE, "--global-batch-size", "16", "--checkpoint-dir", str(ck), "--log-dir", str(log_dir),
+            "--no-progress"]
+    first = procs.start(worker_cmd(*args, "--max-steps", "100000", "--sleep-per-step", "0.05"), cwd=REPO,
+                        env=_wandb_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_until(lambda: _run_files(log_dir) and len(records.read_steps(log_dir)) >= 2, 90, "two steps")
+    first.kill()  # a crash: nothing saved
+    first.wait(timeout=30)
+    assert not list(ck.glob("step-*")), "the restart must come before any checkpoint"
+    proc = subprocess.run(worker_cmd(*args, "--max-steps", "2"), cwd=REPO, env=_wandb_env(),
+                          capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ids = _offline_run_ids(log_dir)
+    assert len(ids) == 2 and ids[0] == ids[1], f"a second W&B run was opened: {ids}"
+    assert (ck / "wandb-run-id").read_text() == ids[0] == latest(ck)[1]["meta"]["wandb_run_id"]
 
 
 # ------------------------------------------------------------------------------------- features
@@ -321,7 +416,7 @@ def test_dataloader_workers_feed_the_same_samples_and_parameters(tmp_path):
 def test_fsdp_on_two_workers_resumes_and_matches_one_process(tmp_path):
     """--fsdp (fully_shard over gloo): sharded checkpoints (each rank its DCP shards) resume and train
     like plain single-process."""
-    tiny = [*TINY, "--loss", "mse", "--global-batch-size", "12", "--micro-batch-size", "3"]
+    tiny = [*TINY, "--global-batch-size", "12", "--micro-batch-size", "3"]
     for until in ("2", "4"):
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                "-m", "elastic_trainer.train", *tiny, "--fsdp", "--max-steps", until, "--no-wandb",
@@ -334,3 +429,64 @@ def test_fsdp_on_two_workers_resumes_and_matches_one_process(tmp_path):
     model = gathered(CheckpointManager(str(tmp_path / "fsdp")), step, fsdp)["model"]
     worst, gauge = param_drift(model, latest(tmp_path / "one")[1]["model"])
     assert worst < 1e-5 and gauge <= 4 * 1e-3 * 1.01
+
+
+# ------------------------------------------------------------------------------------- console
+
+LOGGING_TASK = '''
+import logging
+from tests.helpers.task_fixture import build as fixture_build
+
+def build(args):
+    task = fixture_build(args)
+    step = task.training_step
+    calls = []
+
+    def training_step(model, batch):
+        calls.append(1)
+        if len(calls) == 8:
+            logging.getLogger("user.task").warning("MARKER from the task")
+        return step(model, batch)
+
+    task.training_step = training_step
+    return task
+'''
+
+
+def _console_run(tmp_path: Path, *argv: str) -> str:
+    task = tmp_path / "logging_task.py"
+    task.write_text(LOGGING_TASK)
+    proc = subprocess.run(worker_cmd("--task", f"{task}:build", "--global-batch-size", "16", "--no-wandb",
+                                     "--checkpoint-dir", str(tmp_path / "ck"), "--log-dir", str(tmp_path / "logs"),
+                                     *argv),
+                          cwd=REPO, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stderr
+
+
+def _screen_lines(err: str) -> list[str]:
+    """What each terminal line ends up showing: the text after its last carriage return."""
+    return [line.rsplit("\r", 1)[-1] for line in err.split("\n")]
+
+
+def test_console_log_lines_go_above_the_bar_and_the_bar_counts_seconds_with_max_seconds(tmp_path):
+    err = _console_run(tmp_path, "--epochs", "1000", "--max-seconds", "3", "--sleep-per-step", "0.05",
+                       "--checkpoint-every", "10")
+    marker = [line for line in err.split("\n") if "MARKER from the task" in line]
+    assert len(marker) == 1
+    # tqdm.write clears the bar's line first: the log line starts a line of its own, no bar text before it
+    shown = marker[0].rsplit("\r", 1)[-1]
+    assert shown.startswith("[") and "%|" not in shown, repr(marker[0])
+    bars = [s for s in err.replace("\n", "\r").split("\r") if "%|" in s]
+    assert bars and all("/3s [" in b for b in bars), bars[-1:]  # the total is --max-seconds, in seconds
+    assert "100%|" in bars[-1]
+
+
+def test_console_bar_counts_steps_with_max_steps_and_each_checkpoint_is_one_line(tmp_path):
+    err = _console_run(tmp_path, "--max-steps", "12", "--checkpoint-every", "4")
+    bars = [s for s in err.replace("\n", "\r").split("\r") if "%|" in s]
+    assert bars and "12/12 [" in bars[-1]
+    lines = [s for s in _screen_lines(err) if "checkpoint step-" in s]
+    steps = [int(s.split("checkpoint step-")[1].split()[0]) for s in lines]
+    assert steps == [4, 8, 12] and all("committed" in s for s in lines), lines
+    assert "save started" not in err and "removing old checkpoint" not in err

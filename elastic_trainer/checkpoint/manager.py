@@ -303,7 +303,7 @@ class CheckpointManager:
                 stats["committed"] = True
                 self.last_committed_step = step
                 self.last_error = None
-                log.info("checkpoint %s committed (%d bytes, serialize %.2fs, upload %.2fs)", name,
+                log.debug("checkpoint %s committed (%d bytes, serialize %.2fs, upload %.2fs)", name,
                          stats["bytes"], stats["serialize_s"], stats["upload_s"])
                 break
             except _Abandon as exc:
@@ -558,7 +558,7 @@ class CheckpointManager:
         for step, _ in removable:
             if step == protect or step in recorded:
                 continue
-            log.info("removing old checkpoint step-%d (keeping %d)", step, self.keep_checkpoints)
+            log.debug("removing old checkpoint step-%d (keeping %d)", step, self.keep_checkpoints)
             storage.remove(self.fs, self._step_dir(step))
         for step in uncommitted:
             # leftovers of killed or fenced writers; a writer still uploading an older step could

@@ -10,7 +10,8 @@ Keys of one run (prefix ``/elastic-trainer/<run_id>/`` by default):
 
     <prefix>state          the rendezvous state: an envelope line, then the JSON state
     <prefix>summary        "<round> <complete> <closed>", written with every state write
-    <prefix>alive/<node>   one empty key per live node, attached to that node's lease
+    <prefix>alive/<node>   one key per live node, attached to that node's lease (readers use the name; the
+                           value, {"since": unix time}, is for `elastic-train status`)
     <prefix>joining/<node> present while the node waits to join a round, on its lease (readers take
                            the node from the key's name; the value, its descriptor, is for people)
     <prefix>store/<key>    the etcd-backed torch Store (``etcd_store.EtcdStore``)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -35,6 +36,7 @@ class LeaseKeeper:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._since = json.dumps({"since": time.time()}).encode()
         self.requests = 0
 
     @property
@@ -47,7 +49,8 @@ class LeaseKeeper:
         self._lease_id, self._lost = lease.id, False
 
     def _put_alive(self) -> None:
-        self._conn.call(lambda c: c.put(self._key, b"", lease=self._lease_id), "alive key")
+        # The value is for people (`elastic-train status`: since when); readers use the key's name only.
+        self._conn.call(lambda c: c.put(self._key, self._since, lease=self._lease_id), "alive key")
         self.requests += 1
 
     def ensure(self) -> None:

@@ -1,4 +1,8 @@
-"""Map-style datasets for the example workload: synthetic tensors in memory or in an HDF5 file.
+"""Map-style datasets for the example tasks: token sequences, and the seeds' synthetic tensors
+in memory or in an HDF5 file.
+
+``token_dataset`` is the default example's data: random token sequences and their reversal (or
+copy), generated in memory from a seed; a model can learn it, so its loss falls.
 
 The seed scripts train ``torch.nn.Transformer`` on ``src = rand(2048, 1, 512)`` and
 ``tgt = rand(2048, 20, 512)``, first from memory and then from an HDF5 file read with h5py.
@@ -49,6 +53,25 @@ def synthetic_dataset(
     if not parts:
         return TensorDataset(torch.empty((0, *src_shape)), torch.empty((0, *tgt_shape)))
     return TensorDataset(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+
+
+TOKEN_TASKS = ("reverse", "copy")
+BOS = 0  # the token that starts the decoder's input; never in a sequence
+
+
+def token_dataset(n: int, length: int, vocab_size: int, task: str = "reverse", seed: int = 0) -> TensorDataset:
+    """``(src, tgt)`` pairs of ``length`` tokens in ``1..vocab_size-1`` (0 is ``BOS``), int64.
+
+    ``tgt`` is ``src`` reversed (``task="reverse"``) or ``src`` itself (``"copy"``). The same
+    ``seed`` gives the same samples in every process, so ranks need not exchange data.
+    """
+    if task not in TOKEN_TASKS:
+        raise ValueError(f"the token task must be one of {', '.join(TOKEN_TASKS)}; got {task!r}")
+    if n < 0 or length < 1 or vocab_size < 3:
+        raise ValueError(f"a token dataset needs n >= 0, length >= 1 and vocab_size >= 3; got {n}, {length}, {vocab_size}")
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.randint(BOS + 1, vocab_size, (n, length), generator=gen)
+    return TensorDataset(src, src.flip(1) if task == "reverse" else src.clone())
 
 
 def write_synthetic_h5(

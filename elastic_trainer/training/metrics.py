@@ -5,17 +5,30 @@ only; on other ranks the same calls do nothing, so the training loop never asks
 ``if rank == 0`` to print.
 
 - ``print0(msg)``: one log line on global rank 0 (written through the bar when one is shown).
-- ``Progress``: one tqdm bar on global rank 0 (epoch, step, loss, samples/s, world size).
+- ``Progress``: one tqdm bar on global rank 0 (epoch, step, loss, samples/s, world size). Its total
+  and ETA follow what stops the run: seconds with ``--max-seconds`` (and no ``--max-steps``), else
+  steps. While it is shown, this process's log lines go above it (tqdm's ``logging_redirect_tqdm``).
 - ``init_wandb(...)``: a W&B run on rank 0, resumed by id (``resume="allow"``) so one run shows
   the whole training across restarts; offline (files under ``<log dir>/wandb``) when
   ``WANDB_API_KEY`` is unset; ``enabled=False`` (``--no-wandb``) gives a logger that does nothing.
+- ``fixed_run_id(root)``: the W&B run id, fixed at the training's first start in ``<root>/wandb-run-id``
+  (the checkpoint dir, shared by every node), so a restart before the first checkpoint resumes
+  the same W&B run instead of opening a new one.
+
+How a W&B run ends tells what happened (W&B's exit-code contract: 0 is a success, anything else
+is failed or preempted): ``finish(exit_code=0)`` when training finished or hit ``--max-seconds``;
+on SIGTERM ``mark_preempting()`` at once, then ``finish(exit_code=PREEMPTED_EXIT_CODE)`` after the
+save, also from the forced exits (``finish_within``, bounded, before ``os._exit``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import threading
+import time
 import uuid
 from typing import Any
 
@@ -43,16 +56,31 @@ def print0(msg: str) -> None:
 
 
 class Progress:
-    """One tqdm bar on global rank 0; a no-op elsewhere or when disabled."""
+    """One tqdm bar on global rank 0; a no-op elsewhere or when disabled.
 
-    def __init__(self, total: int | None, initial: int, enabled: bool = True) -> None:
+    ``total`` steps (None: unknown), or with ``seconds`` a bar of this many seconds of training
+    (``--max-seconds``): then its ETA is the time left, and the step is in the postfix.
+    """
+
+    def __init__(self, total: int | None, initial: int, enabled: bool = True, seconds: float | None = None) -> None:
         global _BAR
         self.bar = None
+        self._redirect = contextlib.ExitStack()
+        self._started = time.monotonic()
+        self.seconds = seconds
         if enabled and _RANK == 0:
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
-            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", file=sys.stderr,
-                            dynamic_ncols=True, mininterval=0.5)
+            if seconds is not None:
+                self.bar = tqdm(total=seconds, desc="train: ", unit="s", file=sys.stderr, dynamic_ncols=True,
+                                mininterval=0.5, bar_format="{desc}{percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f}s "
+                                                            "[{elapsed}<{remaining}{postfix}]")
+            else:
+                self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", file=sys.stderr,
+                                dynamic_ncols=True, mininterval=0.5)
+            # Log lines (ours, torch's) are written above the bar instead of into it.
+            self._redirect.enter_context(logging_redirect_tqdm(tqdm_class=tqdm))
         _BAR = self
 
     def update(self, *, step: int, epoch: int, loss: float, samples_per_s: float, world_size: int) -> None:
@@ -61,13 +89,17 @@ class Progress:
         self.bar.set_description(f"epoch {epoch}", refresh=False)
         self.bar.set_postfix(step=step, loss=f"{loss:.4f}", samples_s=f"{samples_per_s:.1f}",
                              world=world_size, refresh=False)
-        self.bar.update(step - self.bar.n)
+        if self.seconds is not None:
+            self.bar.update(min(self.seconds, time.monotonic() - self._started) - self.bar.n)
+        else:
+            self.bar.update(step - self.bar.n)
 
     def close(self) -> None:
         global _BAR
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        self._redirect.close()
         _BAR = None
 
 
@@ -83,6 +115,35 @@ def new_run_id() -> str:
     return generate()
 
 
+RUN_ID_FILE = "wandb-run-id"
+PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, the usual exit code after a signal: W&B's "not a success"
+
+
+def fixed_run_id(root: str, *, fresh: bool = False) -> str:
+    """The training's W&B run id, stored in ``<root>/wandb-run-id`` at the first start.
+
+    The first caller creates the file atomically (``storage.create_exclusive``; S3 and NFS
+    included), later starts read it, so every start of the training (on any node, before or after
+    the first checkpoint) logs into one W&B run. ``fresh`` (``--no-resume``) replaces it.
+    """
+    from elastic_trainer.checkpoint import storage
+
+    fs, base = storage.get_fs(root)
+    path = storage.join(base, RUN_ID_FILE)
+    if fresh:
+        run_id = new_run_id()
+        storage.write_bytes(fs, path, run_id.encode())
+        return run_id
+    storage.makedirs(fs, base)
+    candidate = new_run_id()
+    if storage.create_exclusive(fs, path, candidate.encode()):
+        return candidate
+    stored = storage.read_bytes(fs, path).decode().strip()
+    if not stored:
+        raise ValueError(f"{storage.redact(path)} is empty; delete it to start a new W&B run")
+    return stored
+
+
 class NullLogger:
     """The logger when W&B is off (``--no-wandb``) or on ranks other than 0."""
 
@@ -91,7 +152,13 @@ class NullLogger:
     def log(self, values: dict[str, Any]) -> None:
         pass
 
-    def finish(self) -> None:
+    def mark_preempting(self) -> None:
+        pass
+
+    def finish(self, exit_code: int = 0) -> None:
+        pass
+
+    def finish_within(self, exit_code: int, seconds: float) -> None:
         pass
 
 
@@ -101,12 +168,31 @@ class WandbLogger:
     def __init__(self, run) -> None:
         self.run = run
         self.run_id = run.id
+        self._lock = threading.Lock()
+        self._finished = False
 
     def log(self, values: dict[str, Any]) -> None:
         self.run.log(values)
 
-    def finish(self) -> None:
-        self.run.finish()
+    def mark_preempting(self) -> None:
+        """Tell W&B now that this run is being preempted (a SIGTERM came), before the save."""
+        with self._lock:
+            if not self._finished:
+                self.run.mark_preempting()
+
+    def finish(self, exit_code: int = 0) -> None:
+        """End the run with ``exit_code`` (0: a success), flushing what was logged; once."""
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+            self.run.finish(exit_code=exit_code)
+
+    def finish_within(self, exit_code: int, seconds: float) -> None:
+        """``finish`` from a forced exit: give it at most ``seconds``, the process ends after this."""
+        t = threading.Thread(target=self.finish, args=(exit_code,), name="wandb-finish", daemon=True)
+        t.start()
+        t.join(seconds)
 
 
 def init_wandb(*, enabled: bool, run_id: str | None, log_dir: str, project: str,

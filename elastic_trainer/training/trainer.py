@@ -71,6 +71,27 @@ PEER_STOPPED = "a peer was stopped by a signal"
 EXIT_PEER_STOPPED = 75  # EX_TEMPFAIL: not an error of this worker; torchrun restarts it
 
 
+WANDB_FINISH_S = 3.0
+"""At most this long for the W&B run's final flush on a forced exit or an error (offline: milliseconds)."""
+
+
+def storage_redact(url: str | None) -> str:
+    """``url`` without credentials, for people (``checkpoint.storage.redact``)."""
+    from elastic_trainer.checkpoint import storage
+
+    return storage.redact(str(url))
+
+
+def wandb_exit_code(stopped_by: str | None) -> int:
+    """The exit code the W&B run ends with: 0 when training finished or reached ``--max-seconds``;
+    preempted (143) after this rank's SIGTERM; ``EXIT_PEER_STOPPED`` when another node's was."""
+    if stopped_by in ("done", "max-seconds"):
+        return 0
+    if stopped_by == PEER_STOPPED:
+        return EXIT_PEER_STOPPED
+    return metrics.PREEMPTED_EXIT_CODE
+
+
 def _collective_failed(exc: BaseException) -> bool:
     """A collective with a peer failed (the peer died, or its group was torn down)."""
     if isinstance(exc, dist.DistError):
@@ -145,8 +166,11 @@ class Trainer:
         self.step = 0
         self.run_id: str | None = None
         self.last_loss: float = float("nan")
+        self.first_loss: tuple[int, float] | None = None  # (step, loss) of this process's first agreed step
         self._last_save_step: int | None = None
         self._logged_save_step: int | None = None
+        self._status = None  # StatusPublisher of rank 0 (`elastic-train status`), made on first use
+        self._status_tried = False
 
     # ---- build -----------------------------------------------------------------------
     def _build(self) -> None:
@@ -188,7 +212,31 @@ class Trainer:
 
     def _event(self, event: str, **fields: Any) -> None:
         if self.dinfo.is_main:  # rank 0 of the current world (live recovery changes who that is)
-            self.events.write(EventRecord(time=time.time(), event=Event(event), **fields))
+            record = EventRecord(time=time.time(), event=Event(event), **fields)
+            self.events.write(record)
+            publisher = self._publisher()
+            if publisher is not None and record.event != Event.CHECKPOINT_SAVED:  # status shows the newest
+                publisher.event(record.to_json())
+
+    def _publisher(self):
+        """Rank 0's ``StatusPublisher`` (None elsewhere, or without the etcd-v3 rendezvous)."""
+        if not self.dinfo.is_main:
+            return None
+        if not self._status_tried:
+            self._status_tried = True
+            from elastic_trainer.status import StatusPublisher
+
+            try:
+                self._status = StatusPublisher.from_env()
+            except Exception as exc:  # noqa: BLE001 - the status is for people; training goes on without it
+                logger.warning("status: not publishing to etcd (%s)", exc)
+        return self._status
+
+    def _publish_checkpoint(self, step: int, saved_at: float) -> None:
+        publisher = self._publisher()
+        if publisher is not None:
+            publisher.update(checkpoint={"step": step, "time": saved_at,
+                                         "url": storage_redact(self.config.checkpoint_dir)})
 
     def _load_checkpoint(self) -> tuple[int, dict] | None:
         """Rank 0 picks the newest valid checkpoint; every rank loads that same step."""
@@ -297,6 +345,7 @@ class Trainer:
                         round=d.round)
             return
         self._last_save_step = self.step
+        self._publish_checkpoint(self.step, float(state.get("meta", {}).get("time") or time.time()))
         print0(f"resumed from checkpoint step-{self.step} (epoch {self.sampler.epoch}, sample offset "
                f"{self.sampler.offset}) of {c.checkpoint_dir}")
         self._event("checkpoint_loaded", step=self.step, epoch=self.sampler.epoch, offset=self.sampler.offset,
@@ -388,25 +437,33 @@ class Trainer:
             del loaded
         else:
             self._event("start", world_size=d.world_size, restart=d.restart, round=d.round)
-        if self.run_id is None and d.is_main:
-            self.run_id = metrics.new_run_id()
+        if self.run_id is None and d.is_main:  # fixed at the first start: restarts before a checkpoint resume it
+            self.run_id = (metrics.fixed_run_id(c.checkpoint_dir or str(self.log_dir), fresh=not c.resume)
+                           if c.wandb else metrics.new_run_id())
 
         spe = self.sampler.steps_per_epoch
         total = self._total_steps()
-        print0(f"training {self.step}/{total if total < 10**18 else '?'} steps, world size {d.world_size} "
+        until = [f"step {total}"] if total < 10**18 else []
+        until += [f"{c.max_seconds:g}s"] if c.max_seconds is not None else []
+        print0(f"training from step {self.step} until {' or '.join(until) or 'the sampler ends'}, world size {d.world_size} "
                f"({'distributed ' + dist.get_backend() if d.distributed else 'single process'}, {d.device}), "
                f"global batch {self.gbs}, {spe} steps/epoch, restart {d.restart}, round {d.round}")
         self.wandb = metrics.init_wandb(enabled=c.wandb, run_id=self.run_id, log_dir=str(self.log_dir),
                                         project=c.wandb_project, group=os.environ.get(cfgmod.ENV_RUN_ID),
                                         config={k: v for k, v in asdict(c).items() if k != "task_args"})
+        if self._stop_signal is not None:  # a SIGTERM came before the W&B run existed
+            self._mark_preempting()
         self.progress = metrics.Progress(total=total if total < 10**18 else None, initial=self.step,
-                                         enabled=c.progress)
+                                         enabled=c.progress,
+                                         seconds=c.max_seconds if c.max_seconds is not None and c.max_steps is None
+                                         else None)
         profiler = self._start_profiler()
         stopped_by = None
         try:
             stopped_by = self._loop(total, profiler)
         except BaseException as exc:
             self._abort(exc)
+            self.wandb.finish_within(1, WANDB_FINISH_S)  # failed (W&B: not a success); a restart resumes it
             raise
         finally:
             if profiler is not None:
@@ -617,6 +674,8 @@ class Trainer:
         values = shared.tolist()
         for (step, epoch, offset, _, step_time, ended), loss in zip(self._pending, values[:n]):
             self.last_loss = loss / self.gbs
+            if self.first_loss is None:
+                self.first_loss = (step, self.last_loss)
             self._log_step(step, epoch, offset, step_time, ended)
         self._pending.clear()
         return values[n] > 0, values[n + 1] > 0, values[n + 2] > 0, values[n + 3] > 0, max(1, int(values[n + 4]))
@@ -645,21 +704,35 @@ class Trainer:
                                        rank=d.rank, round=d.round, restart=d.restart, loss=self.last_loss,
                                        node=self.node))
         samples_s = self.gbs / step_time if step_time > 0 else 0.0
+        publisher = self._publisher()
+        if publisher is not None:
+            publisher.update(step=step, epoch=epoch, loss=self.last_loss, samples_per_s=samples_s,
+                             world_size=d.world_size, round=d.round, node=self.node, state="training")
         self.progress.update(step=step, epoch=epoch, loss=self.last_loss,
                              samples_per_s=samples_s, world_size=d.world_size)
         values = {"global_step": step, "train/loss": self.last_loss, "train/epoch": epoch,
                   "train/world_size": d.world_size, "train/step_time_s": step_time,
                   "train/samples_per_s": samples_s, "train/restarts": d.restart,
                   "train/lr": self.optimizer.param_groups[0]["lr"]}
-        if self.ckpt is not None and self.ckpt.last_save_stats:
-            st = self.ckpt.last_save_stats
-            if st.get("committed") and st.get("step") != self._logged_save_step:
-                self._logged_save_step = st.get("step")
-                values["checkpoint/blocked_s"] = st.get("blocked_s", 0.0)
-                values["checkpoint/total_s"] = (st.get("blocked_s", 0.0) + st.get("serialize_s", 0.0)
-                                                + st.get("upload_s", 0.0))
-                values["checkpoint/bytes"] = st.get("bytes", 0)
+        st = self._note_commit()
+        if st is not None:
+            values["checkpoint/blocked_s"] = st.get("blocked_s", 0.0)
+            values["checkpoint/total_s"] = (st.get("blocked_s", 0.0) + st.get("serialize_s", 0.0)
+                                            + st.get("upload_s", 0.0))
+            values["checkpoint/bytes"] = st.get("bytes", 0)
         self.wandb.log(values)
+
+    def _note_commit(self) -> dict | None:
+        """Once per committed save: one line for people, the status in etcd; returns its stats."""
+        st = self.ckpt.last_save_stats if self.ckpt is not None else None
+        if not st or not st.get("committed") or st.get("step") == self._logged_save_step:
+            return None
+        self._logged_save_step = st.get("step")
+        self._publish_checkpoint(int(st["step"]), time.time())
+        print0(f"checkpoint step-{st['step']} committed ({st.get('bytes', 0) / 1e6:.1f} MB, blocked "
+               f"{st.get('blocked_s', 0.0) * 1000:.0f} ms, {st.get('serialize_s', 0.0) + st.get('upload_s', 0.0):.2f}s "
+               f"in all) to {storage_redact(self.config.checkpoint_dir)}")
+        return st
 
     def _log_unagreed_steps(self) -> None:
         """After a failed collective: the step log gets the steps whose global loss was never agreed,
@@ -681,13 +754,16 @@ class Trainer:
         self._last_save_step = self.step
         if state is None or self.ckpt is None:
             return
+        self.ckpt.wait()  # save() waits for the previous save anyway; say first whether it committed
+        self._note_commit()
         blocked = self.ckpt.save(self.step, state, blocking=blocking)
         if blocking:
             self.ckpt.wait()
         stats = self.ckpt.last_save_stats
         committed = stats.get("committed") if blocking else None
-        print0(f"checkpoint step-{self.step} {'saved' if blocking and committed else 'save started' if not blocking else 'NOT saved'}"
-               f" (blocked {blocked * 1000:.0f} ms) to {self.config.checkpoint_dir}")
+        if blocking and not committed:  # a committed save gets its one line from _note_commit
+            print0(f"checkpoint step-{self.step} NOT saved to {storage_redact(self.config.checkpoint_dir)}")
+        self._note_commit()
         self._event("checkpoint_saved", step=self.step, blocked_s=blocked, blocking=blocking,
                     committed=committed, epoch=self.sampler.epoch, offset=self.sampler.offset,
                     world_size=self.dinfo.world_size)
@@ -712,6 +788,7 @@ class Trainer:
         """Final blocking save (unless this step is saved already), flush logs, leave the process group."""
         if self.ckpt is not None:
             self.ckpt.wait()
+            self._note_commit()  # an async save that committed after the last step's line
             if self.step != self._last_save_step:  # the same decision on every rank (FSDP gathers)
                 self._save(blocking=True)
             self.ckpt.close()
@@ -720,8 +797,12 @@ class Trainer:
                 self.live.finish()  # waiting newcomers exit 0 instead of starting the run again
             self.live.close()
         self._event("finished" if stopped_by == "done" else "stopped", step=self.step, reason=stopped_by)
-        print0(f"{'finished' if stopped_by == 'done' else 'stopped'} at step {self.step}, loss {self.last_loss:.6f}")
-        self.wandb.finish()
+        first = f" (step {self.first_loss[0]}: {self.first_loss[1]:.6f})" if self.first_loss else ""
+        print0(f"{'finished' if stopped_by == 'done' else 'stopped'} at step {self.step}, loss {self.last_loss:.6f}{first}")
+        self.wandb.finish(exit_code=wandb_exit_code(stopped_by))
+        if self._status is not None:
+            self._status.update(state="finished" if stopped_by == "done" else "stopped", step=self.step)
+            self._status.close()
         for f in (self.events, self.step_log, self.ledger):
             f.close()
         if self._grace_timer is not None:
@@ -778,6 +859,7 @@ class Trainer:
             self._stop_signal = signum
         logger.warning("rank %d got %s: saving at the next step boundary, exiting within %.0fs",
                        self.dinfo.rank, signal.Signals(signum).name, self.config.grace_seconds)
+        self._mark_preempting()
         self._grace_timer = threading.Timer(self.config.grace_seconds, self._grace_expired)
         self._grace_timer.daemon = True
         self._grace_timer.start()
@@ -790,6 +872,13 @@ class Trainer:
             watchdog.daemon = True
             watchdog.start()
 
+    def _mark_preempting(self) -> None:
+        """W&B's ``mark_preempting()``, from a thread of its own: the caller may be a signal handler
+        that interrupted the main thread inside a W&B call."""
+        logger_ = getattr(self, "wandb", None)
+        if logger_ is not None:
+            threading.Thread(target=logger_.mark_preempting, name="wandb-preempting", daemon=True).start()
+
     def _exit_if_hung(self, boundaries_at_signal: int, waited: float) -> None:
         if self._boundaries != boundaries_at_signal or self._saving_after_failure:
             return
@@ -798,14 +887,22 @@ class Trainer:
                      self.dinfo.rank, waited, self._last_step_s or 0.0)
         if self.ckpt is not None:  # an async save already under way may still commit
             self._abort()
+        self._flush_wandb_before_exit()
         logging.shutdown()
         os._exit(128 + signal.SIGTERM)
 
     def _grace_expired(self) -> None:
         logger.error("rank %d: grace period of %.0fs over before the step boundary save finished; exiting now",
                      self.dinfo.rank, self.config.grace_seconds)
+        self._flush_wandb_before_exit()
         logging.shutdown()
         os._exit(128 + signal.SIGTERM)
+
+    def _flush_wandb_before_exit(self) -> None:
+        """A forced exit skips ``_finish``: end the W&B run as preempted, within ``WANDB_FINISH_S``."""
+        logger_ = getattr(self, "wandb", None)
+        if logger_ is not None:
+            logger_.finish_within(metrics.PREEMPTED_EXIT_CODE, WANDB_FINISH_S)
 
     def _start_profiler(self):
         c = self.config

@@ -9,4 +9,5 @@
 - ``task_fixture``: a user task for the trainer, ``--task tests.helpers.task_fixture:build``.
 - ``tls_certs``: a throw-away CA, server and client certificates (``cryptography``) for TLS etcd.
 - ``k8s_pod``: a rendered pod's env and volumes resolved as the kubelet would (the k8s tests).
+- ``wandb_records``: the records of a W&B offline run file (``preempting``, ``exit`` and its code).
 """

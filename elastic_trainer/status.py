@@ -1,0 +1,343 @@
+"""A running job's status in etcd: what rank 0 publishes, and ``elastic-train status``, which reads it.
+
+Run it from any terminal or machine that reaches the job's etcd::
+
+    elastic-train status                                   # the embedded etcd of the run under ./runs/
+    elastic-train status --run-id quickstart               # ... of runs/quickstart (--log-dir DIR: elsewhere)
+    elastic-train status --rdzv-endpoint etcd:2379 --run-id job7 --rdzv-conf key_prefix=/jobs  # the job's options
+    elastic-train status --json                            # one JSON document, for scripts
+    elastic-train status --watch                           # refresh every 2 s (--watch 5: every 5 s)
+
+It shows the nodes (name, address, since when, lease time left; from the rendezvous's
+``alive/<node>`` keys and the state), the current round, its nodes' ranks, and what global rank 0
+publishes: world size, step, epoch, samples/s and loss of the last steps, the newest committed
+checkpoint (step, age, URL with credentials redacted) and the last events (world size changes and
+why, resumes, restarts, stops).
+
+What rank 0 publishes, ``<key_prefix>/<run_id>/status`` (one JSON document)::
+
+    {"time": ..., "node": ..., "step": ..., "epoch": ..., "world_size": ..., "round": ...,
+     "loss": ..., "samples_per_s": ..., "checkpoint": {"step": ..., "time": ..., "url": ...} | null,
+     "state": "training" | "finished" | "stopped", "events": [{"time": ..., "event": ..., ...}, ...]}
+
+``StatusPublisher`` writes it from a background thread at most once a second (``INTERVAL_S``),
+only when something changed, so the training loop never waits for etcd: a step only updates a dict.
+A worker not started by the etcd-v3 rendezvous (plain ``python -m elastic_trainer.train``) publishes
+nothing. The embedded etcd's endpoint is in ``<log dir>/etcd-endpoint`` while the launcher runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+INTERVAL_S = 1.0
+"""Rank 0 writes its status at most this often."""
+MAX_EVENTS = 12
+"""The status keeps this many of the newest events."""
+ENDPOINT_FILE = "etcd-endpoint"
+"""In the launcher's log dir while its embedded etcd runs: ``host:port``."""
+STATUS_KEY = "status"
+
+
+# ------------------------------------------------------------------------------- publishing
+
+class StatusPublisher:
+    """Rank 0's status in ``<prefix>status``: ``update()`` and ``event()`` change a dict, a thread writes it."""
+
+    def __init__(self, conn, prefix: str, interval: float = INTERVAL_S) -> None:
+        self._conn = conn
+        self._key = prefix + STATUS_KEY
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._doc: dict[str, Any] = {"state": "training", "checkpoint": None, "events": []}
+        self._dirty = False
+        self._stop = threading.Event()
+        self._warned = False
+        try:  # keep the events of earlier processes (a restart, a new rank 0)
+            value, _ = conn.call(lambda c: c.get(self._key), "status read", retry_timeout=2)
+            if value:
+                old = json.loads(value)
+                self._doc["events"] = list(old.get("events", []))[-MAX_EVENTS:]
+                self._doc["checkpoint"] = old.get("checkpoint")
+        except Exception as exc:  # noqa: BLE001 - a status is a convenience: never stop training for it
+            logger.info("status: could not read the previous status: %s", exc)
+        self._thread = threading.Thread(target=self._run, name="status-publisher", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_env(cls) -> StatusPublisher | None:
+        """The publisher of a worker started by ``elastic-train`` on the etcd-v3 rendezvous, else None."""
+        from elastic_trainer.rendezvous.fence import ENV_RDZV_CONN, ENV_RDZV_PREFIX
+
+        text, prefix = os.environ.get(ENV_RDZV_CONN), os.environ.get(ENV_RDZV_PREFIX)
+        if not text or not prefix:
+            return None
+        from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
+
+        conn = json.loads(text)
+        options = EtcdOptions(endpoints=parse_endpoints(conn["endpoints"]), protocol=conn.get("protocol") or "http",
+                              user=conn.get("user"), password=conn.get("password"), ca_cert=conn.get("ca_cert"),
+                              cert=conn.get("cert"), key=conn.get("key"), retry_timeout=5.0)
+        return cls(EtcdConnection(options), prefix)
+
+    def update(self, **fields: Any) -> None:
+        """Set fields of the status (``step=``, ``loss=``, ``checkpoint=``...); written within a second."""
+        with self._lock:
+            self._doc.update(fields)
+            self._dirty = True
+
+    def event(self, record: dict) -> None:
+        """Add an event (an ``EventRecord``'s JSON); the status keeps the newest ``MAX_EVENTS``."""
+        with self._lock:
+            self._doc["events"] = (self._doc["events"] + [record])[-MAX_EVENTS:]
+            self._dirty = True
+
+    def _write(self) -> None:
+        with self._lock:
+            if not self._dirty:
+                return
+            self._doc["time"] = time.time()
+            data = json.dumps(self._doc, separators=(",", ":"), default=str)
+            self._dirty = False
+        try:
+            self._conn.call(lambda c: c.put(self._key, data), "status write", retry_timeout=2)
+        except Exception as exc:  # noqa: BLE001 - training goes on; say so once
+            if not self._warned:
+                logger.warning("status: could not write %s to etcd (%s); `elastic-train status` shows older "
+                               "numbers until it works again", self._key, exc)
+                self._warned = True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._write()
+
+    def close(self) -> None:
+        """Write what is pending now, stop the thread and close the connection."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._write()
+        self._conn.close()
+
+
+# ------------------------------------------------------------------------------- reading
+
+def read_status(conn, prefix: str) -> dict[str, Any]:
+    """Everything ``elastic-train status`` shows, as a JSON-ready dict."""
+    from elastic_trainer.rendezvous.state import decode_state, node_name
+
+    now = time.time()
+
+    def read(client):
+        state_value, _ = client.get(prefix + "state")
+        alive = [(meta.key.decode()[len(prefix + "alive/"):], value, meta.lease_id)
+                 for value, meta in client.get_prefix(prefix + "alive/")]
+        joining = [meta.key.decode()[len(prefix + "joining/"):]
+                   for _, meta in client.get_prefix(prefix + "joining/", keys_only=True)]
+        status_value, _ = client.get(prefix + STATUS_KEY)
+        quorum_value, _ = client.get(prefix + "live/quorum")
+        leases = {}
+        for _, _, lease_id in alive:
+            if lease_id:
+                info = client.get_lease_info(lease_id)
+                leases[lease_id] = (int(info.TTL), int(info.grantedTTL))
+        return state_value, alive, joining, status_value, leases, quorum_value
+
+    state_value, alive, joining, status_value, leases, quorum_value = conn.call(read, "status read")
+    out: dict[str, Any] = {"round": None, "complete": None, "closed": None, "live": None, "nodes": [],
+                           "waiting": joining, "training": None}
+    node_rank: dict[str, int] = {}
+    if state_value:  # --recovery restart: torch's rendezvous state, a round per restart
+        body = state_value.split(b"\n", 1)[1] if b"\n" in state_value else state_value
+        state = decode_state(body)
+        out.update(round=state.round, complete=state.complete, closed=state.closed)
+        node_rank = {node_name(n): r for n, r in state.participants.items()}
+    workers: dict[str, list[int]] = {}
+    if quorum_value:  # --recovery live: the live group's quorum (training/live.py), rank i = members[i]
+        from elastic_trainer.training.live import Quorum
+
+        quorum = Quorum.from_json(quorum_value)
+        for rank, member in enumerate(quorum.members):
+            workers.setdefault(member.node, []).append(rank)
+        out["live"] = {"quorum": quorum.q, "world_size": len(quorum.members), "cause": quorum.cause,
+                       "finished": quorum.finished}
+    for name, value, lease_id in sorted(alive):
+        try:
+            since = float(json.loads(value or b"{}").get("since")) if value else None
+        except (ValueError, TypeError, AttributeError):
+            since = None
+        ttl, granted = leases.get(lease_id, (None, None))
+        out["nodes"].append({"name": name, "address": name.rsplit("_", 2)[0], "node_rank": node_rank.get(name),
+                             "ranks": workers.get(name), "since": since, "lease_left_s": ttl,
+                             "lease_ttl_s": granted})
+    if status_value:
+        training = json.loads(status_value)
+        training["age_s"] = max(0.0, now - float(training.get("time", now)))
+        out["training"] = training
+    return out
+
+
+def _ago(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{seconds // 60:.0f}m{seconds % 60:02.0f}s"
+    return f"{seconds // 3600:.0f}h{seconds % 3600 // 60:02.0f}m"
+
+
+def format_status(run_id: str, endpoint: str, status: dict[str, Any], now: float | None = None) -> str:
+    """The status as lines for people."""
+    now = time.time() if now is None else now
+    lines = [f"run {run_id} on etcd {endpoint}"]
+    waiting = f", {len(status['waiting'])} waiting to join" if status["waiting"] else ""
+    live = status["live"]
+    if live is not None:
+        lines.append(f"live group: quorum {live['quorum']} ({live['cause']}), world size {live['world_size']}; "
+                     f"{len(status['nodes'])} node(s) alive{waiting}" + ("; finished" if live["finished"] else ""))
+    elif status["round"] is not None:
+        what = "closed (the run is over)" if status["closed"] else "complete" if status["complete"] else "forming"
+        lines.append(f"rendezvous: round {status['round']}, {what}; {len(status['nodes'])} node(s) alive{waiting}")
+    else:
+        lines.append(f"rendezvous: no round yet; {len(status['nodes'])} node(s) alive (is the run id right?)")
+    if status["nodes"]:
+        lines.append(f"  {'node':<32} {'address':<16} {'ranks':>8} {'since':>8} {'lease left':>10}")
+        for n in status["nodes"]:
+            lease = f"{n['lease_left_s']}/{n['lease_ttl_s']}s" if n["lease_left_s"] is not None else "?"
+            ranks = (",".join(map(str, n["ranks"])) if n["ranks"] else
+                     f"node {n['node_rank']}" if n["node_rank"] is not None else "-")
+            since = _ago(now - n["since"]) if n["since"] else "?"
+            lines.append(f"  {n['name']:<32} {n['address']:<16} {ranks:>8} {since:>8} {lease:>10}")
+    t = status["training"]
+    if not t:
+        lines.append("training: nothing published yet (rank 0 publishes once it trains)")
+        return "\n".join(lines)
+    loss = t.get("loss")
+    lines.append(f"training: {t.get('state', '?')}, step {t.get('step', '?')}, epoch {t.get('epoch', '?')}, "
+                 f"world size {t.get('world_size', '?')}, loss {loss:.4f}" if isinstance(loss, (int, float)) else
+                 f"training: {t.get('state', '?')}, step {t.get('step', '?')}, world size {t.get('world_size', '?')}")
+    if t.get("samples_per_s") is not None:
+        lines[-1] += f", {t['samples_per_s']:.1f} samples/s"
+    lines[-1] += f" (rank 0 on {t.get('node', '?')}, {_ago(t['age_s'])} ago)"
+    ck = t.get("checkpoint")
+    lines.append(f"checkpoint: step-{ck['step']}, {_ago(now - ck['time'])} ago, {ck['url']}" if ck else
+                 "checkpoint: none committed yet")
+    if t.get("events"):
+        lines.append("events:")
+        for e in t["events"][-8:]:
+            rest = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                             for k, v in e.items() if k not in ("time", "event") and v is not None)
+            stamp = time.strftime("%H:%M:%S", time.localtime(e.get("time", 0)))
+            lines.append(f"  {stamp} {e.get('event')}" + (f" ({rest})" if rest else ""))
+    return "\n".join(lines)
+
+
+def find_embedded_endpoint(log_dir: str | None, run_id: str | None) -> tuple[str, str]:
+    """``(endpoint, run id)`` of a launcher's embedded etcd from ``<log dir>/etcd-endpoint``.
+
+    With neither, looks under ``runs/`` (the default log dirs ``runs/<run id>``) and takes the
+    only run that has one. Raises ``ValueError`` with the fix when there is none or several.
+    """
+    if log_dir or run_id:
+        path = Path(log_dir or Path("runs") / run_id) / ENDPOINT_FILE
+        if not path.is_file():
+            raise ValueError(f"no embedded etcd is running for {path.parent} (no {path}); start the run there, or "
+                             "give --rdzv-endpoint HOST:PORT and --run-id")
+        return path.read_text().strip(), run_id or path.parent.name
+    found = sorted(Path("runs").glob(f"*/{ENDPOINT_FILE}"))
+    if len(found) != 1:
+        names = ", ".join(p.parent.name for p in found)
+        raise ValueError("no run with an embedded etcd under ./runs; give --rdzv-endpoint HOST:PORT and --run-id"
+                         if not found else f"several runs under ./runs ({names}); pick one with --run-id")
+    return found[0].read_text().strip(), found[0].parent.name
+
+
+# ------------------------------------------------------------------------------- the command
+
+def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = parser_class(prog="elastic-train status", formatter_class=argparse.RawDescriptionHelpFormatter,
+                     description="Show a running job: nodes, round, world size, step, loss, checkpoint, events.",
+                     epilog=__doc__.split("\n\n")[1])
+    p.add_argument("--rdzv-endpoint", default=None, metavar="H:P[,H:P]",
+                   help="the job's etcd (default: the embedded etcd of a run under --log-dir or ./runs/)")
+    p.add_argument("--run-id", default=None, help="the job's run id (default: the one run found under ./runs/)")
+    p.add_argument("--rdzv-conf", default="", metavar="K=V,...",
+                   help="the job's rendezvous options that reach etcd: key_prefix, protocol, ca_cert, cert, key, "
+                        "user, password (the same as the job's)")
+    p.add_argument("--log-dir", default=None, help="the run's log dir, where its embedded etcd's endpoint is")
+    p.add_argument("--json", action="store_true", help="print one JSON document (for scripts)")
+    p.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+                   help="refresh every SECONDS (default 2) until Ctrl-C")
+    return p
+
+
+def main(argv: list[str], parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> int:
+    """``elastic-train status``: print the status (once, or every ``--watch`` seconds). Exit 0."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+
+    from elastic_trainer.rendezvous.etcd_backend import run_prefix
+    from elastic_trainer.rendezvous.etcd_client import EtcdConnection
+    from elastic_trainer.rendezvous.options import RendezvousOptions
+
+    p = build_parser(parser_class)
+    args = p.parse_args(argv)
+    if args.watch is not None and args.watch <= 0:
+        p.error(f"--watch {args.watch:g} must be a positive number of seconds")
+    endpoint, run_id = args.rdzv_endpoint, args.run_id
+    if endpoint is None:
+        try:
+            endpoint, run_id = find_embedded_endpoint(args.log_dir, run_id)
+        except ValueError as exc:
+            p.error(str(exc))
+    elif run_id is None:
+        p.error("--rdzv-endpoint needs --run-id (the job's; `elastic-train` uses elastic-run by default)")
+    items = [item.strip() for item in args.rdzv_conf.split(",") if item.strip()]
+    bad = [item for item in items if "=" not in item]
+    if bad:
+        p.error(f"--rdzv-conf {bad[0]!r} must look like key=value (for example key_prefix=/jobs)")
+    conf = dict(item.split("=", 1) for item in items)
+    try:
+        options = RendezvousOptions(RendezvousParameters("etcd-v3", endpoint, run_id, 1, 1, **conf))
+    except ValueError as exc:
+        p.error(f"--rdzv-conf: {exc}")
+    prefix = run_prefix(options.key_prefix, run_id)
+    conn = None
+    try:
+        while True:
+            try:
+                if conn is None:
+                    conn = EtcdConnection(dataclasses.replace(options.etcd, retry_timeout=5.0))
+                status = read_status(conn, prefix)
+            except Exception as exc:  # noqa: BLE001 - one line, whatever the reason (no traceback)
+                text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                print(f"elastic-train status: error: cannot read run {run_id} from etcd {endpoint}: {text}",
+                      file=sys.stderr)
+                if args.watch is None:
+                    return 1
+            else:
+                if args.json:
+                    print(json.dumps({"run_id": run_id, "endpoint": endpoint, **status}, default=str), flush=True)
+                else:
+                    if args.watch is not None and sys.stdout.isatty():
+                        print("\033[H\033[2J", end="")
+                    print(format_status(run_id, endpoint, status), flush=True)
+            if args.watch is None:
+                return 0
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if conn is not None:
+            conn.close()
