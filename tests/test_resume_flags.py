@@ -99,7 +99,7 @@ def test_elastic_train_run_again_with_a_larger_batch_trains_the_rest_of_the_epoc
         out, _ = proc.communicate(timeout=180)
         assert proc.returncode == 0, out[-3000:]
         outs.append(out)
-    assert "training 8/10 steps" in outs[1] and "finished at step 10" in outs[1], outs[1][-3000:]
+    assert "training from step 8 until step 10" in outs[1] and "finished at step 10" in outs[1], outs[1][-3000:]
     perm = epoch_permutation(256, 3, 0).tolist()
     rows = records.read_ledger(tmp_path / "logs")
     assert sorted(i for r in rows for i in r.indices) == sorted(perm)  # each sample of the epoch exactly once
