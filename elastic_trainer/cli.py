@@ -183,6 +183,10 @@ def parse_run_config(argv: list[str]) -> RunConfig:
                              "give a path to a .py file, or nothing for the built-in trainer")
         program = ["-u", args.training_script, *args.training_script_args, *trainer_args]
     rdzv_conf = dict(args.rdzv_conf)
+    if rdzv_conf.get("password"):
+        raise UsageError("--rdzv-conf password=... would put the etcd password on the command line, which every "
+                         "user of this machine can read; give password_file=PATH (a file only you can read) or "
+                         "set ELASTIC_TRAINER_RDZV_PASSWORD instead")
     recovery = args.recovery or rdzv_conf.get("recovery")
     builtin = args.training_script is None
     live_ok = builtin and args.rdzv_backend == "etcd-v3" and not {"--fsdp", "--scale-lr"} & set(trainer_args)

@@ -42,11 +42,13 @@ It also completes a round as soon as every node with a live lease has joined it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import random
 import sys
+import tempfile
 import time
 from datetime import timedelta
 
@@ -76,11 +78,11 @@ from elastic_trainer.rendezvous.torch_private import (
     generate_node_desc,
 )
 
-from elastic_trainer.rendezvous.etcd_client import EtcdConnection
+from elastic_trainer.rendezvous.etcd_client import EtcdConnection, export_options
 from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
 from elastic_trainer.rendezvous.etcd_store import EtcdStore
 from elastic_trainer.rendezvous.lease import LeaseKeeper
-from elastic_trainer.rendezvous.options import RendezvousOptions
+from elastic_trainer.rendezvous.options import ENV_RDZV_PASSWORD, RendezvousOptions
 from elastic_trainer.rendezvous.state import (
     EtcdRendezvousStateHolder,
     decode_state,
@@ -366,6 +368,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._waiting = 0
         self._alive_count = 0  # live nodes at the watchdog's last look
         self._live_rounds = 0  # worker groups started in live mode
+        # The path of the 0600 file that hands the etcd password to workers (never their environment).
+        self._password_file: str | None = options.password_file
+        self._own_password_file = False
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING, rank: int | None = None) -> None:
         _record(self, self._this_node, message, node_state, rank)
@@ -499,6 +504,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             return super().shutdown()
         finally:
             self._lease.close(revoke=True)
+            if self._own_password_file and self._password_file:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._password_file)
 
     def _start_heartbeats(self) -> None:  # liveness is the lease (LeaseKeeper)
         pass
@@ -557,9 +565,18 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         os.environ[ENV_RDZV_PREFIX] = self._etcd_backend.prefix
         os.environ[ENV_RDZV_NODE] = self.node_name
         os.environ.setdefault(ENV_RDZV_ENDPOINT, o.endpoint_text)
-        os.environ[ENV_RDZV_CONN] = json.dumps({
-            "endpoints": o.endpoint_text, "protocol": o.protocol, "user": o.user, "password": o.password,
-            "ca_cert": o.ca_cert, "cert": o.cert, "key": o.key})
+        os.environ[ENV_RDZV_CONN] = export_options(o, self._worker_password_file())
+
+    def _worker_password_file(self) -> str | None:
+        """The 0600 file through which workers get the etcd password: the ``password_file`` the
+        node was given, or (a password from the launcher's environment or from ``password=``) a
+        private temporary file, removed at shutdown."""
+        if self._password_file is None and self._options.etcd.password:
+            fd, path = tempfile.mkstemp(prefix="elastic-trainer-rdzv-")  # mode 0600
+            with os.fdopen(fd, "w") as f:
+                f.write(self._options.etcd.password)
+            self._password_file, self._own_password_file = path, True
+        return self._password_file
 
 
 def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
@@ -572,6 +589,9 @@ def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
             log.addHandler(h)
         log.setLevel(os.environ["ELASTIC_TRAINER_RDZV_LOG"].upper())
     options = RendezvousOptions(params)
+    # The password read, the launcher's env var goes: torch's agent copies its environment into
+    # every worker, and from there it would reach every DataLoader worker and subprocess.
+    os.environ.pop(ENV_RDZV_PASSWORD, None)
     conn = EtcdConnection(options.etcd)
     backend = EtcdRendezvousBackend(conn, params.run_id, options.key_prefix)
     store = EtcdStore(conn, backend.prefix + "store/")

@@ -1,0 +1,149 @@
+"""Nobody joins a run, reads its secrets or rewrites its state uninvited (docs/security.md).
+
+Against real components: an etcd 3.4 with authentication on, the embedded etcd, the real
+``elastic-train`` with a worker script (``tests/helpers/secret_probe.py``) that reports its
+environment and every command line of the job's processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+
+from elastic_trainer import cli, etcd_server
+from elastic_trainer.etcd_server import EtcdServer
+from elastic_trainer.rendezvous.options import RendezvousOptions
+from tests.helpers.common import REPO, cli_cmd, wait_until
+
+CANARY = "canary-Zq7xW3pL9"  # a password that must never show up where others can read it
+PROBE = str(REPO / "tests" / "helpers" / "secret_probe.py")
+
+
+@pytest.fixture(scope="module")
+def auth_etcd(tmp_path_factory):
+    """A real etcd with authentication on: user root, password ``CANARY``."""
+    data = tmp_path_factory.mktemp("etcd-auth") / "data"
+    server = EtcdServer(data_dir=data, log_path=data.with_suffix(".log"))
+    server.start()
+    try:
+        etcd_server.enable_auth(server.endpoint, CANARY)
+        yield server
+    finally:
+        server.stop()
+
+
+def _secret_file(path: Path, text: str = CANARY, mode: int = 0o600) -> Path:
+    path.write_text(text + "\n")
+    path.chmod(mode)
+    return path
+
+
+def _anonymous(endpoint: str):
+    import etcd3
+
+    host, port = endpoint.rsplit(":", 1)
+    return etcd3.client(host, int(port), timeout=5)
+
+
+# -- the launcher refuses to carry a password where others can read it ------------------------------
+
+@pytest.fixture
+def nothing_connects(monkeypatch):
+    """Fail the test if the launcher gets as far as probing an endpoint or launching."""
+    def fail(*args, **kwargs):
+        raise AssertionError("reached the network despite bad input")
+    monkeypatch.setattr(etcd_server, "probe_endpoint", fail)
+    monkeypatch.setattr(cli, "_launch", fail)
+
+
+def test_a_password_on_the_command_line_is_refused_without_echoing_it(capsys, nothing_connects):
+    assert cli.main(["--rdzv-endpoint", "127.0.0.1:2379", "--rdzv-conf", f"user=root,password={CANARY}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "password_file=PATH" in err and "ELASTIC_TRAINER_RDZV_PASSWORD" in err
+    assert CANARY not in err
+
+
+def test_basic_auth_over_plain_http_to_another_host_is_refused_before_connecting(tmp_path, capsys, nothing_connects):
+    # etcd.invalid never resolves (RFC 6761), and the check happens before any lookup or connection.
+    secret = _secret_file(tmp_path / "pw")
+    assert cli.main(["--rdzv-endpoint", "etcd.invalid:2379", "--rdzv-conf", f"user=root,password_file={secret}",
+                     "--checkpoint-dir", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "plain http to etcd.invalid" in err and "protocol=https" in err
+    assert CANARY not in err
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "[::1]"])
+def test_basic_auth_over_plain_http_to_loopback_is_allowed(tmp_path, host):
+    secret = _secret_file(tmp_path / "pw")
+    params = RendezvousParameters("etcd-v3", f"{host}:2379", "r", 1, 1, user="root", password_file=str(secret))
+    assert RendezvousOptions(params).etcd.password == CANARY
+
+
+def test_a_password_file_that_others_can_read_is_refused(tmp_path):
+    secret = _secret_file(tmp_path / "pw", mode=0o644)
+    params = RendezvousParameters("etcd-v3", "127.0.0.1:2379", "r", 1, 1, user="root", password_file=str(secret))
+    with pytest.raises(ValueError, match=r"can be read by other users \(mode 644\); run `chmod 600"):
+        RendezvousOptions(params)
+
+
+def test_the_etcd_password_is_never_in_a_repr():
+    params = RendezvousParameters("etcd-v3", "127.0.0.1:2379", "r", 1, 1, user="root", password=CANARY)
+    assert CANARY not in repr(RendezvousOptions(params).etcd)
+
+
+# -- end to end: what workers get ---------------------------------------------------------------
+
+def _run_probe(tmp_path: Path, procs, argv: list[str], env: dict[str, str]):
+    """Start ``elastic-train ARGV secret_probe.py``; return (process, probe folder, stderr file)."""
+    out = tmp_path / "probe"
+    out.mkdir()
+    err = open(tmp_path / "stderr", "w")
+    proc = procs.start(cli_cmd("--nnodes", "1", "--nproc-per-node", "1", "--recovery", "restart",
+                               "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ck"),
+                               *argv, PROBE),
+                       env={**os.environ, **env, "PROBE_OUT": str(out), "PROBE_TEST_PID": str(os.getpid())}, stdout=err, stderr=subprocess.STDOUT)
+    err.close()
+
+    def report():
+        assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
+        path = out / "rank0.json"
+        return json.loads(path.read_text()) if path.exists() else None
+    return proc, out, wait_until(report, 120, "the probe's report", interval=0.3)
+
+
+def _finish(proc, out: Path, tmp_path: Path) -> str:
+    (out / "stop").touch()
+    assert proc.wait(60) == 0, (tmp_path / "stderr").read_text()[-3000:]
+    return (tmp_path / "stderr").read_text()
+
+
+def _files_holding(folder: Path, secret: str) -> list[str]:
+    return [str(p) for p in folder.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_workers_get_a_password_file_never_the_password(auth_etcd, tmp_path, procs, run_id):
+    # The password as the launcher's env var: gone from the workers' environment and from every
+    # command line; the workers' fence reaches etcd through a 0600 file removed when the run ends.
+    proc, out, report = _run_probe(tmp_path, procs, ["--rdzv-endpoint", auth_etcd.endpoint, "--run-id", run_id,
+                                                     "--rdzv-conf", "user=root"],
+                                   {"ELASTIC_TRAINER_RDZV_PASSWORD": CANARY})
+    assert report["fence_error"] is None
+    assert CANARY not in json.dumps(report["environ"]) and CANARY not in report["proc_environ"]
+    assert any("elastic_trainer.cli" in c for c in report["cmdlines"]) and not [c for c in report["cmdlines"] if CANARY in c]
+    conn = json.loads(report["environ"]["ELASTIC_TRAINER_RDZV_CONN"])
+    password_file = Path(conn["password_file"])
+    assert stat.S_IMODE(password_file.stat().st_mode) == 0o600 and password_file.read_text() == CANARY
+    output = _finish(proc, out, tmp_path)
+    assert CANARY not in output and not _files_holding(tmp_path / "logs", CANARY)
+    assert not password_file.exists()
