@@ -99,6 +99,16 @@ def _nnodes(text: str) -> tuple[int, int]:
     return low, high
 
 
+def _umask(text: str) -> int:
+    try:
+        value = int(text, 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--umask takes an octal mask such as 077 or 027, got {text!r}") from None
+    if not 0 <= value <= 0o777:
+        raise argparse.ArgumentTypeError(f"--umask must be from 000 to 777, got {text!r}")
+    return value
+
+
 def _rdzv_conf(text: str) -> dict[str, str]:
     conf = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
@@ -147,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     io = p.add_argument_group("storage (the trainer's own flags: give each here or after `--`, not both)")
     for name in SHARED_TRAINER_FLAGS:  # declared once, in TrainConfig; None here means "not given"
         cfg.add_train_flag(io, name, default=None)
+    io.add_argument("--umask", type=_umask, default=0o077, metavar="OCTAL",
+                    help="file-mode mask of this node's launcher and workers (default 077: checkpoints, logs "
+                         "and the embedded etcd's data readable by this user only; 027: also its group; "
+                         "022: everyone)")
     prog = p.add_argument_group("program")
     prog.add_argument("-m", "--module", action="store_true",
                       help="run the program as a Python module (python -m), like torchrun")
@@ -201,7 +215,7 @@ def parse_run_config(argv: list[str]) -> RunConfig:
                         rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend,
                         rdzv_conf=rdzv_conf, run_id=args.run_id, max_restarts=args.max_restarts,
                         monitor_interval=args.monitor_interval, checkpoint_dir=args.checkpoint_dir,
-                        log_dir=args.log_dir, local_addr=args.local_addr, program=program)
+                        log_dir=args.log_dir, local_addr=args.local_addr, umask=args.umask, program=program)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     if program[:2] == BUILTIN_TRAINER:
@@ -283,7 +297,7 @@ def _launch(run: RunConfig) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from elastic_trainer.etcd_server import EtcdError, EtcdServer
+    from elastic_trainer.etcd_server import ROOT_USER, EtcdError, EtcdServer, enable_auth, run_password
 
     log_dir = Path(run.log_dir).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -291,14 +305,23 @@ def _launch(run: RunConfig) -> int:
     endpoint = run.rdzv_endpoint
     if run.embedded_etcd:
         server = EtcdServer(data_dir=log_dir / "etcd", log_path=log_dir / "etcd.log")
+        password_file = log_dir / "etcd-password"
         try:
             server.start()
+            # Authentication on: any other user of this machine reaches the loopback port too, and
+            # could otherwise register a node or rewrite the run's state. The password is in a
+            # 0600 file, so the join command below works for this user only.
+            enable_auth(server.endpoint, run_password(password_file))
         except EtcdError as exc:
+            server.stop()
             raise UsageError(str(exc)) from exc
         endpoint = server.endpoint
+        auth = f"user={ROOT_USER},password_file={password_file}"
+        run.rdzv_conf.update(user=ROOT_USER, password_file=str(password_file))
         print(f"elastic-train: embedded etcd at {endpoint} (run {run.run_id}); join from another "
               f"terminal with: elastic-train --nnodes {run.min_nodes}:{run.max_nodes} "
-              f"--nproc-per-node {run.nproc_per_node} --run-id {run.run_id} --rdzv-endpoint {endpoint}",
+              f"--nproc-per-node {run.nproc_per_node} --run-id {run.run_id} --rdzv-endpoint {endpoint} "
+              f"--rdzv-conf {auth}",
               file=sys.stderr, flush=True)
     elif endpoint is None:
         endpoint = "127.0.0.1:29400"  # torch's c10d default, for side-by-side runs
@@ -382,8 +405,14 @@ def main(argv: list[str] | None = None) -> int:
             from elastic_trainer.drill import command as drill
             return drill.main(argv[1:])
         run = parse_run_config(argv)
-        check_environment(run)
-        return _launch(run)
+        # Before anything is created (the checkpoint dir's probe, the log dir, etcd's data); the
+        # agent and its workers inherit it. Restored after, for callers that run main() in-process.
+        old_umask = os.umask(run.umask)
+        try:
+            check_environment(run)
+            return _launch(run)
+        finally:
+            os.umask(old_umask)
     except UsageError as exc:
         print(f"elastic-train: error: {exc}", file=sys.stderr)
         return USAGE_ERROR

@@ -210,6 +210,7 @@ class EtcdServer:
         """Start etcd and wait until it serves; raise ``EtcdError`` if it does not."""
         binary = find_etcd_binary()
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.chmod(0o700)  # etcd's own advice: its data (users, the run's state) is private
         client_url = f"{self.scheme}://{self.host}:{self.port}"
         peer_url = f"http://127.0.0.1:{self.peer_port}"
         cmd = [binary, "--name", "elastic-trainer", "--data-dir", str(self.data_dir),

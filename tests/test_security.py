@@ -147,3 +147,53 @@ def test_workers_get_a_password_file_never_the_password(auth_etcd, tmp_path, pro
     output = _finish(proc, out, tmp_path)
     assert CANARY not in output and not _files_holding(tmp_path / "logs", CANARY)
     assert not password_file.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_embedded_etcd_and_the_runs_files_are_private_to_its_user(tmp_path, procs):
+    proc, out, report = _run_probe(tmp_path, procs, ["--run-id", "private"], {})
+    assert report["fence_error"] is None
+    logs = tmp_path / "logs"
+    assert stat.S_IMODE((logs / "etcd").stat().st_mode) == 0o700
+    assert stat.S_IMODE((logs / "etcd-password").stat().st_mode) == 0o600
+    # --umask 077 by default: nothing the run created (checkpoints, logs, etcd's data) is open to others.
+    created = [p for root in (tmp_path / "ck", logs) for p in [root, *root.rglob("*")]]
+    assert any(p.name == "manifest.json" for p in created)
+    assert not [f"{p} {stat.S_IMODE(p.stat().st_mode):o}" for p in created if p.stat().st_mode & 0o077]
+    password = (logs / "etcd-password").read_text().strip()
+    assert any(c.split()[0].endswith("etcd") for c in report["cmdlines"])  # the embedded etcd is looked at too
+    assert password not in json.dumps(report["environ"]) and not [c for c in report["cmdlines"] if password in c]
+
+    join = re.search(r"join from another terminal with: elastic-train (.*)$",
+                     (tmp_path / "stderr").read_text(), re.M).group(1).split()
+    endpoint = join[join.index("--rdzv-endpoint") + 1]
+    state_key = "/elastic-trainer/private/state"
+    # Without credentials etcd answers nothing, and takes no write.
+    anonymous = _anonymous(endpoint)
+    try:
+        for attempt in (lambda: anonymous.get(state_key), lambda: anonymous.put(state_key, b"{}"),
+                        lambda: anonymous.put("/elastic-trainer/private/alive/intruder_1_0", b"")):
+            with pytest.raises(grpc.RpcError) as refused:
+                attempt()
+            assert refused.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)
+    finally:
+        anonymous.close()
+    # The printed join command works for this user: its start check and the rendezvous's own client.
+    run = cli.parse_run_config([*join, "--checkpoint-dir", str(tmp_path / "ck2"), "--log-dir", str(tmp_path / "l2")])
+    cli.check_environment(run)
+    from elastic_trainer.rendezvous.etcd_client import EtcdConnection
+    options = RendezvousOptions(RendezvousParameters("etcd-v3", endpoint, "private", 1, 1, **run.rdzv_conf))
+    conn = EtcdConnection(options.etcd)
+    try:
+        assert conn.client.get(state_key)[0] is not None
+    finally:
+        conn.close()
+    # ... and fails for another user of the machine, who cannot read the password file.
+    if os.geteuid() == 0:
+        other = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cli_cmd(
+            *join, "--checkpoint-dir", "/tmp", "--log-dir", "/tmp")], capture_output=True, text=True, timeout=60,
+            cwd="/tmp", env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert other.returncode == 2 and "password_file=" in other.stderr and "Permission denied" in other.stderr, \
+            other.stderr[-2000:]
+    assert password not in _finish(proc, out, tmp_path)

@@ -5,7 +5,8 @@
 Each worker writes ``<PROBE_OUT>/rank<RANK>.json``: its own environment, the command line of every
 process of the job (the launcher and agent, the workers, an embedded etcd: the descendants of
 the test's child, whose pid is ``PROBE_TEST_PID``), and
-whether its round fence could reach etcd with the credentials it was handed; then it waits until
+whether its round fence could reach etcd with the credentials it was handed; rank 0 saves a tiny
+checkpoint into the run's checkpoint dir; then each waits until
 ``<PROBE_OUT>/stop`` exists (at most 120 s), so that a test can look at the running job.
 """
 
@@ -63,6 +64,12 @@ def main() -> int:
         fence_error = str(exc)
     report = {"environ": dict(os.environ), "proc_environ": Path("/proc/self/environ").read_bytes().decode(errors="replace"),
               "cmdlines": job_cmdlines(int(os.environ["PROBE_TEST_PID"])), "fence_error": fence_error}
+    if os.environ["RANK"] == "0" and os.environ.get("ELASTIC_TRAINER_CHECKPOINT_DIR"):
+        import torch
+
+        from elastic_trainer.checkpoint import CheckpointManager
+        CheckpointManager(os.environ["ELASTIC_TRAINER_CHECKPOINT_DIR"], async_checkpoint=False).save(
+            1, {"w": torch.zeros(2)}, blocking=True)
     tmp = out / f".rank{os.environ['RANK']}.json"
     tmp.write_text(json.dumps(report))
     tmp.rename(out / f"rank{os.environ['RANK']}.json")
