@@ -197,3 +197,55 @@ def test_embedded_etcd_and_the_runs_files_are_private_to_its_user(tmp_path, proc
         assert other.returncode == 2 and "password_file=" in other.stderr and "Permission denied" in other.stderr, \
             other.stderr[-2000:]
     assert password not in _finish(proc, out, tmp_path)
+
+
+# -- redaction: a canary secret in the etcd password and the storage URL shows up nowhere ---------------
+
+STORAGE_CANARY = "canaryS3secretQ4rT8"
+TINY = ["--d-model", "16", "--nhead", "2", "--layers", "1", "--dim-feedforward", "32", "--src-len", "4",
+        "--tgt-len", "4", "--dataset-size", "256", "--global-batch-size", "8", "--no-progress"]
+
+
+def test_storage_url_credentials_are_used_and_redacted(s3_url):
+    from elastic_trainer.checkpoint import storage
+
+    bucket_path = s3_url.split("://", 1)[1]
+    url = f"s3://testing:{STORAGE_CANARY}@{bucket_path}"
+    fs, path = storage.get_fs(url)
+    assert path == bucket_path and fs.secret == STORAGE_CANARY
+    storage.check_writable(url)
+    assert storage.redact(f"saved to {url}") == f"saved to s3://***@{bucket_path}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_canary_secret_shows_up_in_no_output_log_wandb_file_or_checkpoint(auth_etcd, s3_url, tmp_path, run_id):
+    """A job with the canary as etcd password (launcher env var) and as S3 secret (in the storage URL),
+    W&B on (offline), run twice (the second resumes): stdout, stderr, every file under the log dir
+    (agent logs, step and event logs, W&B offline files) and every checkpoint object hold neither."""
+    from elastic_trainer.checkpoint import storage
+
+    bucket_path = s3_url.split("://", 1)[1]
+    url = f"s3://testing:{STORAGE_CANARY}@{bucket_path}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env["ELASTIC_TRAINER_RDZV_PASSWORD"] = CANARY
+    logs = tmp_path / "logs"
+    outputs = []
+    for steps in ("2", "4"):
+        proc = subprocess.run(cli_cmd("--nnodes", "1", "--rdzv-endpoint", auth_etcd.endpoint, "--run-id", run_id,
+                                      "--rdzv-conf", "user=root", "--log-dir", str(logs), "--checkpoint-dir", url,
+                                      "--", *TINY, "--max-steps", steps, "--checkpoint-every", "2"),
+                              capture_output=True, text=True, timeout=200, env=env, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outputs += [proc.stdout, proc.stderr]
+    text = "\n".join(outputs)
+    assert "resumed from step 2" in text or "step-2" in text, text[-3000:]  # the second run did resume
+    assert f"s3://***@{bucket_path}" in text  # the URL is printed, redacted
+    assert list((logs / "wandb").glob("offline-run-*")), "W&B wrote no offline run"
+    fs, root = storage.get_fs(url)
+    objects = [p for p in fs.find(root)]
+    assert any(p.endswith("manifest.json") for p in objects)
+    for secret in (CANARY, STORAGE_CANARY):
+        assert secret not in text
+        assert not _files_holding(logs, secret)
+        assert not [p for p in objects if secret.encode() in fs.cat_file(p)]

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from elastic_trainer import config as cfgmod
 from elastic_trainer import records
+from elastic_trainer.checkpoint import storage
 from elastic_trainer.records import Event, EventRecord, JsonLines, LedgerRecord, StepRecord
 from elastic_trainer.training import metrics
 from elastic_trainer.config import TrainConfig
@@ -102,6 +103,11 @@ def _abort_process_group() -> None:
 
 
 # ---------------------------------------------------------------------------------- trainer
+
+
+def wandb_config(c: TrainConfig) -> dict[str, Any]:
+    """The run config W&B records (and uploads): every flag, credentials in URLs redacted."""
+    return {k: storage.redact(v) if isinstance(v, str) else v for k, v in asdict(c).items() if k != "task_args"}
 
 class Trainer:
     """Runs a ``Task`` data-parallel, elastic and resumable; see the module docstring."""
@@ -179,7 +185,7 @@ class Trainer:
             found = self.ckpt.load(step)
             if found is None:
                 raise RuntimeError(f"rank {self.dinfo.rank} could not load checkpoint step-{step} that rank 0 "
-                                   f"loaded from {self.config.checkpoint_dir}; is the storage shared by all nodes?")
+                                   f"loaded from {storage.redact(self.config.checkpoint_dir)}; is the storage shared by all nodes?")
         return found
 
     def _autocast(self):
@@ -261,7 +267,7 @@ class Trainer:
             return
         self._last_save_step = self.step
         print0(f"resumed from checkpoint step-{self.step} (epoch {self.sampler.epoch}, sample offset "
-               f"{self.sampler.offset}) of {c.checkpoint_dir}")
+               f"{self.sampler.offset}) of {storage.redact(c.checkpoint_dir)}")
         self._event("checkpoint_loaded", step=self.step, epoch=self.sampler.epoch, offset=self.sampler.offset,
                     world_size=d.world_size, saved_world_size=prev_world)
         self._event("resume", step=self.step, world_size=d.world_size, restart=d.restart, round=d.round)
@@ -331,7 +337,7 @@ class Trainer:
                f"global batch {self.gbs}, {spe} steps/epoch, restart {d.restart}, round {d.round}")
         self.wandb = metrics.init_wandb(enabled=c.wandb, run_id=self.run_id, log_dir=str(self.log_dir),
                                         project=c.wandb_project, group=os.environ.get(cfgmod.ENV_RUN_ID),
-                                        config={k: v for k, v in asdict(c).items() if k != "task_args"})
+                                        config=wandb_config(c))
         self.progress = metrics.Progress(total=total if total < 10**18 else None, initial=self.step,
                                          enabled=c.progress)
         profiler = self._start_profiler()
@@ -620,7 +626,7 @@ class Trainer:
         stats = self.ckpt.last_save_stats
         committed = stats.get("committed") if blocking else None
         print0(f"checkpoint step-{self.step} {'saved' if blocking and committed else 'save started' if not blocking else 'NOT saved'}"
-               f" (blocked {blocked * 1000:.0f} ms) to {self.config.checkpoint_dir}")
+               f" (blocked {blocked * 1000:.0f} ms) to {storage.redact(self.config.checkpoint_dir)}")
         self._event("checkpoint_saved", step=self.step, blocked_s=blocked, blocking=blocking,
                     committed=committed, epoch=self.sampler.epoch, offset=self.sampler.offset,
                     world_size=self.dinfo.world_size)
