@@ -249,3 +249,32 @@ def test_a_canary_secret_shows_up_in_no_output_log_wandb_file_or_checkpoint(auth
         assert secret not in text
         assert not _files_holding(logs, secret)
         assert not [p for p in objects if secret.encode() in fs.cat_file(p)]
+
+
+def test_a_client_without_credentials_can_neither_read_nor_write_the_runs_keys(auth_etcd, tmp_path, run_id):
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    from elastic_trainer.rendezvous import handler_creator
+
+    secret = _secret_file(tmp_path / "pw")
+    handler = handler_creator()(RendezvousParameters("etcd-v3", auth_etcd.endpoint, run_id, 1, 1,
+                                                     local_addr="127.0.0.1", user="root", password_file=str(secret)))
+    try:
+        assert handler.next_rendezvous().world_size == 1
+        prefix = f"/elastic-trainer/{run_id}/"
+        anonymous = _anonymous(auth_etcd.endpoint)
+        try:
+            for attempt in (lambda: anonymous.get(prefix + "state"), lambda: list(anonymous.get_prefix(prefix)),
+                            lambda: anonymous.put(prefix + "state", b"{}"), lambda: anonymous.delete_prefix(prefix),
+                            lambda: anonymous.put(prefix + "alive/intruder_1_0", b"")):
+                with pytest.raises(grpc.RpcError):
+                    attempt()
+        finally:
+            anonymous.close()
+        wrong = _secret_file(tmp_path / "wrong", "not-the-password")
+        with pytest.raises(RendezvousConnectionError, match="check the user and password"):
+            handler_creator()(RendezvousParameters("etcd-v3", auth_etcd.endpoint, run_id, 1, 1, user="root",
+                                                   password_file=str(wrong), connect_timeout="2"))
+        assert handler.num_nodes_waiting() == 0  # the round stands, untouched
+    finally:
+        handler.shutdown()
