@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from elastic_trainer.etcd_tls import TlsFiles
     from elastic_trainer.rendezvous.etcd_client import EtcdOptions
 
 logger = logging.getLogger(__name__)
@@ -129,16 +130,23 @@ def run_password(path: str | Path) -> str:
     return password
 
 
-def enable_auth(endpoint: str, password: str, timeout: float = 10.0) -> None:
+def enable_auth(endpoint: str, password: str, timeout: float = 10.0, tls: TlsFiles | None = None) -> None:
     """Turn etcd's authentication on, with user ``root`` and ``password`` (etcd's ``user add root``,
     ``auth enable``). Nothing to do when it is on already and ``password`` works; ``EtcdError`` when
-    it is on with another password."""
+    it is on with another password. ``tls``: the server's TLS folder (its server certificate, which
+    may act as a client too, reaches it on this machine)."""
     import etcd3
     import grpc
     from etcd3 import etcdrpc
 
     host, port = parse_endpoints(endpoint)[0]
-    client = etcd3.client(host, port, timeout=timeout)
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"  # listening everywhere: loopback among the rest
+    if tls is None:
+        client = etcd3.client(host, port, timeout=timeout)
+    else:
+        client = etcd3.client(host, port, timeout=timeout, ca_cert=str(tls.cert("ca")),
+                              cert_key=str(tls.key("server")), cert_cert=str(tls.cert("server")))
     stub = client.authstub
 
     def ignore(fn, request, detail: str) -> None:
