@@ -34,8 +34,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -174,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_run_config(argv: list[str]) -> RunConfig:
     """Parse launcher flags into a checked ``RunConfig``; raise ``UsageError`` on bad input."""
+    from elastic_trainer.checkpoint.storage import has_credentials, redact
+
+    leaked = next((a for a in argv if has_credentials(a)), None)
+    if leaked is not None:
+        raise UsageError(f"{redact(leaked)!r} holds credentials, which every user of this machine can read on a "
+                         f"command line; give the keys in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or the whole "
+                         f"checkpoint URL in the launcher's env var {cfg.ENV_CHECKPOINT_DIR}")
     trainer_args: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
@@ -215,7 +224,9 @@ def parse_run_config(argv: list[str]) -> RunConfig:
         run = RunConfig(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=args.nproc_per_node,
                         rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend,
                         rdzv_conf=rdzv_conf, run_id=args.run_id, max_restarts=args.max_restarts,
-                        monitor_interval=args.monitor_interval, checkpoint_dir=args.checkpoint_dir,
+                        monitor_interval=args.monitor_interval,
+                        # The launcher's env var: where a URL with keys may come from (never a command line).
+                        checkpoint_dir=args.checkpoint_dir or os.environ.get(cfg.ENV_CHECKPOINT_DIR) or None,
                         log_dir=args.log_dir, local_addr=args.local_addr, umask=args.umask, program=program)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -290,6 +301,34 @@ def check_environment(run: RunConfig) -> None:
         raise UsageError(f"--checkpoint-dir: {exc}") from exc
 
 
+def hand_over_storage_keys(url: str, secrets_dir: str) -> str:
+    """What the workers get for S3 keys: the checkpoint URL without ``KEY:SECRET@``, and the keys
+    (from the URL, else ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``) in a
+    0600 AWS credentials file named by ``AWS_SHARED_CREDENTIALS_FILE``, never in their environment
+    (from where they would reach every DataLoader worker and subprocess). Returns the URL for them."""
+    from elastic_trainer.checkpoint.storage import split_credentials
+
+    if not url.startswith(("s3://", "s3a://")):
+        return url
+    clean, keys = split_credentials(url)
+    names = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+    from_env = [os.environ.pop(name, None) for name in names]
+    if keys is None and from_env[0] and from_env[1]:
+        keys = (from_env[0], from_env[1])
+    if keys is None:
+        return clean  # keys from a credentials file or an instance role: nothing secret to move
+    lines = [f"[{os.environ.get('AWS_PROFILE', 'default')}]", f"aws_access_key_id = {keys[0]}",
+             f"aws_secret_access_key = {keys[1]}"]
+    if from_env[2] and keys == (from_env[0], from_env[1]):
+        lines.append(f"aws_session_token = {from_env[2]}")
+    path = os.path.join(secrets_dir, "aws-credentials")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.environ["AWS_SHARED_CREDENTIALS_FILE"] = path
+    return clean
+
+
 def _launch(run: RunConfig) -> int:
     """Start the embedded etcd if needed, run torchrun's agent, stop etcd. Return an exit status."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -302,6 +341,7 @@ def _launch(run: RunConfig) -> int:
 
     log_dir = Path(run.log_dir).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
+    secrets_dir = tempfile.mkdtemp(prefix="elastic-trainer-secrets-")  # 0700; removed when the run ends
     server = None
     endpoint = run.rdzv_endpoint
     if run.embedded_etcd:
@@ -334,7 +374,8 @@ def _launch(run: RunConfig) -> int:
         os.environ["OMP_NUM_THREADS"] = str(threads)
         logger.info("OMP_NUM_THREADS=%d for each of %d worker(s) (set it to override)", threads, run.nproc_per_node)
     os.environ.update({cfg.ENV_RDZV_ENDPOINT: endpoint, cfg.ENV_RUN_ID: run.run_id,
-                       cfg.ENV_CHECKPOINT_DIR: run.checkpoint_dir or "", cfg.ENV_LOG_DIR: str(log_dir)})
+                       cfg.ENV_CHECKPOINT_DIR: hand_over_storage_keys(run.checkpoint_dir or "", secrets_dir),
+                       cfg.ENV_LOG_DIR: str(log_dir)})
     config = LaunchConfig(
         min_nodes=run.min_nodes, max_nodes=run.max_nodes, nproc_per_node=run.nproc_per_node,
         run_id=run.run_id, rdzv_backend=run.rdzv_backend, rdzv_endpoint=endpoint,
@@ -364,6 +405,7 @@ def _launch(run: RunConfig) -> int:
     finally:
         if server is not None:
             server.stop()
+        shutil.rmtree(secrets_dir, ignore_errors=True)
 
 
 def _etcd_certs_main(argv: list[str]) -> int:

@@ -24,6 +24,7 @@ from elastic_trainer.rendezvous.options import RendezvousOptions
 from tests.helpers.common import REPO, cli_cmd, wait_until
 
 CANARY = "canary-Zq7xW3pL9"  # a password that must never show up where others can read it
+STORAGE_CANARY = "canaryS3secretQ4rT8"  # an S3 secret key, likewise
 PROBE = str(REPO / "tests" / "helpers" / "secret_probe.py")
 
 
@@ -71,6 +72,16 @@ def test_a_password_on_the_command_line_is_refused_without_echoing_it(capsys, no
     assert CANARY not in err
 
 
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_storage_keys_on_the_command_line_are_refused_without_echoing_them(where, capsys, nothing_connects):
+    url = f"s3://AKIDEXAMPLE:{STORAGE_CANARY}@bucket/run"
+    argv = ["--checkpoint-dir", url] if where == "before" else ["--", "--checkpoint-dir", url]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "s3://***@bucket/run" in err and "ELASTIC_TRAINER_CHECKPOINT_DIR" in err
+    assert STORAGE_CANARY not in err and "AKIDEXAMPLE" not in err
+
+
 def test_basic_auth_over_plain_http_to_another_host_is_refused_before_connecting(tmp_path, capsys, nothing_connects):
     # etcd.invalid never resolves (RFC 6761), and the check happens before any lookup or connection.
     secret = _secret_file(tmp_path / "pw")
@@ -102,14 +113,14 @@ def test_the_etcd_password_is_never_in_a_repr():
 
 # -- end to end: what workers get ---------------------------------------------------------------
 
-def _run_probe(tmp_path: Path, procs, argv: list[str], env: dict[str, str]):
-    """Start ``elastic-train ARGV secret_probe.py``; return (process, probe folder, stderr file)."""
+def _run_probe(tmp_path: Path, procs, argv: list[str], env: dict[str, str], checkpoint_dir: bool = True):
+    """Start ``elastic-train ARGV secret_probe.py``; return (process, probe folder, the probe's report)."""
     out = tmp_path / "probe"
     out.mkdir()
     err = open(tmp_path / "stderr", "w")
     proc = procs.start(cli_cmd("--nnodes", "1", "--nproc-per-node", "1", "--recovery", "restart",
-                               "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ck"),
-                               *argv, PROBE),
+                               "--log-dir", str(tmp_path / "logs"),
+                               *(["--checkpoint-dir", str(tmp_path / "ck")] if checkpoint_dir else []), *argv, PROBE),
                        env={**os.environ, **env, "PROBE_OUT": str(out), "PROBE_TEST_PID": str(os.getpid())}, stdout=err, stderr=subprocess.STDOUT)
     err.close()
 
@@ -132,21 +143,35 @@ def _files_holding(folder: Path, secret: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_workers_get_a_password_file_never_the_password(auth_etcd, tmp_path, procs, run_id):
-    # The password as the launcher's env var: gone from the workers' environment and from every
-    # command line; the workers' fence reaches etcd through a 0600 file removed when the run ends.
+def test_workers_get_files_for_the_etcd_password_and_the_storage_keys_never_the_secrets(
+        auth_etcd, s3_url, tmp_path, procs, run_id):
+    # Both secrets in the launcher's environment (the password, the checkpoint URL with its S3 key):
+    # gone from the workers' environment and from every command line; the workers' fence reaches
+    # etcd and rank 0 saves a checkpoint through 0600 files, which are removed when the run ends.
+    bucket_path = s3_url.split("://", 1)[1]
     proc, out, report = _run_probe(tmp_path, procs, ["--rdzv-endpoint", auth_etcd.endpoint, "--run-id", run_id,
                                                      "--rdzv-conf", "user=root"],
-                                   {"ELASTIC_TRAINER_RDZV_PASSWORD": CANARY})
+                                   {"ELASTIC_TRAINER_RDZV_PASSWORD": CANARY,
+                                    "ELASTIC_TRAINER_CHECKPOINT_DIR": f"s3://testing:{STORAGE_CANARY}@{bucket_path}"},
+                                   checkpoint_dir=False)
     assert report["fence_error"] is None
-    assert CANARY not in json.dumps(report["environ"]) and CANARY not in report["proc_environ"]
-    assert any("elastic_trainer.cli" in c for c in report["cmdlines"]) and not [c for c in report["cmdlines"] if CANARY in c]
+    assert any("elastic_trainer.cli" in c for c in report["cmdlines"])
+    for secret in (CANARY, STORAGE_CANARY):
+        assert secret not in json.dumps(report["environ"]) and secret not in report["proc_environ"]
+        assert not [c for c in report["cmdlines"] if secret in c]
+    assert report["environ"]["ELASTIC_TRAINER_CHECKPOINT_DIR"] == f"s3://{bucket_path}"
     conn = json.loads(report["environ"]["ELASTIC_TRAINER_RDZV_CONN"])
     password_file = Path(conn["password_file"])
     assert stat.S_IMODE(password_file.stat().st_mode) == 0o600 and password_file.read_text() == CANARY
+    aws_file = Path(report["environ"]["AWS_SHARED_CREDENTIALS_FILE"])
+    assert stat.S_IMODE(aws_file.stat().st_mode) == 0o600 and STORAGE_CANARY in aws_file.read_text()
+    assert "AWS_SECRET_ACCESS_KEY" not in report["environ"]
     output = _finish(proc, out, tmp_path)
-    assert CANARY not in output and not _files_holding(tmp_path / "logs", CANARY)
-    assert not password_file.exists()
+    from elastic_trainer.checkpoint import storage
+    fs, root = storage.get_fs(s3_url)
+    assert [p for p in fs.find(root) if p.endswith("manifest.json")], "the worker saved no checkpoint"
+    assert CANARY not in output and STORAGE_CANARY not in output and not _files_holding(tmp_path / "logs", CANARY)
+    assert not password_file.exists() and not aws_file.exists()
 
 
 @pytest.mark.slow
@@ -201,7 +226,6 @@ def test_embedded_etcd_and_the_runs_files_are_private_to_its_user(tmp_path, proc
 
 # -- redaction: a canary secret in the etcd password and the storage URL shows up nowhere ---------------
 
-STORAGE_CANARY = "canaryS3secretQ4rT8"
 TINY = ["--d-model", "16", "--nhead", "2", "--layers", "1", "--dim-feedforward", "32", "--src-len", "4",
         "--tgt-len", "4", "--dataset-size", "256", "--global-batch-size", "8", "--no-progress"]
 
@@ -229,18 +253,19 @@ def test_a_canary_secret_shows_up_in_no_output_log_wandb_file_or_checkpoint(auth
     url = f"s3://testing:{STORAGE_CANARY}@{bucket_path}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env["ELASTIC_TRAINER_RDZV_PASSWORD"] = CANARY
+    env["ELASTIC_TRAINER_CHECKPOINT_DIR"] = url  # a URL with keys comes from the launcher's environment
     logs = tmp_path / "logs"
     outputs = []
     for steps in ("2", "4"):
         proc = subprocess.run(cli_cmd("--nnodes", "1", "--rdzv-endpoint", auth_etcd.endpoint, "--run-id", run_id,
-                                      "--rdzv-conf", "user=root", "--log-dir", str(logs), "--checkpoint-dir", url,
+                                      "--rdzv-conf", "user=root", "--log-dir", str(logs),
                                       "--", *TINY, "--max-steps", steps, "--checkpoint-every", "2"),
                               capture_output=True, text=True, timeout=200, env=env, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         outputs += [proc.stdout, proc.stderr]
     text = "\n".join(outputs)
     assert "resumed from step 2" in text or "step-2" in text, text[-3000:]  # the second run did resume
-    assert f"s3://***@{bucket_path}" in text  # the URL is printed, redacted
+    assert f"s3://{bucket_path}" in text, [ln for ln in text.splitlines() if "s3://" in ln or "step-" in ln][:8]
     assert list((logs / "wandb").glob("offline-run-*")), "W&B wrote no offline run"
     fs, root = storage.get_fs(url)
     objects = [p for p in fs.find(root)]
@@ -278,3 +303,13 @@ def test_a_client_without_credentials_can_neither_read_nor_write_the_runs_keys(a
         assert handler.num_nodes_waiting() == 0  # the round stands, untouched
     finally:
         handler.shutdown()
+
+
+def test_wandb_run_config_and_the_trainers_prints_redact_storage_keys():
+    # For a trainer started without elastic-train (torchrun, python -m elastic_trainer.train), which
+    # gets the URL with its keys as it was given.
+    from elastic_trainer.config import TrainConfig
+    from elastic_trainer.training.trainer import wandb_config
+
+    config = wandb_config(TrainConfig(checkpoint_dir=f"s3://AKIDEXAMPLE:{STORAGE_CANARY}@bucket/run"))
+    assert config["checkpoint_dir"] == "s3://***@bucket/run" and STORAGE_CANARY not in json.dumps(config)

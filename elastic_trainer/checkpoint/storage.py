@@ -102,6 +102,11 @@ def get_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
         raise StorageError(f"cannot open {redact(url)!r}: {exc}") from exc
 
 
+def has_credentials(text: str) -> bool:
+    """Whether ``text`` holds a URL with ``user:secret@`` in it."""
+    return re.search(r"://[^/@\s:]+:[^/@\s]+@", str(text)) is not None
+
+
 def redact(text: str) -> str:
     """``text`` with any ``user:password@`` inside URLs replaced by ``***@`` (safe to log)."""
     return re.sub(r"(://)[^/@\s]+@", r"\1***@", str(text))
