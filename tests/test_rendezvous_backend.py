@@ -553,6 +553,37 @@ def test_a_finished_run_can_be_started_again_with_the_same_run_id(etcd, run_id):
         again.shutdown()
 
 
+@pytest.mark.timeout(90)
+def test_a_finished_run_id_reused_by_several_nodes_at_once_starts_the_run(etcd, run_id):
+    """What a re-created Kubernetes Job does: every pod starts at the same moment with the finished
+    run's id. Each saw the others alive and left the closed state alone, so every node failed."""
+    create = handler_creator()
+    first = create(_params(etcd, run_id, 1, 1))
+    assert first.next_rendezvous().world_size == 1
+    first.shutdown()  # the job ended: the rendezvous is closed
+    nodes = [create(_params(etcd, run_id, 3, 3)) for _ in range(3)]
+    for node in nodes:
+        node._lease.ensure()  # every pod is alive before any reads the state: the worst case
+    results: list = []
+
+    def join(node):
+        try:
+            results.append(node.next_rendezvous().world_size)
+        except BaseException as exc:  # noqa: BLE001 - the test reports which
+            results.append(exc)
+
+    threads = [threading.Thread(target=join, args=(n,), daemon=True) for n in nodes]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert results == [3, 3, 3], results
+    finally:
+        for node in nodes:
+            node.shutdown()
+
+
 def test_a_closed_run_with_a_live_node_stays_closed(etcd, run_id):
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 

@@ -453,9 +453,13 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
         torch closes the rendezvous when a job ends; its c10d store vanishes with the job,
         but etcd keeps the closed state, so running the same run id again (the embedded etcd
-        keeps its data in the log dir) would fail at once. A closed state with no live node
-        but this one belongs to a finished job: replace it (compare-and-swap) by a fresh one
-        whose round numbers continue, so that round fences stay unique.
+        keeps its data in the log dir) would fail at once. A closed state none of whose nodes
+        is alive belongs to a finished job: replace it (compare-and-swap) by a fresh one whose
+        round numbers continue, so that round fences stay unique. Other live nodes that are not
+        in it are newcomers like this one (a re-created Kubernetes Job starts every pod at once;
+        each used to see the others alive and leave the state closed, and every node failed);
+        one of them wins the swap. A live node of the closed state (the job is ending, or a
+        late joiner while it still runs) keeps it closed.
         """
         backend = self._etcd_backend
         summary = decode_summary(backend.poll_summary()[0])
@@ -470,8 +474,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         old = decode_state(data)
         if not old.closed:
             return
-        others = backend.read()[2] - {self.node_name}
-        if others:
+        members = {node_name(n) for n in (*old.participants, *old.wait_list, *old.redundancy_list)}
+        if members & backend.read()[2]:
             return
         fresh = RendezvousState()
         fresh.round = old.round + 1
