@@ -474,7 +474,9 @@ def test_node_that_lost_its_lease_must_leave_before_it_rejoins(etcd, run_id, con
         # etcd expires the lease behind the node's back (as after a long pause).
         conn.client.revoke_lease(a._lease._lease_id)
         wait_until(lambda: a.num_nodes_waiting() > 0, 10, "the node to notice its lease expired", interval=0.1)
-        assert a._revoked == "its etcd lease expired"
+        # Seen by the renewal (etcd no longer knows the lease) or, first, by the watchdog, which
+        # renews on its own thread now (this node's alive key is gone with the lease).
+        assert a._revoked in ("its etcd lease expired", f"participant(s) {a.node_name} of round 0 lost their etcd lease")
         with pytest.raises(FencedError):
             fence.check()
         info = a.next_rendezvous()  # the agent stopped its workers; a new lease, a new round
@@ -629,3 +631,25 @@ def test_a_spare_node_beyond_max_nodes_is_told_the_run_is_closed_when_it_finishe
     finally:
         a.shutdown()
         spare.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_node_behind_a_slow_etcd_keeps_its_round(etcd, run_id, caplog):
+    """Every etcd request 0.5 s late (etcd healthy): the lease stays renewed in time and the node
+    never fences itself; the watchdog's reads no longer delay the renewals."""
+    from tests.helpers.slow_proxy import SlowProxy
+
+    with SlowProxy("127.0.0.1", etcd.port, delay=0.5) as proxy:
+        node = handler_creator()(RendezvousParameters("etcd-v3", proxy.endpoint, run_id, 1, 1,
+                                                      local_addr="127.0.0.1", connect_timeout="10"))
+        try:
+            with caplog.at_level(logging.WARNING, logger="elastic_trainer.rendezvous"):
+                assert node.next_rendezvous().world_size == 1
+                deadline = time.monotonic() + 12
+                while time.monotonic() < deadline:  # torch's agent asks every monitor interval
+                    assert node.num_nodes_waiting() == 0, caplog.text
+                    time.sleep(0.1)
+            assert "stopping its workers" not in caplog.text
+        finally:
+            node.shutdown()
