@@ -301,22 +301,25 @@ def check_environment(run: RunConfig) -> None:
         raise UsageError(f"--checkpoint-dir: {exc}") from exc
 
 
-def hand_over_storage_keys(url: str, secrets_dir: str) -> str:
+def hand_over_storage_keys(url: str, secrets_dir: str) -> tuple[str, dict[str, str]]:
     """What the workers get for S3 keys: the checkpoint URL without ``KEY:SECRET@``, and the keys
     (from the URL, else ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``) in a
     0600 AWS credentials file named by ``AWS_SHARED_CREDENTIALS_FILE``, never in their environment
-    (from where they would reach every DataLoader worker and subprocess). Returns the URL for them."""
+    (from where they would reach every DataLoader worker and subprocess). Returns the URL for them
+    and the variables it took out of ``os.environ`` (to put back when the run ends)."""
     from elastic_trainer.checkpoint.storage import split_credentials
 
     if not url.startswith(("s3://", "s3a://")):
-        return url
+        return url, {}
     clean, keys = split_credentials(url)
-    names = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
-    from_env = [os.environ.pop(name, None) for name in names]
+    names = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SHARED_CREDENTIALS_FILE")
+    taken = {name: os.environ[name] for name in names if name in os.environ}
+    from_env = [os.environ.pop(name, None) for name in names[:3]]
     if keys is None and from_env[0] and from_env[1]:
         keys = (from_env[0], from_env[1])
     if keys is None:
-        return clean  # keys from a credentials file or an instance role: nothing secret to move
+        os.environ.update(taken)  # keys from a credentials file or an instance role: nothing to move
+        return clean, {}
     lines = [f"[{os.environ.get('AWS_PROFILE', 'default')}]", f"aws_access_key_id = {keys[0]}",
              f"aws_secret_access_key = {keys[1]}"]
     if from_env[2] and keys == (from_env[0], from_env[1]):
@@ -326,7 +329,7 @@ def hand_over_storage_keys(url: str, secrets_dir: str) -> str:
     with os.fdopen(fd, "w") as f:
         f.write("\n".join(lines) + "\n")
     os.environ["AWS_SHARED_CREDENTIALS_FILE"] = path
-    return clean
+    return clean, taken
 
 
 def _launch(run: RunConfig) -> int:
@@ -341,7 +344,6 @@ def _launch(run: RunConfig) -> int:
 
     log_dir = Path(run.log_dir).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
-    secrets_dir = tempfile.mkdtemp(prefix="elastic-trainer-secrets-")  # 0700; removed when the run ends
     server = None
     endpoint = run.rdzv_endpoint
     if run.embedded_etcd:
@@ -373,9 +375,10 @@ def _launch(run: RunConfig) -> int:
         threads = cpus.threads_per_worker(run.nproc_per_node)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         logger.info("OMP_NUM_THREADS=%d for each of %d worker(s) (set it to override)", threads, run.nproc_per_node)
+    secrets_dir = tempfile.mkdtemp(prefix="elastic-trainer-secrets-")  # 0700; removed when the run ends
+    workers_url, taken_keys = hand_over_storage_keys(run.checkpoint_dir or "", secrets_dir)
     os.environ.update({cfg.ENV_RDZV_ENDPOINT: endpoint, cfg.ENV_RUN_ID: run.run_id,
-                       cfg.ENV_CHECKPOINT_DIR: hand_over_storage_keys(run.checkpoint_dir or "", secrets_dir),
-                       cfg.ENV_LOG_DIR: str(log_dir)})
+                       cfg.ENV_CHECKPOINT_DIR: workers_url, cfg.ENV_LOG_DIR: str(log_dir)})
     config = LaunchConfig(
         min_nodes=run.min_nodes, max_nodes=run.max_nodes, nproc_per_node=run.nproc_per_node,
         run_id=run.run_id, rdzv_backend=run.rdzv_backend, rdzv_endpoint=endpoint,
@@ -406,6 +409,9 @@ def _launch(run: RunConfig) -> int:
         if server is not None:
             server.stop()
         shutil.rmtree(secrets_dir, ignore_errors=True)
+        if taken_keys:  # for callers that run main() in-process
+            os.environ.pop("AWS_SHARED_CREDENTIALS_FILE", None)
+            os.environ.update(taken_keys)
 
 
 def _etcd_certs_main(argv: list[str]) -> int:

@@ -313,3 +313,21 @@ def test_wandb_run_config_and_the_trainers_prints_redact_storage_keys():
 
     config = wandb_config(TrainConfig(checkpoint_dir=f"s3://AKIDEXAMPLE:{STORAGE_CANARY}@bucket/run"))
     assert config["checkpoint_dir"] == "s3://***@bucket/run" and STORAGE_CANARY not in json.dumps(config)
+
+
+def test_the_launchers_password_variable_is_gone_after_the_first_read_and_serves_every_handler(
+        auth_etcd, run_id, monkeypatch):
+    from elastic_trainer.rendezvous import handler_creator, options
+
+    monkeypatch.setattr(options, "_launcher_password", None)
+    monkeypatch.setenv("ELASTIC_TRAINER_RDZV_PASSWORD", CANARY)
+    create = handler_creator()
+    first = create(RendezvousParameters("etcd-v3", auth_etcd.endpoint, run_id, 1, 2, local_addr="127.0.0.1",
+                                        user="root"))
+    try:
+        assert "ELASTIC_TRAINER_RDZV_PASSWORD" not in os.environ  # what workers inherit
+        second = create(RendezvousParameters("etcd-v3", auth_etcd.endpoint, run_id, 1, 2, local_addr="127.0.0.1",
+                                             user="root"))
+        second.shutdown()
+    finally:
+        first.shutdown()

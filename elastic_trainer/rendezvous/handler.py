@@ -82,7 +82,7 @@ from elastic_trainer.rendezvous.etcd_client import EtcdConnection, export_option
 from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
 from elastic_trainer.rendezvous.etcd_store import EtcdStore
 from elastic_trainer.rendezvous.lease import LeaseKeeper
-from elastic_trainer.rendezvous.options import ENV_RDZV_PASSWORD, RendezvousOptions
+from elastic_trainer.rendezvous.options import RendezvousOptions, launcher_password
 from elastic_trainer.rendezvous.state import (
     EtcdRendezvousStateHolder,
     decode_state,
@@ -593,9 +593,8 @@ def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
             log.addHandler(h)
         log.setLevel(os.environ["ELASTIC_TRAINER_RDZV_LOG"].upper())
     options = RendezvousOptions(params)
-    # The password read, the launcher's env var goes: torch's agent copies its environment into
-    # every worker, and from there it would reach every DataLoader worker and subprocess.
-    os.environ.pop(ENV_RDZV_PASSWORD, None)
+    # Also without a user: the launcher's password env var must not reach the workers.
+    launcher_password()
     conn = EtcdConnection(options.etcd)
     backend = EtcdRendezvousBackend(conn, params.run_id, options.key_prefix)
     store = EtcdStore(conn, backend.prefix + "store/")

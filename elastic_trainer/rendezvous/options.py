@@ -13,9 +13,23 @@ from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
 from elastic_trainer.rendezvous.etcd_client import EtcdOptions, parse_endpoints
 
-# The etcd password as an environment variable of the launcher (never of the workers: the
-# handler removes it from its environment before any worker starts; see handler.py).
+# The etcd password as an environment variable of the launcher (never of the workers: it is
+# removed from the environment when first read, before any worker starts; see launcher_password).
 ENV_RDZV_PASSWORD = "ELASTIC_TRAINER_RDZV_PASSWORD"
+_launcher_password: str | None = None
+
+
+def launcher_password() -> str | None:
+    """The etcd password from the launcher's ``ELASTIC_TRAINER_RDZV_PASSWORD``.
+
+    The variable is removed from the environment at the first read: torch's agent copies its
+    environment into every worker, and from there it would reach every DataLoader worker and
+    subprocess. The value is kept for later reads in this process (a second handler)."""
+    global _launcher_password
+    value = os.environ.pop(ENV_RDZV_PASSWORD, None)
+    if value:
+        _launcher_password = value
+    return _launcher_password
 
 # Options torch's launcher adds by itself; accepted and ignored.
 _TORCH_ADDED = {"timeout", "is_host", "rank", "store_type"}
@@ -121,7 +135,7 @@ class RendezvousOptions:
         if password_file:
             password = read_password_file(str(password_file))
         elif not password and user:
-            password = os.environ.get(ENV_RDZV_PASSWORD)
+            password = launcher_password()
         if bool(user) != bool(password):
             raise ValueError(f"the rendezvous options user and password go together (the password from "
                              f"password_file=PATH or the env var {ENV_RDZV_PASSWORD})")
