@@ -31,6 +31,7 @@ def launcher_password() -> str | None:
         _launcher_password = value
     return _launcher_password
 
+
 # Options torch's launcher adds by itself; accepted and ignored.
 _TORCH_ADDED = {"timeout", "is_host", "rank", "store_type"}
 
