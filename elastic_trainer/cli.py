@@ -14,8 +14,9 @@ Examples::
     # Your own script, torchrun style:
     elastic-train --nnodes 2:4 --rdzv-endpoint etcd:2379 my_train.py --lr 3e-4
 
-    # A standalone etcd for several machines:
-    elastic-train etcd --host 0.0.0.0 --port 2379 --data-dir /var/lib/elastic-etcd
+    # A standalone etcd for several machines, TLS with client certificates (docs/security.md):
+    elastic-train etcd certs --out etcd-tls --host 10.0.0.5      # prints the flags each side needs
+    elastic-train etcd --host 0.0.0.0 --port 2379 --data-dir /var/lib/elastic-etcd --tls-dir etcd-tls
 
     # Kill-node recovery drills (see docs/drills.md):
     elastic-train drill --help
@@ -37,8 +38,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -103,6 +106,16 @@ def _nnodes(text: str) -> tuple[int, int]:
     return low, high
 
 
+def _umask(text: str) -> int:
+    try:
+        value = int(text, 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--umask takes an octal mask such as 077 or 027, got {text!r}") from None
+    if not 0 <= value <= 0o777:
+        raise argparse.ArgumentTypeError(f"--umask must be from 000 to 777, got {text!r}")
+    return value
+
+
 def _rdzv_conf(text: str) -> dict[str, str]:
     conf = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
@@ -151,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     io = p.add_argument_group("storage (the trainer's own flags: give each here or after `--`, not both)")
     for name in SHARED_TRAINER_FLAGS:  # declared once, in TrainConfig; None here means "not given"
         cfg.add_train_flag(io, name, default=None)
+    io.add_argument("--umask", type=_umask, default=0o077, metavar="OCTAL",
+                    help="file-mode mask of this node's launcher and workers (default 077: checkpoints, logs "
+                         "and the embedded etcd's data readable by this user only; 027: also its group; "
+                         "022: everyone)")
     prog = p.add_argument_group("program")
     prog.add_argument("-m", "--module", action="store_true",
                       help="run the program as a Python module (python -m), like torchrun")
@@ -163,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_run_config(argv: list[str]) -> RunConfig:
     """Parse launcher flags into a checked ``RunConfig``; raise ``UsageError`` on bad input."""
+    from elastic_trainer.checkpoint.storage import has_credentials, redact
+
+    leaked = next((a for a in argv if has_credentials(a)), None)
+    if leaked is not None:
+        raise UsageError(f"{redact(leaked)!r} holds credentials, which every user of this machine can read on a "
+                         f"command line; give the keys in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or the whole "
+                         f"checkpoint URL in the launcher's env var {cfg.ENV_CHECKPOINT_DIR}")
     trainer_args: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
@@ -187,6 +211,10 @@ def parse_run_config(argv: list[str]) -> RunConfig:
                              "give a path to a .py file, or nothing for the built-in trainer")
         program = ["-u", args.training_script, *args.training_script_args, *trainer_args]
     rdzv_conf = dict(args.rdzv_conf)
+    if rdzv_conf.get("password"):
+        raise UsageError("--rdzv-conf password=... would put the etcd password on the command line, which every "
+                         "user of this machine can read; give password_file=PATH (a file only you can read) or "
+                         "set ELASTIC_TRAINER_RDZV_PASSWORD instead")
     recovery = args.recovery or rdzv_conf.get("recovery")
     builtin = args.training_script is None
     live_ok = builtin and args.rdzv_backend == "etcd-v3" and not {"--fsdp", "--scale-lr"} & set(trainer_args)
@@ -200,8 +228,10 @@ def parse_run_config(argv: list[str]) -> RunConfig:
         run = RunConfig(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=args.nproc_per_node,
                         rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend,
                         rdzv_conf=rdzv_conf, run_id=args.run_id, max_restarts=args.max_restarts,
-                        monitor_interval=args.monitor_interval, checkpoint_dir=args.checkpoint_dir,
-                        log_dir=args.log_dir, local_addr=args.local_addr, program=program)
+                        monitor_interval=args.monitor_interval,
+                        # The launcher's env var: where a URL with keys may come from (never a command line).
+                        checkpoint_dir=args.checkpoint_dir or os.environ.get(cfg.ENV_CHECKPOINT_DIR) or None,
+                        log_dir=args.log_dir, local_addr=args.local_addr, umask=args.umask, program=program)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     if program[:2] == BUILTIN_TRAINER:
@@ -275,6 +305,37 @@ def check_environment(run: RunConfig) -> None:
         raise UsageError(f"--checkpoint-dir: {exc}") from exc
 
 
+def hand_over_storage_keys(url: str, secrets_dir: str) -> tuple[str, dict[str, str]]:
+    """What the workers get for S3 keys: the checkpoint URL without ``KEY:SECRET@``, and the keys
+    (from the URL, else ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``) in a
+    0600 AWS credentials file named by ``AWS_SHARED_CREDENTIALS_FILE``, never in their environment
+    (from where they would reach every DataLoader worker and subprocess). Returns the URL for them
+    and the variables it took out of ``os.environ`` (to put back when the run ends)."""
+    from elastic_trainer.checkpoint.storage import split_credentials
+
+    if not url.startswith(("s3://", "s3a://")):
+        return url, {}
+    clean, keys = split_credentials(url)
+    names = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SHARED_CREDENTIALS_FILE")
+    taken = {name: os.environ[name] for name in names if name in os.environ}
+    from_env = [os.environ.pop(name, None) for name in names[:3]]
+    if keys is None and from_env[0] and from_env[1]:
+        keys = (from_env[0], from_env[1])
+    if keys is None:
+        os.environ.update(taken)  # keys from a credentials file or an instance role: nothing to move
+        return clean, {}
+    lines = [f"[{os.environ.get('AWS_PROFILE', 'default')}]", f"aws_access_key_id = {keys[0]}",
+             f"aws_secret_access_key = {keys[1]}"]
+    if from_env[2] and keys == (from_env[0], from_env[1]):
+        lines.append(f"aws_session_token = {from_env[2]}")
+    path = os.path.join(secrets_dir, "aws-credentials")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.environ["AWS_SHARED_CREDENTIALS_FILE"] = path
+    return clean, taken
+
+
 def _launch(run: RunConfig) -> int:
     """Start the embedded etcd if needed, run torchrun's agent, stop etcd. Return an exit status."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -284,7 +345,7 @@ def _launch(run: RunConfig) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from elastic_trainer import status
-    from elastic_trainer.etcd_server import EtcdError, EtcdServer
+    from elastic_trainer.etcd_server import ROOT_USER, EtcdError, EtcdServer, enable_auth, run_password
 
     log_dir = Path(run.log_dir).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -292,16 +353,25 @@ def _launch(run: RunConfig) -> int:
     endpoint = run.rdzv_endpoint
     if run.embedded_etcd:
         server = EtcdServer(data_dir=log_dir / "etcd", log_path=log_dir / "etcd.log")
+        password_file = log_dir / "etcd-password"
         try:
             server.start()
+            # Authentication on: any other user of this machine reaches the loopback port too, and
+            # could otherwise register a node or rewrite the run's state. The password is in a
+            # 0600 file, so the join command below works for this user only.
+            enable_auth(server.endpoint, run_password(password_file))
         except EtcdError as exc:
+            server.stop()
             raise UsageError(str(exc)) from exc
         endpoint = server.endpoint
         endpoint_file = log_dir / status.ENDPOINT_FILE  # where `elastic-train status` finds it
         endpoint_file.write_text(endpoint + "\n")
+        auth = f"user={ROOT_USER},password_file={password_file}"
+        run.rdzv_conf.update(user=ROOT_USER, password_file=str(password_file))
         print(f"elastic-train: embedded etcd at {endpoint} (run {run.run_id}); join from another "
               f"terminal with: elastic-train --nnodes {run.min_nodes}:{run.max_nodes} "
-              f"--nproc-per-node {run.nproc_per_node} --run-id {run.run_id} --rdzv-endpoint {endpoint}",
+              f"--nproc-per-node {run.nproc_per_node} --run-id {run.run_id} --rdzv-endpoint {endpoint} "
+              f"--rdzv-conf {auth}",
               file=sys.stderr, flush=True)
     elif endpoint is None:
         endpoint = "127.0.0.1:29400"  # torch's c10d default, for side-by-side runs
@@ -312,8 +382,10 @@ def _launch(run: RunConfig) -> int:
         threads = cpus.threads_per_worker(run.nproc_per_node)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         logger.info("OMP_NUM_THREADS=%d for each of %d worker(s) (set it to override)", threads, run.nproc_per_node)
+    secrets_dir = tempfile.mkdtemp(prefix="elastic-trainer-secrets-")  # 0700; removed when the run ends
+    workers_url, taken_keys = hand_over_storage_keys(run.checkpoint_dir or "", secrets_dir)
     os.environ.update({cfg.ENV_RDZV_ENDPOINT: endpoint, cfg.ENV_RUN_ID: run.run_id,
-                       cfg.ENV_CHECKPOINT_DIR: run.checkpoint_dir or "", cfg.ENV_LOG_DIR: str(log_dir)})
+                       cfg.ENV_CHECKPOINT_DIR: workers_url, cfg.ENV_LOG_DIR: str(log_dir)})
     config = LaunchConfig(
         min_nodes=run.min_nodes, max_nodes=run.max_nodes, nproc_per_node=run.nproc_per_node,
         run_id=run.run_id, rdzv_backend=run.rdzv_backend, rdzv_endpoint=endpoint,
@@ -344,24 +416,85 @@ def _launch(run: RunConfig) -> int:
         if server is not None:
             (log_dir / status.ENDPOINT_FILE).unlink(missing_ok=True)
             server.stop()
+        shutil.rmtree(secrets_dir, ignore_errors=True)
+        if taken_keys:  # for callers that run main() in-process
+            os.environ.pop("AWS_SHARED_CREDENTIALS_FILE", None)
+            os.environ.update(taken_keys)
+
+
+def _etcd_certs_main(argv: list[str]) -> int:
+    from elastic_trainer.etcd_tls import make_certs
+
+    p = _Parser(prog="elastic-train etcd certs",
+                description="Create a CA, etcd's server certificate and the nodes' client certificates, and print "
+                            "the flags the etcd server and each node then need.")
+    p.add_argument("--out", required=True, help="folder to write the PEM files to (created 0700; keys 0600)")
+    p.add_argument("--host", action="append", required=True,
+                   help="an address or DNS name the nodes reach etcd at (repeat for several)")
+    p.add_argument("--client", action="append", default=None,
+                   help="a client certificate to make, by file name (repeat for several; default: client)")
+    p.add_argument("--user", default="root", help="the etcd user the client certificates act as when etcd's "
+                                                  "authentication is on (their common name; default root)")
+    p.add_argument("--days", type=_positive_int("--days"), default=365, help="validity (default 365)")
+    args = p.parse_args(argv)
+    try:
+        files = make_certs(Path(args.out).resolve(), args.host, args.client or ["client"], args.user, args.days)
+    except (ValueError, OSError) as exc:
+        raise UsageError(str(exc)) from exc
+    print(f"elastic-train: wrote a CA, a server certificate for {', '.join(args.host)} and client "
+          f"certificate(s) {', '.join(args.client or ['client'])} to {files.folder}.\n"
+          f"Keep ca-key.pem off the nodes; give each node ca.pem and its own certificate and key.\n"
+          f"etcd server: elastic-train etcd --host 0.0.0.0 --tls-dir {files.folder}\n"
+          + "".join(f"node ({c}): elastic-train --rdzv-endpoint {args.host[0]}:2379 --rdzv-conf {files.rdzv_conf(c)}\n"
+                    for c in args.client or ["client"]), end="", flush=True)
+    return 0
 
 
 def _etcd_main(argv: list[str]) -> int:
-    from elastic_trainer.etcd_server import EtcdError, EtcdServer
+    from elastic_trainer.etcd_server import ROOT_USER, EtcdError, EtcdServer, enable_auth
+    from elastic_trainer.etcd_tls import TlsFiles
+    from elastic_trainer.rendezvous.options import is_loopback, read_password_file
 
-    p = _Parser(prog="elastic-train etcd", description="Run a standalone etcd that several nodes share.")
+    if argv[:1] == ["certs"]:
+        return _etcd_certs_main(argv[1:])
+    p = _Parser(prog="elastic-train etcd", description="Run a standalone etcd that several nodes share "
+                "(`elastic-train etcd certs --help` makes its TLS certificates).")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=2379, help="client port (default 2379)")
     p.add_argument("--data-dir", default="etcd-data", help="where etcd keeps its data (default ./etcd-data)")
+    p.add_argument("--tls-dir", default=None, help="serve TLS with the certificates in this folder (made by "
+                   "`elastic-train etcd certs`) and accept only clients with a certificate from its CA")
+    p.add_argument("--password-file", default=None, help="also turn on etcd's user authentication, with user "
+                   "root and the password in this file (mode 0600)")
+    p.add_argument("--insecure", action="store_true", help="allow plain http on an address other than loopback: "
+                   "anyone who reaches the port could join or close a run")
     args = p.parse_args(argv)
+    tls = TlsFiles(Path(args.tls_dir).resolve()) if args.tls_dir else None
+    if tls is None and not is_loopback(args.host) and not args.insecure:
+        raise UsageError(f"--host {args.host} without --tls-dir would let anyone who reaches port {args.port} join "
+                         "or close a run; make certificates with `elastic-train etcd certs` and give --tls-dir, "
+                         "or add --insecure on a network you trust")
+    try:
+        if tls is not None:
+            tls.check()
+        password = read_password_file(args.password_file) if args.password_file else None
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("the rendezvous option password_file", "--password-file")) from exc
     server = EtcdServer(data_dir=Path(args.data_dir).resolve(), host=args.host, port=args.port,
-                        log_path=Path(args.data_dir).resolve().with_suffix(".log"))
+                        log_path=Path(args.data_dir).resolve().with_suffix(".log"),
+                        extra_args=tls.server_flags() if tls else None)
     try:
         server.start()
+        if password is not None:
+            enable_auth(server.endpoint, password, tls=tls)
     except EtcdError as exc:
+        server.stop()
         raise UsageError(str(exc)) from exc
-    print(f"elastic-train: etcd serving at {server.endpoint}; use --rdzv-endpoint {server.endpoint}. "
-          "Ctrl-C stops it.", flush=True)
+    conf = tls.rdzv_conf("client") if tls else ""
+    if password is not None:
+        conf += ("," if conf else "") + f"user={ROOT_USER},password_file=PATH"
+    print(f"elastic-train: etcd serving at {server.scheme}://{server.endpoint}; use --rdzv-endpoint {server.endpoint}"
+          + (f" --rdzv-conf {conf}" if conf else "") + ". Ctrl-C stops it.", flush=True)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     try:
@@ -392,8 +525,14 @@ def main(argv: list[str] | None = None) -> int:
             from elastic_trainer.drill import command as drill
             return drill.main(argv[1:])
         run = parse_run_config(argv)
-        check_environment(run)
-        return _launch(run)
+        # Before anything is created (the checkpoint dir's probe, the log dir, etcd's data); the
+        # agent and its workers inherit it. Restored after, for callers that run main() in-process.
+        old_umask = os.umask(run.umask)
+        try:
+            check_environment(run)
+            return _launch(run)
+        finally:
+            os.umask(old_umask)
     except UsageError as exc:
         print(f"elastic-train: error: {exc}", file=sys.stderr)
         return USAGE_ERROR

@@ -78,6 +78,10 @@ class RunConfig:
     ``runs/<run id>`` when None (the launcher's default, defined here only)."""
     local_addr: str | None = None
     """The address other nodes reach this one at; looked up from the host name when None."""
+    umask: int = 0o077
+    """The file-mode mask of the launcher, its agent and workers (``--umask``): 077 makes every
+    folder and file the run creates (checkpoints, logs, the embedded etcd's data) private to its
+    user; 027 lets the group read them, 022 everyone (torchrun's behaviour)."""
     program: list[str] = field(default_factory=list)
     """The worker command after the interpreter: ``[script, args...]`` or ``["-m", module, args...]``."""
 
@@ -92,6 +96,8 @@ class RunConfig:
                              f"({self.min_nodes}); raise --max-nodes or lower --min-nodes")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
+        if not 0 <= self.umask <= 0o777:
+            raise ValueError(f"--umask must be an octal mask from 000 to 777, got {self.umask:o}")
         if not self.monitor_interval > 0:
             raise ValueError(f"--monitor-interval must be a positive number of seconds, got {self.monitor_interval}")
         if not _RUN_ID_RE.match(self.run_id):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -27,12 +28,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from elastic_trainer.etcd_tls import TlsFiles
     from elastic_trainer.rendezvous.etcd_client import EtcdOptions
 
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "install it with `apt-get install -y etcd-server etcd-client` (Debian/Ubuntu) or put an etcd 3.4+ binary on PATH"
 _PR_SET_PDEATHSIG = 1
+ROOT_USER = "root"  # etcd's auth needs its root user; the embedded etcd's nodes use it
 
 
 class EtcdError(RuntimeError):
@@ -107,6 +110,76 @@ def probe_endpoint(endpoints: str, timeout: float = 3.0, options: EtcdOptions | 
                     f"the TLS options ({tls}) and user/password in --rdzv-conf")
 
 
+def run_password(path: str | Path) -> str:
+    """The embedded etcd's root password in ``path``: read it, or generate one into a new 0600 file.
+
+    The file outlives the run on purpose: the embedded etcd keeps its data (auth included) in the
+    log dir, and a run started again in that log dir must reach it with the same password."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        from elastic_trainer.rendezvous.options import read_password_file
+        try:
+            return read_password_file(str(path))
+        except ValueError as exc:
+            raise EtcdError(f"{exc} (the embedded etcd's password)") from exc
+    password = secrets.token_urlsafe(24)
+    with os.fdopen(fd, "w") as f:
+        f.write(password + "\n")
+    return password
+
+
+def enable_auth(endpoint: str, password: str, timeout: float = 10.0, tls: TlsFiles | None = None) -> None:
+    """Turn etcd's authentication on, with user ``root`` and ``password`` (etcd's ``user add root``,
+    ``auth enable``). Nothing to do when it is on already and ``password`` works; ``EtcdError`` when
+    it is on with another password. ``tls``: the server's TLS folder (its server certificate, which
+    may act as a client too, reaches it on this machine)."""
+    import etcd3
+    import grpc
+    from etcd3 import etcdrpc
+
+    host, port = parse_endpoints(endpoint)[0]
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"  # listening everywhere: loopback among the rest
+    if tls is None:
+        client = etcd3.client(host, port, timeout=timeout)
+    else:
+        client = etcd3.client(host, port, timeout=timeout, ca_cert=str(tls.cert("ca")),
+                              cert_key=str(tls.key("server")), cert_cert=str(tls.cert("server")))
+    stub = client.authstub
+
+    def ignore(fn, request, detail: str) -> None:
+        try:
+            fn(request, timeout)
+        except grpc.RpcError as exc:
+            if detail not in (exc.details() or ""):
+                raise
+
+    try:
+        try:
+            stub.Authenticate(etcdrpc.AuthenticateRequest(name=ROOT_USER, password=password), timeout)
+            return  # on already, with this password
+        except grpc.RpcError as exc:
+            if "not enabled" not in (exc.details() or ""):
+                raise EtcdError(f"the etcd at {endpoint} has authentication on and refuses the password in "
+                                f"its password file ({exc.details()}); remove its data dir to start it over") from exc
+        try:
+            stub.UserAdd(etcdrpc.AuthUserAddRequest(name=ROOT_USER, password=password), timeout)
+        except grpc.RpcError as exc:
+            if "already exists" not in (exc.details() or ""):
+                raise
+            stub.UserChangePassword(etcdrpc.AuthUserChangePasswordRequest(name=ROOT_USER, password=password),
+                                    timeout)
+        ignore(stub.RoleAdd, etcdrpc.AuthRoleAddRequest(name=ROOT_USER), "already exists")
+        stub.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user=ROOT_USER, role=ROOT_USER), timeout)
+        stub.AuthEnable(etcdrpc.AuthEnableRequest(), timeout)
+    except grpc.RpcError as exc:
+        raise EtcdError(f"could not turn on authentication in the etcd at {endpoint}: {exc.details()}") from exc
+    finally:
+        client.close()
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -145,6 +218,7 @@ class EtcdServer:
         """Start etcd and wait until it serves; raise ``EtcdError`` if it does not."""
         binary = find_etcd_binary()
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.chmod(0o700)  # etcd's own advice: its data (users, the run's state) is private
         client_url = f"{self.scheme}://{self.host}:{self.port}"
         peer_url = f"http://127.0.0.1:{self.peer_port}"
         cmd = [binary, "--name", "elastic-trainer", "--data-dir", str(self.data_dir),

@@ -22,6 +22,7 @@ BAD_INPUTS = {
     "nnodes_and_min": (["--nnodes", "1:2", "--min-nodes", "1"], "not both"),
     "bad_run_id": (["--run-id", "a b"], "--run-id"),
     "bad_rdzv_conf": (["--rdzv-conf", "novalue"], "key=value"),
+    "umask_not_octal": (["--umask", "089"], "--umask takes an octal mask"),
     # the built-in trainer's flags after `--` are checked by the launcher, with the trainer's parser
     "trainer_batch_zero": (["--", "--global-batch-size", "0"],
                            "trainer: --global-batch-size must be a positive number"),
@@ -114,6 +115,11 @@ def test_missing_etcd_binary_says_how_to_install(tmp_path):
     proc, _ = _run_cli(["--checkpoint-dir", str(tmp_path)], env={"ELASTIC_TRAINER_ETCD_BINARY": "/nonexistent/etcd",
                                                                  "PATH": "/nonexistent"})
     assert proc.returncode == 2 and "apt-get install" in proc.stderr
+
+
+def test_umask_is_private_by_default_and_can_be_opened_up():
+    assert cli.parse_run_config([]).umask == 0o077
+    assert cli.parse_run_config(["--umask", "027"]).umask == 0o027
 
 
 def test_nnodes_sets_min_and_max():

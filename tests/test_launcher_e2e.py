@@ -86,3 +86,31 @@ def test_killed_launcher_takes_its_workers_and_etcd_along(tmp_path, procs):
     cli.wait(timeout=30)
     wait_until(lambda: not any(alive(p) for p in started), 15, "the workers and etcd to exit",
                details=lambda: f"still running: {[p for p in started if alive(p)]}")
+
+
+@pytest.mark.timeout(300)
+def test_two_nodes_behind_a_slow_etcd_train_to_the_end_without_restarting(etcd, tmp_path, procs, run_id):
+    """Every etcd request 0.5 s late (etcd healthy). Before, each node fenced itself every ~12 s
+    ('lease has not been renewed for 2.1s') and restarted its workers: 25 times each in 5 minutes,
+    and the run never finished."""
+    from tests.helpers.slow_proxy import SlowProxy
+
+    log_dir = tmp_path / "logs"
+    with SlowProxy("127.0.0.1", etcd.port, delay=0.5) as proxy:
+        outs = [tmp_path / f"node{i}.out" for i in range(2)]
+        nodes = []
+        for out in outs:
+            with open(out, "w") as f:
+                nodes.append(procs.start(cli_cmd(
+                    "--nnodes", "2", "--rdzv-endpoint", proxy.endpoint, "--run-id", run_id, "--recovery", "restart",
+                    "--log-dir", str(log_dir), "--checkpoint-dir", str(tmp_path / "ck"),
+                    "--rdzv-conf", "connect_timeout=10", "--", *TINY, "--no-progress", "--max-steps", "30",
+                    "--sleep-per-step", "0.2", "--checkpoint-every", "10"), stdout=f, stderr=subprocess.STDOUT))
+        for node, out in zip(nodes, outs):
+            assert node.wait(timeout=240) == 0, out.read_text()[-3000:]
+    for out in outs:
+        assert "stopping its workers" not in out.read_text()
+    steps = records.read_steps(log_dir)
+    assert {s.world_size for s in steps} == {2} and {s.restart for s in steps} == {0}
+    for rank in (0, 1):  # one world: every step once per rank, none redone
+        assert sorted(s.step for s in steps if s.rank == rank) == list(range(1, 31))

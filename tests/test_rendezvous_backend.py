@@ -475,7 +475,9 @@ def test_node_that_lost_its_lease_must_leave_before_it_rejoins(etcd, run_id, con
         # etcd expires the lease behind the node's back (as after a long pause).
         conn.client.revoke_lease(a._lease._lease_id)
         wait_until(lambda: a.num_nodes_waiting() > 0, 10, "the node to notice its lease expired", interval=0.1)
-        assert a._revoked == "its etcd lease expired"
+        # Seen by the renewal (etcd no longer knows the lease) or, first, by the watchdog, which
+        # renews on its own thread now (this node's alive key is gone with the lease).
+        assert a._revoked in ("its etcd lease expired", f"participant(s) {a.node_name} of round 0 lost their etcd lease")
         with pytest.raises(FencedError):
             fence.check()
         info = a.next_rendezvous()  # the agent stopped its workers; a new lease, a new round
@@ -554,6 +556,37 @@ def test_a_finished_run_can_be_started_again_with_the_same_run_id(etcd, run_id):
         again.shutdown()
 
 
+@pytest.mark.timeout(90)
+def test_a_finished_run_id_reused_by_several_nodes_at_once_starts_the_run(etcd, run_id):
+    """What a re-created Kubernetes Job does: every pod starts at the same moment with the finished
+    run's id. Each saw the others alive and left the closed state alone, so every node failed."""
+    create = handler_creator()
+    first = create(_params(etcd, run_id, 1, 1))
+    assert first.next_rendezvous().world_size == 1
+    first.shutdown()  # the job ended: the rendezvous is closed
+    nodes = [create(_params(etcd, run_id, 3, 3)) for _ in range(3)]
+    for node in nodes:
+        node._lease.ensure()  # every pod is alive before any reads the state: the worst case
+    results: list = []
+
+    def join(node):
+        try:
+            results.append(node.next_rendezvous().world_size)
+        except BaseException as exc:  # noqa: BLE001 - the test reports which
+            results.append(exc)
+
+    threads = [threading.Thread(target=join, args=(n,), daemon=True) for n in nodes]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert results == [3, 3, 3], results
+    finally:
+        for node in nodes:
+            node.shutdown()
+
+
 def test_a_closed_run_with_a_live_node_stays_closed(etcd, run_id):
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
@@ -599,3 +632,25 @@ def test_a_spare_node_beyond_max_nodes_is_told_the_run_is_closed_when_it_finishe
     finally:
         a.shutdown()
         spare.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_node_behind_a_slow_etcd_keeps_its_round(etcd, run_id, caplog):
+    """Every etcd request 0.5 s late (etcd healthy): the lease stays renewed in time and the node
+    never fences itself; the watchdog's reads no longer delay the renewals."""
+    from tests.helpers.slow_proxy import SlowProxy
+
+    with SlowProxy("127.0.0.1", etcd.port, delay=0.5) as proxy:
+        node = handler_creator()(RendezvousParameters("etcd-v3", proxy.endpoint, run_id, 1, 1,
+                                                      local_addr="127.0.0.1", connect_timeout="10"))
+        try:
+            with caplog.at_level(logging.WARNING, logger="elastic_trainer.rendezvous"):
+                assert node.next_rendezvous().world_size == 1
+                deadline = time.monotonic() + 12
+                while time.monotonic() < deadline:  # torch's agent asks every monitor interval
+                    assert node.num_nodes_waiting() == 0, caplog.text
+                    time.sleep(0.1)
+            assert "stopping its workers" not in caplog.text
+        finally:
+            node.shutdown()

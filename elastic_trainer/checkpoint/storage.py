@@ -71,21 +71,43 @@ the hash reads each piece from memory and the write finds it still in the CPU ca
 the writeback of a large write starts while it is still being written."""
 
 
+def split_credentials(url: str) -> tuple[str, tuple[str, str] | None]:
+    """``s3://KEY:SECRET@bucket/prefix`` -> (``s3://bucket/prefix``, (KEY, SECRET)); other URLs as they are.
+
+    Only S3 URLs: fsspec would otherwise take ``KEY:SECRET@bucket`` for the bucket's name."""
+    match = re.match(r"^(s3a?://)([^/@\s:]+):([^/@\s]+)@(.*)$", url)
+    if not match:
+        return url, None
+    scheme, key, secret, rest = match.groups()
+    return scheme + rest, (key, secret)
+
+
 def storage_options(url: str) -> dict:
-    """Options for ``url``'s filesystem, from the environment (secrets stay out of logs)."""
+    """Options for ``url``'s filesystem, from the environment (secrets stay out of logs), and the
+    key and secret of an ``s3://KEY:SECRET@bucket`` URL."""
     protocol = url.split("://", 1)[0] if "://" in url else "file"
+    options: dict = {}
     if protocol in ("s3", "s3a"):
         endpoint = os.environ.get("ELASTIC_TRAINER_S3_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL")
-        return {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
-    return {}
+        if endpoint:
+            options["client_kwargs"] = {"endpoint_url": endpoint}
+        credentials = split_credentials(url)[1]
+        if credentials is not None:
+            options["key"], options["secret"] = credentials
+    return options
 
 
 def get_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """Return ``(filesystem, path)`` for ``url``; ``StorageError`` for an unknown protocol."""
     try:
-        return url_to_fs(url, **storage_options(url))
+        return url_to_fs(split_credentials(url)[0], **storage_options(url))
     except (ValueError, ImportError) as exc:
         raise StorageError(f"cannot open {redact(url)!r}: {exc}") from exc
+
+
+def has_credentials(text: str) -> bool:
+    """Whether ``text`` holds a URL with ``user:secret@`` in it."""
+    return re.search(r"://[^/@\s:]+:[^/@\s]+@", str(text)) is not None
 
 
 def redact(text: str) -> str:

@@ -17,13 +17,14 @@ refuses to use it at all; we build its endpoints with a 1 s retry time instead.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import queue
 import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import etcd3
@@ -39,8 +40,11 @@ T = TypeVar("T")
 _TRANSIENT = (etcd3.exceptions.ConnectionFailedError, etcd3.exceptions.ConnectionTimeoutError,
               etcd3.exceptions.NoServerAvailableError)
 _TRANSIENT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
-# Reconnect within a second once etcd is back (gRPC's default backoff grows to 120 s).
-_GRPC_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+# Reconnect within a second once etcd is back (gRPC's default backoff grows to 120 s). gRPC also
+# takes min_reconnect_backoff as the deadline of one connection attempt (until etcd's HTTP/2
+# SETTINGS frame arrives): at 100 ms an etcd 0.5 s away was never reached at all; a refused
+# connection still fails at once, so the pace of reconnects is unchanged.
+_GRPC_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 5000),
                  ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
@@ -51,7 +55,7 @@ class EtcdOptions:
     endpoints: tuple[tuple[str, int], ...]
     protocol: str = "http"
     user: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)  # never in a repr, a log line or a traceback
     ca_cert: str | None = None
     cert: str | None = None
     key: str | None = None
@@ -62,6 +66,30 @@ class EtcdOptions:
     @property
     def endpoint_text(self) -> str:
         return ",".join(f"{h}:{p}" for h, p in self.endpoints)
+
+
+def export_options(options: EtcdOptions, password_file: str | None) -> str:
+    """How a worker reaches etcd, as JSON for its environment: everything but the password, which
+    stays in ``password_file`` (a 0600 file), so that it is in no process's environment."""
+    o = options
+    if o.password and not password_file:
+        raise ValueError("the etcd password must travel to workers in a file, not in their environment")
+    return json.dumps({"endpoints": o.endpoint_text, "protocol": o.protocol, "user": o.user,
+                       "password_file": password_file if o.password else None,
+                       "ca_cert": o.ca_cert, "cert": o.cert, "key": o.key})
+
+
+def options_from_export(text: str, retry_timeout: float = 15.0, endpoints: str | None = None) -> EtcdOptions:
+    """The ``EtcdOptions`` a worker got from ``export_options`` (the password read from its file)."""
+    conn = json.loads(text or "{}")
+    password = None
+    if conn.get("password_file"):
+        with open(conn["password_file"]) as f:
+            password = f.read().rstrip("\r\n")
+    return EtcdOptions(endpoints=parse_endpoints(endpoints or conn.get("endpoints") or ""),
+                       protocol=conn.get("protocol") or "http", user=conn.get("user"), password=password,
+                       ca_cert=conn.get("ca_cert"), cert=conn.get("cert"), key=conn.get("key"),
+                       retry_timeout=retry_timeout)
 
 
 def parse_endpoints(text: str) -> tuple[tuple[str, int], ...]:

@@ -73,17 +73,18 @@ class RoundFence:
         endpoints: etcd ``host:port[,host:port]``.
         node: the node's name in the rendezvous (``<addr>_<pid>_<local_id>``); when given,
             the node must still be a participant with a live lease.
-        conn_options: protocol, user, password, ca_cert, cert, key (as the handler had them).
+        conn_export: how to reach etcd, as the handler exported it (``etcd_client.export_options``:
+            TLS files, user, and the path of the 0600 file that holds the password).
         retry_timeout: seconds to keep trying an unreachable etcd before fencing.
     """
 
     def __init__(self, round: int, prefix: str, endpoints: str, node: str | None = None,
-                 conn_options: dict | None = None, retry_timeout: float = 15.0) -> None:
+                 conn_export: str | None = None, retry_timeout: float = 15.0) -> None:
         self.round = round
         self.prefix = prefix if prefix.endswith("/") else prefix + "/"
         self.endpoints = endpoints
         self.node = node
-        self._conn_options = dict(conn_options or {})
+        self._conn_export = conn_export or "{}"
         self._retry_timeout = retry_timeout
         self._conn = None
         self._backend = None
@@ -92,12 +93,11 @@ class RoundFence:
     def from_env(cls) -> RoundFence | None:
         """The fence of this worker, or None when not started under the etcd-v3 rendezvous."""
         round_, prefix = os.environ.get(ENV_RDZV_ROUND), os.environ.get(ENV_RDZV_PREFIX)
-        conn = json.loads(os.environ.get(ENV_RDZV_CONN) or "{}")
-        endpoints = os.environ.get(ENV_RDZV_ENDPOINT) or conn.get("endpoints")
+        conn = os.environ.get(ENV_RDZV_CONN) or "{}"
+        endpoints = os.environ.get(ENV_RDZV_ENDPOINT) or json.loads(conn).get("endpoints")
         if not round_ or not prefix or not endpoints:
             return None
-        return cls(int(round_), prefix, endpoints, os.environ.get(ENV_RDZV_NODE) or None,
-                   {k: v for k, v in conn.items() if k != "endpoints"})
+        return cls(int(round_), prefix, endpoints, os.environ.get(ENV_RDZV_NODE) or None, conn_export=conn)
 
     @property
     def token(self) -> str:
@@ -106,13 +106,10 @@ class RoundFence:
 
     def _connect(self):
         if self._backend is None:
-            from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
+            from elastic_trainer.rendezvous.etcd_client import EtcdConnection, options_from_export
             from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
 
-            o = self._conn_options
-            options = EtcdOptions(endpoints=parse_endpoints(self.endpoints), protocol=o.get("protocol") or "http",
-                                  user=o.get("user"), password=o.get("password"), ca_cert=o.get("ca_cert"),
-                                  cert=o.get("cert"), key=o.get("key"), retry_timeout=self._retry_timeout)
+            options = options_from_export(self._conn_export, self._retry_timeout, endpoints=self.endpoints)
             self._conn = EtcdConnection(options)
             run_id = self.prefix.rstrip("/").rsplit("/", 1)[-1]
             root = self.prefix.rstrip("/")[: -len(run_id)].rstrip("/") or "/"

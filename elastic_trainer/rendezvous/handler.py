@@ -42,11 +42,13 @@ It also completes a round as soon as every node with a live lease has joined it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import random
 import sys
+import tempfile
 import time
 from datetime import timedelta
 
@@ -76,11 +78,11 @@ from elastic_trainer.rendezvous.torch_private import (
     generate_node_desc,
 )
 
-from elastic_trainer.rendezvous.etcd_client import EtcdConnection
+from elastic_trainer.rendezvous.etcd_client import EtcdConnection, export_options
 from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
 from elastic_trainer.rendezvous.etcd_store import EtcdStore
 from elastic_trainer.rendezvous.lease import LeaseKeeper
-from elastic_trainer.rendezvous.options import RendezvousOptions
+from elastic_trainer.rendezvous.options import RendezvousOptions, launcher_password
 from elastic_trainer.rendezvous.state import (
     EtcdRendezvousStateHolder,
     decode_state,
@@ -366,6 +368,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._waiting = 0
         self._alive_count = 0  # live nodes at the watchdog's last look
         self._live_rounds = 0  # worker groups started in live mode
+        # The path of the 0600 file that hands the etcd password to workers (never their environment).
+        self._password_file: str | None = options.password_file
+        self._own_password_file = False
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING, rank: int | None = None) -> None:
         _record(self, self._this_node, message, node_state, rank)
@@ -448,9 +453,13 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
         torch closes the rendezvous when a job ends; its c10d store vanishes with the job,
         but etcd keeps the closed state, so running the same run id again (the embedded etcd
-        keeps its data in the log dir) would fail at once. A closed state with no live node
-        but this one belongs to a finished job: replace it (compare-and-swap) by a fresh one
-        whose round numbers continue, so that round fences stay unique.
+        keeps its data in the log dir) would fail at once. A closed state none of whose nodes
+        is alive belongs to a finished job: replace it (compare-and-swap) by a fresh one whose
+        round numbers continue, so that round fences stay unique. Other live nodes that are not
+        in it are newcomers like this one (a re-created Kubernetes Job starts every pod at once;
+        each used to see the others alive and leave the state closed, and every node failed);
+        one of them wins the swap. A live node of the closed state (the job is ending, or a
+        late joiner while it still runs) keeps it closed.
         """
         backend = self._etcd_backend
         summary = decode_summary(backend.poll_summary()[0])
@@ -465,8 +474,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         old = decode_state(data)
         if not old.closed:
             return
-        others = backend.read()[2] - {self.node_name}
-        if others:
+        members = {node_name(n) for n in (*old.participants, *old.wait_list, *old.redundancy_list)}
+        if members & backend.read()[2]:
             return
         fresh = RendezvousState()
         fresh.round = old.round + 1
@@ -503,6 +512,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             return super().shutdown()
         finally:
             self._lease.close(revoke=True)
+            if self._own_password_file and self._password_file:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._password_file)
 
     def _start_heartbeats(self) -> None:  # liveness is the lease (LeaseKeeper)
         pass
@@ -561,9 +573,18 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         os.environ[ENV_RDZV_PREFIX] = self._etcd_backend.prefix
         os.environ[ENV_RDZV_NODE] = self.node_name
         os.environ.setdefault(ENV_RDZV_ENDPOINT, o.endpoint_text)
-        os.environ[ENV_RDZV_CONN] = json.dumps({
-            "endpoints": o.endpoint_text, "protocol": o.protocol, "user": o.user, "password": o.password,
-            "ca_cert": o.ca_cert, "cert": o.cert, "key": o.key})
+        os.environ[ENV_RDZV_CONN] = export_options(o, self._worker_password_file())
+
+    def _worker_password_file(self) -> str | None:
+        """The 0600 file through which workers get the etcd password: the ``password_file`` the
+        node was given, or (a password from the launcher's environment or from ``password=``) a
+        private temporary file, removed at shutdown."""
+        if self._password_file is None and self._options.etcd.password:
+            fd, path = tempfile.mkstemp(prefix="elastic-trainer-rdzv-")  # mode 0600
+            with os.fdopen(fd, "w") as f:
+                f.write(self._options.etcd.password)
+            self._password_file, self._own_password_file = path, True
+        return self._password_file
 
 
 def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
@@ -576,6 +597,8 @@ def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
             log.addHandler(h)
         log.setLevel(os.environ["ELASTIC_TRAINER_RDZV_LOG"].upper())
     options = RendezvousOptions(params)
+    # Also without a user: the launcher's password env var must not reach the workers.
+    launcher_password()
     conn = EtcdConnection(options.etcd)
     backend = EtcdRendezvousBackend(conn, params.run_id, options.key_prefix)
     store = EtcdStore(conn, backend.prefix + "store/")

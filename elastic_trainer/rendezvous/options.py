@@ -6,9 +6,31 @@ Each option is documented in one table in docs/rendezvous.md; a bad or unknown o
 
 from __future__ import annotations
 
+import ipaddress
+import os
+
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
 from elastic_trainer.rendezvous.etcd_client import EtcdOptions, parse_endpoints
+
+# The etcd password as an environment variable of the launcher (never of the workers: it is
+# removed from the environment when first read, before any worker starts; see launcher_password).
+ENV_RDZV_PASSWORD = "ELASTIC_TRAINER_RDZV_PASSWORD"
+_launcher_password: str | None = None
+
+
+def launcher_password() -> str | None:
+    """The etcd password from the launcher's ``ELASTIC_TRAINER_RDZV_PASSWORD``.
+
+    The variable is removed from the environment at the first read: torch's agent copies its
+    environment into every worker, and from there it would reach every DataLoader worker and
+    subprocess. The value is kept for later reads in this process (a second handler)."""
+    global _launcher_password
+    value = os.environ.pop(ENV_RDZV_PASSWORD, None)
+    if value:
+        _launcher_password = value
+    return _launcher_password
+
 
 # Options torch's launcher adds by itself; accepted and ignored.
 _TORCH_ADDED = {"timeout", "is_host", "rank", "store_type"}
@@ -25,6 +47,36 @@ def _seconds(params: RendezvousParameters, key: str, default: float) -> float:
     return seconds
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address, never resolved) is this machine's loopback."""
+    if host.lower() in ("localhost", "localhost.localdomain") or host.lower().endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost: another machine, as far as we know
+
+
+def read_password_file(path: str) -> str:
+    """The etcd password in ``path`` (one line; a trailing newline is dropped).
+
+    Raises ``ValueError`` naming the option when the file cannot be read, is empty, or can be read
+    by other users (a password that others can read protects nothing)."""
+    try:
+        mode = os.stat(path).st_mode
+        with open(path) as f:
+            password = f.read().rstrip("\r\n")
+    except OSError as exc:
+        raise ValueError(f"the rendezvous option password_file={path!r} cannot be read "
+                         f"({exc.strerror}); give a file that holds the etcd password") from exc
+    if mode & 0o077:
+        raise ValueError(f"the rendezvous option password_file={path!r} can be read by other users "
+                         f"(mode {mode & 0o777:o}); run `chmod 600 {path}`")
+    if not password:
+        raise ValueError(f"the rendezvous option password_file={path!r} is empty; put the etcd password in it")
+    return password
+
+
 class RendezvousOptions:
     """Every ``--rdzv-conf`` option of the etcd-v3 backend, parsed and checked.
 
@@ -33,6 +85,7 @@ class RendezvousOptions:
 
     DEFAULTS = {
         "key_prefix": "/elastic-trainer", "protocol": "http", "user": None, "password": None,
+        "password_file": None,
         "ca_cert": None, "cert": None, "key": None, "read_timeout": 10.0, "connect_timeout": 4.0,
         "retry_timeout": 60.0, "join_timeout": 600.0, "last_call_timeout": 1.0, "close_timeout": 30.0,
         "heartbeat_timeout": 5.0, "lease_ttl": 3, "keep_alive_interval": 1.0,
@@ -77,14 +130,27 @@ class RendezvousOptions:
         cert, key = params.get("cert"), params.get("key")
         if bool(cert) != bool(key):
             raise ValueError("the rendezvous options cert and key (TLS client certificate) go together")
-        user, password = params.get("user"), params.get("password")
+        user, password, password_file = params.get("user"), params.get("password"), params.get("password_file")
+        if password and password_file:
+            raise ValueError("give the etcd password once: password_file or password, not both")
+        if password_file:
+            password = read_password_file(str(password_file))
+        elif not password and user:
+            password = launcher_password()
         if bool(user) != bool(password):
-            raise ValueError("the rendezvous options user and password go together")
+            raise ValueError(f"the rendezvous options user and password go together (the password from "
+                             f"password_file=PATH or the env var {ENV_RDZV_PASSWORD})")
         ca_cert = params.get("ca_cert")
         if protocol == "https" and not ca_cert:
             raise ValueError("protocol=https needs ca_cert (the CA that signed etcd's certificate)")
+        endpoints = parse_endpoints(params.endpoint)
+        remote = [h for h, _ in endpoints if not is_loopback(h)]
+        if password and protocol == "http" and not ca_cert and remote:
+            raise ValueError(f"user/password over plain http to {remote[0]} would send the etcd password in "
+                             f"clear; use protocol=https with ca_cert (see docs/security.md)")
+        self.password_file = str(password_file) if password_file else None
         self.etcd = EtcdOptions(
-            endpoints=parse_endpoints(params.endpoint), protocol=protocol, user=user or None,
+            endpoints=endpoints, protocol=protocol, user=user or None,
             password=password or None, ca_cert=ca_cert or None, cert=cert or None, key=key or None,
             read_timeout=timeouts["read_timeout"], connect_timeout=timeouts["connect_timeout"],
             retry_timeout=timeouts["retry_timeout"])

@@ -42,6 +42,12 @@ from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
 logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+MAX_INT = 2**63 - 1
+"""The largest round, rank, pid or local id accepted (etcd's and torch's 64-bit integers)."""
+MAX_STATE_BYTES = 4 << 20
+"""The largest state accepted: etcd refuses requests over 1.5 MiB by default; a 1,000-node state is
+about 53 KB."""
+MAX_ADDR_CHARS = 1024
 _KEYS = {"version", "round", "complete", "closed", "deadline", "participants", "wait_list",
          "redundancy_list"}
 
@@ -54,9 +60,12 @@ def node_name(node: NodeDesc) -> str:
 def parse_node_name(name: str) -> NodeDesc | None:
     """``node_name``'s inverse (the address may hold ``_``; pid and local id are integers), or None."""
     parts = name.rsplit("_", 2)
-    if len(parts) != 3 or not parts[0] or not parts[1].isdigit() or not parts[2].isdigit():
+    # isascii: int() refuses some characters that str.isdigit() accepts (superscripts).
+    if len(parts) != 3 or not 0 < len(parts[0]) <= MAX_ADDR_CHARS or \
+            not all(p.isascii() and p.isdigit() and len(p) <= 19 for p in parts[1:]):
         return None
-    return NodeDesc(parts[0], int(parts[1]), int(parts[2]))
+    pid, local_id = int(parts[1]), int(parts[2])
+    return NodeDesc(parts[0], pid, local_id) if pid <= MAX_INT and local_id <= MAX_INT else None
 
 
 def node_json(node: NodeDesc) -> dict:
@@ -70,7 +79,9 @@ def _bad(what: str) -> RendezvousStateError:
 
 def _int(value, what: str) -> int:
     if type(value) is not int:
-        raise _bad(f"{what} must be an integer, got {value!r}")
+        raise _bad(f"{what} must be an integer, got {value!r:.100}")
+    if not 0 <= value <= MAX_INT:
+        raise _bad(f"{what} must be from 0 to 2**63-1, got {value if abs(value) < 10**30 else 'a huge number'}")
     return value
 
 
@@ -83,7 +94,8 @@ _NODES_MAX = 100_000
 def _node(value) -> NodeDesc:
     if type(value) is dict and len(value) == 3:
         addr, pid, local_id = value.get("addr"), value.get("pid"), value.get("local_id")
-        if type(addr) is str and addr and type(pid) is int and type(local_id) is int:
+        if type(addr) is str and 0 < len(addr) <= MAX_ADDR_CHARS and type(pid) is int and 0 <= pid <= MAX_INT \
+                and type(local_id) is int and 0 <= local_id <= MAX_INT:
             key = (addr, pid, local_id)
             node = _NODES.get(key)
             if node is None:
@@ -93,8 +105,8 @@ def _node(value) -> NodeDesc:
             return node
     if not isinstance(value, dict) or set(value) != {"addr", "pid", "local_id"}:
         raise _bad(f"a node must be {{addr, pid, local_id}}, got {value!r:.200}")
-    if not isinstance(value["addr"], str) or not value["addr"]:
-        raise _bad(f"a node addr must be a non-empty string, got {value['addr']!r}")
+    if not isinstance(value["addr"], str) or not 0 < len(value["addr"]) <= MAX_ADDR_CHARS:
+        raise _bad(f"a node addr must be a string of 1 to {MAX_ADDR_CHARS} characters, got {value['addr']!r:.100}")
     _int(value["pid"], "a node pid")
     _int(value["local_id"], "a node local_id")
     raise _bad(f"a node must be {{addr, pid, local_id}}, got {value!r:.200}")
@@ -102,11 +114,11 @@ def _node(value) -> NodeDesc:
 
 def _time(value) -> datetime:
     if not isinstance(value, str):
-        raise _bad(f"a time must be an ISO string, got {value!r}")
+        raise _bad(f"a time must be an ISO string, got {value!r:.100}")
     try:
         t = datetime.fromisoformat(value)
     except ValueError as exc:
-        raise _bad(f"{value!r} is not an ISO time") from exc
+        raise _bad(f"{value!r:.100} is not an ISO time") from exc
     if t.tzinfo is None:
         raise _bad(f"time {value!r} has no time zone")
     return t
@@ -154,23 +166,31 @@ def decode_summary(data: bytes | None) -> tuple[int, ...] | None:
     return numbers if len(numbers) == 5 else None
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def decode_state(data: bytes) -> RendezvousState:
     """JSON bytes -> ``RendezvousState``; anything unexpected raises ``RendezvousStateError``."""
+    if len(data) > MAX_STATE_BYTES:
+        raise _bad(f"{len(data)} bytes, more than the {MAX_STATE_BYTES} a state may have")
     try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _bad(f"not JSON ({exc})") from exc
+        doc = json.loads(data, parse_constant=_no_constant)
+    except RecursionError as exc:  # deep nesting: a state is 4 levels deep
+        raise _bad("nested too deeply") from exc
+    except ValueError as exc:  # not JSON, not UTF-8, NaN/Infinity, an integer of thousands of digits
+        raise _bad(f"not JSON ({str(exc)[:200]})") from exc
     if not isinstance(doc, dict):
         raise _bad(f"the top level must be an object, got {type(doc).__name__}")
     if set(doc) != _KEYS:
         raise _bad(f"fields {sorted(set(doc) ^ _KEYS)} are missing or unexpected")
-    if doc["version"] != SCHEMA_VERSION:
-        raise _bad(f"schema version {doc['version']!r}, this code reads {SCHEMA_VERSION}")
+    if type(doc["version"]) is not int or doc["version"] != SCHEMA_VERSION:
+        raise _bad(f"schema version {doc['version']!r:.100}, this code reads {SCHEMA_VERSION}")
     state = RendezvousState()
     state.round = _int(doc["round"], "round")
     for name in ("complete", "closed"):
         if type(doc[name]) is not bool:
-            raise _bad(f"{name} must be true or false, got {doc[name]!r}")
+            raise _bad(f"{name} must be true or false, got {doc[name]!r:.100}")
         setattr(state, name, doc[name])
     state.deadline = None if doc["deadline"] is None else _time(doc["deadline"])
     participants = state.participants
@@ -178,7 +198,7 @@ def decode_state(data: bytes) -> RendezvousState:
         if type(item) is not list or len(item) != 2:
             raise _bad(f"a participant must be [node, rank], got {item!r:.200}")
         rank = item[1]
-        participants[_node(item[0])] = rank if type(rank) is int else _int(rank, "a rank")
+        participants[_node(item[0])] = rank if type(rank) is int and 0 <= rank <= MAX_INT else _int(rank, "a rank")
     state.wait_list = {_node(n) for n in _list(doc["wait_list"], "wait_list")}
     state.redundancy_list = {_node(n) for n in _list(doc["redundancy_list"], "redundancy_list")}
     now = datetime.now(timezone.utc)

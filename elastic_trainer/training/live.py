@@ -259,14 +259,11 @@ class LiveGroup:
         settings = LiveSettings.from_env()
         if settings is None:
             return None
-        from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
+        from elastic_trainer.rendezvous.etcd_client import EtcdConnection, options_from_export
         from elastic_trainer.rendezvous.fence import ENV_RDZV_CONN, ENV_RDZV_NODE, ENV_RDZV_PREFIX
 
-        conn_opts = json.loads(os.environ.get(ENV_RDZV_CONN) or "{}")
-        options = EtcdOptions(endpoints=parse_endpoints(conn_opts["endpoints"]),
-                              protocol=conn_opts.get("protocol") or "http", user=conn_opts.get("user"),
-                              password=conn_opts.get("password"), ca_cert=conn_opts.get("ca_cert"),
-                              cert=conn_opts.get("cert"), key=conn_opts.get("key"), retry_timeout=15.0)
+        # The password is not in the environment: the export names the 0600 file that holds it.
+        options = options_from_export(os.environ[ENV_RDZV_CONN], retry_timeout=15.0)
         node = os.environ[ENV_RDZV_NODE]
         host = node.rsplit("_", 2)[0] if node.count("_") >= 2 else "127.0.0.1"
         host = _resolvable(host)

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from elastic_trainer import config as cfgmod
 from elastic_trainer import records
+from elastic_trainer.checkpoint import storage
 from elastic_trainer.records import Event, EventRecord, JsonLines, LedgerRecord, StepRecord
 from elastic_trainer.training import metrics
 from elastic_trainer.config import TrainConfig
@@ -73,13 +74,6 @@ EXIT_PEER_STOPPED = 75  # EX_TEMPFAIL: not an error of this worker; torchrun res
 
 WANDB_FINISH_S = 3.0
 """At most this long for the W&B run's final flush on a forced exit or an error (offline: milliseconds)."""
-
-
-def storage_redact(url: str | None) -> str:
-    """``url`` without credentials, for people (``checkpoint.storage.redact``)."""
-    from elastic_trainer.checkpoint import storage
-
-    return storage.redact(str(url))
 
 
 def wandb_exit_code(stopped_by: str | None) -> int:
@@ -146,6 +140,11 @@ def leave_process_group() -> None:
 
 
 # ---------------------------------------------------------------------------------- trainer
+
+
+def wandb_config(c: TrainConfig) -> dict[str, Any]:
+    """The run config W&B records (and uploads): every flag, credentials in URLs redacted."""
+    return {k: storage.redact(v) if isinstance(v, str) else v for k, v in asdict(c).items() if k != "task_args"}
 
 class Trainer:
     """Runs a ``Task`` data-parallel, elastic and resumable; see the module docstring."""
@@ -236,7 +235,7 @@ class Trainer:
         publisher = self._publisher()
         if publisher is not None:
             publisher.update(checkpoint={"step": step, "time": saved_at,
-                                         "url": storage_redact(self.config.checkpoint_dir)})
+                                         "url": storage.redact(str(self.config.checkpoint_dir))})
 
     def _load_checkpoint(self) -> tuple[int, dict] | None:
         """Rank 0 picks the newest valid checkpoint; every rank loads that same step."""
@@ -250,7 +249,7 @@ class Trainer:
             found = self.ckpt.load(step)
             if found is None:
                 raise RuntimeError(f"rank {self.dinfo.rank} could not load checkpoint step-{step} that rank 0 "
-                                   f"loaded from {self.config.checkpoint_dir}; is the storage shared by all nodes?")
+                                   f"loaded from {storage.redact(self.config.checkpoint_dir)}; is the storage shared by all nodes?")
         return found
 
     def _autocast(self):
@@ -347,7 +346,7 @@ class Trainer:
         self._last_save_step = self.step
         self._publish_checkpoint(self.step, float(state.get("meta", {}).get("time") or time.time()))
         print0(f"resumed from checkpoint step-{self.step} (epoch {self.sampler.epoch}, sample offset "
-               f"{self.sampler.offset}) of {c.checkpoint_dir}")
+               f"{self.sampler.offset}) of {storage.redact(c.checkpoint_dir)}")
         self._event("checkpoint_loaded", step=self.step, epoch=self.sampler.epoch, offset=self.sampler.offset,
                     world_size=d.world_size, saved_world_size=prev_world)
         self._event("resume", step=self.step, world_size=d.world_size, restart=d.restart, round=d.round)
@@ -450,7 +449,7 @@ class Trainer:
                f"global batch {self.gbs}, {spe} steps/epoch, restart {d.restart}, round {d.round}")
         self.wandb = metrics.init_wandb(enabled=c.wandb, run_id=self.run_id, log_dir=str(self.log_dir),
                                         project=c.wandb_project, group=os.environ.get(cfgmod.ENV_RUN_ID),
-                                        config={k: v for k, v in asdict(c).items() if k != "task_args"})
+                                        config=wandb_config(c))
         if self._stop_signal is not None:  # a SIGTERM came before the W&B run existed
             self._mark_preempting()
         self.progress = metrics.Progress(total=total if total < 10**18 else None, initial=self.step,
@@ -731,7 +730,7 @@ class Trainer:
         self._publish_checkpoint(int(st["step"]), time.time())
         print0(f"checkpoint step-{st['step']} committed ({st.get('bytes', 0) / 1e6:.1f} MB, blocked "
                f"{st.get('blocked_s', 0.0) * 1000:.0f} ms, {st.get('serialize_s', 0.0) + st.get('upload_s', 0.0):.2f}s "
-               f"in all) to {storage_redact(self.config.checkpoint_dir)}")
+               f"in all) to {storage.redact(str(self.config.checkpoint_dir))}")
         return st
 
     def _log_unagreed_steps(self) -> None:
@@ -762,7 +761,7 @@ class Trainer:
         stats = self.ckpt.last_save_stats
         committed = stats.get("committed") if blocking else None
         if blocking and not committed:  # a committed save gets its one line from _note_commit
-            print0(f"checkpoint step-{self.step} NOT saved to {storage_redact(self.config.checkpoint_dir)}")
+            print0(f"checkpoint step-{self.step} NOT saved to {storage.redact(self.config.checkpoint_dir)}")
         self._note_commit()
         self._event("checkpoint_saved", step=self.step, blocked_s=blocked, blocking=blocking,
                     committed=committed, epoch=self.sampler.epoch, offset=self.sampler.offset,
