@@ -345,7 +345,7 @@ def _launch(run: RunConfig) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from elastic_trainer import status
-    from elastic_trainer.etcd_server import ROOT_USER, EtcdError, EtcdServer, enable_auth, run_password
+    from elastic_trainer.etcd_server import PASSWORD_FILE, ROOT_USER, EtcdError, EtcdServer, enable_auth, run_password
 
     log_dir = Path(run.log_dir).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -353,7 +353,7 @@ def _launch(run: RunConfig) -> int:
     endpoint = run.rdzv_endpoint
     if run.embedded_etcd:
         server = EtcdServer(data_dir=log_dir / "etcd", log_path=log_dir / "etcd.log")
-        password_file = log_dir / "etcd-password"
+        password_file = log_dir / PASSWORD_FILE
         try:
             server.start()
             # Authentication on: any other user of this machine reaches the loopback port too, and

@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 INSTALL_HINT = "install it with `apt-get install -y etcd-server etcd-client` (Debian/Ubuntu) or put an etcd 3.4+ binary on PATH"
 _PR_SET_PDEATHSIG = 1
 ROOT_USER = "root"  # etcd's auth needs its root user; the embedded etcd's nodes use it
+PASSWORD_FILE = "etcd-password"
+"""The embedded etcd's root password, a 0600 file in the run's log dir (``elastic-train status`` reads it)."""
 
 
 class EtcdError(RuntimeError):

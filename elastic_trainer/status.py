@@ -83,13 +83,9 @@ class StatusPublisher:
         text, prefix = os.environ.get(ENV_RDZV_CONN), os.environ.get(ENV_RDZV_PREFIX)
         if not text or not prefix:
             return None
-        from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
+        from elastic_trainer.rendezvous.etcd_client import EtcdConnection, options_from_export
 
-        conn = json.loads(text)
-        options = EtcdOptions(endpoints=parse_endpoints(conn["endpoints"]), protocol=conn.get("protocol") or "http",
-                              user=conn.get("user"), password=conn.get("password"), ca_cert=conn.get("ca_cert"),
-                              cert=conn.get("cert"), key=conn.get("key"), retry_timeout=5.0)
-        return cls(EtcdConnection(options), prefix)
+        return cls(EtcdConnection(options_from_export(text, retry_timeout=5.0)), prefix)
 
     def update(self, **fields: Any) -> None:
         """Set fields of the status (``step=``, ``loss=``, ``checkpoint=``...); written within a second."""
@@ -275,7 +271,7 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
     p.add_argument("--run-id", default=None, help="the job's run id (default: the one run found under ./runs/)")
     p.add_argument("--rdzv-conf", default="", metavar="K=V,...",
                    help="the job's rendezvous options that reach etcd: key_prefix, protocol, ca_cert, cert, key, "
-                        "user, password (the same as the job's)")
+                        "user, password_file (the same as the job's; found by itself for an embedded etcd)")
     p.add_argument("--log-dir", default=None, help="the run's log dir, where its embedded etcd's endpoint is")
     p.add_argument("--json", action="store_true", help="print one JSON document (for scripts)")
     p.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
@@ -289,6 +285,7 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser] = argparse
 
     from elastic_trainer.rendezvous.etcd_backend import run_prefix
     from elastic_trainer.rendezvous.etcd_client import EtcdConnection
+    from elastic_trainer.etcd_server import PASSWORD_FILE, ROOT_USER
     from elastic_trainer.rendezvous.options import RendezvousOptions
 
     p = build_parser(parser_class)
@@ -296,11 +293,13 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser] = argparse
     if args.watch is not None and args.watch <= 0:
         p.error(f"--watch {args.watch:g} must be a positive number of seconds")
     endpoint, run_id = args.rdzv_endpoint, args.run_id
+    embedded_password = None
     if endpoint is None:
         try:
             endpoint, run_id = find_embedded_endpoint(args.log_dir, run_id)
         except ValueError as exc:
             p.error(str(exc))
+        embedded_password = Path(args.log_dir or Path("runs") / run_id) / PASSWORD_FILE
     elif run_id is None:
         p.error("--rdzv-endpoint needs --run-id (the job's; `elastic-train` uses elastic-run by default)")
     items = [item.strip() for item in args.rdzv_conf.split(",") if item.strip()]
@@ -308,6 +307,8 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser] = argparse
     if bad:
         p.error(f"--rdzv-conf {bad[0]!r} must look like key=value (for example key_prefix=/jobs)")
     conf = dict(item.split("=", 1) for item in items)
+    if embedded_password is not None and embedded_password.is_file() and not {"user", "password_file"} & set(conf):
+        conf.update(user=ROOT_USER, password_file=str(embedded_password))  # the embedded etcd's auth, as its join line
     try:
         options = RendezvousOptions(RendezvousParameters("etcd-v3", endpoint, run_id, 1, 1, **conf))
     except ValueError as exc:

@@ -96,7 +96,10 @@ def test_status_shows_a_live_two_node_job_found_through_its_embedded_etcd(tmp_pa
     endpoint_file = tmp_path / "runs" / "job" / "etcd-endpoint"
     wait_until(endpoint_file.exists, 60, "the embedded etcd's endpoint file")
     endpoint = endpoint_file.read_text().strip()
-    procs.start(cli_cmd(*common, "--rdzv-endpoint", endpoint, "--log-dir", str(tmp_path / "logs-b"), *trainer),
+    # as the join line A prints: the embedded etcd has authentication on, its password in A's log dir
+    auth = f"last_call_timeout=1,user=root,password_file={tmp_path / 'runs' / 'job' / 'etcd-password'}"
+    b_args = [a if a != "last_call_timeout=1" else auth for a in common]
+    procs.start(cli_cmd(*b_args, "--rdzv-endpoint", endpoint, "--log-dir", str(tmp_path / "logs-b"), *trainer),
                 cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def status_json() -> dict:
@@ -116,8 +119,8 @@ def test_status_shows_a_live_two_node_job_found_through_its_embedded_etcd(tmp_pa
     assert {"start", "world_size_changed"} <= {e["event"] for e in t["events"]}
 
     # the same from another directory, by endpoint and run id, for people
-    proc = subprocess.run(cli_cmd("status", "--rdzv-endpoint", endpoint, "--run-id", "job"), cwd="/",
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(cli_cmd("status", "--rdzv-endpoint", endpoint, "--run-id", "job", "--rdzv-conf",
+                                  auth.split(",", 1)[1]), cwd="/", capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "world size 2" in out and "checkpoint: step-" in out and "events:" in out
