@@ -244,6 +244,7 @@ class LiveGroup:
         self.change_pending = threading.Event()
         self.change_reason = ""
         self.on_member_lost: Callable[[str], None] | None = None
+        self._adopt_lock = threading.Lock()
         """Called from the watcher thread when a member is lost (NCCL: abort the hung group)."""
         self._lease = LeaseKeeper(conn, self._key("alive/" + self.id), settings.lease_ttl,
                                   settings.keep_alive_interval, self._on_lease_tick)
@@ -377,9 +378,10 @@ class LiveGroup:
                 logger.info("live: could not delete the join key (%s); it goes with the lease", exc)
 
     def _adopt(self, q: Quorum) -> Quorum:
-        self.quorum = q
-        self.change_pending.clear()
-        self.change_reason = ""
+        with self._adopt_lock:  # the watcher must not flag a change against the quorum left behind
+            self.quorum = q
+            self.change_pending.clear()
+            self.change_reason = ""
         return q
 
     # ---- re-forming ---------------------------------------------------------------------------
@@ -497,7 +499,7 @@ class LiveGroup:
                 logger.info("live: watcher could not read etcd: %s", exc)
                 continue
             lost = ""
-            if view.quorum is not None and view.quorum.q != q.q:
+            if view.quorum is not None and view.quorum.q > q.q:
                 lost = f"the quorum moved to {view.quorum.q}"
             elif any(m.id not in view.alive for m in q.members):
                 lost = "a member's lease expired"
@@ -508,8 +510,11 @@ class LiveGroup:
                     n not in q.nodes for n, _ in _complete_nodes(view)):
                 reason = "a node asks to join"
             if reason:
-                self.change_reason = reason
-                self.change_pending.set()
+                with self._adopt_lock:
+                    if self.quorum is not q:  # re-formed while this view was read: it is stale
+                        continue
+                    self.change_reason = reason
+                    self.change_pending.set()
             if lost and self.on_member_lost is not None:
                 logger.warning("live: %s in quorum %d: aborting the process group", lost, q.q)
                 self.on_member_lost(lost)
