@@ -99,13 +99,18 @@ def test_status_shows_a_live_two_node_job_found_through_its_embedded_etcd(tmp_pa
     # as the join line A prints: the embedded etcd has authentication on, its password in A's log dir
     auth = f"last_call_timeout=1,user=root,password_file={tmp_path / 'runs' / 'job' / 'etcd-password'}"
     b_args = [a if a != "last_call_timeout=1" else auth for a in common]
-    procs.start(cli_cmd(*b_args, "--rdzv-endpoint", endpoint, "--log-dir", str(tmp_path / "logs-b"), *trainer),
-                cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def status_json() -> dict:
         proc = subprocess.run(cli_cmd("status", "--json"), cwd=tmp_path, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr[-2000:]
         return json.loads(proc.stdout)
+
+    # B joins a world of 1 that trains (started together, a slow machine may form one world of 2 at once,
+    # and there is then no change of world size to show)
+    wait_until(status_json, 120, "node A training alone", interval=1.0,
+               until=lambda d: d["training"] and d["training"].get("world_size") == 1 and d["training"]["step"] > 0)
+    procs.start(cli_cmd(*b_args, "--rdzv-endpoint", endpoint, "--log-dir", str(tmp_path / "logs-b"), *trainer),
+                cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     doc = wait_until(status_json, 180, "a world of 2 with a committed checkpoint", interval=1.0,
                      until=lambda d: d["training"] and d["training"].get("world_size") == 2
