@@ -354,6 +354,33 @@ def test_a_lease_that_ran_out_unnoticed_is_replaced_when_the_node_rejoins(backen
         keeper.close()
 
 
+def test_a_lost_lease_is_told_at_once_by_the_renewal_and_on_asking_etcd(backend, conn):
+    """A process paused past its lease resumes all threads at once: the renewal that finds the
+    lease gone calls ``on_lost`` right away (not at the next watchdog tick, a second later), and
+    ``expired_at_etcd`` lets the training thread ask before its next step."""
+    lost = threading.Event()
+    keeper = LeaseKeeper(conn, backend.alive_key("n2"), ttl=30, interval=0.2, on_tick=lambda: None,
+                         on_lost=lost.set)
+    try:
+        keeper.ensure()
+        assert keeper.expired_at_etcd(timeout=2) is False and not keeper.lost
+        conn.client.revoke_lease(keeper._lease_id)  # what etcd does to a lease past its TTL
+        t0 = time.monotonic()
+        assert lost.wait(5), "the renewal did not call on_lost"
+        assert time.monotonic() - t0 < 1.0 and keeper.lost  # within one renewal interval (0.2 s) and its answer
+        assert keeper.expired_at_etcd(timeout=2) is True
+    finally:
+        keeper.close()
+
+    other = LeaseKeeper(conn, backend.alive_key("n3"), ttl=30, interval=60)  # no renewal before the ask
+    try:
+        other.ensure()
+        conn.client.revoke_lease(other._lease_id)
+        assert other.expired_at_etcd(timeout=2) is True and other.lost
+    finally:
+        other.close()
+
+
 def test_closing_the_keeper_waits_for_a_watchdog_check_in_flight_and_logs_no_failure(backend, conn, caplog):
     """Shutdown closes the lease keeper, then the connection: a watchdog check still running
     then must not end in a 'watchdog check failed' traceback (it did, at the end of every run)."""

@@ -24,15 +24,18 @@ class LeaseKeeper:
     thread: with every etcd request 0.5 s late, a renewal plus the watchdog's reads plus the
     interval made 2 s between renewals, and the node fenced itself although etcd was healthy.
     A lease etcd no longer knows is *lost*: the keeper does not grant a new one by itself (the
-    handler does, in ``next_rendezvous``, after the workers stopped).
+    handler does, in ``next_rendezvous``, after the workers stopped), and calls ``on_lost`` from
+    the renewal thread at once (a live worker exits before its next step, not at the next tick).
     """
 
-    def __init__(self, conn: EtcdConnection, key: str, ttl: int, interval: float, on_tick=None) -> None:
+    def __init__(self, conn: EtcdConnection, key: str, ttl: int, interval: float, on_tick=None,
+                 on_lost=None) -> None:
         self._conn = conn
         self._key = key
         self._ttl = ttl
         self._interval = interval
         self._on_tick = on_tick
+        self._on_lost = on_lost
         self._lease_id: int | None = None
         self._lost = False
         self._last_attempt = time.monotonic()
@@ -112,6 +115,8 @@ class LeaseKeeper:
             if ttl <= 0:
                 logger.warning("the etcd lease of %s expired; this node left its round", self._key)
                 self._lost = True
+                if self._on_lost is not None:
+                    self._on_lost()
             else:
                 self._last_renewed = sent
             took = time.monotonic() - sent
@@ -120,6 +125,32 @@ class LeaseKeeper:
                 logger.warning("etcd took %.1fs to answer a lease renewal; at this latency lease_ttl=%d "
                                "cannot be kept alive with certainty; raise lease_ttl in --rdzv-conf",
                                took, self._ttl)
+
+    def expired_at_etcd(self, timeout: float) -> bool | None:
+        """Ask etcd now (one request, at most ``timeout`` seconds) whether the lease is gone:
+        True when etcd no longer knows it (it is then marked lost), False when it lives, None when
+        etcd did not answer in time (not proof of anything: etcd may be restarting)."""
+        with self._lock:
+            lease_id = self._lease_id
+        if lease_id is None or self._lost:
+            return self._lost
+        from etcd3.etcdrpc import LeaseTimeToLiveRequest
+
+        def ask(c):
+            return c.leasestub.LeaseTimeToLive(LeaseTimeToLiveRequest(ID=lease_id), timeout,
+                                               credentials=c.call_credentials, metadata=c.metadata)
+
+        try:
+            answer = self._conn.call(ask, "lease time-to-live", retry_timeout=0)
+            self.requests += 1
+        except Exception as exc:  # noqa: BLE001 - no answer: the renewal thread keeps trying
+            logger.info("could not ask etcd for the lease of %s: %s", self._key, exc)
+            return None
+        if answer.TTL > 0:
+            return False
+        logger.warning("the etcd lease of %s expired; this node left its round", self._key)
+        self._lost = True
+        return True
 
     def seconds_since_renewal(self) -> float:
         """Seconds since the last renewal etcd accepted was sent: etcd may expire the lease

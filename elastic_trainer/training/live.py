@@ -247,7 +247,8 @@ class LiveGroup:
         self._adopt_lock = threading.Lock()
         """Called from the watcher thread when a member is lost (NCCL: abort the hung group)."""
         self._lease = LeaseKeeper(conn, self._key("alive/" + self.id), settings.lease_ttl,
-                                  settings.keep_alive_interval, self._on_lease_tick)
+                                  settings.keep_alive_interval, self._on_lease_tick, self._on_lease_tick)
+        self._lease_asked = 0.0
         self._lease.ensure()
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -333,6 +334,26 @@ class LiveGroup:
                          "(its agent starts a newcomer)")
             logging.shutdown()
             os._exit(EXIT_EXCLUDED)
+
+    def check_lease(self) -> None:
+        """Before a step: end this worker (as ``_on_lease_tick`` does) when its lease is gone.
+
+        The renewal thread notices a lost lease at its next renewal, but a process that was
+        paused past its lease (SIGSTOP, a frozen host) resumes all its threads at once, and the
+        training thread must not start another step in the old group meanwhile. So when the last
+        accepted renewal is older than the lease's TTL, etcd is asked directly (at most once a
+        second, 0.5 s at most each: an etcd that is restarting does not end the worker, its lease
+        lives on in etcd)."""
+        if self._lease.lost:
+            self._on_lease_tick()
+        if self._lease.seconds_since_renewal() <= self.settings.lease_ttl:
+            return
+        now = time.monotonic()
+        if now - self._lease_asked < 1.0:
+            return
+        self._lease_asked = now
+        if self._lease.expired_at_etcd(timeout=0.5):
+            self._on_lease_tick()
 
     # ---- joining -------------------------------------------------------------------------------
     def join(self) -> Quorum:

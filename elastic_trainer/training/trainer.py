@@ -498,6 +498,8 @@ class Trainer:
         """One step, and the agreement when one is due. Returns None to go on, "saved" after a
         periodic save, "reform" when the live group re-forms now, or why training stops."""
         c = self.config
+        if self.live is not None:
+            self.live.check_lease()  # a worker paused past its lease never starts a step in the old group
         t0 = time.perf_counter()
         loss_sum = self._train_step(self.batches)
         self._boundaries += 1
