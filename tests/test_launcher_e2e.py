@@ -114,3 +114,41 @@ def test_two_nodes_behind_a_slow_etcd_train_to_the_end_without_restarting(etcd, 
     assert {s.world_size for s in steps} == {2} and {s.restart for s in steps} == {0}
     for rank in (0, 1):  # one world: every step once per rank, none redone
         assert sorted(s.step for s in steps if s.rank == rank) == list(range(1, 31))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_two_live_nodes_at_default_settings_train_on_through_0_5_then_1_5_s_of_etcd_latency(
+        etcd, tmp_path, procs, run_id):
+    """Every etcd request 0.5 s late, then 1.5 s (etcd healthy), at the default settings (live
+    recovery, lease_ttl 3, renewals every 1 s): the same two workers train to the end in one world,
+    no node stops its workers, no worker is replaced, every step once per rank."""
+    from tests.helpers.slow_proxy import SlowProxy
+
+    log_dir = tmp_path / "logs"
+    total = 40
+    with SlowProxy("127.0.0.1", etcd.port, delay=0.5) as proxy:
+        outs = [tmp_path / f"node{i}.out" for i in range(2)]
+        nodes = []
+        for out in outs:
+            with open(out, "w") as f:
+                nodes.append(procs.start(cli_cmd(
+                    "--nnodes", "2", "--rdzv-endpoint", proxy.endpoint, "--run-id", run_id,
+                    "--log-dir", str(log_dir), "--checkpoint-dir", str(tmp_path / "ck"),
+                    "--rdzv-conf", "connect_timeout=10", "--", *TINY, "--no-progress", "--max-steps", str(total),
+                    "--sleep-per-step", "0.3", "--checkpoint-every", "10"), stdout=f, stderr=subprocess.STDOUT))
+        wait_until(lambda: records.read_steps(log_dir), 240, "step 12 at 0.5 s of latency",
+                   until=lambda st: any(s.step >= 12 for s in st),
+                   details=lambda: "\n".join(o.read_text()[-2000:] for o in outs))
+        proxy.delay = 1.5
+        for node, out in zip(nodes, outs):
+            assert node.wait(timeout=300) == 0, out.read_text()[-3000:]
+    for out in outs:
+        text = out.read_text()
+        assert "stopping its workers" not in text and "left out of the group" not in text, text[-3000:]
+    steps = records.read_steps(log_dir)
+    assert {s.world_size for s in steps} == {2}
+    for rank in (0, 1):  # one world, one worker per rank all along: every step once, none redone
+        mine = [s for s in steps if s.rank == rank]
+        assert sorted(s.step for s in mine) == list(range(1, total + 1))
+    assert len(records.step_files(log_dir)) == 2, "a worker was replaced"
