@@ -336,6 +336,26 @@ def hand_over_storage_keys(url: str, secrets_dir: str) -> tuple[str, dict[str, s
     return clean, taken
 
 
+def hand_over_wandb_key(secrets_dir: str) -> dict[str, str]:
+    """Move ``WANDB_API_KEY`` out of the environment the workers inherit (and so every DataLoader
+    worker and subprocess) into a 0600 file named by ``metrics.WANDB_KEY_FILE``; rank 0 reads it
+    when it starts W&B (``metrics.init_wandb``). Returns what it took from ``os.environ``, to put back."""
+    from elastic_trainer.training.metrics import WANDB_KEY_FILE
+
+    key = os.environ.pop("WANDB_API_KEY", None)
+    if not key:
+        return {}
+    path = os.path.join(secrets_dir, "wandb-api-key")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key)
+    taken = {"WANDB_API_KEY": key}
+    if WANDB_KEY_FILE in os.environ:
+        taken[WANDB_KEY_FILE] = os.environ[WANDB_KEY_FILE]
+    os.environ[WANDB_KEY_FILE] = path
+    return taken
+
+
 def _launch(run: RunConfig) -> int:
     """Start the embedded etcd if needed, run torchrun's agent, stop etcd. Return an exit status."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -384,6 +404,7 @@ def _launch(run: RunConfig) -> int:
         logger.info("OMP_NUM_THREADS=%d for each of %d worker(s) (set it to override)", threads, run.nproc_per_node)
     secrets_dir = tempfile.mkdtemp(prefix="elastic-trainer-secrets-")  # 0700; removed when the run ends
     workers_url, taken_keys = hand_over_storage_keys(run.checkpoint_dir or "", secrets_dir)
+    taken_wandb = hand_over_wandb_key(secrets_dir)
     os.environ.update({cfg.ENV_RDZV_ENDPOINT: endpoint, cfg.ENV_RUN_ID: run.run_id,
                        cfg.ENV_CHECKPOINT_DIR: workers_url, cfg.ENV_LOG_DIR: str(log_dir)})
     config = LaunchConfig(
@@ -420,6 +441,9 @@ def _launch(run: RunConfig) -> int:
         if taken_keys:  # for callers that run main() in-process
             os.environ.pop("AWS_SHARED_CREDENTIALS_FILE", None)
             os.environ.update(taken_keys)
+        if taken_wandb:
+            os.environ.pop("ELASTIC_TRAINER_WANDB_KEY_FILE", None)  # metrics.WANDB_KEY_FILE
+            os.environ.update(taken_wandb)
 
 
 def _etcd_certs_main(argv: list[str]) -> int:

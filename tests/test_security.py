@@ -12,6 +12,7 @@ import os
 import re
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -24,6 +25,7 @@ from elastic_trainer.rendezvous.options import RendezvousOptions
 from tests.helpers.common import REPO, cli_cmd, wait_until
 
 CANARY = "canary-Zq7xW3pL9"  # a password that must never show up where others can read it
+WANDB_CANARY = "wandbcanary0123456789abcdef0123456789abcd"  # 40 characters, as W&B's keys
 STORAGE_CANARY = "canaryS3secretQ4rT8"  # an S3 secret key, likewise
 PROBE = str(REPO / "tests" / "helpers" / "secret_probe.py")
 
@@ -151,12 +153,12 @@ def test_workers_get_files_for_the_etcd_password_and_the_storage_keys_never_the_
     bucket_path = s3_url.split("://", 1)[1]
     proc, out, report = _run_probe(tmp_path, procs, ["--rdzv-endpoint", auth_etcd.endpoint, "--run-id", run_id,
                                                      "--rdzv-conf", "user=root"],
-                                   {"ELASTIC_TRAINER_RDZV_PASSWORD": CANARY,
+                                   {"ELASTIC_TRAINER_RDZV_PASSWORD": CANARY, "WANDB_API_KEY": WANDB_CANARY,
                                     "ELASTIC_TRAINER_CHECKPOINT_DIR": f"s3://testing:{STORAGE_CANARY}@{bucket_path}"},
                                    checkpoint_dir=False)
     assert report["fence_error"] is None
     assert any("elastic_trainer.cli" in c for c in report["cmdlines"])
-    for secret in (CANARY, STORAGE_CANARY):
+    for secret in (CANARY, STORAGE_CANARY, WANDB_CANARY):
         assert secret not in json.dumps(report["environ"]) and secret not in report["proc_environ"]
         assert not [c for c in report["cmdlines"] if secret in c]
     assert report["environ"]["ELASTIC_TRAINER_CHECKPOINT_DIR"] == f"s3://{bucket_path}"
@@ -166,12 +168,14 @@ def test_workers_get_files_for_the_etcd_password_and_the_storage_keys_never_the_
     aws_file = Path(report["environ"]["AWS_SHARED_CREDENTIALS_FILE"])
     assert stat.S_IMODE(aws_file.stat().st_mode) == 0o600 and STORAGE_CANARY in aws_file.read_text()
     assert "AWS_SECRET_ACCESS_KEY" not in report["environ"]
+    wandb_file = Path(report["environ"]["ELASTIC_TRAINER_WANDB_KEY_FILE"])
+    assert stat.S_IMODE(wandb_file.stat().st_mode) == 0o600 and wandb_file.read_text() == WANDB_CANARY
     output = _finish(proc, out, tmp_path)
     from elastic_trainer.checkpoint import storage
     fs, root = storage.get_fs(s3_url)
     assert [p for p in fs.find(root) if p.endswith("manifest.json")], "the worker saved no checkpoint"
     assert CANARY not in output and STORAGE_CANARY not in output and not _files_holding(tmp_path / "logs", CANARY)
-    assert not password_file.exists() and not aws_file.exists()
+    assert not password_file.exists() and not aws_file.exists() and not wandb_file.exists()
 
 
 @pytest.mark.slow
@@ -254,6 +258,7 @@ def test_a_canary_secret_shows_up_in_no_output_log_wandb_file_or_checkpoint(auth
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env["ELASTIC_TRAINER_RDZV_PASSWORD"] = CANARY
     env["ELASTIC_TRAINER_CHECKPOINT_DIR"] = url  # a URL with keys comes from the launcher's environment
+    env["WANDB_API_KEY"], env["WANDB_MODE"] = WANDB_CANARY, "offline"  # a key, and no network
     logs = tmp_path / "logs"
     outputs = []
     for steps in ("2", "4"):
@@ -270,7 +275,7 @@ def test_a_canary_secret_shows_up_in_no_output_log_wandb_file_or_checkpoint(auth
     fs, root = storage.get_fs(url)
     objects = [p for p in fs.find(root)]
     assert any(p.endswith("manifest.json") for p in objects)
-    for secret in (CANARY, STORAGE_CANARY):
+    for secret in (CANARY, STORAGE_CANARY, WANDB_CANARY):
         assert secret not in text
         assert not _files_holding(logs, secret)
         assert not [p for p in objects if secret.encode() in fs.cat_file(p)]
@@ -303,6 +308,29 @@ def test_a_client_without_credentials_can_neither_read_nor_write_the_runs_keys(a
         assert handler.num_nodes_waiting() == 0  # the round stands, untouched
     finally:
         handler.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_wandb_takes_its_key_from_the_file_the_launcher_hands_over_and_writes_it_nowhere(tmp_path):
+    """What a worker does with ``ELASTIC_TRAINER_WANDB_KEY_FILE``: the key reaches W&B in its settings,
+    stays out of the process's environment, and out of W&B's (offline) files; an unreadable file is
+    one sentence naming it."""
+    key_file = tmp_path / "wandb-api-key"
+    key_file.write_text(WANDB_CANARY)
+    key_file.chmod(0o600)
+    code = ("import os; from elastic_trainer.training import metrics; "
+            "lg = metrics.init_wandb(enabled=True, run_id='keyfile1', log_dir=os.environ['LOGS'], project='p', config={}); "
+            "print('KEY', lg.run.settings.api_key == os.environ.get('EXPECT'), 'WANDB_API_KEY' in os.environ); lg.finish()")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(WANDB_MODE="offline", ELASTIC_TRAINER_WANDB_KEY_FILE=str(key_file), LOGS=str(tmp_path / "logs"),
+               EXPECT=WANDB_CANARY, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "KEY True False" in proc.stdout
+    assert list((tmp_path / "logs").rglob("*.wandb")) and not _files_holding(tmp_path / "logs", WANDB_CANARY)
+    env["ELASTIC_TRAINER_WANDB_KEY_FILE"] = str(tmp_path / "missing")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100, env=env)
+    assert proc.returncode != 0 and f"cannot read the W&B API key file {tmp_path / 'missing'}" in proc.stderr
 
 
 def test_wandb_run_config_and_the_trainers_prints_redact_storage_keys():

@@ -195,24 +195,51 @@ class WandbLogger:
         t.join(seconds)
 
 
+WANDB_KEY_FILE = "ELASTIC_TRAINER_WANDB_KEY_FILE"
+"""The path of a file holding the W&B API key: what the launcher hands its workers instead of
+``WANDB_API_KEY``; set it yourself to give the key as a file (a mounted Kubernetes Secret)."""
+
+
+def wandb_api_key() -> str | None:
+    """The W&B API key: ``WANDB_API_KEY``, else the file named by ``ELASTIC_TRAINER_WANDB_KEY_FILE``
+    (what the launcher hands its workers, or a mounted secret). A file that cannot be read is an
+    error naming the file, not a silent offline run."""
+    key = os.environ.get("WANDB_API_KEY")
+    if key:
+        return key
+    path = os.environ.get(WANDB_KEY_FILE)
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError as exc:
+        raise RuntimeError(f"cannot read the W&B API key file {path}: {exc.strerror}") from None
+
+
 def init_wandb(*, enabled: bool, run_id: str | None, log_dir: str, project: str,
                config: dict[str, Any], group: str | None = None) -> NullLogger | WandbLogger:
     """Start (or resume, same id) the run's W&B run on rank 0; a ``NullLogger`` otherwise.
 
-    Without ``WANDB_API_KEY`` (and no ``WANDB_MODE`` chosen) the run is offline: its files
+    Without an API key (``WANDB_API_KEY`` or its file, see ``wandb_api_key``; and no ``WANDB_MODE``
+    chosen) the run is offline: its files
     are under ``<log_dir>/wandb/offline-run-*-<run id>/`` and ``wandb sync`` uploads them later.
     """
     if not enabled or _RANK != 0 or run_id is None:
         return NullLogger()
     import wandb
 
-    if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
+    key = wandb_api_key()
+    if not key and not os.environ.get("WANDB_MODE"):
         os.environ["WANDB_MODE"] = "offline"
     os.environ.setdefault("WANDB_DIR", log_dir)
     os.environ.setdefault("WANDB_SILENT", "true")
     os.makedirs(os.environ["WANDB_DIR"], exist_ok=True)
+    # the key goes to W&B in its settings, never into this process's environment (inherited by
+    # DataLoader workers and subprocesses)
+    settings = wandb.Settings(api_key=key) if key else None
     run = wandb.init(project=project, id=run_id, resume="allow", group=group, config=config,
-                     dir=os.environ["WANDB_DIR"])
+                     dir=os.environ["WANDB_DIR"], settings=settings)
     run.define_metric("global_step")
     run.define_metric("*", step_metric="global_step")
     print0(f"W&B run {run.id} ({os.environ.get('WANDB_MODE', 'online')}) in {os.environ['WANDB_DIR']}")
