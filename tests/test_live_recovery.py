@@ -175,6 +175,30 @@ def test_a_node_stopped_past_its_lease_never_trains_in_the_old_group_and_rejoins
     assert newcomers, "the stopped node came back with a new worker (a newcomer)"
 
 
+def test_an_agent_stopped_past_its_lease_takes_a_new_one_and_its_worker_trains_on(etcd, run_id, procs, tmp_path):
+    """Only the agent stops (its worker, in a session of its own, runs on and renews its own lease):
+    in live mode the agent takes a new lease when it resumes, and no worker is stopped or replaced
+    (before, the agent stopped its healthy worker: two re-forms and a newcomer for nothing)."""
+    ck, logs = tmp_path / "ck", tmp_path / "logs"
+    outs = [tmp_path / f"agent{i}.log" for i in range(2)]
+    args = ("--max-steps", "100000", "--sleep-per-step", "0.1")
+    agents = [live_agent(procs, etcd, run_id, ck, logs, outs[i], *args, nnodes="2:2") for i in range(2)]
+    st = wait_steps("a world of 2 at step 3", lambda st: any(s["world_size"] == 2 and s["step"] >= 3 for s in st),
+                    logs, 120, outs)
+    workers = set(current_ranks(st).values())
+    stopped = agent_of(current_ranks(st)[1], agents)
+    os.killpg(stopped.pid, signal.SIGSTOP)
+    time.sleep(6)  # twice the lease
+    os.killpg(stopped.pid, signal.SIGCONT)
+    t_resume = time.time()
+    st = wait_steps("3 s of steps after the agent resumed", lambda st: any(s["time"] > t_resume + 3 for s in st),
+                    logs, 60, outs)
+    assert {s["pid"] for s in st} == workers, "a worker was replaced"
+    assert {s["round"] for s in st} == {st[0]["round"]} and {s["world_size"] for s in st} == {2}
+    text = outs[agents.index(stopped)].read_text()
+    assert "took a new one" in text and "stopping its workers" not in text, text[-3000:]
+
+
 def test_the_watcher_tells_a_lost_process_within_a_poll_and_calls_the_abort_hook(etcd, run_id):
     """NCCL collectives may hang on a dead peer instead of failing, so on CUDA the trainer sets
     ``on_member_lost`` (it aborts the group): the watcher must call it as soon as a member of

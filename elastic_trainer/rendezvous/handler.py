@@ -532,6 +532,20 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         joined = self._joined
         if joined is None or self._revoked is not None:
             return
+        if self._lease.lost and self._options.recovery == "live":
+            # This agent was paused or cut off past its lease, and its workers hold leases of
+            # their own in the live group: a worker whose lease is gone too exits by itself (and
+            # is restarted as a newcomer); one whose lease lives trains on. Stopping them here
+            # would cost the run two re-forms for nothing. The agent just takes a new lease.
+            try:
+                self._lease.ensure()
+            except Exception as exc:  # noqa: BLE001 - etcd out of reach: tried again at the next tick
+                logger.warning("node %s: its etcd lease expired and a new one cannot be taken yet: %s",
+                               self.node_name, exc)
+                return
+            logger.warning("node %s: its etcd lease expired (paused or cut off); took a new one; its workers "
+                           "keep training while their own leases live", self.node_name)
+            return
         if self._lease.lost:
             self._revoke("its etcd lease expired")
             return
