@@ -314,8 +314,7 @@ def test_every_elastic_train_command_parses_with_the_cli(rendered):
     for path, label, obj, tmpl, container in found:
         argv, run = _run_config(path, container, rendered)
         where = f"k8s/{path} {label} container {container['name']}"
-        # 1..4 nodes; a fixed node count (overlays/trainer-v2) is the most there can be.
-        assert (run.min_nodes, run.max_nodes) == (1, int(_run_config_map(rendered[path]).get("NUM_NODES", 4))), where
+        assert (run.min_nodes, run.max_nodes) == (1, 4), where
         assert run.rdzv_endpoint and not run.embedded_etcd, f"{where}: must meet through the shared etcd"
         assert run.local_addr == "fieldref-status-podIP", f"{where}: --local-addr should be the pod IP"
         assert run.run_id in run.checkpoint_dir, f"{where}: checkpoints should be under the run's folder"
