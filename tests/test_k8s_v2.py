@@ -302,8 +302,9 @@ def _pods(objs: list[dict]) -> list[dict]:
 
 
 def _matches(selector: dict, pod: dict) -> bool:
-    """Chaos Mesh's pod selection (api/v1alpha1 PodSelectorSpec): every given criterion must hold;
-    expressionSelectors follow Kubernetes' set-based rules (NotIn also matches a pod without the key)."""
+    """Chaos Mesh's pod selection (pkg/selector): every given criterion must hold; labelSelectors and
+    expressionSelectors make one Kubernetes LabelSelector (matchLabels, matchExpressions), so NotIn
+    also matches a pod without the key."""
     labels = pod["labels"]
     if selector.get("namespaces") and pod["namespace"] not in selector["namespaces"]:
         return False
