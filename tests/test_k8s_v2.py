@@ -187,24 +187,27 @@ def test_the_schemas_reject_what_trainer_v2_and_chaos_mesh_reject(rendered):
         assert not broken(obj, lambda o: None), obj["metadata"]["name"]
     job, runtime = originals[:2]
     trainer = lambda o: o["spec"]["trainer"]  # noqa: E731
-    pod = lambda o: o["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]  # noqa: E731
+    rjob = lambda o: o["spec"]["template"]["spec"]["replicatedJobs"][0]  # noqa: E731
+    pod = lambda o: rjob(o)["template"]["spec"]["template"]["spec"]  # noqa: E731
     cases = {
         "TrainJob: numNode (a typo)": (job, lambda o: trainer(o).update(numNode=2)),
         "TrainJob: numNodes as a string": (job, lambda o: trainer(o).update(numNodes="2")),
         "TrainJob: numNodes 0 (ours)": (job, lambda o: trainer(o).update(numNodes=0)),
-        "TrainJob: a reserved PET_ variable": (job, lambda o: trainer(o).update(env=[{"name": "PET_NNODES", "value": "2"}])),
-        "TrainJob: a runtime kind the webhook does not know": (job, lambda o: o["spec"]["runtimeRef"].update(kind="Runtime")),
+        "TrainJob: a reserved PET_ variable": (job, lambda o: trainer(o).update(env=[{"name": "PET_NNODES",
+                                                                                     "value": "2"}])),
+        "TrainJob: a runtime kind the webhook does not know": (job, lambda o: o["spec"]["runtimeRef"].update(
+            kind="Runtime")),
         "TrainJob: no runtimeRef": (job, lambda o: o["spec"].pop("runtimeRef")),
         "TrainJob: a name that is no RFC 1035 label": (job, lambda o: o["metadata"].update(name="Elastic.Train")),
         "TrainingRuntime: no container named node": (runtime, lambda o: pod(o)["containers"][0].update(name="trainer")),
-        "TrainingRuntime: 2 replicas of the trainer Job": (runtime, lambda o: o["spec"]["template"]["spec"]
-                                                           ["replicatedJobs"][0].update(replicas=2)),
+        "TrainingRuntime: 2 replicas of the trainer Job": (runtime, lambda o: rjob(o).update(replicas=2)),
         "TrainingRuntime: two ML policies": (runtime, lambda o: o["spec"]["mlPolicy"].update(mpi={})),
         "TrainingRuntime: an unknown restart strategy": (runtime, lambda o: o["spec"]["template"]["spec"]
                                                          ["failurePolicy"].update(restartStrategy="Sometimes")),
         "TrainingRuntime: a pod field that does not exist": (runtime, lambda o: pod(o).update(restartPolicyy="Never")),
         "PodChaos: pod-kil": (drills["elastic-train-pod-kill"], lambda o: o["spec"].update(action="pod-kil")),
-        "PodChaos: mode fixed without a value": (drills["elastic-train-pod-kill"], lambda o: o["spec"].update(mode="fixed")),
+        "PodChaos: mode fixed without a value": (drills["elastic-train-pod-kill"],
+                                                 lambda o: o["spec"].update(mode="fixed")),
         "PodChaos: labelSelector (a typo)": (drills["elastic-train-pod-term"],
                                              lambda o: o["spec"]["selector"].update(labelSelector={})),
         "NetworkChaos: a duration Go cannot parse": (drills["elastic-train-partition"],
@@ -230,9 +233,9 @@ def test_the_kueue_queue_label_is_on_the_workload_only_and_only_with_the_compone
     assert labelled == {(workload["kind"], workload["metadata"]["name"])}, labelled
     assert workload["metadata"]["labels"][QUEUE_LABEL] == "elastic-trainer"
     # Nothing else changed: the same objects, the workload's labels aside.
-    strip = lambda o: {**o, "metadata": {**o["metadata"], "labels": {k: v for k, v in o["metadata"]["labels"].items()  # noqa: E731
-                                                                       if k != QUEUE_LABEL}}}
-    assert [strip(o) if o is workload else o for o in queued] == without
+    unlabelled = copy.deepcopy(workload)
+    del unlabelled["metadata"]["labels"][QUEUE_LABEL]
+    assert [unlabelled if o is workload else o for o in queued] == without
     check = k8s_schemas.validator_for(workload, K8S_VERSION)
     assert check is None or check.is_valid(workload)
 
@@ -291,7 +294,8 @@ def _pods(objs: list[dict]) -> list[dict]:
             tmpl, count, index_key = worker["template"], worker["replicas"], "training.kubeflow.org/replica-index"
             extra = {"training.kubeflow.org/replica-type": "worker"}
         elif kind == "StatefulSet":
-            tmpl, count, index_key, extra = o["spec"]["template"], o["spec"]["replicas"], "apps.kubernetes.io/pod-index", {}
+            tmpl, count, extra = o["spec"]["template"], o["spec"]["replicas"], {}
+            index_key = "apps.kubernetes.io/pod-index"
         else:
             continue
         for i in range(count):
@@ -341,7 +345,8 @@ def test_pod_kill_drills_strike_one_trainer_pod_and_never_etcd(rendered, flavour
         assert chaos["gracePeriod"] == 0, "kill: SIGKILL, no time to save"
     else:  # term: the pod's own grace period, longer than the trainer's save on SIGTERM
         args = spec["containers"][0]["args"]
-        assert chaos["gracePeriod"] == spec["terminationGracePeriodSeconds"] > float(args[args.index("--grace-seconds") + 1])
+        save = float(args[args.index("--grace-seconds") + 1])
+        assert chaos["gracePeriod"] == spec["terminationGracePeriodSeconds"] > save
 
 
 @pytest.mark.parametrize("flavour", ["overlays/pvc", "overlays/trainer-v2"])
