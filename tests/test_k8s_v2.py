@@ -131,6 +131,19 @@ def test_trainjob_and_runtime_validate_and_the_trainjob_names_the_rendered_runti
     assert "torch" in runtime["spec"]["mlPolicy"], "the torch plugin sets the trainer Job's pod count from numNodes"
 
 
+def test_a_name_prefix_keeps_the_trainjob_on_its_runtime_and_the_runtime_on_its_config_map(tmp_path):
+    """overlays/trainer-v2/kustomizeconfig.yaml tells kustomize where these custom kinds name other
+    objects: renamed objects (a namePrefix, the ConfigMap's hash) must be renamed there too."""
+    objs = _build_with(tmp_path, "overlays/trainer-v2", namePrefix="exp1-")
+    job, runtime = _one(objs, "TrainJob"), _one(objs, "TrainingRuntime")
+    assert runtime["metadata"]["name"] == "exp1-elastic-trainer" == job["spec"]["runtimeRef"]["name"]
+    [config_map] = _config_maps(objs)
+    pod = _trainer_pod_spec(objs)
+    refs = {v["valueFrom"]["configMapKeyRef"]["name"] for c in pod["containers"] + pod["initContainers"]
+            for v in c["env"] if "configMapKeyRef" in v.get("valueFrom", {})}
+    assert config_map.startswith("exp1-elastic-trainer-config-") and refs == {config_map}
+
+
 def test_the_trainjobs_node_count_is_the_pod_count_and_within_the_agents_bounds(rendered, tmp_path):
     """numNodes is the one knob: Trainer v2 gives the trainer Job that many pods (parallelism and
     completions), each an elastic agent that accepts 1..--max-nodes nodes; a count above
