@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from elastic_trainer import cli
-from tests.helpers import k8s_pod
+from tests.helpers import k8s_pod, k8s_schemas
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
@@ -42,7 +42,8 @@ OVERLAYS = sorted(p.parent.relative_to(K8S).as_posix() for p in K8S.glob("overla
 KUSTOMIZATIONS = ["base", *OVERLAYS]
 # Components combined in one more way than the overlays do: they must patch a PyTorchJob as well.
 COMBINED = {"combined/pytorchjob+s3+gpu+etcd-tls": ("overlays/pytorchjob", ["s3", "gpu", "etcd-tls"])}
-WORKLOAD_KINDS = {"Job", "StatefulSet", "Deployment", "DaemonSet", "ReplicaSet", "CronJob", "Pod", "PyTorchJob"}
+WORKLOAD_KINDS = {"Job", "StatefulSet", "Deployment", "DaemonSet", "ReplicaSet", "CronJob", "Pod", "PyTorchJob",
+                  "TrainingRuntime"}
 
 kubectl = shutil.which("kubectl")
 needs_kubectl = pytest.mark.skipif(kubectl is None, reason="kubectl is not installed: cannot run `kubectl kustomize`")
@@ -83,6 +84,9 @@ def pod_templates(obj: dict) -> list[tuple[str, dict]]:
     if kind == "PyTorchJob":
         return [(f"{_name(obj)}[{role}]", spec["template"])
                 for role, spec in obj["spec"]["pytorchReplicaSpecs"].items()]
+    if kind == "TrainingRuntime":  # Kubeflow Trainer v2: a JobSet template (overlays/trainer-v2, tests/test_k8s_v2.py)
+        return [(f"{_name(obj)}[{job['name']}]", job["template"]["spec"]["template"])
+                for job in obj["spec"]["template"]["spec"]["replicatedJobs"]]
     if kind in WORKLOAD_KINDS:
         return [(_name(obj), obj["spec"]["template"])]
     return []
@@ -209,12 +213,12 @@ def test_every_rendered_object_validates_offline(rendered, version):
     from kubernetes_validate import utils
 
     version = utils.major_minor(utils.latest_version()) if version == "latest" else version
-    crd = _pytorchjob_validator(version)
     failures, checked = [], 0
     for path, objs in rendered.items():
         for obj in objs:
             checked += 1
-            if obj["apiVersion"] == "kubeflow.org/v1":
+            crd = k8s_schemas.validator_for(obj, version)  # the PyTorchJob's and Trainer v2's schemas
+            if crd is not None:
                 failures += [f"k8s/{path} {_name(obj)}: {'.'.join(map(str, e.path))}: {e.message[:200]}"
                              for e in crd.iter_errors(obj)]
                 continue
