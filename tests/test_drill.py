@@ -97,6 +97,18 @@ def test_main_reports_a_bad_scenario_in_one_line(capsys):
     assert "needs --netns" in capsys.readouterr().err
 
 
+def test_an_out_folder_with_an_earlier_drills_results_is_refused_in_one_line(tmp_path, capsys):
+    """Its step lines would be read with the new drill's (seen: 792 samples 'repeated' and two
+    worlds 'overlapping' for 2.5 hours, a drill of the morning counted again)."""
+    out = tmp_path / "drill"
+    (out / "nodes" / "node-0").mkdir(parents=True)
+    assert drill.main(["--out", str(out), "--nodes", "2", "--kill", "node:1@step:5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"elastic-train drill: error: --out {out} holds an earlier drill's results (nodes); "
+                   "give a new folder or remove it"]
+    assert sorted(p.name for p in out.iterdir()) == ["nodes"]  # nothing started, nothing written
+
+
 def test_help_documents_the_grammar_with_examples():
     text = drill.build_parser().format_help()
     for needle in ("[TARGET]@WHEN", "node:N", "after:K", "--random-kills", "--trainer-args=--no-resume"):

@@ -88,6 +88,10 @@ class Cluster:
 
     def setup(self) -> None:
         """Make the output folders; start the network, the tmpfs and etcd this drill needs."""
+        earlier = [name for name in ("nodes", "report.json", "etcd") if (self.out / name).exists()]
+        if earlier:  # the report reads every step line under nodes/: an earlier drill's would count
+            raise ScenarioError(f"--out {self.out} holds an earlier drill's results ({', '.join(earlier)}); "
+                                f"give a new folder or remove it")
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "nodes").mkdir(exist_ok=True)
         host = "127.0.0.1"
