@@ -23,7 +23,7 @@ from elastic_trainer import cli, devices
 from elastic_trainer.checkpoint.snapshot import cuda_devices
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.devices import CudaView, DeviceError
-from elastic_trainer.training.trainer import agree_interval, collective_failed
+from elastic_trainer.training.trainer import agree_interval, collective_failed, host_step_is_device_state
 from tests.helpers.common import REPO
 
 NO_GPU = CudaView(available=False, device_count=0, torch_version="2.13.0+cpu", cuda_build=None)
@@ -235,3 +235,8 @@ def test_a_failed_collective_is_recognised_on_any_backend():
     assert collective_failed(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
     assert not collective_failed(RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"))
     assert not collective_failed(ValueError("nccl"))
+
+
+def test_no_save_after_a_failed_collective_on_cuda_where_the_gpu_may_be_steps_ahead():
+    assert host_step_is_device_state(torch.device("cpu"))
+    assert not host_step_is_device_state(torch.device("cuda", 0))

@@ -114,6 +114,18 @@ def _abort_world_group() -> None:
         logger.info("live: abort of the process group from the watcher: %s", exc)
 
 
+def host_step_is_device_state(device: torch.device) -> bool:
+    """Whether, when a collective fails, the model and optimizer on ``device`` are those of the last
+    step the host completed (so rank 0 may save them without its peers).
+
+    On the CPU (gloo) a collective returns only once it is done, so a failure stops the host before
+    the optimizer step. On CUDA (NCCL) ``work.wait()`` only makes the compute stream wait: the host
+    queues the optimizer step, and further steps, behind an all-reduce that may never finish, and
+    when the group is aborted (watchdog, ``--collective-timeout``) those kernels run on a partial
+    result. The host's step then says nothing about the state on the GPU: no save after a failure."""
+    return device.type != "cuda"
+
+
 def run_or_failed_collective(step: Callable[[], T], recover: bool) -> tuple[T | None, str | None]:
     """``(step(), None)``, or ``(None, cause)`` when ``recover`` and a collective failed in it.
 
@@ -843,7 +855,8 @@ class Trainer:
         the last completed step) or in the step-end agreement (that step is complete on every
         rank), so rank 0 holds a consistent state it can save without its peers: the work since
         the last periodic checkpoint is kept. The commit is fenced by the rendezvous round.
-        FSDP cannot gather its shards without the lost peer, so it falls back to the last save.
+        FSDP cannot gather its shards without the lost peer, so it falls back to the last save, and
+        so does CUDA, where the GPU may have run past the failed collective (``host_step_is_device_state``).
         """
         self._log_unagreed_steps()
         if self.live is not None:  # the state lives on in the other members; leave now, visibly
@@ -853,6 +866,11 @@ class Trainer:
         if self.live is not None:  # a live rank never saves after a failure: it is fenced or recovered
             exc = None
         peer_lost = exc is not None and collective_failed(exc)
+        if peer_lost and not host_step_is_device_state(self.dinfo.device):
+            logger.warning("a collective failed (%s) on %s: not saving step %d after it (the GPU may have run the "
+                           "steps queued behind the failed collective); the newest checkpoint stays",
+                           type(exc).__name__, self.dinfo.device, self.step)
+            peer_lost = False
         # Every rank wrote the ledger line of this step before its gradient all-reduce, which
         # completed here, so a save of it is accounted for (a peer killed right after that
         # all-reduce included; the drill catalogue once caught a ledger written after it).
