@@ -556,6 +556,16 @@ def test_gpu_overlay_runs_one_worker_per_gpu(rendered):
             assert obj["spec"]["nprocPerNode"] == str(run.nproc_per_node)
 
 
+@needs_kubectl
+def test_every_trainer_pod_names_its_device(rendered):
+    """--device is said, never left to auto: cpu with the CPU image, cuda with the CUDA one (a GPU pod
+    whose GPUs torch cannot use then stops with one line instead of training on the CPU)."""
+    for path, label, obj, tmpl, container in _trainer_containers(rendered):
+        _, run = _run_config(path, container, rendered)
+        expected = "cuda" if container["image"].endswith("-cuda") else "cpu"
+        assert _trainer_flag(run.program, "--device") == expected, f"k8s/{path} {label}"
+
+
 # ------------------------------------------------------------------------------------------ etcd
 
 @needs_kubectl
