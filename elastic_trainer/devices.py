@@ -112,7 +112,11 @@ def pick_device(requested: str, local_rank: int, view: CudaView) -> torch.device
                               f"install the torch build for this driver ({DOCS}), or pass --device cpu to train "
                               "on the CPU on purpose")
         return torch.device("cpu")
-    check_local_ranks(local_rank + 1, view.device_count)
+    if local_rank >= view.device_count:
+        raise DeviceError(f"local rank {local_rank} has no GPU of its own: torch sees {view.device_count} "
+                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); run at most "
+                          f"{view.device_count} workers on this node (--nproc-per-node {view.device_count} or gpu), "
+                          "never two ranks on one GPU")
     return torch.device("cuda", local_rank)
 
 

@@ -76,8 +76,10 @@ def test_cuda_without_cuda_names_the_torch_build():
 def test_each_local_rank_gets_its_own_gpu_and_one_without_a_gpu_is_an_error():
     assert [devices.pick_device("auto", r, FOUR) for r in range(4)] == [torch.device("cuda", r) for r in range(4)]
     assert devices.pick_device("cuda", 2, FOUR) == torch.device("cuda", 2)
-    with pytest.raises(DeviceError, match="5 workers on this node need 5 GPUs, one each, but torch sees 4"):
+    with pytest.raises(DeviceError, match="local rank 4 has no GPU of its own: torch sees 4 .*--nproc-per-node 4"):
         devices.pick_device("cuda", 4, FOUR)  # was cuda:0 again (4 % 4): two ranks on one GPU
+    with pytest.raises(DeviceError, match="5 workers on this node need 5 GPUs, one each, but torch sees 4"):
+        devices.check_local_ranks(5, 4)
     devices.check_local_ranks(4, 4)
     with pytest.raises(DeviceError, match="use --nproc-per-node 2"):
         devices.check_local_ranks(8, 2)

@@ -669,7 +669,7 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
         skipped = False
         if self.scaler is not None:
-            before = self.scaler.get_scale()  # no extra wait: scaler.step() reads found_inf on the host
+            before = self.scaler.get_scale()  # waits for the backward, as scaler.step() does to read found_inf
             self.scaler.step(self.optimizer)
             self.scaler.update()
             skipped = devices.scaler_skipped_step(before, self.scaler.get_scale())
