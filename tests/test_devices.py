@@ -142,6 +142,18 @@ def test_a_step_the_scaler_skipped_is_told_by_its_scale():
     assert not devices.scaler_skipped_step(1024.0, 2048.0)  # growth after a run of good steps
 
 
+def test_tf32_switches_cublas_and_cudnn_for_a_cuda_device():
+    saved = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:  # the flags are process settings: setting them needs no GPU
+        devices.set_tf32(torch.device("cuda", 0), True)
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        devices.set_tf32(torch.device("cuda", 0), False)
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.cudnn.allow_tf32 = saved[1]
+
+
 def test_tf32_is_left_alone_on_the_cpu():
     before = torch.get_float32_matmul_precision()
     devices.set_tf32(torch.device("cpu"), True)

@@ -105,6 +105,20 @@ def test_a_world_of_one_over_nccl_trains_resumes_and_names_nccl_first(tmp_path):
     assert again.returncode == 0 and "resumed from checkpoint step-5" in again.stderr, again.stderr[-3000:]
 
 
+def test_launcher_refuses_more_workers_than_gpus(tmp_path, capsys, monkeypatch):
+    from elastic_trainer import cli
+
+    def launch(run):
+        raise AssertionError(f"launched {run.nproc_per_node} workers on {torch.cuda.device_count()} GPU(s)")
+    monkeypatch.setattr(cli, "_launch", launch)
+    n = torch.cuda.device_count()
+    argv = ["--nproc-per-node", str(n + 1), "--rdzv-backend", "c10d",  # c10d: no etcd binary needed for the checks
+            "--checkpoint-dir", str(tmp_path / "ck"), "--log-dir", str(tmp_path / "l")]
+    assert cli.main([*argv, "--", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{n + 1} workers on this node need {n + 1} GPUs" in err, err
+
+
 @pytest.mark.slow
 def test_elastic_train_nproc_gpu_runs_one_worker_per_gpu(tmp_path):
     from elastic_trainer.etcd_server import EtcdError, find_etcd_binary
