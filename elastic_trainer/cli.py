@@ -88,11 +88,13 @@ def _positive_int(flag: str):
 
 
 def _nproc(text: str) -> int:
-    if text in ("auto", "gpu"):
-        import torch
-        return max(1, torch.cuda.device_count()) if text == "auto" else torch.cuda.device_count() or 1
-    if text == "cpu":
-        return 1
+    if text in ("auto", "gpu", "cpu"):
+        from elastic_trainer import devices
+
+        try:
+            return devices.nproc_per_node(text, devices.CudaView.probe())
+        except devices.DeviceError as exc:  # `gpu` without a GPU: an error, as torchrun's
+            raise argparse.ArgumentTypeError(str(exc)) from None
     return _positive_int("--nproc-per-node")(text)
 
 
@@ -139,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.add_argument("--nnodes", type=_nnodes, default=None, metavar="MIN:MAX",
                        help="torchrun's spelling of --min-nodes/--max-nodes: N or MIN:MAX")
     nodes.add_argument("--nproc-per-node", "--nproc_per_node", type=_nproc, default=1, metavar="N",
-                       help="workers on this node: a number, 'auto' (one per GPU, else 1), 'gpu' or 'cpu' (default 1)")
+                       help="workers on this node: a number, 'auto' (one per GPU, else 1), 'gpu' (one per GPU; an "
+                            "error without one) or 'cpu' (1) (default 1)")
     rdzv = p.add_argument_group("rendezvous")
     rdzv.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, metavar="HOST:PORT[,HOST:PORT]",
                       help="etcd to meet through; leave out to start the embedded etcd on this machine")
@@ -258,6 +261,28 @@ def check_trainer_flags(run: RunConfig, given_here: dict[str, str | None]) -> No
             raise UsageError(f"{cfg.flag_name(name)} is given twice, {here!r} before `--` and {there!r} "
                              "after it; give it once")
         setattr(run, name, there)
+
+
+def check_devices(run: RunConfig) -> None:
+    """The built-in trainer's ``--device`` and ``--amp`` against the GPUs this node shows (its
+    workers see the same ones): ``--device auto`` on a node whose GPUs torch cannot use, ``cuda``
+    without CUDA, more workers than GPUs, ``--amp fp16`` on the CPU end the launcher now with one
+    line, instead of training on the CPU by accident or failing in every worker later. (Whether a
+    GPU has bf16 is left to the workers: asking would make a CUDA context in the launcher.)"""
+    from elastic_trainer import devices, train
+
+    if run.program[:2] != BUILTIN_TRAINER:
+        return
+    environ = {cfg.ENV_CHECKPOINT_DIR: run.checkpoint_dir or "", cfg.ENV_LOG_DIR: run.log_dir or ""}
+    trainer = train.parse_config(run.program[2:], train.build_parser(_TrainerParser, environ))
+    view = devices.CudaView.probe()
+    try:
+        device = devices.pick_device(trainer.device, 0, view)
+        if device.type == "cuda":
+            devices.check_local_ranks(run.nproc_per_node, view.device_count)
+        devices.amp_plan(trainer.amp, device)
+    except devices.DeviceError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def rendezvous_etcd_options(run: RunConfig):
@@ -554,6 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         old_umask = os.umask(run.umask)
         try:
             check_environment(run)
+            check_devices(run)
             return _launch(run)
         finally:
             os.umask(old_umask)

@@ -40,11 +40,6 @@ ENV_RDZV_ROUND = "ELASTIC_TRAINER_RDZV_ROUND"
 DEFAULT_RUN_ID = "elastic-run"
 
 
-def _cuda_available() -> bool:
-    import torch  # only the worker's config asks; the launcher's flags need no torch
-
-    return torch.cuda.is_available()
-
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
@@ -223,8 +218,14 @@ class TrainConfig:
         "execution", "Shard parameters, gradients and optimizer state with FSDP (fully_shard) instead of DDP."))
     bucket_cap_mb: float | None = field(default=None, metadata=flag(
         "execution", "DDP gradient bucket size in MiB; none = torch's default (25)."))
-    amp: bool = field(default=False, metadata=flag(
-        "execution", "Mixed precision: bf16 autocast on CPU; fp16 autocast with a GradScaler on CUDA."))
+    amp: str = field(default="off", metadata=flag(
+        "execution", "Mixed precision: bf16 (autocast to bfloat16, no loss scaling; CUDA on Ampere or newer, "
+        "or the CPU), fp16 (float16 autocast with a GradScaler; CUDA only) or off. Saved in the checkpoint "
+        "with the scaler's state; a resume with another value says so and starts a fresh scaler.",
+        choices=("off", "bf16", "fp16")))
+    tf32: bool = field(default=True, metadata=flag(
+        "execution", "TF32 for float32 matmuls and convolutions on CUDA (Ampere or newer); --no-tf32 keeps "
+        "full float32. No effect on the CPU."))
     compile: bool = field(default=False, metadata=flag("execution", "Wrap the model in torch.compile."))
     seed: int = field(default=0, metadata=flag(
         "execution", "Seeds python, numpy, torch (the model's initialisation) and the sampler's permutations."))
@@ -265,8 +266,14 @@ class TrainConfig:
         devices = train_field("device").metadata["choices"]
         if self.device not in devices:
             raise ValueError(f"--device must be {', '.join(devices[:-1])} or {devices[-1]}, got {self.device!r}")
-        if self.device == "cuda" and not _cuda_available():
-            raise ValueError("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
+        # Whether this node can run --device is checked where it runs: the launcher (cli.check_devices)
+        # and each worker (devices.pick_device), not here (the k8s manifests are parsed off the node).
+        amps = train_field("amp").metadata["choices"]
+        if self.amp not in amps:
+            raise ValueError(f"--amp must be {', '.join(amps[:-1])} or {amps[-1]}, got {self.amp!r}")
+        if self.amp == "fp16" and self.device == "cpu":
+            raise ValueError("--amp fp16 needs CUDA (float16 autocast with a GradScaler); with --device cpu "
+                             "use --amp bf16 or --amp off")
         if self.task is not None and ":" not in self.task:
             raise ValueError(f"--task {self.task!r} must look like package.module:build")
         if self.init_from is not None and not (self.init_from.endswith(".safetensors")

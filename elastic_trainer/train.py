@@ -92,9 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     from elastic_trainer.training.trainer import EXIT_PEER_STOPPED, PEER_STOPPED, Trainer
 
     from elastic_trainer.training.live import EXIT_EXCLUDED, LiveExcluded, RunFinished
+    from elastic_trainer.devices import DeviceError
 
     try:
         summary = Trainer(config).train()
+    except DeviceError as exc:  # the node cannot run the --device/--amp asked for: one line, no traceback
+        print(f"elastic_trainer.train: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     except RunFinished:  # a spare that was never needed: the run is done
         return 0
     except LiveExcluded:  # left out of the live group: the agent starts this worker again as a newcomer

@@ -19,6 +19,22 @@ from elastic_trainer.etcd_server import EtcdServer, free_port
 _HANDLER_EXPORTS = "ELASTIC_TRAINER_RDZV_"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: where torch sees none they are skipped, saying why."""
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_tests:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    why = ("CPU-only torch build" if torch.version.cuda is None
+           else f"torch built for CUDA {torch.version.cuda} sees no GPU")
+    skip = pytest.mark.skip(reason=f"needs CUDA ({why}); run `pytest -m gpu` on a GPU machine")
+    for item in gpu_tests:
+        item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _restore_rendezvous_exports():
     """Undo what a rendezvous handler run in-process exports after every test.

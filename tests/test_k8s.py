@@ -554,9 +554,20 @@ def test_gpu_overlay_runs_one_worker_per_gpu(rendered):
         gpus = container["resources"]["limits"]["nvidia.com/gpu"]
         assert int(gpus) == run.nproc_per_node > 1, f"k8s/{path} {label}"
         assert container["image"].endswith("-cuda")
+        assert _trainer_flag(run.program, "--device") == "cuda", f"k8s/{path} {label}: ask for CUDA explicitly"
         assert any(t["key"] == "nvidia.com/gpu" for t in tmpl["spec"]["tolerations"])
         if obj["kind"] == "PyTorchJob":
             assert obj["spec"]["nprocPerNode"] == str(run.nproc_per_node)
+
+
+@needs_kubectl
+def test_every_trainer_pod_names_its_device(rendered):
+    """--device is said, never left to auto: cpu with the CPU image, cuda with the CUDA one (a GPU pod
+    whose GPUs torch cannot use then stops with one line instead of training on the CPU)."""
+    for path, label, obj, tmpl, container in _trainer_containers(rendered):
+        _, run = _run_config(path, container, rendered)
+        expected = "cuda" if container["image"].endswith("-cuda") else "cpu"
+        assert _trainer_flag(run.program, "--device") == expected, f"k8s/{path} {label}"
 
 
 # ------------------------------------------------------------------------------------------ etcd
@@ -871,9 +882,14 @@ def test_dockerfile_builds_cpu_and_cuda_variants_and_runs_as_non_root():
     froms = [a for i, a in steps if i == "FROM"]
     assert froms and all(a.split()[0].startswith("python:3.11-slim") for a in froms), froms
     args = {a.split("=", 1)[0]: (a.split("=", 1) + [""])[1] for i, a in steps if i == "ARG"}
-    assert args.get("VARIANT") == "cpu", "ARG VARIANT=cpu (or cuda) picks the torch build"
+    assert args.get("TORCH_VARIANT") == "cpu", "ARG TORCH_VARIANT=cpu (or cu126, cu128, ...) picks the torch build"
     runs = " ".join(a for i, a in steps if i == "RUN")
-    assert 'torch==${TORCH_VERSION}+cpu' in runs and "cuda" in runs
+    assert 'torch==${TORCH_VERSION}+cpu' in runs and 'torch==${TORCH_VERSION}+${TORCH_VARIANT}' in runs
+    # CUDA images carry the RDMA user libraries NCCL opens for InfiniBand/RoCE (else: TCP sockets, silently)
+    assert "libibverbs1" in runs and "ibverbs-providers" in runs
+    text = (REPO / "Dockerfile").read_text()
+    for variant, driver in (("cu126", "560.28"), ("cu128", "570.26")):  # the driver each CUDA build needs
+        assert re.search(rf"{variant} >= {re.escape(driver)}", text), f"say which driver {variant} needs"
     assert {"PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"} <= set(args), "the builder passes pip its indexes"
     assert "://" not in runs, "the Dockerfile names no package index (pip gets them from build args)"
     users = [a for i, a in steps if i == "USER"]

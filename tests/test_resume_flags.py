@@ -80,6 +80,19 @@ def test_resume_with_another_dataset_size_names_the_flag(tmp_path):
         Trainer(config).train()
 
 
+def test_resume_with_another_amp_says_so_and_keeps_the_flag_in_the_checkpoint(tmp_path, capsys):
+    from elastic_trainer.checkpoint import CheckpointManager
+
+    _train(tmp_path, "a", "--global-batch-size", "16", "--max-steps", "2", "--amp", "bf16")
+    assert CheckpointManager(str(tmp_path / "ck")).load()[1]["meta"]["amp"] == "bf16"
+    capsys.readouterr()
+    resumed = _train(tmp_path, "b", "--global-batch-size", "16", "--max-steps", "4", "--amp", "off")
+    assert resumed["step"] == 4 and "--amp changed: bf16 -> off" in capsys.readouterr().err
+    assert CheckpointManager(str(tmp_path / "ck")).load()[1]["meta"]["amp"] == "off"
+    _train(tmp_path, "c", "--global-batch-size", "16", "--max-steps", "5", "--amp", "off")
+    assert "--amp changed" not in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_elastic_train_run_again_with_a_larger_batch_trains_the_rest_of_the_epoch(tmp_path, procs):

@@ -373,7 +373,7 @@ def test_wandb_restart_before_the_first_checkpoint_resumes_the_same_run(tmp_path
 # ------------------------------------------------------------------------------------- features
 
 def test_amp_bf16_on_cpu_trains(tmp_path):
-    out = train_inprocess(*TINY, "--amp", "--max-steps", "2", "--global-batch-size", "8",
+    out = train_inprocess(*TINY, "--amp", "bf16", "--max-steps", "2", "--global-batch-size", "8",
                           "--log-dir", str(tmp_path / "l"))
     assert out["step"] == 2 and torch.isfinite(torch.tensor(out["loss"]))
 

@@ -102,6 +102,17 @@ class _Walk:
         self.missing = False  # a tensor found none
 
 
+def cuda_devices(tensors: list[torch.Tensor]) -> list[torch.device]:
+    """The CUDA devices ``tensors`` live on, in first-seen order: the ones whose queued copies a
+    snapshot must wait for (``torch.cuda.synchronize()`` alone waits for the *current* device,
+    which need not be the state's)."""
+    seen: dict[torch.device, None] = {}
+    for t in tensors:
+        if t.is_cuda:
+            seen.setdefault(t.device, None)
+    return list(seen)
+
+
 class Snapshotter:
     """Copies a state into CPU memory: every dense tensor into its view of one ``Arena``.
 
@@ -140,8 +151,8 @@ class Snapshotter:
             snap = self._copy(state, (), walk)
         if walk.dst:
             torch._foreach_copy_(walk.dst, walk.src, non_blocking=True)
-            if any(t.is_cuda for t in walk.src):
-                torch.cuda.synchronize()
+            for device in cuda_devices(walk.src):  # the copies' own GPUs, not the current one
+                torch.cuda.synchronize(device)
         deferred = DeferredCopy(walk.later, stats if stats is not None else {}) if walk.later else None
         return Snapshot(snap, self.arena), deferred
 

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer import config as cfgmod
+from elastic_trainer import devices
 from elastic_trainer import records
 from elastic_trainer.checkpoint import storage
 from elastic_trainer.records import Event, EventRecord, JsonLines, LedgerRecord, StepRecord
@@ -85,12 +86,22 @@ def wandb_exit_code(stopped_by: str | None) -> int:
     return metrics.PREEMPTED_EXIT_CODE
 
 
-def _collective_failed(exc: BaseException) -> bool:
-    """A collective with a peer failed (the peer died, or its group was torn down)."""
+def collective_failed(exc: BaseException) -> bool:
+    """A collective with a peer failed (the peer died, or its group was torn down), on any backend:
+    torch raises ``DistError`` subclasses (``DistBackendError`` for NCCL's errors and timeouts), and
+    plain ``RuntimeError``s whose text names the backend (gloo, NCCL) or the connection."""
     if isinstance(exc, dist.DistError):
         return True
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(k in text for k in ("gloo", "nccl", "connection", "peer"))
+
+
+def agree_interval(host_cycle_s: float, device_step_s: float | None = None) -> int:
+    """Steps between two step-end agreements: about 0.2 s of steps, 1 to 32. A step takes the
+    longer of the host's cycle (start to start) and the device's own time for it (CUDA), since the
+    host only queues the GPU's work and runs ahead of it until a synchronisation point."""
+    cycle = max(host_cycle_s, device_step_s or 0.0)
+    return max(1, min(32, int(0.2 / cycle))) if cycle > 0 else 1
 
 
 def _abort_world_group() -> None:
@@ -101,6 +112,18 @@ def _abort_world_group() -> None:
             dist.group.WORLD.abort()
     except Exception as exc:  # noqa: BLE001 - the group may already be gone (re-formed meanwhile)
         logger.info("live: abort of the process group from the watcher: %s", exc)
+
+
+def host_step_is_device_state(device: torch.device) -> bool:
+    """Whether, when a collective fails, the model and optimizer on ``device`` are those of the last
+    step the host completed (so rank 0 may save them without its peers).
+
+    On the CPU (gloo) a collective returns only once it is done, so a failure stops the host before
+    the optimizer step. On CUDA (NCCL) ``work.wait()`` only makes the compute stream wait: the host
+    queues the optimizer step, and further steps, behind an all-reduce that may never finish, and
+    when the group is aborted (watchdog, ``--collective-timeout``) those kernels run on a partial
+    result. The host's step then says nothing about the state on the GPU: no save after a failure."""
+    return device.type != "cuda"
 
 
 def run_or_failed_collective(step: Callable[[], T], recover: bool) -> tuple[T | None, str | None]:
@@ -114,7 +137,7 @@ def run_or_failed_collective(step: Callable[[], T], recover: bool) -> tuple[T | 
     try:
         return step(), None
     except Exception as exc:  # noqa: BLE001 - only a failed collective is recovered; the rest re-raises
-        if not recover or not _collective_failed(exc):
+        if not recover or not collective_failed(exc):
             raise
         return None, f"a collective failed ({type(exc).__name__})"
 
@@ -156,7 +179,7 @@ class Trainer:
         self._boundaries = 0  # step boundaries passed: a SIGTERM watchdog tells a hung step by it
         self._signal_lock = threading.Lock()
         self._saving_after_failure = False
-        self._pending: list[tuple] = []  # (step, epoch, offset, loss sum, step s, end time) not in the step log yet
+        self._pending: list[tuple] = []  # (step, epoch, offset, loss sum, StepTime, end time) not in the step log yet
         self._boundary_at: float | None = None  # perf_counter at the end of the last step
         self._cycle_s: float | None = None  # seconds from one step's end to the next's
         self._last_step_s: float | None = None
@@ -203,6 +226,13 @@ class Trainer:
                 self.live.on_member_lost = lambda why: _abort_world_group()
             join_live(d, c, self.live)
         metrics.set_rank(d.rank)
+        self.amp = devices.amp_plan(c.amp, d.device, bf16_supported=d.device.type != "cuda"
+                                    or torch.cuda.is_bf16_supported(including_emulation=False))
+        devices.set_tf32(d.device, c.tf32)
+        self.timer = devices.step_timer(d.device)
+        # The run's first line: where it trains, over what, with which build (never CPU by surprise).
+        print0(devices.describe(d.device, dist.get_backend() if d.distributed else "none (single process)")
+               + f", amp {c.amp}" + (f", tf32 {'on' if c.tf32 else 'off'}" if d.device.type == "cuda" else ""))
         self.gbs = c.global_batch_size * (d.world_size if c.scale_lr else 1)
         self.events = JsonLines(records.events_path(self.log_dir) if d.is_main or self.live else None)
         self.step_log = JsonLines(records.steps_path(self.log_dir, d.rank, pid) if c.step_log else None)
@@ -252,11 +282,9 @@ class Trainer:
         return found
 
     def _autocast(self):
-        if not self.config.amp:
+        if self.amp.dtype is None:
             return contextlib.nullcontext()
-        if self.dinfo.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.float16)
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+        return torch.autocast(self.dinfo.device.type, dtype=self.amp.dtype)
 
     def _make_optimizer(self) -> None:
         c = self.config
@@ -267,7 +295,7 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] *= self.dinfo.world_size
         self.scheduler = self.task.scheduler_fn(self.optimizer) if self.task.scheduler_fn is not None else None
-        self.scaler = (torch.amp.GradScaler("cuda") if c.amp and self.dinfo.device.type == "cuda" else None)
+        self.scaler = torch.amp.GradScaler("cuda") if self.amp.scaler else None
 
     # ---- state -----------------------------------------------------------------------
     def _capture_state(self, any_rank: bool = False) -> dict | None:
@@ -290,7 +318,7 @@ class Trainer:
                      "world_size": self.dinfo.world_size, "wandb_run_id": self.run_id,
                      "lr_world_size": self.dinfo.world_size if self.config.scale_lr else 1,
                      "global_batch_size": self.gbs, "round": self.dinfo.round, "time": time.time(),
-                     "fsdp": self.par.fsdp},
+                     "fsdp": self.par.fsdp, "amp": self.config.amp},
         }
 
     def _sharded(self) -> bool:
@@ -350,6 +378,10 @@ class Trainer:
                     world_size=d.world_size, saved_world_size=prev_world)
         self._event("resume", step=self.step, world_size=d.world_size, restart=d.restart, round=d.round)
         self._check_resume_flags(step)
+        saved_amp = state.get("meta", {}).get("amp")
+        if saved_amp is not None and saved_amp != c.amp:
+            print0(f"--amp changed: {saved_amp} -> {c.amp}"
+                   + ("; the grad scaler starts fresh" if self.scaler is not None else ""))
         saved_gbs = state.get("meta", {}).get("global_batch_size")
         if saved_gbs is not None and int(saved_gbs) != self.gbs:
             print0(f"global batch changed: {saved_gbs} -> {self.gbs} samples; epoch {self.sampler.epoch} continues at "
@@ -500,12 +532,13 @@ class Trainer:
         c = self.config
         if self.live is not None:
             self.live.check_lease()  # a worker paused past its lease never starts a step in the old group
-        t0 = time.perf_counter()
+        self.timer.start()
         loss_sum = self._train_step(self.batches)
         self._boundaries += 1
-        self._last_step_s = time.perf_counter() - t0
-        self._pending.append((self.step, self.sampler.epoch, self.sampler.offset, loss_sum, self._last_step_s,
-                              time.time()))
+        took = self.timer.stop()  # CUDA: known once the GPU ran the step (at the agreement at the latest)
+        if took.ready():
+            self._last_step_s = took.seconds()
+        self._pending.append((self.step, self.sampler.epoch, self.sampler.offset, loss_sum, took, time.time()))
         self._agree_in -= 1
         every_n = c.checkpoint_every is not None and self.step % c.checkpoint_every == 0
         if self._agree_in > 0 and not every_n and not self._done(total):
@@ -573,7 +606,7 @@ class Trainer:
         agreed = time.perf_counter()
         d.rank, d.world_size, d.round = quorum.rank_of(self.live.id), quorum.world_size, quorum.q
         metrics.set_rank(d.rank)
-        self.live.init_process_group("nccl" if d.device.type == "cuda" else "gloo", c.collective_timeout, d.device)
+        self.live.init_process_group(devices.backend_for(d.device), c.collective_timeout, d.device)
         grouped = time.perf_counter()
         state = None
         if quorum.receivers:
@@ -636,12 +669,15 @@ class Trainer:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
+        skipped = False
         if self.scaler is not None:
+            before = self.scaler.get_scale()  # waits for the backward, as scaler.step() does to read found_inf
             self.scaler.step(self.optimizer)
             self.scaler.update()
+            skipped = devices.scaler_skipped_step(before, self.scaler.get_scale())
         else:
             self.optimizer.step()
-        if self.scheduler is not None:
+        if self.scheduler is not None and not skipped:  # a skipped step leaves the schedule where it is
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.sampler.commit_step()
@@ -663,6 +699,7 @@ class Trainer:
         """
         d = self.dinfo
         losses = torch.stack([p[3] for p in self._pending])
+        self._last_step_s = self._pending[-1][4].seconds()  # CUDA: waits for the GPU, as the all-reduce would
         interval = float(self._agree_interval()) if d.is_main else 0.0
         flags = torch.tensor([float(signalled), float(timed_out), float(save_due), float(reform), interval],
                              dtype=torch.float64,
@@ -672,11 +709,11 @@ class Trainer:
             dist.all_reduce(shared)
         n = len(self._pending)
         values = shared.tolist()
-        for (step, epoch, offset, _, step_time, ended), loss in zip(self._pending, values[:n]):
+        for (step, epoch, offset, _, took, ended), loss in zip(self._pending, values[:n]):
             self.last_loss = loss / self.gbs
             if self.first_loss is None:
                 self.first_loss = (step, self.last_loss)
-            self._log_step(step, epoch, offset, step_time, ended)
+            self._log_step(step, epoch, offset, took.seconds(), ended)
         self._pending.clear()
         return values[n] > 0, values[n + 1] > 0, values[n + 2] > 0, values[n + 3] > 0, max(1, int(values[n + 4]))
 
@@ -691,9 +728,11 @@ class Trainer:
         self._boundary_at = now
 
     def _agree_interval(self) -> int:
-        """Steps between agreements: about 0.2 s of steps (start to start), 1 to 32 (rank 0 decides)."""
-        cycle = self._cycle_s or 0.0
-        return max(1, min(32, int(0.2 / cycle))) if cycle > 0 else 1
+        """Steps between agreements: about 0.2 s of steps (start to start), 1 to 32 (rank 0 decides).
+
+        The host's cycle is how long a step took to queue; on CUDA the GPU may be far behind it, so
+        the cycle is at least the last step's time on the GPU (CUDA events, ``devices.step_timer``)."""
+        return agree_interval(self._cycle_s or 0.0, self._last_step_s if self.dinfo.device.type == "cuda" else None)
 
     def _log_ledger(self, step: int, epoch: int, consumed: list[int]) -> None:
         self.ledger.write(LedgerRecord(step=step, epoch=epoch, round=self.dinfo.round, indices=consumed))
@@ -818,7 +857,8 @@ class Trainer:
         the last completed step) or in the step-end agreement (that step is complete on every
         rank), so rank 0 holds a consistent state it can save without its peers: the work since
         the last periodic checkpoint is kept. The commit is fenced by the rendezvous round.
-        FSDP cannot gather its shards without the lost peer, so it falls back to the last save.
+        FSDP cannot gather its shards without the lost peer, so it falls back to the last save, and
+        so does CUDA, where the GPU may have run past the failed collective (``host_step_is_device_state``).
         """
         self._log_unagreed_steps()
         if self.live is not None:  # the state lives on in the other members; leave now, visibly
@@ -827,7 +867,12 @@ class Trainer:
             return
         if self.live is not None:  # a live rank never saves after a failure: it is fenced or recovered
             exc = None
-        peer_lost = isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc).lower())
+        peer_lost = exc is not None and collective_failed(exc)
+        if peer_lost and not host_step_is_device_state(self.dinfo.device):
+            logger.warning("a collective failed (%s) on %s: not saving step %d after it (the GPU may have run the "
+                           "steps queued behind the failed collective); the newest checkpoint stays",
+                           type(exc).__name__, self.dinfo.device, self.step)
+            peer_lost = False
         # Every rank wrote the ledger line of this step before its gradient all-reduce, which
         # completed here, so a save of it is accounted for (a peer killed right after that
         # all-reduce included; the drill catalogue once caught a ledger written after it).

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer import config as cfgmod
+from elastic_trainer import devices
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.tasks import Task
 
@@ -64,16 +65,19 @@ def setup_distributed(config: TrainConfig, live=None) -> DistInfo:
     info = DistInfo(rank=_env_int("RANK", 0), world_size=_env_int("WORLD_SIZE", 1),
                     local_rank=_env_int("LOCAL_RANK", 0), round=_env_int(cfgmod.ENV_RDZV_ROUND),
                     restart=_env_int("TORCHELASTIC_RESTART_COUNT", 0))
-    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
-        info.device = torch.device("cuda", torch.cuda.current_device())
+    info.device = devices.pick_device(config.device, info.local_rank, devices.CudaView.probe())
+    if info.device.type == "cuda":
+        torch.cuda.set_device(info.device)
     if live is not None:
         return info
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if use_cuda else "gloo",
-                                    timeout=datetime.timedelta(seconds=config.collective_timeout))
+            backend = devices.backend_for(info.device)
+            # NCCL: bound to this rank's GPU, so that its communicators are made here (eagerly), not
+            # inside the first collective, and a wrong device is an error now.
+            extra = {"device_id": info.device} if backend == "nccl" else {}
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.collective_timeout),
+                                    **extra)
         info.distributed = True
         info.rank, info.world_size = dist.get_rank(), dist.get_world_size()
     return info
@@ -96,8 +100,7 @@ def join_live(info: DistInfo, config: TrainConfig, live) -> None:
     t0 = time.perf_counter()
     quorum = live.join()
     t1 = time.perf_counter()
-    live.init_process_group("nccl" if info.device.type == "cuda" else "gloo", config.collective_timeout,
-                            info.device)
+    live.init_process_group(devices.backend_for(info.device), config.collective_timeout, info.device)
     logger.info("live: admitted to quorum %d as rank %d of %d after %.3fs (%s); group in %.3fs", quorum.q,
                 dist.get_rank(), quorum.world_size, t1 - t0, "cold start" if quorum.cold else "newcomer",
                 time.perf_counter() - t1)
