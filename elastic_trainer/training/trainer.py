@@ -272,11 +272,14 @@ class Trainer:
     # ---- state -----------------------------------------------------------------------
     def _capture_state(self, any_rank: bool = False) -> dict | None:
         """The checkpoint's content (collective under FSDP; None on ranks other than 0 unless ``any_rank``)."""
-        from elastic_trainer.checkpoint import capture_rng_state
+        from elastic_trainer.training.rng import gather_rng_states
 
         sharded = self._sharded() and not any_rank  # each rank saves its own shards (sharded.py)
         model_state = {} if sharded else self.par.model_state()
         optim_state = {} if sharded else self.par.optimizer_state(self.optimizer)
+        # every rank's own generators (a collective), unless this rank saves alone (a live peer's
+        # state, or rank 0 after a lost peer): then its own only (training/rng.py)
+        rng = gather_rng_states(self.dinfo.device, gather=not any_rank and not self._saving_after_failure)
         if not self.dinfo.is_main and not any_rank:
             return None
         parts = {} if sharded else {"model": model_state, "optimizer": optim_state}
@@ -284,7 +287,7 @@ class Trainer:
             **parts,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
             "scaler": self.scaler.state_dict() if self.scaler is not None else {},
-            "rng": capture_rng_state(),
+            "rng": rng,
             "sampler": self.sampler.state_dict(),
             "meta": {"step": self.step, "epoch": self.sampler.epoch, "offset": self.sampler.offset,
                      "world_size": self.dinfo.world_size, "wandb_run_id": self.run_id,
@@ -303,6 +306,7 @@ class Trainer:
     def _restore(self, step: int, state: dict) -> None:
         """Put a loaded checkpoint back (model before wrapping; the rest after)."""
         from elastic_trainer.checkpoint import restore_rng_state
+        from elastic_trainer.training.rng import rng_state_for_rank
 
         meta = state.get("meta", {})
         if bool(meta.get("fsdp", False)) != self.par.fsdp:
@@ -325,7 +329,7 @@ class Trainer:
                 group["lr"] *= ratio
             if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
                 self.scheduler.base_lrs = [lr * ratio for lr in self.scheduler.base_lrs]
-        restore_rng_state(state["rng"])
+        restore_rng_state(rng_state_for_rank(state["rng"], self.dinfo.rank), self.dinfo.device)
         self.sampler.load_state_dict(state["sampler"])
         self.step = int(meta.get("step", step))
         self.run_id = meta.get("wandb_run_id")
