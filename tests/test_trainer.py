@@ -455,6 +455,26 @@ def test_resume_with_dropout_on_two_ranks_is_bitwise_equal_to_an_uninterrupted_r
         assert_same_state(a[key], b[key], key)
 
 
+@pytest.mark.slow
+def test_fsdp_on_three_ranks_with_an_uneven_global_batch_pads_and_matches_ddp(tmp_path):
+    """A global batch of 5 in micro-batches of 1 on 3 ranks: shares of 2, 2 and 1 samples. Under FSDP
+    every forward is a collective, so rank 2 runs a zero-weight padding micro-batch (else it would
+    wait in a collective the others never join); the losses and the model are those of DDP."""
+    args = [*TINY, "--global-batch-size", "5", "--micro-batch-size", "1", "--max-steps", "3"]
+    _torchrun(3, *args, "--fsdp", "--collective-timeout", "60", "--checkpoint-dir", str(tmp_path / "fsdp"),
+              "--log-dir", str(tmp_path / "lf"))
+    _torchrun(3, *args, "--checkpoint-dir", str(tmp_path / "ddp"), "--log-dir", str(tmp_path / "ld"))
+    fsdp_losses = [s.loss for s in records.read_steps(tmp_path / "lf", rank=0)]
+    ddp_losses = [s.loss for s in records.read_steps(tmp_path / "ld", rank=0)]
+    assert len(fsdp_losses) == len(ddp_losses) == 3
+    assert fsdp_losses[0] == ddp_losses[0]  # the same parameters and samples: the padding counts for nothing
+    assert fsdp_losses == pytest.approx(ddp_losses, rel=1e-5)
+    step, fsdp = latest(tmp_path / "fsdp")
+    model = gathered(CheckpointManager(str(tmp_path / "fsdp")), step, fsdp)["model"]
+    worst, gauge = param_drift(model, latest(tmp_path / "ddp")[1]["model"])
+    assert step == 3 and worst < 1e-5 and gauge <= 3 * 1e-3 * 1.01
+
+
 # ------------------------------------------------------------------------------------- console
 
 LOGGING_TASK = '''

@@ -616,22 +616,33 @@ class Trainer:
 
         The step's ledger line is written once its last micro-batch is fetched, before the backward
         that all-reduces the gradients: a step whose all-reduce completed anywhere was logged by
-        every rank, even one killed right after it (see ``_abort``)."""
+        every rank, even one killed right after it (see ``_abort``).
+
+        Under FSDP every forward and backward is a collective, so every rank runs the same number
+        of micro-batches, ``sampler.lockstep_micro_batches``: a rank with a smaller share of an
+        uneven global batch (``--micro-batch-size 1``, ``B % W != 0``; any world-size change can
+        make it so) runs its last micro-batch once more with weight 0, which adds nothing to the
+        gradient or the loss (a model with batch norm would update its running statistics with it)."""
         from elastic_trainer.sampler import loss_weight
 
         d = self.dinfo
         loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)  # on the device: no sync per micro-batch
         consumed: list[int] = []
         mbps = self.sampler.micro_batches_per_step
-        for i in range(mbps):
-            epoch, indices, batch = batches.next(first_of_step=i == 0)
-            consumed.extend(indices)
+        runs = self.sampler.lockstep_micro_batches if self.par.fsdp else mbps
+        for i in range(runs):
+            if i < mbps:
+                epoch, indices, batch = batches.next(first_of_step=i == 0)
+                consumed.extend(indices)
+                weight = loss_weight(len(indices), self.gbs, d.world_size)
+            else:  # padding: the same collectives as the other ranks' extra micro-batch, weight 0
+                weight, indices = 0.0, []
             if i == mbps - 1:
                 self._log_ledger(self.step + 1, epoch, consumed)
-            with (self.par.no_sync() if i < mbps - 1 else contextlib.nullcontext()):  # all-reduce on the last only
+            with (self.par.no_sync() if i < runs - 1 else contextlib.nullcontext()):  # all-reduce on the last only
                 with self._autocast():
                     loss = self.task.compute_loss(self.model, batch)
-                scaled = loss.float() * loss_weight(len(indices), self.gbs, d.world_size)
+                scaled = loss.float() * weight
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             loss_sum += loss.detach().double() * len(indices)
         if self.config.clip_grad_norm:
