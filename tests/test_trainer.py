@@ -456,6 +456,27 @@ def test_resume_with_dropout_on_two_ranks_is_bitwise_equal_to_an_uninterrupted_r
 
 
 @pytest.mark.slow
+def test_fsdp_shards_each_transformer_block_then_the_root(tmp_path):
+    """Each encoder and decoder layer is its own FSDP unit (then the root, for the embeddings and the
+    head), so a block's parameters are gathered only around its own forward: while the first
+    encoder layer runs, the decoder's are still sharded. Each rank holds about half the bytes."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(Path(REPO) / "tests" / "helpers" / "fsdp_blocks.py"), str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for report in reports:
+        assert report["units"] == ["<root>", "transformer.decoder.layers.0", "transformer.decoder.layers.1",
+                                   "transformer.encoder.layers.0", "transformer.encoder.layers.1"]
+        assert report["decoder_sharded_during_encoder"] is True
+        assert all(p["dtensor"] and p["shard_dim0"] for p in report["params"].values())
+        total = sum(p["global_bytes"] for p in report["params"].values())
+        local = sum(p["local_bytes"] for p in report["params"].values())
+        assert abs(local - total / 2) <= 0.01 * total, (local, total)
+    assert sum(sum(p["local_bytes"] for p in r["params"].values()) for r in reports) == total
+
+
+@pytest.mark.slow
 def test_fsdp_on_three_ranks_with_an_uneven_global_batch_pads_and_matches_ddp(tmp_path):
     """A global batch of 5 in micro-batches of 1 on 3 ranks: shares of 2, 2 and 1 samples. Under FSDP
     every forward is a collective, so rank 2 runs a zero-weight padding micro-batch (else it would

@@ -181,7 +181,8 @@ class Trainer:
         seed_everything(c.seed)
         task = self._task if self._task is not None else load_builder(c.task)(c.task_args)
         self.task = as_task(task)
-        self.module = self.task.model.to(d.device)
+        # under FSDP fully_shard moves the model to the device block by block, already sharded
+        self.module = self.task.model if self._fsdp() else self.task.model.to(d.device)
         self.log_dir = Path(c.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.node = socket.gethostname()
@@ -236,14 +237,28 @@ class Trainer:
             publisher.update(checkpoint={"step": step, "time": saved_at,
                                          "url": storage.redact(str(self.config.checkpoint_dir))})
 
+    def _fsdp(self) -> bool:
+        return self.config.fsdp and self.dinfo.distributed
+
     def _load_checkpoint(self) -> tuple[int, dict] | None:
-        """Rank 0 picks the newest valid checkpoint; every rank loads that same step."""
+        """Rank 0 picks the newest valid checkpoint; every rank loads that same step.
+
+        Under FSDP a whole-state checkpoint (one written to a store that takes no sharded saves)
+        is read by rank 0 alone, which broadcasts all but its model and optimizer; those follow
+        after the wrap, tensor by tensor from rank 0 (``Parallel.load_model_state``), so no other
+        rank holds a full copy."""
+        from elastic_trainer.checkpoint.sharded import is_sharded
+
         if self.ckpt is None or not self.config.resume:
             return None
         found = self.ckpt.load() if self.dinfo.is_main else None
-        step = broadcast_object(found[0] if found else None, self.dinfo)
+        step, sharded = broadcast_object((found[0], is_sharded(found[1])) if found else (None, False), self.dinfo)
         if step is None:
             return None
+        if self._fsdp() and not sharded:
+            rest = {k: v for k, v in found[1].items() if k not in ("model", "optimizer")} if found else None
+            rest = broadcast_object(rest, self.dinfo)
+            return found if self.dinfo.is_main else (step, rest)
         if not self.dinfo.is_main:
             found = self.ckpt.load(step)
             if found is None:
@@ -317,8 +332,8 @@ class Trainer:
 
         if is_sharded(state):  # every rank reads its part of the shards, resharded to this world size
             load_sharded(self.ckpt, step, state, self.module, self.optimizer)
-        else:
-            self.par.load_optimizer_state(self.optimizer, state["optimizer"])
+        else:  # under FSDP rank 0's, broadcast (the others hold none: _load_checkpoint)
+            self.par.load_optimizer_state(self.optimizer, state.get("optimizer", {}))
         if self.scheduler is not None and state.get("scheduler"):
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
@@ -423,16 +438,22 @@ class Trainer:
                         self.live.quorum.source, self._peer_state_s)
         else:
             loaded = self._load_checkpoint()
-        if loaded is not None and "model" in loaded[1]:  # into the bare module, before DDP/FSDP (a
-            self.module.load_state_dict(loaded[1]["model"])  # sharded one is loaded after: _restore)
-        elif c.init_from is not None and not from_peer:
+        from elastic_trainer.checkpoint.sharded import is_sharded
+
+        full_fsdp = loaded is not None and self._fsdp() and not is_sharded(loaded[1])
+        if loaded is not None and "model" in loaded[1] and not full_fsdp:  # into the bare module, before
+            self.module.load_state_dict(loaded[1]["model"])  # DDP (a sharded one is loaded after: _restore)
+        elif c.init_from is not None and not from_peer and loaded is None:
             from elastic_trainer.export import load_weights
 
             load_weights(self.module, c.init_from)
             print0(f"initialized the model from {c.init_from}")
         self.sampler = self._new_sampler()
-        self.par = Parallel.wrap(self.module, c, d)
+        blocks = self.task.fsdp_blocks(self.module) if self.task.fsdp_blocks is not None else None
+        self.par = Parallel.wrap(self.module, c, d, blocks=blocks)
         self.model = self.par.model
+        if full_fsdp:  # rank 0's whole model, broadcast into the shards
+            self.par.load_model_state(loaded[1].get("model", {}))
         self._make_optimizer()
         if loaded is not None:
             self._resume(*loaded, from_peer=from_peer)
