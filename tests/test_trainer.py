@@ -477,6 +477,28 @@ def test_fsdp_shards_each_transformer_block_then_the_root(tmp_path):
 
 
 @pytest.mark.slow
+def test_fsdp_resumes_a_whole_state_checkpoint_broadcast_from_rank_0_exactly(tmp_path):
+    """A whole-state --fsdp checkpoint (as written to stores without sharded saves) is read by rank 0
+    alone, which broadcasts the model and optimizer into the shards: the resumed run ends bitwise
+    equal to one that was never stopped. (The whole state is made here from a sharded step-2.)"""
+    args = [*TINY, "--global-batch-size", "8", "--fsdp"]
+    _torchrun(2, *args, "--max-steps", "4", "--checkpoint-dir", str(tmp_path / "a"), "--log-dir", str(tmp_path / "la"))
+    _torchrun(2, *args, "--max-steps", "2", "--checkpoint-dir", str(tmp_path / "b"), "--log-dir", str(tmp_path / "lb"))
+    step, rest = latest(tmp_path / "b")
+    whole = gathered(CheckpointManager(str(tmp_path / "b")), step, rest)
+    state = {**{k: v for k, v in rest.items() if k != "sharded"}, "model": whole["model"],
+             "optimizer": whole["optimizer"]}
+    with CheckpointManager(str(tmp_path / "c"), async_checkpoint=False) as ckpt:
+        ckpt.save(step, state, blocking=True)
+    _torchrun(2, *args, "--max-steps", "4", "--checkpoint-dir", str(tmp_path / "c"), "--log-dir", str(tmp_path / "lc"))
+    assert [e.step for e in records.read_events(tmp_path / "lc") if e.event == Event.RESUME] == [2]
+    a = gathered(CheckpointManager(str(tmp_path / "a")), *latest(tmp_path / "a"))
+    c = gathered(CheckpointManager(str(tmp_path / "c")), *latest(tmp_path / "c"))
+    for key in ("model", "optimizer"):
+        assert_same_state(a[key], c[key], key)
+
+
+@pytest.mark.slow
 def test_fsdp_on_three_ranks_with_an_uneven_global_batch_pads_and_matches_ddp(tmp_path):
     """A global batch of 5 in micro-batches of 1 on 3 ranks: shares of 2, 2 and 1 samples. Under FSDP
     every forward is a collective, so rank 2 runs a zero-weight padding micro-batch (else it would
