@@ -77,13 +77,16 @@ class DeferredCopy:
             return waited
 
 
+_PAGE = 4096
+
+
 class HostBuffer:
     """The one CPU buffer every arena of a ``Snapshotter`` is laid out in, pinned for CUDA sources.
 
     Allocated once at the size of the state and reused by every save and every re-layout that
     fits; allocated again (exactly the new size, the old one freed first) only when the state
     outgrows it, shrinks below half of it, or needs pinning it lacks (or has pinning it does not
-    need). Pinned memory is a plain allocation page-locked with ``cudaHostRegister``
+    need). Pinned memory is a plain allocation (whole pages) page-locked with ``cudaHostRegister``
     (``torch.cuda.cudart()``) rather than ``pin_memory=True``: torch's caching host allocator
     rounds every block up to a power of two and keeps freed blocks for reuse (by default without
     limit), so a 1.1 GiB state takes a 2 GiB block, and every re-layout may add one that stays.
@@ -102,11 +105,13 @@ class HostBuffer:
 
     def get(self, nbytes: int, pinned: bool) -> torch.Tensor:
         """A uint8 buffer of at least ``nbytes`` bytes (this one reused when it fits; see the class)."""
-        if self.tensor is None or pinned != self.pinned or not nbytes <= self.capacity <= 2 * nbytes:
+        if self.tensor is None or pinned != self.pinned or not nbytes <= self.capacity <= 2 * nbytes + _PAGE:
             self.free()
-            tensor = torch.empty(nbytes, dtype=torch.uint8)
             if pinned and nbytes:
+                tensor = whole_pages(nbytes)
                 self._unpin = _page_lock(tensor)
+            else:
+                tensor = torch.empty(nbytes, dtype=torch.uint8)
             self.tensor, self.pinned = tensor, pinned
             self.allocations += 1
         return self.tensor
@@ -119,16 +124,27 @@ class HostBuffer:
         self.tensor, self.pinned = None, False
 
 
+def whole_pages(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU buffer of at least ``nbytes`` bytes that starts and ends on page boundaries, so
+    that page-locking it locks no page another allocation shares (``cudaHostRegister`` refuses a
+    page already registered, as a neighbouring small buffer's would be)."""
+    size = -(-nbytes // _PAGE) * _PAGE
+    raw = torch.empty(size + _PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % _PAGE
+    return raw[start:start + size]
+
+
 def _page_lock(tensor: torch.Tensor) -> weakref.finalize:
     """Page-lock ``tensor``'s memory for the GPU; returns the finalizer that unlocks it (called by
-    ``HostBuffer.free``, or when the tensor's storage is collected)."""
+    ``HostBuffer.free``, or when ``tensor`` is collected: before its memory can be freed, which
+    views of it may delay; they stay valid, unpinned)."""
     cudart = torch.cuda.cudart()
     ptr = tensor.data_ptr()
     err = int(cudart.cudaHostRegister(ptr, tensor.numel(), 1))  # 1: cudaHostRegisterPortable
     if err != 0:
         raise RuntimeError(f"cudaHostRegister of the {tensor.numel()}-byte snapshot buffer failed with CUDA error "
                            f"{err}; is the locked-memory limit (ulimit -l) of the container too low?")
-    unpin = weakref.finalize(tensor.untyped_storage(), _page_unlock, ptr)
+    unpin = weakref.finalize(tensor, _page_unlock, ptr)
     unpin.atexit = False  # never after the CUDA context is gone
     return unpin
 
