@@ -4,6 +4,7 @@ The sharding itself runs on real gloo ranks in tests/test_trainer.py (``test_fsd
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from elastic_trainer.tasks import build_example, example_args
@@ -41,3 +42,38 @@ def test_mixed_precision_is_bf16_compute_with_fp32_reduction_on_cuda_only():
     assert fsdp_mixed_precision(torch.device("cpu"), torch.bfloat16) is None
     assert fsdp_mixed_precision(torch.device("cuda", 0), torch.float16) is None  # autocast and a GradScaler
     assert fsdp_mixed_precision(torch.device("cuda", 0), None) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_model_reaches_the_gpu_sharded_and_blocks_compute_in_bf16():
+    """World size 1 over NCCL: Parallel.wrap moves the CPU-built model to the GPU (fully_shard, block
+    by block), blocks run in bf16 under --amp bf16, and parameters and gradients stay fp32."""
+    import torch.distributed as dist
+
+    from elastic_trainer.config import TrainConfig
+    from elastic_trainer.training.parallel import Parallel
+    from elastic_trainer.training.worker import DistInfo
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        args = example_args()
+        args.d_model, args.nhead, args.dim_feedforward, args.src_len = 16, 2, 32, 4
+        task = build_example(args)
+        model = task.model
+        config = TrainConfig(fsdp=True)
+        config.amp = "bf16"
+        par = Parallel.wrap(model, config, DistInfo(device=device, distributed=True, world_size=1))
+        seen = {}
+        model.transformer.encoder.layers[0].register_forward_hook(
+            lambda module, inputs, output: seen.setdefault("dtype", module.linear1.weight.dtype))
+        src, tgt = task.dataset[0]
+        task.compute_loss(par.model, (src[None].to(device), tgt[None].to(device))).backward()
+        assert seen["dtype"] == torch.bfloat16
+        for name, p in model.named_parameters():
+            assert p.device == device and p.dtype == torch.float32, name
+            assert p.grad is not None and p.grad.dtype == torch.float32, name
+    finally:
+        dist.destroy_process_group()
