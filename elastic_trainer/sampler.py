@@ -103,7 +103,10 @@ def micro_batch_count(global_batch_size: int, world_size: int, rank: int, micro_
     The count is chosen from the *largest* share, ``ceil(B / W)``, so it is the same on every
     rank: ``ceil(ceil(B / W) / micro_batch_size)``. That matters for FSDP, whose every forward
     is a collective. The one exception: ``micro_batch_size == 1`` with ``B % W != 0``, where the
-    ranks with the smaller share have one micro-batch fewer (micro-batches are never empty).
+    ranks with the smaller share have one micro-batch fewer (micro-batches are never empty); a
+    world-size change can make any ``--global-batch-size`` indivisible, so instead of refusing
+    it the FSDP trainer pads those ranks with one zero-weight micro-batch
+    (``ElasticSampler.lockstep_micro_batches``).
     """
     _, length = share_of_batch(global_batch_size, world_size, rank)
     if micro_batch_size is None:
@@ -189,14 +192,19 @@ class ElasticSampler(torch.utils.data.Sampler[list[int]]):
         self._perm: torch.Tensor | None = None
         self._share = share_of_batch(global_batch_size, world_size, rank)
         self.micro_batches_per_step = micro_batch_count(global_batch_size, world_size, rank, micro_batch_size)
+        self.lockstep_micro_batches = micro_batch_count(global_batch_size, world_size, 0, micro_batch_size)
+        """The most micro-batches any rank runs in a step (rank 0's, whose share is the largest):
+        where every forward is a collective (FSDP) each rank runs this many, the ones beyond its
+        own ``micro_batches_per_step`` as padding that counts for nothing (the trainer's
+        ``_train_step``)."""
         self._micro = split_evenly(self._share[1], self.micro_batches_per_step)
-        if micro_batch_count(global_batch_size, world_size, world_size - 1, micro_batch_size) != (
-            micro_batch_count(global_batch_size, world_size, 0, micro_batch_size)
-        ) and rank == 0:
-            log.warning(
+        if self.lockstep_micro_batches != micro_batch_count(global_batch_size, world_size, world_size - 1,
+                                                            micro_batch_size) and rank == 0:
+            log.info(
                 "micro_batch_size=1 with global_batch_size=%d not divisible by world_size=%d: ranks run "
-                "different numbers of micro-batches per step; fine for DDP, not for FSDP.",
-                global_batch_size, world_size,
+                "%d or %d micro-batches per step (under FSDP the ones with fewer run a zero-weight padding "
+                "micro-batch, so every rank runs the same number of forwards).",
+                global_batch_size, world_size, self.lockstep_micro_batches, self.lockstep_micro_batches - 1,
             )
 
     # ---- position -------------------------------------------------------------------------

@@ -79,6 +79,10 @@ class Task:
     """``scheduler_fn(optimizer) -> LR scheduler`` (stepped once per optimizer step); default none."""
     collate_fn: Callable[[list], Any] | None = None
     """The DataLoader's ``collate_fn``; default torch's."""
+    fsdp_blocks: Callable[[torch.nn.Module], Iterable[torch.nn.Module]] | None = None
+    """``fsdp_blocks(model) -> modules`` that ``--fsdp`` shards one by one before the root (your
+    transformer blocks; modules tied to each other belong in one); default every element of the
+    outermost ``nn.ModuleList``/``ModuleDict`` (``training.parallel.fsdp_blocks``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, torch.nn.Module):

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from elastic_trainer.checkpoint import format as checkpoint_format, storage
 from elastic_trainer.checkpoint import CheckpointManager, capture_rng_state
 from elastic_trainer.checkpoint.format import Arena
-from elastic_trainer.checkpoint.snapshot import Snapshotter
+from elastic_trainer.checkpoint.snapshot import Snapshotter, whole_pages
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -362,6 +362,56 @@ def test_arena_is_reused_while_the_tensors_keep_their_shapes_and_relaid_when_the
                                                                            ((2, 2), torch.float64)]).size
     loaded = checkpoint_format.read(_write(fourth))
     assert set(loaded) == {"a", "b"} and torch.equal(loaded["b"]["c"], torch.zeros(2, 2, dtype=torch.float64))
+
+
+def _relayouts(device: str) -> list[dict]:
+    """States of a model that grows twice, loses a layer, then most of itself (re-layouts each)."""
+    layer = lambda n: torch.ones(n, 1024, device=device)  # noqa: E731 - n rows of 4 KiB
+    return [{"a": layer(256)}, {"a": layer(256), "b": layer(16)}, {"a": layer(256), "b": layer(16), "c": layer(32)},
+            {"a": layer(256), "c": layer(32)}, {"c": layer(32)}]
+
+
+def test_one_host_buffer_about_the_size_of_the_state_serves_every_relayout():
+    """The snapshot's memory is one buffer, regrown (exactly) only when the state outgrows it and
+    made smaller when the state falls below half of it: never twice the state, never a heap of
+    old buffers (issue 22: the caching host allocator kept every pinned block of every layout)."""
+    snapper, seen = Snapshotter(), []
+    for state in _relayouts("cpu"):
+        snap, _ = snapper.take(state)
+        assert snap.arena.buffer.untyped_storage().data_ptr() == snapper.host.tensor.data_ptr()
+        seen.append((snap.arena.size, snapper.host.capacity, snapper.host.allocations))
+        assert all(torch.equal(snap.state[k], v) for k, v in state.items())
+    row = 4096
+    assert seen == [(256 * row, 256 * row, 1),  # the first layout: exactly the state
+                    (272 * row, 272 * row, 2), (304 * row, 304 * row, 3),  # grown, exactly, the old one freed
+                    (288 * row, 304 * row, 3),  # a layer fewer: the same buffer
+                    (32 * row, 32 * row, 4)]  # below half of it: made smaller
+    snapper.clear()
+    assert snapper.host.capacity == 0
+
+
+@pytest.mark.parametrize("nbytes", [1, 4095, 4096, 4097, 3 * 4096 + 5])
+def test_a_buffer_to_page_lock_has_whole_pages_of_its_own(nbytes):
+    buf = whole_pages(nbytes)
+    assert buf.data_ptr() % 4096 == 0 and buf.numel() % 4096 == 0 and nbytes <= buf.numel() < nbytes + 4096
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pinned_snapshot_memory_stays_the_size_of_the_state_across_relayouts():
+    """CUDA sources: the buffer is page-locked (cudaHostRegister), exactly the state's size, and
+    nothing is taken from torch's caching host allocator (which rounds up to powers of two)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    snapper = Snapshotter()
+    for state in _relayouts("cuda"):
+        snap, _ = snapper.take(state)
+        assert snap.arena.pinned and snap.arena.buffer.is_pinned()
+        assert snap.arena.size <= snapper.host.capacity <= 2 * snap.arena.size + 4096
+        assert all(torch.equal(snap.state[k], v.cpu()) for k, v in state.items())
+        assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == before
+    assert snapper.host.allocations == 4
+    snapper.clear()
 
 
 def _write(snap) -> bytes:

@@ -72,6 +72,7 @@ def test_micro_batches_split_the_share_within_size_and_equal_count_on_ranks(b, w
         counts.append(len(micro))
     if not (m == 1 and b % w):
         assert len(set(counts)) == 1, "every rank must run the same number of micro-batches (FSDP)"
+    assert ElasticSampler(n, b, w - 1, w, micro_batch_size=m).lockstep_micro_batches == max(counts)
 
 
 def test_global_batch_smaller_than_world_size_is_refused_with_a_sentence():

@@ -431,6 +431,93 @@ def test_fsdp_on_two_workers_resumes_and_matches_one_process(tmp_path):
     assert worst < 1e-5 and gauge <= 4 * 1e-3 * 1.01
 
 
+def _torchrun(nproc: int, *argv: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                           "-m", "elastic_trainer.train", *argv, "--no-wandb", "--no-progress"],
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_resume_with_dropout_on_two_ranks_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
+    """Each rank saves and restores its own RNG state (training/rng.py). A global batch of 7 on two
+    ranks gives them 4 and 3 samples, so their dropout draws, and generators, differ: restoring
+    rank 0's state on rank 1 (as before) changes rank 1's masks after the resume."""
+    args = [*TINY, "--dropout", "0.3", "--global-batch-size", "7"]
+    _torchrun(2, *args, "--max-steps", "4", "--checkpoint-dir", str(tmp_path / "a"), "--log-dir", str(tmp_path / "la"))
+    for until in ("2", "4"):
+        _torchrun(2, *args, "--max-steps", until, "--checkpoint-dir", str(tmp_path / "b"),
+                  "--log-dir", str(tmp_path / "lb"))
+    (step_a, a), (step_b, b) = latest(tmp_path / "a"), latest(tmp_path / "b")
+    assert step_a == step_b == 4 and len(b["rng"]["ranks"]) == 2
+    assert not torch.equal(b["rng"]["ranks"][0]["torch"], b["rng"]["ranks"][1]["torch"])  # the ranks drew apart
+    for key in ("model", "optimizer", "rng"):
+        assert_same_state(a[key], b[key], key)
+
+
+@pytest.mark.slow
+def test_fsdp_shards_each_transformer_block_then_the_root(tmp_path):
+    """Each encoder and decoder layer is its own FSDP unit (then the root, for the embeddings and the
+    head), so a block's parameters are gathered only around its own forward: while the first
+    encoder layer runs, the decoder's are still sharded. Each rank holds about half the bytes."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(Path(REPO) / "tests" / "helpers" / "fsdp_blocks.py"), str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for report in reports:
+        assert report["units"] == ["<root>", "transformer.decoder.layers.0", "transformer.decoder.layers.1",
+                                   "transformer.encoder.layers.0", "transformer.encoder.layers.1"]
+        assert report["decoder_sharded_during_encoder"] is True
+        assert all(p["dtensor"] and p["shard_dim0"] for p in report["params"].values())
+        total = sum(p["global_bytes"] for p in report["params"].values())
+        local = sum(p["local_bytes"] for p in report["params"].values())
+        assert abs(local - total / 2) <= 0.01 * total, (local, total)
+    assert sum(sum(p["local_bytes"] for p in r["params"].values()) for r in reports) == total
+
+
+@pytest.mark.slow
+def test_fsdp_resumes_a_whole_state_checkpoint_broadcast_from_rank_0_exactly(tmp_path):
+    """A whole-state --fsdp checkpoint (as written to stores without sharded saves) is read by rank 0
+    alone, which broadcasts the model and optimizer into the shards: the resumed run ends bitwise
+    equal to one that was never stopped. (The whole state is made here from a sharded step-2.)"""
+    args = [*TINY, "--global-batch-size", "8", "--fsdp"]
+    _torchrun(2, *args, "--max-steps", "4", "--checkpoint-dir", str(tmp_path / "a"), "--log-dir", str(tmp_path / "la"))
+    _torchrun(2, *args, "--max-steps", "2", "--checkpoint-dir", str(tmp_path / "b"), "--log-dir", str(tmp_path / "lb"))
+    step, rest = latest(tmp_path / "b")
+    whole = gathered(CheckpointManager(str(tmp_path / "b")), step, rest)
+    state = {**{k: v for k, v in rest.items() if k != "sharded"}, "model": whole["model"],
+             "optimizer": whole["optimizer"]}
+    with CheckpointManager(str(tmp_path / "c"), async_checkpoint=False) as ckpt:
+        ckpt.save(step, state, blocking=True)
+    _torchrun(2, *args, "--max-steps", "4", "--checkpoint-dir", str(tmp_path / "c"), "--log-dir", str(tmp_path / "lc"))
+    assert [e.step for e in records.read_events(tmp_path / "lc") if e.event == Event.RESUME] == [2]
+    a = gathered(CheckpointManager(str(tmp_path / "a")), *latest(tmp_path / "a"))
+    c = gathered(CheckpointManager(str(tmp_path / "c")), *latest(tmp_path / "c"))
+    for key in ("model", "optimizer"):
+        assert_same_state(a[key], c[key], key)
+
+
+@pytest.mark.slow
+def test_fsdp_on_three_ranks_with_an_uneven_global_batch_pads_and_matches_ddp(tmp_path):
+    """A global batch of 5 in micro-batches of 1 on 3 ranks: shares of 2, 2 and 1 samples. Under FSDP
+    every forward is a collective, so rank 2 runs a zero-weight padding micro-batch (else it would
+    wait in a collective the others never join); the losses and the model are those of DDP."""
+    args = [*TINY, "--global-batch-size", "5", "--micro-batch-size", "1", "--max-steps", "3"]
+    _torchrun(3, *args, "--fsdp", "--collective-timeout", "60", "--checkpoint-dir", str(tmp_path / "fsdp"),
+              "--log-dir", str(tmp_path / "lf"))
+    _torchrun(3, *args, "--checkpoint-dir", str(tmp_path / "ddp"), "--log-dir", str(tmp_path / "ld"))
+    fsdp_losses = [s.loss for s in records.read_steps(tmp_path / "lf", rank=0)]
+    ddp_losses = [s.loss for s in records.read_steps(tmp_path / "ld", rank=0)]
+    assert len(fsdp_losses) == len(ddp_losses) == 3
+    assert fsdp_losses[0] == ddp_losses[0]  # the same parameters and samples: the padding counts for nothing
+    assert fsdp_losses == pytest.approx(ddp_losses, rel=1e-5)
+    step, fsdp = latest(tmp_path / "fsdp")
+    model = gathered(CheckpointManager(str(tmp_path / "fsdp")), step, fsdp)["model"]
+    worst, gauge = param_drift(model, latest(tmp_path / "ddp")[1]["model"])
+    assert step == 3 and worst < 1e-5 and gauge <= 3 * 1e-3 * 1.01
+
+
 # ------------------------------------------------------------------------------------- console
 
 LOGGING_TASK = '''

@@ -39,7 +39,7 @@ import json
 import math
 import struct
 import sys
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -78,10 +78,13 @@ class Arena:
     ``views[i]`` is the i-th tensor of ``specs`` (shape, dtype) inside the buffer; ``refs`` maps
     ``id(view)`` to its reference in a header (``{"tensor": i}``) and ``table`` is the header's
     tensor table as JSON text: both are built once and reused by every save of this layout.
-    ``pinned`` buffers serve CUDA sources (faster device-to-host copies).
+    ``pinned`` buffers serve CUDA sources (faster device-to-host copies). ``allocate(size,
+    pinned)``, when given, returns the uint8 buffer to lay the arena out in (at least ``size``
+    bytes; the snapshot's ``HostBuffer`` reuses one from arena to arena); by default a new one.
     """
 
-    def __init__(self, specs: Iterable[tuple[torch.Size, torch.dtype]], pinned: bool = False) -> None:
+    def __init__(self, specs: Iterable[tuple[torch.Size, torch.dtype]], pinned: bool = False,
+                 allocate: Callable[[int, bool], torch.Tensor] | None = None) -> None:
         specs = list(specs)
         offsets, size = [], 0
         for shape, dtype in specs:
@@ -89,7 +92,10 @@ class Arena:
             size = _aligned(size + math.prod(shape) * dtype.itemsize)
         self.size = size
         self.pinned = pinned
-        self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+        if allocate is None:
+            self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+        else:
+            self.buffer = allocate(size, pinned)[:size]
         self.views: list[torch.Tensor] = []
         self.refs: dict[int, dict] = {}
         table = []

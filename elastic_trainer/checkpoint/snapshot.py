@@ -77,6 +77,84 @@ class DeferredCopy:
             return waited
 
 
+_PAGE = 4096
+
+
+class HostBuffer:
+    """The one CPU buffer every arena of a ``Snapshotter`` is laid out in, pinned for CUDA sources.
+
+    Allocated once at the size of the state and reused by every save and every re-layout that
+    fits; allocated again (exactly the new size, the old one freed first) only when the state
+    outgrows it, shrinks below half of it, or needs pinning it lacks (or has pinning it does not
+    need). Pinned memory is a plain allocation (whole pages) page-locked with ``cudaHostRegister``
+    (``torch.cuda.cudart()``) rather than ``pin_memory=True``: torch's caching host allocator
+    rounds every block up to a power of two and keeps freed blocks for reuse (by default without
+    limit), so a 1.1 GiB state takes a 2 GiB block, and every re-layout may add one that stays.
+    ``allocations`` counts the buffers made, ``capacity`` is the current one's size in bytes.
+    """
+
+    def __init__(self) -> None:
+        self.tensor: torch.Tensor | None = None
+        self.pinned = False
+        self.allocations = 0
+        self._unpin: weakref.finalize | None = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.tensor is None else self.tensor.numel()
+
+    def get(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        """A uint8 buffer of at least ``nbytes`` bytes (this one reused when it fits; see the class)."""
+        if self.tensor is None or pinned != self.pinned or not nbytes <= self.capacity <= 2 * nbytes + _PAGE:
+            self.free()
+            if pinned and nbytes:
+                tensor = whole_pages(nbytes)
+                self._unpin = _page_lock(tensor)
+            else:
+                tensor = torch.empty(nbytes, dtype=torch.uint8)
+            self.tensor, self.pinned = tensor, pinned
+            self.allocations += 1
+        return self.tensor
+
+    def free(self) -> None:
+        """Unpin and drop the buffer (views still held elsewhere stay valid, no longer pinned)."""
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
+        self.tensor, self.pinned = None, False
+
+
+def whole_pages(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU buffer of at least ``nbytes`` bytes that starts and ends on page boundaries, so
+    that page-locking it locks no page another allocation shares (``cudaHostRegister`` refuses a
+    page already registered, as a neighbouring small buffer's would be)."""
+    size = -(-nbytes // _PAGE) * _PAGE
+    raw = torch.empty(size + _PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % _PAGE
+    return raw[start:start + size]
+
+
+def _page_lock(tensor: torch.Tensor) -> weakref.finalize:
+    """Page-lock ``tensor``'s memory for the GPU; returns the finalizer that unlocks it (called by
+    ``HostBuffer.free``, or when ``tensor`` is collected: before its memory can be freed, which
+    views of it may delay; they stay valid, unpinned)."""
+    cudart = torch.cuda.cudart()
+    ptr = tensor.data_ptr()
+    err = int(cudart.cudaHostRegister(ptr, tensor.numel(), 1))  # 1: cudaHostRegisterPortable
+    if err != 0:
+        raise RuntimeError(f"cudaHostRegister of the {tensor.numel()}-byte snapshot buffer failed with CUDA error "
+                           f"{err}; is the locked-memory limit (ulimit -l) of the container too low?")
+    unpin = weakref.finalize(tensor, _page_unlock, ptr)
+    unpin.atexit = False  # never after the CUDA context is gone
+    return unpin
+
+
+def _page_unlock(ptr: int) -> None:
+    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    if err != 0:
+        raise RuntimeError(f"cudaHostUnregister of the snapshot buffer failed with CUDA error {err}")
+
+
 class Snapshot:
     """What a save writes: the copied state, whose dense tensors are views of ``arena``."""
 
@@ -122,7 +200,9 @@ class Snapshotter:
     shape and dtype), which avoids allocating (and page-faulting) fresh memory for every save,
     most of the cost of the copy; when the tensors change (one added, gone, reshaped, retyped)
     a new arena is laid out and the state walked again. Reuse is safe because a new save starts
-    only after the previous one finished writing. Copies go out in one ``torch._foreach_copy_``
+    only after the previous one finished writing. Every arena lives in one ``HostBuffer``, which
+    a re-layout reuses when the new state fits, so the snapshot's memory (pinned for CUDA
+    sources) stays about the size of the state. Copies go out in one ``torch._foreach_copy_``
     (one dispatch instead of one per tensor); with CUDA sources the arena is pinned and one
     synchronize ends the copy. Tensors without a raw layout (sparse, quantized, sub-byte dtypes)
     are copied apart, and their state is then written with ``torch.save`` (format 2).
@@ -137,15 +217,16 @@ class Snapshotter:
         self.arena: Arena | None = None
         self.buffers: dict[tuple, torch.Tensor] = {}  # key -> its view of the arena
         self.sync_keys: set[tuple] = set()
+        self.host = HostBuffer()
 
     def take(self, state: dict, defer: set[int] | None = None,
              stats: dict | None = None) -> tuple[Snapshot, DeferredCopy | None]:
         walk = _Walk(defer or set())
         snap = self._copy(state, (), walk)
         if self.arena is None or walk.missing or walk.hits != len(self.buffers):
-            self.clear()  # free the old arena before allocating the new one
+            self.buffers, self.arena = {}, None  # a new layout, in the same host buffer when it fits
             self.arena = Arena([(t.shape, t.dtype) for _, t in walk.tensors],
-                               pinned=any(t.is_cuda for _, t in walk.tensors))
+                               pinned=any(t.is_cuda for _, t in walk.tensors), allocate=self.host.get)
             self.buffers = {key: view for (key, _), view in zip(walk.tensors, self.arena.views)}
             walk = _Walk(walk.defer)
             snap = self._copy(state, (), walk)
@@ -153,13 +234,16 @@ class Snapshotter:
             torch._foreach_copy_(walk.dst, walk.src, non_blocking=True)
             for device in cuda_devices(walk.src):  # the copies' own GPUs, not the current one
                 torch.cuda.synchronize(device)
+        if stats is not None:
+            stats["host_buffer_bytes"] = self.host.capacity  # the snapshot's memory (pinned for CUDA)
         deferred = DeferredCopy(walk.later, stats if stats is not None else {}) if walk.later else None
         return Snapshot(snap, self.arena), deferred
 
     def clear(self) -> None:
-        """Free the arena (the next ``take`` lays out a new one)."""
+        """Free the arena and its host buffer (the next ``take`` lays out a new one)."""
         self.buffers = {}
         self.arena = None
+        self.host.free()
 
     def _copy(self, value: Any, key: tuple, walk: _Walk) -> Any:
         if isinstance(value, torch.Tensor):

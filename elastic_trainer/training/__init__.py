@@ -6,6 +6,7 @@ Modules:
 - ``worker``: the process around the loop (process group, seeding, micro-batch feed, the round
   fence, SIGTERM while blocked in a collective);
 - ``parallel``: DDP or FSDP2 wrapping, ``no_sync`` and full state dicts (``Parallel``);
+- ``rng``: every rank's own RNG state gathered into a checkpoint, and which one a rank restores;
 - ``data``: the example task's synthetic and HDF5 datasets;
 - ``metrics``: rank-0 printing, the progress bar and the W&B logger (a no-op when off).
 

@@ -10,14 +10,26 @@ data-parallel wrapper:
   full (unsharded) state dicts on CPU, so a checkpoint holds whole tensors whatever wrote it.
   Under FSDP these are collectives: every rank calls them.
 
-The model's weights are loaded into the bare module *before* wrapping (DDP broadcasts rank 0's
-parameters; FSDP shards what every rank holds), so only the optimizer state is set through here.
+Under DDP the model's weights are loaded into the bare module *before* wrapping (DDP broadcasts
+rank 0's parameters), so only the optimizer state is set through here.
+
+FSDP2 as torchtitan applies it (``torchtitan/models/*/parallelize``): ``fully_shard`` on every
+block (``fsdp_blocks``: each transformer layer), then on the root, which keeps what is left (the
+embeddings, the head). Each block's parameters are then gathered only around its own forward and
+backward and freed after, so a rank holds its shards plus about one block in full, where a
+``fully_shard`` on the root alone gathers the whole model for the whole step. The model is left
+on the CPU until ``fully_shard`` moves it, one block at a time, to the mesh's device, so the full
+model is never on any GPU. With ``--amp bf16`` on CUDA a ``MixedPrecisionPolicy`` computes in
+bf16 and reduces gradients in fp32 (``fsdp_mixed_precision``). A whole-state checkpoint is loaded
+after the wrap, from rank 0 only (``load_model_state``/``load_optimizer_state`` with
+``broadcast_from_rank0``: one tensor at a time, not a full copy per rank).
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
@@ -35,15 +47,23 @@ class Parallel:
     fsdp: bool = False
 
     @classmethod
-    def wrap(cls, module: torch.nn.Module, config: TrainConfig, dinfo: DistInfo) -> "Parallel":
-        """DDP (or FSDP with ``--fsdp``) around ``module`` when distributed, then ``torch.compile``
-        with ``--compile``."""
+    def wrap(cls, module: torch.nn.Module, config: TrainConfig, dinfo: DistInfo,
+             blocks: Iterable[torch.nn.Module] | None = None) -> "Parallel":
+        """DDP (or FSDP with ``--fsdp``: each of ``blocks``, default ``fsdp_blocks(module)``, then the
+        root) around ``module`` when distributed, then ``torch.compile`` with ``--compile``."""
         par = cls(module=module, model=module)
         if dinfo.distributed and config.fsdp:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
-            fully_shard(module, mesh=init_device_mesh(dinfo.device.type, (dinfo.world_size,)))
+            amp_dtype = torch.bfloat16 if config.amp == "bf16" else None
+            options = {"mesh": init_device_mesh(dinfo.device.type, (dinfo.world_size,))}
+            policy = fsdp_mixed_precision(dinfo.device, amp_dtype)
+            if policy is not None:
+                options["mp_policy"] = policy
+            for block in (fsdp_blocks(module) if blocks is None else list(blocks)):
+                fully_shard(block, **options)
+            fully_shard(module, **options)
             par.fsdp = True
         elif dinfo.distributed:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -91,11 +111,53 @@ class Parallel:
                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return optimizer.state_dict()
 
+    def load_model_state(self, state: dict) -> None:
+        """A whole-model state dict into the sharded module: rank 0's ``state`` is broadcast tensor
+        by tensor and every rank keeps its shard (the other ranks pass ``{}``). FSDP only."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(self.module, state,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Under FSDP a collective: rank 0's whole ``state`` is broadcast (the others pass ``{}``)."""
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
             set_optimizer_state_dict(self.module, optimizer, optim_state_dict=state,
-                                     options=StateDictOptions(full_state_dict=True))
+                                     options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         else:
             optimizer.load_state_dict(state)
+
+
+def fsdp_blocks(root: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules ``--fsdp`` shards one by one before the root: the elements of every outermost
+    ``nn.ModuleList``/``nn.ModuleDict`` (the layers of a transformer: ``nn.Transformer``'s encoder
+    and decoder layers, a ``model.layers``), or, for an ``nn.Sequential`` model, its children that
+    hold parameters. A task can name its own (``Task.fsdp_blocks``). Blocks are not searched
+    inside; modules outside every block (embeddings, final norm, head) stay with the root."""
+    containers = (torch.nn.ModuleList, torch.nn.ModuleDict)
+    if isinstance(root, (*containers, torch.nn.Sequential)):
+        return [m for m in root.children() if any(True for _ in m.parameters())]
+    blocks: list[torch.nn.Module] = []
+
+    def visit(module: torch.nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, containers):
+                blocks.extend(m for m in child.children() if any(True for _ in m.parameters()))
+            else:
+                visit(child)
+
+    visit(root)
+    return blocks
+
+
+def fsdp_mixed_precision(device: torch.device, amp_dtype: torch.dtype | None):
+    """FSDP's ``MixedPrecisionPolicy`` for ``--amp``: parameters gathered and computed in bf16,
+    gradients reduced in fp32, with bf16 on CUDA (as torchtitan); None otherwise (fp32 throughout
+    on the CPU, where gloo reduces what autocast leaves; fp16 keeps its autocast and GradScaler)."""
+    if device.type != "cuda" or amp_dtype != torch.bfloat16:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -204,7 +204,8 @@ class Trainer:
         seed_everything(c.seed)
         task = self._task if self._task is not None else load_builder(c.task)(c.task_args)
         self.task = as_task(task)
-        self.module = self.task.model.to(d.device)
+        # under FSDP fully_shard moves the model to the device block by block, already sharded
+        self.module = self.task.model if self._fsdp() else self.task.model.to(d.device)
         self.log_dir = Path(c.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.node = socket.gethostname()
@@ -266,14 +267,28 @@ class Trainer:
             publisher.update(checkpoint={"step": step, "time": saved_at,
                                          "url": storage.redact(str(self.config.checkpoint_dir))})
 
+    def _fsdp(self) -> bool:
+        return self.config.fsdp and self.dinfo.distributed
+
     def _load_checkpoint(self) -> tuple[int, dict] | None:
-        """Rank 0 picks the newest valid checkpoint; every rank loads that same step."""
+        """Rank 0 picks the newest valid checkpoint; every rank loads that same step.
+
+        Under FSDP a whole-state checkpoint (one written to a store that takes no sharded saves)
+        is read by rank 0 alone, which broadcasts all but its model and optimizer; those follow
+        after the wrap, tensor by tensor from rank 0 (``Parallel.load_model_state``), so no other
+        rank holds a full copy."""
+        from elastic_trainer.checkpoint.sharded import is_sharded
+
         if self.ckpt is None or not self.config.resume:
             return None
         found = self.ckpt.load() if self.dinfo.is_main else None
-        step = broadcast_object(found[0] if found else None, self.dinfo)
+        step, sharded = broadcast_object((found[0], is_sharded(found[1])) if found else (None, False), self.dinfo)
         if step is None:
             return None
+        if self._fsdp() and not sharded:
+            rest = {k: v for k, v in found[1].items() if k not in ("model", "optimizer")} if found else None
+            rest = broadcast_object(rest, self.dinfo)
+            return found if self.dinfo.is_main else (step, rest)
         if not self.dinfo.is_main:
             found = self.ckpt.load(step)
             if found is None:
@@ -300,11 +315,14 @@ class Trainer:
     # ---- state -----------------------------------------------------------------------
     def _capture_state(self, any_rank: bool = False) -> dict | None:
         """The checkpoint's content (collective under FSDP; None on ranks other than 0 unless ``any_rank``)."""
-        from elastic_trainer.checkpoint import capture_rng_state
+        from elastic_trainer.training.rng import gather_rng_states
 
         sharded = self._sharded() and not any_rank  # each rank saves its own shards (sharded.py)
         model_state = {} if sharded else self.par.model_state()
         optim_state = {} if sharded else self.par.optimizer_state(self.optimizer)
+        # every rank's own generators (a collective), unless this rank saves alone (a live peer's
+        # state, or rank 0 after a lost peer): then its own only (training/rng.py)
+        rng = gather_rng_states(self.dinfo.device, gather=not any_rank and not self._saving_after_failure)
         if not self.dinfo.is_main and not any_rank:
             return None
         parts = {} if sharded else {"model": model_state, "optimizer": optim_state}
@@ -312,7 +330,7 @@ class Trainer:
             **parts,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
             "scaler": self.scaler.state_dict() if self.scaler is not None else {},
-            "rng": capture_rng_state(),
+            "rng": rng,
             "sampler": self.sampler.state_dict(),
             "meta": {"step": self.step, "epoch": self.sampler.epoch, "offset": self.sampler.offset,
                      "world_size": self.dinfo.world_size, "wandb_run_id": self.run_id,
@@ -331,6 +349,7 @@ class Trainer:
     def _restore(self, step: int, state: dict) -> None:
         """Put a loaded checkpoint back (model before wrapping; the rest after)."""
         from elastic_trainer.checkpoint import restore_rng_state
+        from elastic_trainer.training.rng import rng_state_for_rank
 
         meta = state.get("meta", {})
         if bool(meta.get("fsdp", False)) != self.par.fsdp:
@@ -341,8 +360,8 @@ class Trainer:
 
         if is_sharded(state):  # every rank reads its part of the shards, resharded to this world size
             load_sharded(self.ckpt, step, state, self.module, self.optimizer)
-        else:
-            self.par.load_optimizer_state(self.optimizer, state["optimizer"])
+        else:  # under FSDP rank 0's, broadcast (the others hold none: _load_checkpoint)
+            self.par.load_optimizer_state(self.optimizer, state.get("optimizer", {}))
         if self.scheduler is not None and state.get("scheduler"):
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
@@ -353,7 +372,7 @@ class Trainer:
                 group["lr"] *= ratio
             if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
                 self.scheduler.base_lrs = [lr * ratio for lr in self.scheduler.base_lrs]
-        restore_rng_state(state["rng"])
+        restore_rng_state(rng_state_for_rank(state["rng"], self.dinfo.rank), self.dinfo.device)
         self.sampler.load_state_dict(state["sampler"])
         self.step = int(meta.get("step", step))
         self.run_id = meta.get("wandb_run_id")
@@ -451,16 +470,22 @@ class Trainer:
                         self.live.quorum.source, self._peer_state_s)
         else:
             loaded = self._load_checkpoint()
-        if loaded is not None and "model" in loaded[1]:  # into the bare module, before DDP/FSDP (a
-            self.module.load_state_dict(loaded[1]["model"])  # sharded one is loaded after: _restore)
-        elif c.init_from is not None and not from_peer:
+        from elastic_trainer.checkpoint.sharded import is_sharded
+
+        full_fsdp = loaded is not None and self._fsdp() and not is_sharded(loaded[1])
+        if loaded is not None and "model" in loaded[1] and not full_fsdp:  # into the bare module, before
+            self.module.load_state_dict(loaded[1]["model"])  # DDP (a sharded one is loaded after: _restore)
+        elif c.init_from is not None and not from_peer and loaded is None:
             from elastic_trainer.export import load_weights
 
             load_weights(self.module, c.init_from)
             print0(f"initialized the model from {c.init_from}")
         self.sampler = self._new_sampler()
-        self.par = Parallel.wrap(self.module, c, d)
+        blocks = self.task.fsdp_blocks(self.module) if self.task.fsdp_blocks is not None else None
+        self.par = Parallel.wrap(self.module, c, d, blocks=blocks)
         self.model = self.par.model
+        if full_fsdp:  # rank 0's whole model, broadcast into the shards
+            self.par.load_model_state(loaded[1].get("model", {}))
         self._make_optimizer()
         if loaded is not None:
             self._resume(*loaded, from_peer=from_peer)
@@ -647,22 +672,33 @@ class Trainer:
 
         The step's ledger line is written once its last micro-batch is fetched, before the backward
         that all-reduces the gradients: a step whose all-reduce completed anywhere was logged by
-        every rank, even one killed right after it (see ``_abort``)."""
+        every rank, even one killed right after it (see ``_abort``).
+
+        Under FSDP every forward and backward is a collective, so every rank runs the same number
+        of micro-batches, ``sampler.lockstep_micro_batches``: a rank with a smaller share of an
+        uneven global batch (``--micro-batch-size 1``, ``B % W != 0``; any world-size change can
+        make it so) runs its last micro-batch once more with weight 0, which adds nothing to the
+        gradient or the loss (a model with batch norm would update its running statistics with it)."""
         from elastic_trainer.sampler import loss_weight
 
         d = self.dinfo
         loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)  # on the device: no sync per micro-batch
         consumed: list[int] = []
         mbps = self.sampler.micro_batches_per_step
-        for i in range(mbps):
-            epoch, indices, batch = batches.next(first_of_step=i == 0)
-            consumed.extend(indices)
+        runs = self.sampler.lockstep_micro_batches if self.par.fsdp else mbps
+        for i in range(runs):
+            if i < mbps:
+                epoch, indices, batch = batches.next(first_of_step=i == 0)
+                consumed.extend(indices)
+                weight = loss_weight(len(indices), self.gbs, d.world_size)
+            else:  # padding: the same collectives as the other ranks' extra micro-batch, weight 0
+                weight, indices = 0.0, []
             if i == mbps - 1:
                 self._log_ledger(self.step + 1, epoch, consumed)
-            with (self.par.no_sync() if i < mbps - 1 else contextlib.nullcontext()):  # all-reduce on the last only
+            with (self.par.no_sync() if i < runs - 1 else contextlib.nullcontext()):  # all-reduce on the last only
                 with self._autocast():
                     loss = self.task.compute_loss(self.model, batch)
-                scaled = loss.float() * loss_weight(len(indices), self.gbs, d.world_size)
+                scaled = loss.float() * weight
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             loss_sum += loss.detach().double() * len(indices)
         if self.config.clip_grad_norm:
