@@ -88,6 +88,21 @@ def test_killed_launcher_takes_its_workers_and_etcd_along(tmp_path, procs):
                details=lambda: f"still running: {[p for p in started if alive(p)]}")
 
 
+def _two_nodes(procs, endpoint: str, run_id: str, tmp_path: Path, launcher: list[str], trainer: list[str]):
+    """Two nodes of one run (logs in tmp_path/logs, checkpoints every 10 steps in tmp_path/ck), their
+    output in tmp_path/node<i>.out: (processes, output files)."""
+    outs = [tmp_path / f"node{i}.out" for i in range(2)]
+    nodes = []
+    for out in outs:
+        with open(out, "w") as f:
+            nodes.append(procs.start(cli_cmd(
+                "--nnodes", "2", "--rdzv-endpoint", endpoint, "--run-id", run_id, *launcher,
+                "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ck"),
+                "--rdzv-conf", "connect_timeout=10", "--", *TINY, "--no-progress", "--checkpoint-every", "10",
+                *trainer), stdout=f, stderr=subprocess.STDOUT))
+    return nodes, outs
+
+
 @pytest.mark.timeout(300)
 def test_two_nodes_behind_a_slow_etcd_train_to_the_end_without_restarting(etcd, tmp_path, procs, run_id):
     """Every etcd request 0.5 s late (etcd healthy). Before, each node fenced itself every ~12 s
@@ -97,15 +112,8 @@ def test_two_nodes_behind_a_slow_etcd_train_to_the_end_without_restarting(etcd, 
 
     log_dir = tmp_path / "logs"
     with SlowProxy("127.0.0.1", etcd.port, delay=0.5) as proxy:
-        outs = [tmp_path / f"node{i}.out" for i in range(2)]
-        nodes = []
-        for out in outs:
-            with open(out, "w") as f:
-                nodes.append(procs.start(cli_cmd(
-                    "--nnodes", "2", "--rdzv-endpoint", proxy.endpoint, "--run-id", run_id, "--recovery", "restart",
-                    "--log-dir", str(log_dir), "--checkpoint-dir", str(tmp_path / "ck"),
-                    "--rdzv-conf", "connect_timeout=10", "--", *TINY, "--no-progress", "--max-steps", "30",
-                    "--sleep-per-step", "0.2", "--checkpoint-every", "10"), stdout=f, stderr=subprocess.STDOUT))
+        nodes, outs = _two_nodes(procs, proxy.endpoint, run_id, tmp_path, ["--recovery", "restart"],
+                                 ["--max-steps", "30", "--sleep-per-step", "0.2"])
         for node, out in zip(nodes, outs):
             assert node.wait(timeout=240) == 0, out.read_text()[-3000:]
     for out in outs:
@@ -128,15 +136,8 @@ def test_two_live_nodes_at_default_settings_train_on_through_0_5_then_1_5_s_of_e
     log_dir = tmp_path / "logs"
     total = 40
     with SlowProxy("127.0.0.1", etcd.port, delay=0.5) as proxy:
-        outs = [tmp_path / f"node{i}.out" for i in range(2)]
-        nodes = []
-        for out in outs:
-            with open(out, "w") as f:
-                nodes.append(procs.start(cli_cmd(
-                    "--nnodes", "2", "--rdzv-endpoint", proxy.endpoint, "--run-id", run_id,
-                    "--log-dir", str(log_dir), "--checkpoint-dir", str(tmp_path / "ck"),
-                    "--rdzv-conf", "connect_timeout=10", "--", *TINY, "--no-progress", "--max-steps", str(total),
-                    "--sleep-per-step", "0.3", "--checkpoint-every", "10"), stdout=f, stderr=subprocess.STDOUT))
+        nodes, outs = _two_nodes(procs, proxy.endpoint, run_id, tmp_path, [],
+                                 ["--max-steps", str(total), "--sleep-per-step", "0.3"])
         wait_until(lambda: records.read_steps(log_dir), 240, "step 12 at 0.5 s of latency",
                    until=lambda st: any(s.step >= 12 for s in st),
                    details=lambda: "\n".join(o.read_text()[-2000:] for o in outs))
