@@ -105,3 +105,34 @@ def test_sharded_save_on_s3_at_4_ranks_loads_resharded_at_2(s3_url, tmp_path, pr
 
     assert cli.main(["export", s3_url, "--to", str(tmp_path / "model.safetensors")]) == 0
     assert_same_state(saved["model"], load_file(str(tmp_path / "model.safetensors")), "exported from S3")
+
+
+TINY = ["--d-model", "16", "--nhead", "2", "--num-encoder-layers", "1", "--num-decoder-layers", "1",
+        "--dim-feedforward", "32", "--src-len", "4", "--dataset-size", "256", "--global-batch-size", "12",
+        "--micro-batch-size", "3", "--no-wandb", "--no-progress"]
+
+
+def test_fsdp_training_saves_sharded_in_the_background_to_s3_and_resumes_at_one_rank(s3_url, tmp_path, procs):
+    from elastic_trainer import records
+    from elastic_trainer.checkpoint.sharded import is_sharded
+
+    for nproc, until in ((2, "3"), (1, "5")):
+        proc = procs.start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                            str(nproc), "-m", "elastic_trainer.train", *TINY, "--fsdp", "--max-steps", until,
+                            "--checkpoint-every", "1", "--checkpoint-dir", s3_url, "--log-dir", str(tmp_path / "logs")],
+                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, out[-4000:]
+    assert "resumed from checkpoint step-3" in out
+    saves = [(e.step, e.blocking, e.committed, e.world_size) for e in records.read_events(tmp_path / "logs")
+             if e.event == "checkpoint_saved"]
+    # periodic saves run in the background (committed: known later); each run's last one blocks
+    assert saves == [(1, False, None, 2), (2, False, None, 2), (3, True, True, 2), (4, False, None, 1),
+                     (5, True, True, 1)]
+    step, state = CheckpointManager(s3_url).load()
+    assert step == 5 and is_sharded(state) and state["meta"]["world_size"] == 1
+    from elastic_trainer.checkpoint import storage
+
+    fs, root = storage.get_fs(s3_url)
+    steps = sorted(n for n in storage.list_dir(fs, root) if n.startswith("step-"))
+    assert steps == ["step-3", "step-4", "step-5"]  # --keep-checkpoints 3: steps 1 and 2 pruned
