@@ -131,6 +131,8 @@ class ShardedSaver:
         self.ckpt = ckpt
         self.timeout = datetime.timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._group = None
+        self._folder: str | None = None
+        self._stager = None
         self.last_stats: dict = {}
 
     def group(self):
@@ -152,16 +154,25 @@ class ShardedSaver:
         self.ckpt.wait()
         waited = time.perf_counter() - start
         group = self.group()
-        box = [f"{SHARDS}-{self.ckpt.writer_id}" if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=group)
-        folder = box[0]
+        if self._folder is None:  # rank 0's writer id names the folder in every step
+            box = [f"{SHARDS}-{self.ckpt.writer_id}" if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(box, src=0, group=group)
+            self._folder = box[0]
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # synchronous copies into CPU buffers that are kept for the next save (no pinned or
+            # shared memory: those are for copies from a GPU and to a writer process)
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=False))
+        folder = self._folder
         path = storage.join(self.ckpt.root, f"step-{step}", folder)
         storage.makedirs(self.ckpt.fs, path)
         staged = time.perf_counter()
-        # DCP copies this rank's shards into new CPU tensors (the writer's blocking stager) before
-        # it returns; writing them runs on DCP's own thread, its collectives on our group
+        # DCP copies this rank's shards into the stager's CPU buffers before it returns; writing
+        # them runs on DCP's own thread, its collectives on our group
         future = dcp.async_save(_sharded_state(module, optimizer), storage_writer=_writer(self.ckpt, path),
-                                process_group=group)
+                                process_group=group, async_stager=self._stager)
         rest = copy.deepcopy(rest) if rest is not None else None  # the scheduler's lists may change meanwhile
         stats = {"step": int(step), "wait_s": waited, "stage_s": time.perf_counter() - staged, "folder": folder}
         self.last_stats = stats
@@ -170,6 +181,13 @@ class ShardedSaver:
         if blocking:
             self.ckpt.wait()
         return time.perf_counter() - start
+
+    def close(self) -> None:
+        """Wait for the save in flight, then free the staging buffers."""
+        self.ckpt.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def _finish(self, step: int, folder: str, path: str, future: Future, rest: dict | None, stats: dict) -> None:
         """The background part of a save: every rank's shards written, hashed, gathered; rank 0 commits."""
@@ -216,6 +234,7 @@ def save_sharded(ckpt, step: int, module: torch.nn.Module, optimizer: torch.opti
     one save); returns whether it was committed (on rank 0; True elsewhere when it was written)."""
     saver = ShardedSaver(ckpt)
     saver.save(step, module, optimizer, rest, blocking=True)
+    saver.close()
     committed = bool(ckpt.last_save_stats.get("committed")) if dist.get_rank() == 0 else True
     dist.barrier()  # no rank moves on (and changes its shards) before the commit
     return committed

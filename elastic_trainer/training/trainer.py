@@ -794,6 +794,8 @@ class Trainer:
             self._note_commit()  # an async save that committed after the last step's line
             if self.step != self._last_save_step:  # the same decision on every rank (FSDP gathers)
                 self._save(blocking=True)
+            if self._sharded_saver is not None:
+                self._sharded_saver.close()
             self.ckpt.close()
         if self.live is not None:
             if stopped_by == "done" and self.dinfo.is_main:
