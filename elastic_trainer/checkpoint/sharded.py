@@ -10,7 +10,9 @@ A reader verifies every file before anything is loaded. Loading reshards: DCP's 
 the sharded state dicts of the *current* model and optimizer, whatever world size wrote them.
 
 A save (``ShardedSaver.save``) blocks training only while this rank's shards are copied into CPU
-memory (DCP's ``async_save`` and the writer's staging copy); the rest runs on a background thread
+memory (DCP's ``async_save`` with its ``DefaultStager``: synchronous copies into buffers kept for
+the next save, so a rank holds one extra copy of its own shards, never of the model); the rest
+runs on a background thread
 that the ``CheckpointManager`` owns as its in-flight save, so ``ckpt.wait()``, ``ckpt.close()``
 and the next save wait for it:
 

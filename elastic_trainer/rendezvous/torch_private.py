@@ -6,6 +6,9 @@ The ``etcd-v3`` handler is torch's ``DynamicRendezvousHandler`` state machine wi
 nowhere else, under public names, and ``check_compatible()`` verifies every signature,
 attribute and enum member we rely on; ``tests/test_torch_private.py`` calls it, so a torch
 upgrade that changes any of them fails loudly in one test rather than deep inside a recovery.
+One more pair lives here for the same reason: DCP's ``FsspecWriter``/``FsspecReader``
+(``dcp_fsspec_storage``), public classes of a private torch module, which sharded checkpoints on
+object stores use (``checkpoint/sharded.py``).
 
 Checked against torch 2.13 (2.13.0, what CI installs); ``pyproject.toml`` bounds torch to
 ``>=2.13,<2.14``. To admit a new torch: run ``tests/test_torch_private.py`` and the rendezvous
