@@ -136,6 +136,9 @@ def bench(args: argparse.Namespace) -> dict:
             ckpt.wait()
         dist.barrier()
         row["save_s"].append(time.perf_counter() - t0)
+        if rank == 0:  # where a save's time went (CheckpointManager / ShardedSaver stats)
+            row.setdefault("parts", []).append({k: v for k, v in ckpt.last_save_stats.items()
+                                                if k.endswith("_s") and k != "blocked_s"})
         if i == 0:
             row["peak"] = _status("VmHWM")
             shares = [_share_bytes(ckpt, rank, world, saver is not None) if rank == 0 else None]
@@ -252,6 +255,16 @@ def report(rows: list[dict]) -> None:
                   f"{blocked * 1000:>10.1f} | {blocked / step:>6.1%} | {during:>11.3f} | "
                   f"{statistics.median(r0['save_s']):>6.3f} | {statistics.median(r0['copy_s']):>6.3f} | "
                   f"{_ratio(r0):>9.2f} | {(r0['peak'] - r0['rss_before']) / mib:>+21.0f} | {grow:+.0f}")
+    print("\nwhere a blocking save's time went on rank 0 (medians, ms): full: copy = snapshot, serialize + upload = "
+          "write and commit (the gather is the rest of 'save s'); sharded: stage = copy to CPU, write = DCP's "
+          "writing (every rank done), hash = rank 0's share read back, upload = the rest and the manifest "
+          "(commit), total = from the end of staging to the commit")
+    shown = {"full": ("copy_s", "serialize_s", "upload_s"),
+             "sharded": ("stage_s", "write_s", "hash_s", "upload_s", "total_s")}
+    for r0 in sorted((r for r in rows if r["rank"] == 0 and "parts" in r), key=lambda r: (r["width"], r["mode"])):
+        keys = shown[r0["mode"]]
+        print(f"{r0['width']:>5} {r0['mode']:>7}: " + ", ".join(
+            f"{k[:-2]} {statistics.median(p.get(k, 0.0) for p in r0['parts']) * 1000:.0f}" for k in keys))
     print(f"\n{'width':>5} | {'load':>7} | {'ranks':>5} | {'seconds':>7} | rank 0 RSS growth MiB | others' max")
     for width in sorted({r["width"] for r in rows}):
         for mode in ("load-full", "load-sharded"):

@@ -170,12 +170,12 @@ class ShardedSaver:
         folder = self._folder
         path = storage.join(self.ckpt.root, f"step-{step}", folder)
         storage.makedirs(self.ckpt.fs, path)
+        rest = copy.deepcopy(rest) if rest is not None else None  # the scheduler's lists may change meanwhile
         staged = time.perf_counter()
         # DCP copies this rank's shards into the stager's CPU buffers before it returns; writing
         # them runs on DCP's own thread, its collectives on our group
         future = dcp.async_save(_sharded_state(module, optimizer), storage_writer=_writer(self.ckpt, path),
                                 process_group=group, async_stager=self._stager)
-        rest = copy.deepcopy(rest) if rest is not None else None  # the scheduler's lists may change meanwhile
         stats = {"step": int(step), "wait_s": waited, "stage_s": time.perf_counter() - staged, "folder": folder}
         self.last_stats = stats
         self.ckpt.run_in_background(step, lambda: self._finish(step, folder, path, future, rest, stats))
