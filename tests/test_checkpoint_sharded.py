@@ -79,7 +79,7 @@ def test_a_rank_that_exits_mid_save_leaves_that_step_uncommitted_and_the_previou
     out = _run(procs, 4, "exit", "--url", url, "--out", str(tmp_path / "exit.json"))
     result = json.loads((tmp_path / "exit.json").read_text())
     assert result["step"] == 3 and result["committed"] is False, out[-3000:]
-    assert "writing the shards failed" in result["error"]
+    assert result["error"].startswith("checkpoint step-3 not committed: ")
     assert not (tmp_path / "ck" / "step-3" / "manifest.json").exists()
     assert CheckpointManager(url).load()[0] == 2
 

@@ -192,38 +192,52 @@ class ShardedSaver:
             self._stager = None
 
     def _finish(self, step: int, folder: str, path: str, future: Future, rest: dict | None, stats: dict) -> None:
-        """The background part of a save: every rank's shards written, hashed, gathered; rank 0 commits."""
+        """The background part of a save: every rank's shards written, hashed, gathered; rank 0 commits.
+
+        Every rank takes part in the gathering, failed or not (a rank that skipped it would leave
+        the others waiting, and its next save's collectives would meet this one's)."""
         rank, world = dist.get_rank(), dist.get_world_size()
         t0 = time.perf_counter()
-        entries: dict | None = None
+        entries: dict = {}
+        names: list[str] = []
         error: str | None = None
         try:
             names = _dcp_files(future.result())  # returns once every rank wrote its shards and rank 0 .metadata
             stats["write_s"] = time.perf_counter() - t0
             entries = _hash_files(self.ckpt.fs, path, folder, names[rank::world])
             stats["hash_s"] = time.perf_counter() - t0 - stats["write_s"]
-            shares: list | None = [None] * world if rank == 0 else None
-            dist.gather_object((entries, names), shares, dst=0, group=self.group())
         except Exception as exc:  # noqa: BLE001 - a failed save is reported, never raised into training
-            error = f"checkpoint step-{step}: writing the shards failed ({type(exc).__name__}: {storage.redact(exc)})"
+            error = f"rank {rank} could not write or hash its shards ({type(exc).__name__}: {storage.redact(exc)})"
+        shares: list | None = [None] * world if rank == 0 else None
+        try:
+            dist.gather_object((entries, names, error), shares, dst=0, group=self.group())
+        except Exception as exc:  # noqa: BLE001 - a rank is gone: nothing is committed
+            error = error or f"gathering the shards' hashes failed ({type(exc).__name__}: {storage.redact(exc)})"
             shares = None
         if rank != 0:
             if error is not None:
-                log.error("%s", error)
+                log.error("checkpoint step-%d: %s", step, error)
             return
         files: dict = {}
-        if error is None:
-            for got, names in shares:
+        if shares is not None:
+            errors = [e for _, _, e in shares if e is not None]
+            error = "; ".join(errors) if errors else None
+            for got, _, _ in shares:
                 files.update(got)
             missing = sorted(set(names) - {rel.split("/", 1)[1] for rel in files})
-            if missing:
-                error = f"checkpoint step-{step}: no rank hashed {', '.join(missing)}"
+            if error is None and missing:
+                error = f"no rank hashed {', '.join(missing)}"
+        if error is None:
+            try:
+                self.ckpt.save(step, {**(rest or {}), "sharded": {"folder": folder}}, blocking=True, include=files)
+            except Exception as exc:  # noqa: BLE001 - e.g. a rest that cannot be snapshotted
+                error = f"the commit failed ({type(exc).__name__}: {storage.redact(exc)})"
         if error is not None:
+            error = f"checkpoint step-{step} not committed: {error}"
             self.ckpt.last_error = error
             self.ckpt.last_save_stats = {**stats, "committed": False, "error": error}
-            log.error("%s; not committed, the last good checkpoint stays", error)
+            log.error("%s; the last good checkpoint stays", error)
             return
-        self.ckpt.save(step, {**(rest or {}), "sharded": {"folder": folder}}, blocking=True, include=files)
         done = self.ckpt.last_save_stats
         done.update(blocked_s=stats["blocked_s"], sharded_bytes=sum(e["size"] for e in files.values()),
                     total_s=time.perf_counter() - t0, **{k: stats[k] for k in ("stage_s", "write_s", "hash_s")})
