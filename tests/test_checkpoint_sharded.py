@@ -61,14 +61,14 @@ def test_sharded_save_at_4_ranks_loads_resharded_at_3_and_2_with_equal_state(tmp
     assert "__2_0.distcp fails its xxh3_128 check" in caplog.text
 
 
-def test_async_save_holds_the_state_of_its_step_while_training_goes_on_and_the_next_save_waits(tmp_path, procs):
+def test_async_save_holds_its_steps_state_while_the_shards_change_and_the_next_save_waits_for_it(tmp_path, procs):
     url = str(tmp_path / "ck")
     _run(procs, 4, "async", "--url", url, "--out", str(tmp_path / "at.pt"))
     for step, saved in ((2, tmp_path / "at.pt"), (3, tmp_path / "at.pt.3")):
         manifest = json.loads((tmp_path / "ck" / f"step-{step}" / "manifest.json").read_text())
         assert len([rel for rel in manifest["files"] if rel.endswith(".distcp")]) == 4
         _run(procs, 2, "load", "--step", str(step), "--url", url, "--out", str(tmp_path / f"loaded-{step}.pt"))
-        # step 2 was written while step 3 trained: what it holds is the state at step 2
+        # step 2 was written while every shard was halved: what it holds is the state at step 2
         assert_same_state(torch.load(saved, weights_only=True),
                           torch.load(tmp_path / f"loaded-{step}.pt", weights_only=True), f"step {step}")
     assert CheckpointManager(url).load()[0] == 3

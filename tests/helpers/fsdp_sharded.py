@@ -11,9 +11,9 @@ size and loads the newest checkpoint (or ``--step``). Both write, from rank 0, t
 model and optimizer state to ``--out``, for the test to compare.
 
 ``async`` saves step 2 without blocking, halves every parameter and first moment in place at once
-(while step 2 is written) and trains step 3, then
-saves step 3 the same way (after step 2's save) and waits: ``--out`` gets the state at step 2,
-``<out>.3`` the state at step 3, each gathered before its save. ``exit`` saves step 2 blocking,
+(while step 2 is written), then saves that as step 3 at once (which must wait for step 2's save)
+and waits: ``--out`` gets the state at step 2 (gathered before its save), ``<out>.3`` the halved
+one. ``exit`` saves step 2 blocking,
 then starts a save of step 3 and has rank 1 exit at once (mid-save, a crash: no teardown); the
 other ranks wait for the save, and rank 0 writes ``{"committed": ..., "error": ...}`` of step 3 to
 ``--out``.
@@ -90,10 +90,11 @@ def main() -> None:
             for param in model.parameters():
                 param.mul_(0.5)
                 optimizer.state[param]["exp_avg"].mul_(0.5)
-        train_step(model, optimizer, 2, rank)
-        at_3 = full(model, optimizer)
-        saver.save(3, model, optimizer, rest)  # waits for step 2's save first
+        saver.save(3, model, optimizer, rest)  # at once too: it must wait for step 2's save (same buffers)
+        if rank == 0:
+            assert ckpt.last_committed_step == 2, f"step 3's save started before step 2 was committed ({ckpt.last_error})"
         ckpt.wait()
+        at_3 = full(model, optimizer)
         if rank == 0:
             assert ckpt.last_save_stats.get("committed") and ckpt.last_save_stats["step"] == 3, ckpt.last_error
             torch.save(at_2, args.out)
