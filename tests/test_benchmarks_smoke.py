@@ -64,13 +64,18 @@ def test_checkpoint_bench_quick_prints_a_row_per_store(procs):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_sharded_bench_small_measures_full_and_sharded_saves_and_loads(procs, tmp_path):
-    out = run_script(procs, "sharded_bench.py", "--ranks", "2", "--widths", "256", "--json", str(tmp_path / "s.json"))
+    out = run_script(procs, "sharded_bench.py", "--ranks", "2", "--widths", "128", "--steps", "2", "--repeats", "1",
+                     "--json", str(tmp_path / "s.json"), timeout=380)
     rows = json.loads((tmp_path / "s.json").read_text())["rows"]
-    assert sorted({(r["mode"], r["world"]) for r in rows}) == [("full", 2), ("load", 1), ("load", 2), ("sharded", 2)]
-    assert all(r["peak"] > 0 and r["rss_before"] > 0 and r["seconds"] > 0 for r in rows)
-    assert len([line for line in out.splitlines() if line.startswith("  256 |")]) == 4
+    assert sorted({(r["mode"], r["world"]) for r in rows}) == [
+        ("full", 2), ("load-full", 1), ("load-full", 2), ("load-sharded", 1), ("load-sharded", 2), ("sharded", 2)]
+    assert all(r["peak"] > 0 and r["rss_before"] > 0 for r in rows)
+    saves = [r for r in rows if not r["mode"].startswith("load")]
+    assert all(r["save_s"][0] > 0 and r["copy_s"][0] > 0 and r["blocked_s"][0] > 0 and r["bytes"] > 0 for r in saves)
+    assert all(r["seconds"] > 0 for r in rows if r["mode"].startswith("load"))
+    assert len([line for line in out.splitlines() if line.startswith("  128 |")]) == 6
 
 
 @pytest.mark.slow

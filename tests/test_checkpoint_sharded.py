@@ -1,6 +1,8 @@
 """Sharded FSDP checkpoints (elastic_trainer/checkpoint/sharded.py): every rank writes its shards
-through torch.distributed.checkpoint, the manifest lists every shard and commits last, and a load
-at another world size reshards. Real gloo processes under torchrun, a real local store."""
+through torch.distributed.checkpoint, in the background after a copy, the manifest lists every
+shard and commits last, a rank lost mid-save leaves nothing committed, and a load at another
+world size reshards. Real gloo processes under torchrun, a real local store and a real S3
+endpoint (moto's server)."""
 
 from __future__ import annotations
 
@@ -20,11 +22,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 HELPER = Path(__file__).resolve().parent / "helpers" / "fsdp_sharded.py"
 
 
-def _run(procs, nproc: int, *args: str) -> None:
+def _run(procs, nproc: int, *args: str) -> str:
     proc = procs.start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                         str(HELPER), *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-4000:]
+    return out
 
 
 def test_sharded_save_at_4_ranks_loads_resharded_at_3_and_2_with_equal_state(tmp_path, procs, caplog):
@@ -56,3 +59,80 @@ def test_sharded_save_at_4_ranks_loads_resharded_at_3_and_2_with_equal_state(tmp
     shard.write_bytes(bytes(data))
     assert CheckpointManager(url).load() is None
     assert "__2_0.distcp fails its xxh3_128 check" in caplog.text
+
+
+def test_async_save_holds_its_steps_state_while_the_shards_change_and_the_next_save_waits_for_it(tmp_path, procs):
+    url = str(tmp_path / "ck")
+    _run(procs, 4, "async", "--url", url, "--out", str(tmp_path / "at.pt"))
+    for step, saved in ((2, tmp_path / "at.pt"), (3, tmp_path / "at.pt.3")):
+        manifest = json.loads((tmp_path / "ck" / f"step-{step}" / "manifest.json").read_text())
+        assert len([rel for rel in manifest["files"] if rel.endswith(".distcp")]) == 4
+        _run(procs, 2, "load", "--step", str(step), "--url", url, "--out", str(tmp_path / f"loaded-{step}.pt"))
+        # step 2 was written while every shard was halved: what it holds is the state at step 2
+        assert_same_state(torch.load(saved, weights_only=True),
+                          torch.load(tmp_path / f"loaded-{step}.pt", weights_only=True), f"step {step}")
+    assert CheckpointManager(url).load()[0] == 3
+
+
+def test_a_rank_that_exits_mid_save_leaves_that_step_uncommitted_and_the_previous_one_newest(tmp_path, procs):
+    url = str(tmp_path / "ck")
+    out = _run(procs, 4, "exit", "--url", url, "--out", str(tmp_path / "exit.json"))
+    result = json.loads((tmp_path / "exit.json").read_text())
+    assert result["step"] == 3 and result["committed"] is False, out[-3000:]
+    assert result["error"].startswith("checkpoint step-3 not committed: ")
+    assert not (tmp_path / "ck" / "step-3" / "manifest.json").exists()
+    assert CheckpointManager(url).load()[0] == 2
+
+
+def test_sharded_save_on_s3_at_4_ranks_loads_resharded_at_2(s3_url, tmp_path, procs):
+    from elastic_trainer.checkpoint import storage
+
+    _run(procs, 4, "save", "--url", s3_url, "--out", str(tmp_path / "saved.pt"))
+    fs, root = storage.get_fs(s3_url)
+    manifest = json.loads(storage.read_bytes(fs, f"{root}/step-2/manifest.json"))
+    shards = sorted(rel.split("/", 1)[1] for rel in manifest["files"] if rel.startswith("dcp-"))
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
+    for rel, info in manifest["files"].items():
+        assert storage.size(fs, f"{root}/step-2/{rel}") == info["size"]
+    _run(procs, 2, "load", "--url", s3_url, "--out", str(tmp_path / "loaded.pt"))
+    saved = torch.load(tmp_path / "saved.pt", weights_only=True)
+    assert_same_state(saved, torch.load(tmp_path / "loaded.pt", weights_only=True), "at 2 ranks from S3")
+
+    # export gathers the model from the shards on S3
+    from safetensors.torch import load_file
+
+    from elastic_trainer import cli
+
+    assert cli.main(["export", s3_url, "--to", str(tmp_path / "model.safetensors")]) == 0
+    assert_same_state(saved["model"], load_file(str(tmp_path / "model.safetensors")), "exported from S3")
+
+
+TINY = ["--d-model", "16", "--nhead", "2", "--num-encoder-layers", "1", "--num-decoder-layers", "1",
+        "--dim-feedforward", "32", "--src-len", "4", "--dataset-size", "256", "--global-batch-size", "12",
+        "--micro-batch-size", "3", "--no-wandb", "--no-progress"]
+
+
+def test_fsdp_training_saves_sharded_in_the_background_to_s3_and_resumes_at_one_rank(s3_url, tmp_path, procs):
+    from elastic_trainer import records
+    from elastic_trainer.checkpoint.sharded import is_sharded
+
+    for nproc, until in ((2, "3"), (1, "5")):
+        proc = procs.start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                            str(nproc), "-m", "elastic_trainer.train", *TINY, "--fsdp", "--max-steps", until,
+                            "--checkpoint-every", "1", "--checkpoint-dir", s3_url, "--log-dir", str(tmp_path / "logs")],
+                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, out[-4000:]
+    assert "resumed from checkpoint step-3" in out
+    saves = [(e.step, e.blocking, e.committed, e.world_size) for e in records.read_events(tmp_path / "logs")
+             if e.event == "checkpoint_saved"]
+    # periodic saves run in the background (committed: known later); each run's last one blocks
+    assert saves == [(1, False, None, 2), (2, False, None, 2), (3, True, True, 2), (4, False, None, 1),
+                     (5, True, True, 1)]
+    step, state = CheckpointManager(s3_url).load()
+    assert step == 5 and is_sharded(state) and state["meta"]["world_size"] == 1
+    from elastic_trainer.checkpoint import storage
+
+    fs, root = storage.get_fs(s3_url)
+    steps = sorted(n for n in storage.list_dir(fs, root) if n.startswith("step-"))
+    assert steps == ["step-3", "step-4", "step-5"]  # --keep-checkpoints 3: steps 1 and 2 pruned

@@ -215,12 +215,13 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, state: dict, *, blocking: bool = False, include: str | None = None) -> float:
+    def save(self, step: int, state: dict, *, blocking: bool = False, include: dict | None = None) -> float:
         """Snapshot ``state`` for ``step`` and write it (in the background unless ``blocking``).
 
-        ``include`` names a folder inside the step folder whose files others already wrote (the
-        DCP shards of a sharded save, ``sharded.py``): they are listed in the manifest too, each
-        with its size and checksum hashed from storage (blocking saves only).
+        ``include`` lists files inside the step folder that others already wrote (the DCP shards
+        of a sharded save, ``sharded.py``), as manifest entries ``{"<folder>/<name>": {"size",
+        "hash", "digest"}}`` hashed from storage by their writers: the manifest lists them too
+        (blocking saves only).
 
         Returns the seconds the caller was blocked here (waiting for the previous save +
         copying). With ``overlap_copy`` the optimizer's tensors are copied beside training, and
@@ -264,12 +265,22 @@ class CheckpointManager:
             deferred.stats["blocked_s"] += waited
 
     def wait(self) -> None:
-        """Block until the in-flight save (if any) is done; its failure is in ``last_error``."""
+        """Block until the in-flight save (if any) is done; its failure is in ``last_error``.
+        (Called from the in-flight save's own thread, as a sharded save's commit does, it
+        returns at once.)"""
         self.settle_copy()
         thread = self._thread
-        if thread is not None:
+        if thread is not None and thread is not threading.current_thread():
             thread.join()
             self._thread = None
+
+    def run_in_background(self, step: int, work: Callable[[], None]) -> None:
+        """Run ``work`` on a thread of its own as this manager's in-flight save of ``step``, after
+        the previous save is done: ``wait``, ``close`` and the next ``save`` wait for it (a sharded
+        save's writing and commit, ``sharded.py``). ``work`` reports its own failures."""
+        self.wait()
+        self._thread = threading.Thread(target=work, name=f"checkpoint-step-{step}", daemon=True)
+        self._thread.start()
 
     def close(self) -> None:
         """Finish the in-flight save and free the snapshot buffers."""
@@ -313,7 +324,7 @@ class CheckpointManager:
                             "step, while it was being copied beside training; later saves copy it before "
                             "returning instead")
 
-    def _write(self, step: int, snap: Snapshot, stats: dict, include: str | None = None) -> None:
+    def _write(self, step: int, snap: Snapshot, stats: dict, include: dict | None = None) -> None:
         """Serialize, upload, fence, commit, prune; retried with backoff; never raises."""
         name = f"step-{step}"
         meta = snap.state.get("meta") if isinstance(snap.state.get("meta"), dict) else None
@@ -399,7 +410,7 @@ class CheckpointManager:
         return fmt, {f"{self.writer_id}/{name}": {"size": size, "hash": HASH, "digest": hasher.hexdigest()}}
 
     def _upload_and_commit(self, step: int, snap: Snapshot, meta: Any, stats: dict, attempt: int,
-                           include: str | None = None) -> None:
+                           include: dict | None = None) -> None:
         fs, step_dir = self.fs, self._step_dir(step)
         manifest_path = storage.join(step_dir, MANIFEST)
         if attempt > 1 and self.record is not None:  # a retry may find its own commit in the record
@@ -421,7 +432,7 @@ class CheckpointManager:
             # checks the CRC32 botocore sends with it); a filesystem is asked once more here
             self._check_landed(own, files)
         if include is not None:
-            files.update(self._hash_folder(step, include))
+            files.update(include)
         if self.fence is not None:
             self.fence()
         manifest = {
@@ -452,21 +463,6 @@ class CheckpointManager:
         # leftover just as the manifest lands, but it does so only below every checkpoint it
         # keeps; such a manifest fails verification on load (skipped, named) and the next
         # retention removes it (docs/checkpoints.md, "Commit").
-
-    def _hash_folder(self, step: int, folder: str) -> dict:
-        """The manifest entries of every file under ``step-N/<folder>/``, hashed from storage."""
-        out = {}
-        base = storage.join(self._step_dir(step), folder)
-        for name in sorted(storage.list_dir(self.fs, base)):
-            hasher, size = _HASHES[HASH](), 0
-            with self.fs.open(storage.join(base, name), "rb") as f:
-                while chunk := f.read(storage.WRITE_PIECE * 4):
-                    hasher.update(chunk)
-                    size += len(chunk)
-            out[f"{folder}/{name}"] = {"size": size, "hash": HASH, "digest": hasher.hexdigest()}
-        if not out:
-            raise OSError(f"{folder} of step-{step} holds no files")
-        return out
 
     def _store_manifest(self, manifest_path: str, manifest: dict) -> None:
         """The storage copy of a manifest the etcd record committed (create-if-absent). One left by

@@ -1,31 +1,59 @@
-"""Sharded checkpoints of FSDP models through ``torch.distributed.checkpoint`` (DCP).
+"""Sharded checkpoints of FSDP models through ``torch.distributed.checkpoint`` (DCP), saved asynchronously.
 
 A full-state save gathers every parameter and optimizer state on rank 0, so a model whose state
 does not fit in one host's memory cannot be checkpointed that way. Here every rank writes its own
-shards (DCP's ``save``, one file per rank, plus DCP's ``.metadata`` from its coordinator) into
+shards (DCP, one file per rank, plus DCP's ``.metadata`` from its coordinator) into
 ``<url>/step-N/dcp-<writer>/``; rank 0 then writes the small rest of the state (RNG, sampler,
 scheduler, meta) as its usual format-3 file and commits the manifest last, listing every shard
-file with its size and xxh3_128 (hashed from storage, streamed), fenced like any commit
-(``CheckpointManager``, ``record.py``). A reader verifies every file before anything is loaded.
-Loading reshards: DCP's ``load`` fills the sharded state dicts of the *current* model and
-optimizer, whatever world size wrote them.
+file with its size and xxh3_128, fenced like any commit (``CheckpointManager``, ``record.py``).
+A reader verifies every file before anything is loaded. Loading reshards: DCP's ``load`` fills
+the sharded state dicts of the *current* model and optimizer, whatever world size wrote them.
 
-    # every rank, collectively:
-    save_sharded(ckpt, step, module, optimizer, rest={"rng": ..., "sampler": ..., "meta": ...})
-    found = ckpt.load()                                   # rank 0, then broadcast the step; rest
-    load_sharded(ckpt, step, found[1], module, optimizer) # every rank, collectively
+A save (``ShardedSaver.save``) blocks training only while this rank's shards are copied into CPU
+memory (DCP's ``async_save`` with its ``DefaultStager``: synchronous copies into buffers kept for
+the next save, so a rank holds one extra copy of its own shards, never of the model); the rest
+runs on a background thread
+that the ``CheckpointManager`` owns as its in-flight save, so ``ckpt.wait()``, ``ckpt.close()``
+and the next save wait for it:
 
-Local and NFS paths use DCP's public ``FileSystemWriter``/``FileSystemReader``; other stores
-are not supported for sharded saves yet (``ValueError`` naming ``--fsdp``).
+1. DCP writes every rank's shards and, on rank 0, ``.metadata`` (its collectives run on a gloo
+   group of their own, made once, so they never interleave with training's collectives);
+2. every rank hashes a share of the files DCP names in its metadata (read back from storage) and
+   the entries are gathered on rank 0;
+3. rank 0 commits: the rest of the state, then the manifest, fenced.
+
+So a commit needs every rank's finished write: a rank that exits, is killed or fails during a
+save makes the others' collectives fail (or time out, after ``timeout``), nothing is committed,
+and the newest checkpoint stays the one before; the leftovers of the uncommitted step are removed
+by a later retention. A process that ends normally waits for the save (``Trainer._finish``: wait,
+then its last save blocking).
+
+    saver = ShardedSaver(ckpt)                                  # every rank
+    saver.save(step, module, optimizer, rest=...)               # collectively; rest on rank 0 only
+    ckpt.wait()                                                 # the save done (rank 0: committed or not)
+    found = ckpt.load()                                         # rank 0, then broadcast the step; rest
+    load_sharded(ckpt, step, found[1], module, optimizer)       # every rank, collectively
+
+Stores: local and NFS paths through DCP's ``FileSystemWriter``/``FileSystemReader`` (files
+fsynced), every other fsspec store (``s3://``) through DCP's ``FsspecWriter``/``FsspecReader``
+(imported where torch's private modules are, ``rendezvous/torch_private.py``) with the storage
+options of ``storage.storage_options``; an object store's files are not fsynced (closed is
+uploaded).
 """
 
 from __future__ import annotations
 
+import copy
+import datetime
 import logging
+import tempfile
+import time
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import xxhash
 
 from elastic_trainer.checkpoint import storage
 
@@ -33,12 +61,35 @@ log = logging.getLogger(__name__)
 
 SHARDS = "dcp"
 """The prefix of the DCP folder inside a step folder (``dcp-<writer id>``)."""
+HASH = "xxh3_128"
+_READ = 4 << 20
 
 
-def _check_store(ckpt) -> None:
-    if not storage.is_local(ckpt.fs):
-        raise ValueError(f"sharded --fsdp checkpoints are written only to local or NFS paths so far, not "
-                         f"{storage.redact(ckpt.url)}; use a mounted path for --checkpoint-dir")
+def _url(ckpt, path: str) -> str:
+    """``path`` (inside ``ckpt``'s filesystem) as DCP's writers and readers take it."""
+    return path if storage.is_local(ckpt.fs) else ckpt.fs.unstrip_protocol(path)
+
+
+def _writer(ckpt, path: str):
+    import torch.distributed.checkpoint as dcp
+
+    if storage.is_local(ckpt.fs):
+        return dcp.FileSystemWriter(path)
+    from elastic_trainer.rendezvous.torch_private import dcp_fsspec_storage
+
+    FsspecWriter = dcp_fsspec_storage()[0]
+    # an object store's file is durable once closed; DCP's fsync fallback would sync the machine
+    return FsspecWriter(_url(ckpt, path), sync_files=False, **storage.storage_options(ckpt.url))
+
+
+def _reader(ckpt, path: str):
+    import torch.distributed.checkpoint as dcp
+
+    if storage.is_local(ckpt.fs):
+        return dcp.FileSystemReader(path)
+    from elastic_trainer.rendezvous.torch_private import dcp_fsspec_storage
+
+    return dcp_fsspec_storage()[1](_url(ckpt, path), **storage.storage_options(ckpt.url))
 
 
 def _sharded_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -47,24 +98,160 @@ def _sharded_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     return {"model": get_model_state_dict(module), "optimizer": get_optimizer_state_dict(module, optimizer)}
 
 
+def _dcp_files(metadata: Any) -> list[str]:
+    """Every file a DCP save wrote, from the ``Metadata`` it returned: the data files its storage
+    entries name, and ``.metadata``."""
+    names = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
+    names.discard(None)
+    return sorted(names | {".metadata"})
+
+
+def _hash_files(fs, base: str, folder: str, names: list[str]) -> dict:
+    """Manifest entries (``<folder>/<name>``: size, xxh3_128) of ``names`` in ``base``, read back from storage."""
+    out = {}
+    for name in names:
+        hasher, size = xxhash.xxh3_128(), 0
+        with fs.open(storage.join(base, name), "rb") as f:
+            while chunk := f.read(_READ):
+                hasher.update(chunk)
+                size += len(chunk)
+        out[f"{folder}/{name}"] = {"size": size, "hash": HASH, "digest": hasher.hexdigest()}
+    return out
+
+
+class ShardedSaver:
+    """Every rank's sharded saves into ``ckpt`` (a ``CheckpointManager`` on every rank), one in
+    flight at a time, asynchronous; see the module docstring.
+
+    Args:
+        ckpt: this rank's manager; its in-flight save is the sharded save's background work.
+        timeout: of the checkpoint's own gloo group (DCP's collectives, the gathering of hashes):
+            how long a save waits for a rank that stopped answering before it fails.
+    """
+
+    def __init__(self, ckpt, timeout: datetime.timedelta | float | None = None) -> None:
+        self.ckpt = ckpt
+        self.timeout = datetime.timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
+        self._group = None
+        self._folder: str | None = None
+        self._stager = None
+        self.last_stats: dict = {}
+
+    def group(self):
+        """The gloo group of checkpoint collectives (made on first use: collective)."""
+        if self._group is None:
+            kwargs = {"timeout": self.timeout} if self.timeout is not None else {}
+            self._group = dist.new_group(backend="gloo", **kwargs)
+        return self._group
+
+    def save(self, step: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             rest: dict | None, *, blocking: bool = False) -> float:
+        """Every rank, collectively: stage this rank's shards of ``step`` and write them in the
+        background; rank 0 (``rest`` given there: RNG, sampler, meta, ...) then commits. Waits
+        for the previous save first. Returns the seconds training was blocked here (with
+        ``blocking``, until the save is done; rank 0's result is in ``ckpt.last_save_stats``)."""
+        import torch.distributed.checkpoint as dcp
+
+        start = time.perf_counter()
+        self.ckpt.wait()
+        waited = time.perf_counter() - start
+        group = self.group()
+        if self._folder is None:  # rank 0's writer id names the folder in every step
+            box = [f"{SHARDS}-{self.ckpt.writer_id}" if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(box, src=0, group=group)
+            self._folder = box[0]
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # synchronous copies into CPU buffers that are kept for the next save (no pinned or
+            # shared memory: those are for copies from a GPU and to a writer process)
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=False))
+        folder = self._folder
+        path = storage.join(self.ckpt.root, f"step-{step}", folder)
+        storage.makedirs(self.ckpt.fs, path)
+        rest = copy.deepcopy(rest) if rest is not None else None  # the scheduler's lists may change meanwhile
+        staged = time.perf_counter()
+        # DCP copies this rank's shards into the stager's CPU buffers before it returns; writing
+        # them runs on DCP's own thread, its collectives on our group
+        future = dcp.async_save(_sharded_state(module, optimizer), storage_writer=_writer(self.ckpt, path),
+                                process_group=group, async_stager=self._stager)
+        stats = {"step": int(step), "wait_s": waited, "stage_s": time.perf_counter() - staged, "folder": folder}
+        self.last_stats = stats
+        self.ckpt.run_in_background(step, lambda: self._finish(step, folder, path, future, rest, stats))
+        stats["blocked_s"] = time.perf_counter() - start
+        if blocking:
+            self.ckpt.wait()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        """Wait for the save in flight, then free the staging buffers."""
+        self.ckpt.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    def _finish(self, step: int, folder: str, path: str, future: Future, rest: dict | None, stats: dict) -> None:
+        """The background part of a save: every rank's shards written, hashed, gathered; rank 0 commits.
+
+        Every rank takes part in the gathering, failed or not (a rank that skipped it would leave
+        the others waiting, and its next save's collectives would meet this one's)."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        t0 = time.perf_counter()
+        entries: dict = {}
+        names: list[str] = []
+        error: str | None = None
+        try:
+            names = _dcp_files(future.result())  # returns once every rank wrote its shards and rank 0 .metadata
+            stats["write_s"] = time.perf_counter() - t0
+            entries = _hash_files(self.ckpt.fs, path, folder, names[rank::world])
+            stats["hash_s"] = time.perf_counter() - t0 - stats["write_s"]
+        except Exception as exc:  # noqa: BLE001 - a failed save is reported, never raised into training
+            error = f"rank {rank} could not write or hash its shards ({type(exc).__name__}: {storage.redact(exc)})"
+        shares: list | None = [None] * world if rank == 0 else None
+        try:
+            dist.gather_object((entries, names, error), shares, dst=0, group=self.group())
+        except Exception as exc:  # noqa: BLE001 - a rank is gone: nothing is committed
+            error = error or f"gathering the shards' hashes failed ({type(exc).__name__}: {storage.redact(exc)})"
+            shares = None
+        if rank != 0:
+            if error is not None:
+                log.error("checkpoint step-%d: %s", step, error)
+            return
+        files: dict = {}
+        if shares is not None:
+            errors = [e for _, _, e in shares if e is not None]
+            error = "; ".join(errors) if errors else None
+            for got, _, _ in shares:
+                files.update(got)
+            missing = sorted(set(names) - {rel.split("/", 1)[1] for rel in files})
+            if error is None and missing:
+                error = f"no rank hashed {', '.join(missing)}"
+        if error is None:
+            try:
+                self.ckpt.save(step, {**(rest or {}), "sharded": {"folder": folder}}, blocking=True, include=files)
+            except Exception as exc:  # noqa: BLE001 - e.g. a rest that cannot be snapshotted
+                error = f"the commit failed ({type(exc).__name__}: {storage.redact(exc)})"
+        if error is not None:
+            error = f"checkpoint step-{step} not committed: {error}"
+            self.ckpt.last_error = error
+            self.ckpt.last_save_stats = {**stats, "committed": False, "error": error}
+            log.error("%s; the last good checkpoint stays", error)
+            return
+        done = self.ckpt.last_save_stats
+        done.update(blocked_s=stats["blocked_s"], sharded_bytes=sum(e["size"] for e in files.values()),
+                    total_s=time.perf_counter() - t0, **{k: stats[k] for k in ("stage_s", "write_s", "hash_s")})
+        done["bytes"] = done.get("bytes", 0) + done["sharded_bytes"]
+
+
 def save_sharded(ckpt, step: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  rest: dict | None) -> bool:
-    """Every rank: write this rank's shards of ``step``; rank 0 (``rest`` given there) then commits
-    the step with its manifest listing every shard. Blocking; returns whether it was committed
-    (on rank 0; True elsewhere)."""
-    import torch.distributed.checkpoint as dcp
-
-    _check_store(ckpt)
-    box = [f"{SHARDS}-{ckpt.writer_id}" if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    folder = box[0]
-    path = storage.join(ckpt.root, f"step-{step}", folder)
-    storage.makedirs(ckpt.fs, path)
-    dcp.save(_sharded_state(module, optimizer), storage_writer=dcp.FileSystemWriter(path))
-    committed = True
-    if dist.get_rank() == 0:
-        ckpt.save(step, {**(rest or {}), "sharded": {"folder": folder}}, blocking=True, include=folder)
-        committed = bool(ckpt.last_save_stats.get("committed"))
+    """Every rank: a blocking sharded save of ``step`` (``ShardedSaver``, its group made for this
+    one save); returns whether it was committed (on rank 0; True elsewhere when it was written)."""
+    saver = ShardedSaver(ckpt)
+    saver.save(step, module, optimizer, rest, blocking=True)
+    saver.close()
+    committed = bool(ckpt.last_save_stats.get("committed")) if dist.get_rank() == 0 else True
     dist.barrier()  # no rank moves on (and changes its shards) before the commit
     return committed
 
@@ -80,21 +267,23 @@ def load_sharded(ckpt, step: int, state: dict, module: torch.nn.Module, optimize
         raise ValueError(f"checkpoint step-{step} holds no sharded state")
     path = storage.join(ckpt.root, f"step-{step}", info["folder"])
     target = _sharded_state(module, optimizer)
-    dcp.load(target, storage_reader=dcp.FileSystemReader(path))
+    dcp.load(target, storage_reader=_reader(ckpt, path))
     set_model_state_dict(module, target["model"])
     set_optimizer_state_dict(module, optimizer, optim_state_dict=target["optimizer"])
 
 
 def gathered(ckpt, step: int, state: dict) -> dict:
     """The whole model and optimizer state of a sharded ``step`` in this process, without a process
-    group (``export``, tests): DCP's public ``dcp_to_torch_save`` through a temporary file. Needs
-    the memory of the whole state, as any single-file export does."""
-    import tempfile
-
+    group (``export``, tests): DCP's public ``dcp_to_torch_save`` through a temporary folder (the
+    shards copied there first from an object store). Needs the memory of the whole state, as any
+    single-file export does."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     path = storage.join(ckpt.root, f"step-{step}", state["sharded"]["folder"])
     with tempfile.TemporaryDirectory() as tmp:
+        if not storage.is_local(ckpt.fs):
+            ckpt.fs.get(path.rstrip("/") + "/", f"{tmp}/dcp/", recursive=True)
+            path = f"{tmp}/dcp"
         out = f"{tmp}/full.pt"
         dcp_to_torch_save(path, out)
         return torch.load(out, map_location="cpu", weights_only=True)

@@ -6,6 +6,9 @@ The ``etcd-v3`` handler is torch's ``DynamicRendezvousHandler`` state machine wi
 nowhere else, under public names, and ``check_compatible()`` verifies every signature,
 attribute and enum member we rely on; ``tests/test_torch_private.py`` calls it, so a torch
 upgrade that changes any of them fails loudly in one test rather than deep inside a recovery.
+One more pair lives here for the same reason: DCP's ``FsspecWriter``/``FsspecReader``
+(``dcp_fsspec_storage``), public classes of a private torch module, which sharded checkpoints on
+object stores use (``checkpoint/sharded.py``).
 
 Checked against torch 2.13 (2.13.0, what CI installs); ``pyproject.toml`` bounds torch to
 ``>=2.13,<2.14``. To admit a new torch: run ``tests/test_torch_private.py`` and the rendezvous
@@ -47,6 +50,15 @@ remove_participant_epilogue = _dr._remove_participant_epilogue
 def generate_node_desc(local_addr: str | None) -> NodeDesc:
     """A new node descriptor, as torch's handler makes one (unique per process and call)."""
     return DynamicRendezvousHandler._node_desc_generator.generate(local_addr)
+
+
+def dcp_fsspec_storage() -> tuple[type, type]:
+    """DCP's ``FsspecWriter`` and ``FsspecReader`` (public classes of its private
+    ``_fsspec_filesystem`` module), with which ``checkpoint/sharded.py`` writes and reads sharded
+    checkpoints on object stores; imported on first use (they need fsspec)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    return FsspecWriter, FsspecReader
 
 
 # What the subclasses in handler.py and state.py call or override on torch's classes.
@@ -96,9 +108,19 @@ def check_compatible() -> list[str]:
     if not hasattr(DynamicRendezvousHandler, "_node_desc_generator") or not callable(
             getattr(DynamicRendezvousHandler._node_desc_generator, "generate", None)):
         problems.append("DynamicRendezvousHandler._node_desc_generator.generate is gone")
+    try:
+        writer, reader = dcp_fsspec_storage()
+    except ImportError as exc:
+        problems.append(f"DCP's FsspecWriter/FsspecReader are gone ({exc})")
+    else:
+        params = inspect.signature(writer.__init__).parameters
+        if "sync_files" not in params or not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            problems.append(f"FsspecWriter.__init__ takes {list(params)}, expected sync_files and **storage options")
+        if not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(reader.__init__).parameters.values()):
+            problems.append("FsspecReader.__init__ takes no **storage options")
     return problems
 
 
 __all__ = ["TESTED_TORCH", "Action", "DistributedOpExecutor", "DynamicRendezvousHandler", "ExitOp", "JoinOp",
            "NodeDesc", "RendezvousContext", "RendezvousSettings", "RendezvousState", "RendezvousTimeout",
-           "StateHolder", "check_compatible", "generate_node_desc", "remove_participant_epilogue"]
+           "StateHolder", "check_compatible", "dcp_fsspec_storage", "generate_node_desc", "remove_participant_epilogue"]

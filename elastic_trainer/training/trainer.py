@@ -189,6 +189,7 @@ class Trainer:
         self.last_loss: float = float("nan")
         self.first_loss: tuple[int, float] | None = None  # (step, loss) of this process's first agreed step
         self._last_save_step: int | None = None
+        self._sharded_saver = None  # checkpoint.sharded.ShardedSaver of --fsdp, made at the first save
         self._logged_save_step: int | None = None
         self._status = None  # StatusPublisher of rank 0 (`elastic-train status`), made on first use
         self._status_tried = False
@@ -340,11 +341,8 @@ class Trainer:
         }
 
     def _sharded(self) -> bool:
-        """Whether checkpoints are sharded: ``--fsdp`` on a local or NFS checkpoint dir (other
-        stores get the full state gathered on rank 0, as before)."""
-        from elastic_trainer.checkpoint import storage
-
-        return self.par.fsdp and self.ckpt is not None and storage.is_local(self.ckpt.fs)
+        """Whether checkpoints are sharded: with ``--fsdp``, on every store (``checkpoint/sharded.py``)."""
+        return self.par.fsdp and self.ckpt is not None
 
     def _restore(self, step: int, state: dict) -> None:
         """Put a loaded checkpoint back (model before wrapping; the rest after)."""
@@ -824,7 +822,7 @@ class Trainer:
     def _save(self, *, blocking: bool) -> None:
         """Capture (all ranks under FSDP) and save on rank 0; sharded FSDP: every rank its shards."""
         if self._sharded():
-            return self._save_sharded()
+            return self._save_sharded(blocking=blocking or not self.config.async_checkpoint)
         state = self._capture_state()
         self._last_save_step = self.step
         if state is None or self.ckpt is None:
@@ -843,19 +841,26 @@ class Trainer:
                     committed=committed, epoch=self.sampler.epoch, offset=self.sampler.offset,
                     world_size=self.dinfo.world_size)
 
-    def _save_sharded(self) -> None:
-        """Every rank writes its shards (DCP), rank 0 commits the manifest last (blocking)."""
-        from elastic_trainer.checkpoint.sharded import save_sharded
+    def _save_sharded(self, *, blocking: bool) -> None:
+        """Every rank copies its shards to CPU memory and writes them (DCP) in the background;
+        rank 0 then commits the manifest, fenced (``checkpoint/sharded.py``). The previous save
+        is waited for first; ``_finish`` waits for the last."""
+        from elastic_trainer.checkpoint.sharded import ShardedSaver
 
         t0 = time.perf_counter()
+        if self._sharded_saver is None:
+            self._sharded_saver = ShardedSaver(self.ckpt, timeout=self.config.collective_timeout)
         rest = self._capture_state()
         self._last_save_step = self.step
         self.ckpt.wait()
-        committed = save_sharded(self.ckpt, self.step, self.module, self.optimizer, rest)
+        self._note_commit()  # the previous save's line
+        self._sharded_saver.save(self.step, self.module, self.optimizer, rest, blocking=blocking)
         blocked = time.perf_counter() - t0
-        print0(f"checkpoint step-{self.step} {'saved' if committed else 'NOT saved'} sharded "
-               f"(blocked {blocked * 1000:.0f} ms) to {self.config.checkpoint_dir}")
-        self._event("checkpoint_saved", step=self.step, blocked_s=blocked, blocking=True,
+        committed = bool(self.ckpt.last_save_stats.get("committed")) if blocking and self.dinfo.is_main else None
+        if committed is False:
+            print0(f"checkpoint step-{self.step} NOT saved to {storage.redact(self.config.checkpoint_dir)}")
+        self._note_commit()
+        self._event("checkpoint_saved", step=self.step, blocked_s=blocked, blocking=blocking,
                     committed=committed, epoch=self.sampler.epoch, offset=self.sampler.offset,
                     world_size=self.dinfo.world_size)
 
@@ -866,6 +871,8 @@ class Trainer:
             self._note_commit()  # an async save that committed after the last step's line
             if self.step != self._last_save_step:  # the same decision on every rank (FSDP gathers)
                 self._save(blocking=True)
+            if self._sharded_saver is not None:
+                self._sharded_saver.close()
             self.ckpt.close()
         if self.live is not None:
             if stopped_by == "done" and self.dinfo.is_main:
