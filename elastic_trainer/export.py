@@ -75,18 +75,29 @@ def export(url: str, to: str, step: int | None = None) -> int:
     return step
 
 
-def load_weights(module: torch.nn.Module, path: str) -> None:
-    """Load a safetensors file into ``module`` (all keys must match); ``ValueError`` naming ``--init-from``."""
+def read_weights(module: torch.nn.Module, path: str) -> dict[str, torch.Tensor]:
+    """The weights of a safetensors file, checked against ``module``'s keys and shapes (without
+    loading them); ``ValueError`` naming ``--init-from``."""
     from safetensors.torch import load_file
 
     try:
         weights = load_file(path)
     except Exception as exc:  # noqa: BLE001 - any reason the file cannot be read: say it in one line
         raise ValueError(f"--init-from {path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
-    missing, unexpected = _mismatch(module.state_dict(), weights)
+    own = module.state_dict()
+    missing, unexpected = _mismatch(own, weights)
     if missing or unexpected:
         raise ValueError(f"--init-from {path} does not fit this model: missing {missing[:3] or 'none'}, unexpected "
                          f"{unexpected[:3] or 'none'}; export the weights of the same model (--task and its sizes)")
+    wrong = [f"{k} {tuple(weights[k].shape)} vs {tuple(v.shape)}" for k, v in own.items() if v.shape != weights[k].shape]
+    if wrong:
+        raise ValueError(f"--init-from {path} does not fit this model: size mismatch for {wrong[0]}")
+    return weights
+
+
+def load_weights(module: torch.nn.Module, path: str) -> None:
+    """Load a safetensors file into ``module`` (all keys must match); ``ValueError`` naming ``--init-from``."""
+    weights = read_weights(module, path)
     try:
         module.load_state_dict(weights)
     except RuntimeError as exc:

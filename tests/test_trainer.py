@@ -439,6 +439,28 @@ def _torchrun(nproc: int, *argv: str) -> None:
 
 
 @pytest.mark.slow
+def test_fsdp_init_from_is_read_by_rank_0_and_broadcast_into_the_shards(tmp_path):
+    """--init-from under --fsdp: rank 0 alone reads the safetensors file and its tensors are broadcast
+    into every rank's shards; two ranks then train like one process started from the same file
+    (a rank that kept its own random shard would not)."""
+    from elastic_trainer import cli
+
+    tiny = [*TINY, "--global-batch-size", "12", "--micro-batch-size", "3"]
+    train_inprocess(*tiny, "--max-steps", "2", "--seed", "7", "--checkpoint-dir", str(tmp_path / "src"),
+                    "--log-dir", str(tmp_path / "ls"))
+    weights = tmp_path / "model.safetensors"
+    assert cli.main(["export", str(tmp_path / "src"), "--to", str(weights)]) == 0
+    _torchrun(2, *tiny, "--fsdp", "--init-from", str(weights), "--max-steps", "2", "--checkpoint-dir",
+              str(tmp_path / "fsdp"), "--log-dir", str(tmp_path / "lf"))
+    train_inprocess(*tiny, "--init-from", str(weights), "--max-steps", "2", "--checkpoint-dir", str(tmp_path / "one"),
+                    "--log-dir", str(tmp_path / "lo"))
+    step, fsdp = latest(tmp_path / "fsdp")
+    model = gathered(CheckpointManager(str(tmp_path / "fsdp")), step, fsdp)["model"]
+    worst, _ = param_drift(model, latest(tmp_path / "one")[1]["model"])
+    assert step == 2 and worst < 1e-5
+
+
+@pytest.mark.slow
 def test_resume_with_dropout_on_two_ranks_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     """Each rank saves and restores its own RNG state (training/rng.py). A global batch of 7 on two
     ranks gives them 4 and 3 samples, so their dropout draws, and generators, differ: restoring

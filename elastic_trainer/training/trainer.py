@@ -473,17 +473,28 @@ class Trainer:
         full_fsdp = loaded is not None and self._fsdp() and not is_sharded(loaded[1])
         if loaded is not None and "model" in loaded[1] and not full_fsdp:  # into the bare module, before
             self.module.load_state_dict(loaded[1]["model"])  # DDP (a sharded one is loaded after: _restore)
-        elif c.init_from is not None and not from_peer and loaded is None:
+        elif c.init_from is not None and not from_peer and loaded is None and not self._fsdp():
             from elastic_trainer.export import load_weights
 
             load_weights(self.module, c.init_from)
             print0(f"initialized the model from {c.init_from}")
+        init_shards = None
+        if c.init_from is not None and not from_peer and loaded is None and self._fsdp():
+            # FSDP: rank 0 alone reads the file (checked against the model); it is broadcast
+            # into the shards below, one tensor at a time: no whole copy on every rank
+            from elastic_trainer.export import read_weights
+
+            init_shards = read_weights(self.module, c.init_from) if d.rank == 0 else {}
         self.sampler = self._new_sampler()
         blocks = self.task.fsdp_blocks(self.module) if self.task.fsdp_blocks is not None else None
         self.par = Parallel.wrap(self.module, c, d, blocks=blocks)
         self.model = self.par.model
         if full_fsdp:  # rank 0's whole model, broadcast into the shards
             self.par.load_model_state(loaded[1].get("model", {}))
+        elif init_shards is not None:
+            self.par.load_model_state(init_shards)
+            del init_shards
+            print0(f"initialized the model from {c.init_from} (read by rank 0, broadcast into the shards)")
         self._make_optimizer()
         if loaded is not None:
             self._resume(*loaded, from_peer=from_peer)
