@@ -10,8 +10,11 @@ keeper, the fence) goes through an ``EtcdConnection``:
   backoff for up to ``retry_timeout`` seconds, so that an etcd restarting with the same
   data dir does not kill a job; an expired auth token is renewed by reconnecting.
 
-python3-etcd3 marks an endpoint "failed" for 300 s after one UNAVAILABLE and then
-refuses to use it at all; we build its endpoints with a 1 s retry time instead.
+Several endpoints (the members of one etcd cluster) are tried in the order given; one that
+fails (refused, or no answer within the timeout: a stopped process, a lost node's address) is
+avoided for ``_AVOID_FAILED_S`` while another has not failed, so a client pays one timeout per
+lost member, not one per request (python3-etcd3's own failover went back to the first endpoint
+in its list once a short retry time passed, and refused every endpoint once all had failed).
 """
 
 from __future__ import annotations
@@ -46,6 +49,43 @@ _TRANSIENT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEED
 # connection still fails at once, so the pace of reconnects is unchanged.
 _GRPC_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 5000),
                  ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+# How long an endpoint that failed is passed over while another endpoint has not failed.
+_AVOID_FAILED_S = 30.0
+
+
+class _FailoverClient(etcd3.MultiEndpointEtcd3Client):
+    """python3-etcd3's client, starting at the first endpoint and failing over to the endpoint
+    that failed longest ago (one that never failed first); never "no server available" while an
+    endpoint is configured: when all have failed, the oldest failure is tried again."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._current_endpoint_label = next(iter(self.endpoints))
+
+    @property
+    def channel(self) -> grpc.Channel:
+        current = self.endpoint_in_use
+        if current is None or current.is_failed():
+            label = min(self.endpoints, key=lambda name: self.endpoints[name].last_failed)
+            if label != self._current_endpoint_label:
+                logger.info("etcd: endpoint %s failed; using %s", self._current_endpoint_label, label)
+            self._current_endpoint_label = label
+            current = self.endpoints[label]
+            current.last_failed = 0
+        return current.use()
+
+    def _manage_grpc_errors(self, exc: grpc.RpcError):
+        # "etcdserver: no leader", "etcdserver: request timed out": the member answered (an
+        # election is under way); the library would avoid it as if it were gone.
+        answered = self.endpoint_in_use
+        last_failed = answered.last_failed if answered is not None else 0
+        try:
+            super()._manage_grpc_errors(exc)
+        finally:
+            if answered is not None and str(exc.details() or "").startswith("etcdserver:"):
+                answered.last_failed = last_failed
 
 
 @dataclass(frozen=True)
@@ -250,15 +290,12 @@ class EtcdConnection:
                 raise RendezvousConnectionError(
                     f"cannot read the etcd TLS files (ca_cert={o.ca_cert}, cert={o.cert}, key={o.key}): "
                     f"{exc}; fix the paths in --rdzv-conf") from exc
-        # python3-etcd3 refuses a "failed" endpoint for time_retry seconds, for every thread
-        # sharing the client; with one endpoint there is nothing to fail over to.
-        time_retry = 1.0 if len(o.endpoints) > 1 else 0.0
-        endpoints = [etcd3.Endpoint(h, p, secure=secure, creds=creds, time_retry=time_retry,
+        endpoints = [etcd3.Endpoint(h, p, secure=secure, creds=creds, time_retry=_AVOID_FAILED_S,
                                    opts=_GRPC_OPTIONS)
                      for h, p in o.endpoints]
         try:
-            client = etcd3.MultiEndpointEtcd3Client(endpoints=endpoints, timeout=timeout, user=o.user,
-                                                    password=o.password, failover=True)
+            client = _FailoverClient(endpoints=endpoints, timeout=timeout, user=o.user,
+                                     password=o.password, failover=True)
             if not secure:
                 # gRPC sends call credentials only over TLS; the token also travels as metadata.
                 client.call_credentials = None
@@ -280,19 +317,25 @@ class EtcdConnection:
 
     def _connect(self) -> etcd3.MultiEndpointEtcd3Client:
         # Authenticate and ask for etcd's status until it answers or connect_timeout passes
-        # (a server that is starting refuses connections for a moment).
+        # (a server that is starting refuses connections for a moment). One status request may
+        # take a share of the budget, so that an endpoint that does not answer at all leaves
+        # time for the next one.
         deadline = time.monotonic() + self.options.connect_timeout
+        share = self.options.connect_timeout / len(self.options.endpoints)
+        client = None
         while True:
-            client = None
             try:
-                client = self._make_client(max(0.5, deadline - time.monotonic()))
+                if client is None:
+                    client = self._make_client(max(0.5, deadline - time.monotonic()))
+                client.timeout = max(0.5, min(share, deadline - time.monotonic()))
                 client.status()
                 client.timeout = self.options.read_timeout
                 return client
             except Exception as exc:  # noqa: BLE001 - every failure at start becomes one sentence
-                if client is not None:
-                    client.close()
                 cause = exc.__cause__ if isinstance(exc, RendezvousConnectionError) else exc
+                if client is not None and not (_is_transient(cause) and time.monotonic() + 0.2 < deadline):
+                    client.close()
+                    client = None
                 if _is_transient(cause) and time.monotonic() + 0.2 < deadline:
                     time.sleep(0.2)
                     continue
