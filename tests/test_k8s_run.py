@@ -181,16 +181,21 @@ def _secrets(tmp_path: Path, tls: bool) -> dict[str, dict[str, str]]:
     return {"etcd-server-tls": secret("server"), "etcd-client-tls": secret("client")}
 
 
-def _members(cluster: Cluster, tls: bool) -> list[dict]:
-    """``etcdctl member list`` from inside etcd-2's namespace, as JSON members."""
+def _etcdctl(cluster: Cluster, tls: bool, member: str, *args: str) -> subprocess.CompletedProcess:
+    """``etcdctl`` against ``member`` by its DNS name, from inside etcd-2's namespace (its certificate)."""
     node = cluster.nodes["etcd-2"]
     scheme = "https" if tls else "http"
-    cmd = ["ip", "netns", "exec", node.namespace, shutil.which("etcdctl"), "--endpoints",
-           f"{scheme}://etcd-2.etcd-peer.{NAMESPACE}.svc:2379", "-w", "json", "member", "list"]
+    cmd = ["ip", "netns", "exec", node.namespace, shutil.which("etcdctl"), "--command-timeout=3s", "--endpoints",
+           f"{scheme}://{member}.etcd-peer.{NAMESPACE}.svc:2379", *args]
     if tls:
         certs = cluster.root / "etcd-2" / "volumes" / "tls"
         cmd += ["--cacert", str(certs / "ca.crt"), "--cert", str(certs / "tls.crt"), "--key", str(certs / "tls.key")]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, env={**os.environ, "ETCDCTL_API": "3"})
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=20, env={**os.environ, "ETCDCTL_API": "3"})
+
+
+def _members(cluster: Cluster, tls: bool) -> list[dict]:
+    """``etcdctl member list`` as JSON members ([] while etcd-2 does not answer)."""
+    out = _etcdctl(cluster, tls, "etcd-2", "-w", "json", "member", "list")
     return json.loads(out.stdout)["members"] if out.returncode == 0 else []
 
 
@@ -253,9 +258,16 @@ def test_the_rendered_manifests_train_on_through_a_lost_trainer_pod_and_a_lost_e
         members = wait_until(lambda: _members(cluster, tls), 60, "etcd-1 back as a started member",
                              until=lambda ms: len(ms) == 3 and all(m.get("name") for m in ms),
                              details=lambda: cluster.pods["etcd-1"].log("member") + cluster.pods["etcd-1"].log("etcd"))
-        new_id = next(m["ID"] for m in members if m["name"] == "etcd-1")
-        assert new_id != old_id
+        # It serves, and keeps serving once the leader has sent it the log (where a member that
+        # restarted with --initial-cluster-state=new and an empty volume panics).
+        wait_until(lambda: _etcdctl(cluster, tls, "etcd-1", "endpoint", "health").returncode == 0, 30,
+                   "etcd-1 healthy", details=lambda: cluster.pods["etcd-1"].log("etcd"))
+        assert _etcdctl(cluster, tls, "etcd-1", "put", "/k8s-run-test", "after-rejoin").returncode == 0
+        time.sleep(3)
         assert cluster.pods["etcd-1"].procs[0].poll() is None, cluster.pods["etcd-1"].log("etcd")
+        assert "after-rejoin" in _etcdctl(cluster, tls, "etcd-1", "get", "/k8s-run-test").stdout
+        new_id = next(m["ID"] for m in members if m["name"] == "etcd-1")
+        assert new_id != old_id, "etcd-1 came back with its old identity and no data"
         before = _steps(cluster, "elastic-train-0")
         wait_until(lambda: _steps(cluster, "elastic-train-0"), 60, "pod 0 training on after etcd-1 rejoined",
                    until=lambda s: s >= before + 3, details=lambda: pods["elastic-train-0"].log("trainer"))
