@@ -41,7 +41,7 @@ K8S_VERSION = "1.31"
 OVERLAYS = sorted(p.parent.relative_to(K8S).as_posix() for p in K8S.glob("overlays/*/kustomization.yaml"))
 KUSTOMIZATIONS = ["base", *OVERLAYS]
 # Components combined in one more way than the overlays do: they must patch a PyTorchJob as well.
-COMBINED = {"combined/pytorchjob+s3+gpu+etcd-tls": ("overlays/pytorchjob", ["s3", "gpu", "etcd-tls"])}
+COMBINED = {"combined/pytorchjob+s3+gpu": ("overlays/pytorchjob", ["s3", "gpu"])}
 WORKLOAD_KINDS = {"Job", "StatefulSet", "Deployment", "DaemonSet", "ReplicaSet", "CronJob", "Pod", "PyTorchJob"}
 
 kubectl = shutil.which("kubectl")
@@ -172,7 +172,7 @@ def test_every_kustomization_builds_with_kubectl_kustomize(path, rendered):
 
 def test_expected_overlays_exist():
     assert set(OVERLAYS) >= {"overlays/pvc", "overlays/s3", "overlays/gpu", "overlays/pytorchjob",
-                             "overlays/existing-etcd", "overlays/etcd-tls"}
+                             "overlays/existing-etcd"}
 
 
 # ------------------------------------------------------------------------------------- validation
@@ -618,15 +618,29 @@ def test_etcd_members_never_share_a_node_and_spread_over_zones(rendered):
 
 
 @needs_kubectl
-@pytest.mark.parametrize("path", ["overlays/etcd-tls", *COMBINED])
-def test_etcd_tls_overlay_serves_https_and_trainers_present_a_client_certificate(rendered, path):
+@pytest.mark.parametrize("path", [*KUSTOMIZATIONS, *COMBINED])
+def test_etcd_serves_only_tls_by_default_and_trainers_present_a_client_certificate(rendered, path):
+    """Issue 19: whoever reaches etcd's client port can steer the run; with client-certificate TLS
+    only a holder of a certificate from the CA gets in (the NetworkPolicy is the second fence)."""
     objs = rendered[path]
-    sts = next(o for o in objs if o["kind"] == "StatefulSet")
+    mounted = lambda c, spec: {m["mountPath"]: next((v for v in spec["volumes"] if v["name"] == m["name"]), {})  # noqa: E731
+                               for m in c["volumeMounts"]}  # {} for a StatefulSet's claim template
+    trainers = _trainer_containers({path: objs})
+    assert trainers
+    for _, label, _, tmpl, container in trainers:
+        _, run = _run_config(path, container, rendered)
+        assert run.rdzv_conf["protocol"] == "https", f"k8s/{path} {label}: etcd without TLS"
+        assert "password" not in run.rdzv_conf and "password_file" not in run.rdzv_conf
+        trainer_mounts = mounted(container, tmpl["spec"])
+        for key in ("ca_cert", "cert", "key"):
+            folder = run.rdzv_conf[key].rsplit("/", 1)[0]
+            assert trainer_mounts[folder]["secret"]["secretName"] == "etcd-client-tls", f"{label}: {key}"
+    sts = next((o for o in objs if o["kind"] == "StatefulSet"), None)
+    if sts is None:
+        return  # overlays/existing-etcd: your etcd, with its CA's client certificate in etcd-client-tls
     args = _etcd_flags(sts)
     assert args["listen-client-urls"].startswith("https://") and args["advertise-client-urls"].startswith("https://")
     assert args["client-cert-auth"] == "true"
-    mounted = lambda c, spec: {m["mountPath"]: next((v for v in spec["volumes"] if v["name"] == m["name"]), {})  # noqa: E731
-                               for m in c["volumeMounts"]}  # {} for a StatefulSet's claim template
     # The etcd container serves with the files; the member init container asks the other members
     # with them (the server certificate carries clientAuth).
     for c in [*sts["spec"]["template"]["spec"]["initContainers"], *sts["spec"]["template"]["spec"]["containers"]]:
@@ -634,13 +648,6 @@ def test_etcd_tls_overlay_serves_https_and_trainers_present_a_client_certificate
         for flag in ("trusted-ca-file", "cert-file", "key-file"):
             folder = args[flag].rsplit("/", 1)[0]
             assert etcd_mounts[folder]["secret"]["secretName"] == "etcd-server-tls", f"{c['name']}: {flag}"
-    for path, label, obj, tmpl, container in _trainer_containers({path: objs}):
-        _, run = _run_config(path, container, rendered)
-        assert run.rdzv_conf["protocol"] == "https"
-        trainer_mounts = mounted(container, tmpl["spec"])
-        for key in ("ca_cert", "cert", "key"):
-            folder = run.rdzv_conf[key].rsplit("/", 1)[0]
-            assert trainer_mounts[folder]["secret"]["secretName"] == "etcd-client-tls", f"{label}: {key}"
 
 
 def _selects(selector: dict, labels: dict) -> bool:

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -61,14 +62,17 @@ def _local_argv(argv: list[str]) -> list[str]:
 class Pod:
     """One rendered pod: its namespace, folder, containers' processes and logs."""
 
-    def __init__(self, cluster: "Cluster", name: str, spec: dict, node) -> None:
+    def __init__(self, cluster: "Cluster", name: str, spec: dict, node, added_env: dict[str, str] | None = None) -> None:
         self.cluster, self.name, self.spec, self.node = cluster, name, spec, node
+        self.added_env = added_env or {}  # what a controller adds (the training operator's PET_* and so on)
         self.root = cluster.root / name
         self.procs: list[subprocess.Popen] = []
 
     def _env_argv(self, container: dict, claims: dict[str, Path]) -> tuple[dict[str, str], list[str]]:
         fields = {"metadata.name": self.name, "metadata.namespace": NAMESPACE, "status.podIP": self.node.address}
         env = k8s_pod.container_env(container, self.cluster.config_maps, self.cluster.secrets, fields)
+        if container is self.spec["containers"][0]:
+            env.update(self.added_env)
         mounts = k8s_pod.mount_volumes(self.spec, container, self.cluster.secrets, self.root, claims=claims,
                                        config_maps=self.cluster.config_maps)
         argv = [k8s_pod.localize(k8s_pod.expand(t, env), mounts)
@@ -148,8 +152,8 @@ class Cluster:
                                                      *lines]) + "\n")
         self.nodes = nodes
 
-    def pod(self, name: str, spec: dict) -> Pod:
-        self.pods[name] = Pod(self, name, spec, self.nodes[name])
+    def pod(self, name: str, spec: dict, added_env: dict[str, str] | None = None) -> Pod:
+        self.pods[name] = Pod(self, name, spec, self.nodes[name], added_env)
         return self.pods[name]
 
     def teardown(self) -> None:
@@ -206,15 +210,73 @@ def _steps(cluster: Cluster, pod: str) -> int:
     return sum(1 for p in logs for line in p.read_text().splitlines() if line.strip())
 
 
-@pytest.mark.parametrize("overlay,tls", [("base", False), ("overlays/etcd-tls", True)])
-def test_the_rendered_manifests_train_on_through_a_lost_trainer_pod_and_a_lost_etcd_volume(tmp_path, overlay, tls):
+def _trainer_pods(objs: list[dict]) -> tuple[dict, list[str], Callable[[int], dict[str, str]]]:
+    """The trainer pod template, the names of two pods, and what the controller adds to their env."""
+    job = next((o for o in objs if o["kind"] == "Job"), None)
+    if job is not None:  # the Job controller: pods <job>-<index>-<random>; the env is the template's
+        return job["spec"]["template"]["spec"], ["elastic-train-0", "elastic-train-1"], lambda i: {}
+    pj = next(o for o in objs if o["kind"] == "PyTorchJob")
+    policy, name = pj["spec"]["elasticPolicy"], pj["metadata"]["name"]
+
+    # The Kubeflow training operator (v1.7+, elasticPolicy, Worker replicas only) appends these to the
+    # container "pytorch" (its docs and pkg/controller.v1/pytorch: envvar.go, elastic.go): torchrun's
+    # PET_* options from elasticPolicy and nprocPerNode, and the MASTER_*/WORLD_SIZE/RANK of
+    # non-elastic jobs. elastic-train must run from its own arguments whatever these say.
+    def operator_env(i: int) -> dict[str, str]:
+        return {"MASTER_ADDR": f"{name}-worker-0", "MASTER_PORT": "23456", "WORLD_SIZE": "2", "RANK": str(i),
+                "PET_MASTER_ADDR": f"{name}-worker-0", "PET_MASTER_PORT": "23456", "PET_NODE_RANK": str(i),
+                "PET_NPROC_PER_NODE": str(pj["spec"]["nprocPerNode"]),
+                "PET_NNODES": f"{policy['minReplicas']}:{policy['maxReplicas']}",
+                "PET_RDZV_BACKEND": policy["rdzvBackend"], "PET_RDZV_ENDPOINT": f"{policy['rdzvHost']}:{policy['rdzvPort']}",
+                "PET_RDZV_ID": name, "PET_MAX_RESTARTS": str(policy["maxRestarts"]),
+                "PET_RDZV_CONF": ",".join(f"{kv['key']}={kv['value']}" for kv in policy["rdzvConf"])}
+    return (pj["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"], [f"{name}-worker-{i}" for i in range(2)],
+            operator_env)
+
+
+@pytest.fixture
+def moto_on(tmp_path):
+    """Start moto's S3 on an address of the test's bridge (the pods reach it there): ``start(address)``."""
+    from moto.server import ThreadedMotoServer
+
+    servers = []
+
+    def start(address: str) -> str:
+        from elastic_trainer.etcd_server import free_port
+        port = free_port(address)
+        server = ThreadedMotoServer(ip_address=address, port=port)
+        server.start()
+        servers.append(server)
+        return f"http://{address}:{port}"
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.mark.parametrize("overlay", ["base", "overlays/pvc", "overlays/s3", "overlays/pytorchjob"])
+def test_the_rendered_manifests_train_on_through_a_lost_trainer_pod_and_a_lost_etcd_volume(tmp_path, overlay, moto_on):
     objs = _render(overlay)
     statefulset = next(o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "etcd")
-    job = next(o for o in objs if o["kind"] == "Job")
+    tls = "--client-cert-auth=true" in statefulset["spec"]["template"]["spec"]["initContainers"][0]["args"]
+    assert tls, "etcd serves client TLS by default (issue 19)"
+    trainer_spec, trainers, controller_env = _trainer_pods(objs)
     cluster = Cluster(tmp_path, objs, _secrets(tmp_path, tls))
-    trainers = ["elastic-train-0", "elastic-train-1"]
     try:
         cluster.up(["etcd-0", "etcd-1", "etcd-2", *trainers])
+        run_config = next(data for name, data in cluster.config_maps.items() if name.startswith("elastic-trainer-config-"))
+        bucket = None
+        if run_config["CHECKPOINT_DIR"].startswith("s3://"):
+            # What the README says to set for an S3-compatible store: its URL and region in the
+            # ConfigMap, the keys in the Secret elastic-trainer-s3 as an AWS credentials file.
+            endpoint = moto_on(cluster.net.host_address)
+            run_config.update(S3_ENDPOINT_URL=endpoint, AWS_DEFAULT_REGION="us-east-1")
+            cluster.secrets["elastic-trainer-s3"] = {
+                "credentials": "[default]\naws_access_key_id = testing\naws_secret_access_key = testing\n"}
+            import boto3
+            bucket = run_config["CHECKPOINT_DIR"][len("s3://"):].split("/")[0]
+            s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                              aws_secret_access_key="testing")
+            s3.create_bucket(Bucket=bucket)
         data = {i: tmp_path / "pvc" / f"data-etcd-{i}" for i in range(3)}
 
         def etcd_spec(i: int) -> dict:
@@ -238,18 +300,19 @@ def test_the_rendered_manifests_train_on_through_a_lost_trainer_pod_and_a_lost_e
                            until=lambda ms: len(ms) == 3 and all(m.get("name") for m in ms),
                            details=lambda: cluster.pods["etcd-0"].log("etcd"))
 
-        job_spec = job["spec"]["template"]["spec"]
-        pods = {name: cluster.pod(name, job_spec).start(claims=cluster.claims) for name in trainers}
+        container = trainer_spec["containers"][0]["name"]
+        pods = {name: cluster.pod(name, trainer_spec, controller_env(i)).start(claims=cluster.claims)
+                for i, name in enumerate(trainers)}
         wait_until(lambda: [_steps(cluster, n) for n in trainers], 240, "both trainer pods training",
                    until=lambda s: all(x >= 3 for x in s),
-                   details=lambda: "\n".join(pods[n].log("trainer") for n in trainers))
+                   details=lambda: "\n".join(pods[n].log(container) for n in trainers))
 
         # A lost trainer pod and a lost etcd member: the other pod trains on.
-        pods["elastic-train-1"].kill()
+        pods[trainers[1]].kill()
         cluster.pods["etcd-1"].kill()
-        before = _steps(cluster, "elastic-train-0")
-        wait_until(lambda: _steps(cluster, "elastic-train-0"), 120, "pod 0 training on alone with 2 etcd members",
-                   until=lambda s: s >= before + 5, details=lambda: pods["elastic-train-0"].log("trainer"))
+        before = _steps(cluster, trainers[0])
+        wait_until(lambda: _steps(cluster, trainers[0]), 120, "pod 0 training on alone with 2 etcd members",
+                   until=lambda s: s >= before + 5, details=lambda: pods[trainers[0]].log(container))
 
         # etcd-1 comes back on a new, empty volume: it must join as a new member, not crash-loop.
         shutil.rmtree(data[1])
@@ -268,9 +331,9 @@ def test_the_rendered_manifests_train_on_through_a_lost_trainer_pod_and_a_lost_e
         assert "after-rejoin" in _etcdctl(cluster, tls, "etcd-1", "get", "/k8s-run-test").stdout
         new_id = next(m["ID"] for m in members if m["name"] == "etcd-1")
         assert new_id != old_id, "etcd-1 came back with its old identity and no data"
-        before = _steps(cluster, "elastic-train-0")
-        wait_until(lambda: _steps(cluster, "elastic-train-0"), 60, "pod 0 training on after etcd-1 rejoined",
-                   until=lambda s: s >= before + 3, details=lambda: pods["elastic-train-0"].log("trainer"))
-        assert pods["elastic-train-0"].procs[0].poll() is None, pods["elastic-train-0"].log("trainer")
+        before = _steps(cluster, trainers[0])
+        wait_until(lambda: _steps(cluster, trainers[0]), 60, "pod 0 training on after etcd-1 rejoined",
+                   until=lambda s: s >= before + 3, details=lambda: pods[trainers[0]].log(container))
+        assert pods[trainers[0]].procs[0].poll() is None, pods[trainers[0]].log(container)
     finally:
         cluster.teardown()
