@@ -36,7 +36,6 @@ import logging
 import os
 import socket
 import sys
-import time
 from pathlib import Path
 from urllib.parse import urlsplit
 

@@ -62,7 +62,8 @@ def _local_argv(argv: list[str]) -> list[str]:
 class Pod:
     """One rendered pod: its namespace, folder, containers' processes and logs."""
 
-    def __init__(self, cluster: "Cluster", name: str, spec: dict, node, added_env: dict[str, str] | None = None) -> None:
+    def __init__(self, cluster: "Cluster", name: str, spec: dict, node,
+                 added_env: dict[str, str] | None = None) -> None:
         self.cluster, self.name, self.spec, self.node = cluster, name, spec, node
         self.added_env = added_env or {}  # what a controller adds (the training operator's PET_* and so on)
         self.root = cluster.root / name
@@ -148,8 +149,8 @@ class Cluster:
             folder.mkdir(parents=True, exist_ok=True)
             self.hosts_dirs.append(folder)
             # As the kubelet's hosts file: the pod's own name (gloo resolves the host name) first.
-            (folder / "hosts").write_text("\n".join([f"127.0.0.1 localhost", f"{node.address} {socket.gethostname()} {name}",
-                                                     *lines]) + "\n")
+            own = f"{node.address} {socket.gethostname()} {name}"
+            (folder / "hosts").write_text("\n".join(["127.0.0.1 localhost", own, *lines]) + "\n")
         self.nodes = nodes
 
     def pod(self, name: str, spec: dict, added_env: dict[str, str] | None = None) -> Pod:
@@ -227,7 +228,8 @@ def _trainer_pods(objs: list[dict]) -> tuple[dict, list[str], Callable[[int], di
                 "PET_MASTER_ADDR": f"{name}-worker-0", "PET_MASTER_PORT": "23456", "PET_NODE_RANK": str(i),
                 "PET_NPROC_PER_NODE": str(pj["spec"]["nprocPerNode"]),
                 "PET_NNODES": f"{policy['minReplicas']}:{policy['maxReplicas']}",
-                "PET_RDZV_BACKEND": policy["rdzvBackend"], "PET_RDZV_ENDPOINT": f"{policy['rdzvHost']}:{policy['rdzvPort']}",
+                "PET_RDZV_BACKEND": policy["rdzvBackend"],
+                "PET_RDZV_ENDPOINT": f"{policy['rdzvHost']}:{policy['rdzvPort']}",
                 "PET_RDZV_ID": name, "PET_MAX_RESTARTS": str(policy["maxRestarts"]),
                 "PET_RDZV_CONF": ",".join(f"{kv['key']}={kv['value']}" for kv in policy["rdzvConf"])}
     return (pj["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"], [f"{name}-worker-{i}" for i in range(2)],
@@ -263,7 +265,8 @@ def test_the_rendered_manifests_train_on_through_a_lost_trainer_pod_and_a_lost_e
     cluster = Cluster(tmp_path, objs, _secrets(tmp_path, tls))
     try:
         cluster.up(["etcd-0", "etcd-1", "etcd-2", *trainers])
-        run_config = next(data for name, data in cluster.config_maps.items() if name.startswith("elastic-trainer-config-"))
+        run_config = next(data for name, data in cluster.config_maps.items()
+                          if name.startswith("elastic-trainer-config-"))
         bucket = None
         if run_config["CHECKPOINT_DIR"].startswith("s3://"):
             # What the README says to set for an S3-compatible store: its URL and region in the
@@ -282,7 +285,8 @@ def test_the_rendered_manifests_train_on_through_a_lost_trainer_pod_and_a_lost_e
         def etcd_spec(i: int) -> dict:
             spec = json.loads(json.dumps(statefulset["spec"]["template"]["spec"]))
             # What the StatefulSet controller does with volumeClaimTemplates: a claim per member.
-            spec.setdefault("volumes", []).append({"name": "data", "persistentVolumeClaim": {"claimName": f"data-etcd-{i}"}})
+            spec.setdefault("volumes", []).append(
+                {"name": "data", "persistentVolumeClaim": {"claimName": f"data-etcd-{i}"}})
             return spec
 
         def start_etcd(i: int) -> Pod:
