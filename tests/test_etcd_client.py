@@ -105,3 +105,28 @@ def test_a_client_keeps_going_when_the_member_it_uses_dies(three_members):
         assert conn.call(lambda c: c.get("/k"))[0] == b"after"
     finally:
         conn.close()
+
+
+def test_a_lease_outlives_the_loss_of_the_member_that_renews_it(three_members):
+    """A 3 s lease renewed every second through a connection to three members: the member the
+    renewals go to stops answering (SIGSTOP), and the lease must not run out: a renewal unanswered
+    for ttl - 2 intervals moves to the next member (waiting the 10 s read timeout lost it)."""
+    from elastic_trainer.rendezvous.lease import LeaseKeeper
+
+    victim = _follower(three_members)
+    port, proc = three_members[victim]
+    order = [port] + [p for p, _ in three_members if p != port]
+    conn = EtcdConnection(EtcdOptions(endpoints=tuple(("127.0.0.1", p) for p in order)))
+    keeper = LeaseKeeper(conn, "/failover/alive/node-0", ttl=3, interval=1.0)
+    try:
+        keeper.ensure()
+        time.sleep(1.5)
+        os.kill(proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 8.0
+        while time.monotonic() < deadline:
+            assert not keeper.lost, "the lease ran out while a member hung"
+            time.sleep(0.1)
+        assert conn.call(lambda c: c.get("/failover/alive/node-0"))[0] is not None
+    finally:
+        keeper.close()
+        conn.close()

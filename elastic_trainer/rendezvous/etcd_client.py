@@ -76,6 +76,14 @@ class _FailoverClient(etcd3.MultiEndpointEtcd3Client):
             current.last_failed = 0
         return current.use()
 
+    def give_up_endpoint(self) -> None:
+        """Mark the endpoint in use failed (a request of ours timed out there); the next request
+        goes to the endpoint that failed longest ago."""
+        endpoint = self.endpoint_in_use
+        if endpoint is not None:
+            endpoint.fail()
+        self._clear_old_stubs()
+
     def _manage_grpc_errors(self, exc: grpc.RpcError):
         # "etcdserver: no leader", "etcdserver: request timed out": the member answered (an
         # election is under way); the library would avoid it as if it were gone.
@@ -192,7 +200,7 @@ class _KeepAliveStream:
     new stream.
     """
 
-    def __init__(self, client: etcd3.MultiEndpointEtcd3Client, timeout: float) -> None:
+    def __init__(self, client: _FailoverClient, timeout: float) -> None:
         self.client = client
         self._timeout = timeout
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
@@ -245,17 +253,21 @@ class _KeepAliveStream:
                 p.error = self._error
                 p.done.set()
 
-    def renew(self, lease_id: int) -> int:
-        """Renew ``lease_id`` once; its TTL in seconds (<= 0: etcd no longer knows the lease)."""
+    def renew(self, lease_id: int, timeout: float | None = None) -> int:
+        """Renew ``lease_id`` once; its TTL in seconds (<= 0: etcd no longer knows the lease).
+        A renewal unanswered within ``timeout`` (default: the stream's) fails the stream and marks
+        its endpoint failed, so that the next renewal goes to another endpoint when there is one."""
+        timeout = self._timeout if timeout is None else timeout
         p = _Pending()
         with self._lock:
             if self._error is not None:
                 raise self._error
             self._pending.setdefault(lease_id, collections.deque()).append(p)
         self._requests.put(etcdrpc.LeaseKeepAliveRequest(ID=lease_id))
-        if not p.done.wait(self._timeout):
+        if not p.done.wait(timeout):
+            self.client.give_up_endpoint()  # our own cancel below does not tell python3-etcd3
             self._fail(etcd3.exceptions.ConnectionTimeoutError(
-                f"etcd did not answer a lease renewal within {self._timeout:g}s"))
+                f"etcd did not answer a lease renewal within {timeout:g}s"))
         if p.error is not None:
             raise p.error
         return int(p.ttl)  # type: ignore[arg-type]
@@ -387,16 +399,22 @@ class EtcdConnection:
             self._client = new
         old.close()
 
-    def renew_lease(self, lease_id: int) -> int:
+    def renew_lease(self, lease_id: int, failover_after: float | None = None) -> int:
         """Renew a lease once on this connection's shared keep-alive stream; its remaining TTL
-        (<= 0 when etcd no longer knows it). Errors are raised as ``call`` classifies them."""
+        (<= 0 when etcd no longer knows it). Errors are raised as ``call`` classifies them.
+
+        ``failover_after``: with several endpoints, give up on the one in use after this many
+        seconds (and use another from the next renewal on) instead of the read timeout: a lease
+        that must be renewed within seconds cannot wait out a member that hangs. With one
+        endpoint there is nowhere else to go, and a slow etcd is waited for."""
+        timeout = failover_after if failover_after is not None and len(self.options.endpoints) > 1 else None
         with self._lock:
             stream = self._keepalive
             if stream is None or stream.closed or stream.client is not self._client:
                 if stream is not None:
                     stream.close()
                 stream = self._keepalive = _KeepAliveStream(self._client, self.options.read_timeout)
-        return stream.renew(lease_id)
+        return stream.renew(lease_id, timeout)
 
     def close(self) -> None:
         with self._lock:
