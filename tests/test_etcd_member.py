@@ -118,7 +118,14 @@ def test_a_member_serves_on_an_ipv6_only_pod_network(tmp_path, procs):
         hosts.mkdir(parents=True, exist_ok=True)
         (hosts / "hosts").write_text(f"{address} {name}\n::1 localhost\n")
         env = {"POD_NAME": "etcd-0", "POD_NAMESPACE": "elastic-trainer"}
-        mounts = {"/var/lib/etcd": tmp_path}
+        # The Secret etcd-server-tls as mounted (the members serve client TLS).
+        from elastic_trainer.etcd_tls import make_certs
+        files = make_certs(tmp_path / "pki", [name])
+        tls = tmp_path / "tls"
+        tls.mkdir()
+        for src, dst in ((files.cert("ca"), "ca.crt"), (files.cert("server"), "tls.crt"), (files.key("server"), "tls.key")):
+            (tls / dst).write_bytes(src.read_bytes())
+        mounts = {"/var/lib/etcd": tmp_path, "/etc/etcd/tls": tls}
         argv = [localize(expand(t, env), mounts) for t in [*init["command"], *init["args"]]]
         assert argv[:3] == ["python", "-m", "elastic_trainer.etcd_member"]
         inner = ["ip", "netns", "exec", ns]
@@ -128,8 +135,8 @@ def test_a_member_serves_on_an_ipv6_only_pod_network(tmp_path, procs):
                               capture_output=True, text=True, timeout=120, env=pyenv)
         assert done.returncode == 0, done.stderr
         config = json.loads((tmp_path / "etcd.conf.json").read_text())
-        assert config["listen-client-urls"] == "http://[::]:2379"
-        assert config["advertise-client-urls"] == f"http://{name}:2379"
+        assert config["listen-client-urls"] == "https://[::]:2379"
+        assert config["advertise-client-urls"] == f"https://{name}:2379"
         procs.start([*inner, etcd_binary, f"--config-file={tmp_path / 'etcd.conf.json'}"],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         # No quorum alone (3 members configured), but it accepts connections, over IPv6, by name.
