@@ -130,3 +130,49 @@ def test_a_lease_outlives_the_loss_of_the_member_that_renews_it(three_members):
     finally:
         keeper.close()
         conn.close()
+
+
+def test_requests_that_time_out_on_a_lost_member_do_not_send_the_client_back_to_it(three_members):
+    """Two requests are in flight on the member that stops answering while the lease renewals move
+    the client to the next member; when those two time out, they count against the lost member,
+    not against the members the client moved to (which sent it back to the lost one, where every
+    request waited out its timeout again: a trainer's worker gave up after 15 s and was replaced)."""
+    import threading
+
+    from elastic_trainer.rendezvous.lease import LeaseKeeper
+
+    victim = _follower(three_members)
+    port, proc = three_members[victim]
+    order = [port] + [p for p, _ in three_members if p != port]
+    conn = EtcdConnection(EtcdOptions(endpoints=tuple(("127.0.0.1", p) for p in order), read_timeout=3.0))
+    keeper = LeaseKeeper(conn, "/failover/alive/node-1", ttl=3, interval=1.0)
+    errors: list[BaseException] = []
+
+    def in_flight() -> None:
+        try:
+            conn.call(lambda c: c.get("/failover/x"), retry_timeout=0)
+        except Exception as exc:  # noqa: BLE001 - expected: the member does not answer
+            errors.append(exc)
+
+    try:
+        keeper.ensure()
+        os.kill(proc.pid, signal.SIGSTOP)
+        threads = [threading.Thread(target=in_flight) for _ in range(2)]
+        threads[0].start()
+        time.sleep(0.6)  # the second one ends 0.6 s after the first, with a request between them
+        threads[1].start()
+        time.sleep(2.8)
+        conn.call(lambda c: c.put("/failover/between", "1"))
+        for t in threads:
+            t.join(timeout=10)
+        assert len(errors) == 2  # both waited out their 3 s on the stopped member
+        slowest = 0.0
+        for i in range(5):
+            t0 = time.monotonic()
+            conn.call(lambda c, i=i: c.put("/failover/after", str(i)))
+            slowest = max(slowest, time.monotonic() - t0)
+        assert slowest < 1.0, f"a request took {slowest:.1f}s: the client went back to the stopped member"
+        assert conn.call(lambda c: c.get("/failover/alive/node-1"))[0] is not None
+    finally:
+        keeper.close()
+        conn.close()

@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -300,7 +301,6 @@ def test_the_rendered_manifests_train_on_through_a_lost_trainer_pod_and_a_lost_e
             return cluster.pod(f"etcd-{i}", etcd_spec(i)).start(claims={f"data-etcd-{i}": data[i]})
 
         # All three together (podManagementPolicy: Parallel): each init container finds no other member.
-        import threading
         threads = [threading.Thread(target=start_etcd, args=(i,)) for i in range(3)]
         for t in threads:
             t.start()

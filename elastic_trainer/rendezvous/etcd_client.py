@@ -43,6 +43,8 @@ T = TypeVar("T")
 _TRANSIENT = (etcd3.exceptions.ConnectionFailedError, etcd3.exceptions.ConnectionTimeoutError,
               etcd3.exceptions.NoServerAvailableError)
 _TRANSIENT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# What python3-etcd3 counts as a failed endpoint (its _FAILED_EP_CODES).
+_FAILED_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
 # Reconnect within a second once etcd is back (gRPC's default backoff grows to 120 s). gRPC also
 # takes min_reconnect_backoff as the deadline of one connection attempt (until etcd's HTTP/2
 # SETTINGS frame arrives): at 100 ms an etcd 0.5 s away was never reached at all; a refused
@@ -58,11 +60,18 @@ _AVOID_FAILED_S = 30.0
 class _FailoverClient(etcd3.MultiEndpointEtcd3Client):
     """python3-etcd3's client, starting at the first endpoint and failing over to the endpoint
     that failed longest ago (one that never failed first); never "no server available" while an
-    endpoint is configured: when all have failed, the oldest failure is tried again."""
+    endpoint is configured: when all have failed, the oldest failure is tried again.
+
+    A failure counts against the endpoint the request was sent to (``sending_to``), not the one
+    in use when it ended: a request that waited out its timeout on a member that is gone must not
+    fail the member the client has moved to since (the library's way sent the client back to the
+    lost member, and every request waited there again).
+    """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._current_endpoint_label = next(iter(self.endpoints))
+        self._sent = threading.local()
 
     @property
     def channel(self) -> grpc.Channel:
@@ -76,24 +85,38 @@ class _FailoverClient(etcd3.MultiEndpointEtcd3Client):
             current.last_failed = 0
         return current.use()
 
-    def give_up_endpoint(self) -> None:
-        """Mark the endpoint in use failed (a request of ours timed out there); the next request
-        goes to the endpoint that failed longest ago."""
-        endpoint = self.endpoint_in_use
-        if endpoint is not None:
-            endpoint.fail()
-        self._clear_old_stubs()
+    def next_endpoint(self) -> str:
+        """The endpoint the next request goes to (switching now when the one in use failed)."""
+        self.channel  # noqa: B018 - the property makes the switch
+        return self._current_endpoint_label
+
+    def sending_to(self, label: str | None) -> None:
+        """Say, for this thread, which endpoint the requests it sends now go to (None: forget)."""
+        self._sent.label = label
+
+    def give_up_endpoint(self, label: str | None = None) -> None:
+        """Mark ``label`` (default: the endpoint in use) failed: a request of ours timed out there.
+        The next request goes to the endpoint that failed longest ago."""
+        label = label or self._current_endpoint_label
+        self.endpoints[label].fail()
+        if label == self._current_endpoint_label:
+            self._clear_old_stubs()
 
     def _manage_grpc_errors(self, exc: grpc.RpcError):
-        # "etcdserver: no leader", "etcdserver: request timed out": the member answered (an
-        # election is under way); the library would avoid it as if it were gone.
-        answered = self.endpoint_in_use
-        last_failed = answered.last_failed if answered is not None else 0
+        current = self.endpoint_in_use
+        last_failed = current.last_failed
+        sent_to = getattr(self._sent, "label", None) or self._current_endpoint_label
         try:
-            super()._manage_grpc_errors(exc)
+            super()._manage_grpc_errors(exc)  # marks the current endpoint failed, raises its exception
         finally:
-            if answered is not None and str(exc.details() or "").startswith("etcdserver:"):
-                answered.last_failed = last_failed
+            # "etcdserver: no leader", "etcdserver: request timed out": the member answered (an
+            # election is under way) and is not avoided. A request sent to another endpoint than
+            # the current one fails that endpoint, not the current one.
+            answered = str(exc.details() or "").startswith("etcdserver:")
+            if answered or sent_to != self._current_endpoint_label:
+                current.last_failed = last_failed
+            if not answered and sent_to != self._current_endpoint_label and exc.code() in _FAILED_CODES:
+                self.endpoints[sent_to].fail()
 
 
 @dataclass(frozen=True)
@@ -207,6 +230,7 @@ class _KeepAliveStream:
         self._pending: dict[int, collections.deque[_Pending]] = {}
         self._lock = threading.Lock()
         self._error: BaseException | None = None
+        self.endpoint = client.next_endpoint()  # where this stream's renewals go
         self._call = client.leasestub.LeaseKeepAlive(self._feed(), credentials=client.call_credentials,
                                                      metadata=client.metadata)
         threading.Thread(target=self._read, name="etcd-lease-keepalive", daemon=True).start()
@@ -236,6 +260,7 @@ class _KeepAliveStream:
             error = exc
             if not self.closed:  # not our own cancel: python3-etcd3's exception, and its failover
                 try:
+                    self.client.sending_to(self.endpoint)
                     self.client._manage_grpc_errors(exc)
                 except Exception as translated:  # noqa: BLE001 - kept as the stream's error
                     error = translated
@@ -265,7 +290,7 @@ class _KeepAliveStream:
             self._pending.setdefault(lease_id, collections.deque()).append(p)
         self._requests.put(etcdrpc.LeaseKeepAliveRequest(ID=lease_id))
         if not p.done.wait(timeout):
-            self.client.give_up_endpoint()  # our own cancel below does not tell python3-etcd3
+            self.client.give_up_endpoint(self.endpoint)  # our own cancel below does not tell python3-etcd3
             self._fail(etcd3.exceptions.ConnectionTimeoutError(
                 f"etcd did not answer a lease renewal within {timeout:g}s"))
         if p.error is not None:
@@ -369,7 +394,11 @@ class EtcdConnection:
         while True:
             client = self._client
             try:
-                return fn(client)
+                client.sending_to(client.next_endpoint())
+                try:
+                    return fn(client)
+                finally:
+                    client.sending_to(None)
             except Exception as exc:  # noqa: BLE001 - classified below, re-raised when not transient
                 if _is_auth_expired(exc) and self.options.user:
                     self._reconnect(client)
