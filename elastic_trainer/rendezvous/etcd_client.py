@@ -69,9 +69,9 @@ class _FailoverClient(etcd3.MultiEndpointEtcd3Client):
     """
 
     def __init__(self, *args, **kwargs) -> None:
+        self._sent = threading.local()
         super().__init__(*args, **kwargs)
         self._current_endpoint_label = next(iter(self.endpoints))
-        self._sent = threading.local()
 
     @property
     def channel(self) -> grpc.Channel:
