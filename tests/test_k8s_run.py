@@ -10,6 +10,8 @@ from the StatefulSet's own init container and command line; then a trainer pod a
 are killed, the member comes back with an empty volume (a lost PVC), and the run must go on.
 
 Needs root (``ip netns``), kubectl and etcd; slow (about a minute per overlay).
+
+    .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_k8s_run.py
 """
 
 from __future__ import annotations
