@@ -1,13 +1,16 @@
 """The manifests run as they are written: each rendered pod as processes in a network namespace.
 
 There is no cluster here, so this test does what the kubelet would with the rendered objects: it
-builds an overlay with ``kubectl kustomize``, takes the etcd StatefulSet's and the trainer Job's
-containers (command, args, env from the hashed ConfigMap, the downward-API fields, Secrets as
+builds an overlay with ``kubectl kustomize``, takes the etcd StatefulSet's and the trainer Job's (or
+PyTorchJob's) containers (command, args, env from the hashed ConfigMap, the downward-API fields, the
+variables the training operator adds, Secrets as
 mounted files: TLS certificates made by ``elastic-train etcd certs``), and runs each "pod" in a
 network namespace of its own on a bridge, with a hosts file that gives the pod names the
 headless Service would (``etcd-N.etcd-peer.elastic-trainer.svc``). The three etcd members start
-from the StatefulSet's own init container and command line; then a trainer pod and an etcd member
-are killed, the member comes back with an empty volume (a lost PVC), and the run must go on.
+from the StatefulSet's own init container and command line; then a trainer pod is killed and the
+member the trainers use first loses its network (a lost node), the other trainer pod must train on
+in the same worker process, and the member comes back with an empty volume (a lost PVC) and must
+rejoin as a new member and serve.
 
 Needs root (``ip netns``), kubectl and etcd; slow (about a minute per overlay).
 
