@@ -185,7 +185,7 @@ def _tls_conf(certs, client: bool = True) -> str:
 
 @pytest.mark.timeout(60)
 def test_start_check_reaches_an_etcd_that_requires_client_certificates(tls_etcd, tmp_path):
-    # k8s/components/etcd-tls: the start-up check must speak TLS with the --rdzv-conf certificates,
+    # k8s (etcd serves client TLS by default): the start-up check must speak TLS with the --rdzv-conf certificates,
     # as the rendezvous will, instead of failing every pod with status 2.
     server, certs = tls_etcd
     run = cli.parse_run_config(["--rdzv-endpoint", server.endpoint, "--rdzv-conf", _tls_conf(certs),

@@ -41,7 +41,7 @@ K8S_VERSION = "1.31"
 OVERLAYS = sorted(p.parent.relative_to(K8S).as_posix() for p in K8S.glob("overlays/*/kustomization.yaml"))
 KUSTOMIZATIONS = ["base", *OVERLAYS]
 # Components combined in one more way than the overlays do: they must patch a PyTorchJob as well.
-COMBINED = {"combined/pytorchjob+s3+gpu+etcd-tls": ("overlays/pytorchjob", ["s3", "gpu", "etcd-tls"])}
+COMBINED = {"combined/pytorchjob+s3+gpu": ("overlays/pytorchjob", ["s3", "gpu"])}
 WORKLOAD_KINDS = {"Job", "StatefulSet", "Deployment", "DaemonSet", "ReplicaSet", "CronJob", "Pod", "PyTorchJob",
                   "TrainingRuntime"}
 
@@ -176,7 +176,7 @@ def test_every_kustomization_builds_with_kubectl_kustomize(path, rendered):
 
 def test_expected_overlays_exist():
     assert set(OVERLAYS) >= {"overlays/pvc", "overlays/s3", "overlays/gpu", "overlays/pytorchjob",
-                             "overlays/existing-etcd", "overlays/etcd-tls"}
+                             "overlays/existing-etcd"}
 
 
 # ------------------------------------------------------------------------------------- validation
@@ -362,7 +362,12 @@ def test_pytorchjob_runs_the_same_command_as_the_job(rendered):
     obj = next(o for o in rendered["overlays/pytorchjob"] if o["kind"] == "PyTorchJob")
     policy = obj["spec"]["elasticPolicy"]
     assert (policy["minReplicas"], policy["maxReplicas"]) == (run_pj.min_nodes, run_pj.max_nodes)
-    assert f"{policy['rdzvHost']}:{policy['rdzvPort']}" == run_pj.rdzv_endpoint
+    # elasticPolicy names one host (the operator's PET_RDZV_ENDPOINT, which elastic-train does not
+    # read): the client Service; the pods' own endpoint list names each member behind it.
+    assert f"{policy['rdzvHost']}:{policy['rdzvPort']}" == "etcd:2379"
+    sts = next(o for o in rendered["overlays/pytorchjob"] if o["kind"] == "StatefulSet")
+    assert run_pj.rdzv_endpoint.split(",") == [
+        f"etcd-{i}.{sts['spec']['serviceName']}.elastic-trainer.svc:2379" for i in range(sts["spec"]["replicas"])]
     assert {kv["key"]: kv["value"] for kv in policy["rdzvConf"]} == run_pj.rdzv_conf
     assert policy["maxRestarts"] >= 1 and "Master" not in obj["spec"]["pytorchReplicaSpecs"]
     assert policy["minReplicas"] <= obj["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] <= policy["maxReplicas"]
@@ -572,6 +577,21 @@ def test_every_trainer_pod_names_its_device(rendered):
 
 # ------------------------------------------------------------------------------------------ etcd
 
+def _etcd_flags(sts: dict) -> dict[str, str]:
+    """etcd's flags: the args of the member init container, which writes them to the config file
+    that the etcd container starts with (``etcd --config-file``, on the data volume)."""
+    spec = sts["spec"]["template"]["spec"]
+    [member] = [c for c in spec["initContainers"] if c["name"] == "member"]
+    [etcd] = [c for c in spec["containers"] if c["name"] == "etcd"]
+    assert member["command"][:3] == ["python", "-m", "elastic_trainer.etcd_member"]
+    out = next(a.split("=", 1)[1] for a in member["command"] if a.startswith("--config-out="))
+    assert etcd["command"][1:] == [f"--config-file={out}"] and not etcd.get("args")
+    data = {m["mountPath"] for m in etcd["volumeMounts"] if m["name"] == "data"}
+    assert data == {m["mountPath"] for m in member["volumeMounts"] if m["name"] == "data"} and \
+        out.startswith(f"{data.pop()}/"), "the config file must be on the data volume both containers mount"
+    return dict(a.lstrip("-").split("=", 1) for a in member["args"])
+
+
 @needs_kubectl
 def test_etcd_members_bootstrap_from_their_stable_dns_names(rendered):
     for path, objs in rendered.items():
@@ -581,14 +601,19 @@ def test_etcd_members_bootstrap_from_their_stable_dns_names(rendered):
             assert spec["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
             peer = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == spec["serviceName"])
             assert peer["spec"]["clusterIP"] == "None" and peer["spec"]["publishNotReadyAddresses"] is True
-            args = dict(a.lstrip("-").split("=", 1) for a in spec["template"]["spec"]["containers"][0]["args"])
+            args = _etcd_flags(sts)
             members = dict(m.split("=", 1) for m in args["initial-cluster"].split(","))
             svc = spec["serviceName"]
             assert members == {f"etcd-{i}": f"http://etcd-{i}.{svc}.$(POD_NAMESPACE).svc:2380" for i in range(3)}
             assert args["initial-advertise-peer-urls"] == f"http://$(POD_NAME).{svc}.$(POD_NAMESPACE).svc:2380"
-            client = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "etcd")
-            assert _run_config_map(objs)["RDZV_ENDPOINT"] == \
-                f"{client['metadata']['name']}:{client['spec']['ports'][0]['port']}"
+            # Trainers get every member (a client fails over between them), by the names advertised.
+            assert args["advertise-client-urls"].split("://")[1] == f"$(POD_NAME).{svc}.$(POD_NAMESPACE).svc:2379"
+            assert _run_config_map(objs)["RDZV_ENDPOINT"].split(",") == \
+                [f"etcd-{i}.{svc}.{sts['metadata']['namespace']}.svc:2379" for i in range(3)]
+            # Dual stack: [::] takes IPv4 and IPv6 clients (etcd_member writes 0.0.0.0 without IPv6);
+            # no address literal is advertised.
+            for key in ("listen-client-urls", "listen-peer-urls", "listen-metrics-urls"):
+                assert args[key].split("://")[1].startswith("[::]:"), f"k8s/{path}: {key}={args[key]}"
 
 
 @needs_kubectl
@@ -608,27 +633,36 @@ def test_etcd_members_never_share_a_node_and_spread_over_zones(rendered):
 
 
 @needs_kubectl
-@pytest.mark.parametrize("path", ["overlays/etcd-tls", *COMBINED])
-def test_etcd_tls_overlay_serves_https_and_trainers_present_a_client_certificate(rendered, path):
+@pytest.mark.parametrize("path", [*KUSTOMIZATIONS, *COMBINED])
+def test_etcd_serves_only_tls_by_default_and_trainers_present_a_client_certificate(rendered, path):
+    """Issue 19: whoever reaches etcd's client port can steer the run; with client-certificate TLS
+    only a holder of a certificate from the CA gets in (the NetworkPolicy is the second fence)."""
     objs = rendered[path]
-    sts = next(o for o in objs if o["kind"] == "StatefulSet")
-    etcd = sts["spec"]["template"]["spec"]["containers"][0]
-    args = dict(a.lstrip("-").split("=", 1) for a in etcd["args"])
-    assert args["listen-client-urls"].startswith("https://") and args["advertise-client-urls"].startswith("https://")
-    assert args["client-cert-auth"] == "true"
     mounted = lambda c, spec: {m["mountPath"]: next((v for v in spec["volumes"] if v["name"] == m["name"]), {})  # noqa: E731
                                for m in c["volumeMounts"]}  # {} for a StatefulSet's claim template
-    etcd_mounts = mounted(etcd, sts["spec"]["template"]["spec"])
-    for flag in ("trusted-ca-file", "cert-file", "key-file"):
-        folder = args[flag].rsplit("/", 1)[0]
-        assert etcd_mounts[folder]["secret"]["secretName"] == "etcd-server-tls"
-    for path, label, obj, tmpl, container in _trainer_containers({path: objs}):
+    trainers = _trainer_containers({path: objs})
+    assert trainers
+    for _, label, _, tmpl, container in trainers:
         _, run = _run_config(path, container, rendered)
-        assert run.rdzv_conf["protocol"] == "https"
+        assert run.rdzv_conf["protocol"] == "https", f"k8s/{path} {label}: etcd without TLS"
+        assert "password" not in run.rdzv_conf and "password_file" not in run.rdzv_conf
         trainer_mounts = mounted(container, tmpl["spec"])
         for key in ("ca_cert", "cert", "key"):
             folder = run.rdzv_conf[key].rsplit("/", 1)[0]
             assert trainer_mounts[folder]["secret"]["secretName"] == "etcd-client-tls", f"{label}: {key}"
+    sts = next((o for o in objs if o["kind"] == "StatefulSet"), None)
+    if sts is None:
+        return  # overlays/existing-etcd: your etcd, with its CA's client certificate in etcd-client-tls
+    args = _etcd_flags(sts)
+    assert args["listen-client-urls"].startswith("https://") and args["advertise-client-urls"].startswith("https://")
+    assert args["client-cert-auth"] == "true"
+    # The etcd container serves with the files; the member init container asks the other members
+    # with them (the server certificate carries clientAuth).
+    for c in [*sts["spec"]["template"]["spec"]["initContainers"], *sts["spec"]["template"]["spec"]["containers"]]:
+        etcd_mounts = mounted(c, sts["spec"]["template"]["spec"])
+        for flag in ("trusted-ca-file", "cert-file", "key-file"):
+            folder = args[flag].rsplit("/", 1)[0]
+            assert etcd_mounts[folder]["secret"]["secretName"] == "etcd-server-tls", f"{c['name']}: {flag}"
 
 
 def _selects(selector: dict, labels: dict) -> bool:

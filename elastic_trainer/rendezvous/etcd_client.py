@@ -10,8 +10,11 @@ keeper, the fence) goes through an ``EtcdConnection``:
   backoff for up to ``retry_timeout`` seconds, so that an etcd restarting with the same
   data dir does not kill a job; an expired auth token is renewed by reconnecting.
 
-python3-etcd3 marks an endpoint "failed" for 300 s after one UNAVAILABLE and then
-refuses to use it at all; we build its endpoints with a 1 s retry time instead.
+Several endpoints (the members of one etcd cluster) are tried in the order given; one that
+fails (refused, or no answer within the timeout: a stopped process, a lost node's address) is
+avoided for ``_AVOID_FAILED_S`` while another has not failed, so a client pays one timeout per
+lost member, not one per request (python3-etcd3's own failover went back to the first endpoint
+in its list once a short retry time passed, and refused every endpoint once all had failed).
 """
 
 from __future__ import annotations
@@ -40,12 +43,80 @@ T = TypeVar("T")
 _TRANSIENT = (etcd3.exceptions.ConnectionFailedError, etcd3.exceptions.ConnectionTimeoutError,
               etcd3.exceptions.NoServerAvailableError)
 _TRANSIENT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# What python3-etcd3 counts as a failed endpoint (its _FAILED_EP_CODES).
+_FAILED_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
 # Reconnect within a second once etcd is back (gRPC's default backoff grows to 120 s). gRPC also
 # takes min_reconnect_backoff as the deadline of one connection attempt (until etcd's HTTP/2
 # SETTINGS frame arrives): at 100 ms an etcd 0.5 s away was never reached at all; a refused
 # connection still fails at once, so the pace of reconnects is unchanged.
 _GRPC_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 5000),
                  ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+# How long an endpoint that failed is passed over while another endpoint has not failed.
+_AVOID_FAILED_S = 30.0
+
+
+class _FailoverClient(etcd3.MultiEndpointEtcd3Client):
+    """python3-etcd3's client, starting at the first endpoint and failing over to the endpoint
+    that failed longest ago (one that never failed first); never "no server available" while an
+    endpoint is configured: when all have failed, the oldest failure is tried again.
+
+    A failure counts against the endpoint the request was sent to (``sending_to``), not the one
+    in use when it ended: a request that waited out its timeout on a member that is gone must not
+    fail the member the client has moved to since (the library's way sent the client back to the
+    lost member, and every request waited there again).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._sent = threading.local()
+        super().__init__(*args, **kwargs)
+        self._current_endpoint_label = next(iter(self.endpoints))
+
+    @property
+    def channel(self) -> grpc.Channel:
+        current = self.endpoint_in_use
+        if current is None or current.is_failed():
+            label = min(self.endpoints, key=lambda name: self.endpoints[name].last_failed)
+            if label != self._current_endpoint_label:
+                logger.info("etcd: endpoint %s failed; using %s", self._current_endpoint_label, label)
+            self._current_endpoint_label = label
+            current = self.endpoints[label]
+            current.last_failed = 0
+        return current.use()
+
+    def next_endpoint(self) -> str:
+        """The endpoint the next request goes to (switching now when the one in use failed)."""
+        self.channel  # noqa: B018 - the property makes the switch
+        return self._current_endpoint_label
+
+    def sending_to(self, label: str | None) -> None:
+        """Say, for this thread, which endpoint the requests it sends now go to (None: forget)."""
+        self._sent.label = label
+
+    def give_up_endpoint(self, label: str | None = None) -> None:
+        """Mark ``label`` (default: the endpoint in use) failed: a request of ours timed out there.
+        The next request goes to the endpoint that failed longest ago."""
+        label = label or self._current_endpoint_label
+        self.endpoints[label].fail()
+        if label == self._current_endpoint_label:
+            self._clear_old_stubs()
+
+    def _manage_grpc_errors(self, exc: grpc.RpcError):
+        current = self.endpoint_in_use
+        last_failed = current.last_failed
+        sent_to = getattr(self._sent, "label", None) or self._current_endpoint_label
+        try:
+            super()._manage_grpc_errors(exc)  # marks the current endpoint failed, raises its exception
+        finally:
+            # "etcdserver: no leader", "etcdserver: request timed out": the member answered (an
+            # election is under way) and is not avoided. A request sent to another endpoint than
+            # the current one fails that endpoint, not the current one.
+            answered = str(exc.details() or "").startswith("etcdserver:")
+            if answered or sent_to != self._current_endpoint_label:
+                current.last_failed = last_failed
+            if not answered and sent_to != self._current_endpoint_label and exc.code() in _FAILED_CODES:
+                self.endpoints[sent_to].fail()
 
 
 @dataclass(frozen=True)
@@ -152,13 +223,14 @@ class _KeepAliveStream:
     new stream.
     """
 
-    def __init__(self, client: etcd3.MultiEndpointEtcd3Client, timeout: float) -> None:
+    def __init__(self, client: _FailoverClient, timeout: float) -> None:
         self.client = client
         self._timeout = timeout
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[int, collections.deque[_Pending]] = {}
         self._lock = threading.Lock()
         self._error: BaseException | None = None
+        self.endpoint = client.next_endpoint()  # where this stream's renewals go
         self._call = client.leasestub.LeaseKeepAlive(self._feed(), credentials=client.call_credentials,
                                                      metadata=client.metadata)
         threading.Thread(target=self._read, name="etcd-lease-keepalive", daemon=True).start()
@@ -188,6 +260,7 @@ class _KeepAliveStream:
             error = exc
             if not self.closed:  # not our own cancel: python3-etcd3's exception, and its failover
                 try:
+                    self.client.sending_to(self.endpoint)
                     self.client._manage_grpc_errors(exc)
                 except Exception as translated:  # noqa: BLE001 - kept as the stream's error
                     error = translated
@@ -205,17 +278,21 @@ class _KeepAliveStream:
                 p.error = self._error
                 p.done.set()
 
-    def renew(self, lease_id: int) -> int:
-        """Renew ``lease_id`` once; its TTL in seconds (<= 0: etcd no longer knows the lease)."""
+    def renew(self, lease_id: int, timeout: float | None = None) -> int:
+        """Renew ``lease_id`` once; its TTL in seconds (<= 0: etcd no longer knows the lease).
+        A renewal unanswered within ``timeout`` (default: the stream's) fails the stream and marks
+        its endpoint failed, so that the next renewal goes to another endpoint when there is one."""
+        timeout = self._timeout if timeout is None else timeout
         p = _Pending()
         with self._lock:
             if self._error is not None:
                 raise self._error
             self._pending.setdefault(lease_id, collections.deque()).append(p)
         self._requests.put(etcdrpc.LeaseKeepAliveRequest(ID=lease_id))
-        if not p.done.wait(self._timeout):
+        if not p.done.wait(timeout):
+            self.client.give_up_endpoint(self.endpoint)  # our own cancel below does not tell python3-etcd3
             self._fail(etcd3.exceptions.ConnectionTimeoutError(
-                f"etcd did not answer a lease renewal within {self._timeout:g}s"))
+                f"etcd did not answer a lease renewal within {timeout:g}s"))
         if p.error is not None:
             raise p.error
         return int(p.ttl)  # type: ignore[arg-type]
@@ -250,15 +327,12 @@ class EtcdConnection:
                 raise RendezvousConnectionError(
                     f"cannot read the etcd TLS files (ca_cert={o.ca_cert}, cert={o.cert}, key={o.key}): "
                     f"{exc}; fix the paths in --rdzv-conf") from exc
-        # python3-etcd3 refuses a "failed" endpoint for time_retry seconds, for every thread
-        # sharing the client; with one endpoint there is nothing to fail over to.
-        time_retry = 1.0 if len(o.endpoints) > 1 else 0.0
-        endpoints = [etcd3.Endpoint(h, p, secure=secure, creds=creds, time_retry=time_retry,
+        endpoints = [etcd3.Endpoint(h, p, secure=secure, creds=creds, time_retry=_AVOID_FAILED_S,
                                    opts=_GRPC_OPTIONS)
                      for h, p in o.endpoints]
         try:
-            client = etcd3.MultiEndpointEtcd3Client(endpoints=endpoints, timeout=timeout, user=o.user,
-                                                    password=o.password, failover=True)
+            client = _FailoverClient(endpoints=endpoints, timeout=timeout, user=o.user,
+                                     password=o.password, failover=True)
             if not secure:
                 # gRPC sends call credentials only over TLS; the token also travels as metadata.
                 client.call_credentials = None
@@ -280,19 +354,25 @@ class EtcdConnection:
 
     def _connect(self) -> etcd3.MultiEndpointEtcd3Client:
         # Authenticate and ask for etcd's status until it answers or connect_timeout passes
-        # (a server that is starting refuses connections for a moment).
+        # (a server that is starting refuses connections for a moment). One status request may
+        # take a share of the budget, so that an endpoint that does not answer at all leaves
+        # time for the next one.
         deadline = time.monotonic() + self.options.connect_timeout
+        share = self.options.connect_timeout / len(self.options.endpoints)
+        client = None
         while True:
-            client = None
             try:
-                client = self._make_client(max(0.5, deadline - time.monotonic()))
+                if client is None:
+                    client = self._make_client(max(0.5, deadline - time.monotonic()))
+                client.timeout = max(0.5, min(share, deadline - time.monotonic()))
                 client.status()
                 client.timeout = self.options.read_timeout
                 return client
             except Exception as exc:  # noqa: BLE001 - every failure at start becomes one sentence
-                if client is not None:
-                    client.close()
                 cause = exc.__cause__ if isinstance(exc, RendezvousConnectionError) else exc
+                if client is not None and not (_is_transient(cause) and time.monotonic() + 0.2 < deadline):
+                    client.close()
+                    client = None
                 if _is_transient(cause) and time.monotonic() + 0.2 < deadline:
                     time.sleep(0.2)
                     continue
@@ -314,7 +394,11 @@ class EtcdConnection:
         while True:
             client = self._client
             try:
-                return fn(client)
+                client.sending_to(client.next_endpoint())
+                try:
+                    return fn(client)
+                finally:
+                    client.sending_to(None)
             except Exception as exc:  # noqa: BLE001 - classified below, re-raised when not transient
                 if _is_auth_expired(exc) and self.options.user:
                     self._reconnect(client)
@@ -344,16 +428,22 @@ class EtcdConnection:
             self._client = new
         old.close()
 
-    def renew_lease(self, lease_id: int) -> int:
+    def renew_lease(self, lease_id: int, failover_after: float | None = None) -> int:
         """Renew a lease once on this connection's shared keep-alive stream; its remaining TTL
-        (<= 0 when etcd no longer knows it). Errors are raised as ``call`` classifies them."""
+        (<= 0 when etcd no longer knows it). Errors are raised as ``call`` classifies them.
+
+        ``failover_after``: with several endpoints, give up on the one in use after this many
+        seconds (and use another from the next renewal on) instead of the read timeout: a lease
+        that must be renewed within seconds cannot wait out a member that hangs. With one
+        endpoint there is nowhere else to go, and a slow etcd is waited for."""
+        timeout = failover_after if failover_after is not None and len(self.options.endpoints) > 1 else None
         with self._lock:
             stream = self._keepalive
             if stream is None or stream.closed or stream.client is not self._client:
                 if stream is not None:
                     stream.close()
                 stream = self._keepalive = _KeepAliveStream(self._client, self.options.read_timeout)
-        return stream.renew(lease_id)
+        return stream.renew(lease_id, timeout)
 
     def close(self) -> None:
         with self._lock:

@@ -106,8 +106,12 @@ class LeaseKeeper:
                 return
             self._last_attempt = sent = time.monotonic()
             try:
-                ttl = self._conn.call(lambda c: self._conn.renew_lease(lease_id), "lease keep-alive",
-                                      retry_timeout=0)
+                # Several endpoints: a member that does not answer within ttl - 2 intervals (1 s at
+                # the defaults) is given up, and the next renewal, sent at once to the next member,
+                # still lands before the lease (renewed an interval before this one) runs out.
+                ttl = self._conn.call(lambda c: self._conn.renew_lease(
+                    lease_id, failover_after=max(0.5, self._ttl - 2 * self._interval)),
+                    "lease keep-alive", retry_timeout=0)
                 self.requests += 1
             except Exception as exc:  # noqa: BLE001 - a failed renewal is retried at the next tick
                 logger.warning("could not renew the etcd lease of %s: %s", self._key, exc)
