@@ -902,6 +902,23 @@ def test_rendered_env_takes_credentials_from_secrets_only(rendered):
             assert not [k for k in cm.get("data", {}) if sensitive.search(k)], f"k8s/{path}: secret-like key in {_name(cm)}"
 
 
+@needs_kubectl
+def test_trainer_pods_get_every_secret_as_a_file_and_the_wandb_key_from_an_optional_secret(rendered):
+    """Issue 21: secrets as files, not env (every process of a pod inherits its env). The W&B key is
+    a file in the optional Secret elastic-trainer-wandb, so pods start (and log offline) without it."""
+    for path, label, _, tmpl, c in _trainer_containers(rendered):
+        assert not [v["name"] for v in c.get("env", []) if "secretKeyRef" in v.get("valueFrom", {})], \
+            f"k8s/{path} {label}: a secret in the environment"
+        env = {v["name"]: v.get("value") for v in c.get("env", [])}
+        key_file = env.get("ELASTIC_TRAINER_WANDB_KEY_FILE")
+        assert key_file, f"k8s/{path} {label}: no W&B key file"
+        mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+        folder = key_file.rsplit("/", 1)[0]
+        volume = next(v for v in tmpl["spec"]["volumes"] if v["name"] == mounts[folder])
+        assert volume["secret"] == {"secretName": "elastic-trainer-wandb", "optional": True, "defaultMode": 0o440}
+        assert key_file.rsplit("/", 1)[1] == "api-key"  # the Secret's key, as the README creates it
+
+
 # ------------------------------------------------------------------------------------- Dockerfile
 
 def _dockerfile() -> list[tuple[str, str]]:

@@ -314,7 +314,7 @@ def test_a_client_without_credentials_can_neither_read_nor_write_the_runs_keys(a
 def test_wandb_takes_its_key_from_the_file_the_launcher_hands_over_and_writes_it_nowhere(tmp_path):
     """What a worker does with ``ELASTIC_TRAINER_WANDB_KEY_FILE``: the key reaches W&B in its settings,
     stays out of the process's environment, and out of W&B's (offline) files; an unreadable file is
-    one sentence naming it."""
+    one sentence naming it; an absent one (an optional Secret not created) means offline."""
     key_file = tmp_path / "wandb-api-key"
     key_file.write_text(WANDB_CANARY)
     key_file.chmod(0o600)
@@ -328,9 +328,17 @@ def test_wandb_takes_its_key_from_the_file_the_launcher_hands_over_and_writes_it
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "KEY True False" in proc.stdout
     assert list((tmp_path / "logs").rglob("*.wandb")) and not _files_holding(tmp_path / "logs", WANDB_CANARY)
-    env["ELASTIC_TRAINER_WANDB_KEY_FILE"] = str(tmp_path / "missing")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100, env=env)
-    assert proc.returncode != 0 and f"cannot read the W&B API key file {tmp_path / 'missing'}" in proc.stderr
+    key_file.chmod(0o000)  # there, but not readable: an error, not a silent offline run
+    if os.geteuid() != 0:  # (root reads it anyway)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100, env=env)
+        assert proc.returncode != 0 and f"cannot read the W&B API key file {key_file}" in proc.stderr
+    # absent (an optional Kubernetes Secret nobody created): no key, offline, said once
+    env.update(ELASTIC_TRAINER_WANDB_KEY_FILE=str(tmp_path / "missing"), EXPECT="")
+    proc = subprocess.run([sys.executable, "-c", code.replace("lg.run.settings.api_key == os.environ.get('EXPECT')",
+                                                              "not lg.run.settings.api_key")],
+                          capture_output=True, text=True, timeout=100, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "KEY True False" in proc.stdout and f"no W&B API key file at {tmp_path / 'missing'}" in proc.stderr
 
 
 def test_wandb_run_config_and_the_trainers_prints_redact_storage_keys():

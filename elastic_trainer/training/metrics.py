@@ -202,8 +202,9 @@ WANDB_KEY_FILE = "ELASTIC_TRAINER_WANDB_KEY_FILE"
 
 def wandb_api_key() -> str | None:
     """The W&B API key: ``WANDB_API_KEY``, else the file named by ``ELASTIC_TRAINER_WANDB_KEY_FILE``
-    (what the launcher hands its workers, or a mounted secret). A file that cannot be read is an
-    error naming the file, not a silent offline run."""
+    (what the launcher hands its workers, or a mounted secret). An absent file is no key (an
+    optional Kubernetes Secret that was not created: W&B runs offline, with a warning); a file that
+    exists but cannot be read is an error naming the file, not a silent offline run."""
     key = os.environ.get("WANDB_API_KEY")
     if key:
         return key
@@ -213,6 +214,9 @@ def wandb_api_key() -> str | None:
     try:
         with open(path) as f:
             return f.read().strip() or None
+    except FileNotFoundError:
+        logging.getLogger(__name__).warning("no W&B API key file at %s: W&B logs offline", path)
+        return None
     except OSError as exc:
         raise RuntimeError(f"cannot read the W&B API key file {path}: {exc.strerror}") from None
 
