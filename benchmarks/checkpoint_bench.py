@@ -85,7 +85,7 @@ def bench(url: str, d_model: int, layers: int, steps: int, saves: int) -> dict:
     blocked, copy_wait, during = [], [], []
     for i in range(saves + 1):  # the first save allocates the snapshot buffers: reported apart
         mgr.save(i + 1, state())
-        while mgr._thread is not None and mgr._thread.is_alive():
+        while mgr.busy():
             during.append(step())  # the first of these may wait for the snapshot copy
         mgr.wait()
         assert mgr.last_error is None, mgr.last_error

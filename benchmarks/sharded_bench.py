@@ -1,6 +1,6 @@
 """FSDP checkpoints, full state gathered on rank 0 against sharded per rank: blocking, throughput, memory, load.
 
-    .venv/bin/python benchmarks/sharded_bench.py                      # 4 ranks, widths 1024 and 2048
+    .venv/bin/python benchmarks/sharded_bench.py                      # 4 ranks, widths 1024, 2048 and 4096
     .venv/bin/python benchmarks/sharded_bench.py --ranks 2 --widths 128 --steps 3 --repeats 1   # smoke (seconds)
     .venv/bin/python benchmarks/sharded_bench.py --json benchmarks/results/sharded_bench.json
 
@@ -21,8 +21,9 @@ Measured, per width and way:
   the staging copy), median over ``--repeats`` saves, and as a share of the step; ``step during``
   is the median step while the save runs beside it (it shares the CPU);
 - throughput: a blocking save (start to commit, every rank done) against a plain copy of the same
-  bytes (each rank writes, through fsspec and fsynced, the bytes its files of the save hold; full:
-  rank 0 all of them), alternating; the ratio is the median of pairwise copy/save time ratios;
+  bytes (each rank writes, through fsspec and fsynced, the bytes its files of the save hold into a
+  new file, as a save does; full: rank 0 all of them), alternating; the ratio is the median of
+  pairwise copy/save time ratios;
 - peak RSS per rank during a blocking save (``VmHWM`` of ``/proc/self/status``, reset with
   ``/proc/self/clear_refs`` just before), as growth over the RSS before it;
 - load: the last checkpoint loaded at ``--ranks`` and at half as many (full: rank 0 reads the file
@@ -145,12 +146,17 @@ def bench(args: argparse.Namespace) -> dict:
             dist.broadcast_object_list(shares, src=0)
             shares = shares[0]
             blob = torch.randint(0, 255, (max(1, shares[rank]),), dtype=torch.uint8).numpy()
+        # a plain copy into a new file, as a save writes new files (earlier versions rewrote one
+        # file in place each time), removed after
+        plain = storage.join(ckpt.root, f"plain-{rank}-{i}")
         dist.barrier()
         t0 = time.perf_counter()
         if shares[rank]:
-            storage.write_bytes(ckpt.fs, storage.join(ckpt.root, f"plain-{rank}"), memoryview(blob)[: shares[rank]])
+            storage.write_bytes(ckpt.fs, plain, memoryview(blob)[: shares[rank]])
         dist.barrier()
         row["copy_s"].append(time.perf_counter() - t0)
+        if shares[rank]:
+            ckpt.fs.rm(plain)
     row["bytes"] = sum(shares)
     # blocking: asynchronous saves with training going on beside them
     for _ in range(args.repeats):
@@ -280,7 +286,7 @@ def report(rows: list[dict]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--widths", default="1024,2048")
+    p.add_argument("--widths", default="1024,2048,4096")
     p.add_argument("--batch", type=int, default=64, help="rows per rank and step")
     p.add_argument("--steps", type=int, default=5, help="steps timed without a save, and beside each save")
     p.add_argument("--repeats", type=int, default=3, help="saves of each kind (and plain copies)")

@@ -136,3 +136,38 @@ def test_fsdp_training_saves_sharded_in_the_background_to_s3_and_resumes_at_one_
     fs, root = storage.get_fs(s3_url)
     steps = sorted(n for n in storage.list_dir(fs, root) if n.startswith("step-"))
     assert steps == ["step-3", "step-4", "step-5"]  # --keep-checkpoints 3: steps 1 and 2 pruned
+
+
+def test_staging_reuses_its_buffers_holds_each_saves_values_and_restages_when_the_layout_changes():
+    """``Staging``: the second save copies into the first one's buffers (no new memory, no walk of
+    DCP's stager), holds the values of its own moment whatever changes after, follows keys in any
+    order, and builds new buffers when a tensor's shape changes."""
+    from elastic_trainer.checkpoint.sharded import Staging
+
+    w, b, step = torch.arange(6.0).reshape(2, 3), torch.ones(3), torch.tensor(3.0)
+
+    def state(w, b, lr, order=("w", "b")):
+        model = {"w": w, "b": b} if order == ("w", "b") else {"b": b, "w": w}
+        return {"model": model, "optimizer": {"state": {"w": {"step": step}},
+                                              "param_groups": [{"lr": lr, "betas": (0.9, 0.99), "params": ["w"]}]}}
+
+    staging = Staging()
+    first = staging.stage(state(w, b, 0.1))
+    assert torch.equal(first["model"]["w"], w) and first["model"]["w"].data_ptr() != w.data_ptr()
+    buffer = first["model"]["w"].data_ptr()
+
+    w.add_(10), b.mul_(2), step.add_(1)
+    second = staging.stage(state(w, b, 0.2, order=("b", "w")))  # same tensors, keys in another order
+    assert second["model"]["w"].data_ptr() == buffer
+    assert torch.equal(second["model"]["w"], w) and torch.equal(second["model"]["b"], b)
+    assert second["optimizer"]["state"]["w"]["step"].item() == 4.0
+    assert second["optimizer"]["param_groups"][0]["lr"] == 0.2
+    assert second["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.99)
+    held = second["model"]["w"].clone()
+    w.mul_(0)  # training goes on: the staged copy keeps the save's values
+    assert torch.equal(second["model"]["w"], held)
+
+    wider = torch.arange(8.0).reshape(2, 4)
+    third = staging.stage(state(wider, b, 0.2))
+    assert torch.equal(third["model"]["w"], wider) and torch.equal(third["model"]["b"], b)
+    staging.close()
