@@ -171,3 +171,42 @@ def test_staging_reuses_its_buffers_holds_each_saves_values_and_restages_when_th
     third = staging.stage(state(wider, b, 0.2))
     assert torch.equal(third["model"]["w"], wider) and torch.equal(third["model"]["b"], b)
     staging.close()
+
+
+def test_each_rank_verifies_a_share_of_the_shards_and_all_move_to_an_older_step_when_one_share_is_damaged(
+        tmp_path, procs):
+    """On resume no rank reads every shard file: rank r verifies the shard files r, r+world, ...
+    (``CheckpointManager.load(share=...)``), and the step is used only when every rank found its
+    share sound. A flipped byte in a shard that only rank 1 checks: rank 0 alone would accept the
+    step, so every rank must move on to the step before it together."""
+    from elastic_trainer import records
+
+    def run(until: str) -> str:
+        proc = procs.start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "-m", "elastic_trainer.train", *TINY, "--fsdp", "--max-steps", until,
+                            "--checkpoint-every", "1", "--checkpoint-dir", str(tmp_path / "ck"),
+                            "--log-dir", str(tmp_path / "logs")],
+                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, out[-4000:]
+        return out
+
+    run("3")
+    manifest = json.loads((tmp_path / "ck" / "step-3" / "manifest.json").read_text())
+    shards = sorted(rel for rel in manifest["files"] if rel.startswith("dcp-"))
+    assert [r.split("/", 1)[1] for r in shards] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    ckpt = CheckpointManager(str(tmp_path / "ck"))
+    damaged = tmp_path / "ck" / "step-3" / shards[1]  # the second shard file: rank 1's share of 2
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    damaged.write_bytes(bytes(data))
+    assert ckpt.load(3, share=(0, 2))[0] == 3  # rank 0's share does not include it: sound to rank 0
+    assert ckpt.load(3, share=(1, 2)) is None  # rank 1's does
+    assert ckpt.load(3) is None
+
+    out = run("5")
+    assert "resumed from checkpoint step-2" in out, out[-3000:]
+    assert "rank(s) 1 found their share of its shards damaged or missing" in out
+    loaded = [(e.step, e.world_size) for e in records.read_events(tmp_path / "logs") if e.event == "checkpoint_loaded"]
+    assert loaded == [(2, 2)]
+    assert CheckpointManager(str(tmp_path / "ck")).load()[0] == 5

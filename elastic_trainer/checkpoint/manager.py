@@ -654,17 +654,24 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ loading
 
-    def _read_verified(self, step: int, manifest: dict | None = None) -> tuple[int, dict[str, bytes]]:
+    def _read_verified(self, step: int, manifest: dict | None = None,
+                       share: tuple[int, int] | None = None) -> tuple[int, dict[str, bytes]]:
         """The manifest's format and the bytes of every file of ``step``, checked against its
         manifest (``manifest``, the etcd record's entry, else the one in storage); ValueError
-        saying what is wrong."""
+        saying what is wrong. With ``share`` ``(index, count)`` only every count-th shard file
+        (a sharded save's, in name order, from ``index``) is checked; every other file is."""
         if manifest is None:
             manifest = self._read_manifest(step)
         if manifest is None:
             raise ValueError("no manifest (never committed: in progress, killed or abandoned)")
         out = {}
+        shard = -1
         for rel, info in sorted(manifest["files"].items()):
             keep = manifest["format"] != 3 or rel.rsplit("/", 1)[-1] in (_DATA_FILE_V3, _DATA_FILE)
+            if not keep:
+                shard += 1
+                if share is not None and shard % share[1] != share[0]:
+                    continue  # another rank's share
             path = storage.join(self._step_dir(step), rel)
             try:
                 if keep:
@@ -687,10 +694,10 @@ class CheckpointManager:
                 out[rel] = data
         return manifest["format"], out
 
-    def _verified_load(self, step: int, manifest: dict | None = None) -> dict:
+    def _verified_load(self, step: int, manifest: dict | None = None, share: tuple[int, int] | None = None) -> dict:
         """Read, verify and deserialize ``step``; never runs code: format 3 is JSON and raw bytes,
         formats 1 and 2 are read with ``torch.load(weights_only=True)``."""
-        fmt, blobs = self._read_verified(step, manifest)
+        fmt, blobs = self._read_verified(step, manifest, share)
         state: dict = {}
         for rel in list(blobs):
             data = blobs.pop(rel)
@@ -718,11 +725,18 @@ class CheckpointManager:
         return [(e["step"], e) for e in entries] + \
             [(s, None) for s in self._steps() if s < min(recorded)]
 
-    def load(self, step: int | None = None) -> tuple[int, dict] | None:
-        """``(step, state)`` of the newest valid checkpoint (or of ``step``); None when there is none."""
+    def load(self, step: int | None = None, *, share: tuple[int, int] | None = None,
+             skip: frozenset[int] | set[int] = frozenset()) -> tuple[int, dict] | None:
+        """``(step, state)`` of the newest valid checkpoint (or of ``step``) that is not in
+        ``skip``; None when there is none. With ``share`` ``(index, count)``, of a sharded
+        checkpoint's shard files only this share is verified here (``_read_verified``): ranks
+        that verify a share each must agree before they trust the step (``Trainer``), so that
+        no rank reads the whole checkpoint."""
         for candidate, manifest in self._candidates(step):
+            if candidate in skip:
+                continue
             try:
-                state = self._verified_load(candidate, manifest)
+                state = self._verified_load(candidate, manifest, share)
             except Exception as exc:  # noqa: BLE001 - any defect means "skip it"; say which and why
                 self._warn_skip(candidate, exc)
                 continue

@@ -282,20 +282,37 @@ class Trainer:
 
         if self.ckpt is None or not self.config.resume:
             return None
-        found = self.ckpt.load() if self.dinfo.is_main else None
-        step, sharded = broadcast_object((found[0], is_sharded(found[1])) if found else (None, False), self.dinfo)
-        if step is None:
-            return None
-        if self._fsdp() and not sharded:
-            rest = {k: v for k, v in found[1].items() if k not in ("model", "optimizer")} if found else None
-            rest = broadcast_object(rest, self.dinfo)
-            return found if self.dinfo.is_main else (step, rest)
-        if not self.dinfo.is_main:
-            found = self.ckpt.load(step)
-            if found is None:
-                raise RuntimeError(f"rank {self.dinfo.rank} could not load checkpoint step-{step} that rank 0 "
-                                   f"loaded from {storage.redact(self.config.checkpoint_dir)}; is the storage shared by all nodes?")
-        return found
+        # Of a sharded checkpoint each rank verifies a share of the shard files (no rank reads
+        # them all), and the step is trusted only when every rank found its share sound; else
+        # every rank moves on to an older one together.
+        share = (self.dinfo.rank, self.dinfo.world_size) if self._fsdp() else None
+        skip: set[int] = set()
+        while True:
+            found = self.ckpt.load(share=share, skip=skip) if self.dinfo.is_main else None
+            step, sharded = broadcast_object((found[0], is_sharded(found[1])) if found else (None, False), self.dinfo)
+            if step is None:
+                return None
+            if self._fsdp() and not sharded:
+                rest = {k: v for k, v in found[1].items() if k not in ("model", "optimizer")} if found else None
+                rest = broadcast_object(rest, self.dinfo)
+                return found if self.dinfo.is_main else (step, rest)
+            if not self.dinfo.is_main:
+                found = self.ckpt.load(step, share=share)
+            if share is None or not sharded:
+                if found is None:
+                    raise RuntimeError(f"rank {self.dinfo.rank} could not load checkpoint step-{step} that rank 0 "
+                                       f"loaded from {storage.redact(self.config.checkpoint_dir)}; is the storage "
+                                       "shared by all nodes?")
+                return found
+            sound = [None] * self.dinfo.world_size
+            dist.all_gather_object(sound, found is not None)
+            if all(sound):
+                return found
+            if self.dinfo.is_main:
+                logger.warning("checkpoint step-%d: rank(s) %s found their share of its shards damaged or missing "
+                            "(their warnings say which file); every rank tries an older one", step,
+                            ", ".join(str(r) for r, ok in enumerate(sound) if not ok))
+            skip.add(step)
 
     def _autocast(self):
         if self.amp.dtype is None:
