@@ -210,3 +210,36 @@ def test_each_rank_verifies_a_share_of_the_shards_and_all_move_to_an_older_step_
     loaded = [(e.step, e.world_size) for e in records.read_events(tmp_path / "logs") if e.event == "checkpoint_loaded"]
     assert loaded == [(2, 2)]
     assert CheckpointManager(str(tmp_path / "ck")).load()[0] == 5
+
+
+def test_files_are_hashed_as_dcp_writes_them_and_a_seek_leaves_a_file_to_be_read_back(tmp_path):
+    """``_HashingFiles`` around DCP's own file system: the digest recorded for a file is the xxh3_128
+    of what is on disk, follows DCP's rename of ``.metadata``; a stream that seeks is not trusted."""
+    import xxhash
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from elastic_trainer.checkpoint.sharded import _HashingFiles
+
+    writer = FileSystemWriter(str(tmp_path))
+    files = _HashingFiles.wraps(writer)
+    assert files is not None and writer.fs is files
+    with writer.fs.create_stream(tmp_path / "__0_0.distcp", "wb") as f:
+        torch.save(torch.arange(1000.0), f)
+        f.write(memoryview(bytes(range(256))))
+    with writer.fs.create_stream(tmp_path / ".metadata.tmp", "wb") as f:
+        f.write(b"metadata")
+    writer.fs.rename(tmp_path / ".metadata.tmp", tmp_path / ".metadata")
+    with writer.fs.create_stream(tmp_path / "seeked", "wb") as f:
+        f.write(b"abcdef")
+        f.seek(0)
+        f.write(b"X")
+    for name in ("__0_0.distcp", ".metadata"):
+        data = (tmp_path / name).read_bytes()
+        assert files.files[name] == (len(data), xxhash.xxh3_128(data).hexdigest())
+    assert ".metadata.tmp" not in files.files and "seeked" not in files.files
+    with writer.fs.create_stream(tmp_path / ".metadata", "rb") as f:  # reading passes through
+        assert f.read() == b"metadata"
+    # the object-store writer has the same file system to wrap (else saves would read back)
+    from elastic_trainer.rendezvous.torch_private import dcp_fsspec_storage
+
+    assert _HashingFiles.wraps(dcp_fsspec_storage()[0](f"file://{tmp_path}/fsspec")) is not None

@@ -17,8 +17,9 @@ so ``ckpt.wait()``, ``ckpt.close()`` and the next save wait for it:
 
 1. DCP writes every rank's shards and, on rank 0, ``.metadata`` (its collectives run on a gloo
    group of their own, made once, so they never interleave with training's collectives);
-2. every rank hashes a share of the files DCP names in its metadata (read back from storage) and
-   the entries are gathered on rank 0;
+2. every rank hashed the files it wrote while writing them (``_HashingFiles``; a file written
+   with a seek, or a DCP without the file system this wraps, is read back instead) and the entries
+   are gathered on rank 0, which checks that every file DCP's metadata names is listed;
 3. rank 0 commits: the rest of the state, then the manifest, fenced.
 
 So a commit needs every rank's finished write: a rank that exits, is killed or fails during a
@@ -42,10 +43,13 @@ uploaded).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import logging
+import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -116,6 +120,78 @@ def _hash_files(fs, base: str, folder: str, names: list[str]) -> dict:
                 size += len(chunk)
         out[f"{folder}/{name}"] = {"size": size, "hash": HASH, "digest": hasher.hexdigest()}
     return out
+
+
+class _HashingStream:
+    """A stream DCP writes a file through: every byte also goes into an xxh3_128 as it is written.
+    A seek makes it give up (what was hashed may then not be the file): ``sequential`` False."""
+
+    def __init__(self, raw) -> None:
+        self._raw = raw
+        self.hasher = xxhash.xxh3_128()
+        self.size = 0
+        self.sequential = True
+
+    def write(self, data) -> int:
+        n = self._raw.write(data)
+        view = storage.as_bytes_view(data)
+        n = len(view) if n is None else n
+        self.hasher.update(view[:n])
+        self.size += n
+        return n
+
+    def seek(self, *args):
+        self.sequential = False
+        return self._raw.seek(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self._raw, name)
+
+
+class _HashingFiles:
+    """Wraps a DCP storage writer's file system (its ``fs``: ``create_stream`` and ``rename``) so
+    that every file it writes is hashed while it is written: ``files`` maps each file's name to its
+    ``(size, xxh3_128)``, known when the file is closed (on an object store: uploaded), and follows
+    a rename (DCP writes ``.metadata`` under a temporary name). Spares reading every file back to
+    hash it, which on an object store is a second download of the checkpoint."""
+
+    def __init__(self, fs) -> None:
+        self._fs = fs
+        self._lock = threading.Lock()
+        self.files: dict[str, tuple[int, str]] = {}
+
+    @staticmethod
+    def wraps(writer) -> "_HashingFiles | None":
+        """Put a ``_HashingFiles`` around ``writer.fs``; None (the files are then hashed by reading
+        them back) where the writer has no such file system (another torch's DCP)."""
+        fs = getattr(writer, "fs", None)
+        if not (callable(getattr(fs, "create_stream", None)) and callable(getattr(fs, "rename", None))):
+            return None
+        writer.fs = _HashingFiles(fs)
+        return writer.fs
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        if "w" not in mode:
+            with self._fs.create_stream(path, mode) as stream:
+                yield stream
+            return
+        with self._fs.create_stream(path, mode) as stream:
+            tee = _HashingStream(stream)
+            yield tee
+        if tee.sequential:
+            with self._lock:
+                self.files[os.path.basename(os.fspath(path))] = (tee.size, tee.hasher.hexdigest())
+
+    def rename(self, path, new_path) -> None:
+        self._fs.rename(path, new_path)
+        with self._lock:
+            moved = self.files.pop(os.path.basename(os.fspath(path)), None)
+            if moved is not None:
+                self.files[os.path.basename(os.fspath(new_path))] = moved
+
+    def __getattr__(self, name: str):
+        return getattr(self._fs, name)
 
 
 class Staging:
@@ -251,12 +327,13 @@ class ShardedSaver:
         # background (its collectives on our group)
         state = self._staging.stage(_sharded_state(module, optimizer))
         writer = _writer(self.ckpt, path)
+        hashing = _HashingFiles.wraps(writer)
         stats = {"step": int(step), "wait_s": waited, "stage_s": time.perf_counter() - staged, "folder": folder}
         self.last_stats = stats
 
         def write():
             return dcp.save(state, storage_writer=writer, process_group=group)
-        self.ckpt.run_in_background(step, lambda: self._finish(step, folder, path, write, rest, stats))
+        self.ckpt.run_in_background(step, lambda: self._finish(step, folder, path, write, hashing, rest, stats))
         stats["blocked_s"] = time.perf_counter() - start
         if blocking:
             self.ckpt.wait()
@@ -267,8 +344,8 @@ class ShardedSaver:
         self.ckpt.wait()
         self._staging.close()
 
-    def _finish(self, step: int, folder: str, path: str, write: Callable[[], Any], rest: dict | None,
-                stats: dict) -> None:
+    def _finish(self, step: int, folder: str, path: str, write: Callable[[], Any], hashing: "_HashingFiles | None",
+                rest: dict | None, stats: dict) -> None:
         """The background part of a save: every rank's shards written, hashed, gathered; rank 0 commits.
 
         Every rank takes part in the gathering, failed or not (a rank that skipped it would leave
@@ -281,7 +358,11 @@ class ShardedSaver:
         try:
             names = _dcp_files(write())  # returns once every rank wrote its shards and rank 0 .metadata
             stats["write_s"] = time.perf_counter() - t0
-            entries = _hash_files(self.ckpt.fs, path, folder, names[rank::world])
+            if hashing is not None:  # the files this rank wrote, hashed as they were written
+                entries = {f"{folder}/{name}": {"size": size, "hash": HASH, "digest": digest}
+                           for name, (size, digest) in hashing.files.items() if name in names}
+            else:
+                entries = _hash_files(self.ckpt.fs, path, folder, names[rank::world])
             stats["hash_s"] = time.perf_counter() - t0 - stats["write_s"]
         except Exception as exc:  # noqa: BLE001 - a failed save is reported, never raised into training
             error = f"rank {rank} could not write or hash its shards ({type(exc).__name__}: {storage.redact(exc)})"
@@ -302,8 +383,11 @@ class ShardedSaver:
             for got, _, _ in shares:
                 files.update(got)
             missing = sorted(set(names) - {rel.split("/", 1)[1] for rel in files})
-            if error is None and missing:
-                error = f"no rank hashed {', '.join(missing)}"
+            if error is None and missing:  # written with a seek (not hashed while written): read back
+                try:
+                    files.update(_hash_files(self.ckpt.fs, path, folder, missing))
+                except Exception as exc:  # noqa: BLE001 - reported as not committed
+                    error = f"hashing {', '.join(missing)} failed ({type(exc).__name__}: {storage.redact(exc)})"
         if error is None:
             try:
                 self.ckpt.save(step, {**(rest or {}), "sharded": {"folder": folder}}, blocking=True, include=files)
