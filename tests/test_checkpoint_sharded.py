@@ -213,15 +213,15 @@ def test_each_rank_verifies_a_share_of_the_shards_and_all_move_to_an_older_step_
 
 
 def test_files_are_hashed_as_dcp_writes_them_and_a_seek_leaves_a_file_to_be_read_back(tmp_path):
-    """``_HashingFiles`` around DCP's own file system: the digest recorded for a file is the xxh3_128
+    """``HashingFiles`` around DCP's own file system: the digest recorded for a file is the xxh3_128
     of what is on disk, follows DCP's rename of ``.metadata``; a stream that seeks is not trusted."""
     import xxhash
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from elastic_trainer.checkpoint.sharded import _HashingFiles
+    from elastic_trainer.checkpoint.sharded import HashingFiles
 
     writer = FileSystemWriter(str(tmp_path))
-    files = _HashingFiles.wraps(writer)
+    files = HashingFiles.wraps(writer)
     assert files is not None and writer.fs is files
     with writer.fs.create_stream(tmp_path / "__0_0.distcp", "wb") as f:
         torch.save(torch.arange(1000.0), f)
@@ -242,4 +242,4 @@ def test_files_are_hashed_as_dcp_writes_them_and_a_seek_leaves_a_file_to_be_read
     # the object-store writer has the same file system to wrap (else saves would read back)
     from elastic_trainer.rendezvous.torch_private import dcp_fsspec_storage
 
-    assert _HashingFiles.wraps(dcp_fsspec_storage()[0](f"file://{tmp_path}/fsspec")) is not None
+    assert HashingFiles.wraps(dcp_fsspec_storage()[0](f"file://{tmp_path}/fsspec")) is not None

@@ -17,7 +17,7 @@ so ``ckpt.wait()``, ``ckpt.close()`` and the next save wait for it:
 
 1. DCP writes every rank's shards and, on rank 0, ``.metadata`` (its collectives run on a gloo
    group of their own, made once, so they never interleave with training's collectives);
-2. every rank hashed the files it wrote while writing them (``_HashingFiles``; a file written
+2. every rank hashed the files it wrote while writing them (``HashingFiles``; a file written
    with a seek, or a DCP without the file system this wraps, is read back instead) and the entries
    are gathered on rank 0, which checks that every file DCP's metadata names is listed;
 3. rank 0 commits: the rest of the state, then the manifest, fenced.
@@ -122,7 +122,7 @@ def _hash_files(fs, base: str, folder: str, names: list[str]) -> dict:
     return out
 
 
-class _HashingStream:
+class HashingStream:
     """A stream DCP writes a file through: every byte also goes into an xxh3_128 as it is written.
     A seek makes it give up (what was hashed may then not be the file): ``sequential`` False."""
 
@@ -148,7 +148,7 @@ class _HashingStream:
         return getattr(self._raw, name)
 
 
-class _HashingFiles:
+class HashingFiles:
     """Wraps a DCP storage writer's file system (its ``fs``: ``create_stream`` and ``rename``) so
     that every file it writes is hashed while it is written: ``files`` maps each file's name to its
     ``(size, xxh3_128)``, known when the file is closed (on an object store: uploaded), and follows
@@ -161,13 +161,13 @@ class _HashingFiles:
         self.files: dict[str, tuple[int, str]] = {}
 
     @staticmethod
-    def wraps(writer) -> "_HashingFiles | None":
-        """Put a ``_HashingFiles`` around ``writer.fs``; None (the files are then hashed by reading
+    def wraps(writer) -> "HashingFiles | None":
+        """Put a ``HashingFiles`` around ``writer.fs``; None (the files are then hashed by reading
         them back) where the writer has no such file system (another torch's DCP)."""
         fs = getattr(writer, "fs", None)
         if not (callable(getattr(fs, "create_stream", None)) and callable(getattr(fs, "rename", None))):
             return None
-        writer.fs = _HashingFiles(fs)
+        writer.fs = HashingFiles(fs)
         return writer.fs
 
     @contextlib.contextmanager
@@ -177,7 +177,7 @@ class _HashingFiles:
                 yield stream
             return
         with self._fs.create_stream(path, mode) as stream:
-            tee = _HashingStream(stream)
+            tee = HashingStream(stream)
             yield tee
         if tee.sequential:
             with self._lock:
@@ -327,7 +327,7 @@ class ShardedSaver:
         # background (its collectives on our group)
         state = self._staging.stage(_sharded_state(module, optimizer))
         writer = _writer(self.ckpt, path)
-        hashing = _HashingFiles.wraps(writer)
+        hashing = HashingFiles.wraps(writer)
         stats = {"step": int(step), "wait_s": waited, "stage_s": time.perf_counter() - staged, "folder": folder}
         self.last_stats = stats
 
@@ -344,7 +344,7 @@ class ShardedSaver:
         self.ckpt.wait()
         self._staging.close()
 
-    def _finish(self, step: int, folder: str, path: str, write: Callable[[], Any], hashing: "_HashingFiles | None",
+    def _finish(self, step: int, folder: str, path: str, write: Callable[[], Any], hashing: "HashingFiles | None",
                 rest: dict | None, stats: dict) -> None:
         """The background part of a save: every rank's shards written, hashed, gathered; rank 0 commits.
 
