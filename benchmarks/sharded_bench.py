@@ -263,7 +263,8 @@ def report(rows: list[dict]) -> None:
                   f"{_ratio(r0):>9.2f} | {(r0['peak'] - r0['rss_before']) / mib:>+21.0f} | {grow:+.0f}")
     print("\nwhere a blocking save's time went on rank 0 (medians, ms): full: copy = snapshot, serialize + upload = "
           "write and commit (the gather is the rest of 'save s'); sharded: stage = copy to CPU, write = DCP's "
-          "writing (every rank done), hash = rank 0's share read back, upload = the rest and the manifest "
+          "writing (every rank done; the files hashed as they are written), hash = files read back to hash "
+          "them (0 unless one was written with a seek), upload = the rest and the manifest "
           "(commit), total = from the end of staging to the commit")
     shown = {"full": ("copy_s", "serialize_s", "upload_s"),
              "sharded": ("stage_s", "write_s", "hash_s", "upload_s", "total_s")}
