@@ -578,8 +578,8 @@ def main(argv: list[str] | None = None) -> int:
         # agent and its workers inherit it. Restored after, for callers that run main() in-process.
         old_umask = os.umask(run.umask)
         try:
+            check_devices(run)  # first: on a node whose GPUs cannot be used, that is the error to see
             check_environment(run)
-            check_devices(run)
             return _launch(run)
         finally:
             os.umask(old_umask)

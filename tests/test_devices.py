@@ -202,6 +202,20 @@ def test_launcher_refuses_a_device_this_node_cannot_run(argv, env, expected, tmp
 
 
 @needs_no_cuda
+def test_the_device_is_checked_before_etcd_so_a_gpu_node_that_cannot_reach_etcd_either_is_told_about_its_gpus(
+        tmp_path, capsys, nothing_launched):
+    """A GPU pod whose GPUs torch cannot use and whose etcd does not answer (a closed loopback
+    port here): the one line names the device, the cause that a restart would not fix."""
+    from elastic_trainer.etcd_server import free_port
+
+    argv = ["--rdzv-endpoint", f"127.0.0.1:{free_port('127.0.0.1')}", "--checkpoint-dir", str(tmp_path / "ck"),
+            "--log-dir", str(tmp_path / "l"), "--", "--device", "cuda"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--device cuda was asked for but torch sees no CUDA device" in err, err
+
+
+@needs_no_cuda
 def test_worker_refuses_auto_on_a_gpu_node_torch_cannot_use(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "ELASTIC_"))}
     proc = subprocess.run([sys.executable, "-m", "elastic_trainer.train", "--task", "tests.helpers.task_fixture:build",

@@ -543,9 +543,8 @@ def test_the_gpu_overlay_on_a_node_whose_gpus_torch_cannot_use_stops_at_once_wit
     torch has no CUDA. Without a GPU this is what can be checked of what the manifests promise: a
     pod whose GPUs torch cannot use (a driver older than the image's CUDA build, GPUs not mounted)
     stops at once with one line and status 2, before any worker starts, instead of training on the
-    CPU. (Training on GPUs is not run here.) The launcher asks etcd for its status before it looks
-    at the devices, and the pod's init container waits for etcd's port: one plain etcd member at
-    etcd-0's name stands in for the StatefulSet, which the other tests run."""
+    CPU. (Training on GPUs is not run here.) The pod's init container waits for etcd's port: one
+    plain etcd member at etcd-0's name stands in for the StatefulSet, which the other tests run."""
     import torch
 
     if torch.cuda.is_available():
