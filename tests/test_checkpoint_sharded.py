@@ -140,8 +140,8 @@ def test_fsdp_training_saves_sharded_in_the_background_to_s3_and_resumes_at_one_
 
 def test_staging_reuses_its_buffers_holds_each_saves_values_and_restages_when_the_layout_changes():
     """``Staging``: the second save copies into the first one's buffers (no new memory, no walk of
-    DCP's stager), holds the values of its own moment whatever changes after, follows keys in any
-    order, and builds new buffers when a tensor's shape changes."""
+    DCP's stager), holds the values of its own moment whatever changes after, and stages anew
+    when the keys' order or a tensor's shape changes."""
     from elastic_trainer.checkpoint.sharded import Staging
 
     w, b, step = torch.arange(6.0).reshape(2, 3), torch.ones(3), torch.tensor(3.0)
@@ -155,21 +155,29 @@ def test_staging_reuses_its_buffers_holds_each_saves_values_and_restages_when_th
     first = staging.stage(state(w, b, 0.1))
     assert torch.equal(first["model"]["w"], w) and first["model"]["w"].data_ptr() != w.data_ptr()
     buffer = first["model"]["w"].data_ptr()
+    restaged = []  # calls of DCP's stager after the first: only on a layout change
+    stage = staging._stager.stage
+    staging._stager.stage = lambda state: restaged.append(1) or stage(state)
 
     w.add_(10), b.mul_(2), step.add_(1)
-    second = staging.stage(state(w, b, 0.2, order=("b", "w")))  # same tensors, keys in another order
+    second = staging.stage(state(w, b, 0.2))  # the same layout: copied into the same buffers
     assert second["model"]["w"].data_ptr() == buffer
     assert torch.equal(second["model"]["w"], w) and torch.equal(second["model"]["b"], b)
     assert second["optimizer"]["state"]["w"]["step"].item() == 4.0
     assert second["optimizer"]["param_groups"][0]["lr"] == 0.2
     assert second["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.99)
+    assert restaged == []
     held = second["model"]["w"].clone()
     w.mul_(0)  # training goes on: the staged copy keeps the save's values
     assert torch.equal(second["model"]["w"], held)
 
+    reordered = staging.stage(state(w, b, 0.2, order=("b", "w")))  # keys in another order: staged anew
+    assert torch.equal(reordered["model"]["w"], w) and torch.equal(reordered["model"]["b"], b)
+    assert restaged == [1]
     wider = torch.arange(8.0).reshape(2, 4)
-    third = staging.stage(state(wider, b, 0.2))
+    third = staging.stage(state(wider, b, 0.2))  # a shape change: staged anew
     assert torch.equal(third["model"]["w"], wider) and torch.equal(third["model"]["b"], b)
+    assert restaged == [1, 1]
     staging.close()
 
 

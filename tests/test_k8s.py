@@ -49,24 +49,18 @@ kubectl = shutil.which("kubectl")
 needs_kubectl = pytest.mark.skipif(kubectl is None, reason="kubectl is not installed: cannot run `kubectl kustomize`")
 
 
-def _build(folder: Path) -> list[dict]:
-    out = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, f"kubectl kustomize {folder} failed:\n{out.stderr}"
-    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
-
-
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory) -> dict[str, list[dict]]:
     """Each kustomization's rendered objects (and the COMBINED ones), built once for the module."""
     if kubectl is None:
         pytest.skip("kubectl is not installed: cannot run `kubectl kustomize`")
-    result = {path: _build(K8S / path) for path in KUSTOMIZATIONS}
+    result = {path: k8s_pod.kustomize(K8S / path) for path in KUSTOMIZATIONS}
     for name, (overlay, components) in COMBINED.items():
         folder = tmp_path_factory.mktemp("kustomize")
         rel = lambda p: os.path.relpath(K8S / p, folder)  # noqa: E731 - kustomize refuses absolute paths
         (folder / "kustomization.yaml").write_text(yaml.safe_dump(
             {"resources": [rel(overlay)], "components": [rel(f"components/{c}") for c in components]}))
-        result[name] = _build(folder)
+        result[name] = k8s_pod.kustomize(folder)
     return result
 
 
@@ -295,7 +289,7 @@ def test_a_changed_run_config_is_a_new_config_map_and_a_new_pod_template(tmp_pat
         "resources": [os.path.relpath(K8S / overlay, folder)],
         "configMapGenerator": [{"name": "elastic-trainer-config", "behavior": "merge", "options": {"immutable": True},
                                 "literals": ["RUN_ID=next-run", "CHECKPOINT_DIR=/checkpoints/next-run"]}]}))
-    before, after = rendered[overlay], _build(folder)
+    before, after = rendered[overlay], k8s_pod.kustomize(folder)
     old = next(o for o in before if o["kind"] == "ConfigMap")["metadata"]["name"]
     new = next(o for o in after if o["kind"] == "ConfigMap")["metadata"]["name"]
     assert old != new
@@ -507,7 +501,7 @@ def test_the_readme_example_pins_every_trainer_image_by_digest(tmp_path, overlay
     folder.mkdir()
     example["resources"] = [os.path.relpath(K8S / overlay, folder)]
     (folder / "kustomization.yaml").write_text(yaml.safe_dump(example))
-    objs = _build(folder)
+    objs = k8s_pod.kustomize(folder)
     images = {c["image"] for _, _, o, t in _all_templates({overlay: objs}) if o["kind"] != "StatefulSet"
               for c in _containers(t["spec"])}
     assert images and all(re.fullmatch(r"[a-z0-9./-]+/elastic-trainer@sha256:[0-9a-f]{64}", i) for i in images), images

@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.helpers import k8s_pod
 from tests.helpers.common import REPO, wait_until
@@ -60,10 +59,7 @@ NAMESPACE = "elastic-trainer"
 
 
 def _render(overlay: str) -> list[dict]:
-    out = subprocess.run([kubectl, "kustomize", str(REPO / "k8s" / overlay)], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
+    return k8s_pod.kustomize(REPO / "k8s" / overlay)
 
 
 def _local_argv(argv: list[str]) -> list[str]:

@@ -18,7 +18,6 @@ import copy
 import os
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -45,12 +44,6 @@ kubectl = shutil.which("kubectl")
 pytestmark = pytest.mark.skipif(kubectl is None, reason="kubectl is not installed: cannot run `kubectl kustomize`")
 
 
-def _build(folder: Path) -> list[dict]:
-    out = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, f"kubectl kustomize {folder} failed:\n{out.stderr}"
-    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
-
-
 def _build_with(tmp_path: Path, base: str, components: list[str] = (), **extra) -> list[dict]:
     """``base`` (a path under k8s/) with components and any other kustomization keys, built."""
     folder = tmp_path / f"kustomize-{len(list(tmp_path.iterdir()))}"
@@ -58,12 +51,12 @@ def _build_with(tmp_path: Path, base: str, components: list[str] = (), **extra) 
     rel = lambda p: os.path.relpath(K8S / p, folder)  # noqa: E731 - kustomize refuses absolute paths
     (folder / "kustomization.yaml").write_text(yaml.safe_dump(
         {"resources": [rel(base)], "components": [rel(f"components/{c}") for c in components], **extra}))
-    return _build(folder)
+    return k8s_pod.kustomize(folder)
 
 
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, list[dict]]:
-    return {path: _build(K8S / path) for path in FLAVOURS}
+    return {path: k8s_pod.kustomize(K8S / path) for path in FLAVOURS}
 
 
 def _one(objs: list[dict], kind: str) -> dict:
@@ -264,7 +257,7 @@ def test_the_readmes_kueue_example_queues_the_trainjob(tmp_path):
     example = {**example, "resources": [fix(p) for p in example["resources"]],
                "components": [fix(p) for p in example["components"]]}
     (folder / "kustomization.yaml").write_text(yaml.safe_dump(example))
-    assert _one(_build(folder), "TrainJob")["metadata"]["labels"][QUEUE_LABEL] == "elastic-trainer"
+    assert _one(k8s_pod.kustomize(folder), "TrainJob")["metadata"]["labels"][QUEUE_LABEL] == "elastic-trainer"
 
 
 # ------------------------------------------------------------------------------------------ drills

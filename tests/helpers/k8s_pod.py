@@ -21,7 +21,20 @@ Rules followed (Kubernetes documentation, "Define dependent environment variable
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
+
+import yaml
+
+KUBECTL = shutil.which("kubectl")
+
+
+def kustomize(folder: str | Path) -> list[dict]:
+    """The objects ``kubectl kustomize folder`` renders (the test fails with kubectl's error)."""
+    out = subprocess.run([KUBECTL, "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"kubectl kustomize {folder} failed:\n{out.stderr}"
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
 
 class CreateContainerConfigError(Exception):
