@@ -29,13 +29,14 @@ from typing import Any
 
 # Environment variables through which the launcher tells the workers where things are.
 # They are named here, once; the trainer reads them as the defaults of its own flags.
-ENV_RDZV_ENDPOINT = "ELASTIC_TRAINER_RDZV_ENDPOINT"
-ENV_RUN_ID = "ELASTIC_TRAINER_RUN_ID"
-ENV_CHECKPOINT_DIR = "ELASTIC_TRAINER_CHECKPOINT_DIR"
-ENV_LOG_DIR = "ELASTIC_TRAINER_LOG_DIR"
-ENV_RDZV_PREFIX = "ELASTIC_TRAINER_RDZV_PREFIX"
-# Set by the etcd-v3 rendezvous handler in the agent after each round, inherited by workers.
-ENV_RDZV_ROUND = "ELASTIC_TRAINER_RDZV_ROUND"
+from elastic_trainer.env import (  # noqa: E402,F401 - re-exported: the flags' env defaults
+    ENV_CHECKPOINT_DIR,
+    ENV_LOG_DIR,
+    ENV_RDZV_ENDPOINT,
+    ENV_RDZV_PREFIX,
+    ENV_RDZV_ROUND,
+    ENV_RUN_ID,
+)
 
 DEFAULT_RUN_ID = "elastic-run"
 

@@ -40,11 +40,13 @@ from dataclasses import dataclass
 
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-ENV_RDZV_ROUND = "ELASTIC_TRAINER_RDZV_ROUND"
-ENV_RDZV_PREFIX = "ELASTIC_TRAINER_RDZV_PREFIX"
-ENV_RDZV_ENDPOINT = "ELASTIC_TRAINER_RDZV_ENDPOINT"
-ENV_RDZV_NODE = "ELASTIC_TRAINER_RDZV_NODE"
-ENV_RDZV_CONN = "ELASTIC_TRAINER_RDZV_CONN"
+from elastic_trainer.env import (  # noqa: E402,F401 - the names are defined once, in env.py
+    ENV_RDZV_CONN,
+    ENV_RDZV_ENDPOINT,
+    ENV_RDZV_NODE,
+    ENV_RDZV_PREFIX,
+    ENV_RDZV_ROUND,
+)
 
 
 class FencedError(RuntimeError):

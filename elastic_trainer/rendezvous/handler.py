@@ -95,11 +95,13 @@ from elastic_trainer.rendezvous.state import (
 
 logger = logging.getLogger(__name__)
 
-ENV_RDZV_ROUND = "ELASTIC_TRAINER_RDZV_ROUND"
-ENV_RDZV_PREFIX = "ELASTIC_TRAINER_RDZV_PREFIX"
-ENV_RDZV_ENDPOINT = "ELASTIC_TRAINER_RDZV_ENDPOINT"
-ENV_RDZV_NODE = "ELASTIC_TRAINER_RDZV_NODE"
-ENV_RDZV_CONN = "ELASTIC_TRAINER_RDZV_CONN"
+from elastic_trainer.env import (  # noqa: E402,F401 - the names are defined once, in env.py
+    ENV_RDZV_CONN,
+    ENV_RDZV_ENDPOINT,
+    ENV_RDZV_NODE,
+    ENV_RDZV_PREFIX,
+    ENV_RDZV_ROUND,
+)
 
 # torch writes heartbeat timestamps into the state whenever the last one is older than
 # the settings' keep-alive interval; with leases those writes are pure load, so the

@@ -15,7 +15,7 @@ from elastic_trainer.rendezvous.etcd_client import EtcdOptions, parse_endpoints
 
 # The etcd password as an environment variable of the launcher (never of the workers: it is
 # removed from the environment when first read, before any worker starts; see launcher_password).
-ENV_RDZV_PASSWORD = "ELASTIC_TRAINER_RDZV_PASSWORD"
+from elastic_trainer.env import ENV_RDZV_PASSWORD  # noqa: E402,F401
 _launcher_password: str | None = None
 
 

@@ -62,10 +62,7 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-ENV_LIVE = "ELASTIC_TRAINER_LIVE"
-"""Set by the etcd-v3 handler in live mode: JSON of ``LiveSettings``."""
-EXIT_EXCLUDED = 76
-"""A worker left out of the quorum exits with this; its agent restarts it as a newcomer."""
+from elastic_trainer.env import ENV_LIVE, EXIT_EXCLUDED  # noqa: E402 - defined once, in env.py
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 NCCL_CLEAN_UP_ONLY = "2"
 """torch's ErrorHandlingMode CleanUpOnly: abort the communicators, keep the process (live recovery

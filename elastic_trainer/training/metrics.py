@@ -116,7 +116,7 @@ def new_run_id() -> str:
 
 
 RUN_ID_FILE = "wandb-run-id"
-PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, the usual exit code after a signal: W&B's "not a success"
+from elastic_trainer.env import EXIT_PREEMPTED as PREEMPTED_EXIT_CODE  # noqa: E402 - defined once, in env.py
 
 
 def fixed_run_id(root: str, *, fresh: bool = False) -> str:
@@ -195,7 +195,7 @@ class WandbLogger:
         t.join(seconds)
 
 
-WANDB_KEY_FILE = "ELASTIC_TRAINER_WANDB_KEY_FILE"
+from elastic_trainer.env import ENV_WANDB_KEY_FILE as WANDB_KEY_FILE  # noqa: E402
 """The path of a file holding the W&B API key: what the launcher hands its workers instead of
 ``WANDB_API_KEY``; set it yourself to give the key as a file (a mounted Kubernetes Secret)."""
 

@@ -69,7 +69,7 @@ T = TypeVar("T")
 PEER_STOPPED = "a peer was stopped by a signal"
 """Why a rank stops when another node was preempted: it saves with the others, then exits with
 ``EXIT_PEER_STOPPED`` so that its agent restarts it into a round without the preempted node."""
-EXIT_PEER_STOPPED = 75  # EX_TEMPFAIL: not an error of this worker; torchrun restarts it
+from elastic_trainer.env import EXIT_PEER_STOPPED  # noqa: E402 - defined once, in env.py
 
 
 WANDB_FINISH_S = 3.0
