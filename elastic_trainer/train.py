@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from typing import NoReturn
 
 from elastic_trainer import config as cfgmod
+from elastic_trainer.env import EXIT_ERROR
 
 PR_SET_PDEATHSIG = 1
 
@@ -40,7 +41,9 @@ def die_with_parent() -> None:
     if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() == 1:  # the parent died before prctl took effect
-        os._exit(1)
+        from elastic_trainer.training.runtime import runtime
+
+        runtime().exit(EXIT_ERROR, "the agent that started this worker is gone", run_hooks=False)
 
 
 def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser,
@@ -123,13 +126,9 @@ def exit_without_teardown(code: int) -> NoReturn:
     ("terminate called without an active exception", SIGABRT; seen once in the CI of two
     sessions, on rank 1 right after a clean finish), which torchrun reports as a failed job.
     """
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    logging.shutdown()
-    os._exit(code)
+    from elastic_trainer.training.runtime import runtime
+
+    runtime().exit(code, run_hooks=False)
 
 
 if __name__ == "__main__":  # python -m elastic_trainer.train

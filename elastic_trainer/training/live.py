@@ -327,10 +327,10 @@ class LiveGroup:
         if self._lease.lost and not self._stop.is_set():
             # etcd declared this worker dead (it was paused or cut off past its lease): the
             # others may already train without it. It must not touch the old group again.
-            logger.error("live: this worker's etcd lease expired; it was left out of the group and exits "
-                         "(its agent starts a newcomer)")
-            logging.shutdown()
-            os._exit(EXIT_EXCLUDED)
+            from elastic_trainer.training.runtime import runtime
+
+            runtime().exit(EXIT_EXCLUDED, "live: this worker's etcd lease expired; it was left out of the group "
+                           "and exits (its agent starts a newcomer)", run_hooks=False)
 
     def check_lease(self) -> None:
         """Before a step: end this worker (as ``_on_lease_tick`` does) when its lease is gone.

@@ -69,7 +69,8 @@ T = TypeVar("T")
 PEER_STOPPED = "a peer was stopped by a signal"
 """Why a rank stops when another node was preempted: it saves with the others, then exits with
 ``EXIT_PEER_STOPPED`` so that its agent restarts it into a round without the preempted node."""
-from elastic_trainer.env import EXIT_PEER_STOPPED  # noqa: E402 - defined once, in env.py
+from elastic_trainer.env import EXIT_PEER_STOPPED, EXIT_PREEMPTED  # noqa: E402 - defined once, in env.py
+from elastic_trainer.training.runtime import runtime  # noqa: E402
 
 
 WANDB_FINISH_S = 3.0
@@ -1004,15 +1005,13 @@ class Trainer:
         if self.ckpt is not None:  # an async save already under way may still commit
             self._abort()
         self._flush_wandb_before_exit()
-        logging.shutdown()
-        os._exit(128 + signal.SIGTERM)
+        runtime().exit(EXIT_PREEMPTED, run_hooks=False)
 
     def _grace_expired(self) -> None:
         logger.error("rank %d: grace period of %.0fs over before the step boundary save finished; exiting now",
                      self.dinfo.rank, self.config.grace_seconds)
         self._flush_wandb_before_exit()
-        logging.shutdown()
-        os._exit(128 + signal.SIGTERM)
+        runtime().exit(EXIT_PREEMPTED, run_hooks=False)
 
     def _flush_wandb_before_exit(self) -> None:
         """A forced exit skips ``_finish``: end the W&B run as preempted, within ``WANDB_FINISH_S``."""

@@ -1,0 +1,150 @@
+"""The worker runtime: the one object in a worker process that owns its background threads and
+the one place that ends the process.
+
+Every thread a worker starts for its own purposes (the live quorum's watcher and probe, lease
+renewals, the SIGTERM watcher, grace and hang timers, checkpoint writers, the status publisher)
+is started through ``runtime().start_thread`` or ``runtime().start_timer``: the runtime knows its
+name, how to ask it to stop, and joins it at ``close()``. A forced exit (a lost lease, a grace
+period over, a hung step after a signal) goes through ``runtime().exit``: it runs the registered
+``before_exit`` hooks (bounded: a W&B flush, say), flushes stdout and stderr, shuts logging down
+and calls ``os._exit``, which appears in no other module. The exit codes are ``elastic_trainer.env``'s.
+
+Why ``os._exit`` and not ``sys.exit``: torch's process groups still referenced by DDP/FSDP die
+during interpreter finalization, where gloo can abort a worker whose run succeeded
+("terminate called without an active exception", SIGABRT, which torchrun reports as a failed
+job); and a forced exit from a timer thread must not wait for a main thread blocked in a
+collective.
+
+Usage::
+
+    from elastic_trainer.training.runtime import runtime
+
+    rt = runtime()
+    rt.start_thread("live-watch", watch, stop=stop_event.set)
+    rt.before_exit(lambda: wandb.finish_within(143, 3.0))
+    ...
+    rt.close()                 # stops and joins what is still running
+    rt.exit(EXIT_EXCLUDED, "this worker's lease expired")   # never returns
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NoReturn
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Owned:
+    thread: threading.Thread
+    stop: Callable[[], None] | None
+
+
+class WorkerRuntime:
+    """Owns a worker's background threads and timers, and its exit (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owned: list[_Owned] = []
+        self._hooks: list[Callable[[], None]] = []
+        self._exiting = False
+
+    # ---- threads ---------------------------------------------------------------------------------
+    def start_thread(self, name: str, target: Callable[..., object], *args: object,
+                     stop: Callable[[], None] | None = None, daemon: bool = True) -> threading.Thread:
+        """Start ``target(*args)`` on a thread named ``name``; ``stop`` asks it to end (``close()``
+        calls it, then joins). Daemon by default: a forced exit never waits for it."""
+        thread = threading.Thread(target=target, args=args, name=name, daemon=daemon)
+        with self._lock:
+            self._owned = [o for o in self._owned if o.thread.is_alive() or not o.thread.ident]
+            self._owned.append(_Owned(thread, stop))
+        thread.start()
+        return thread
+
+    def start_timer(self, name: str, seconds: float, fn: Callable[..., object], *args: object) -> threading.Timer:
+        """Call ``fn(*args)`` after ``seconds`` on a timer thread this runtime owns (cancelled at ``close()``)."""
+        timer = threading.Timer(seconds, fn, args=args)
+        timer.name, timer.daemon = name, True
+        with self._lock:
+            self._owned.append(_Owned(timer, timer.cancel))
+        timer.start()
+        return timer
+
+    def threads(self) -> list[str]:
+        """Names of the owned threads still running (for tests and diagnostics)."""
+        with self._lock:
+            return [o.thread.name for o in self._owned if o.thread.is_alive()]
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Ask every owned thread to stop and join it (``timeout`` seconds each at most; the
+        current thread is not joined)."""
+        with self._lock:
+            owned, self._owned = self._owned, []
+        for o in owned:
+            if o.stop is not None:
+                try:
+                    o.stop()
+                except Exception as exc:  # noqa: BLE001 - one thread's stop must not keep the others running
+                    logger.warning("runtime: stopping thread %s failed: %s", o.thread.name, exc)
+        for o in owned:
+            if o.thread is not threading.current_thread() and o.thread.ident is not None:
+                o.thread.join(timeout)
+                if o.thread.is_alive():
+                    logger.info("runtime: thread %s did not end within %.1fs", o.thread.name, timeout)
+
+    # ---- the exit --------------------------------------------------------------------------------
+    def before_exit(self, hook: Callable[[], None]) -> Callable[[], None]:
+        """Run ``hook`` before a forced ``exit`` (it must bound its own time). Returns a function
+        that unregisters it."""
+        with self._lock:
+            self._hooks.append(hook)
+
+        def remove() -> None:
+            with self._lock:
+                if hook in self._hooks:
+                    self._hooks.remove(hook)
+
+        return remove
+
+    def exit(self, code: int, reason: str = "", *, run_hooks: bool = True) -> NoReturn:
+        """End this process now with ``code``: hooks, flushed output, ``os._exit``. From any thread."""
+        with self._lock:
+            first = not self._exiting
+            self._exiting = True
+            hooks = list(self._hooks) if first and run_hooks else []
+        if reason:
+            logger.log(logging.INFO if code == 0 else logging.ERROR, "exiting %d: %s", code, reason)
+        for hook in hooks:
+            try:
+                hook()
+            except Exception as exc:  # noqa: BLE001 - the process ends anyway; say why a hook failed
+                logger.warning("runtime: a before-exit hook failed: %s", exc)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        logging.shutdown()
+        os._exit(code)
+
+
+_RUNTIME: WorkerRuntime | None = None
+_RUNTIME_LOCK = threading.Lock()
+
+
+def runtime() -> WorkerRuntime:
+    """This process's one ``WorkerRuntime`` (made on first use)."""
+    global _RUNTIME
+    with _RUNTIME_LOCK:
+        if _RUNTIME is None:
+            _RUNTIME = WorkerRuntime()
+        return _RUNTIME
+
+
+__all__ = ["WorkerRuntime", "runtime"]
