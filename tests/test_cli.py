@@ -145,6 +145,9 @@ def test_checkpoint_and_log_dirs_are_taken_before_or_after_double_dash_with_one_
     assert run.program == ["-m", "elastic_trainer.train", "--checkpoint-dir", "s3://b/c", "--log-dir", "L"]
     run = launch.parse_run_config(["--checkpoint-dir", "same", "--", "--checkpoint-dir", "same"])
     assert run.checkpoint_dir == "same"
+    for argv in (["--checkpoint-dir", ""], ["--", "--checkpoint-dir", ""]):  # empty: no checkpoints, either side
+        run = launch.parse_run_config(argv)
+        assert run.checkpoint_dir == "" and run.trainer.checkpoint_dir is None, argv
 
 
 def test_a_scripts_flags_are_its_own_and_not_checked_as_the_trainers(tmp_path):
@@ -228,3 +231,54 @@ def test_a_node_that_finds_the_run_closed_ends_with_success(tmp_path, monkeypatc
     assert cli.main(["--rdzv-backend", "c10d", "--checkpoint-dir", str(tmp_path / "c"),
                      "--log-dir", str(tmp_path / "logs"), "--recovery", "restart"]) == 0
     assert "closed" in capsys.readouterr().err
+
+
+# ------------------------------------------------------- what NCCL does on an error, as a worker sees it
+
+NCCL_PROBE = '''
+import os
+from pathlib import Path
+
+from tests.helpers import task_fixture
+
+
+def build(args):
+    value = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "<unset>")
+    Path(os.environ["NCCL_PROBE_OUT"], "rank" + os.environ["RANK"]).write_text(value)
+    return task_fixture.build(args)
+'''
+
+
+def _worker_nccl_error_handling(tmp_path, name: str, *flags: str, env: dict | None = None) -> tuple[str, str]:
+    """Run a one-step job under `elastic-train` whose task records the worker's
+    TORCH_NCCL_ASYNC_ERROR_HANDLING; return (that value, the launcher's stderr)."""
+    from tests.helpers.common import REPO
+
+    probe, out = tmp_path / f"probe_{name}.py", tmp_path / f"out_{name}"
+    probe.write_text(NCCL_PROBE)
+    out.mkdir()
+    environ = {k: v for k, v in os.environ.items() if k != "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+    proc = subprocess.run(
+        cli_cmd("--nnodes", "1", "--nproc-per-node", "1", "--run-id", name, "--log-dir", str(tmp_path / name),
+                "--checkpoint-dir", str(tmp_path / f"ck_{name}"), "--rdzv-conf", "last_call_timeout=1", *flags,
+                "--", "--task", f"{probe}:build", "--global-batch-size", "8", "--max-steps", "1", "--no-wandb",
+                "--no-progress"),
+        capture_output=True, text=True, timeout=180, cwd=REPO,
+        env={**environ, "NCCL_PROBE_OUT": str(out), **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return (out / "rank0").read_text(), proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_live_workers_keep_the_process_on_an_nccl_error_and_a_users_value_is_kept_with_a_warning(tmp_path):
+    """torchrun's agent gives every worker TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (end the process on an
+    NCCL error) unless the agent's own environment has it, which would turn live recovery into
+    restarts on GPUs: in live mode the launcher sets clean-up-only (2) there; a user's value wins,
+    with a one-line warning."""
+    warning = "turns live recovery into restarts"
+    seen, err = _worker_nccl_error_handling(tmp_path, "live", "--recovery", "live")
+    assert seen == "2" and warning not in err
+    seen, err = _worker_nccl_error_handling(tmp_path, "user", env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
+    assert seen == "1"
+    assert len([line for line in err.splitlines() if warning in line]) == 1, err[-3000:]

@@ -110,8 +110,9 @@ def parse_run_config(argv: list[str]) -> RunConfig:
                          "use --recovery restart")
     if backend == "etcd-v3":
         rdzv_conf["recovery"] = recovery or ("live" if live_ok else "restart")
-    # The launcher's env var: where a URL with keys may come from (never a command line).
-    given["checkpoint_dir"] = given.get("checkpoint_dir") or os.environ.get(ENV_CHECKPOINT_DIR) or None
+    if "checkpoint_dir" not in given:  # "" given: no checkpoints
+        # The launcher's env var: where a URL with keys may come from (never a command line).
+        given["checkpoint_dir"] = os.environ.get(ENV_CHECKPOINT_DIR) or None
     try:
         run = RunConfig(**given, recovery=rdzv_conf.get("recovery"), program=program)
     except ValueError as exc:
