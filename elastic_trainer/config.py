@@ -338,7 +338,7 @@ class TrainConfig:
     profile_active: int = field(default=3, metadata=flag("profiling", "Profiler schedule: steps recorded."))
 
     task_args: Any = None
-    """Not a flag: the ``argparse.Namespace`` handed to the task builder (set by ``train.py``)."""
+    """Not a flag: the ``argparse.Namespace`` handed to the task builder (set by ``flags.parse_train_config``)."""
 
     def __post_init__(self) -> None:
         def positive(name: str, value: Any, allow_none: bool = True) -> None:
