@@ -18,7 +18,7 @@ from elastic_trainer.checkpoint import CheckpointManager
 from elastic_trainer.config import SECTIONS, TrainConfig, flag_name, train_field, train_flag_fields
 from elastic_trainer.drill import scenario
 
-NOT_A_FLAG = {"task_args"}  # the parsed argparse.Namespace handed to the task builder, set by train.py
+NOT_A_FLAG = {"task_args"}  # the parsed argparse.Namespace handed to the task builder, set by flags.parse_train_config
 
 
 def _actions_by_dest(parser: argparse.ArgumentParser) -> dict[str, list[argparse.Action]]:
@@ -121,6 +121,27 @@ def test_the_launchers_storage_flags_are_the_trainers_declarations():
     others = {s for a in launch.build_parser()._actions if a.dest not in launch.SHARED_TRAINER_FLAGS
               for s in a.option_strings}
     assert not others & trainer_flags
+
+
+def test_every_launcher_field_has_one_flag_in_its_section_whose_default_is_the_fields():
+    parser = launch.build_parser()
+    actions = _actions_by_dest(parser)
+    titles = {title: section for section, title in config.RUN_SECTIONS.items()}
+    for f in config.run_flag_fields():
+        (action,) = actions[f.name]
+        assert action.option_strings[0] == flag_name(f.name), f"{f.name} is spelled {action.option_strings}"
+        assert action.default is None, f.name  # "not given": the default is the field's, written once
+        group = next(g for g in parser._action_groups if action in g._group_actions)
+        assert titles[group.title] == f.metadata["section"], f.name
+        if not f.metadata["trainer"]:
+            assert f.metadata["help"].strip() and f.metadata["help"] in action.help, f.name
+    assert {"program", "trainer"}.isdisjoint(actions)  # not flags
+    run, default = launch.parse_run_config([]), config.RunConfig(run_id=config.DEFAULT_RUN_ID)
+    for f in config.run_flag_fields():
+        if f.name not in ("rdzv_conf", "recovery"):  # the launcher chooses the recovery mode
+            assert getattr(run, f.name) == getattr(default, f.name), f.name
+    assert run.recovery == run.rdzv_conf["recovery"] == "live" and run.trainer == TrainConfig(
+        checkpoint_dir=run.checkpoint_dir, log_dir=run.log_dir, task_args=run.trainer.task_args)
 
 
 def test_the_drill_declares_no_trainer_flag():

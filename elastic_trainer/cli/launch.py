@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from elastic_trainer import cpus, flags
 from elastic_trainer.cli import secrets
@@ -36,6 +37,9 @@ from elastic_trainer.env import (
     ENV_RUN_ID,
     NCCL_CLEAN_UP_ONLY,
 )
+
+if TYPE_CHECKING:
+    from elastic_trainer.rendezvous.etcd_client import EtcdOptions
 
 logger = logging.getLogger("elastic_trainer")
 
@@ -162,7 +166,7 @@ def check_devices(run: RunConfig) -> None:
         raise UsageError(str(exc)) from exc
 
 
-def rendezvous_etcd_options(run: RunConfig):
+def rendezvous_etcd_options(run: RunConfig) -> EtcdOptions:
     """How the etcd-v3 rendezvous will reach etcd (``EtcdOptions``), from ``--rdzv-conf`` as its
     handler parses it; a bad option is a ``UsageError`` now rather than in every agent later."""
     from torch.distributed.elastic.rendezvous.api import RendezvousParameters
