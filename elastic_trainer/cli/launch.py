@@ -121,7 +121,7 @@ def parse_run_config(argv: list[str]) -> RunConfig:
         run = RunConfig(**given, recovery=rdzv_conf.get("recovery"), program=program)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
-    if builtin:
+    if program[:2] == BUILTIN_TRAINER:  # `-m elastic_trainer.train` too
         run.trainer = trainer_config(run, given_here={name: getattr(args, name) for name in SHARED_TRAINER_FLAGS})
     return run
 
