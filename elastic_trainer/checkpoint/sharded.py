@@ -396,8 +396,7 @@ class ShardedSaver:
                 error = f"the commit failed ({type(exc).__name__}: {storage.redact(exc)})"
         if error is not None:
             error = f"checkpoint step-{step} not committed: {error}"
-            self.ckpt.last_error = error
-            self.ckpt.last_save_stats = {**stats, "committed": False, "error": error}
+            self.ckpt.record_failure(stats, error)
             log.error("%s; the last good checkpoint stays", error)
             return
         done = self.ckpt.last_save_stats

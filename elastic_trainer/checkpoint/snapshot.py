@@ -26,7 +26,7 @@ from elastic_trainer.checkpoint.format import Arena
 from elastic_trainer.rendezvous.torch_private import foreach_copy
 
 if TYPE_CHECKING:
-    from elastic_trainer.checkpoint import CheckpointManager
+    from elastic_trainer.checkpoint.writer import CheckpointWriter
 
 
 _PLAIN = frozenset({str, bool, int, float, type(None)})
@@ -283,7 +283,7 @@ class OptimizerWatch:
 
     It remembers the optimizers that step (their tensors are the ones a save may copy beside
     training) and, before any optimizer changes its parameters, settles the deferred copies of
-    every manager that has one in flight.
+    every checkpoint writer that has one in flight.
     """
 
     _instance: "OptimizerWatch | None" = None
@@ -291,7 +291,7 @@ class OptimizerWatch:
 
     def __init__(self) -> None:
         self.optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-        self.waiting: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
+        self.waiting: "weakref.WeakSet[CheckpointWriter]" = weakref.WeakSet()
         register_optimizer_step_pre_hook(self._before_step)
 
     @classmethod
@@ -304,8 +304,8 @@ class OptimizerWatch:
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.optimizers.add(optimizer)
         if self.waiting:
-            for manager in list(self.waiting):
-                manager.settle_copy()
+            for writer in list(self.waiting):
+                writer.settle_copy()
 
     def owned(self) -> set[int]:
         """Data pointers of every parameter and optimizer-state tensor of the optimizers seen."""
