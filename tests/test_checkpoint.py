@@ -14,6 +14,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -106,6 +107,25 @@ def test_snapshot_buffers_reused_across_saves_never_mix_checkpoints(tmp_path):
     assert torch.equal(first["w"], torch.zeros(10)) and torch.equal(first["t"], transposed)
     assert torch.equal(second["w"], torch.ones(10)) and torch.equal(second["new"], torch.ones(2))
     assert torch.equal(third["w"], torch.zeros(5, dtype=torch.float64)) and set(third) == {"w"}
+
+
+def test_every_background_save_runs_on_one_kept_thread_that_close_stops_and_joins(tmp_path):
+    ran_on = []
+    mgr = CheckpointManager(str(tmp_path / "c"), keep_checkpoints=5, async_checkpoint=True)
+    for step in (1, 2, 3):
+        mgr.save(step, _tiny_state(step))
+        mgr.run_in_background(step, lambda: ran_on.append(threading.current_thread()))
+    mgr.wait()
+    saver = mgr.writer.thread
+    assert len(set(ran_on)) == 1 and ran_on[0].name == "checkpoint-save" and ran_on[0].is_alive()
+    if sys.platform == "linux":  # the kept thread runs at a lowered priority (nice +10) for its whole life
+        nice = []
+        mgr.run_in_background(4, lambda: nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        mgr.wait()
+        assert nice == [min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)]
+    mgr.close()
+    assert not ran_on[0].is_alive() and not saver.busy()
+    assert mgr.load()[0] == 3
 
 
 def test_unsupported_value_is_named_at_save_time(tmp_path):

@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
@@ -55,6 +55,9 @@ from elastic_trainer.env import (  # noqa: E402,F401 - the names are defined onc
     ENV_RDZV_PREFIX,
     ENV_RDZV_ROUND,
 )
+
+if TYPE_CHECKING:
+    from elastic_trainer.rendezvous.etcd_client import EtcdConnection
 
 
 class FencedError(RuntimeError):
@@ -98,7 +101,7 @@ class Fence(Protocol):
     def token(self) -> str: ...
 
     @property
-    def etcd(self) -> Any: ...
+    def etcd(self) -> EtcdConnection: ...
 
     def guard(self) -> Guard: ...
 
