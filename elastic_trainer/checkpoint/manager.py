@@ -44,7 +44,6 @@ Example::
     ckpt.close()
 """
 
-
 from __future__ import annotations
 
 import os
