@@ -17,7 +17,7 @@ from elastic_trainer.records import Event, EventRecord, LedgerRecord, RecordErro
 from elastic_trainer.train import parse_config
 from elastic_trainer.training.trainer import Trainer
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("single_process_env")]
 
 FIXTURE = "tests.helpers.task_fixture:build"
 
@@ -50,13 +50,6 @@ OLD_LEDGER_LINES = ['{"step":1,"epoch":0,"round":null,"indices":[3,1,2]}',
 
 def compact(record: records.Record) -> str:
     return json.dumps(record.to_json(), separators=(",", ":"))
-
-
-@pytest.fixture(autouse=True)
-def _single_process_env(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-                 "ELASTIC_TRAINER_CHECKPOINT_DIR", "ELASTIC_TRAINER_LOG_DIR", "ELASTIC_TRAINER_RDZV_ROUND"):
-        monkeypatch.delenv(name, raising=False)
 
 
 # ----------------------------------------------------------------------------- round trips

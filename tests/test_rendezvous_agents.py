@@ -1,7 +1,7 @@
 """Real torchrun agents on the etcd-v3 rendezvous: nodes die, pause and join; one world at a time.
 
 Each node is ``python -m torch.distributed.run --rdzv-backend etcd-v3`` (found through the
-``torchrun.handlers`` entry point) with one ``tests/helpers/rdzv_worker.py`` worker that logs every
+``torchrun.handlers`` entry point) with one ``benchmarks/rdzv_worker.py`` worker that logs every
 allreduce step with its round and world size. The step logs are the evidence.
 """
 
@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests.helpers.common import wait_until
-from tests.helpers.rdzv_worker import agent_cmd, read_steps, signal_tree, world_problems, world_summary
+from benchmarks.rdzv_worker import agent_cmd, read_steps, signal_tree, world_problems, world_summary
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
