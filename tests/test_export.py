@@ -13,10 +13,9 @@ from elastic_trainer.checkpoint import CheckpointManager
 from elastic_trainer.tasks import Task
 from elastic_trainer.train import parse_config
 from elastic_trainer.training.trainer import Trainer
+from tests.helpers.runs import FIXTURE
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("single_process_env")]
-
-FIXTURE = "tests.helpers.task_fixture:build"
 
 
 def _trained(tmp_path) -> str:

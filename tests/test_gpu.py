@@ -29,10 +29,10 @@ from elastic_trainer.train import parse_config
 from elastic_trainer.training.trainer import Trainer
 from elastic_trainer.training.worker import setup_distributed
 from tests.helpers.common import DIST_ENV, REPO, cli_cmd
+from tests.helpers.runs import FIXTURE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
-FIXTURE = "tests.helpers.task_fixture:build"
 GPU_TASK = "tests.helpers.gpu_task:build"
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers.common import REPO
+
 ALLOWED = {REPO / "elastic_trainer" / "rendezvous" / "torch_private.py"}
 OURS = ("elastic_trainer", "tests", "benchmarks")
 

@@ -16,10 +16,9 @@ from elastic_trainer.drill.scenario import ScenarioError, build_parser, parse_fa
 from elastic_trainer.records import Event, EventRecord, LedgerRecord, RecordError, StepRecord
 from elastic_trainer.train import parse_config
 from elastic_trainer.training.trainer import Trainer
+from tests.helpers.runs import FIXTURE
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("single_process_env")]
-
-FIXTURE = "tests.helpers.task_fixture:build"
 
 # Lines as the trainer wrote them before the records existed (compact JSON, these key orders).
 OLD_STEP_LINES = [

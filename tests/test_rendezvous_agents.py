@@ -14,12 +14,11 @@ import time
 
 import pytest
 
-from tests.helpers.common import wait_until
 from benchmarks.rdzv_worker import agent_cmd, read_steps, signal_tree, world_problems, world_summary
+from tests.helpers.common import wait_until
+from tests.helpers.runs import CONF
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
-CONF = "lease_ttl=3,keep_alive_interval=1,last_call_timeout=1"
 
 
 class Nodes:

@@ -26,12 +26,11 @@ from elastic_trainer.config import TrainConfig
 from elastic_trainer.training.trainer import Trainer
 from elastic_trainer.etcd_server import free_port
 from tests.helpers.common import REPO, assert_same_state, wait_until
-from tests.helpers.runs import TINY, latest, param_drift
+from tests.helpers.runs import FIXTURE, TINY, latest, param_drift
 from tests.helpers.wandb_records import exit_code, record_kinds
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("single_process_env")]
 
-FIXTURE = "tests.helpers.task_fixture:build"
 SEEDS = ["--example", "seeds", "--src-len", "2", "--tgt-len", "4"]  # after TINY: the seeds' workload
 STEP_KEYS = {"time", "step", "epoch", "offset", "world_size", "rank", "round", "restart", "loss", "node"}
 

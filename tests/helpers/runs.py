@@ -47,7 +47,9 @@ SIZES = [*TINY_MODEL, "--dataset-size", "240", "--global-batch-size", str(GBS), 
 SEEDS_MSE = [*SIZES, "--example", "seeds", "--src-len", "2", "--tgt-len", "4", "--loss", "mse"]
 """The end-to-end workload whose runs match the baseline whatever the reduction order."""
 CONF = "lease_ttl=3,keep_alive_interval=1,last_call_timeout=1"
-"""The rendezvous settings of the end-to-end nodes: a lost node is known within seconds."""
+"""The rendezvous settings (``--rdzv-conf``) of the end-to-end nodes: a lost node is known in seconds."""
+FIXTURE = "tests.helpers.task_fixture:build"
+"""The user task in ``tests/helpers/task_fixture.py``, as ``--task`` takes it."""
 
 
 def latest(ckpt_dir: Path) -> tuple[int, dict]:
