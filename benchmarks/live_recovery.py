@@ -61,7 +61,8 @@ import recovery  # noqa: E402  (benchmarks/recovery.py: the job, c10d's settings
 from recovery import Failed  # noqa: E402
 
 from elastic_trainer import records  # noqa: E402
-from tests.helpers.rdzv_worker import agent_cmd, descendants, signal_tree  # noqa: E402
+from benchmarks.rdzv_worker import agent_cmd, signal_tree  # noqa: E402
+from elastic_trainer.drill.nodes import descendants  # noqa: E402
 
 SYSTEMS = ("live", "restart", "c10d-tuned")
 SCENARIOS = ("kill-other", "join", "kill-rank0")
@@ -117,7 +118,7 @@ class PlainJob(recovery.Job):
         s = self.settings
         cmd = agent_cmd(self.endpoint, "bench", self.out, nnodes=f"{s.min_nodes}:{self.max_nodes}",
                         backend=self.rdzv_backend, conf=self.conf)
-        cmd = cmd[:cmd.index("--out") - 1]  # torchrun's flags, without tests/helpers/rdzv_worker.py
+        cmd = cmd[:cmd.index("--out") - 1]  # torchrun's flags, without benchmarks/rdzv_worker.py
         return [*cmd, str(REPO / "benchmarks" / "plain_ddp.py"), *EXAMPLE, "--max-steps", "1000000",
                 "--log-dir", str(self.dir), "--live-step-log", "--sleep-per-step", str(s.sleep_per_step)]
 

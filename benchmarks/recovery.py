@@ -5,7 +5,7 @@ Run (from the repository root; takes ~1 min per etcd-v3 trial, several per c10d 
     .venv/bin/python benchmarks/recovery.py --trials 10
     .venv/bin/python benchmarks/recovery.py --trials 3 --backends etcd-v3,c10d,c10d-tuned --json out.json
 
-Each trial starts ``--nodes`` torchrun agents on loopback (one ``tests/helpers/rdzv_worker.py``
+Each trial starts ``--nodes`` torchrun agents on loopback (one ``benchmarks/rdzv_worker.py``
 worker each, gloo allreduce "steps") and measures, from the workers' step logs:
 
   (a) kill-other: SIGKILL a node whose worker is not rank 0 (agent and worker) ->
@@ -45,8 +45,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.rdzv_worker import agent_cmd, read_steps, signal_tree  # noqa: E402
+from elastic_trainer.drill.nodes import descendants  # noqa: E402
 from elastic_trainer.etcd_server import EtcdServer, free_port  # noqa: E402
-from tests.helpers.rdzv_worker import agent_cmd, descendants, read_steps, signal_tree  # noqa: E402
 
 SCENARIOS = ("kill-other", "kill-rank0", "join")
 BACKENDS = {

@@ -1,7 +1,8 @@
 """Shared fixtures: a real etcd server, a real S3 HTTP endpoint, and process clean-up.
 
 Every fixture starts what it needs on a free loopback port and stops it afterwards,
-also when the test fails. Helpers that are not fixtures are in ``tests/helpers/common.py``.
+also when the test fails. Helpers that are not fixtures are in ``tests/helpers/`` (``common.py``,
+and ``runs.py``: the tiny model's flags and the trainer runs the end-to-end tests compare).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import uuid
 import pytest
 
 from elastic_trainer.etcd_server import EtcdServer, free_port
+from tests.helpers.common import DIST_ENV
 
 
 _HANDLER_EXPORTS = "ELASTIC_TRAINER_RDZV_"
@@ -50,6 +52,15 @@ def _restore_rendezvous_exports():
         for key in [k for k in os.environ if k.startswith(_HANDLER_EXPORTS)]:
             del os.environ[key]
         os.environ.update(saved)
+
+
+@pytest.fixture
+def single_process_env(monkeypatch) -> None:
+    """No torchrun or rendezvous variables (``DIST_ENV``) in the environment during the test, so a
+    ``Trainer`` built in it runs as one process. A module opts in with
+    ``pytestmark = [..., pytest.mark.usefixtures("single_process_env")]``."""
+    for name in DIST_ENV:
+        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,11 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers.common import REPO
+
 BENCH = REPO / "benchmarks"
 FLOAT = re.compile(r"\d+\.\d+")
 

@@ -16,6 +16,7 @@ import torch
 
 from elastic_trainer.checkpoint import CheckpointManager
 from tests.helpers.common import REPO, assert_same_state
+from tests.helpers.runs import TINY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -107,9 +108,7 @@ def test_sharded_save_on_s3_at_4_ranks_loads_resharded_at_2(s3_url, tmp_path, pr
     assert_same_state(saved["model"], load_file(str(tmp_path / "model.safetensors")), "exported from S3")
 
 
-TINY = ["--d-model", "16", "--nhead", "2", "--num-encoder-layers", "1", "--num-decoder-layers", "1",
-        "--dim-feedforward", "32", "--src-len", "4", "--dataset-size", "256", "--global-batch-size", "12",
-        "--micro-batch-size", "3", "--no-wandb", "--no-progress"]
+FSDP_ARGS = [*TINY, "--global-batch-size", "12", "--micro-batch-size", "3", "--no-wandb", "--no-progress"]
 
 
 def test_fsdp_training_saves_sharded_in_the_background_to_s3_and_resumes_at_one_rank(s3_url, tmp_path, procs):
@@ -118,7 +117,7 @@ def test_fsdp_training_saves_sharded_in_the_background_to_s3_and_resumes_at_one_
 
     for nproc, until in ((2, "3"), (1, "5")):
         proc = procs.start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                            str(nproc), "-m", "elastic_trainer.train", *TINY, "--fsdp", "--max-steps", until,
+                            str(nproc), "-m", "elastic_trainer.train", *FSDP_ARGS, "--fsdp", "--max-steps", until,
                             "--checkpoint-every", "1", "--checkpoint-dir", s3_url, "--log-dir", str(tmp_path / "logs")],
                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         out, _ = proc.communicate(timeout=240)
@@ -191,7 +190,7 @@ def test_each_rank_verifies_a_share_of_the_shards_and_all_move_to_an_older_step_
 
     def run(until: str) -> str:
         proc = procs.start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                            "-m", "elastic_trainer.train", *TINY, "--fsdp", "--max-steps", until,
+                            "-m", "elastic_trainer.train", *FSDP_ARGS, "--fsdp", "--max-steps", until,
                             "--checkpoint-every", "1", "--checkpoint-dir", str(tmp_path / "ck"),
                             "--log-dir", str(tmp_path / "logs")],
                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -16,9 +16,8 @@ from elastic_trainer import records
 from elastic_trainer.drill import command as drill, report as drill_report
 from elastic_trainer.records import LedgerRecord, StepRecord
 from elastic_trainer.drill.scenario import ScenarioError, Trigger, parse_args, parse_fault
-from tests.helpers.common import wait_until
+from tests.helpers.common import REPO, wait_until
 
-REPO = Path(__file__).resolve().parent.parent
 
 # ----------------------------------------------------------------------------- scenarios
 

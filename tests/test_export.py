@@ -13,17 +13,9 @@ from elastic_trainer.checkpoint import CheckpointManager
 from elastic_trainer.tasks import Task
 from elastic_trainer.flags import parse_train_config
 from elastic_trainer.training.trainer import Trainer
+from tests.helpers.runs import FIXTURE
 
-pytestmark = pytest.mark.timeout(120)
-
-FIXTURE = "tests.helpers.task_fixture:build"
-
-
-@pytest.fixture(autouse=True)
-def _single_process_env(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-                 "ELASTIC_TRAINER_CHECKPOINT_DIR", "ELASTIC_TRAINER_LOG_DIR", "ELASTIC_TRAINER_RDZV_ROUND"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("single_process_env")]
 
 
 def _trained(tmp_path) -> str:

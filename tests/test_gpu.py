@@ -28,20 +28,17 @@ from elastic_trainer.etcd_server import free_port
 from elastic_trainer.flags import parse_train_config
 from elastic_trainer.training.trainer import Trainer
 from elastic_trainer.training.worker import setup_distributed
-from tests.helpers.common import REPO, cli_cmd
+from tests.helpers.common import DIST_ENV, REPO, cli_cmd
+from tests.helpers.runs import FIXTURE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
-FIXTURE = "tests.helpers.task_fixture:build"
 GPU_TASK = "tests.helpers.gpu_task:build"
-DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-            "ELASTIC_TRAINER_CHECKPOINT_DIR", "ELASTIC_TRAINER_LOG_DIR", "ELASTIC_TRAINER_RDZV_ROUND")
 
 
 @pytest.fixture(autouse=True)
-def _single_process_env(monkeypatch):
-    for name in DIST_ENV:
-        monkeypatch.delenv(name, raising=False)
+def _single_process_matmul_precision_restored(single_process_env):
+    """One process (conftest's ``single_process_env``), and torch's float32 matmul settings put back."""
     precision, cudnn_tf32 = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     yield
     torch.set_float32_matmul_precision(precision)

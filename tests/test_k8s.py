@@ -26,8 +26,8 @@ import yaml
 
 from elastic_trainer.cli import launch
 from tests.helpers import k8s_pod, k8s_schemas
+from tests.helpers.common import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
 PYTORCHJOB_SCHEMA = K8S / "schemas" / "pytorchjob-kubeflow-v1.json"
 

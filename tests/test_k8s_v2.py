@@ -28,8 +28,8 @@ from elastic_trainer.cli import launch
 from elastic_trainer.drill.kinds import FAULTS
 from elastic_trainer.rendezvous.handler import RendezvousOptions
 from tests.helpers import k8s_pod, k8s_schemas
+from tests.helpers.common import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
 DRILLS = sorted((K8S / "drills").glob("*.yaml"))
 K8S_VERSION = "1.31"  # as tests/test_k8s.py

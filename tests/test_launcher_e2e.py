@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from elastic_trainer import records
+from elastic_trainer.drill.nodes import descendants
 from tests.helpers.common import cli_cmd, wait_until
-from tests.helpers.rdzv_worker import descendants
+from tests.helpers.runs import TINY
 
 pytestmark = pytest.mark.slow
 
-# A tiny model so that a step takes milliseconds: these tests are about processes, not speed.
-TINY = ["--d-model", "16", "--nhead", "2", "--layers", "1", "--dim-feedforward", "32", "--src-len", "4",
-        "--tgt-len", "4", "--dataset-size", "256", "--global-batch-size", "8", "--no-wandb"]
+# The tiny model, so that a step takes milliseconds: these tests are about processes, not speed.
+TRAINER_ARGS = [*TINY, "--global-batch-size", "8", "--no-wandb"]
 
 
 def alive(pid: int) -> bool:
@@ -42,7 +42,7 @@ def test_short_run_on_embedded_etcd_trains_and_exits_zero(tmp_path):
     proc = subprocess.run(
         cli_cmd("--min-nodes", "1", "--max-nodes", "2", "--nproc-per-node", "2", "--run-id", "e2e",
                 "--log-dir", str(log_dir), "--checkpoint-dir", str(ckpt), "--rdzv-conf", "last_call_timeout=1",
-                "--", *TINY, "--max-steps", "6", "--checkpoint-every", "3"),
+                "--", *TRAINER_ARGS, "--max-steps", "6", "--checkpoint-every", "3"),
         capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "embedded etcd at 127.0.0.1:" in proc.stderr
@@ -58,7 +58,7 @@ def test_stop_signal_leaves_no_agent_worker_or_etcd(tmp_path, procs, sig):
     cli = procs.start(cli_cmd("--nnodes", "1:2", "--nproc-per-node", "2", "--run-id", "stop",
                               "--log-dir", str(log_dir), "--checkpoint-dir", str(tmp_path / "ckpt"),
                               "--rdzv-conf", "last_call_timeout=1",
-                              "--", *TINY, "--max-steps", "100000", "--sleep-per-step", "0.05"),
+                              "--", *TRAINER_ARGS, "--max-steps", "100000", "--sleep-per-step", "0.05"),
                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wait_for_steps(log_dir, 4, timeout=180)
     started = set(descendants(cli.pid))
@@ -77,7 +77,7 @@ def test_killed_launcher_takes_its_workers_and_etcd_along(tmp_path, procs):
     log_dir = tmp_path / "logs"
     cli = procs.start(cli_cmd("--nnodes", "1", "--nproc-per-node", "2", "--run-id", "crash",
                               "--log-dir", str(log_dir), "--checkpoint-dir", str(tmp_path / "ckpt"),
-                              "--", *TINY, "--max-steps", "100000", "--sleep-per-step", "0.05"),
+                              "--", *TRAINER_ARGS, "--max-steps", "100000", "--sleep-per-step", "0.05"),
                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_steps(log_dir, 4, timeout=180)
     started = set(descendants(cli.pid))
@@ -98,7 +98,7 @@ def _two_nodes(procs, endpoint: str, run_id: str, tmp_path: Path, launcher: list
             nodes.append(procs.start(cli_cmd(
                 "--nnodes", "2", "--rdzv-endpoint", endpoint, "--run-id", run_id, *launcher,
                 "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ck"),
-                "--rdzv-conf", "connect_timeout=10", "--", *TINY, "--no-progress", "--checkpoint-every", "10",
+                "--rdzv-conf", "connect_timeout=10", "--", *TRAINER_ARGS, "--no-progress", "--checkpoint-every", "10",
                 *trainer), stdout=f, stderr=subprocess.STDOUT))
     return nodes, outs
 

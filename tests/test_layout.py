@@ -1,8 +1,13 @@
-"""The package's layout rules hold: no module reaches into another module's private names.
+"""The package's layout rules hold: no module reaches into another module's private names, and
+the tests and benchmarks depend on each other one way only.
 
 ``torch_private.py`` is the one module allowed to import torch's underscore names (it checks
 them, see ``test_torch_private.py``); everywhere else, in the package, tests and benchmarks, an
 import of ``_name`` from another module, or ``module._name`` on an imported project module, fails.
+
+No test module imports another test module (what two share lives in ``tests/helpers/`` or
+``tests/conftest.py``), and nothing in ``benchmarks/`` or ``elastic_trainer/`` imports ``tests``
+(tests may import a benchmark's module, such as ``benchmarks/rdzv_worker.py``).
 """
 
 from __future__ import annotations
@@ -10,7 +15,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers.common import REPO
+
 ALLOWED = {REPO / "elastic_trainer" / "rendezvous" / "torch_private.py"}
 OURS = ("elastic_trainer", "tests", "benchmarks")
 
@@ -57,3 +63,52 @@ def test_the_check_catches_a_reach_in(tmp_path):
         assert len(private_reach_ins(bad)) == 2
     finally:
         bad.unlink()
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """Every module ``path`` imports, absolute names as written, with their lines (``from a import b``
+    counts as ``a`` and ``a.b``: ``b`` may be a module)."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.append((node.lineno, node.module))
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def wrong_way_imports(path: Path) -> list[str]:
+    """A test module's import of another test module, or an import of ``tests`` outside tests/."""
+    in_tests = path.is_relative_to(REPO / "tests")
+    problems: dict[int, str] = {}  # one per import statement
+    for line, module in imported_modules(path):
+        parts = module.split(".")
+        if parts[0] != "tests" or line in problems:
+            continue
+        if not in_tests:
+            problems[line] = f"{path.relative_to(REPO)}:{line}: imports {module} (nothing outside tests/ may)"
+        elif len(parts) > 1 and parts[1].startswith("test_"):
+            problems[line] = (f"{path.relative_to(REPO)}:{line}: imports the test module {'.'.join(parts[:2])} "
+                              "(move what both need to tests/helpers/ or tests/conftest.py)")
+    return list(problems.values())
+
+
+def test_no_test_module_imports_another_and_nothing_outside_tests_imports_them():
+    files = [p for top in OURS for p in sorted((REPO / top).rglob("*.py"))]
+    problems = [line for p in files for line in wrong_way_imports(p)]
+    assert problems == [], "\n".join(problems)
+
+
+def test_the_check_catches_a_test_importing_a_test_and_a_benchmark_importing_tests():
+    probes = [REPO / "tests" / "_layout_probe_tmp.py", REPO / "benchmarks" / "_layout_probe_tmp.py"]
+    try:
+        for probe in probes:
+            probe.write_text("from tests.test_trainer import latest\nimport tests.test_train_e2e\n"
+                             "from tests import test_cli\nfrom tests.helpers.runs import TINY\n")
+        assert len(wrong_way_imports(probes[0])) == 3
+        assert len(wrong_way_imports(probes[1])) == 4
+    finally:
+        for probe in probes:
+            probe.unlink(missing_ok=True)

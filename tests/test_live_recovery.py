@@ -18,20 +18,17 @@ import pytest
 
 from elastic_trainer import records
 from elastic_trainer.records import Event
-from tests.test_train_e2e import GBS, TINY, baseline, check_equivalence, final_batches
-from tests.test_trainer import latest
 from tests.helpers.common import REPO, cli_cmd, wait_until
+from tests.helpers.runs import CONF, SEEDS_MSE, baseline, check_equivalence, final_batches, latest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-CONF = "lease_ttl=3,keep_alive_interval=1,last_call_timeout=1"
 
 
 def live_agent(procs, etcd, run_id: str, ck: Path, logs: Path, out: Path, *trainer_args: str, nnodes: str = "2:3"):
     with open(out, "a") as log:
         return procs.start(cli_cmd("--nnodes", nnodes, "--rdzv-endpoint", etcd.endpoint, "--run-id", run_id,
                                    "--rdzv-conf", CONF, "--recovery", "live", "--checkpoint-dir", str(ck),
-                                   "--log-dir", str(logs), "--", *TINY, *trainer_args),
+                                   "--log-dir", str(logs), "--", *SEEDS_MSE, *trainer_args),
                            cwd=REPO, stdout=log, stderr=log)
 
 

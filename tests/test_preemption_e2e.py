@@ -15,7 +15,7 @@ from elastic_trainer import records
 from elastic_trainer.etcd_server import free_port
 from elastic_trainer.records import Event
 from tests.helpers.common import REPO, wait_until
-from tests.test_train_e2e import TINY, wait_for_steps, agent, latest
+from tests.helpers.runs import SEEDS_MSE, agent, latest, wait_for_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -84,8 +84,8 @@ def _two_rank_world(procs, tmp_path: Path, *trainer_args: str) -> tuple[list[sub
     for rank in (0, 1):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        workers.append(procs.start([sys.executable, "-m", "elastic_trainer.train", *TINY, "--max-steps", "100000",
-                                    "--sleep-per-step", "0.1", "--log-dir", str(logs),
+        workers.append(procs.start([sys.executable, "-m", "elastic_trainer.train", *SEEDS_MSE,
+                                    "--max-steps", "100000", "--sleep-per-step", "0.1", "--log-dir", str(logs),
                                     "--checkpoint-dir", str(tmp_path / "ck"), *trainer_args],
                                    cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     wait_until(lambda: records.read_steps(logs), 180, "6 steps of the two-rank world",

@@ -16,10 +16,9 @@ from elastic_trainer.drill.scenario import ScenarioError, build_parser, parse_fa
 from elastic_trainer.records import Event, EventRecord, LedgerRecord, RecordError, StepRecord
 from elastic_trainer.flags import parse_train_config
 from elastic_trainer.training.trainer import Trainer
+from tests.helpers.runs import FIXTURE
 
-pytestmark = pytest.mark.timeout(120)
-
-FIXTURE = "tests.helpers.task_fixture:build"
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("single_process_env")]
 
 # Lines as the trainer wrote them before the records existed (compact JSON, these key orders).
 OLD_STEP_LINES = [
@@ -50,13 +49,6 @@ OLD_LEDGER_LINES = ['{"step":1,"epoch":0,"round":null,"indices":[3,1,2]}',
 
 def compact(record: records.Record) -> str:
     return json.dumps(record.to_json(), separators=(",", ":"))
-
-
-@pytest.fixture(autouse=True)
-def _single_process_env(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-                 "ELASTIC_TRAINER_CHECKPOINT_DIR", "ELASTIC_TRAINER_LOG_DIR", "ELASTIC_TRAINER_RDZV_ROUND"):
-        monkeypatch.delenv(name, raising=False)
 
 
 # ----------------------------------------------------------------------------- round trips

@@ -1,7 +1,7 @@
 """Real torchrun agents on the etcd-v3 rendezvous: nodes die, pause and join; one world at a time.
 
 Each node is ``python -m torch.distributed.run --rdzv-backend etcd-v3`` (found through the
-``torchrun.handlers`` entry point) with one ``tests/helpers/rdzv_worker.py`` worker that logs every
+``torchrun.handlers`` entry point) with one ``benchmarks/rdzv_worker.py`` worker that logs every
 allreduce step with its round and world size. The step logs are the evidence.
 """
 
@@ -14,12 +14,11 @@ import time
 
 import pytest
 
+from benchmarks.rdzv_worker import agent_cmd, read_steps, signal_tree, world_problems, world_summary
 from tests.helpers.common import wait_until
-from tests.helpers.rdzv_worker import agent_cmd, read_steps, signal_tree, world_problems, world_summary
+from tests.helpers.runs import CONF
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
-CONF = "lease_ttl=3,keep_alive_interval=1,last_call_timeout=1"
 
 
 class Nodes:

@@ -13,22 +13,15 @@ from elastic_trainer import records
 from elastic_trainer.sampler import epoch_permutation
 from elastic_trainer.flags import parse_train_config
 from elastic_trainer.training.trainer import Trainer
+from tests.helpers.runs import TINY_MODEL
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("single_process_env")]
 
-TINY = ["--d-model", "16", "--nhead", "2", "--num-encoder-layers", "1", "--num-decoder-layers", "1",
-        "--dim-feedforward", "32", "--src-len", "2", "--tgt-len", "4", "--dataset-size", "256"]
-
-
-@pytest.fixture(autouse=True)
-def _single_process_env(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-                 "ELASTIC_TRAINER_CHECKPOINT_DIR", "ELASTIC_TRAINER_LOG_DIR", "ELASTIC_TRAINER_RDZV_ROUND"):
-        monkeypatch.delenv(name, raising=False)
+WORKLOAD = [*TINY_MODEL, "--src-len", "2", "--tgt-len", "4", "--dataset-size", "256"]
 
 
 def _train(tmp_path, log: str, *argv: str) -> dict:
-    config = parse_train_config([*TINY, *argv, "--checkpoint-dir", str(tmp_path / "ck"), "--log-dir", str(tmp_path / log),
+    config = parse_train_config([*WORKLOAD, *argv, "--checkpoint-dir", str(tmp_path / "ck"), "--log-dir", str(tmp_path / log),
                            "--sample-ledger", "--no-wandb", "--no-progress", "--seed", "3"])
     return Trainer(config).train()
 
@@ -73,7 +66,7 @@ def test_resume_with_fewer_epochs_than_already_trained_names_the_flag(tmp_path):
 
 def test_resume_with_another_dataset_size_names_the_flag(tmp_path):
     _train(tmp_path, "a", "--global-batch-size", "16", "--max-steps", "2")
-    tiny = [a if a != "256" else "512" for a in TINY]
+    tiny = [a if a != "256" else "512" for a in WORKLOAD]
     config = parse_train_config([*tiny, "--global-batch-size", "16", "--checkpoint-dir", str(tmp_path / "ck"),
                            "--log-dir", str(tmp_path / "b"), "--no-wandb", "--no-progress"])
     with pytest.raises(ValueError, match=r"dataset of 256 samples but this dataset has 512.*--dataset-size 256"):
@@ -104,7 +97,7 @@ def test_elastic_train_run_again_with_a_larger_batch_trains_the_rest_of_the_epoc
     from tests.helpers.common import cli_cmd
 
     common = ["--nnodes", "1", "--nproc-per-node", "1", "--run-id", "again", "--checkpoint-dir", str(tmp_path / "ck"),
-              "--log-dir", str(tmp_path / "logs"), "--", *TINY, "--no-wandb", "--no-progress", "--seed", "3",
+              "--log-dir", str(tmp_path / "logs"), "--", *WORKLOAD, "--no-wandb", "--no-progress", "--seed", "3",
               "--sample-ledger"]
     outs = []
     for extra in (["--global-batch-size", "16", "--max-steps", "8"], ["--global-batch-size", "64", "--epochs", "1"]):

@@ -24,6 +24,7 @@ from elastic_trainer.cli import launch
 from elastic_trainer.etcd_server import EtcdServer
 from elastic_trainer.rendezvous.options import RendezvousOptions
 from tests.helpers.common import REPO, cli_cmd, wait_until
+from tests.helpers.runs import TINY
 
 CANARY = "canary-Zq7xW3pL9"  # a password that must never show up where others can read it
 WANDB_CANARY = "wandbcanary0123456789abcdef0123456789abcd"  # 40 characters, as W&B's keys
@@ -231,10 +232,6 @@ def test_embedded_etcd_and_the_runs_files_are_private_to_its_user(tmp_path, proc
 
 # -- redaction: a canary secret in the etcd password and the storage URL shows up nowhere ---------------
 
-TINY = ["--d-model", "16", "--nhead", "2", "--layers", "1", "--dim-feedforward", "32", "--src-len", "4",
-        "--tgt-len", "4", "--dataset-size", "256", "--global-batch-size", "8", "--no-progress"]
-
-
 def test_storage_url_credentials_are_used_and_redacted(s3_url):
     from elastic_trainer.checkpoint import storage
 
@@ -265,7 +262,8 @@ def test_a_canary_secret_shows_up_in_no_output_log_wandb_file_or_checkpoint(auth
     for steps in ("2", "4"):
         proc = subprocess.run(cli_cmd("--nnodes", "1", "--rdzv-endpoint", auth_etcd.endpoint, "--run-id", run_id,
                                       "--rdzv-conf", "user=root", "--log-dir", str(logs),
-                                      "--", *TINY, "--max-steps", steps, "--checkpoint-every", "2"),
+                                      "--", *TINY, "--global-batch-size", "8", "--no-progress",
+                                      "--max-steps", steps, "--checkpoint-every", "2"),
                               capture_output=True, text=True, timeout=200, env=env, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         outputs += [proc.stdout, proc.stderr]

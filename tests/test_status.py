@@ -19,10 +19,7 @@ from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, 
 from elastic_trainer.cli.status import format_status, read_status
 from elastic_trainer.training.status import MAX_EVENTS, StatusPublisher
 from tests.helpers.common import cli_cmd, wait_until
-
-TINY = ["--d-model", "16", "--nhead", "2", "--layers", "1", "--dim-feedforward", "32", "--src-len", "4",
-        "--dataset-size", "256", "--global-batch-size", "8", "--no-wandb", "--no-progress"]
-
+from tests.helpers.runs import TINY
 
 def connect(etcd) -> EtcdConnection:
     return EtcdConnection(EtcdOptions(endpoints=parse_endpoints(etcd.endpoint), retry_timeout=5))
@@ -91,7 +88,8 @@ def test_status_of_an_endpoint_that_does_not_answer_is_one_line(tmp_path):
 @pytest.mark.timeout(300)
 def test_status_shows_a_live_two_node_job_found_through_its_embedded_etcd(tmp_path, procs):
     common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--run-id", "job", "--rdzv-conf", "last_call_timeout=1"]
-    trainer = ["--", *TINY, "--max-steps", "100000", "--sleep-per-step", "0.05", "--checkpoint-every", "10"]
+    trainer = ["--", *TINY, "--global-batch-size", "8", "--no-wandb", "--no-progress", "--max-steps", "100000",
+               "--sleep-per-step", "0.05", "--checkpoint-every", "10"]
     # node A: the embedded etcd, logs in the default runs/job; node B joins it (same checkpoint dir)
     procs.start(cli_cmd(*common, *trainer), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint_file = tmp_path / "runs" / "job" / "etcd-endpoint"

@@ -8,12 +8,14 @@ Tolerance. Every parameter with a gradient matches the uninterrupted run to with
 are the exception that float arithmetic forces: their true gradient is zero (softmax ignores a
 constant added to all scores), the computed one is rounding noise whose sign depends on the
 reduction order, and Adam normalises it into steps of about ``lr``. They are checked against
-``lr * steps`` and they do not change the model's output (see ``param_drift``).
+``lr * steps`` and they do not change the model's output (see ``param_drift``). The workloads, the
+tolerances and the helpers that start and compare runs are in ``tests/helpers/runs.py``, which the
+other end-to-end tests share.
 
 Workloads. The test whose world sizes are fixed by design (3, then 1, then 2 workers) trains the
 default example, reversing token sequences (``LEARNING``), so it compares runs that learn. Tests
 whose world size at each step depends on timing (a kill lands between steps somewhere) train the
-seeds' workload with ``--loss mse`` (``TINY``): a task that learns amplifies the rounding of a
+seeds' workload with ``--loss mse`` (``SEEDS_MSE``): a task that learns amplifies the rounding of a
 different reduction order, and a live run under load was measured 1.3e-5 relative off the
 baseline's loss at step 57 of 60 (3.2e-5 on 2.44), over ``LOSS_RTOL``; the seeds' workload stays
 far within it. (With the seeds' cross-entropy over dim 1 the final LayerNorm bias has a zero true
@@ -25,81 +27,18 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
-from collections import defaultdict
-from pathlib import Path
 
 import pytest
 
 from elastic_trainer import records
 from elastic_trainer.records import Event
-from tests.helpers.common import REPO, cli_cmd, wait_until
-from tests.test_trainer import latest, param_drift
+from tests.helpers.runs import SIZES, agent, baseline, check_equivalence, final_batches, latest, wait_for_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-GBS = 12
-LR = 1e-3
-PARAM_ATOL = 1e-5
 LOSS_RTOL = 1e-5
-SIZES = ["--d-model", "16", "--nhead", "2", "--layers", "1", "--dim-feedforward", "32", "--dataset-size", "240",
-         "--global-batch-size", str(GBS), "--micro-batch-size", "3", "--no-wandb", "--no-progress", "--sample-ledger"]
-TINY = [*SIZES, "--example", "seeds", "--src-len", "2", "--tgt-len", "4", "--loss", "mse"]
 LEARNING = [*SIZES, "--src-len", "4"]  # the default example: reversing 4 tokens
-CONF = "lease_ttl=3,keep_alive_interval=1,last_call_timeout=1"
-
-
-def baseline(tmp_path: Path, steps: int, workload: list[str] = TINY) -> tuple[dict, dict[int, float], dict[int, list[int]]]:
-    """An uninterrupted single-process run: (final model, loss per step, indices per step)."""
-    ck, logs = tmp_path / "base-ck", tmp_path / "base-logs"
-    proc = subprocess.run([sys.executable, "-m", "elastic_trainer.train", *workload, "--max-steps", str(steps),
-                           "--checkpoint-dir", str(ck), "--log-dir", str(logs)],
-                          cwd=REPO, capture_output=True, text=True, timeout=180,
-                          env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = {s.step: s.loss for s in records.read_steps(logs)}
-    ledger = {r.step: r.indices for r in records.read_ledger(logs)}
-    return latest(ck)[1]["model"], losses, ledger
-
-
-def agent(procs, etcd, run_id: str, nproc: int, ck: Path, logs: Path, *trainer_args: str,
-          nnodes: str = "1", out: Path | None = None, recovery: str | None = None,
-          workload: list[str] = TINY) -> subprocess.Popen:
-    """An ``elastic-train`` node; ``recovery`` is its --recovery (None: the launcher's default)."""
-    log = open(out, "a") if out else subprocess.DEVNULL
-    extra = ("--recovery", recovery) if recovery else ()
-    proc = procs.start(cli_cmd("--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-endpoint", etcd.endpoint,
-                               "--run-id", run_id, "--rdzv-conf", CONF, *extra, "--checkpoint-dir", str(ck),
-                               "--log-dir", str(logs), "--", *workload, *trainer_args),
-                       cwd=REPO, stdout=log, stderr=subprocess.STDOUT if out else subprocess.PIPE, text=True)
-    if out:
-        log.close()
-    return proc
-
-
-def final_batches(logs: Path) -> dict[int, list[int]]:
-    """Indices of each step over all ranks, from the last rendezvous round that ran the step.
-
-    A step can run more than once (a round ends before its checkpoint, the next round redoes it
-    from the last checkpoint); the final lineage is the last round's run of it.
-    """
-    by_round_step: dict[tuple[int, int], list[int]] = defaultdict(list)
-    for rec in records.read_ledger(logs):
-        by_round_step[(rec.round, rec.step)] += rec.indices
-    last = {}
-    for rnd, step in by_round_step:
-        last[step] = max(last.get(step, rnd), rnd)
-    return {step: sorted(by_round_step[(rnd, step)]) for step, rnd in last.items()}
-
-
-def check_equivalence(model: dict, base_model: dict, steps: int) -> float:
-    worst, gauge = param_drift(model, base_model)
-    print(f"parameter drift vs uninterrupted run after {steps} steps: {worst:.3g} "
-          f"(attention key biases, zero true gradient: {gauge:.3g})")
-    assert worst <= PARAM_ATOL, f"parameters drift by {worst} from the uninterrupted run"
-    assert gauge <= LR * steps * 1.01
-    return worst
 
 
 def test_world_size_3_then_1_then_2_matches_an_uninterrupted_run(etcd, run_id, procs, tmp_path):
@@ -129,14 +68,6 @@ def test_world_size_3_then_1_then_2_matches_an_uninterrupted_run(etcd, run_id, p
     step, state = latest(ck)
     assert step == 12 and state["meta"]["world_size"] == 2
     check_equivalence(state["model"], base_model, 12)
-
-
-def wait_for_steps(what: str, pred, logs: Path, timeout: float, agents: list[subprocess.Popen], outs: list[Path]):
-    def agent_logs() -> str:
-        tails = {p.name: p.read_text()[-1500:] for p in outs if p.exists()}
-        return f"agent logs: {tails}"
-
-    return wait_until(lambda: records.read_steps(logs), timeout, what, until=pred, details=agent_logs)
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:

@@ -26,51 +26,17 @@ from elastic_trainer.config import TrainConfig
 from elastic_trainer.training.trainer import Trainer
 from elastic_trainer.etcd_server import free_port
 from tests.helpers.common import REPO, assert_same_state, wait_until
+from tests.helpers.runs import FIXTURE, TINY, latest, param_drift
 from tests.helpers.wandb_records import exit_code, record_kinds
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("single_process_env")]
 
-FIXTURE = "tests.helpers.task_fixture:build"
-TINY = ["--d-model", "16", "--nhead", "2", "--num-encoder-layers", "1", "--num-decoder-layers", "1",
-        "--dim-feedforward", "32", "--src-len", "4", "--dataset-size", "256"]
 SEEDS = ["--example", "seeds", "--src-len", "2", "--tgt-len", "4"]  # after TINY: the seeds' workload
 STEP_KEYS = {"time", "step", "epoch", "offset", "world_size", "rank", "round", "restart", "loss", "node"}
 
 
-@pytest.fixture(autouse=True)
-def _single_process_env(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-                 "ELASTIC_TRAINER_CHECKPOINT_DIR", "ELASTIC_TRAINER_LOG_DIR", "ELASTIC_TRAINER_RDZV_ROUND"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def train_inprocess(*argv: str) -> dict:
     return Trainer(parse_train_config([*argv, "--no-wandb", "--no-progress"])).train()
-
-
-def latest(ckpt_dir: Path) -> tuple[int, dict]:
-    found = CheckpointManager(str(ckpt_dir)).load()
-    assert found is not None, f"no checkpoint in {ckpt_dir}"
-    return found
-
-
-def param_drift(a: dict, b: dict) -> tuple[float, float]:
-    """``(worst, worst_gauge)``: largest |a - b| over parameters, and over the attention key biases.
-
-    The key bias of every attention has zero gradient in exact arithmetic (softmax does not change
-    when the same number is added to every score), so its computed gradient is rounding noise that
-    Adam normalises to steps of about ``lr``: it differs between reduction orders by up to
-    ``lr * steps`` and never changes the model's output. It is reported apart (``worst_gauge``).
-    """
-    worst = gauge = 0.0
-    for name, x in a.items():
-        diff = (x.double() - b[name].double()).abs()
-        if name.endswith("in_proj_bias"):
-            d = diff.numel() // 3
-            gauge = max(gauge, diff[d:2 * d].max().item())
-            diff = torch.cat([diff[:d], diff[2 * d:]])
-        worst = max(worst, diff.max().item())
-    return worst, gauge
 
 
 def worker_cmd(*argv: str) -> list[str]:

@@ -6,6 +6,13 @@ The ``etcd-v3`` handler is torch's ``DynamicRendezvousHandler`` state machine wi
 nowhere else, under public names, and ``check_compatible()`` verifies every signature,
 attribute and enum member we rely on; ``tests/test_torch_private.py`` calls it, so a torch
 upgrade that changes any of them fails loudly in one test rather than deep inside a recovery.
+Subclassing reaches further than imports: the handler overrides private methods (``_record``,
+``_start_heartbeats``, ``_stop_heartbeats``) and reads attributes that torch's ``__init__`` sets
+(``_this_node``, ``_store``, ``_settings``, ``_state_holder``). ``METHODS`` and ``ATTRIBUTES``
+list every such name, ``check_compatible()`` checks each (a torch that renamed
+``_start_heartbeats`` would otherwise silently bring its heartbeat writes back), and the test
+reads ``handler.py`` and ``state.py`` to make sure the lists miss none. ``Tensor._version``,
+which ``checkpoint/snapshot.py`` compares to skip unchanged tensors, is checked here too.
 One more pair lives here for the same reason: DCP's ``FsspecWriter``/``FsspecReader``
 (``dcp_fsspec_storage``), public classes of a private torch module, which sharded checkpoints on
 object stores use (``checkpoint/sharded.py``); and ``torch._foreach_copy_`` (``foreach_copy``),
@@ -19,7 +26,9 @@ tests on it, then widen the bound and ``TESTED_TORCH``.
 
 from __future__ import annotations
 
+import ast
 import inspect
+import textwrap
 
 import torch
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as _dr
@@ -70,20 +79,34 @@ def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor], non_blocking:
     torch._foreach_copy_(dst, src, non_blocking=non_blocking)
 
 
-# What the subclasses in handler.py and state.py call or override on torch's classes.
-_METHODS = {
-    DynamicRendezvousHandler: ("__init__", "_get_world", "_get_store", "_get_deadline", "_keep_alive", "_close",
-                               "next_rendezvous", "num_nodes_waiting", "shutdown", "set_closed", "is_closed"),
-    DistributedOpExecutor: ("__init__", "run", "_keep_alive", "_add_to_participants", "_add_to_wait_list",
-                            "_add_to_redundancy_list", "_remove_from_participants", "_remove_from_wait_list",
-                            "_remove_from_redundancy_list", "_mark_rendezvous_complete",
-                            "_mark_rendezvous_closed"),
-    StateHolder: ("state", "sync", "mark_dirty"),
+# What the subclasses in handler.py and state.py (and the executor in handler.py) override, call or
+# read on torch's classes. ``tests/test_torch_private.py`` reads those two files and fails when they
+# touch a private name of torch's that is not listed here, so these lists stay complete.
+METHODS: dict[str, tuple[str, ...]] = {
+    "DynamicRendezvousHandler": ("__init__", "_record", "_get_world", "_get_store", "_get_deadline", "_keep_alive",
+                                 "_close", "_start_heartbeats", "_stop_heartbeats", "next_rendezvous",
+                                 "num_nodes_waiting", "shutdown", "set_closed", "is_closed", "use_agent_store"),
+    "DistributedOpExecutor": ("__init__", "_record", "run", "_keep_alive", "_add_to_participants",
+                              "_add_to_wait_list", "_add_to_redundancy_list", "_remove_from_participants",
+                              "_remove_from_wait_list", "_remove_from_redundancy_list", "_mark_rendezvous_complete",
+                              "_mark_rendezvous_closed"),
+    "StateHolder": ("state", "sync", "mark_dirty"),
 }
+"""Methods of torch's classes that our subclasses override or call, by class. An override of a method
+torch renamed would be dead code: ``_start_heartbeats`` would bring torch's heartbeat writes back."""
+ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "DynamicRendezvousHandler": ("_this_node", "_settings", "_store", "_state_holder", "_op_executor"),
+    "DistributedOpExecutor": ("_node", "_state_holder", "_settings", "_state"),
+}
+"""Instance attributes that torch's methods set and use and our subclasses read or replace, by class
+(``_op_executor``: the handler puts its own executor there; ``_state``: the executor's ``run`` sets
+it for the operation methods). Checked in torch's source: they are assigned on ``self`` there."""
 _SIGNATURES = {
     "DynamicRendezvousHandler.__init__": ["self", "node", "settings", "backend_name", "store", "state_holder"],
     "DistributedOpExecutor.__init__": ["self", "node", "state_holder", "settings"],
     "DistributedOpExecutor.run": ["self", "state_handler", "deadline", "update_deadline"],
+    "DynamicRendezvousHandler._record": ["self", "message", "node_state", "rank"],
+    "DistributedOpExecutor._record": ["self", "message", "node_state"],
     "NodeDesc": ["addr", "pid", "local_id"],
     "RendezvousContext": ["node", "state", "settings"],
     "remove_participant_epilogue": ["state", "settings"],
@@ -95,27 +118,70 @@ _ACTIONS = ("KEEP_ALIVE", "ADD_TO_PARTICIPANTS", "ADD_TO_WAIT_LIST", "ADD_TO_RED
             "MARK_RENDEZVOUS_COMPLETE", "MARK_RENDEZVOUS_CLOSED", "SYNC", "ERROR_CLOSED", "ERROR_TIMEOUT", "FINISH")
 
 
+def torch_classes() -> dict[str, type]:
+    """The classes of torch's that ``METHODS`` and ``ATTRIBUTES`` name, as this module holds them now."""
+    return {"DynamicRendezvousHandler": DynamicRendezvousHandler, "DistributedOpExecutor": DistributedOpExecutor,
+            "StateHolder": StateHolder}
+
+
+def instance_attributes(cls: type) -> set[str]:
+    """The names that the methods of ``cls`` and of its bases assign on ``self``, read from their source.
+
+    Raises ``OSError`` when the source of a class cannot be read (a torch installed without its
+    ``.py`` files), ``TypeError`` for a class defined outside a file."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is object or klass.__module__ in ("abc", "builtins"):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+            names.update(t.attr for t in targets if isinstance(t, ast.Attribute)
+                         and isinstance(t.value, ast.Name) and t.value.id == "self")
+    return names
+
+
 def check_compatible() -> list[str]:
     """Every mismatch between the installed torch and what we rely on, as sentences (empty: fine)."""
     problems: list[str] = []
-    for cls, names in _METHODS.items():
+    classes = torch_classes()
+    for label, names in METHODS.items():
         for name in names:
-            if not hasattr(cls, name):
-                problems.append(f"{cls.__qualname__}.{name} is gone")
-    objects = {"DynamicRendezvousHandler.__init__": DynamicRendezvousHandler.__init__,
-               "DistributedOpExecutor.__init__": DistributedOpExecutor.__init__,
-               "DistributedOpExecutor.run": DistributedOpExecutor.run,
+            if not hasattr(classes[label], name):
+                problems.append(f"{label}.{name} is gone (our subclass overrides or calls it)")
+    for label, names in ATTRIBUTES.items():
+        try:
+            assigned = instance_attributes(classes[label])
+        except (OSError, TypeError) as exc:
+            problems.append(f"cannot read the source of {label} to find its attributes {names} ({exc})")
+            continue
+        problems += [f"{label} no longer sets self.{name} (our subclass reads or replaces it)"
+                     for name in names if name not in assigned]
+    handler, executor = classes["DynamicRendezvousHandler"], classes["DistributedOpExecutor"]
+    objects = {"DynamicRendezvousHandler.__init__": handler.__init__,
+               "DistributedOpExecutor.__init__": executor.__init__,
+               "DistributedOpExecutor.run": getattr(executor, "run", None),
+               "DynamicRendezvousHandler._record": getattr(handler, "_record", None),
+               "DistributedOpExecutor._record": getattr(executor, "_record", None),
                "NodeDesc": NodeDesc, "RendezvousContext": RendezvousContext,
                "remove_participant_epilogue": remove_participant_epilogue}
     for label, expected in _SIGNATURES.items():
+        if objects[label] is None:
+            continue  # reported as gone above
         params = list(inspect.signature(objects[label]).parameters)
         if params[:len(expected)] != expected:
             problems.append(f"{label} takes {params}, expected {expected}")
+    tensor = torch.zeros(1)
+    version = getattr(tensor, "_version", None)
+    tensor.add_(1)
+    if not isinstance(version, int) or getattr(tensor, "_version", version) == version:
+        problems.append("torch.Tensor._version is gone or no longer counts in-place changes "
+                        "(checkpoint/snapshot.py relies on it to skip unchanged tensors)")
     state = RendezvousState()
     problems += [f"RendezvousState has no field {f!r}" for f in _STATE_FIELDS if not hasattr(state, f)]
     problems += [f"Action has no member {a}" for a in _ACTIONS if a not in Action.__members__]
-    if not hasattr(DynamicRendezvousHandler, "_node_desc_generator") or not callable(
-            getattr(DynamicRendezvousHandler._node_desc_generator, "generate", None)):
+    if not callable(getattr(getattr(handler, "_node_desc_generator", None), "generate", None)):
         problems.append("DynamicRendezvousHandler._node_desc_generator.generate is gone")
     if not callable(getattr(torch, "_foreach_copy_", None)):
         problems.append("torch._foreach_copy_ is gone (foreach_copy: checkpoint snapshots)")
@@ -140,6 +206,7 @@ def check_compatible() -> list[str]:
     return problems
 
 
-__all__ = ["TESTED_TORCH", "Action", "DistributedOpExecutor", "DynamicRendezvousHandler", "ExitOp", "JoinOp",
-           "NodeDesc", "RendezvousContext", "RendezvousSettings", "RendezvousState", "RendezvousTimeout",
-           "StateHolder", "check_compatible", "dcp_fsspec_storage", "foreach_copy", "generate_node_desc", "remove_participant_epilogue"]
+__all__ = ["ATTRIBUTES", "METHODS", "TESTED_TORCH", "Action", "DistributedOpExecutor", "DynamicRendezvousHandler",
+           "ExitOp", "JoinOp", "NodeDesc", "RendezvousContext", "RendezvousSettings", "RendezvousState",
+           "RendezvousTimeout", "StateHolder", "check_compatible", "dcp_fsspec_storage", "foreach_copy", "generate_node_desc",
+           "instance_attributes", "remove_participant_epilogue", "torch_classes"]

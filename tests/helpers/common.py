@@ -1,5 +1,5 @@
-"""Helpers the test modules share: the repository and the CLI, polling, JSON-lines logs, exact
-state equality, a tiny tmpfs.
+"""Helpers the test modules share: the repository and the CLI, polling, the distributed
+environment, exact state equality, a tiny tmpfs.
 
     from tests.helpers.common import REPO, assert_same_state, cli_cmd, mounted_tmpfs, wait_until
 
@@ -8,13 +8,12 @@ state equality, a tiny tmpfs.
     with mounted_tmpfs(tmp_path / "tiny", size="1m"):   # skips the test when not root
         ...
 
-Fixtures stay in ``tests/conftest.py``.
+Fixtures stay in ``tests/conftest.py`` (``single_process_env`` clears ``DIST_ENV``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import subprocess
 import sys
 import time
@@ -25,7 +24,14 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
+from elastic_trainer.env import ENV_CHECKPOINT_DIR, ENV_LOG_DIR, ENV_RDZV_ROUND
+
 REPO = Path(__file__).resolve().parent.parent.parent
+
+DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+            ENV_CHECKPOINT_DIR, ENV_LOG_DIR, ENV_RDZV_ROUND)
+"""What torchrun and the etcd-v3 handler give a worker: a trainer that sees none of these runs as a
+single process, with the folders its flags name."""
 
 T = TypeVar("T")
 
@@ -54,13 +60,6 @@ def wait_until(poll: Callable[[], T], timeout: float, what: str, *, until: Calla
             message = f"timed out after {timeout:g} s waiting for {what}"
             raise AssertionError(f"{message}; {details()}" if details is not None else message)
         time.sleep(interval)
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Every complete line of a JSON-lines file, parsed; a last line still being written (no newline yet)
-    is left out, so a file that a live process appends to can be read at any time."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
 
 
 def assert_same_state(a: Any, b: Any, where: str = "state") -> None:

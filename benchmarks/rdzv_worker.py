@@ -1,4 +1,4 @@
-"""A tiny torchrun worker for rendezvous tests and benchmarks: gloo allreduce "steps".
+"""A tiny torchrun worker for rendezvous benchmarks and tests: gloo allreduce "steps".
 
 Each step all-reduces one tensor over the world torchrun formed, sleeps, and appends
 one JSON line to ``<out>/rank-<rank>-<pid>.jsonl``:
@@ -10,7 +10,13 @@ one JSON line to ``<out>/rank-<rank>-<pid>.jsonl``:
 It dies with its agent (PR_SET_PDEATHSIG), so killing an agent kills its node.
 
     torchrun --rdzv-backend etcd-v3 --rdzv-endpoint 127.0.0.1:2379 --nnodes 1:3 \\
-        tests/helpers/rdzv_worker.py --out /tmp/steps --sleep 0.1 --seconds 60
+        benchmarks/rdzv_worker.py --out /tmp/steps --sleep 0.1 --seconds 60
+
+Below the worker, the harness that drives it: ``agent_cmd`` (one torchrun agent running it),
+``signal_tree``, ``read_steps`` and the checks of its step logs. ``benchmarks/recovery.py`` and
+``benchmarks/live_recovery.py`` measure with it, and ``tests/test_rendezvous_agents.py`` tests the
+rendezvous with it (tests import it as ``benchmarks.rdzv_worker``; nothing in benchmarks/ imports
+from tests/).
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ import signal
 import sys
 import time
 from datetime import timedelta
+
+from elastic_trainer.drill.nodes import descendants
+from elastic_trainer.env import ENV_RDZV_ROUND
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             if fence is not None:
                 fence.check()
             step += 1
-            log.write(json.dumps({"start": start, "time": now, "step": step, "round": os.environ.get("ELASTIC_TRAINER_RDZV_ROUND"),
+            log.write(json.dumps({"start": start, "time": now, "step": step, "round": os.environ.get(ENV_RDZV_ROUND),
                                   "world_size": world, "rank": rank, "pid": os.getpid(), "sum": float(t.item()),
                                   "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT")}) + "\n")
             time.sleep(args.sleep)
@@ -87,26 +96,6 @@ def agent_cmd(endpoint: str, run_id: str, out: str, nnodes: str = "1:3", backend
     return cmd + [WORKER, "--out", out, *worker_args]
 
 
-def descendants(pid: int) -> list[int]:
-    """All processes below ``pid``, found through /proc/<pid>/task/*/children."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:
-                continue
-            out += kids
-            todo += kids
-    return out
-
-
 def signal_tree(pid: int, sig: int) -> None:
     """Send ``sig`` to ``pid``'s process group and to the group of every descendant."""
     groups = []
@@ -125,14 +114,13 @@ def signal_tree(pid: int, sig: int) -> None:
 
 
 def read_steps(out: str) -> list[dict]:
-    """Every complete step line under ``out``, sorted by time."""
-    # imported here, not at the top: the worker above runs as a script, where tests/ is not importable
-    from tests.helpers.common import read_jsonl
-
+    """Every complete step line under ``out``, sorted by time; a last line still being written (no
+    newline yet) is left out, so the logs of running workers can be read at any time."""
     steps = []
     if os.path.isdir(out):
         for name in os.listdir(out):
-            steps += read_jsonl(os.path.join(out, name))
+            with open(os.path.join(out, name)) as f:
+                steps += [json.loads(line) for line in f if line.endswith("\n")]
     return sorted(steps, key=lambda s: s["time"])
 
 
