@@ -13,7 +13,8 @@
   one line, the status and an event (``note_commit``).
 - **load and resume** (``load``, ``resume``): rank 0 picks the newest checkpoint that verifies and
   every rank loads that step (a sharded one: each rank verifies a share of the shard files);
-  ``restore`` puts it back at the current world size, ``resume`` also says so.
+  ``restore`` puts it back at the current world size, ``resume`` also says so; without one,
+  ``init_from`` starts from a weights file (``--init-from``).
 - **the end** (``finish``): a final blocking save unless this step is saved already; and after a
   failure (``abort``): rank 0 saves the last completed step when a peer was lost, else an async
   save under way gets a bounded chance to commit.
@@ -25,7 +26,9 @@ Threads: the save after a failure and the bounded wait run on worker-runtime thr
 from __future__ import annotations
 
 import logging
+import os
 import re
+import socket
 import time
 from typing import Any, Protocol
 
@@ -37,7 +40,7 @@ from elastic_trainer.config import TrainConfig
 from elastic_trainer.training.parallel import Parallel
 from elastic_trainer.training.reporting import Reporter
 from elastic_trainer.training.runtime import runtime
-from elastic_trainer.training.worker import DistInfo, broadcast_object
+from elastic_trainer.training.worker import DistInfo, broadcast_object, round_fence
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +59,17 @@ class TrainingState(Protocol):
     gbs: int  # samples per step
 
 
-def checkpoint_manager(config: TrainConfig, node: str, pid: int, tag: str, fence: Any):
-    """The ``CheckpointManager`` of ``--checkpoint-dir`` (None without one); ``fence`` guards its
-    commits, and ``node``/``pid``/``tag`` name this process as a writer."""
+def checkpoint_manager(config: TrainConfig, dinfo: DistInfo, live: Any = None):
+    """The ``CheckpointManager`` of ``--checkpoint-dir`` (None without one). Its commits are fenced
+    by the ``live`` group under live recovery, else by the rendezvous round (so every rank loads
+    what the commit record names); its writer id names this host, process and round."""
     if not config.checkpoint_dir:
         return None
     from elastic_trainer.checkpoint import CheckpointManager
 
-    writer = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{node}-{pid}-{tag}")
+    tag = "live" if live is not None else f"r{dinfo.round if dinfo.round is not None else 'x'}"
+    fence = live if live is not None else round_fence()
+    writer = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{socket.gethostname()}-{os.getpid()}-{tag}")
     return CheckpointManager(config.checkpoint_dir, keep_checkpoints=config.keep_checkpoints,
                              async_checkpoint=config.async_checkpoint, fence=fence, writer_id=writer[:64])
 
@@ -160,6 +166,20 @@ class Checkpointing:
             self.state.par.load_model_state(state.get("model", {}))
         elif "model" in state:
             self.state.module.load_state_dict(state["model"])
+
+    def init_from(self, path: str) -> None:
+        """``--init-from`` (no checkpoint to resume): a safetensors file's weights into the model
+        (FSDP: rank 0 alone reads the file, checked against the model, and it is broadcast into the
+        shards one tensor at a time: no whole copy on every rank)."""
+        from elastic_trainer.export import load_weights, read_weights
+
+        par = self.state.par
+        if par.fsdp:
+            par.load_model_state(read_weights(self.state.module, path) if self.dinfo.rank == 0 else {})
+            self.report.print0(f"initialized the model from {path} (read by rank 0, broadcast into the shards)")
+        else:
+            load_weights(self.state.module, path)
+            self.report.print0(f"initialized the model from {path}")
 
     # ---- load --------------------------------------------------------------------------------
     def load(self) -> tuple[int, dict] | None:

@@ -124,6 +124,14 @@ class Preemption:
         """Whether this rank got SIGTERM."""
         return self.signum is not None
 
+    def stop_reason(self, *, peer_signalled: bool) -> str:
+        """Why training stops at this agreement: this rank's signal (``"signal SIGTERM"``), else
+        ``PEER_STOPPED`` when another rank got one (``peer_signalled``: save with it, then go on
+        without it), else ``"max-seconds"``."""
+        if self.signum is not None:
+            return f"signal {signal.Signals(self.signum).name}"
+        return PEER_STOPPED if peer_signalled else "max-seconds"
+
     def _on_sigterm(self, signum: int, frame: Any = None) -> None:
         """SIGTERM, from the Python handler (main thread) or the ``SignalWatcher`` (at delivery)."""
         with self._lock:

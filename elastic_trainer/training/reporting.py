@@ -29,8 +29,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
+import torch.distributed as dist
+
 from elastic_trainer import config as cfgmod
-from elastic_trainer import records
+from elastic_trainer import devices, records
 from elastic_trainer.checkpoint import storage
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.env import EXIT_PEER_STOPPED, EXIT_PREEMPTED
@@ -82,11 +84,33 @@ class Reporter:
         """One line for people, on global rank 0 (above the bar)."""
         metrics.print0(msg, self.dinfo.rank, self.progress)
 
+    def device_line(self) -> None:
+        """The run's first line: where it trains, over what, with which build."""
+        c, d = self.config, self.dinfo
+        self.print0(devices.describe(d.device, dist.get_backend() if d.distributed else "none (single process)")
+                    + f", amp {c.amp}" + (f", tf32 {'on' if c.tf32 else 'off'}" if d.device.type == "cuda" else ""))
+
+    def joined_live(self, step: int, sampler, *, source: int, seconds: float) -> None:
+        """A newcomer restored the state that live rank ``source`` sent it in ``seconds``."""
+        d = self.dinfo
+        self.print0(f"joined the live group at step {step} (state from rank {source}, {seconds:.3f}s); "
+                    f"world size {d.world_size}")
+        self.event("peer_state_loaded", step=step, epoch=sampler.epoch, offset=sampler.offset,
+                   world_size=d.world_size, source=source, seconds=seconds, round=d.round)
+
     # ---- W&B and the bar -------------------------------------------------------------------
-    def start(self, run_id: str | None, *, total: int | None, step: int, preempting: bool) -> None:
-        """Open the W&B run (``run_id``, rank 0) and the bar (``total`` steps, from ``step``).
-        ``preempting``: a SIGTERM came before the run existed, so it is marked at once."""
-        c, main = self.config, self.dinfo.is_main
+    def start(self, run_id: str | None, *, total: int | None, step: int, steps_per_epoch: int,
+              preempting: bool) -> None:
+        """Say where training starts and until when; open the W&B run (``run_id``, rank 0) and the
+        bar (``total`` steps, None: unknown, from ``step``). ``preempting``: a SIGTERM came before
+        the run existed, so it is marked at once."""
+        c, d, main = self.config, self.dinfo, self.dinfo.is_main
+        until = [f"step {total}"] if total is not None else []
+        until += [f"{c.max_seconds:g}s"] if c.max_seconds is not None else []
+        self.print0(f"training from step {step} until {' or '.join(until) or 'the sampler ends'}, world size "
+                    f"{d.world_size} ({'distributed ' + dist.get_backend() if d.distributed else 'single process'}, "
+                    f"{d.device}), global batch {self.gbs}, {steps_per_epoch} steps/epoch, "
+                    f"restart {d.restart}, round {d.round}")
         self.wandb = metrics.init_wandb(enabled=c.wandb and main, run_id=run_id, log_dir=str(self.log_dir),
                                         project=c.wandb_project, group=os.environ.get(cfgmod.ENV_RUN_ID),
                                         config=wandb_config(c), say=self.print0)

@@ -31,9 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -48,12 +45,11 @@ from elastic_trainer.training import metrics
 from elastic_trainer.training.checkpointing import Checkpointing, checkpoint_manager
 from elastic_trainer.training.live import LiveExcluded, LiveGroup, send_state
 from elastic_trainer.training.parallel import Parallel
-from elastic_trainer.training.preemption import PEER_STOPPED, Preemption
+from elastic_trainer.training.preemption import Preemption
 from elastic_trainer.training.reporting import Reporter, start_profiler
 from elastic_trainer.training.worker import (
     MicroBatches,
     join_live,
-    round_fence,
     seed_everything,
     setup_distributed,
     warm_up_ddp,
@@ -139,6 +135,33 @@ def leave_process_group() -> None:
 
 
 
+def stop_step(config: TrainConfig, sampler, step: int) -> int:
+    """The step to stop at: ``--max-steps`` and/or ``--epochs`` (10**18 when only the sampler can tell).
+
+    With ``--epochs`` it is counted from where the sampler is: the steps left in this epoch from
+    its sample offset at the current global batch, plus whole epochs, so a resume with another
+    ``--global-batch-size`` trains exactly the samples that are left (a step is one optimizer
+    step, whatever its batch, and ``--max-steps`` counts those)."""
+    c, s = config, sampler
+    if c.epochs is None:
+        return c.max_steps
+    if c.scale_lr:  # steps per epoch follow the world size: only the sampler's epoch can tell the end
+        return c.max_steps or 10**18
+    to_end = 0 if s.epoch >= c.epochs else s.remaining_steps + (c.epochs - s.epoch - 1) * s.steps_per_epoch
+    return min(c.max_steps or 10**18, step + to_end)
+
+
+def build_optimizer(task: Task, model: torch.nn.Module, config: TrainConfig, world_size: int):
+    """``(optimizer, scheduler)``: the task's (default Adam at ``--lr``; ``--scale-lr`` multiplies
+    the learning rate by ``world_size``) and its LR scheduler, or None."""
+    params = model.parameters()
+    optimizer = task.optimizer_fn(params) if task.optimizer_fn is not None else torch.optim.Adam(params, lr=config.lr)
+    if config.scale_lr:
+        for group in optimizer.param_groups:
+            group["lr"] *= world_size
+    return optimizer, task.scheduler_fn(optimizer) if task.scheduler_fn is not None else None
+
+
 # ---------------------------------------------------------------------------------- trainer
 
 
@@ -162,9 +185,7 @@ class Trainer:
             self.module = self.task.model if c.fsdp and d.distributed else self.task.model.to(d.device)
             self.log_dir = Path(c.log_dir)
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            tag = "live" if self.live is not None else f"r{d.round if d.round is not None else 'x'}"
-            fence = self.live if self.live is not None else round_fence()  # every rank loads what the record names
-            manager = checkpoint_manager(c, socket.gethostname(), os.getpid(), tag, fence)
+            manager = checkpoint_manager(c, d, self.live)  # made before a live newcomer asks to be admitted
             if self.live is not None:  # ready to train: only now ask the live group to admit us
                 import elastic_trainer.sampler  # noqa: F401 - imported before the others wait for us
 
@@ -178,9 +199,7 @@ class Trainer:
                                         or torch.cuda.is_bf16_supported(including_emulation=False))
             devices.set_tf32(d.device, c.tf32)
             self.timer = devices.step_timer(d.device)
-            # The run's first line: where it trains, over what, with which build (never CPU by surprise).
-            self.report.print0(devices.describe(d.device, dist.get_backend() if d.distributed else "none (single process)")
-                               + f", amp {c.amp}" + (f", tf32 {'on' if c.tf32 else 'off'}" if d.device.type == "cuda" else ""))
+            self.report.device_line()  # the run's first line: where it trains (never CPU by surprise)
             self._peer_state_s = 0.0
             loaded = None
             from_peer = self.live is not None and not self.live.quorum.cold
@@ -198,13 +217,7 @@ class Trainer:
             blocks = self.task.fsdp_blocks(self.module) if self.task.fsdp_blocks is not None else None
             self.par = Parallel.wrap(self.module, c, d, blocks=blocks)
             self.model = self.par.model
-            params = self.model.parameters()
-            self.optimizer = (self.task.optimizer_fn(params) if self.task.optimizer_fn is not None
-                              else torch.optim.Adam(params, lr=c.lr))
-            if c.scale_lr:
-                for group in self.optimizer.param_groups:
-                    group["lr"] *= d.world_size
-            self.scheduler = self.task.scheduler_fn(self.optimizer) if self.task.scheduler_fn is not None else None
+            self.optimizer, self.scheduler = build_optimizer(self.task, self.model, c, d.world_size)
             self.scaler = torch.amp.GradScaler("cuda") if self.amp.scaler else None
             self.batches = MicroBatches(self.task, self.sampler, c.num_workers, c.seed, d.device)
             self.step = 0
@@ -219,7 +232,8 @@ class Trainer:
             self._cycle_s: float | None = None  # seconds from one step's end to the next's
             self._last_step_s: float | None = None
             self.preemption.watch(d, step_seconds=lambda: self._last_step_s, on_signal=self.report.mark_preempting,
-                                  on_hung=self._abort_if_saving, saving=lambda: self.checkpoints.saving_after_failure)
+                                  saving=lambda: self.checkpoints.saving_after_failure,  # an async save under way
+                                  on_hung=lambda: self._abort() if self.checkpoints.manager is not None else None)
         except BaseException:
             self.preemption.close()
             raise
@@ -230,15 +244,9 @@ class Trainer:
         c, d = self.config, self.dinfo
         try:
             self._resume()
-            total = self._total_steps()
-            until = [f"step {total}"] if total < 10**18 else []
-            until += [f"{c.max_seconds:g}s"] if c.max_seconds is not None else []
-            self.report.print0(
-                f"training from step {self.step} until {' or '.join(until) or 'the sampler ends'}, world size "
-                f"{d.world_size} ({'distributed ' + dist.get_backend() if d.distributed else 'single process'}, "
-                f"{d.device}), global batch {self.gbs}, {self.sampler.steps_per_epoch} steps/epoch, "
-                f"restart {d.restart}, round {d.round}")
+            total = stop_step(c, self.sampler, self.step)
             self.report.start(self.run_id, total=total if total < 10**18 else None, step=self.step,
+                              steps_per_epoch=self.sampler.steps_per_epoch,
                               preempting=self.preemption.signalled)  # a SIGTERM before the W&B run existed
             self.profiler = start_profiler(c, self.log_dir, d, lambda: self.step, self.report.print0)
             try:
@@ -264,48 +272,17 @@ class Trainer:
         if self.peer_state is not None:
             self._restore(*self.peer_state)
             self.peer_state = None
-            self.report.print0(f"joined the live group at step {self.step} (state from rank {self.live.quorum.source}, "
-                               f"{self._peer_state_s:.3f}s); world size {d.world_size}")
-            self.report.event("peer_state_loaded", step=self.step, epoch=self.sampler.epoch, offset=self.sampler.offset,
-                              world_size=d.world_size, source=self.live.quorum.source, seconds=self._peer_state_s,
-                              round=d.round)
+            self.report.joined_live(self.step, self.sampler, source=self.live.quorum.source, seconds=self._peer_state_s)
         elif (loaded := self.checkpoints.load()) is not None:
             self.checkpoints.resume(*loaded)
             del loaded
         else:
             if c.init_from is not None:
-                self._init_weights(c.init_from)
+                self.checkpoints.init_from(c.init_from)
             self.report.event("start", world_size=d.world_size, restart=d.restart, round=d.round)
         if self.run_id is None and d.is_main:  # fixed at the first start: restarts before a checkpoint resume it
             self.run_id = (metrics.fixed_run_id(c.checkpoint_dir or str(self.log_dir), fresh=not c.resume)
                            if c.wandb else metrics.new_run_id())
-
-    def _init_weights(self, path: str) -> None:
-        """``--init-from``: a safetensors file's weights into the model (FSDP: rank 0 alone reads the
-        file, checked against the model, and it is broadcast into the shards one tensor at a time)."""
-        from elastic_trainer.export import load_weights, read_weights
-
-        if self.par.fsdp:
-            self.par.load_model_state(read_weights(self.module, path) if self.dinfo.rank == 0 else {})
-            self.report.print0(f"initialized the model from {path} (read by rank 0, broadcast into the shards)")
-        else:
-            load_weights(self.module, path)
-            self.report.print0(f"initialized the model from {path}")
-
-    def _total_steps(self) -> int:
-        """The step to stop at: ``--max-steps`` and/or ``--epochs`` (10**18 when only the sampler can tell).
-
-        With ``--epochs`` it is counted from where the sampler is: the steps left in this epoch from
-        its sample offset at the current global batch, plus whole epochs, so a resume with another
-        ``--global-batch-size`` trains exactly the samples that are left (a step is one optimizer
-        step, whatever its batch, and ``--max-steps`` counts those)."""
-        c, s = self.config, self.sampler
-        if c.epochs is None:
-            return c.max_steps
-        if c.scale_lr:  # steps per epoch follow the world size: only the sampler's epoch can tell the end
-            return c.max_steps or 10**18
-        to_end = 0 if s.epoch >= c.epochs else s.remaining_steps + (c.epochs - s.epoch - 1) * s.steps_per_epoch
-        return min(c.max_steps or 10**18, self.step + to_end)
 
     def _loop(self, total: int, profiler) -> str:
         """Steps until done or stopped; returns why it ended ("done", "max-seconds", "signal SIGTERM")."""
@@ -346,23 +323,16 @@ class Trainer:
             self._after_step(profiler)
             return None
         now, main = time.monotonic(), self.dinfo.is_main  # rank 0's clock decides the timed events
-        signum = self.preemption.signum
         signalled, timed_out, save_due, reform, self._agree_in = self._agree(
-            signalled=signum is not None,
+            signalled=self.preemption.signalled,
             timed_out=main and c.max_seconds is not None and now - started >= c.max_seconds,
             save_due=main and c.checkpoint_every_seconds is not None and now - last_save >= c.checkpoint_every_seconds,
             reform=self.live is not None and self.live.change_pending.is_set())
         self._after_step(profiler)
-        signum = self.preemption.signum
-        if signalled and self.live is not None and signum is None and not timed_out:
+        if signalled and self.live is not None and not self.preemption.signalled and not timed_out:
             return "reform"  # a peer was preempted: it leaves, the others go on without it
         if signalled or timed_out:
-            if signum is not None:
-                reason = f"signal {signal.Signals(signum).name}"
-            elif signalled:  # another node was preempted: save with it, then go on without it
-                reason = PEER_STOPPED
-            else:
-                reason = "max-seconds"
+            reason = self.preemption.stop_reason(peer_signalled=signalled)
             self.report.print0(f"stopping at step {self.step} ({reason})")
             self.report.event("stop", step=self.step, reason=reason)
             return reason  # _finish saves this step
@@ -394,11 +364,6 @@ class Trainer:
         # a live rank never saves after a failure: it is fenced or recovered
         lost = exc if exc is not None and self.live is None and collective_failed(exc) else None
         self.checkpoints.abort(lost, device_state=host_step_is_device_state(self.dinfo.device))
-
-    def _abort_if_saving(self) -> None:
-        """Before the hung-step watchdog's exit: an async save already under way may still commit."""
-        if self.checkpoints.manager is not None:
-            self._abort()
 
     # ---- for the live re-form and the agreement -------------------------------------------
     def _event(self, event: str, **fields: Any) -> None:
