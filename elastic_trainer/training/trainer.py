@@ -134,7 +134,6 @@ def leave_process_group() -> None:
         logger.info("destroying the broken process group: %s", exc)
 
 
-
 def stop_step(config: TrainConfig, sampler, step: int) -> int:
     """The step to stop at: ``--max-steps`` and/or ``--epochs`` (10**18 when only the sampler can tell).
 
