@@ -171,7 +171,7 @@ class Checkpointing:
         """``--init-from`` (no checkpoint to resume): a safetensors file's weights into the model
         (FSDP: rank 0 alone reads the file, checked against the model, and it is broadcast into the
         shards one tensor at a time: no whole copy on every rank)."""
-        from elastic_trainer.export import load_weights, read_weights
+        from elastic_trainer.checkpoint.weights import load_weights, read_weights
 
         par = self.state.par
         if par.fsdp:

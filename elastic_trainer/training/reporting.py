@@ -148,7 +148,7 @@ class Reporter:
             return None
         if not self._status_tried:
             self._status_tried = True
-            from elastic_trainer.status import StatusPublisher
+            from elastic_trainer.training.status import StatusPublisher
 
             try:
                 self._status = StatusPublisher.from_env()
