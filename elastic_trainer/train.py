@@ -25,6 +25,7 @@ import signal
 import sys
 from typing import NoReturn
 
+from elastic_trainer.config import TrainConfig
 from elastic_trainer.env import EXIT_ERROR
 from elastic_trainer.flags import parse_train_config  # the flags: generated from TrainConfig
 
@@ -45,16 +46,28 @@ def die_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse flags, train, return the exit status (0 also after a SIGTERM that was handled)."""
+    """Parse flags, train, return the exit status (0 also after a SIGTERM that was handled).
+
+    The worker runtime's threads are stopped and joined before it returns (``runtime().close()``)."""
     die_with_parent()
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=os.environ.get("ELASTIC_TRAINER_LOG_LEVEL", "INFO"),
                         format=f"[%(asctime)s] rank{rank} %(levelname)s %(name)s: %(message)s")
     config = parse_train_config(argv)
-    from elastic_trainer.training.trainer import EXIT_PEER_STOPPED, PEER_STOPPED, Trainer
+    from elastic_trainer.training.runtime import runtime
 
-    from elastic_trainer.training.live import EXIT_EXCLUDED, LiveExcluded, RunFinished
+    code = _train(config)
+    runtime().close()
+    return code
+
+
+def _train(config: TrainConfig) -> int:
+    """``Trainer(config).train()``, and the exit status that says how it ended."""
     from elastic_trainer.devices import DeviceError
+    from elastic_trainer.env import EXIT_PEER_STOPPED
+    from elastic_trainer.training.live import EXIT_EXCLUDED, LiveExcluded, RunFinished
+    from elastic_trainer.training.preemption import PEER_STOPPED
+    from elastic_trainer.training.trainer import Trainer
 
     try:
         summary = Trainer(config).train()

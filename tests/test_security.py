@@ -344,7 +344,7 @@ def test_wandb_run_config_and_the_trainers_prints_redact_storage_keys():
     # For a trainer started without elastic-train (torchrun, python -m elastic_trainer.train), which
     # gets the URL with its keys as it was given.
     from elastic_trainer.config import TrainConfig
-    from elastic_trainer.training.trainer import wandb_config
+    from elastic_trainer.training.reporting import wandb_config
 
     config = wandb_config(TrainConfig(checkpoint_dir=f"s3://AKIDEXAMPLE:{STORAGE_CANARY}@bucket/run"))
     assert config["checkpoint_dir"] == "s3://***@bucket/run" and STORAGE_CANARY not in json.dumps(config)

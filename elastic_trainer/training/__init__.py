@@ -3,8 +3,15 @@
 Modules:
 
 - ``trainer``: ``Trainer``, the loop (build, resume, step, agree, save) and the recovery paths;
+- ``checkpointing``: ``Checkpointing``, the trainer's checkpoints (capture, save, load, resume,
+  the save after a failure) over ``elastic_trainer.checkpoint``;
+- ``reporting``: ``Reporter``, what a worker tells people and tools (rank-0 lines, bar, W&B,
+  status, step log, events, sample ledger);
+- ``preemption``: ``Preemption``, SIGTERM (a save at the next step boundary, the grace period,
+  the hung-step watchdog, the watcher that sees a signal while blocked in a collective);
+- ``runtime``: the worker runtime that owns every background thread and the one exit;
 - ``worker``: the process around the loop (process group, seeding, micro-batch feed, the round
-  fence, SIGTERM while blocked in a collective);
+  fence);
 - ``parallel``: DDP or FSDP2 wrapping, ``no_sync`` and full state dicts (``Parallel``);
 - ``rng``: every rank's own RNG state gathered into a checkpoint, and which one a rank restores;
 - ``data``: the example task's synthetic and HDF5 datasets;

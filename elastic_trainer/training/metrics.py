@@ -1,23 +1,26 @@
 """Output for people and dashboards: rank-0 log lines, the progress bar, W&B.
 
-This is the only module that imports ``wandb``. Everything here acts on global rank 0
-only; on other ranks the same calls do nothing, so the training loop never asks
-``if rank == 0`` to print.
+This is the only module that imports ``wandb``. It keeps no state of its own: which rank this
+process is, and which bar is shown, belong to the caller (``training/reporting.py``'s
+``Reporter``, which asks these only on global rank 0 and reads the rank from the worker's
+``DistInfo``, so a live re-form that makes another process rank 0 needs no call here).
 
-- ``print0(msg)``: one log line on global rank 0 (written through the bar when one is shown).
-- ``Progress``: one tqdm bar on global rank 0 (epoch, step, loss, samples/s, world size). Its total
-  and ETA follow what stops the run: seconds with ``--max-seconds`` (and no ``--max-steps``), else
-  steps. While it is shown, this process's log lines go above it (tqdm's ``logging_redirect_tqdm``).
-- ``init_wandb(...)``: a W&B run on rank 0, resumed by id (``resume="allow"``) so one run shows
-  the whole training across restarts; offline (files under ``<log dir>/wandb``) when
-  ``WANDB_API_KEY`` is unset; ``enabled=False`` (``--no-wandb``) gives a logger that does nothing.
+- ``print0(msg, rank, progress)``: one log line on global rank 0 (through the bar when one is shown).
+- ``Progress``: one tqdm bar (epoch, step, loss, samples/s, world size; the caller enables it on
+  global rank 0 only). Its total and ETA follow what stops the run: seconds with ``--max-seconds``
+  (and no ``--max-steps``), else steps. While it is shown, this process's log lines go above it
+  (tqdm's ``logging_redirect_tqdm``).
+- ``init_wandb(...)``: a W&B run (the caller asks on rank 0 only), resumed by id
+  (``resume="allow"``) so one run shows the whole training across restarts; offline (files under
+  ``<log dir>/wandb``) when ``WANDB_API_KEY`` is unset; ``enabled=False`` (``--no-wandb``) gives a
+  logger that does nothing.
 - ``fixed_run_id(root)``: the W&B run id, fixed at the training's first start in ``<root>/wandb-run-id``
   (the checkpoint dir, shared by every node), so a restart before the first checkpoint resumes
   the same W&B run instead of opening a new one.
 
 How a W&B run ends tells what happened (W&B's exit-code contract: 0 is a success, anything else
 is failed or preempted): ``finish(exit_code=0)`` when training finished or hit ``--max-seconds``;
-on SIGTERM ``mark_preempting()`` at once, then ``finish(exit_code=PREEMPTED_EXIT_CODE)`` after the
+on SIGTERM ``mark_preempting()`` at once, then ``finish(exit_code=EXIT_PREEMPTED)`` (``elastic_trainer.env``) after the
 save, also from the forced exits (``finish_within``, bounded, before ``os._exit``).
 """
 
@@ -30,45 +33,36 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 logger = logging.getLogger("elastic_trainer.training.metrics")
 
-_RANK = int(os.environ.get("RANK", "0"))
-_BAR: "Progress | None" = None
 
-
-def set_rank(rank: int) -> None:
-    """Tell this module the process's global rank (the trainer calls it once at start)."""
-    global _RANK
-    _RANK = rank
-
-
-def print0(msg: str) -> None:
-    """Print one line on global rank 0 (through the progress bar if there is one), to stderr."""
-    if _RANK != 0:
+def print0(msg: str, rank: int, progress: "Progress | None" = None) -> None:
+    """Print one line to stderr when ``rank`` (the global rank) is 0, through ``progress``'s bar
+    when one is shown."""
+    if rank != 0:
         return
     line = f"[elastic-trainer] {msg}"
-    if _BAR is not None and _BAR.bar is not None:
-        _BAR.bar.write(line, file=sys.stderr)
+    if progress is not None and progress.bar is not None:
+        progress.bar.write(line, file=sys.stderr)
     else:
         print(line, file=sys.stderr, flush=True)
 
 
 class Progress:
-    """One tqdm bar on global rank 0; a no-op elsewhere or when disabled.
+    """One tqdm bar; a no-op when disabled (the caller enables it on global rank 0 only).
 
     ``total`` steps (None: unknown), or with ``seconds`` a bar of this many seconds of training
     (``--max-seconds``): then its ETA is the time left, and the step is in the postfix.
     """
 
     def __init__(self, total: int | None, initial: int, enabled: bool = True, seconds: float | None = None) -> None:
-        global _BAR
         self.bar = None
         self._redirect = contextlib.ExitStack()
         self._started = time.monotonic()
         self.seconds = seconds
-        if enabled and _RANK == 0:
+        if enabled:
             from tqdm import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -81,7 +75,6 @@ class Progress:
                                 dynamic_ncols=True, mininterval=0.5)
             # Log lines (ours, torch's) are written above the bar instead of into it.
             self._redirect.enter_context(logging_redirect_tqdm(tqdm_class=tqdm))
-        _BAR = self
 
     def update(self, *, step: int, epoch: int, loss: float, samples_per_s: float, world_size: int) -> None:
         if self.bar is None:
@@ -95,12 +88,10 @@ class Progress:
             self.bar.update(step - self.bar.n)
 
     def close(self) -> None:
-        global _BAR
         if self.bar is not None:
             self.bar.close()
             self.bar = None
         self._redirect.close()
-        _BAR = None
 
 
 def new_run_id() -> str:
@@ -116,7 +107,6 @@ def new_run_id() -> str:
 
 
 RUN_ID_FILE = "wandb-run-id"
-from elastic_trainer.env import EXIT_PREEMPTED as PREEMPTED_EXIT_CODE  # noqa: E402 - defined once, in env.py
 
 
 def fixed_run_id(root: str, *, fresh: bool = False) -> str:
@@ -145,7 +135,7 @@ def fixed_run_id(root: str, *, fresh: bool = False) -> str:
 
 
 class NullLogger:
-    """The logger when W&B is off (``--no-wandb``) or on ranks other than 0."""
+    """The logger when W&B is off (``--no-wandb``), before it starts, or on ranks other than 0."""
 
     run_id: str | None = None
 
@@ -190,9 +180,9 @@ class WandbLogger:
 
     def finish_within(self, exit_code: int, seconds: float) -> None:
         """``finish`` from a forced exit: give it at most ``seconds``, the process ends after this."""
-        t = threading.Thread(target=self.finish, args=(exit_code,), name="wandb-finish", daemon=True)
-        t.start()
-        t.join(seconds)
+        from elastic_trainer.training.runtime import runtime
+
+        runtime().start_thread("wandb-finish", self.finish, exit_code).join(seconds)
 
 
 from elastic_trainer.env import ENV_WANDB_KEY_FILE as WANDB_KEY_FILE  # noqa: E402
@@ -221,15 +211,17 @@ def wandb_api_key() -> str | None:
         raise RuntimeError(f"cannot read the W&B API key file {path}: {exc.strerror}") from None
 
 
-def init_wandb(*, enabled: bool, run_id: str | None, log_dir: str, project: str,
-               config: dict[str, Any], group: str | None = None) -> NullLogger | WandbLogger:
-    """Start (or resume, same id) the run's W&B run on rank 0; a ``NullLogger`` otherwise.
+def init_wandb(*, enabled: bool, run_id: str | None, log_dir: str, project: str, config: dict[str, Any],
+               group: str | None = None, say: Callable[[str], None] | None = None) -> NullLogger | WandbLogger:
+    """Start (or resume, same id) the run's W&B run; a ``NullLogger`` when not ``enabled`` or
+    without a ``run_id``. Call it on global rank 0 only. ``say`` gets the one line that names the
+    run (default: this module's logger).
 
     Without an API key (``WANDB_API_KEY`` or its file, see ``wandb_api_key``; and no ``WANDB_MODE``
     chosen) the run is offline: its files
     are under ``<log_dir>/wandb/offline-run-*-<run id>/`` and ``wandb sync`` uploads them later.
     """
-    if not enabled or _RANK != 0 or run_id is None:
+    if not enabled or run_id is None:
         return NullLogger()
     import wandb
 
@@ -246,5 +238,5 @@ def init_wandb(*, enabled: bool, run_id: str | None, log_dir: str, project: str,
                      dir=os.environ["WANDB_DIR"], settings=settings)
     run.define_metric("global_step")
     run.define_metric("*", step_metric="global_step")
-    print0(f"W&B run {run.id} ({os.environ.get('WANDB_MODE', 'online')}) in {os.environ['WANDB_DIR']}")
+    (say or logger.info)(f"W&B run {run.id} ({os.environ.get('WANDB_MODE', 'online')}) in {os.environ['WANDB_DIR']}")
     return WandbLogger(run)

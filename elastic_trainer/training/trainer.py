@@ -1,10 +1,14 @@
 """The training loop: data-parallel steps that resume exactly after any restart, at any world size.
 
 ``Trainer(TrainConfig(...), task).train()`` is the whole program that torchrun's workers run
-(``python -m elastic_trainer.train`` parses flags into a ``TrainConfig``). In one screen:
+(``python -m elastic_trainer.train`` parses flags into a ``TrainConfig``). ``Trainer.__init__``
+builds; ``train()`` resumes, loops and saves:
 
 1. **Build**: join the process group (gloo on CPU, NCCL on GPU), seed every RNG, build the task
-   (model, dataset, loss), and an ``ElasticSampler`` whose position is a global sample offset.
+   (model, dataset, loss), wrap the model (DDP or FSDP), make the optimizer and an
+   ``ElasticSampler`` whose position is a global sample offset; and the trainer's three helpers:
+   ``Checkpointing`` (``training/checkpointing.py``), ``Reporter`` (``training/reporting.py``:
+   lines, bar, W&B, status, records) and ``Preemption`` (``training/preemption.py``: SIGTERM).
 2. **Resume**: rank 0 finds the newest checkpoint that verifies and every rank loads that step:
    model, optimizer, scheduler, grad scaler, RNG, sampler position, epoch, step, W&B run id.
    The sampler splits the rest of the epoch over the *new* ranks, and the global batch stays
@@ -14,9 +18,9 @@
    whatever the world size; then the optimizer steps and the sampler commits the step. One small
    all-reduce per step shares the loss and the stop/save decisions, so every rank stops and
    saves at the same step.
-4. **Save**: rank 0 saves every ``--checkpoint-every`` steps and/or ``--checkpoint-every-seconds``,
-   at the end, and at the step boundary after SIGTERM (then it exits 0 within ``--grace-seconds``).
-   Saves are asynchronous except the last one.
+4. **Save**: every ``--checkpoint-every`` steps and/or ``--checkpoint-every-seconds``, at the end,
+   and at the step boundary after SIGTERM (then it exits 0 within ``--grace-seconds``). Saves
+   are asynchronous except the last one.
 
 Logs (contract with the drills, defined in ``elastic_trainer.records``): a step log (one line per
 step, every rank), events (rank 0) and the sample ledger (with ``--sample-ledger``), under
@@ -27,37 +31,25 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import re
-import signal
-import socket
-import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from elastic_trainer import config as cfgmod
 from elastic_trainer import devices
-from elastic_trainer import records
-from elastic_trainer.checkpoint import storage
-from elastic_trainer.records import Event, EventRecord, JsonLines, LedgerRecord, StepRecord
-from elastic_trainer.training import metrics
 from elastic_trainer.config import TrainConfig
-from elastic_trainer.training.metrics import print0
+from elastic_trainer.tasks import Task, as_task, load_builder
+from elastic_trainer.training import metrics
+from elastic_trainer.training.checkpointing import Checkpointing, checkpoint_manager
 from elastic_trainer.training.live import LiveExcluded, LiveGroup, send_state
 from elastic_trainer.training.parallel import Parallel
-from elastic_trainer.tasks import Task, as_task, load_builder
+from elastic_trainer.training.preemption import Preemption
+from elastic_trainer.training.reporting import Reporter, start_profiler
 from elastic_trainer.training.worker import (
-    DistInfo,
-    broadcast_object,
-    round_fence,
-    join_live,
     MicroBatches,
-    SignalWatcher,
+    join_live,
     seed_everything,
     setup_distributed,
     warm_up_ddp,
@@ -65,26 +57,6 @@ from elastic_trainer.training.worker import (
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-PEER_STOPPED = "a peer was stopped by a signal"
-"""Why a rank stops when another node was preempted: it saves with the others, then exits with
-``EXIT_PEER_STOPPED`` so that its agent restarts it into a round without the preempted node."""
-from elastic_trainer.env import EXIT_PEER_STOPPED, EXIT_PREEMPTED  # noqa: E402 - defined once, in env.py
-from elastic_trainer.training.runtime import runtime  # noqa: E402
-
-
-WANDB_FINISH_S = 3.0
-"""At most this long for the W&B run's final flush on a forced exit or an error (offline: milliseconds)."""
-
-
-def wandb_exit_code(stopped_by: str | None) -> int:
-    """The exit code the W&B run ends with: 0 when training finished or reached ``--max-seconds``;
-    preempted (143) after this rank's SIGTERM; ``EXIT_PEER_STOPPED`` when another node's was."""
-    if stopped_by in ("done", "max-seconds"):
-        return 0
-    if stopped_by == PEER_STOPPED:
-        return EXIT_PEER_STOPPED
-    return metrics.PREEMPTED_EXIT_CODE
 
 
 def collective_failed(exc: BaseException) -> bool:
@@ -162,405 +134,158 @@ def leave_process_group() -> None:
         logger.info("destroying the broken process group: %s", exc)
 
 
+def stop_step(config: TrainConfig, sampler, step: int) -> int:
+    """The step to stop at: ``--max-steps`` and/or ``--epochs`` (10**18 when only the sampler can tell).
+
+    With ``--epochs`` it is counted from where the sampler is: the steps left in this epoch from
+    its sample offset at the current global batch, plus whole epochs, so a resume with another
+    ``--global-batch-size`` trains exactly the samples that are left (a step is one optimizer
+    step, whatever its batch, and ``--max-steps`` counts those)."""
+    c, s = config, sampler
+    if c.epochs is None:
+        return c.max_steps
+    if c.scale_lr:  # steps per epoch follow the world size: only the sampler's epoch can tell the end
+        return c.max_steps or 10**18
+    to_end = 0 if s.epoch >= c.epochs else s.remaining_steps + (c.epochs - s.epoch - 1) * s.steps_per_epoch
+    return min(c.max_steps or 10**18, step + to_end)
+
+
+def build_optimizer(task: Task, model: torch.nn.Module, config: TrainConfig, world_size: int):
+    """``(optimizer, scheduler)``: the task's (default Adam at ``--lr``; ``--scale-lr`` multiplies
+    the learning rate by ``world_size``) and its LR scheduler, or None."""
+    params = model.parameters()
+    optimizer = task.optimizer_fn(params) if task.optimizer_fn is not None else torch.optim.Adam(params, lr=config.lr)
+    if config.scale_lr:
+        for group in optimizer.param_groups:
+            group["lr"] *= world_size
+    return optimizer, task.scheduler_fn(optimizer) if task.scheduler_fn is not None else None
+
+
 # ---------------------------------------------------------------------------------- trainer
 
-
-def wandb_config(c: TrainConfig) -> dict[str, Any]:
-    """The run config W&B records (and uploads): every flag, credentials in URLs redacted."""
-    return {k: storage.redact(v) if isinstance(v, str) else v for k, v in asdict(c).items() if k != "task_args"}
 
 class Trainer:
     """Runs a ``Task`` data-parallel, elastic and resumable; see the module docstring."""
 
     def __init__(self, config: TrainConfig, task: Task | None = None) -> None:
-        self.config = config
-        self._task = task
-        self._stop_signal: int | None = None
-        self._grace_timer: threading.Timer | None = None
-        self._boundaries = 0  # step boundaries passed: a SIGTERM watchdog tells a hung step by it
-        self._signal_lock = threading.Lock()
-        self._saving_after_failure = False
-        self._pending: list[tuple] = []  # (step, epoch, offset, loss sum, StepTime, end time) not in the step log yet
-        self._boundary_at: float | None = None  # perf_counter at the end of the last step
-        self._cycle_s: float | None = None  # seconds from one step's end to the next's
-        self._last_step_s: float | None = None
-        self.dinfo = DistInfo()
-        self.step = 0
-        self.run_id: str | None = None
-        self.last_loss: float = float("nan")
-        self.first_loss: tuple[int, float] | None = None  # (step, loss) of this process's first agreed step
-        self._last_save_step: int | None = None
-        self._sharded_saver = None  # checkpoint.sharded.ShardedSaver of --fsdp, made at the first save
-        self._logged_save_step: int | None = None
-        self._status = None  # StatusPublisher of rank 0 (`elastic-train status`), made on first use
-        self._status_tried = False
-
-    # ---- build -----------------------------------------------------------------------
-    def _build(self) -> None:
-        c = self.config
-        self.live = LiveGroup.from_env()
-        if self.live is not None and (c.fsdp or c.scale_lr):
-            raise ValueError(f"live recovery works with DDP and a constant global batch; {'--fsdp' if c.fsdp else '--scale-lr'} "
-                             "needs `elastic-train --recovery restart`")
-        self.dinfo = d = setup_distributed(c, self.live)
-        seed_everything(c.seed)
-        task = self._task if self._task is not None else load_builder(c.task)(c.task_args)
-        self.task = as_task(task)
-        # under FSDP fully_shard moves the model to the device block by block, already sharded
-        self.module = self.task.model if self._fsdp() else self.task.model.to(d.device)
-        self.log_dir = Path(c.log_dir)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.node = socket.gethostname()
-        pid = os.getpid()
-        self.ckpt = None
-        if c.checkpoint_dir:
-            from elastic_trainer.checkpoint import CheckpointManager
-
-            tag = "live" if self.live is not None else f"r{d.round if d.round is not None else 'x'}"
-            writer = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{self.node}-{pid}-{tag}")
-            fence = self.live if self.live is not None else round_fence()  # every rank loads what the record names
-            self.ckpt = CheckpointManager(c.checkpoint_dir, keep_checkpoints=c.keep_checkpoints,
-                                          async_checkpoint=c.async_checkpoint, fence=fence, writer_id=writer[:64])
-        if self.live is not None:  # ready to train: only now ask the live group to admit us
-            import elastic_trainer.sampler  # noqa: F401 - imported before the others wait for us
-
-            warm_up_ddp()
-            if d.device.type == "cuda":  # an NCCL collective may hang on a lost peer instead of failing
-                self.live.on_member_lost = lambda why: _abort_world_group()
-            join_live(d, c, self.live)
-        metrics.set_rank(d.rank)
-        self.amp = devices.amp_plan(c.amp, d.device, bf16_supported=d.device.type != "cuda"
-                                    or torch.cuda.is_bf16_supported(including_emulation=False))
-        devices.set_tf32(d.device, c.tf32)
-        self.timer = devices.step_timer(d.device)
-        # The run's first line: where it trains, over what, with which build (never CPU by surprise).
-        print0(devices.describe(d.device, dist.get_backend() if d.distributed else "none (single process)")
-               + f", amp {c.amp}" + (f", tf32 {'on' if c.tf32 else 'off'}" if d.device.type == "cuda" else ""))
-        self.gbs = c.global_batch_size * (d.world_size if c.scale_lr else 1)
-        self.events = JsonLines(records.events_path(self.log_dir) if d.is_main or self.live else None)
-        self.step_log = JsonLines(records.steps_path(self.log_dir, d.rank, pid) if c.step_log else None)
-        self.ledger = JsonLines(records.ledger_path(self.log_dir, d.rank, pid) if c.sample_ledger else None)
-
-    def _event(self, event: str, **fields: Any) -> None:
-        if self.dinfo.is_main:  # rank 0 of the current world (live recovery changes who that is)
-            record = EventRecord(time=time.time(), event=Event(event), **fields)
-            self.events.write(record)
-            publisher = self._publisher()
-            if publisher is not None and record.event != Event.CHECKPOINT_SAVED:  # status shows the newest
-                publisher.event(record.to_json())
-
-    def _publisher(self):
-        """Rank 0's ``StatusPublisher`` (None elsewhere, or without the etcd-v3 rendezvous)."""
-        if not self.dinfo.is_main:
-            return None
-        if not self._status_tried:
-            self._status_tried = True
-            from elastic_trainer.training.status import StatusPublisher
-
-            try:
-                self._status = StatusPublisher.from_env()
-            except Exception as exc:  # noqa: BLE001 - the status is for people; training goes on without it
-                logger.warning("status: not publishing to etcd (%s)", exc)
-        return self._status
-
-    def _publish_checkpoint(self, step: int, saved_at: float) -> None:
-        publisher = self._publisher()
-        if publisher is not None:
-            publisher.update(checkpoint={"step": step, "time": saved_at,
-                                         "url": storage.redact(str(self.config.checkpoint_dir))})
-
-    def _fsdp(self) -> bool:
-        return self.config.fsdp and self.dinfo.distributed
-
-    def _load_checkpoint(self) -> tuple[int, dict] | None:
-        """Rank 0 picks the newest valid checkpoint; every rank loads that same step.
-
-        Under FSDP a whole-state checkpoint (one written to a store that takes no sharded saves)
-        is read by rank 0 alone, which broadcasts all but its model and optimizer; those follow
-        after the wrap, tensor by tensor from rank 0 (``Parallel.load_model_state``), so no other
-        rank holds a full copy."""
-        from elastic_trainer.checkpoint.sharded import is_sharded
-
-        if self.ckpt is None or not self.config.resume:
-            return None
-        # Of a sharded checkpoint each rank verifies a share of the shard files (no rank reads
-        # them all), and the step is trusted only when every rank found its share sound; else
-        # every rank moves on to an older one together.
-        share = (self.dinfo.rank, self.dinfo.world_size) if self._fsdp() else None
-        skip: set[int] = set()
-        while True:
-            found = self.ckpt.load(share=share, skip=skip) if self.dinfo.is_main else None
-            step, sharded = broadcast_object((found[0], is_sharded(found[1])) if found else (None, False), self.dinfo)
-            if step is None:
-                return None
-            if self._fsdp() and not sharded:
-                rest = {k: v for k, v in found[1].items() if k not in ("model", "optimizer")} if found else None
-                rest = broadcast_object(rest, self.dinfo)
-                return found if self.dinfo.is_main else (step, rest)
-            if not self.dinfo.is_main:
-                found = self.ckpt.load(step, share=share)
-            if share is None or not sharded:
-                if found is None:
-                    raise RuntimeError(f"rank {self.dinfo.rank} could not load checkpoint step-{step} that rank 0 "
-                                       f"loaded from {storage.redact(self.config.checkpoint_dir)}; is the storage "
-                                       "shared by all nodes?")
-                return found
-            sound = [None] * self.dinfo.world_size
-            dist.all_gather_object(sound, found is not None)
-            if all(sound):
-                return found
-            if self.dinfo.is_main:
-                logger.warning("checkpoint step-%d: rank(s) %s found their share of its shards damaged or missing "
-                            "(their warnings say which file); every rank tries an older one", step,
-                            ", ".join(str(r) for r, ok in enumerate(sound) if not ok))
-            skip.add(step)
-
-    def _autocast(self):
-        if self.amp.dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.dinfo.device.type, dtype=self.amp.dtype)
-
-    def _make_optimizer(self) -> None:
-        c = self.config
-        params = self.model.parameters()
-        self.optimizer = (self.task.optimizer_fn(params) if self.task.optimizer_fn is not None
-                          else torch.optim.Adam(params, lr=c.lr))
-        if c.scale_lr:
-            for group in self.optimizer.param_groups:
-                group["lr"] *= self.dinfo.world_size
-        self.scheduler = self.task.scheduler_fn(self.optimizer) if self.task.scheduler_fn is not None else None
-        self.scaler = torch.amp.GradScaler("cuda") if self.amp.scaler else None
-
-    # ---- state -----------------------------------------------------------------------
-    def _capture_state(self, any_rank: bool = False) -> dict | None:
-        """The checkpoint's content (collective under FSDP; None on ranks other than 0 unless ``any_rank``)."""
-        from elastic_trainer.training.rng import gather_rng_states
-
-        sharded = self._sharded() and not any_rank  # each rank saves its own shards (sharded.py)
-        model_state = {} if sharded else self.par.model_state()
-        optim_state = {} if sharded else self.par.optimizer_state(self.optimizer)
-        # every rank's own generators (a collective), unless this rank saves alone (a live peer's
-        # state, or rank 0 after a lost peer): then its own only (training/rng.py)
-        rng = gather_rng_states(self.dinfo.device, gather=not any_rank and not self._saving_after_failure)
-        if not self.dinfo.is_main and not any_rank:
-            return None
-        parts = {} if sharded else {"model": model_state, "optimizer": optim_state}
-        return {
-            **parts,
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
-            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
-            "rng": rng,
-            "sampler": self.sampler.state_dict(),
-            "meta": {"step": self.step, "epoch": self.sampler.epoch, "offset": self.sampler.offset,
-                     "world_size": self.dinfo.world_size, "wandb_run_id": self.run_id,
-                     "lr_world_size": self.dinfo.world_size if self.config.scale_lr else 1,
-                     "global_batch_size": self.gbs, "round": self.dinfo.round, "time": time.time(),
-                     "fsdp": self.par.fsdp, "amp": self.config.amp},
-        }
-
-    def _sharded(self) -> bool:
-        """Whether checkpoints are sharded: with ``--fsdp``, on every store (``checkpoint/sharded.py``)."""
-        return self.par.fsdp and self.ckpt is not None
-
-    def _restore(self, step: int, state: dict) -> None:
-        """Put a loaded checkpoint back (model before wrapping; the rest after)."""
-        from elastic_trainer.checkpoint import restore_rng_state
-        from elastic_trainer.training.rng import rng_state_for_rank
-
-        meta = state.get("meta", {})
-        if bool(meta.get("fsdp", False)) != self.par.fsdp:
-            raise ValueError(f"checkpoint step-{step} was written {'with' if meta.get('fsdp') else 'without'} --fsdp "
-                             f"and its optimizer state is keyed accordingly; resume {'with' if meta.get('fsdp') else 'without'} "
-                             "--fsdp, or start over with --no-resume")
-        from elastic_trainer.checkpoint.sharded import is_sharded, load_sharded
-
-        if is_sharded(state):  # every rank reads its part of the shards, resharded to this world size
-            load_sharded(self.ckpt, step, state, self.module, self.optimizer)
-        else:  # under FSDP rank 0's, broadcast (the others hold none: _load_checkpoint)
-            self.par.load_optimizer_state(self.optimizer, state.get("optimizer", {}))
-        if self.scheduler is not None and state.get("scheduler"):
-            self.scheduler.load_state_dict(state["scheduler"])
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        if self.config.scale_lr:  # the saved learning rate was scaled for the saver's world size
-            ratio = self.dinfo.world_size / int(meta.get("lr_world_size", 1))
-            for group in self.optimizer.param_groups:
-                group["lr"] *= ratio
-            if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
-                self.scheduler.base_lrs = [lr * ratio for lr in self.scheduler.base_lrs]
-        restore_rng_state(rng_state_for_rank(state["rng"], self.dinfo.rank), self.dinfo.device)
-        self.sampler.load_state_dict(state["sampler"])
-        self.step = int(meta.get("step", step))
-        self.run_id = meta.get("wandb_run_id")
-
-    def _resume(self, step: int, state: dict, from_peer: bool = False) -> None:
-        """Restore a loaded checkpoint (or a live peer's state) and say so (stdout, events)."""
-        c, d = self.config, self.dinfo
-        self._restore(step, state)
-        prev_world = int(state.get("meta", {}).get("world_size", d.world_size))
-        if from_peer:
-            print0(f"joined the live group at step {self.step} (state from rank {self.live.quorum.source}, "
-                   f"{self._peer_state_s:.3f}s); world size {d.world_size}")
-            self._event("peer_state_loaded", step=self.step, epoch=self.sampler.epoch, offset=self.sampler.offset,
-                        world_size=d.world_size, source=self.live.quorum.source, seconds=self._peer_state_s,
-                        round=d.round)
-            return
-        self._last_save_step = self.step
-        self._publish_checkpoint(self.step, float(state.get("meta", {}).get("time") or time.time()))
-        print0(f"resumed from checkpoint step-{self.step} (epoch {self.sampler.epoch}, sample offset "
-               f"{self.sampler.offset}) of {storage.redact(c.checkpoint_dir)}")
-        self._event("checkpoint_loaded", step=self.step, epoch=self.sampler.epoch, offset=self.sampler.offset,
-                    world_size=d.world_size, saved_world_size=prev_world)
-        self._event("resume", step=self.step, world_size=d.world_size, restart=d.restart, round=d.round)
-        self._check_resume_flags(step)
-        saved_amp = state.get("meta", {}).get("amp")
-        if saved_amp is not None and saved_amp != c.amp:
-            print0(f"--amp changed: {saved_amp} -> {c.amp}"
-                   + ("; the grad scaler starts fresh" if self.scaler is not None else ""))
-        saved_gbs = state.get("meta", {}).get("global_batch_size")
-        if saved_gbs is not None and int(saved_gbs) != self.gbs:
-            print0(f"global batch changed: {saved_gbs} -> {self.gbs} samples; epoch {self.sampler.epoch} continues at "
-                   f"sample offset {self.sampler.offset} in steps of {self.gbs} ({self.sampler.remaining_steps} left in "
-                   f"it); the step count goes on from {self.step} (a step is one optimizer step, whatever its batch)")
-        if prev_world != d.world_size:
-            print0(f"world size changed: {prev_world} -> {d.world_size} ranks; global batch stays "
-                   f"{self.gbs}, {self.sampler.micro_batches_per_step} micro-batch(es) per step on rank 0"
-                   if not c.scale_lr else
-                   f"world size changed: {prev_world} -> {d.world_size} ranks; global batch now {self.gbs}, "
-                   f"learning rate scaled by {d.world_size}/{prev_world}")
-            self._event("world_size_changed", old=prev_world, new=d.world_size, step=self.step)
-
-    def _check_resume_flags(self, step: int) -> None:
-        """A resumed position past where these flags stop is an error naming the flag, never a
-        silent "finished" (a run resumed exactly where it stopped is finished, and says so)."""
-        c, s = self.config, self.sampler
-        if c.max_steps is not None and self.step > c.max_steps:
-            raise ValueError(f"checkpoint step-{step} of {c.checkpoint_dir} is already {self.step - c.max_steps} "
-                             f"steps past --max-steps {c.max_steps}; raise --max-steps to train on, or start over "
-                             "with --no-resume (or another --checkpoint-dir)")
-        if c.epochs is not None and (s.epoch > c.epochs or (s.epoch == c.epochs and s.offset > 0)):
-            raise ValueError(f"checkpoint step-{step} of {c.checkpoint_dir} is in epoch {s.epoch + 1} (sample offset "
-                             f"{s.offset}), past --epochs {c.epochs}; raise --epochs to train on, or start over with "
-                             "--no-resume (or another --checkpoint-dir)")
-
-    def _total_steps(self) -> int:
-        """The step to stop at: ``--max-steps`` and/or ``--epochs`` (10**18 when only the sampler can tell).
-
-        With ``--epochs`` it is counted from where the sampler is: the steps left in this epoch from
-        its sample offset at the current global batch, plus whole epochs, so a resume with another
-        ``--global-batch-size`` trains exactly the samples that are left (a step is one optimizer
-        step, whatever its batch, and ``--max-steps`` counts those)."""
-        c, s = self.config, self.sampler
-        if c.epochs is None:
-            return c.max_steps
-        if c.scale_lr:  # steps per epoch follow the world size: only the sampler's epoch can tell the end
-            return c.max_steps or 10**18
-        to_end = 0 if s.epoch >= c.epochs else s.remaining_steps + (c.epochs - s.epoch - 1) * s.steps_per_epoch
-        return min(c.max_steps or 10**18, self.step + to_end)
-
-    # ---- the loop ----------------------------------------------------------------------
-    def train(self) -> dict:
-        """Build, resume, train until done (or stopped), save. Returns a summary dict."""
-        old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)  # acted on at the first step boundary
-        watcher = SignalWatcher(self._on_sigterm)
+        """Build everything: the process group (a live newcomer: its admission, and the state from
+        a peer), the task, the wrapped model, optimizer, sampler, and the trainer's helpers."""
+        c = self.config = config
+        self.preemption = Preemption(c.grace_seconds)  # first: a SIGTERM during start-up is acted on too
         try:
-            return self._train()
+            self.live = LiveGroup.from_env()
+            if self.live is not None and (c.fsdp or c.scale_lr):
+                raise ValueError(f"live recovery works with DDP and a constant global batch; {'--fsdp' if c.fsdp else '--scale-lr'} "
+                                 "needs `elastic-train --recovery restart`")
+            self.dinfo = d = setup_distributed(c, self.live)
+            seed_everything(c.seed)
+            self.task = as_task(task if task is not None else load_builder(c.task)(c.task_args))
+            # under FSDP fully_shard moves the model to the device block by block, already sharded
+            self.module = self.task.model if c.fsdp and d.distributed else self.task.model.to(d.device)
+            self.log_dir = Path(c.log_dir)
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            manager = checkpoint_manager(c, d, self.live)  # made before a live newcomer asks to be admitted
+            if self.live is not None:  # ready to train: only now ask the live group to admit us
+                import elastic_trainer.sampler  # noqa: F401 - imported before the others wait for us
+
+                warm_up_ddp()
+                if d.device.type == "cuda":  # an NCCL collective may hang on a lost peer instead of failing
+                    self.live.on_member_lost = lambda why: _abort_world_group()
+                join_live(d, c, self.live)
+            self.gbs = c.global_batch_size * (d.world_size if c.scale_lr else 1)
+            self.report = Reporter(c, d, self.log_dir, gbs=self.gbs, live=self.live is not None)
+            self.amp = devices.amp_plan(c.amp, d.device, bf16_supported=d.device.type != "cuda"
+                                        or torch.cuda.is_bf16_supported(including_emulation=False))
+            devices.set_tf32(d.device, c.tf32)
+            self.timer = devices.step_timer(d.device)
+            self.report.device_line()  # the run's first line: where it trains (never CPU by surprise)
+            self._peer_state_s = 0.0
+            loaded = None
+            from_peer = self.live is not None and not self.live.quorum.cold
+            if from_peer:  # a newcomer: the state comes from a live rank over the new group, not storage
+                t0 = time.perf_counter()
+                q = self.live.quorum
+                state = send_state(None, q.source, q.receivers, d.device)
+                loaded = (int(state["meta"]["step"]), state)
+                self._peer_state_s = time.perf_counter() - t0
+                logger.info("live: received the training state of step %d from rank %d in %.3fs", loaded[0],
+                            self.live.quorum.source, self._peer_state_s)
+                self.module.load_state_dict(loaded[1]["model"])  # before DDP, as the members that sent it
+            self.peer_state = loaded  # restored by train()
+            self.sampler = self._new_sampler()
+            blocks = self.task.fsdp_blocks(self.module) if self.task.fsdp_blocks is not None else None
+            self.par = Parallel.wrap(self.module, c, d, blocks=blocks)
+            self.model = self.par.model
+            self.optimizer, self.scheduler = build_optimizer(self.task, self.model, c, d.world_size)
+            self.scaler = torch.amp.GradScaler("cuda") if self.amp.scaler else None
+            self.batches = MicroBatches(self.task, self.sampler, c.num_workers, c.seed, d.device)
+            self.step = 0
+            self.run_id: str | None = None
+            self.last_loss: float = float("nan")
+            self.first_loss: tuple[int, float] | None = None  # (step, loss) of this process's first agreed step
+            self.checkpoints = Checkpointing(manager, c, d, self, self.report)
+            self.profiler = None  # torch.profiler's, with --profile (train() starts it)
+            self._pending: list[tuple] = []  # (step, epoch, offset, loss sum, StepTime, end time) not in the step log yet
+            self._agree_in = 1  # steps until the ranks next agree (the first step does)
+            self._boundary_at: float | None = None  # perf_counter at the end of the last step
+            self._cycle_s: float | None = None  # seconds from one step's end to the next's
+            self._last_step_s: float | None = None
+            self.preemption.watch(d, step_seconds=lambda: self._last_step_s, on_signal=self.report.mark_preempting,
+                                  saving=lambda: self.checkpoints.saving_after_failure,  # an async save under way
+                                  on_hung=lambda: self._abort() if self.checkpoints.manager is not None else None)
+        except BaseException:
+            self.preemption.close()
+            raise
+
+    # ---- train: resume, loop, save -------------------------------------------------------
+    def train(self) -> dict:
+        """Resume, train until done (or stopped), save. Returns a summary dict."""
+        c, d = self.config, self.dinfo
+        try:
+            self._resume()
+            total = stop_step(c, self.sampler, self.step)
+            self.report.start(self.run_id, total=total if total < 10**18 else None, step=self.step,
+                              steps_per_epoch=self.sampler.steps_per_epoch,
+                              preempting=self.preemption.signalled)  # a SIGTERM before the W&B run existed
+            self.profiler = start_profiler(c, self.log_dir, d, lambda: self.step, self.report.print0)
+            try:
+                stopped_by = self._loop(total, self.profiler)
+            except BaseException as exc:
+                self._abort(exc)
+                self.report.failed()
+                raise
+            finally:
+                if self.profiler is not None:
+                    self.profiler.stop()
+                self.report.progress.close()
+            self._finish(stopped_by)
         finally:
-            watcher.close()
-            signal.signal(signal.SIGTERM, old_handler)
+            self.preemption.close()
+        return {"step": self.step, "epoch": self.sampler.epoch, "offset": self.sampler.offset,
+                "loss": self.last_loss, "stopped_by": stopped_by, "world_size": d.world_size, "run_id": self.run_id}
 
-    def _train(self) -> dict:
-        c = self.config
-        self._build()
-        d = self.dinfo
-        from elastic_trainer.sampler import ElasticSampler
-
-        from_peer = self.live is not None and not self.live.quorum.cold
-        if from_peer:  # a newcomer: the state comes from a live rank over the new group, not storage
-            t0 = time.perf_counter()
-            q = self.live.quorum
-            state = send_state(None, q.source, q.receivers, d.device)
-            loaded = (int(state["meta"]["step"]), state)
-            self._peer_state_s = time.perf_counter() - t0
-            logger.info("live: received the training state of step %d from rank %d in %.3fs", loaded[0],
-                        self.live.quorum.source, self._peer_state_s)
-        else:
-            loaded = self._load_checkpoint()
-        from elastic_trainer.checkpoint.sharded import is_sharded
-
-        full_fsdp = loaded is not None and self._fsdp() and not is_sharded(loaded[1])
-        if loaded is not None and "model" in loaded[1] and not full_fsdp:  # into the bare module, before
-            self.module.load_state_dict(loaded[1]["model"])  # DDP (a sharded one is loaded after: _restore)
-        elif c.init_from is not None and not from_peer and loaded is None and not self._fsdp():
-            from elastic_trainer.checkpoint.weights import load_weights
-
-            load_weights(self.module, c.init_from)
-            print0(f"initialized the model from {c.init_from}")
-        init_shards = None
-        if c.init_from is not None and not from_peer and loaded is None and self._fsdp():
-            # FSDP: rank 0 alone reads the file (checked against the model); it is broadcast
-            # into the shards below, one tensor at a time: no whole copy on every rank
-            from elastic_trainer.checkpoint.weights import read_weights
-
-            init_shards = read_weights(self.module, c.init_from) if d.rank == 0 else {}
-        self.sampler = self._new_sampler()
-        blocks = self.task.fsdp_blocks(self.module) if self.task.fsdp_blocks is not None else None
-        self.par = Parallel.wrap(self.module, c, d, blocks=blocks)
-        self.model = self.par.model
-        if full_fsdp:  # rank 0's whole model, broadcast into the shards
-            self.par.load_model_state(loaded[1].get("model", {}))
-        elif init_shards is not None:
-            self.par.load_model_state(init_shards)
-            del init_shards
-            print0(f"initialized the model from {c.init_from} (read by rank 0, broadcast into the shards)")
-        self._make_optimizer()
-        if loaded is not None:
-            self._resume(*loaded, from_peer=from_peer)
+    def _resume(self) -> None:
+        """From a live peer's state (a newcomer), else the newest checkpoint, else ``--init-from``
+        or the task's own weights; then the W&B run id, fixed at the training's first start."""
+        c, d = self.config, self.dinfo
+        if self.peer_state is not None:
+            self._restore(*self.peer_state)
+            self.peer_state = None
+            self.report.joined_live(self.step, self.sampler, source=self.live.quorum.source, seconds=self._peer_state_s)
+        elif (loaded := self.checkpoints.load()) is not None:
+            self.checkpoints.resume(*loaded)
             del loaded
         else:
-            self._event("start", world_size=d.world_size, restart=d.restart, round=d.round)
+            if c.init_from is not None:
+                self.checkpoints.init_from(c.init_from)
+            self.report.event("start", world_size=d.world_size, restart=d.restart, round=d.round)
         if self.run_id is None and d.is_main:  # fixed at the first start: restarts before a checkpoint resume it
             self.run_id = (metrics.fixed_run_id(c.checkpoint_dir or str(self.log_dir), fresh=not c.resume)
                            if c.wandb else metrics.new_run_id())
 
-        spe = self.sampler.steps_per_epoch
-        total = self._total_steps()
-        until = [f"step {total}"] if total < 10**18 else []
-        until += [f"{c.max_seconds:g}s"] if c.max_seconds is not None else []
-        print0(f"training from step {self.step} until {' or '.join(until) or 'the sampler ends'}, world size {d.world_size} "
-               f"({'distributed ' + dist.get_backend() if d.distributed else 'single process'}, {d.device}), "
-               f"global batch {self.gbs}, {spe} steps/epoch, restart {d.restart}, round {d.round}")
-        self.wandb = metrics.init_wandb(enabled=c.wandb, run_id=self.run_id, log_dir=str(self.log_dir),
-                                        project=c.wandb_project, group=os.environ.get(cfgmod.ENV_RUN_ID),
-                                        config=wandb_config(c))
-        if self._stop_signal is not None:  # a SIGTERM came before the W&B run existed
-            self._mark_preempting()
-        self.progress = metrics.Progress(total=total if total < 10**18 else None, initial=self.step,
-                                         enabled=c.progress,
-                                         seconds=c.max_seconds if c.max_seconds is not None and c.max_steps is None
-                                         else None)
-        profiler = self._start_profiler()
-        stopped_by = None
-        try:
-            stopped_by = self._loop(total, profiler)
-        except BaseException as exc:
-            self._abort(exc)
-            self.wandb.finish_within(1, WANDB_FINISH_S)  # failed (W&B: not a success); a restart resumes it
-            raise
-        finally:
-            if profiler is not None:
-                profiler.stop()
-            self.progress.close()
-        self._finish(stopped_by)
-        return {"step": self.step, "epoch": self.sampler.epoch, "offset": self.sampler.offset,
-                "loss": self.last_loss, "stopped_by": stopped_by, "world_size": d.world_size, "run_id": self.run_id}
-
     def _loop(self, total: int, profiler) -> str:
         """Steps until done or stopped; returns why it ended ("done", "max-seconds", "signal SIGTERM")."""
-        c = self.config
-        self.batches = MicroBatches(self.task, self.sampler, c.num_workers, c.seed, self.dinfo.device)
         started = last_save = time.monotonic()
-        self._agree_in = 1  # steps until the ranks next agree (the first step does)
         self.model.train()
         if self.live is not None:
             self.live.start_watching()
@@ -586,7 +311,7 @@ class Trainer:
             self.live.check_lease()  # a worker paused past its lease never starts a step in the old group
         self.timer.start()
         loss_sum = self._train_step(self.batches)
-        self._boundaries += 1
+        self.preemption.boundaries += 1
         took = self.timer.stop()  # CUDA: known once the GPU ran the step (at the agreement at the latest)
         if took.ready():
             self._last_step_s = took.seconds()
@@ -598,31 +323,72 @@ class Trainer:
             return None
         now, main = time.monotonic(), self.dinfo.is_main  # rank 0's clock decides the timed events
         signalled, timed_out, save_due, reform, self._agree_in = self._agree(
-            signalled=self._stop_signal is not None,
+            signalled=self.preemption.signalled,
             timed_out=main and c.max_seconds is not None and now - started >= c.max_seconds,
             save_due=main and c.checkpoint_every_seconds is not None and now - last_save >= c.checkpoint_every_seconds,
             reform=self.live is not None and self.live.change_pending.is_set())
         self._after_step(profiler)
-        if signalled and self.live is not None and self._stop_signal is None and not timed_out:
+        if signalled and self.live is not None and not self.preemption.signalled and not timed_out:
             return "reform"  # a peer was preempted: it leaves, the others go on without it
         if signalled or timed_out:
-            if self._stop_signal is not None:
-                reason = f"signal {signal.Signals(self._stop_signal).name}"
-            elif signalled:  # another node was preempted: save with it, then go on without it
-                reason = PEER_STOPPED
-            else:
-                reason = "max-seconds"
-            print0(f"stopping at step {self.step} ({reason})")
-            self._event("stop", step=self.step, reason=reason)
+            reason = self.preemption.stop_reason(peer_signalled=signalled)
+            self.report.print0(f"stopping at step {self.step} ({reason})")
+            self.report.event("stop", step=self.step, reason=reason)
             return reason  # _finish saves this step
-        if self.ckpt is not None and (save_due or every_n) and not self._done(total):
-            self._save(blocking=False)
+        if self.checkpoints.manager is not None and (save_due or every_n) and not self._done(total):
+            self.checkpoints.save(blocking=False)
             return "saved"
         if reform and not self._done(total):
             return "reform"
         return None
 
-    # ---- live recovery (training/live.py) -------------------------------------------------
+    def _finish(self, stopped_by: str | None) -> None:
+        """Final blocking save (unless this step is saved already), flush logs, leave the process group."""
+        self.checkpoints.finish()
+        if self.live is not None:
+            if stopped_by == "done" and self.dinfo.is_main:
+                self.live.finish()  # waiting newcomers exit 0 instead of starting the run again
+            self.live.close()
+        self.report.close(stopped_by, self.step, self.last_loss, self.first_loss)
+        self.preemption.disarm()
+        if self.dinfo.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _abort(self, exc: BaseException | None = None) -> None:
+        """On an error (a peer lost, ...): the step log gets the steps never agreed, a live member
+        leaves, and the checkpoints save what they can (``Checkpointing.abort``)."""
+        self._log_unagreed_steps()
+        if self.live is not None:  # the state lives on in the other members; leave now, visibly
+            self.live.close()
+        # a live rank never saves after a failure: it is fenced or recovered
+        lost = exc if exc is not None and self.live is None and collective_failed(exc) else None
+        self.checkpoints.abort(lost, device_state=host_step_is_device_state(self.dinfo.device))
+
+    # ---- for the live re-form and the agreement -------------------------------------------
+    def _event(self, event: str, **fields: Any) -> None:
+        self.report.event(event, **fields)
+
+    def _capture_state(self, any_rank: bool = False) -> dict | None:
+        return self.checkpoints.capture(any_rank=any_rank)
+
+    def _restore(self, step: int, state: dict) -> None:
+        self.checkpoints.restore(step, state)
+
+    def _log_unagreed_steps(self) -> None:
+        self.report.unagreed_steps(self._pending)
+        self._pending.clear()
+
+    def _log_step(self, step: int, epoch: int, offset: int, step_time: float, ended: float) -> None:
+        saved = self.checkpoints.note_commit()  # a save that committed since: its line, and W&B gets its stats
+        self.report.step_done(step, epoch, offset, step_time, ended, loss=self.last_loss,
+                              lr=self.optimizer.param_groups[0]["lr"], saved=saved)
+
+    def _autocast(self):
+        if self.amp.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.dinfo.device.type, dtype=self.amp.dtype)
+
+    # ---- live recovery (training/live.py) and the step ---------------------------------------
     def _new_sampler(self):
         from elastic_trainer.sampler import ElasticSampler
 
@@ -657,7 +423,6 @@ class Trainer:
             raise
         agreed = time.perf_counter()
         d.rank, d.world_size, d.round = quorum.rank_of(self.live.id), quorum.world_size, quorum.q
-        metrics.set_rank(d.rank)
         self.live.init_process_group(devices.backend_for(d.device), c.collective_timeout, d.device)
         grouped = time.perf_counter()
         state = None
@@ -682,8 +447,8 @@ class Trainer:
                    "state_s": done - grouped, "total_s": done - t0}
         logger.info("live: rank %d -> %d of %d in quorum %d (%s) in %.3fs", old_rank, d.rank, d.world_size,
                     quorum.q, quorum.cause, timings["total_s"])
-        print0(f"world size changed: {old_world} -> {d.world_size} ranks without a restart ({quorum.cause}); "
-               f"step {self.step}, global batch stays {self.gbs}")
+        self.report.print0(f"world size changed: {old_world} -> {d.world_size} ranks without a restart "
+                           f"({quorum.cause}); step {self.step}, global batch stays {self.gbs}")
         self._event("live_reform", step=self.step, old=old_world, new=d.world_size, round=quorum.q,
                     old_round=old_round, cause=quorum.cause, failed_at=failed_at,
                     receivers=list(quorum.receivers), **timings)
@@ -721,7 +486,7 @@ class Trainer:
             else:  # padding: the same collectives as the other ranks' extra micro-batch, weight 0
                 weight, indices = 0.0, []
             if i == mbps - 1:
-                self._log_ledger(self.step + 1, epoch, consumed)
+                self.report.ledger_line(self.step + 1, epoch, consumed)
             with (self.par.no_sync() if i < runs - 1 else contextlib.nullcontext()):  # all-reduce on the last only
                 with self._autocast():
                     loss = self.task.compute_loss(self.model, batch)
@@ -797,249 +562,3 @@ class Trainer:
         the cycle is at least the last step's time on the GPU (CUDA events, ``devices.step_timer``)."""
         return agree_interval(self._cycle_s or 0.0, self._last_step_s if self.dinfo.device.type == "cuda" else None)
 
-    def _log_ledger(self, step: int, epoch: int, consumed: list[int]) -> None:
-        self.ledger.write(LedgerRecord(step=step, epoch=epoch, round=self.dinfo.round, indices=consumed))
-
-    def _log_step(self, step: int, epoch: int, offset: int, step_time: float, ended: float) -> None:
-        d = self.dinfo
-        self.step_log.write(StepRecord(time=ended, step=step, epoch=epoch, offset=offset, world_size=d.world_size,
-                                       rank=d.rank, round=d.round, restart=d.restart, loss=self.last_loss,
-                                       node=self.node))
-        samples_s = self.gbs / step_time if step_time > 0 else 0.0
-        publisher = self._publisher()
-        if publisher is not None:
-            publisher.update(step=step, epoch=epoch, loss=self.last_loss, samples_per_s=samples_s,
-                             world_size=d.world_size, round=d.round, node=self.node, state="training")
-        self.progress.update(step=step, epoch=epoch, loss=self.last_loss,
-                             samples_per_s=samples_s, world_size=d.world_size)
-        values = {"global_step": step, "train/loss": self.last_loss, "train/epoch": epoch,
-                  "train/world_size": d.world_size, "train/step_time_s": step_time,
-                  "train/samples_per_s": samples_s, "train/restarts": d.restart,
-                  "train/lr": self.optimizer.param_groups[0]["lr"]}
-        st = self._note_commit()
-        if st is not None:
-            values["checkpoint/blocked_s"] = st.get("blocked_s", 0.0)
-            values["checkpoint/total_s"] = (st.get("blocked_s", 0.0) + st.get("serialize_s", 0.0)
-                                            + st.get("upload_s", 0.0))
-            values["checkpoint/bytes"] = st.get("bytes", 0)
-        self.wandb.log(values)
-
-    def _note_commit(self) -> dict | None:
-        """Once per committed save: one line for people, the status in etcd; returns its stats."""
-        st = self.ckpt.last_save_stats if self.ckpt is not None else None
-        if not st or not st.get("committed") or st.get("step") == self._logged_save_step:
-            return None
-        self._logged_save_step = st.get("step")
-        self._publish_checkpoint(int(st["step"]), time.time())
-        print0(f"checkpoint step-{st['step']} committed ({st.get('bytes', 0) / 1e6:.1f} MB, blocked "
-               f"{st.get('blocked_s', 0.0) * 1000:.0f} ms, {st.get('serialize_s', 0.0) + st.get('upload_s', 0.0):.2f}s "
-               f"in all) to {storage.redact(str(self.config.checkpoint_dir))}")
-        return st
-
-    def _log_unagreed_steps(self) -> None:
-        """After a failed collective: the step log gets the steps whose global loss was never agreed,
-        with this rank's loss over its own samples and ``"loss_scope": "rank"``."""
-        d = self.dinfo
-        share = max(1, self.gbs // max(1, d.world_size))
-        for step, epoch, offset, loss_sum, _, ended in self._pending:
-            self.step_log.write(StepRecord(time=ended, step=step, epoch=epoch, offset=offset,
-                                           world_size=d.world_size, rank=d.rank, round=d.round,
-                                           restart=d.restart, loss=float(loss_sum) / share, loss_scope="rank",
-                                           node=self.node))
-        self._pending.clear()
-
-    def _save(self, *, blocking: bool) -> None:
-        """Capture (all ranks under FSDP) and save on rank 0; sharded FSDP: every rank its shards."""
-        if self._sharded():
-            return self._save_sharded(blocking=blocking or not self.config.async_checkpoint)
-        state = self._capture_state()
-        self._last_save_step = self.step
-        if state is None or self.ckpt is None:
-            return
-        self.ckpt.wait()  # save() waits for the previous save anyway; say first whether it committed
-        self._note_commit()
-        blocked = self.ckpt.save(self.step, state, blocking=blocking)
-        if blocking:
-            self.ckpt.wait()
-        stats = self.ckpt.last_save_stats
-        committed = stats.get("committed") if blocking else None
-        if blocking and not committed:  # a committed save gets its one line from _note_commit
-            print0(f"checkpoint step-{self.step} NOT saved to {storage.redact(self.config.checkpoint_dir)}")
-        self._note_commit()
-        self._event("checkpoint_saved", step=self.step, blocked_s=blocked, blocking=blocking,
-                    committed=committed, epoch=self.sampler.epoch, offset=self.sampler.offset,
-                    world_size=self.dinfo.world_size)
-
-    def _save_sharded(self, *, blocking: bool) -> None:
-        """Every rank copies its shards to CPU memory and writes them (DCP) in the background;
-        rank 0 then commits the manifest, fenced (``checkpoint/sharded.py``). The previous save
-        is waited for first; ``_finish`` waits for the last."""
-        from elastic_trainer.checkpoint.sharded import ShardedSaver
-
-        t0 = time.perf_counter()
-        if self._sharded_saver is None:
-            self._sharded_saver = ShardedSaver(self.ckpt, timeout=self.config.collective_timeout)
-        rest = self._capture_state()
-        self._last_save_step = self.step
-        self.ckpt.wait()
-        self._note_commit()  # the previous save's line
-        self._sharded_saver.save(self.step, self.module, self.optimizer, rest, blocking=blocking)
-        blocked = time.perf_counter() - t0
-        committed = bool(self.ckpt.last_save_stats.get("committed")) if blocking and self.dinfo.is_main else None
-        if committed is False:
-            print0(f"checkpoint step-{self.step} NOT saved to {storage.redact(self.config.checkpoint_dir)}")
-        self._note_commit()
-        self._event("checkpoint_saved", step=self.step, blocked_s=blocked, blocking=blocking,
-                    committed=committed, epoch=self.sampler.epoch, offset=self.sampler.offset,
-                    world_size=self.dinfo.world_size)
-
-    def _finish(self, stopped_by: str | None) -> None:
-        """Final blocking save (unless this step is saved already), flush logs, leave the process group."""
-        if self.ckpt is not None:
-            self.ckpt.wait()
-            self._note_commit()  # an async save that committed after the last step's line
-            if self.step != self._last_save_step:  # the same decision on every rank (FSDP gathers)
-                self._save(blocking=True)
-            if self._sharded_saver is not None:
-                self._sharded_saver.close()
-            self.ckpt.close()
-        if self.live is not None:
-            if stopped_by == "done" and self.dinfo.is_main:
-                self.live.finish()  # waiting newcomers exit 0 instead of starting the run again
-            self.live.close()
-        self._event("finished" if stopped_by == "done" else "stopped", step=self.step, reason=stopped_by)
-        first = f" (step {self.first_loss[0]}: {self.first_loss[1]:.6f})" if self.first_loss else ""
-        print0(f"{'finished' if stopped_by == 'done' else 'stopped'} at step {self.step}, loss {self.last_loss:.6f}{first}")
-        self.wandb.finish(exit_code=wandb_exit_code(stopped_by))
-        if self._status is not None:
-            self._status.update(state="finished" if stopped_by == "done" else "stopped", step=self.step)
-            self._status.close()
-        for f in (self.events, self.step_log, self.ledger):
-            f.close()
-        if self._grace_timer is not None:
-            self._grace_timer.cancel()
-        if self.dinfo.distributed and dist.is_initialized():
-            dist.destroy_process_group()
-
-    def _abort(self, exc: BaseException | None = None) -> None:
-        """On an error (a peer lost, ...): save the last completed step if it can be, and give an
-        in-flight async save a bounded chance to commit.
-
-        Under DDP a collective fails either inside backward (the parameters are still those of
-        the last completed step) or in the step-end agreement (that step is complete on every
-        rank), so rank 0 holds a consistent state it can save without its peers: the work since
-        the last periodic checkpoint is kept. The commit is fenced by the rendezvous round.
-        FSDP cannot gather its shards without the lost peer, so it falls back to the last save, and
-        so does CUDA, where the GPU may have run past the failed collective (``host_step_is_device_state``).
-        """
-        self._log_unagreed_steps()
-        if self.live is not None:  # the state lives on in the other members; leave now, visibly
-            self.live.close()
-        if self.ckpt is None:
-            return
-        if self.live is not None:  # a live rank never saves after a failure: it is fenced or recovered
-            exc = None
-        peer_lost = exc is not None and collective_failed(exc)
-        if peer_lost and not host_step_is_device_state(self.dinfo.device):
-            logger.warning("a collective failed (%s) on %s: not saving step %d after it (the GPU may have run the "
-                           "steps queued behind the failed collective); the newest checkpoint stays",
-                           type(exc).__name__, self.dinfo.device, self.step)
-            peer_lost = False
-        # Every rank wrote the ledger line of this step before its gradient all-reduce, which
-        # completed here, so a save of it is accounted for (a peer killed right after that
-        # all-reduce included; the drill catalogue once caught a ledger written after it).
-        if peer_lost and not self.par.fsdp and self.dinfo.is_main and self.step > (self._last_save_step or 0):
-            logger.warning("a collective failed (%s); saving the last completed step %d before exiting",
-                           type(exc).__name__, self.step)
-            saver = threading.Thread(target=self._save_after_failure, daemon=True)
-            saver.start()
-            saver.join(timeout=self.config.grace_seconds)
-            return
-        waiter = threading.Thread(target=self.ckpt.wait, daemon=True)
-        waiter.start()
-        waiter.join(timeout=self.config.grace_seconds)
-
-    def _save_after_failure(self) -> None:
-        self._saving_after_failure = True  # the hung-step watchdog leaves this save to the grace timer
-        try:
-            self.ckpt.wait()
-            self._save(blocking=True)
-        except Exception:  # noqa: BLE001 - the worker is exiting with the original error anyway
-            logger.exception("could not save step %d after the collective failure", self.step)
-
-    # ---- signals, profiler ---------------------------------------------------------------
-    def _on_sigterm(self, signum: int, frame: Any = None) -> None:
-        """SIGTERM, from the Python handler (main thread) or the ``SignalWatcher`` (at delivery)."""
-        with self._signal_lock:
-            if self._stop_signal is not None:
-                return
-            self._stop_signal = signum
-        logger.warning("rank %d got %s: saving at the next step boundary, exiting within %.0fs",
-                       self.dinfo.rank, signal.Signals(signum).name, self.config.grace_seconds)
-        self._mark_preempting()
-        self._grace_timer = threading.Timer(self.config.grace_seconds, self._grace_expired)
-        self._grace_timer.daemon = True
-        self._grace_timer.start()
-        if self._last_step_s is not None and self.dinfo.world_size > 1:
-            # A healthy step ends within about one step time. If none ends soon after the signal,
-            # the step is stuck in a collective with a peer that is gone (torchrun stops us to
-            # re-rendezvous): no save is possible, so do not sit out the whole grace period.
-            hung_after = max(2.0, 3 * self._last_step_s)
-            watchdog = threading.Timer(hung_after, self._exit_if_hung, args=(self._boundaries, hung_after))
-            watchdog.daemon = True
-            watchdog.start()
-
-    def _mark_preempting(self) -> None:
-        """W&B's ``mark_preempting()``, from a thread of its own: the caller may be a signal handler
-        that interrupted the main thread inside a W&B call."""
-        logger_ = getattr(self, "wandb", None)
-        if logger_ is not None:
-            threading.Thread(target=logger_.mark_preempting, name="wandb-preempting", daemon=True).start()
-
-    def _exit_if_hung(self, boundaries_at_signal: int, waited: float) -> None:
-        if self._boundaries != boundaries_at_signal or self._saving_after_failure:
-            return
-        logger.error("rank %d: the step in progress has not ended %.1fs after the signal (steps take %.2fs): "
-                     "a peer is gone; exiting without a save (the newest checkpoint stays)",
-                     self.dinfo.rank, waited, self._last_step_s or 0.0)
-        if self.ckpt is not None:  # an async save already under way may still commit
-            self._abort()
-        self._flush_wandb_before_exit()
-        runtime().exit(EXIT_PREEMPTED, run_hooks=False)
-
-    def _grace_expired(self) -> None:
-        logger.error("rank %d: grace period of %.0fs over before the step boundary save finished; exiting now",
-                     self.dinfo.rank, self.config.grace_seconds)
-        self._flush_wandb_before_exit()
-        runtime().exit(EXIT_PREEMPTED, run_hooks=False)
-
-    def _flush_wandb_before_exit(self) -> None:
-        """A forced exit skips ``_finish``: end the W&B run as preempted, within ``WANDB_FINISH_S``."""
-        logger_ = getattr(self, "wandb", None)
-        if logger_ is not None:
-            logger_.finish_within(metrics.PREEMPTED_EXIT_CODE, WANDB_FINISH_S)
-
-    def _start_profiler(self):
-        c = self.config
-        if not c.profile:
-            return None
-        from torch.profiler import ProfilerActivity, profile, schedule
-
-        out = self.log_dir / "profile"
-        out.mkdir(parents=True, exist_ok=True)
-        rank, cuda = self.dinfo.rank, self.dinfo.device.type == "cuda"
-
-        def on_trace_ready(prof) -> None:
-            trace = out / f"trace-rank{rank}-step{self.step}.json"
-            prof.export_chrome_trace(str(trace))
-            table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
-                                              row_limit=40)
-            (out / f"key_averages-rank{rank}-step{self.step}.txt").write_text(table)
-            print0(f"profiler trace written to {trace}")
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        prof = profile(activities=activities, record_shapes=True, on_trace_ready=on_trace_ready,
-                       schedule=schedule(wait=c.profile_wait, warmup=c.profile_warmup, active=c.profile_active,
-                                         repeat=1))
-        prof.start()
-        return prof

@@ -3,8 +3,7 @@
 ``setup_distributed`` joins the process group that torchrun's environment describes (gloo on
 CPU, NCCL on GPU) and returns a ``DistInfo``; ``seed_everything`` seeds every RNG;
 ``MicroBatches`` feeds this rank's micro-batches from a DataLoader over the elastic sampler,
-with the dataset indices of each; ``round_fence`` finds the rendezvous round fence;
-``SignalWatcher`` acts on SIGTERM even while the main thread is blocked in a collective.
+with the dataset indices of each; ``round_fence`` finds the rendezvous round fence.
 ``trainer.Trainer`` uses them all (its logs are ``elastic_trainer.records``).
 """
 
@@ -16,12 +15,9 @@ import importlib.util
 import logging
 import os
 import random
-import signal
-import socket
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -191,44 +187,3 @@ def broadcast_object(value: Any, dinfo: DistInfo) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-
-class SignalWatcher:
-    """Acts on SIGTERM when it arrives, not when the main thread next runs Python code.
-
-    Python runs signal handlers in the main thread between bytecodes, so a worker blocked in a
-    collective with a dead peer would never see the signal. ``signal.set_wakeup_fd`` makes the
-    C-level handler write the signal number to a socket at delivery; this thread reads it and
-    calls ``callback(signum)`` (the grace timers start from there).
-    """
-
-    def __init__(self, callback: Callable[[int], None]) -> None:
-        self._callback = callback
-        self._read, self._write = socket.socketpair()
-        self._write.setblocking(False)
-        self._old_fd = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
-        self._thread = threading.Thread(target=self._run, name="sigterm-watcher", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            try:
-                data = self._read.recv(64)
-            except OSError:
-                return
-            if not data:
-                return
-            if signal.SIGTERM in data:
-                self._callback(signal.SIGTERM)
-
-    def close(self) -> None:
-        """Restore the previous wakeup fd and end the thread (no thread may outlive the trainer)."""
-        signal.set_wakeup_fd(self._old_fd)
-        try:
-            self._read.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._thread.join(timeout=5)
-        self._write.close()
-        self._read.close()
