@@ -160,10 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.1,
                        help="seconds between the agent's checks of its workers (default 0.1)")
     agent.add_argument("--recovery", choices=("live", "restart"), default=None,
-                       help="live (the default for the built-in trainer with DDP): survivors keep their "
-                            "processes and state when a node is lost or added; restart (the default for your "
-                            "own scripts, --fsdp and --scale-lr): every fault restarts the workers, which resume "
-                            "from the newest checkpoint")
+                       help="live (the default for the built-in trainer with DDP and for scripts that use "
+                            "elastic_trainer.Manager): survivors keep their processes and state when a node is "
+                            "lost or added; restart (the default for other scripts, --fsdp and --scale-lr): every "
+                            "fault restarts the workers, which resume from the newest checkpoint")
     io = p.add_argument_group("storage (the trainer's own flags: give each here or after `--`, not both)")
     for name in SHARED_TRAINER_FLAGS:  # declared once, in TrainConfig; None here means "not given"
         cfg.add_train_flag(io, name, default=None)
@@ -219,12 +219,18 @@ def parse_run_config(argv: list[str]) -> RunConfig:
                          "user of this machine can read; give password_file=PATH (a file only you can read) or "
                          "set ELASTIC_TRAINER_RDZV_PASSWORD instead")
     recovery = args.recovery or rdzv_conf.get("recovery")
+    # Live recovery: the built-in trainer, or a script that uses elastic_trainer.Manager (its text
+    # says so: training/manager.py's script_uses_manager); any other script gets torchrun's restarts.
+    from elastic_trainer.training.manager import script_uses_manager
+
     builtin = args.training_script is None
-    live_ok = builtin and args.rdzv_backend == "etcd-v3" and not {"--fsdp", "--scale-lr"} & set(trainer_args)
+    managed = builtin or script_uses_manager(args.training_script, module=args.module)
+    live_ok = managed and args.rdzv_backend == "etcd-v3" and not {"--fsdp", "--scale-lr"} & set(trainer_args)
     if recovery == "live" and not live_ok:
-        raise UsageError("--recovery live needs the built-in trainer with DDP, a constant global batch and the "
-                         "etcd-v3 rendezvous (not your own script, --fsdp, --scale-lr or c10d); "
-                         "use --recovery restart")
+        raise UsageError("--recovery live needs the built-in trainer with DDP and a constant global batch, or a "
+                         "script that uses elastic_trainer.Manager (see examples/own_loop.py; a script without it "
+                         "would get a process group of its own node only), on the etcd-v3 rendezvous (not "
+                         "--fsdp, --scale-lr or c10d); use --recovery restart")
     if args.rdzv_backend == "etcd-v3":
         rdzv_conf["recovery"] = recovery or ("live" if live_ok else "restart")
     try:

@@ -32,7 +32,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import sys
 import threading
 import time
@@ -78,9 +77,10 @@ class StatusPublisher:
     @classmethod
     def from_env(cls) -> StatusPublisher | None:
         """The publisher of a worker started by ``elastic-train`` on the etcd-v3 rendezvous, else None."""
-        from elastic_trainer.rendezvous.fence import ENV_RDZV_CONN, ENV_RDZV_PREFIX
+        from elastic_trainer.env import WorkerEnv
 
-        text, prefix = os.environ.get(ENV_RDZV_CONN), os.environ.get(ENV_RDZV_PREFIX)
+        env = WorkerEnv.from_environ()
+        text, prefix = env.rdzv_conn, env.rdzv_prefix
         if not text or not prefix:
             return None
         from elastic_trainer.rendezvous.etcd_client import EtcdConnection, options_from_export
@@ -159,8 +159,8 @@ def read_status(conn, prefix: str) -> dict[str, Any]:
         out.update(round=state.round, complete=state.complete, closed=state.closed)
         node_rank = {node_name(n): r for n, r in state.participants.items()}
     workers: dict[str, list[int]] = {}
-    if quorum_value:  # --recovery live: the live group's quorum (training/live.py), rank i = members[i]
-        from elastic_trainer.training.live import Quorum
+    if quorum_value:  # --recovery live: the live group's quorum (rendezvous/quorum.py), rank i = members[i]
+        from elastic_trainer.rendezvous.quorum import Quorum
 
         quorum = Quorum.from_json(quorum_value)
         for rank, member in enumerate(quorum.members):

@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
     from elastic_trainer.training.trainer import EXIT_PEER_STOPPED, PEER_STOPPED, Trainer
 
-    from elastic_trainer.training.live import EXIT_EXCLUDED, LiveExcluded, RunFinished
+    from elastic_trainer.env import EXIT_EXCLUDED
+    from elastic_trainer.rendezvous.quorum import LiveExcluded, RunFinished
     from elastic_trainer.devices import DeviceError
 
     try:

@@ -44,7 +44,7 @@ marked finished) before giving up; each attempt re-checks the fence first."""
 
 
 class Fence(Protocol):
-    """What the record needs of a fence: ``rendezvous.fence.RoundFence`` or ``training.live.LiveGroup``."""
+    """What the record needs of a fence: ``rendezvous.fence.RoundFence`` or ``rendezvous.quorum.LiveGroup``."""
 
     prefix: str
 

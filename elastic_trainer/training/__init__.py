@@ -2,15 +2,18 @@
 
 Modules:
 
-- ``trainer``: ``Trainer``, the loop (build, resume, step, agree, save) and the recovery paths;
-- ``worker``: the process around the loop (process group, seeding, micro-batch feed, the round
-  fence, SIGTERM while blocked in a collective);
+- ``manager``: ``Manager`` (public: ``elastic_trainer.Manager``), the worker's process group under
+  live recovery: join, re-form, state transfer, the step agreement; a plain manager otherwise;
+- ``runtime``: the one object that owns the worker's background threads and its exit;
+- ``trainer``: ``Trainer``, the loop (build, resume, step, agree, save), one client of the Manager;
+- ``worker``: the process around the loop (device, plain process group, seeding, micro-batch
+  feed, the round fence, SIGTERM while blocked in a collective);
 - ``parallel``: DDP or FSDP2 wrapping, ``no_sync`` and full state dicts (``Parallel``);
 - ``rng``: every rank's own RNG state gathered into a checkpoint, and which one a rank restores;
 - ``data``: the example task's synthetic and HDF5 datasets;
 - ``metrics``: rank-0 printing, the progress bar and the W&B logger (a no-op when off).
 
-Exports ``Trainer``; the task API users write against is ``elastic_trainer.tasks`` and the
+Exports ``Trainer`` and ``Manager``; the task API users write against is ``elastic_trainer.tasks`` and the
 flags are ``elastic_trainer.config.TrainConfig``.
 """
 
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Trainer"]
+__all__ = ["Manager", "Trainer"]
 
 
 def __getattr__(name: str) -> Any:
@@ -26,4 +29,8 @@ def __getattr__(name: str) -> Any:
         from elastic_trainer.training.trainer import Trainer
 
         return Trainer
+    if name == "Manager":
+        from elastic_trainer.training.manager import Manager
+
+        return Manager
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -35,7 +35,7 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,23 +48,27 @@ from elastic_trainer.records import Event, EventRecord, JsonLines, LedgerRecord,
 from elastic_trainer.training import metrics
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.training.metrics import print0
-from elastic_trainer.training.live import LiveExcluded, LiveGroup, send_state
+from elastic_trainer.env import WorkerEnv
+from elastic_trainer.training.manager import (
+    LiveExcluded,
+    Manager,
+    agree_interval,
+    collective_failed,
+    host_step_is_device_state,
+)
 from elastic_trainer.training.parallel import Parallel
 from elastic_trainer.tasks import Task, as_task, load_builder
 from elastic_trainer.training.worker import (
     DistInfo,
     broadcast_object,
     round_fence,
-    join_live,
     MicroBatches,
     SignalWatcher,
     seed_everything,
     setup_distributed,
-    warm_up_ddp,
 )
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 PEER_STOPPED = "a peer was stopped by a signal"
 """Why a rank stops when another node was preempted: it saves with the others, then exits with
@@ -85,81 +89,6 @@ def wandb_exit_code(stopped_by: str | None) -> int:
     if stopped_by == PEER_STOPPED:
         return EXIT_PEER_STOPPED
     return metrics.PREEMPTED_EXIT_CODE
-
-
-def collective_failed(exc: BaseException) -> bool:
-    """A collective with a peer failed (the peer died, or its group was torn down), on any backend:
-    torch raises ``DistError`` subclasses (``DistBackendError`` for NCCL's errors and timeouts), and
-    plain ``RuntimeError``s whose text names the backend (gloo, NCCL) or the connection."""
-    if isinstance(exc, dist.DistError):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(k in text for k in ("gloo", "nccl", "connection", "peer"))
-
-
-def agree_interval(host_cycle_s: float, device_step_s: float | None = None) -> int:
-    """Steps between two step-end agreements: about 0.2 s of steps, 1 to 32. A step takes the
-    longer of the host's cycle (start to start) and the device's own time for it (CUDA), since the
-    host only queues the GPU's work and runs ahead of it until a synchronisation point."""
-    cycle = max(host_cycle_s, device_step_s or 0.0)
-    return max(1, min(32, int(0.2 / cycle))) if cycle > 0 else 1
-
-
-def _abort_world_group() -> None:
-    """Abort the default group from another thread (NCCL: ends its collectives in flight with an
-    error, which the training thread takes as a failed collective and re-forms)."""
-    try:
-        if dist.is_initialized():
-            dist.group.WORLD.abort()
-    except Exception as exc:  # noqa: BLE001 - the group may already be gone (re-formed meanwhile)
-        logger.info("live: abort of the process group from the watcher: %s", exc)
-
-
-def host_step_is_device_state(device: torch.device) -> bool:
-    """Whether, when a collective fails, the model and optimizer on ``device`` are those of the last
-    step the host completed (so rank 0 may save them without its peers).
-
-    On the CPU (gloo) a collective returns only once it is done, so a failure stops the host before
-    the optimizer step. On CUDA (NCCL) ``work.wait()`` only makes the compute stream wait: the host
-    queues the optimizer step, and further steps, behind an all-reduce that may never finish, and
-    when the group is aborted (watchdog, ``--collective-timeout``) those kernels run on a partial
-    result. The host's step then says nothing about the state on the GPU: no save after a failure."""
-    return device.type != "cuda"
-
-
-def run_or_failed_collective(step: Callable[[], T], recover: bool) -> tuple[T | None, str | None]:
-    """``(step(), None)``, or ``(None, cause)`` when ``recover`` and a collective failed in it.
-
-    The failure is returned, not handled inside the ``except`` block, so that the re-form runs
-    with the failed step's frames (its traceback) released: while anything refers to the broken
-    process group its gloo connections stay open (checked: a peer blocked on this process then
-    waits until it exits), and a survivor blocked on this one, not on the dead peer, would report
-    late and be left out of the next quorum."""
-    try:
-        return step(), None
-    except Exception as exc:  # noqa: BLE001 - only a failed collective is recovered; the rest re-raises
-        if not recover or not collective_failed(exc):
-            raise
-        return None, f"a collective failed ({type(exc).__name__})"
-
-
-def leave_process_group() -> None:
-    """Abort (NCCL: tear the communicators down, unblocking queued work) and destroy the default group.
-
-    What still refers to the group keeps its connections open after ``destroy_process_group``
-    (peers blocked on this process then wait until it exits): the caller drops DDP first. (No
-    ``gc.collect()`` here: under load it took 0.3-0.4 s of every re-form, and the group goes by
-    reference counting once DDP and the failed step's frames are gone.)"""
-    if not dist.is_initialized():
-        return
-    try:
-        dist.group.WORLD.abort()
-    except Exception as exc:  # noqa: BLE001 - gloo has little to abort; destroy below frees it
-        logger.debug("abort of the process group: %s", exc)
-    try:
-        dist.destroy_process_group()
-    except Exception as exc:  # noqa: BLE001 - a broken group may fail to destroy cleanly
-        logger.info("destroying the broken process group: %s", exc)
 
 
 # ---------------------------------------------------------------------------------- trainer
@@ -198,11 +127,16 @@ class Trainer:
     # ---- build -----------------------------------------------------------------------
     def _build(self) -> None:
         c = self.config
-        self.live = LiveGroup.from_env()
-        if self.live is not None and (c.fsdp or c.scale_lr):
+        env = WorkerEnv.from_environ()
+        if env.live is not None and (c.fsdp or c.scale_lr):
             raise ValueError(f"live recovery works with DDP and a constant global batch; {'--fsdp' if c.fsdp else '--scale-lr'} "
                              "needs `elastic-train --recovery restart`")
-        self.dinfo = d = setup_distributed(c, self.live)
+        self.dinfo = d = setup_distributed(c, env)
+        # the process group's owner (training/manager.py); its live quorum (None in plain mode) fences commits
+        self.manager = Manager(d.device, collective_timeout=c.collective_timeout, env=env)
+        self.live = self.manager.group
+        if self.live is None:
+            self.manager.start()  # plain: the group setup_distributed joined; never re-formed
         seed_everything(c.seed)
         task = self._task if self._task is not None else load_builder(c.task)(c.task_args)
         self.task = as_task(task)
@@ -224,10 +158,9 @@ class Trainer:
         if self.live is not None:  # ready to train: only now ask the live group to admit us
             import elastic_trainer.sampler  # noqa: F401 - imported before the others wait for us
 
-            warm_up_ddp()
-            if d.device.type == "cuda":  # an NCCL collective may hang on a lost peer instead of failing
-                self.live.on_member_lost = lambda why: _abort_world_group()
-            join_live(d, c, self.live)
+            self.manager.start()
+            d.distributed, d.rank, d.world_size, d.round = True, self.manager.rank, self.manager.world_size, \
+                self.manager.round
         metrics.set_rank(d.rank)
         self.amp = devices.amp_plan(c.amp, d.device, bf16_supported=d.device.type != "cuda"
                                     or torch.cuda.is_bf16_supported(including_emulation=False))
@@ -475,11 +408,10 @@ class Trainer:
         d = self.dinfo
         from elastic_trainer.sampler import ElasticSampler
 
-        from_peer = self.live is not None and not self.live.quorum.cold
+        from_peer = self.manager.newcomer
         if from_peer:  # a newcomer: the state comes from a live rank over the new group, not storage
             t0 = time.perf_counter()
-            q = self.live.quorum
-            state = send_state(None, q.source, q.receivers, d.device)
+            state = self.manager.receive_state()
             loaded = (int(state["meta"]["step"]), state)
             self._peer_state_s = time.perf_counter() - t0
             logger.info("live: received the training state of step %d from rank %d in %.3fs", loaded[0],
@@ -560,20 +492,16 @@ class Trainer:
         c = self.config
         self.batches = MicroBatches(self.task, self.sampler, c.num_workers, c.seed, self.dinfo.device)
         started = last_save = time.monotonic()
-        self._agree_in = 1  # steps until the ranks next agree (the first step does)
         self.model.train()
-        if self.live is not None:
-            self.live.start_watching()
         while not self._done(total):
-            reason, failed = run_or_failed_collective(
-                lambda: self._loop_step(total, profiler, started, last_save), recover=self.live is not None)
+            reason, failed = self.manager.run(lambda: self._loop_step(total, profiler, started, last_save))
             if failed is not None:  # re-form outside the except block: see run_or_failed_collective
                 self._live_reform(failed)
                 continue
             if reason == "saved":
                 last_save = time.monotonic()
             elif reason == "reform":
-                self._live_reform(f"planned: {self.live.change_reason or 'a member asked'}")
+                self._live_reform(f"planned: {self.manager.reform_reason or 'a member asked'}")
             elif reason is not None:
                 return reason
         return "done"
@@ -582,8 +510,7 @@ class Trainer:
         """One step, and the agreement when one is due. Returns None to go on, "saved" after a
         periodic save, "reform" when the live group re-forms now, or why training stops."""
         c = self.config
-        if self.live is not None:
-            self.live.check_lease()  # a worker paused past its lease never starts a step in the old group
+        self.manager.before_step()  # a worker paused past its lease never starts a step in the old group
         self.timer.start()
         loss_sum = self._train_step(self.batches)
         self._boundaries += 1
@@ -591,17 +518,16 @@ class Trainer:
         if took.ready():
             self._last_step_s = took.seconds()
         self._pending.append((self.step, self.sampler.epoch, self.sampler.offset, loss_sum, took, time.time()))
-        self._agree_in -= 1
+        due = self.manager.agree_due()
         every_n = c.checkpoint_every is not None and self.step % c.checkpoint_every == 0
-        if self._agree_in > 0 and not every_n and not self._done(total):
+        if not due and not every_n and not self._done(total):
             self._after_step(profiler)
             return None
         now, main = time.monotonic(), self.dinfo.is_main  # rank 0's clock decides the timed events
-        signalled, timed_out, save_due, reform, self._agree_in = self._agree(
+        signalled, timed_out, save_due, reform = self._agree(
             signalled=self._stop_signal is not None,
             timed_out=main and c.max_seconds is not None and now - started >= c.max_seconds,
-            save_due=main and c.checkpoint_every_seconds is not None and now - last_save >= c.checkpoint_every_seconds,
-            reform=self.live is not None and self.live.change_pending.is_set())
+            save_due=main and c.checkpoint_every_seconds is not None and now - last_save >= c.checkpoint_every_seconds)
         self._after_step(profiler)
         if signalled and self.live is not None and self._stop_signal is None and not timed_out:
             return "reform"  # a peer was preempted: it leaves, the others go on without it
@@ -622,7 +548,7 @@ class Trainer:
             return "reform"
         return None
 
-    # ---- live recovery (training/live.py) -------------------------------------------------
+    # ---- live recovery (training/manager.py) ----------------------------------------------
     def _new_sampler(self):
         from elastic_trainer.sampler import ElasticSampler
 
@@ -631,7 +557,8 @@ class Trainer:
                               micro_batch_size=c.micro_batch_size)
 
     def _live_reform(self, cause: str) -> None:
-        """Re-form the group in place: same process, same state; a new group at the new world size.
+        """Re-form the group in place (``Manager.reform``): same process, same state; a new group
+        at the new world size.
 
         The step that failed (if any) did not change the parameters under DDP: a collective fails
         inside backward, before the optimizer step, or in the step-end agreement, after it. So
@@ -644,28 +571,19 @@ class Trainer:
         old_world, old_round, old_rank = d.world_size, d.round, d.rank
         self.par = self.par.unwrap()  # DDP goes before its process group
         self.model = None
-        leave_process_group()
         self.optimizer.zero_grad(set_to_none=True)
-        torn = time.perf_counter()
-        step_s = self._last_step_s or 0.0
         try:
-            quorum = self.live.reform(self.step, cause, report_timeout=max(self.live.settings.report_timeout,
-                                                                            3 * step_s))
+            reformed = self.manager.reform(self.step, cause, lambda: self._capture_state(any_rank=True),
+                                           step_seconds=self._last_step_s or 0.0)
         except LiveExcluded as exc:
             logger.error("live: %s; exiting so that the agent starts this worker again as a newcomer", exc)
             self._event("live_excluded", step=self.step, reason=str(exc))
             raise
-        agreed = time.perf_counter()
-        d.rank, d.world_size, d.round = quorum.rank_of(self.live.id), quorum.world_size, quorum.q
+        quorum, state = reformed.quorum, reformed.state
+        d.rank, d.world_size, d.round = self.manager.rank, self.manager.world_size, self.manager.round
         metrics.set_rank(d.rank)
-        self.live.init_process_group(devices.backend_for(d.device), c.collective_timeout, d.device)
-        grouped = time.perf_counter()
-        state = None
-        if quorum.receivers:
-            state = send_state(self._capture_state(any_rank=True) if d.rank == quorum.source else None,
-                               quorum.source, quorum.receivers, d.device)
-            if state is not None:
-                self.module.load_state_dict(state["model"])
+        if state is not None:
+            self.module.load_state_dict(state["model"])
         self.par = Parallel.wrap(self.module, c, d)
         self.model = self.par.model
         self.model.train()
@@ -676,10 +594,7 @@ class Trainer:
             self._restore(quorum.step, state)
         del state
         self.batches = MicroBatches(self.task, self.sampler, c.num_workers, c.seed, d.device)
-        self._agree_in = 1
-        done = time.perf_counter()
-        timings = {"teardown_s": torn - t0, "agree_s": agreed - torn, "group_s": grouped - agreed,
-                   "state_s": done - grouped, "total_s": done - t0}
+        timings = reformed.timings(t0, time.perf_counter())
         logger.info("live: rank %d -> %d of %d in quorum %d (%s) in %.3fs", old_rank, d.rank, d.world_size,
                     quorum.q, quorum.cause, timings["total_s"])
         print0(f"world size changed: {old_world} -> {d.world_size} ranks without a restart ({quorum.cause}); "
@@ -747,38 +662,32 @@ class Trainer:
         self.step += 1
         return loss_sum
 
-    def _agree(self, *, signalled: bool, timed_out: bool, save_due: bool,
-               reform: bool = False) -> tuple[bool, bool, bool, bool, int]:
-        """One small all-reduce every few steps: the global-batch losses of the steps since the last
-        one, and stop/save decisions that every rank then shares.
+    def _agree(self, *, signalled: bool, timed_out: bool, save_due: bool) -> tuple[bool, bool, bool, bool]:
+        """One small all-reduce every few steps (``Manager.agree``): the global-batch losses of the
+        steps since the last one, and stop/save decisions that every rank then shares.
 
         Returns (some rank got SIGTERM, rank 0's --max-seconds ran out, a timed save is due, some
-        rank's live group asks to re-form (a newcomer waits, a member's lease expired), steps until
-        the next agreement). A stop or save request from any rank applies to all of them at
-        this step, so they save together. A gloo all-reduce costs about 0.25 ms of CPU, 1-2% of a
+        rank's live group asks to re-form (a newcomer waits, a member's lease expired)); the
+        Manager keeps the steps until the next agreement. A stop or save request from any rank
+        applies to all of them at this step, so they save together. A gloo all-reduce costs about 0.25 ms of CPU, 1-2% of a
         small CPU step, so the ranks agree every ``_agree_interval`` steps (about 0.2 s, chosen by
         rank 0 and shared in the same all-reduce), at every checkpoint step and at the last step;
         a SIGTERM is acted on at the next agreement. Then the step log gets the pending steps.
         """
-        d = self.dinfo
         losses = torch.stack([p[3] for p in self._pending])
         self._last_step_s = self._pending[-1][4].seconds()  # CUDA: waits for the GPU, as the all-reduce would
-        interval = float(self._agree_interval()) if d.is_main else 0.0
-        flags = torch.tensor([float(signalled), float(timed_out), float(save_due), float(reform), interval],
-                             dtype=torch.float64,
+        flags = torch.tensor([float(signalled), float(timed_out), float(save_due)], dtype=torch.float64,
                              device=losses.device)  # the process group's device (NCCL needs CUDA tensors)
-        shared = torch.cat([losses, flags])
-        if d.distributed and d.world_size > 1:
-            dist.all_reduce(shared)
+        agreed = self.manager.agree(torch.cat([losses, flags]), interval=self._agree_interval())
         n = len(self._pending)
-        values = shared.tolist()
+        values = agreed.values
         for (step, epoch, offset, _, took, ended), loss in zip(self._pending, values[:n]):
             self.last_loss = loss / self.gbs
             if self.first_loss is None:
                 self.first_loss = (step, self.last_loss)
             self._log_step(step, epoch, offset, took.seconds(), ended)
         self._pending.clear()
-        return values[n] > 0, values[n + 1] > 0, values[n + 2] > 0, values[n + 3] > 0, max(1, int(values[n + 4]))
+        return values[n] > 0, values[n + 1] > 0, values[n + 2] > 0, agreed.reform
 
     def _after_step(self, profiler) -> None:
         if profiler is not None:
