@@ -19,31 +19,14 @@ interpreter exit could abort a worker whose run succeeded.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
-import signal
 import sys
 from collections.abc import Mapping
 from typing import NoReturn
 
 from elastic_trainer import config as cfgmod
-from elastic_trainer.env import EXIT_ERROR
-
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent (the torchrun agent) dies."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        from elastic_trainer.training.runtime import runtime
-
-        runtime().exit(EXIT_ERROR, "the agent that started this worker is gone", run_hooks=False)
+from elastic_trainer.training.runtime import die_with_parent
 
 
 def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser,

@@ -67,7 +67,7 @@ import torch.distributed as dist
 
 from elastic_trainer.env import EXIT_EXCLUDED, EXIT_OK, WorkerEnv
 from elastic_trainer.rendezvous.quorum import LiveExcluded, LiveGroup, Quorum, RunFinished
-from elastic_trainer.training.runtime import runtime
+from elastic_trainer.training.runtime import die_with_parent, runtime
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -291,6 +291,8 @@ class Manager:
     def __init__(self, device: torch.device | None = None, *, collective_timeout: float = 300.0,
                  env: WorkerEnv | None = None) -> None:
         self.env = WorkerEnv.from_environ() if env is None else env
+        if self.env.launched:  # torch's agent gives each worker a session of its own: go when it goes
+            die_with_parent()
         self.device = device if device is not None else torch.device("cpu")
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.collective_timeout = collective_timeout
