@@ -291,8 +291,8 @@ class Manager:
     def __init__(self, device: torch.device | None = None, *, collective_timeout: float = 300.0,
                  env: WorkerEnv | None = None) -> None:
         self.env = WorkerEnv.from_environ() if env is None else env
-        if self.env.launched:  # torch's agent gives each worker a session of its own: go when it goes
-            die_with_parent()
+        if self.env.restart_count is not None:  # started by torchrun's agent, which gives each worker a
+            die_with_parent()                   # session of its own: go when the agent goes (a killed node)
         self.device = device if device is not None else torch.device("cpu")
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.collective_timeout = collective_timeout
