@@ -64,6 +64,14 @@ def test_the_launcher_runs_a_script_live_only_when_it_uses_the_manager(tmp_path)
     plain.write_text("import torch.distributed as dist\ndist.init_process_group()\n")
     assert script_uses_manager(str(own_loop)) and not script_uses_manager(str(plain))
     assert not script_uses_manager(str(tmp_path / "missing.py"))
+    mentions = tmp_path / "mentions.py"
+    mentions.write_text('"""Not elastic_trainer\'s Manager: a CheckpointManager."""\nimport elastic_trainer\n')
+    assert not script_uses_manager(str(mentions)), "a mention is not a use"
+    for use in ("from elastic_trainer import (\n    Manager,\n    records,\n)\n",
+                "import elastic_trainer\nm = elastic_trainer.Manager()\n",
+                "from elastic_trainer.training.manager import Agreement, Manager\n"):
+        (tmp_path / "use.py").write_text(use)
+        assert script_uses_manager(str(tmp_path / "use.py")), use
     assert script_uses_manager("elastic_trainer.train", module=False) is False
     assert cli.parse_run_config([str(own_loop)]).rdzv_conf["recovery"] == "live"
     assert cli.parse_run_config([str(plain)]).rdzv_conf["recovery"] == "restart"

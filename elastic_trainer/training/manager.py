@@ -57,6 +57,7 @@ import datetime
 import io
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -225,14 +226,19 @@ def send_state(state: dict | None, src: int, receivers: Sequence[int], device: t
 
 
 # ---- who uses it ----------------------------------------------------------------------------------
+_USES_MANAGER = re.compile(
+    r"^\s*from\s+elastic_trainer(?:\.training(?:\.manager)?)?\s+import\s+(?:\([^)]*|[^\n]*)\bManager\b"
+    r"|\belastic_trainer\.(?:training\.(?:manager\.)?)?Manager\b", re.MULTILINE)
+
+
 def script_uses_manager(script: str, module: bool = False) -> bool:
     """Whether the training script (a path, or a module name with ``module``) uses this Manager:
-    its text names ``elastic_trainer`` and ``Manager``. ``elastic-train`` runs such a script under
+    its text imports it (``from elastic_trainer import Manager``, or from ``elastic_trainer.training``
+    or ``.training.manager``) or names ``elastic_trainer.Manager``. ``elastic-train`` runs such a script under
     live recovery by default and any other under restart: a script that ignores the Manager would,
     under live recovery, get from torchrun a process group of its own node only (each node
     training alone), so it must not run there."""
     import importlib.util
-    import re
 
     path: str | None = script
     if module:
@@ -248,7 +254,7 @@ def script_uses_manager(script: str, module: bool = False) -> bool:
             text = f.read()
     except OSError:
         return False
-    return "elastic_trainer" in text and re.search(r"\bManager\b", text) is not None
+    return _USES_MANAGER.search(text) is not None
 
 
 # ---- the Manager ----------------------------------------------------------------------------------
