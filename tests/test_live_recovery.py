@@ -251,7 +251,8 @@ def test_nccl_groups_of_the_live_path_abort_instead_of_ending_the_process(monkey
     """torch's default NCCL error handling ends the process on an error or timeout, which would
     turn every live re-form on GPUs into a restart; the live path asks for clean-up only, and
     keeps (and warns about) a value the user chose."""
-    from elastic_trainer.training.manager import NCCL_ERROR_HANDLING, nccl_error_handling
+    from elastic_trainer.env import ENV_NCCL_ERROR_HANDLING as NCCL_ERROR_HANDLING
+    from elastic_trainer.training.manager import nccl_error_handling
 
     monkeypatch.delenv(NCCL_ERROR_HANDLING, raising=False)
     assert nccl_error_handling() == "2" and os.environ[NCCL_ERROR_HANDLING] == "2"

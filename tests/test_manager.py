@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_trainer import cli
+from elastic_trainer.cli import launch
 from elastic_trainer.env import ENV_LIVE, LiveSettings, WorkerEnv
 from elastic_trainer.rendezvous.options import RendezvousOptions
 from elastic_trainer.training.manager import Manager, script_uses_manager
@@ -73,7 +73,7 @@ def test_the_launcher_runs_a_script_live_only_when_it_uses_the_manager(tmp_path)
         (tmp_path / "use.py").write_text(use)
         assert script_uses_manager(str(tmp_path / "use.py")), use
     assert script_uses_manager("elastic_trainer.train", module=False) is False
-    assert cli.parse_run_config([str(own_loop)]).rdzv_conf["recovery"] == "live"
-    assert cli.parse_run_config([str(plain)]).rdzv_conf["recovery"] == "restart"
-    with pytest.raises(cli.UsageError, match="process group of its own node"):
-        cli.parse_run_config(["--recovery", "live", str(plain)])
+    assert launch.parse_run_config([str(own_loop)]).rdzv_conf["recovery"] == "live"
+    assert launch.parse_run_config([str(plain)]).rdzv_conf["recovery"] == "restart"
+    with pytest.raises(launch.UsageError, match="process group of its own node"):
+        launch.parse_run_config(["--recovery", "live", str(plain)])

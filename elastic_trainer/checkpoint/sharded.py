@@ -10,7 +10,7 @@ A reader verifies every file before anything is loaded. Loading reshards: DCP's 
 the sharded state dicts of the *current* model and optimizer, whatever world size wrote them.
 
 A save (``ShardedSaver.save``) blocks training only while this rank's shards are copied into CPU
-memory (``Staging``: one ``torch._foreach_copy_`` into buffers kept for the next save, so a rank
+memory (``Staging``: one ``foreach_copy`` into buffers kept for the next save, so a rank
 holds one extra copy of its own shards, never of the model); the rest, DCP's ``save`` of those
 buffers, runs on a background thread that the ``CheckpointManager`` owns as its in-flight save,
 so ``ckpt.wait()``, ``ckpt.close()`` and the next save wait for it:
@@ -59,6 +59,7 @@ import torch.distributed as dist
 import xxhash
 
 from elastic_trainer.checkpoint import storage
+from elastic_trainer.rendezvous.torch_private import foreach_copy
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +201,7 @@ class Staging:
     The first ``stage`` (and any after the state's layout changed: other keys, shapes, dtypes or
     shardings) lets DCP's ``DefaultStager`` build the staged copy (DTensors whose local tensors
     are CPU buffers); every later one copies the live tensors into those same buffers with one
-    ``torch._foreach_copy_`` and rebuilds only the containers, with fresh copies of the
+    ``foreach_copy`` and rebuilds only the containers, with fresh copies of the
     non-tensor values (learning rates, step counters kept as numbers). DCP's stager walks the
     whole state in Python on every save (~10-25 ms for a 4-layer model on this machine's CPU,
     most of a small model's blocked time); this is the copy itself plus a walk of the keys.
@@ -243,7 +244,7 @@ class Staging:
             tensors = [(path, v, self._local(v)) for path, v in self._leaves(state) if isinstance(v, torch.Tensor)]
             layout = [(path, self._signature(v, local)) for path, v, local in tensors]  # in order: the buffers' order
             if layout == self._layout:
-                torch._foreach_copy_(self._buffers, [local for _, _, local in tensors])
+                foreach_copy(self._buffers, [local for _, _, local in tensors])
                 return self._rebuild(state, ())
         if self._stager is None:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -395,8 +396,7 @@ class ShardedSaver:
                 error = f"the commit failed ({type(exc).__name__}: {storage.redact(exc)})"
         if error is not None:
             error = f"checkpoint step-{step} not committed: {error}"
-            self.ckpt.last_error = error
-            self.ckpt.last_save_stats = {**stats, "committed": False, "error": error}
+            self.ckpt.record_failure(stats, error)
             log.error("%s; the last good checkpoint stays", error)
             return
         done = self.ckpt.last_save_stats

@@ -66,17 +66,13 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from elastic_trainer.env import EXIT_EXCLUDED, EXIT_OK, WorkerEnv
+from elastic_trainer.env import ENV_NCCL_ERROR_HANDLING, EXIT_EXCLUDED, EXIT_OK, NCCL_CLEAN_UP_ONLY, WorkerEnv
 from elastic_trainer.rendezvous.quorum import LiveExcluded, LiveGroup, Quorum, RunFinished
 from elastic_trainer.training.runtime import die_with_parent, runtime
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-NCCL_CLEAN_UP_ONLY = "2"
-"""torch's ErrorHandlingMode CleanUpOnly: abort the communicators, keep the process (live recovery
-needs the process); 1 (TearDown) and 3 (SkipCleanUp, torch's default) end it."""
 
 
 # ---- telling a failed collective from other errors -------------------------------------------------
@@ -160,10 +156,10 @@ def nccl_error_handling() -> str:
     """Ask NCCL process groups made from now on to abort their communicators on an error or a
     timeout and raise it, instead of ending the process (``NCCL_CLEAN_UP_ONLY``); a value the user
     set is kept, with a warning when it ends the process. Returns the value in force."""
-    value = os.environ.setdefault(NCCL_ERROR_HANDLING, NCCL_CLEAN_UP_ONLY)
+    value = os.environ.setdefault(ENV_NCCL_ERROR_HANDLING, NCCL_CLEAN_UP_ONLY)
     if value != NCCL_CLEAN_UP_ONLY:
         logger.warning("live: %s=%s ends a worker on an NCCL error or timeout, so live recovery falls back to "
-                       "restarting it; unset it (or set %s) to keep the process", NCCL_ERROR_HANDLING, value,
+                       "restarting it; unset it (or set %s) to keep the process", ENV_NCCL_ERROR_HANDLING, value,
                        NCCL_CLEAN_UP_ONLY)
     return value
 
