@@ -7,9 +7,11 @@ Run (from the repository root; about 3 min per trial of all three systems, plus 
     .venv/bin/python benchmarks/live_recovery.py --trials 3 --goodput-seconds 60     # a quick look
     .venv/bin/python benchmarks/live_recovery.py --systems live --trials 1 --goodput-seconds 20   # the smoke test
 
-Three systems, ``--nodes`` nodes of one worker each on loopback, the same small model (``TINY``):
+Four systems, ``--nodes`` nodes of one worker each on loopback, the same small model (``TINY``):
 
   live        ``elastic-train --recovery live``: survivors keep their processes and re-form the group;
+  own-loop    ``elastic-train examples/own_loop.py``: a plain DDP loop of its own through
+              ``elastic_trainer.Manager``, live by default (no checkpoints; the same kills and join);
   restart     ``elastic-train --recovery restart``: every change restarts the workers, which resume
               from the newest checkpoint (the same ``--checkpoint-every`` on both of ours);
   c10d-tuned  ``torchrun`` + ``benchmarks/plain_ddp.py`` (DDP, no checkpoints) on c10d as
@@ -64,7 +66,8 @@ from elastic_trainer import records  # noqa: E402
 from benchmarks.rdzv_worker import agent_cmd, signal_tree  # noqa: E402
 from elastic_trainer.drill.nodes import descendants  # noqa: E402
 
-SYSTEMS = ("live", "restart", "c10d-tuned")
+SYSTEMS = ("live", "own-loop", "restart", "c10d-tuned")
+LIVE_SYSTEMS = ("live", "own-loop")
 SCENARIOS = ("kill-other", "join", "kill-rank0")
 EXAMPLE = ["--example", "seeds", "--d-model", "16", "--nhead", "2", "--layers", "1", "--dim-feedforward", "32", "--src-len", "2",
            "--tgt-len", "4", "--dataset-size", "2400", "--loss", "mse", "--global-batch-size", "12"]
@@ -106,6 +109,22 @@ class TrainerJob(recovery.Job):
         return [e.to_json() for e in records.read_events(self.dir)]
 
 
+class OwnLoopJob(TrainerJob):
+    """``examples/own_loop.py`` (a plain DDP loop through ``elastic_trainer.Manager``) under
+    ``elastic-train``, live: the Manager's recovery without the built-in trainer."""
+
+    def __init__(self, nodes: int, workdir: Path, settings: argparse.Namespace) -> None:
+        super().__init__("live", nodes, workdir, settings)
+        self.name = "own-loop"
+
+    def node_cmd(self) -> list[str]:
+        s = self.settings
+        return [sys.executable, "-m", "elastic_trainer.cli", "--nnodes", f"{s.min_nodes}:{self.max_nodes}",
+                "--rdzv-endpoint", self.endpoint, "--run-id", "bench", "--rdzv-conf", RDZV_CONF,
+                "--local-addr", "127.0.0.1", "--log-dir", str(self.dir), str(REPO / "examples" / "own_loop.py"),
+                "--max-steps", "1000000", "--sleep-per-step", str(s.sleep_per_step)]
+
+
 class PlainJob(recovery.Job):
     """torchrun on c10d (as ``recovery.py`` tunes it) running ``benchmarks/plain_ddp.py``."""
 
@@ -132,6 +151,8 @@ class PlainJob(recovery.Job):
 def make_job(system: str, nodes: int, workdir: Path, settings: argparse.Namespace) -> recovery.Job:
     if system == "c10d-tuned":
         return PlainJob(nodes, workdir, settings)
+    if system == "own-loop":
+        return OwnLoopJob(nodes, workdir, settings)
     return TrainerJob(system, nodes, workdir, settings)
 
 
@@ -252,7 +273,7 @@ def _hwm_extra(before: dict[int, float | None]) -> dict[str, float] | None:
 
 def trial(system: str, args: argparse.Namespace, root: Path) -> dict:
     """Every scenario once; a scenario that fails ends its job, and the next one starts a fresh job."""
-    n, live, results = args.nodes, system == "live", {}
+    n, live, results = args.nodes, system in LIVE_SYSTEMS, {}
     job, jobs = None, 0
     try:
         for scenario in SCENARIOS:
@@ -382,20 +403,21 @@ def summarize(results: dict[str, list[dict]]) -> str:
 def verdicts(results: dict[str, list[dict]], goodput: dict[str, dict]) -> list[str]:
     """The issue's targets for the live path, met or not."""
     out = []
-    trials = results.get("live", [])
-    for sc in ("kill-other", "kill-rank0"):
-        vals = [t.get(sc) for t in trials]
-        ok = [v["s"] for v in vals if isinstance(v, dict)]
-        if vals:
-            met = len(ok) == len(vals) and statistics.median(ok) < 0.5 and max(ok) < 1.0
-            med, worst = _stats(ok)
-            out.append(f"live {sc}: median {med} s, worst {worst} s, {len(ok)}/{len(vals)} "
-                       f"(target {TARGETS['kill']}): {'met' if met else 'NOT met'}")
-    pauses = [t["join"]["pause"] for t in trials if isinstance(t.get("join"), dict) and t["join"].get("pause")]
-    if trials:
-        med = statistics.median(pauses) if pauses else None
-        out.append(f"live join: survivors' pause median {med if med is None else f'{med:.3f}'} s "
-                   f"(target {TARGETS['join']}): {'met' if med is not None and med < 0.5 else 'NOT met'}")
+    for system in LIVE_SYSTEMS:
+        trials = results.get(system, [])
+        for sc in ("kill-other", "kill-rank0"):
+            vals = [t.get(sc) for t in trials]
+            ok = [v["s"] for v in vals if isinstance(v, dict)]
+            if vals:
+                met = len(ok) == len(vals) and statistics.median(ok) < 0.5 and max(ok) < 1.0
+                med, worst = _stats(ok)
+                out.append(f"{system} {sc}: median {med} s, worst {worst} s, {len(ok)}/{len(vals)} "
+                           f"(target {TARGETS['kill']}): {'met' if met else 'NOT met'}")
+        pauses = [t["join"]["pause"] for t in trials if isinstance(t.get("join"), dict) and t["join"].get("pause")]
+        if trials:
+            med = statistics.median(pauses) if pauses else None
+            out.append(f"{system} join: survivors' pause median {med if med is None else f'{med:.3f}'} s "
+                       f"(target {TARGETS['join']}): {'met' if med is not None and med < 0.5 else 'NOT met'}")
     for system, g in goodput.items():
         ratio = g.get("ratio")
         out.append(f"{system} goodput: {ratio if ratio is None else f'{ratio:.3f}'} (target {TARGETS['goodput']}): "
@@ -442,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     root = Path(tempfile.mkdtemp(prefix="live-recovery-bench-"))
-    counts = {s: args.trials if s == "live" else (args.baseline_trials or args.trials) for s in systems}
+    counts = {s: args.trials if s in LIVE_SYSTEMS else (args.baseline_trials or args.trials) for s in systems}
     results: dict[str, list[dict]] = {s: [] for s in systems}
     goodput: dict[str, dict] = {}
     started = time.time()

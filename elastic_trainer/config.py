@@ -152,9 +152,10 @@ class RunConfig:
     monitor_interval: float = field(default=0.1, metadata=run_flag(
         "agent", "seconds between the agent's checks of its workers", aliases=("--monitor_interval",)))
     recovery: str | None = field(default=None, metadata=run_flag(
-        "agent", "live (the default for the built-in trainer with DDP): survivors keep their processes and state "
-        "when a node is lost or added; restart (the default for your own scripts, --fsdp and --scale-lr): every "
-        "fault restarts the workers, which resume from the newest checkpoint", choices=RECOVERY_MODES))
+        "agent", "live (the default for the built-in trainer with DDP and for scripts that use "
+        "elastic_trainer.Manager): survivors keep their processes and state when a node is lost or added; restart "
+        "(the default for other scripts, --fsdp and --scale-lr): every fault restarts the workers, which resume "
+        "from the newest checkpoint", choices=RECOVERY_MODES))
     # The trainer's --checkpoint-dir and --log-dir; when None, the launcher's defaults (defined here
     # only): checkpoints/<run id> (empty = no checkpoints) and runs/<run id> (also the embedded
     # etcd's data and the agents' logs).

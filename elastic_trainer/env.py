@@ -6,6 +6,13 @@ Names: the launcher (``elastic-train``) sets ``ENV_RDZV_ENDPOINT``, ``ENV_RUN_ID
 (``rendezvous/handler.py``) sets the ``ENV_RDZV_*`` of its round and, in live mode, ``ENV_LIVE``
 (the live quorum's settings) in the agent's environment, which torchrun passes to the workers.
 
+A worker reads what it is told through one typed object, ``WorkerEnv.from_environ()``: torchrun's
+``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``LOCAL_WORLD_SIZE``/``TORCHELASTIC_RESTART_COUNT``, the
+handler's round, prefix, node and etcd connection, and the live settings (``LiveSettings``, one
+JSON value under ``ENV_LIVE``); the handler writes through ``WorkerEnv(...).to_environ()``.
+``LiveSettings``' field defaults are the only defaults of those settings (``rendezvous/options.py``
+takes its own from them).
+
 Exit codes of a worker (what its agent, torchrun, and the drills read):
 
 ======================  =====  ==========================================================
@@ -20,7 +27,11 @@ Exit codes of a worker (what its agent, torchrun, and the drills read):
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 
 # ---- environment variables ------------------------------------------------------------------
 ENV_RDZV_ENDPOINT = "ELASTIC_TRAINER_RDZV_ENDPOINT"
@@ -56,3 +67,102 @@ process) for its workers when its own environment lacks it."""
 NCCL_CLEAN_UP_ONLY = "2"
 """``ENV_NCCL_ERROR_HANDLING``'s value for the live path: abort the communicators and raise the
 error on the training thread, keeping the process. ``elastic-train`` sets it in live mode."""
+
+# ---- the typed worker environment -------------------------------------------------------------
+ENV_RANK = "RANK"
+ENV_LOCAL_RANK = "LOCAL_RANK"
+ENV_WORLD_SIZE = "WORLD_SIZE"
+ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+"""torchrun's own names (set by its agent for every worker)."""
+
+
+@dataclass(frozen=True)
+class LiveSettings:
+    """What the live quorum (``rendezvous/quorum.py``) needs from the launcher: the handler exports
+    them as ``ENV_LIVE`` (JSON). The defaults here are the ``--rdzv-conf`` defaults too."""
+
+    min_nodes: int = 1
+    max_nodes: int = 1
+    last_call: float = 1.0
+    """Seconds a cold start waits for more nodes once ``min_nodes`` registered."""
+    join_timeout: float = 600.0
+    """Seconds a worker waits to be admitted, or for ``min_nodes`` after a loss."""
+    report_timeout: float = 5.0
+    """Seconds the survivors wait for a member that neither reported nor is provably dead (its
+    lease still renewed: a stopped or cut-off member is dropped when its lease expires)."""
+    lease_ttl: int = 3
+    """Seconds of each worker's etcd lease (``alive/<id>``)."""
+    keep_alive_interval: float = 1.0
+    """Seconds between two renewals of that lease."""
+    poll: float = 0.1
+    """Seconds between the watcher's looks at joiners and leases while training."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> LiveSettings:
+        """Parse ``ENV_LIVE``; keys this version does not know are ignored."""
+        try:
+            values = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"{ENV_LIVE}={text!r} is not the JSON the etcd-v3 handler writes") from exc
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+
+def _int_or(text: str | None, default: int | None) -> int | None:
+    return int(text) if text is not None and text.strip().lstrip("-").isdigit() else default
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """What a worker is told through its environment, typed (``None``: not set).
+
+    ``rank``/``world_size`` are torchrun's view (under live recovery: this node alone; the
+    Manager's quorum decides the real ones). ``live`` is set under the etcd-v3 rendezvous in live
+    mode. ``from_environ(os.environ)`` reads it, ``to_environ()`` gives the variables to set."""
+
+    rank: int | None = None
+    world_size: int | None = None
+    local_rank: int | None = None
+    local_world_size: int | None = None
+    restart_count: int | None = None
+    rdzv_round: int | None = None
+    rdzv_prefix: str | None = None
+    rdzv_node: str | None = None
+    rdzv_conn: str | None = None
+    """``etcd_client.export_options``' JSON: endpoints and TLS files, a password only as a file name."""
+    rdzv_endpoint: str | None = None
+    live: LiveSettings | None = None
+
+    _NAMES = {"rank": ENV_RANK, "world_size": ENV_WORLD_SIZE, "local_rank": ENV_LOCAL_RANK,
+              "local_world_size": ENV_LOCAL_WORLD_SIZE, "restart_count": ENV_RESTART_COUNT,
+              "rdzv_round": ENV_RDZV_ROUND, "rdzv_prefix": ENV_RDZV_PREFIX, "rdzv_node": ENV_RDZV_NODE,
+              "rdzv_conn": ENV_RDZV_CONN, "rdzv_endpoint": ENV_RDZV_ENDPOINT}
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
+        """Read ``environ`` (default ``os.environ``); a number that does not parse counts as unset."""
+        env = os.environ if environ is None else environ
+        ints = {"rank", "world_size", "local_rank", "local_world_size", "restart_count", "rdzv_round"}
+        values: dict[str, object] = {}
+        for attr, name in cls._NAMES.items():
+            text = env.get(name)
+            values[attr] = _int_or(text, None) if attr in ints else (text or None)
+        live = env.get(ENV_LIVE)
+        return cls(**values, live=LiveSettings.from_json(live) if live else None)
+
+    def to_environ(self) -> dict[str, str]:
+        """The variables that say this (unset fields are left out)."""
+        out = {name: str(getattr(self, attr)) for attr, name in self._NAMES.items()
+               if getattr(self, attr) is not None}
+        if self.live is not None:
+            out[ENV_LIVE] = self.live.to_json()
+        return out
+
+    @property
+    def launched(self) -> bool:
+        """Whether a launcher (torchrun) gave this process a rank and a world size."""
+        return self.rank is not None and self.world_size is not None

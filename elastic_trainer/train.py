@@ -18,31 +18,14 @@ interpreter exit could abort a worker whose run succeeded.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import signal
 import sys
 from typing import NoReturn
 
 from elastic_trainer.config import TrainConfig
-from elastic_trainer.env import EXIT_ERROR
 from elastic_trainer.flags import parse_train_config  # the flags: generated from TrainConfig
-
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent (the torchrun agent) dies."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        from elastic_trainer.training.runtime import runtime
-
-        runtime().exit(EXIT_ERROR, "the agent that started this worker is gone", run_hooks=False)
+from elastic_trainer.training.runtime import die_with_parent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
 def _train(config: TrainConfig) -> int:
     """``Trainer(config).train()``, and the exit status that says how it ended."""
     from elastic_trainer.devices import DeviceError
-    from elastic_trainer.env import EXIT_PEER_STOPPED
-    from elastic_trainer.training.live import EXIT_EXCLUDED, LiveExcluded, RunFinished
+    from elastic_trainer.env import EXIT_EXCLUDED, EXIT_PEER_STOPPED, EXIT_USAGE
+    from elastic_trainer.rendezvous.quorum import LiveExcluded, RunFinished
     from elastic_trainer.training.preemption import PEER_STOPPED
     from elastic_trainer.training.trainer import Trainer
 
@@ -73,7 +56,7 @@ def _train(config: TrainConfig) -> int:
         summary = Trainer(config).train()
     except DeviceError as exc:  # the node cannot run the --device/--amp asked for: one line, no traceback
         print(f"elastic_trainer.train: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_USAGE
     except RunFinished:  # a spare that was never needed: the run is done
         return 0
     except LiveExcluded:  # left out of the live group: the agent starts this worker again as a newcomer

@@ -197,7 +197,8 @@ def test_commit_recorded_in_etcd_loads_when_its_storage_manifest_never_landed(re
 
 def test_live_quorum_change_between_fence_check_and_commit_fences_the_commit(etcd, run_id, tmp_path):
     """The live path's token: the quorum number and the member's lease, compared in the commit."""
-    from elastic_trainer.training.live import LiveGroup, LiveSettings, Quorum
+    from elastic_trainer.env import LiveSettings
+    from elastic_trainer.rendezvous.quorum import LiveGroup, Quorum
 
     prefix = f"/elastic-trainer/{run_id}/"
     conn = EtcdConnection(EtcdOptions(endpoints=parse_endpoints(etcd.endpoint), retry_timeout=10))

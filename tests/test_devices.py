@@ -22,7 +22,7 @@ from elastic_trainer.cli import launch
 from elastic_trainer.checkpoint.snapshot import cuda_devices
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.devices import CudaView, DeviceError
-from elastic_trainer.training.trainer import agree_interval, collective_failed, host_step_is_device_state
+from elastic_trainer.training.manager import agree_interval, collective_failed, host_step_is_device_state
 from tests.helpers.common import REPO
 
 NO_GPU = CudaView(available=False, device_count=0, torch_version="2.13.0+cpu", cuda_build=None)

@@ -52,6 +52,17 @@ def agent_of(worker_pid: int, agents) -> object:
     return next(a for a in agents if a.pid == ppid)
 
 
+def kill_node(worker_pid: int, agents, logs: Path, outs: list[Path], world: int, steps: int):
+    """SIGKILL the whole node (its agent's process group) of ``worker_pid``, then wait for ``steps``
+    steps at world size ``world`` after it. Returns (the killed agent, the kill's time, the steps)."""
+    victim = agent_of(worker_pid, agents)
+    os.killpg(victim.pid, signal.SIGKILL)
+    t_kill = time.time()
+    st = wait_steps(f"survivors training at {world}", lambda st: sum(
+        s["world_size"] == world and s["time"] > t_kill for s in st) >= steps, logs, 60, outs)
+    return victim, t_kill, st
+
+
 def current_ranks(st: list[dict]) -> dict[int, int]:
     """rank -> pid in the newest round."""
     newest = max(s["round"] for s in st)
@@ -73,11 +84,7 @@ def test_live_run_that_loses_two_nodes_and_gains_one_keeps_survivors_and_matches
     st = wait_steps("a world of 3 at step 5", lambda st: any(s["world_size"] == 3 and s["step"] >= 5 for s in st),
                     logs, 120, outs)
     ranks = current_ranks(st)
-    victim = agent_of(ranks[2], agents)
-    os.killpg(victim.pid, signal.SIGKILL)
-    t_kill = time.time()
-    st = wait_steps("two survivors training at 2", lambda st: sum(
-        s["world_size"] == 2 and s["time"] > t_kill for s in st) >= 6, logs, 60, outs)
+    victim, t_kill, st = kill_node(ranks[2], agents, logs, outs, 2, 6)
     survivors = {ranks[0], ranks[1]}
     assert {s["pid"] for s in st if s["world_size"] == 2} == survivors  # the same processes
 
@@ -204,7 +211,8 @@ def test_the_watcher_tells_a_lost_process_within_a_poll_and_calls_the_abort_hook
     import threading
 
     from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
-    from elastic_trainer.training.live import LiveGroup, LiveSettings
+    from elastic_trainer.env import LiveSettings
+    from elastic_trainer.rendezvous.quorum import LiveGroup
 
     settings = LiveSettings(min_nodes=2, max_nodes=2, last_call=0.1, join_timeout=20, lease_ttl=3)
     conn = EtcdConnection(EtcdOptions(endpoints=parse_endpoints(etcd.endpoint), retry_timeout=10))
@@ -240,7 +248,8 @@ def test_nccl_groups_of_the_live_path_abort_instead_of_ending_the_process(monkey
     """torch's default NCCL error handling ends the process on an error or timeout, which would
     turn every live re-form on GPUs into a restart; the live path asks for clean-up only, and
     keeps (and warns about) a value the user chose."""
-    from elastic_trainer.training.live import NCCL_ERROR_HANDLING, nccl_error_handling
+    from elastic_trainer.env import ENV_NCCL_ERROR_HANDLING as NCCL_ERROR_HANDLING
+    from elastic_trainer.training.manager import nccl_error_handling
 
     monkeypatch.delenv(NCCL_ERROR_HANDLING, raising=False)
     assert nccl_error_handling() == "2" and os.environ[NCCL_ERROR_HANDLING] == "2"
@@ -300,3 +309,47 @@ def test_a_short_etcd_outage_costs_a_live_run_no_restart(procs, run_id, tmp_path
         assert "has not been renewed" not in "".join(o.read_text() for o in outs)
     finally:
         server.stop()
+
+
+def test_own_loop_through_the_manager_recovers_a_killed_node_live(etcd, run_id, procs, tmp_path):
+    """``examples/own_loop.py`` (a plain DDP loop, no built-in trainer) under ``elastic-train``: the
+    launcher runs it live by default (it uses ``elastic_trainer.Manager``); a SIGKILLed node costs
+    the survivors no restart (same worker processes) and they step on at N-1 within a second; a
+    node started again joins with the state of a live peer (its first step continues the count)."""
+    logs = tmp_path / "logs"
+    outs = [tmp_path / f"agent{i}.log" for i in range(4)]
+
+    def agent(out: Path):
+        with open(out, "a") as log:
+            return procs.start(cli_cmd("--nnodes", "1:3", "--rdzv-endpoint", etcd.endpoint, "--run-id", run_id,
+                                       "--rdzv-conf", CONF, "--log-dir", str(logs),
+                                       str(REPO / "examples" / "own_loop.py"), "--max-steps", "100000",
+                                       "--sleep-per-step", "0.05", "--max-seconds", "60"),
+                               cwd=REPO, stdout=log, stderr=log)
+
+    agents = [agent(outs[i]) for i in range(3)]
+    st = wait_steps("a world of 3 at step 10", lambda st: any(s["world_size"] == 3 and s["step"] >= 10 for s in st),
+                    logs, 120, outs)
+    ranks = current_ranks(st)
+    victim, t_kill, st = kill_node(ranks[2], agents, logs, outs, 2, 10)
+    at_two = [s for s in st if s["world_size"] == 2 and s["time"] > t_kill]
+    assert {s["pid"] for s in at_two} == {ranks[0], ranks[1]}, "the survivors kept their worker processes"
+    first = min(s["time"] for s in at_two)
+    assert first - t_kill < 1.0, f"the first step at 2 came {first - t_kill:.2f}s after the kill"
+    before = max(s["step"] for s in st if s["time"] <= t_kill)
+    assert min(s["step"] for s in at_two) <= before + 2, "the survivors went on from where they were"
+
+    agents.append(agent(outs[3]))
+    t_join = time.time()
+    st = wait_steps("a world of 3 after the join", lambda st: sum(
+        s["world_size"] == 3 and s["time"] > t_join for s in st) >= 6, logs, 120, outs)
+    newcomer = {s["pid"] for s in st if s["world_size"] == 3 and s["time"] > t_join} - {ranks[0], ranks[1]}
+    assert len(newcomer) == 1
+    joined = min((s for s in st if s["pid"] in newcomer), key=lambda s: s["time"])
+    assert joined["step"] > before, "the newcomer continued the count: it received a live peer's state"
+    for a in agents:
+        if a is not victim:
+            a.send_signal(signal.SIGTERM)
+    for a in agents:
+        if a is not victim:
+            a.wait(timeout=60)

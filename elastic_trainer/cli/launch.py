@@ -106,12 +106,18 @@ def parse_run_config(argv: list[str]) -> RunConfig:
     secrets.refuse_rdzv_password(rdzv_conf)
     backend = given.get("rdzv_backend", RunConfig.rdzv_backend)
     recovery = given.pop("recovery", None) or rdzv_conf.get("recovery")
+    # Live recovery: the built-in trainer, or a script that uses elastic_trainer.Manager (it imports
+    # it: training/manager.py's script_uses_manager); any other script gets torchrun's restarts.
+    from elastic_trainer.training.manager import script_uses_manager
+
     builtin = args.training_script is None
-    live_ok = builtin and backend == "etcd-v3" and not {"--fsdp", "--scale-lr"} & set(trainer_args)
+    managed = builtin or script_uses_manager(args.training_script, module=args.module)
+    live_ok = managed and backend == "etcd-v3" and not {"--fsdp", "--scale-lr"} & set(trainer_args)
     if recovery == "live" and not live_ok:
-        raise UsageError("--recovery live needs the built-in trainer with DDP, a constant global batch and the "
-                         "etcd-v3 rendezvous (not your own script, --fsdp, --scale-lr or c10d); "
-                         "use --recovery restart")
+        raise UsageError("--recovery live needs the built-in trainer with DDP and a constant global batch, or a "
+                         "script that uses elastic_trainer.Manager (see examples/own_loop.py; a script without it "
+                         "would get a process group of its own node only), on the etcd-v3 rendezvous (not "
+                         "--fsdp, --scale-lr or c10d); use --recovery restart")
     if backend == "etcd-v3":
         rdzv_conf["recovery"] = recovery or ("live" if live_ok else "restart")
     if "checkpoint_dir" not in given:  # "" given: no checkpoints

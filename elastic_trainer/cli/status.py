@@ -69,8 +69,8 @@ def read_status(conn, prefix: str) -> dict[str, Any]:
         out.update(round=state.round, complete=state.complete, closed=state.closed)
         node_rank = {node_name(n): r for n, r in state.participants.items()}
     workers: dict[str, list[int]] = {}
-    if quorum_value:  # --recovery live: the live group's quorum (training/live.py), rank i = members[i]
-        from elastic_trainer.training.live import Quorum
+    if quorum_value:  # --recovery live: the live group's quorum (rendezvous/quorum.py), rank i = members[i]
+        from elastic_trainer.rendezvous.quorum import Quorum
 
         quorum = Quorum.from_json(quorum_value)
         for rank, member in enumerate(quorum.members):

@@ -21,7 +21,7 @@ returns a ``Guard``, the *fencing token*: etcd comparisons (the state key's mod 
 node's lease key's create revision) that hold exactly as long as what was checked still holds.
 A write put in one transaction with them (the checkpoint commit record,
 ``checkpoint/record.py``) fails once the round changes or the lease ends, however long the
-writer was paused in between. The live quorum (``training/live.py``) gives the same kind of
+writer was paused in between. The live quorum (``rendezvous/quorum.py``) gives the same kind of
 ``Guard`` for its quorum key and member lease.
 
 What a writer needs of either is the ``Fence`` protocol: ``prefix`` (the etcd key prefix its
@@ -42,19 +42,12 @@ the checkpoint commit record (``checkpoint/record.py``) and ``CheckpointManager`
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-from elastic_trainer.env import (  # noqa: E402,F401 - the names are defined once, in env.py
-    ENV_RDZV_CONN,
-    ENV_RDZV_ENDPOINT,
-    ENV_RDZV_NODE,
-    ENV_RDZV_PREFIX,
-    ENV_RDZV_ROUND,
-)
+from elastic_trainer.env import WorkerEnv
 
 if TYPE_CHECKING:
     from elastic_trainer.rendezvous.etcd_client import EtcdConnection
@@ -109,8 +102,8 @@ class Fence(Protocol):
 def round_token() -> str | None:
     """The token of this worker's rendezvous round from its environment (``"round-7"``, as
     ``RoundFence.token``), None when it was not started by the etcd-v3 rendezvous."""
-    rnd = os.environ.get(ENV_RDZV_ROUND)
-    return f"round-{rnd}" if rnd else None
+    rnd = WorkerEnv.from_environ().rdzv_round
+    return f"round-{rnd}" if rnd is not None else None
 
 
 class RoundFence:
@@ -141,12 +134,12 @@ class RoundFence:
     @classmethod
     def from_env(cls) -> RoundFence | None:
         """The fence of this worker, or None when not started under the etcd-v3 rendezvous."""
-        round_, prefix = os.environ.get(ENV_RDZV_ROUND), os.environ.get(ENV_RDZV_PREFIX)
-        conn = os.environ.get(ENV_RDZV_CONN) or "{}"
-        endpoints = os.environ.get(ENV_RDZV_ENDPOINT) or json.loads(conn).get("endpoints")
-        if not round_ or not prefix or not endpoints:
+        env = WorkerEnv.from_environ()
+        conn = env.rdzv_conn or "{}"
+        endpoints = env.rdzv_endpoint or json.loads(conn).get("endpoints")
+        if env.rdzv_round is None or not env.rdzv_prefix or not endpoints:
             return None
-        return cls(int(round_), prefix, endpoints, os.environ.get(ENV_RDZV_NODE) or None, conn_export=conn)
+        return cls(env.rdzv_round, env.rdzv_prefix, endpoints, env.rdzv_node, conn_export=conn)
 
     @property
     def token(self) -> str:

@@ -36,7 +36,7 @@ It also completes a round as soon as every node with a live lease has joined it
 5. **Live recovery** (``recovery=live``, what ``elastic-train`` sets for its DDP trainer): each
    agent's rendezvous is a world of its own node (``_live_rendezvous``), so torch's agent never
    stops healthy workers for a lost or added node; the workers agree on who trains together in
-   the live quorum (``training/live.py``). torch's agent still starts, supervises and restarts
+   the live quorum (``rendezvous/quorum.py``). torch's agent still starts, supervises and restarts
    them, and the node's lease watchdog still stops them when this node's lease is lost.
 """
 
@@ -95,13 +95,7 @@ from elastic_trainer.rendezvous.state import (
 
 logger = logging.getLogger(__name__)
 
-from elastic_trainer.env import (  # noqa: E402,F401 - the names are defined once, in env.py
-    ENV_RDZV_CONN,
-    ENV_RDZV_ENDPOINT,
-    ENV_RDZV_NODE,
-    ENV_RDZV_PREFIX,
-    ENV_RDZV_ROUND,
-)
+from elastic_trainer.env import LiveSettings, WorkerEnv  # noqa: E402 - what workers read, defined in env.py
 
 # torch writes heartbeat timestamps into the state whenever the last one is older than
 # the settings' keep-alive interval; with leases those writes are pure load, so the
@@ -429,24 +423,21 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
         torch's agent starts, watches and restarts this node's workers as usual, but which workers
         train together is agreed by the workers themselves, in the live quorum in etcd
-        (``training/live.py``), so a node lost or added never stops the others' workers. The
+        (``rendezvous/quorum.py``), so a node lost or added never stops the others' workers. The
         node's lease still tells whether this node may run workers at all: if it is lost (a pause,
         a cut from etcd) ``num_nodes_waiting`` makes the agent stop them, and they come back as
         newcomers.
         """
-        from elastic_trainer.training.live import ENV_LIVE, LiveSettings
-
         self._lease.ensure()
         self._live_rounds += 1
         store = PrefixStore(f"live-agent/{self.node_name}/{self._live_rounds}/", self._store)
         bootstrap = RendezvousStoreInfo.build(0, store, local_addr=self._this_node.addr)
         self._joined = (0, frozenset())  # the lease watchdog runs; the round checks do not
-        self._export_env(0)
         o, s = self._options, self._settings
-        os.environ[ENV_LIVE] = LiveSettings(
+        self._export_env(0, LiveSettings(
             min_nodes=s.min_nodes, max_nodes=s.max_nodes, last_call=o.last_call_timeout,
             join_timeout=o.join_timeout, report_timeout=o.report_timeout, lease_ttl=o.lease_ttl,
-            keep_alive_interval=o.keep_alive_interval).to_env()
+            keep_alive_interval=o.keep_alive_interval))
         logger.info("node %s starts its workers in the live group of run '%s'", self.node_name, s.run_id)
         return RendezvousInfo(store, 0, 1, bootstrap)
 
@@ -554,7 +545,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             self._revoke("its etcd lease expired")
             return
         if self._options.recovery == "live":
-            return  # membership is the live quorum's business (training/live.py)
+            return  # membership is the live quorum's business (rendezvous/quorum.py)
         round_, members = joined
         try:
             # The summary and the count of live nodes, a few bytes: the whole state and the
@@ -585,13 +576,15 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         if dead:
             self._revoke(f"participant(s) {', '.join(dead)} of round {round_} lost their etcd lease")
 
-    def _export_env(self, round_: int) -> None:
+    def _export_env(self, round_: int, live: LiveSettings | None = None) -> None:
+        """What the workers read (``WorkerEnv``), set in this agent's environment, which torch's
+        agent copies into each worker's: the round, where the run's keys are, this node, how to
+        reach etcd, and in live mode the live quorum's settings."""
         o = self._options.etcd
-        os.environ[ENV_RDZV_ROUND] = str(round_)
-        os.environ[ENV_RDZV_PREFIX] = self._etcd_backend.prefix
-        os.environ[ENV_RDZV_NODE] = self.node_name
-        os.environ.setdefault(ENV_RDZV_ENDPOINT, o.endpoint_text)
-        os.environ[ENV_RDZV_CONN] = export_options(o, self._worker_password_file())
+        os.environ.update(WorkerEnv(
+            rdzv_round=round_, rdzv_prefix=self._etcd_backend.prefix, rdzv_node=self.node_name,
+            rdzv_endpoint=WorkerEnv.from_environ().rdzv_endpoint or o.endpoint_text,
+            rdzv_conn=export_options(o, self._worker_password_file()), live=live).to_environ())
 
     def _worker_password_file(self) -> str | None:
         """The 0600 file through which workers get the etcd password: the ``password_file`` the

@@ -15,7 +15,7 @@ from elastic_trainer.rendezvous.etcd_client import EtcdOptions, parse_endpoints
 
 # The etcd password as an environment variable of the launcher (never of the workers: it is
 # removed from the environment when first read, before any worker starts; see launcher_password).
-from elastic_trainer.env import ENV_RDZV_PASSWORD  # noqa: E402,F401
+from elastic_trainer.env import ENV_RDZV_PASSWORD, LiveSettings  # noqa: E402
 _launcher_password: str | None = None
 
 
@@ -31,6 +31,8 @@ def launcher_password() -> str | None:
         _launcher_password = value
     return _launcher_password
 
+
+_LIVE = LiveSettings()
 
 # Options torch's launcher adds by itself; accepted and ignored.
 _TORCH_ADDED = {"timeout", "is_host", "rank", "store_type"}
@@ -87,10 +89,12 @@ class RendezvousOptions:
         "key_prefix": "/elastic-trainer", "protocol": "http", "user": None, "password": None,
         "password_file": None,
         "ca_cert": None, "cert": None, "key": None, "read_timeout": 10.0, "connect_timeout": 4.0,
-        "retry_timeout": 60.0, "join_timeout": 600.0, "last_call_timeout": 1.0, "close_timeout": 30.0,
-        "heartbeat_timeout": 5.0, "lease_ttl": 3, "keep_alive_interval": 1.0,
-        "recovery": "restart", "report_timeout": 5.0,
+        "retry_timeout": 60.0, "join_timeout": _LIVE.join_timeout, "last_call_timeout": _LIVE.last_call,
+        "close_timeout": 30.0, "heartbeat_timeout": 5.0, "lease_ttl": _LIVE.lease_ttl,
+        "keep_alive_interval": _LIVE.keep_alive_interval, "recovery": "restart",
+        "report_timeout": _LIVE.report_timeout,
     }
+    """The options the live quorum shares take their defaults from ``env.LiveSettings`` (one place)."""
 
     def __init__(self, params: RendezvousParameters) -> None:
         unknown = set(params.config) - set(self.DEFAULTS) - _TORCH_ADDED

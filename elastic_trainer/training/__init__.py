@@ -2,7 +2,9 @@
 
 Modules:
 
-- ``trainer``: ``Trainer``, the loop (build, resume, step, agree, save) and the recovery paths;
+- ``manager``: ``Manager`` (public: ``elastic_trainer.Manager``), the worker's process group under
+  live recovery: join, re-form, state transfer, the step agreement; a plain manager otherwise;
+- ``trainer``: ``Trainer``, the loop (build, resume, step, agree, save), one client of the Manager;
 - ``checkpointing``: ``Checkpointing``, the trainer's checkpoints (capture, save, load, resume,
   the save after a failure) over ``elastic_trainer.checkpoint``;
 - ``reporting``: ``Reporter``, what a worker tells people and tools (rank-0 lines, bar, W&B,
@@ -10,15 +12,15 @@ Modules:
 - ``preemption``: ``Preemption``, SIGTERM (a save at the next step boundary, the grace period,
   the hung-step watchdog, the watcher that sees a signal while blocked in a collective);
 - ``runtime``: the worker runtime that owns every background thread and the one exit;
-- ``worker``: the process around the loop (process group, seeding, micro-batch feed, the round
-  fence);
+- ``worker``: the process around the loop (device, plain process group, seeding, micro-batch
+  feed, the round fence);
 - ``parallel``: DDP or FSDP2 wrapping, ``no_sync`` and full state dicts (``Parallel``);
 - ``rng``: every rank's own RNG state gathered into a checkpoint, and which one a rank restores;
 - ``data``: the example task's synthetic and HDF5 datasets;
 - ``metrics``: rank-0 printing, the progress bar and the W&B logger (a no-op when off);
 - ``status``: what rank 0 publishes into etcd for ``elastic-train status`` (``StatusPublisher``).
 
-Exports ``Trainer``; the task API users write against is ``elastic_trainer.tasks`` and the
+Exports ``Trainer`` and ``Manager``; the task API users write against is ``elastic_trainer.tasks`` and the
 flags are ``elastic_trainer.config.TrainConfig``.
 """
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Trainer"]
+__all__ = ["Manager", "Trainer"]
 
 
 def __getattr__(name: str) -> Any:
@@ -34,4 +36,8 @@ def __getattr__(name: str) -> Any:
         from elastic_trainer.training.trainer import Trainer
 
         return Trainer
+    if name == "Manager":
+        from elastic_trainer.training.manager import Manager
+
+        return Manager
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

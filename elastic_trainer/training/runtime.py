@@ -29,13 +29,17 @@ Usage::
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
+
+from elastic_trainer.env import EXIT_ERROR
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +138,23 @@ class WorkerRuntime:
         os._exit(code)
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent (the torchrun agent) dies.
+
+    torch's agent starts each worker in a session of its own, so killing a node's agent (its
+    process group) would leave the worker running, and blocking its peers in a collective."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        runtime().exit(EXIT_ERROR, "the agent that started this worker is gone", run_hooks=False)
+
+
 _RUNTIME: WorkerRuntime | None = None
 _RUNTIME_LOCK = threading.Lock()
 
@@ -147,4 +168,4 @@ def runtime() -> WorkerRuntime:
         return _RUNTIME
 
 
-__all__ = ["WorkerRuntime", "runtime"]
+__all__ = ["WorkerRuntime", "die_with_parent", "runtime"]

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from typing import Any
 
-from elastic_trainer.env import ENV_RDZV_CONN, ENV_RDZV_PREFIX
+from elastic_trainer.env import WorkerEnv
 from elastic_trainer.training.runtime import runtime
 
 logger = logging.getLogger(__name__)
@@ -60,7 +59,8 @@ class StatusPublisher:
     @classmethod
     def from_env(cls) -> StatusPublisher | None:
         """The publisher of a worker started by ``elastic-train`` on the etcd-v3 rendezvous, else None."""
-        text, prefix = os.environ.get(ENV_RDZV_CONN), os.environ.get(ENV_RDZV_PREFIX)
+        env = WorkerEnv.from_environ()
+        text, prefix = env.rdzv_conn, env.rdzv_prefix
         if not text or not prefix:
             return None
         from elastic_trainer.rendezvous.etcd_client import EtcdConnection, options_from_export

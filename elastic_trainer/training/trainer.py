@@ -33,7 +33,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,95 +43,24 @@ from elastic_trainer.config import TrainConfig
 from elastic_trainer.tasks import Task, as_task, load_builder
 from elastic_trainer.training import metrics
 from elastic_trainer.training.checkpointing import Checkpointing, checkpoint_manager
-from elastic_trainer.training.live import LiveExcluded, LiveGroup, send_state
+from elastic_trainer.env import WorkerEnv
+from elastic_trainer.training.manager import (
+    LiveExcluded,
+    Manager,
+    agree_interval,
+    collective_failed,
+    host_step_is_device_state,
+)
 from elastic_trainer.training.parallel import Parallel
 from elastic_trainer.training.preemption import Preemption
 from elastic_trainer.training.reporting import Reporter, start_profiler
 from elastic_trainer.training.worker import (
     MicroBatches,
-    join_live,
     seed_everything,
     setup_distributed,
-    warm_up_ddp,
 )
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-def collective_failed(exc: BaseException) -> bool:
-    """A collective with a peer failed (the peer died, or its group was torn down), on any backend:
-    torch raises ``DistError`` subclasses (``DistBackendError`` for NCCL's errors and timeouts), and
-    plain ``RuntimeError``s whose text names the backend (gloo, NCCL) or the connection."""
-    if isinstance(exc, dist.DistError):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(k in text for k in ("gloo", "nccl", "connection", "peer"))
-
-
-def agree_interval(host_cycle_s: float, device_step_s: float | None = None) -> int:
-    """Steps between two step-end agreements: about 0.2 s of steps, 1 to 32. A step takes the
-    longer of the host's cycle (start to start) and the device's own time for it (CUDA), since the
-    host only queues the GPU's work and runs ahead of it until a synchronisation point."""
-    cycle = max(host_cycle_s, device_step_s or 0.0)
-    return max(1, min(32, int(0.2 / cycle))) if cycle > 0 else 1
-
-
-def _abort_world_group() -> None:
-    """Abort the default group from another thread (NCCL: ends its collectives in flight with an
-    error, which the training thread takes as a failed collective and re-forms)."""
-    try:
-        if dist.is_initialized():
-            dist.group.WORLD.abort()
-    except Exception as exc:  # noqa: BLE001 - the group may already be gone (re-formed meanwhile)
-        logger.info("live: abort of the process group from the watcher: %s", exc)
-
-
-def host_step_is_device_state(device: torch.device) -> bool:
-    """Whether, when a collective fails, the model and optimizer on ``device`` are those of the last
-    step the host completed (so rank 0 may save them without its peers).
-
-    On the CPU (gloo) a collective returns only once it is done, so a failure stops the host before
-    the optimizer step. On CUDA (NCCL) ``work.wait()`` only makes the compute stream wait: the host
-    queues the optimizer step, and further steps, behind an all-reduce that may never finish, and
-    when the group is aborted (watchdog, ``--collective-timeout``) those kernels run on a partial
-    result. The host's step then says nothing about the state on the GPU: no save after a failure."""
-    return device.type != "cuda"
-
-
-def run_or_failed_collective(step: Callable[[], T], recover: bool) -> tuple[T | None, str | None]:
-    """``(step(), None)``, or ``(None, cause)`` when ``recover`` and a collective failed in it.
-
-    The failure is returned, not handled inside the ``except`` block, so that the re-form runs
-    with the failed step's frames (its traceback) released: while anything refers to the broken
-    process group its gloo connections stay open (checked: a peer blocked on this process then
-    waits until it exits), and a survivor blocked on this one, not on the dead peer, would report
-    late and be left out of the next quorum."""
-    try:
-        return step(), None
-    except Exception as exc:  # noqa: BLE001 - only a failed collective is recovered; the rest re-raises
-        if not recover or not collective_failed(exc):
-            raise
-        return None, f"a collective failed ({type(exc).__name__})"
-
-
-def leave_process_group() -> None:
-    """Abort (NCCL: tear the communicators down, unblocking queued work) and destroy the default group.
-
-    What still refers to the group keeps its connections open after ``destroy_process_group``
-    (peers blocked on this process then wait until it exits): the caller drops DDP first. (No
-    ``gc.collect()`` here: under load it took 0.3-0.4 s of every re-form, and the group goes by
-    reference counting once DDP and the failed step's frames are gone.)"""
-    if not dist.is_initialized():
-        return
-    try:
-        dist.group.WORLD.abort()
-    except Exception as exc:  # noqa: BLE001 - gloo has little to abort; destroy below frees it
-        logger.debug("abort of the process group: %s", exc)
-    try:
-        dist.destroy_process_group()
-    except Exception as exc:  # noqa: BLE001 - a broken group may fail to destroy cleanly
-        logger.info("destroying the broken process group: %s", exc)
 
 
 def stop_step(config: TrainConfig, sampler, step: int) -> int:
@@ -173,11 +102,16 @@ class Trainer:
         c = self.config = config
         self.preemption = Preemption(c.grace_seconds)  # first: a SIGTERM during start-up is acted on too
         try:
-            self.live = LiveGroup.from_env()
-            if self.live is not None and (c.fsdp or c.scale_lr):
+            env = WorkerEnv.from_environ()
+            if env.live is not None and (c.fsdp or c.scale_lr):
                 raise ValueError(f"live recovery works with DDP and a constant global batch; {'--fsdp' if c.fsdp else '--scale-lr'} "
                                  "needs `elastic-train --recovery restart`")
-            self.dinfo = d = setup_distributed(c, self.live)
+            self.dinfo = d = setup_distributed(c, env)
+            # the process group's owner (training/manager.py); its live quorum (None in plain mode) fences commits
+            self.manager = Manager(d.device, collective_timeout=c.collective_timeout, env=env)
+            self.live = self.manager.group
+            if self.live is None:
+                self.manager.start()  # plain: the group setup_distributed joined; never re-formed
             seed_everything(c.seed)
             self.task = as_task(task if task is not None else load_builder(c.task)(c.task_args))
             # under FSDP fully_shard moves the model to the device block by block, already sharded
@@ -188,10 +122,9 @@ class Trainer:
             if self.live is not None:  # ready to train: only now ask the live group to admit us
                 import elastic_trainer.sampler  # noqa: F401 - imported before the others wait for us
 
-                warm_up_ddp()
-                if d.device.type == "cuda":  # an NCCL collective may hang on a lost peer instead of failing
-                    self.live.on_member_lost = lambda why: _abort_world_group()
-                join_live(d, c, self.live)
+                self.manager.start()
+                d.distributed, d.rank, d.world_size, d.round = True, self.manager.rank, self.manager.world_size, \
+                    self.manager.round
             self.gbs = c.global_batch_size * (d.world_size if c.scale_lr else 1)
             self.report = Reporter(c, d, self.log_dir, gbs=self.gbs, live=self.live is not None)
             self.amp = devices.amp_plan(c.amp, d.device, bf16_supported=d.device.type != "cuda"
@@ -201,11 +134,9 @@ class Trainer:
             self.report.device_line()  # the run's first line: where it trains (never CPU by surprise)
             self._peer_state_s = 0.0
             loaded = None
-            from_peer = self.live is not None and not self.live.quorum.cold
-            if from_peer:  # a newcomer: the state comes from a live rank over the new group, not storage
+            if self.manager.newcomer:  # the state comes from a live rank over the new group, not storage
                 t0 = time.perf_counter()
-                q = self.live.quorum
-                state = send_state(None, q.source, q.receivers, d.device)
+                state = self.manager.receive_state()
                 loaded = (int(state["meta"]["step"]), state)
                 self._peer_state_s = time.perf_counter() - t0
                 logger.info("live: received the training state of step %d from rank %d in %.3fs", loaded[0],
@@ -226,7 +157,6 @@ class Trainer:
             self.checkpoints = Checkpointing(manager, c, d, self, self.report)
             self.profiler = None  # torch.profiler's, with --profile (train() starts it)
             self._pending: list[tuple] = []  # (step, epoch, offset, loss sum, StepTime, end time) not in the step log yet
-            self._agree_in = 1  # steps until the ranks next agree (the first step does)
             self._boundary_at: float | None = None  # perf_counter at the end of the last step
             self._cycle_s: float | None = None  # seconds from one step's end to the next's
             self._last_step_s: float | None = None
@@ -287,18 +217,15 @@ class Trainer:
         """Steps until done or stopped; returns why it ended ("done", "max-seconds", "signal SIGTERM")."""
         started = last_save = time.monotonic()
         self.model.train()
-        if self.live is not None:
-            self.live.start_watching()
         while not self._done(total):
-            reason, failed = run_or_failed_collective(
-                lambda: self._loop_step(total, profiler, started, last_save), recover=self.live is not None)
-            if failed is not None:  # re-form outside the except block: see run_or_failed_collective
+            reason, failed = self.manager.run(lambda: self._loop_step(total, profiler, started, last_save))
+            if failed is not None:  # re-form outside the except block: see manager.run_or_failed_collective
                 self._live_reform(failed)
                 continue
             if reason == "saved":
                 last_save = time.monotonic()
             elif reason == "reform":
-                self._live_reform(f"planned: {self.live.change_reason or 'a member asked'}")
+                self._live_reform(f"planned: {self.manager.reform_reason or 'a member asked'}")
             elif reason is not None:
                 return reason
         return "done"
@@ -307,8 +234,7 @@ class Trainer:
         """One step, and the agreement when one is due. Returns None to go on, "saved" after a
         periodic save, "reform" when the live group re-forms now, or why training stops."""
         c = self.config
-        if self.live is not None:
-            self.live.check_lease()  # a worker paused past its lease never starts a step in the old group
+        self.manager.before_step()  # a worker paused past its lease never starts a step in the old group
         self.timer.start()
         loss_sum = self._train_step(self.batches)
         self.preemption.boundaries += 1
@@ -316,17 +242,16 @@ class Trainer:
         if took.ready():
             self._last_step_s = took.seconds()
         self._pending.append((self.step, self.sampler.epoch, self.sampler.offset, loss_sum, took, time.time()))
-        self._agree_in -= 1
+        due = self.manager.agree_due()
         every_n = c.checkpoint_every is not None and self.step % c.checkpoint_every == 0
-        if self._agree_in > 0 and not every_n and not self._done(total):
+        if not due and not every_n and not self._done(total):
             self._after_step(profiler)
             return None
         now, main = time.monotonic(), self.dinfo.is_main  # rank 0's clock decides the timed events
-        signalled, timed_out, save_due, reform, self._agree_in = self._agree(
+        signalled, timed_out, save_due, reform = self._agree(
             signalled=self.preemption.signalled,
             timed_out=main and c.max_seconds is not None and now - started >= c.max_seconds,
-            save_due=main and c.checkpoint_every_seconds is not None and now - last_save >= c.checkpoint_every_seconds,
-            reform=self.live is not None and self.live.change_pending.is_set())
+            save_due=main and c.checkpoint_every_seconds is not None and now - last_save >= c.checkpoint_every_seconds)
         self._after_step(profiler)
         if signalled and self.live is not None and not self.preemption.signalled and not timed_out:
             return "reform"  # a peer was preempted: it leaves, the others go on without it
@@ -388,7 +313,7 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.dinfo.device.type, dtype=self.amp.dtype)
 
-    # ---- live recovery (training/live.py) and the step ---------------------------------------
+    # ---- live recovery (training/manager.py) and the step ------------------------------------
     def _new_sampler(self):
         from elastic_trainer.sampler import ElasticSampler
 
@@ -397,7 +322,8 @@ class Trainer:
                               micro_batch_size=c.micro_batch_size)
 
     def _live_reform(self, cause: str) -> None:
-        """Re-form the group in place: same process, same state; a new group at the new world size.
+        """Re-form the group in place (``Manager.reform``): same process, same state; a new group
+        at the new world size.
 
         The step that failed (if any) did not change the parameters under DDP: a collective fails
         inside backward, before the optimizer step, or in the step-end agreement, after it. So
@@ -410,27 +336,18 @@ class Trainer:
         old_world, old_round, old_rank = d.world_size, d.round, d.rank
         self.par = self.par.unwrap()  # DDP goes before its process group
         self.model = None
-        leave_process_group()
         self.optimizer.zero_grad(set_to_none=True)
-        torn = time.perf_counter()
-        step_s = self._last_step_s or 0.0
         try:
-            quorum = self.live.reform(self.step, cause, report_timeout=max(self.live.settings.report_timeout,
-                                                                            3 * step_s))
+            reformed = self.manager.reform(self.step, cause, lambda: self._capture_state(any_rank=True),
+                                           step_seconds=self._last_step_s or 0.0)
         except LiveExcluded as exc:
             logger.error("live: %s; exiting so that the agent starts this worker again as a newcomer", exc)
             self._event("live_excluded", step=self.step, reason=str(exc))
             raise
-        agreed = time.perf_counter()
-        d.rank, d.world_size, d.round = quorum.rank_of(self.live.id), quorum.world_size, quorum.q
-        self.live.init_process_group(devices.backend_for(d.device), c.collective_timeout, d.device)
-        grouped = time.perf_counter()
-        state = None
-        if quorum.receivers:
-            state = send_state(self._capture_state(any_rank=True) if d.rank == quorum.source else None,
-                               quorum.source, quorum.receivers, d.device)
-            if state is not None:
-                self.module.load_state_dict(state["model"])
+        quorum, state = reformed.quorum, reformed.state
+        d.rank, d.world_size, d.round = self.manager.rank, self.manager.world_size, self.manager.round
+        if state is not None:
+            self.module.load_state_dict(state["model"])
         self.par = Parallel.wrap(self.module, c, d)
         self.model = self.par.model
         self.model.train()
@@ -441,10 +358,7 @@ class Trainer:
             self._restore(quorum.step, state)
         del state
         self.batches = MicroBatches(self.task, self.sampler, c.num_workers, c.seed, d.device)
-        self._agree_in = 1
-        done = time.perf_counter()
-        timings = {"teardown_s": torn - t0, "agree_s": agreed - torn, "group_s": grouped - agreed,
-                   "state_s": done - grouped, "total_s": done - t0}
+        timings = reformed.timings(t0, time.perf_counter())
         logger.info("live: rank %d -> %d of %d in quorum %d (%s) in %.3fs", old_rank, d.rank, d.world_size,
                     quorum.q, quorum.cause, timings["total_s"])
         self.report.print0(f"world size changed: {old_world} -> {d.world_size} ranks without a restart "
@@ -512,38 +426,33 @@ class Trainer:
         self.step += 1
         return loss_sum
 
-    def _agree(self, *, signalled: bool, timed_out: bool, save_due: bool,
-               reform: bool = False) -> tuple[bool, bool, bool, bool, int]:
-        """One small all-reduce every few steps: the global-batch losses of the steps since the last
-        one, and stop/save decisions that every rank then shares.
+    def _agree(self, *, signalled: bool, timed_out: bool, save_due: bool) -> tuple[bool, bool, bool, bool]:
+        """One small all-reduce every few steps (``Manager.agree``): the global-batch losses of the
+        steps since the last one, and stop/save decisions that every rank then shares.
 
         Returns (some rank got SIGTERM, rank 0's --max-seconds ran out, a timed save is due, some
-        rank's live group asks to re-form (a newcomer waits, a member's lease expired), steps until
-        the next agreement). A stop or save request from any rank applies to all of them at
-        this step, so they save together. A gloo all-reduce costs about 0.25 ms of CPU, 1-2% of a
-        small CPU step, so the ranks agree every ``_agree_interval`` steps (about 0.2 s, chosen by
-        rank 0 and shared in the same all-reduce), at every checkpoint step and at the last step;
-        a SIGTERM is acted on at the next agreement. Then the step log gets the pending steps.
+        rank's live group asks to re-form (a newcomer waits, a member's lease expired)); the
+        Manager keeps the steps until the next agreement. A stop or save request from any rank
+        applies to all of them at this step, so they save together. A gloo all-reduce costs about
+        0.25 ms of CPU, 1-2% of a small CPU step, so the ranks agree every ``_agree_interval`` steps
+        (about 0.2 s, chosen by rank 0 and shared in the same all-reduce), at every checkpoint step
+        and at the last step; a SIGTERM is acted on at the next agreement. Then the step log gets
+        the pending steps.
         """
-        d = self.dinfo
         losses = torch.stack([p[3] for p in self._pending])
         self._last_step_s = self._pending[-1][4].seconds()  # CUDA: waits for the GPU, as the all-reduce would
-        interval = float(self._agree_interval()) if d.is_main else 0.0
-        flags = torch.tensor([float(signalled), float(timed_out), float(save_due), float(reform), interval],
-                             dtype=torch.float64,
+        flags = torch.tensor([float(signalled), float(timed_out), float(save_due)], dtype=torch.float64,
                              device=losses.device)  # the process group's device (NCCL needs CUDA tensors)
-        shared = torch.cat([losses, flags])
-        if d.distributed and d.world_size > 1:
-            dist.all_reduce(shared)
+        agreed = self.manager.agree(torch.cat([losses, flags]), interval=self._agree_interval())
         n = len(self._pending)
-        values = shared.tolist()
+        values = agreed.values
         for (step, epoch, offset, _, took, ended), loss in zip(self._pending, values[:n]):
             self.last_loss = loss / self.gbs
             if self.first_loss is None:
                 self.first_loss = (step, self.last_loss)
             self._log_step(step, epoch, offset, took.seconds(), ended)
         self._pending.clear()
-        return values[n] > 0, values[n + 1] > 0, values[n + 2] > 0, values[n + 3] > 0, max(1, int(values[n + 4]))
+        return values[n] > 0, values[n + 1] > 0, values[n + 2] > 0, agreed.reform
 
     def _after_step(self, profiler) -> None:
         if profiler is not None:

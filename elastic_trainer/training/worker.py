@@ -1,7 +1,8 @@
 """The worker process around the training loop: where it sits in the job, and its plumbing.
 
-``setup_distributed`` joins the process group that torchrun's environment describes (gloo on
-CPU, NCCL on GPU) and returns a ``DistInfo``; ``seed_everything`` seeds every RNG;
+``setup_distributed`` picks the device and, in plain mode, joins the process group that
+torchrun's environment describes (gloo on CPU, NCCL on GPU), and returns a ``DistInfo`` (under
+live recovery ``manager.Manager`` joins the group); ``seed_everything`` seeds every RNG;
 ``MicroBatches`` feeds this rank's micro-batches from a DataLoader over the elastic sampler,
 with the dataset indices of each; ``round_fence`` finds the rendezvous round fence.
 ``trainer.Trainer`` uses them all (its logs are ``elastic_trainer.records``).
@@ -10,12 +11,9 @@ with the dataset indices of each; ``round_fence`` finds the rendezvous round fen
 from __future__ import annotations
 
 import collections
-import datetime
 import importlib.util
 import logging
-import os
 import random
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,10 +21,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from elastic_trainer import config as cfgmod
 from elastic_trainer import devices
 from elastic_trainer.config import TrainConfig
+from elastic_trainer.env import WorkerEnv
 from elastic_trainer.tasks import Task
+from elastic_trainer.training.manager import init_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -48,60 +47,25 @@ class DistInfo:
         return self.rank == 0
 
 
-def _env_int(name: str, default: int | None = None) -> int | None:
-    value = os.environ.get(name, "")
-    return int(value) if value.strip().lstrip("-").isdigit() else default
+def setup_distributed(config: TrainConfig, env: WorkerEnv | None = None) -> DistInfo:
+    """Where this process sits in the job (``env``: its ``WorkerEnv``, read from the environment by
+    default), on the device ``--device`` picks; in plain mode (no live recovery) it also joins the
+    process group torchrun's environment describes (``manager.init_from_env``).
 
-
-def setup_distributed(config: TrainConfig, live=None) -> DistInfo:
-    """Join the process group when launched by torchrun (or with RANK/WORLD_SIZE/MASTER_* set).
-
-    With a ``live`` group (``training/live.py``) only the device is chosen here: the worker builds
-    its model first and then calls ``join_live``, so that the others never wait for its start-up."""
-    info = DistInfo(rank=_env_int("RANK", 0), world_size=_env_int("WORLD_SIZE", 1),
-                    local_rank=_env_int("LOCAL_RANK", 0), round=_env_int(cfgmod.ENV_RDZV_ROUND),
-                    restart=_env_int("TORCHELASTIC_RESTART_COUNT", 0))
+    Under live recovery only the device is chosen here: the worker builds its model first and
+    then ``Manager.start()`` joins the quorum's group, so that the others never wait for its start-up."""
+    env = WorkerEnv.from_environ() if env is None else env
+    info = DistInfo(rank=env.rank or 0, world_size=env.world_size or 1, local_rank=env.local_rank or 0,
+                    round=env.rdzv_round, restart=env.restart_count or 0)
     info.device = devices.pick_device(config.device, info.local_rank, devices.CudaView.probe())
     if info.device.type == "cuda":
         torch.cuda.set_device(info.device)
-    if live is not None:
+    if env.live is not None:
         return info
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if not dist.is_initialized():
-            backend = devices.backend_for(info.device)
-            # NCCL: bound to this rank's GPU, so that its communicators are made here (eagerly), not
-            # inside the first collective, and a wrong device is an error now.
-            extra = {"device_id": info.device} if backend == "nccl" else {}
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.collective_timeout),
-                                    **extra)
+    if init_from_env(env, info.device, config.collective_timeout):
         info.distributed = True
         info.rank, info.world_size = dist.get_rank(), dist.get_world_size()
     return info
-
-
-def warm_up_ddp() -> None:
-    """Construct DDP once on a throwaway one-process group: its first construction imports ~800
-    modules (1.6 s here), which a newcomer must not spend while the others wait for it."""
-    if dist.is_initialized():
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
-    finally:
-        dist.destroy_process_group()
-
-
-def join_live(info: DistInfo, config: TrainConfig, live) -> None:
-    """Wait until the live quorum admits this worker, then join its process group (fills ``info``)."""
-    t0 = time.perf_counter()
-    quorum = live.join()
-    t1 = time.perf_counter()
-    live.init_process_group(devices.backend_for(info.device), config.collective_timeout, info.device)
-    logger.info("live: admitted to quorum %d as rank %d of %d after %.3fs (%s); group in %.3fs", quorum.q,
-                dist.get_rank(), quorum.world_size, t1 - t0, "cold start" if quorum.cold else "newcomer",
-                time.perf_counter() - t1)
-    info.distributed, info.round = True, quorum.q
-    info.rank, info.world_size = dist.get_rank(), dist.get_world_size()
 
 
 def seed_everything(seed: int) -> None:

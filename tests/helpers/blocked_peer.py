@@ -4,7 +4,7 @@
 
 Rank 1 waits in ``recv`` from rank 0 (a survivor blocked on another survivor, not on the dead
 peer). Rank 0's DDP step fails (its all-reduce times out after 3 s: rank 1 never joins it), goes
-through the trainer's ``run_or_failed_collective`` and ``leave_process_group`` as a live re-form
+through the Manager's ``run_or_failed_collective`` and ``leave_process_group`` as a live re-form
 does, then stays alive 12 s. Each rank writes when things happened to OUT_JSON.RANK; rank 1's
 ``recv`` must fail as soon as rank 0 left, not when rank 0 exits.
 """
@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from elastic_trainer.training.trainer import leave_process_group, run_or_failed_collective
+from elastic_trainer.training.manager import leave_process_group, run_or_failed_collective
 
 
 def main() -> None:

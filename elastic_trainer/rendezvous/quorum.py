@@ -1,8 +1,11 @@
-"""Live recovery: the workers keep their processes and their state when a node is lost or added.
+"""The live quorum: which workers train together, agreed by the workers themselves through etcd.
 
-Under ``--recovery live`` (the default for DDP) every agent's rendezvous is a world of its own
-node (``rendezvous/handler.py``, live mode): torchrun still starts, supervises and restarts the
-workers, but *which workers train together* is decided here, by the workers, through etcd.
+Under ``--recovery live`` (the default) every agent's rendezvous is a world of its own node
+(``rendezvous/handler.py``, live mode): torchrun still starts, supervises and restarts the
+workers, but *which workers train together* is decided here. This module is membership only
+(``LiveGroup``: the quorum key, leases, compare-and-swap, join, re-form, the probe listener, the
+watcher); the process group built on it, the state transfer and the step agreement are the
+training side's ``Manager`` (``training/manager.py``), which is what a training loop uses.
 
 The **quorum** is one etcd key, ``<run prefix>live/quorum``: a number ``q`` and the members in
 rank order. Every change of it is a compare-and-swap on that key, so there is one quorum at a
@@ -26,22 +29,19 @@ process hosts a single point of failure). Each worker keeps ``live/alive/<id>`` 
   rank over the new group. Storage is read only by a cold quorum.
 - **Fencing**: a worker not in the quorum that was formed (paused past its lease, too slow to
   report, cut off) raises ``LiveExcluded``: it exits, and its agent starts a new worker that joins
-  as a newcomer. A worker whose own lease is lost exits at once. Checkpoint commits check the
-  quorum number and the lease (``fence_check``).
+  as a newcomer. A worker whose own lease is lost is ended through ``on_lease_lost`` (the Manager
+  passes one that exits with ``EXIT_EXCLUDED``). Checkpoint commits check the quorum number and
+  the lease (``fence_check``).
 
 **NCCL.** A gloo collective fails at once when a peer's sockets close; an NCCL collective may
-instead hang on the GPU. So with ``on_member_lost`` set (the trainer sets it on CUDA) the watcher
+instead hang on the GPU. So with ``on_member_lost`` set (the Manager sets it on CUDA) the watcher
 also probes one member of every other node each ``poll`` and, on a lost member (probe refused,
-lease gone, or a newer quorum), calls it: the trainer aborts the NCCL group, which ends the hung
-collective with an error on the training thread, and the re-form proceeds as on gloo. The NCCL
-group is created with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (clean up only: the watchdog aborts
-the communicators on an error or timeout and the error reaches the training thread; torch's
-default tears the whole process down) unless the user set it, and bound to its device
-(``device_id``) so that its communicators are made during the re-form, not in the first step.
+lease gone, or a newer quorum), calls it: the Manager aborts the NCCL group, which ends the hung
+collective with an error on the training thread, and the re-form proceeds as on gloo.
 
-Anything the live path cannot handle (a hang past ``--collective-timeout``, an error while
-re-forming, FSDP) ends the worker with an error; its agent restarts it, and it joins as a
-newcomer (state from a live peer) or, when no member is left, cold (state from storage).
+**Threads.** The probe listener and the watcher are started through ``start_thread(name, target,
+*args, stop=...)`` (a worker passes ``runtime().start_thread``, so that its runtime owns them; the
+default starts plain daemon threads), so this module depends on nothing in ``training/``.
 Design and numbers: docs/trainer.md, "Live recovery".
 """
 
@@ -55,18 +55,22 @@ import socket
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
-import torch
-import torch.distributed as dist
+from elastic_trainer.env import LiveSettings, WorkerEnv
 
 logger = logging.getLogger(__name__)
 
-from elastic_trainer.env import ENV_LIVE, EXIT_EXCLUDED  # noqa: E402 - defined once, in env.py
-NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-NCCL_CLEAN_UP_ONLY = "2"
-"""torch's ErrorHandlingMode CleanUpOnly: abort the communicators, keep the process (live recovery
-needs the process); 1 (TearDown) and 3 (SkipCleanUp, torch's default) end it."""
+StartThread = Callable[..., threading.Thread]
+"""``start_thread(name, target, *args, stop=callable) -> Thread``, as ``WorkerRuntime.start_thread``."""
+
+
+def start_daemon_thread(name: str, target: Callable[..., object], *args: object,
+                        stop: Callable[[], None] | None = None) -> threading.Thread:
+    """The default ``StartThread``: a plain daemon thread (nobody joins it; ``stop`` is the caller's)."""
+    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+    thread.start()
+    return thread
 
 
 class LiveExcluded(RuntimeError):
@@ -83,36 +87,6 @@ class RunFinished(LiveExcluded):
 
 class LiveTimeout(RuntimeError):
     """No quorum could be formed in time (too few nodes, or etcd out of reach)."""
-
-
-@dataclass(frozen=True)
-class LiveSettings:
-    """What the live quorum needs from the launcher (exported by the handler as ``ENV_LIVE``)."""
-
-    min_nodes: int = 1
-    max_nodes: int = 1
-    last_call: float = 1.0
-    """Seconds a cold start waits for more nodes once ``min_nodes`` registered."""
-    join_timeout: float = 600.0
-    """Seconds a worker waits to be admitted, or for ``min_nodes`` after a loss."""
-    report_timeout: float = 5.0
-    """Seconds the survivors wait for a member that neither reported nor is provably dead (its
-    lease still renewed: a stopped or cut-off member is dropped when its lease expires)."""
-    lease_ttl: int = 3
-    keep_alive_interval: float = 1.0
-    poll: float = 0.1
-    """Seconds between the watcher's looks at joiners and leases while training."""
-
-    @classmethod
-    def from_env(cls) -> LiveSettings | None:
-        text = os.environ.get(ENV_LIVE)
-        if not text:
-            return None
-        values = json.loads(text)
-        return cls(**{k: v for k, v in values.items() if k in cls.__dataclass_fields__})
-
-    def to_env(self) -> str:
-        return json.dumps(asdict(self))
 
 
 @dataclass(frozen=True)
@@ -187,14 +161,14 @@ def _probe_dead(address: str, timeout: float = 0.05) -> bool:
 class _ProbeListener:
     """A listening socket whose refusal tells peers that this process is gone."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, start_thread: StartThread) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.bind((host, 0))
         self.sock.listen(64)
         self.address = f"{host}:{self.sock.getsockname()[1]}"
-        self._thread = threading.Thread(target=self._run, name="live-probe", daemon=True)
-        self._thread.start()
+        self._closed = False
+        start_thread("live-probe", self._run, stop=self.close)
 
     def _run(self) -> None:
         while True:
@@ -205,6 +179,9 @@ class _ProbeListener:
             conn.close()
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -224,10 +201,16 @@ class _View:
 
 
 class LiveGroup:
-    """This worker's membership in the live quorum of its run (see the module docstring)."""
+    """This worker's membership in the live quorum of its run (see the module docstring).
+
+    ``start_thread`` starts the probe listener and the watcher (default: plain daemon threads);
+    ``on_lease_lost(reason)`` is called, from the lease's renewal thread or from ``check_lease``,
+    when etcd no longer knows this worker's lease: the others may already train without it, so
+    it must end the worker (default: ``check_lease`` raises ``LiveExcluded``)."""
 
     def __init__(self, conn, prefix: str, node: str, local_rank: int, nproc: int, host: str,
-                 settings: LiveSettings) -> None:
+                 settings: LiveSettings, *, start_thread: StartThread = start_daemon_thread,
+                 on_lease_lost: Callable[[str], None] | None = None) -> None:
         from elastic_trainer.rendezvous.lease import LeaseKeeper
 
         self.conn = conn
@@ -235,40 +218,44 @@ class LiveGroup:
         self.node, self.local_rank, self.nproc = node, local_rank, nproc
         self.settings = settings
         self.id = f"{node}-{local_rank}-{os.getpid()}"
-        self._probe = _ProbeListener(host)
+        self._start_thread = start_thread
+        self._on_lease_lost = on_lease_lost
+        self._probe = _ProbeListener(host, start_thread)
         self.me = Member(self.id, node, local_rank, self._probe.address)
         self.quorum: Quorum | None = None
         self.change_pending = threading.Event()
         self.change_reason = ""
         self.on_member_lost: Callable[[str], None] | None = None
-        self._adopt_lock = threading.Lock()
         """Called from the watcher thread when a member is lost (NCCL: abort the hung group)."""
+        self._adopt_lock = threading.Lock()
         self._lease = LeaseKeeper(conn, self._key("alive/" + self.id), settings.lease_ttl,
                                   settings.keep_alive_interval, self._on_lease_tick, self._on_lease_tick)
         self._lease_asked = 0.0
         self._lease.ensure()
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
-        self._store = None
         self.requests = 0
 
     @classmethod
-    def from_env(cls) -> LiveGroup | None:
-        """The live group of this worker when its agent runs the etcd-v3 rendezvous in live mode."""
-        settings = LiveSettings.from_env()
-        if settings is None:
+    def from_env(cls, env: WorkerEnv, *, start_thread: StartThread = start_daemon_thread,
+                 on_lease_lost: Callable[[str], None] | None = None) -> LiveGroup | None:
+        """The live group of this worker when its agent runs the etcd-v3 rendezvous in live mode
+        (``env.live`` set), else None."""
+        if env.live is None:
             return None
+        if not (env.rdzv_conn and env.rdzv_node and env.rdzv_prefix):
+            raise ValueError("the live settings are in the environment but not the rendezvous's etcd connection, "
+                             "node and prefix; start workers through `elastic-train` (the etcd-v3 handler sets them)")
         from elastic_trainer.rendezvous.etcd_client import EtcdConnection, options_from_export
-        from elastic_trainer.rendezvous.fence import ENV_RDZV_CONN, ENV_RDZV_NODE, ENV_RDZV_PREFIX
 
         # The password is not in the environment: the export names the 0600 file that holds it.
-        options = options_from_export(os.environ[ENV_RDZV_CONN], retry_timeout=15.0)
-        node = os.environ[ENV_RDZV_NODE]
+        options = options_from_export(env.rdzv_conn, retry_timeout=15.0)
+        node = env.rdzv_node
         host = node.rsplit("_", 2)[0] if node.count("_") >= 2 else "127.0.0.1"
         host = _resolvable(host)
-        return cls(EtcdConnection(options), os.environ[ENV_RDZV_PREFIX], node,
-                   int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")), host,
-                   settings)
+        return cls(EtcdConnection(options), env.rdzv_prefix, node, env.local_rank or 0,
+                   env.local_world_size or 1, host, env.live, start_thread=start_thread,
+                   on_lease_lost=on_lease_lost)
 
     # ---- etcd ------------------------------------------------------------------------------
     def _key(self, sub: str) -> str:
@@ -327,10 +314,12 @@ class LiveGroup:
         if self._lease.lost and not self._stop.is_set():
             # etcd declared this worker dead (it was paused or cut off past its lease): the
             # others may already train without it. It must not touch the old group again.
-            from elastic_trainer.training.runtime import runtime
-
-            runtime().exit(EXIT_EXCLUDED, "live: this worker's etcd lease expired; it was left out of the group "
-                           "and exits (its agent starts a newcomer)", run_hooks=False)
+            reason = ("live: this worker's etcd lease expired; it was left out of the group and exits "
+                      "(its agent starts a newcomer)")
+            if self._on_lease_lost is not None:
+                self._on_lease_lost(reason)
+            elif threading.current_thread() is threading.main_thread():
+                raise LiveExcluded(reason)
 
     def check_lease(self) -> None:
         """Before a step: end this worker (as ``_on_lease_tick`` does) when its lease is gone.
@@ -475,36 +464,33 @@ class LiveGroup:
         return Quorum(q=target, members=members, step=top, source=source, receivers=receivers,
                       cause=why, formed_at=time.time())
 
-    # ---- the process group -------------------------------------------------------------------------
-    def init_process_group(self, backend: str, timeout: float, device: torch.device | None = None) -> None:
-        """Join the default process group of the current quorum, on a fresh store in etcd (NCCL:
-        communicators that abort instead of ending the process, made now on ``device``)."""
+    # ---- the process group's store --------------------------------------------------------------
+    def store(self):
+        """A fresh torch ``Store`` in etcd for the current quorum's process group (no process hosts it)."""
         from elastic_trainer.rendezvous.etcd_store import EtcdStore
 
         q = self.quorum
         assert q is not None
-        rank = q.rank_of(self.id)
-        self._store = EtcdStore(self.conn, self._key(f"store/{q.q}/"),
-                                timeout=datetime.timedelta(seconds=max(5.0, self.settings.report_timeout * 3)))
-        extra: dict[str, Any] = {}
-        if backend == "nccl":
-            nccl_error_handling()
-            if device is not None and device.type == "cuda":
-                extra["device_id"] = device
-        dist.init_process_group(backend, store=self._store, rank=rank, world_size=q.world_size,
-                                timeout=datetime.timedelta(seconds=timeout), **extra)
-        if rank == 0 and q.q >= 3:  # what no one reads any more
-            for sub in (f"store/{q.q - 2}/", f"report/{q.q - 1}/"):
-                try:
-                    self._call(lambda c, s=sub: c.delete_prefix(self._key(s)), "cleanup")
-                except Exception as exc:  # noqa: BLE001 - leftovers only cost etcd space
-                    logger.info("live: could not delete %s: %s", sub, exc)
+        return EtcdStore(self.conn, self._key(f"store/{q.q}/"),
+                         timeout=datetime.timedelta(seconds=max(5.0, self.settings.report_timeout * 3)))
+
+    def forget_old(self) -> None:
+        """Rank 0, once its group is up: delete what no one reads any more (the store and the
+        reports of two quorums ago)."""
+        q = self.quorum
+        if q is None or q.rank_of(self.id) != 0 or q.q < 3:
+            return
+        for sub in (f"store/{q.q - 2}/", f"report/{q.q - 1}/"):
+            try:
+                self._call(lambda c, s=sub: c.delete_prefix(self._key(s)), "cleanup")
+            except Exception as exc:  # noqa: BLE001 - leftovers only cost etcd space
+                logger.info("live: could not delete %s: %s", sub, exc)
 
     # ---- while training --------------------------------------------------------------------------
     def start_watching(self) -> None:
+        """Watch joiners, leases and (with ``on_member_lost``) the other nodes' probes while training."""
         if self._watcher is None:
-            self._watcher = threading.Thread(target=self._watch, name="live-watch", daemon=True)
-            self._watcher.start()
+            self._watcher = self._start_thread("live-watch", self._watch, stop=self._stop.set)
 
     def _watch(self) -> None:
         while not self._stop.wait(self.settings.poll):
@@ -603,53 +589,6 @@ class LiveGroup:
         self._lease.close(revoke=True)
 
 
-def nccl_error_handling() -> str:
-    """Ask NCCL process groups made from now on to abort their communicators on an error or a
-    timeout and raise it, instead of ending the process (``NCCL_CLEAN_UP_ONLY``); a value the user
-    set is kept, with a warning when it ends the process. Returns the value in force."""
-    value = os.environ.setdefault(NCCL_ERROR_HANDLING, NCCL_CLEAN_UP_ONLY)
-    if value != NCCL_CLEAN_UP_ONLY:
-        logger.warning("live: %s=%s ends a worker on an NCCL error or timeout, so live recovery falls back to "
-                       "restarting it; unset it (or set %s) to keep the process", NCCL_ERROR_HANDLING, value,
-                       NCCL_CLEAN_UP_ONLY)
-    return value
-
-
-# ---- state transfer ----------------------------------------------------------------------------------
-def send_state(state: dict | None, src: int, receivers: tuple[int, ...], device: torch.device) -> dict | None:
-    """Send ``state`` from rank ``src`` to each rank in ``receivers`` (point to point: other ranks
-    neither receive nor decode it). Returns the state on the receivers, None elsewhere.
-
-    Peak extra memory: one serialized copy on the sender; on a receiver, the received bytes and
-    the decoded state (``torch.load`` reads the buffer in place, through a zero-copy reader)."""
-    import io
-
-    from elastic_trainer.checkpoint.storage import PartsReader
-
-    rank = dist.get_rank()
-    if rank == src:
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        data = torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
-        payload = data.to(device) if device.type != "cpu" else data
-        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-        works = []
-        for dst in receivers:
-            works += [dist.isend(size, dst=dst), dist.isend(payload, dst=dst)]
-        for work in works:
-            work.wait()
-        del payload, data
-        return None
-    if rank not in receivers:
-        return None
-    size = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.recv(size, src=src)
-    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.recv(payload, src=src)
-    raw = payload.cpu().numpy() if device.type != "cpu" else payload.numpy()
-    return torch.load(PartsReader([memoryview(raw)]), weights_only=True, map_location="cpu")
-
-
 # ---- helpers -----------------------------------------------------------------------------------------
 def _range_end(prefix: str) -> bytes:
     import etcd3.utils
@@ -694,5 +633,5 @@ def _resolvable(host: str) -> str:
     return "127.0.0.1"
 
 
-__all__ = ["ENV_LIVE", "EXIT_EXCLUDED", "LiveExcluded", "LiveGroup", "LiveSettings", "LiveTimeout", "Member",
-           "Quorum", "RunFinished", "send_state"]
+__all__ = ["LiveExcluded", "LiveGroup", "LiveTimeout", "Member", "Quorum", "RunFinished", "StartThread",
+           "start_daemon_thread"]

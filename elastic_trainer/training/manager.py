@@ -1,0 +1,488 @@
+"""The Manager: a worker's process group under live recovery, for any data-parallel training loop.
+
+Under ``elastic-train`` (live recovery, the default) a lost or added node does not restart the
+workers: the survivors keep their processes and their state, re-form the process group at the
+new world size, and a newcomer receives the training state from a live peer. Which workers
+train together is the live quorum's business (``rendezvous/quorum.py``: membership in etcd); the
+Manager is what a training loop sees of it, and it owns:
+
+- the **process group**: ``start()`` joins the quorum and builds the group on the quorum's store
+  in etcd (no process hosts it); ``reform()`` leaves (aborts, destroys) it and builds the next;
+- the **re-form**: after a failed collective (``run()`` tells it from other errors) or, planned,
+  at an agreed step when a node asks to join;
+- the **state transfer**: the ranks behind the quorum's step and the newcomers get the state of
+  one rank that completed it, point to point (``send_state``), never from storage;
+- the **step agreement**: ``agree(values)``, one small all-reduce of the loop's own values plus
+  the "re-form pending" flag, every few steps (``agree_due()``: about 0.2 s of steps).
+
+Outside live recovery (plain torchrun, ``--recovery restart``) it is a plain manager:
+``start()`` joins the group torchrun's environment describes, nothing re-forms, ``run()``
+re-raises every error, and a lost node restarts the workers as torchrun does. So a loop written
+against it runs unchanged in both modes (TorchFT's Manager and torchtitan's no-op FT manager are
+the models; this one is simpler: one quorum per re-form, not per step, and DDP only).
+
+Usage (``examples/own_loop.py`` is the whole program)::
+
+    from elastic_trainer import Manager
+
+    def state() -> dict:                                # what a newcomer must receive
+        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
+
+    with Manager(device) as manager:                    # joins the quorum and its process group
+        got = manager.receive_state()                   # a newcomer: the state of a live peer
+        ...load got...
+        ddp = DDP(model)
+        while step < max_steps:
+            manager.before_step()                       # a worker paused past its lease ends here
+            out, failed = manager.run(lambda: train_step(ddp))   # (result, None) or (None, cause)
+            if failed is None and manager.agree_due():
+                agreed = manager.agree([loss, stop])    # summed over ranks, + the re-form flag
+            if failed is not None or agreed.reform:
+                ddp = None                              # nothing may hold the old group
+                got = manager.reform(step, failed or "planned", state).state
+                ...load got (ranks behind, newcomers)...; ddp = DDP(model)
+
+The NCCL group is made with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (clean up only: an error or a
+timeout aborts the communicators and reaches the training thread instead of ending the process)
+unless the user set it, bound to its device so that its communicators are made during the
+re-form; a hung NCCL collective on a lost peer is ended by the quorum's watcher, which aborts
+the group (``on_member_lost``). Anything the Manager cannot handle (an error while re-forming, a
+worker left out of the quorum: ``LiveExcluded``) ends the worker; its agent restarts it, and it
+joins as a newcomer. Design and numbers: docs/trainer.md, "Live recovery".
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from elastic_trainer.env import ENV_NCCL_ERROR_HANDLING, EXIT_EXCLUDED, EXIT_OK, NCCL_CLEAN_UP_ONLY, WorkerEnv
+from elastic_trainer.rendezvous.quorum import LiveExcluded, LiveGroup, Quorum, RunFinished
+from elastic_trainer.training.runtime import die_with_parent, runtime
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+
+# ---- telling a failed collective from other errors -------------------------------------------------
+def collective_failed(exc: BaseException) -> bool:
+    """A collective with a peer failed (the peer died, or its group was torn down), on any backend:
+    torch raises ``DistError`` subclasses (``DistBackendError`` for NCCL's errors and timeouts), and
+    plain ``RuntimeError``s whose text names the backend (gloo, NCCL) or the connection."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(k in text for k in ("gloo", "nccl", "connection", "peer"))
+
+
+def run_or_failed_collective(step: Callable[[], T], recover: bool) -> tuple[T | None, str | None]:
+    """``(step(), None)``, or ``(None, cause)`` when ``recover`` and a collective failed in it.
+
+    The failure is returned, not handled inside the ``except`` block, so that the re-form runs
+    with the failed step's frames (its traceback) released: while anything refers to the broken
+    process group its gloo connections stay open (checked: a peer blocked on this process then
+    waits until it exits), and a survivor blocked on this one, not on the dead peer, would report
+    late and be left out of the next quorum."""
+    try:
+        return step(), None
+    except Exception as exc:  # noqa: BLE001 - only a failed collective is recovered; the rest re-raises
+        if not recover or not collective_failed(exc):
+            raise
+        return None, f"a collective failed ({type(exc).__name__})"
+
+
+def host_step_is_device_state(device: torch.device) -> bool:
+    """Whether, when a collective fails, the model and optimizer on ``device`` are those of the last
+    step the host completed (so rank 0 may save them without its peers).
+
+    On the CPU (gloo) a collective returns only once it is done, so a failure stops the host before
+    the optimizer step. On CUDA (NCCL) ``work.wait()`` only makes the compute stream wait: the host
+    queues the optimizer step, and further steps, behind an all-reduce that may never finish, and
+    when the group is aborted (watchdog, ``--collective-timeout``) those kernels run on a partial
+    result. The host's step then says nothing about the state on the GPU: no save after a failure."""
+    return device.type != "cuda"
+
+
+def agree_interval(host_cycle_s: float, device_step_s: float | None = None) -> int:
+    """Steps between two step-end agreements: about 0.2 s of steps, 1 to 32. A step takes the
+    longer of the host's cycle (start to start) and the device's own time for it (CUDA), since the
+    host only queues the GPU's work and runs ahead of it until a synchronisation point."""
+    cycle = max(host_cycle_s, device_step_s or 0.0)
+    return max(1, min(32, int(0.2 / cycle))) if cycle > 0 else 1
+
+
+# ---- the process group ----------------------------------------------------------------------------
+def leave_process_group() -> None:
+    """Abort (NCCL: tear the communicators down, unblocking queued work) and destroy the default group.
+
+    What still refers to the group keeps its connections open after ``destroy_process_group``
+    (peers blocked on this process then wait until it exits): the caller drops DDP first. (No
+    ``gc.collect()`` here: under load it took 0.3-0.4 s of every re-form, and the group goes by
+    reference counting once DDP and the failed step's frames are gone.)"""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.group.WORLD.abort()
+    except Exception as exc:  # noqa: BLE001 - gloo has little to abort; destroy below frees it
+        logger.debug("abort of the process group: %s", exc)
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - a broken group may fail to destroy cleanly
+        logger.info("destroying the broken process group: %s", exc)
+
+
+def _abort_world_group() -> None:
+    """Abort the default group from another thread (NCCL: ends its collectives in flight with an
+    error, which the training thread takes as a failed collective and re-forms)."""
+    try:
+        if dist.is_initialized():
+            dist.group.WORLD.abort()
+    except Exception as exc:  # noqa: BLE001 - the group may already be gone (re-formed meanwhile)
+        logger.info("live: abort of the process group from the watcher: %s", exc)
+
+
+def nccl_error_handling() -> str:
+    """Ask NCCL process groups made from now on to abort their communicators on an error or a
+    timeout and raise it, instead of ending the process (``NCCL_CLEAN_UP_ONLY``); a value the user
+    set is kept, with a warning when it ends the process. Returns the value in force."""
+    value = os.environ.setdefault(ENV_NCCL_ERROR_HANDLING, NCCL_CLEAN_UP_ONLY)
+    if value != NCCL_CLEAN_UP_ONLY:
+        logger.warning("live: %s=%s ends a worker on an NCCL error or timeout, so live recovery falls back to "
+                       "restarting it; unset it (or set %s) to keep the process", ENV_NCCL_ERROR_HANDLING, value,
+                       NCCL_CLEAN_UP_ONLY)
+    return value
+
+
+def init_from_env(env: WorkerEnv, device: torch.device, timeout: float) -> bool:
+    """Plain mode: join the default group that torchrun's environment describes (gloo on CPU, NCCL
+    on GPU, bound to ``device`` so that its communicators are made now). False when not launched."""
+    if not env.launched:
+        return False
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        extra = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), **extra)
+    return True
+
+
+def warm_up_ddp() -> None:
+    """Construct DDP once on a throwaway one-process group: its first construction imports ~800
+    modules (1.6 s here), which a newcomer must not spend while the others wait for it."""
+    if dist.is_initialized():
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- state transfer -----------------------------------------------------------------------------
+def send_state(state: dict | None, src: int, receivers: Sequence[int], device: torch.device) -> dict | None:
+    """Send ``state`` from rank ``src`` to each rank in ``receivers`` (point to point: other ranks
+    neither receive nor decode it). Returns the state on the receivers, None elsewhere.
+
+    Peak extra memory: one serialized copy on the sender; on a receiver, the received bytes and
+    the decoded state (``torch.load`` reads the buffer in place, through a zero-copy reader)."""
+    from elastic_trainer.checkpoint.storage import PartsReader
+
+    rank = dist.get_rank()
+    if rank == src:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        data = torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
+        payload = data.to(device) if device.type != "cpu" else data
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+        works = []
+        for dst in receivers:
+            works += [dist.isend(size, dst=dst), dist.isend(payload, dst=dst)]
+        for work in works:
+            work.wait()
+        del payload, data
+        return None
+    if rank not in receivers:
+        return None
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(size, src=src)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.recv(payload, src=src)
+    raw = payload.cpu().numpy() if device.type != "cpu" else payload.numpy()
+    return torch.load(PartsReader([memoryview(raw)]), weights_only=True, map_location="cpu")
+
+
+# ---- who uses it ----------------------------------------------------------------------------------
+_USES_MANAGER = re.compile(
+    r"^\s*from\s+elastic_trainer(?:\.training(?:\.manager)?)?\s+import\s+(?:\([^)]*|[^\n]*)\bManager\b"
+    r"|\belastic_trainer\.(?:training\.(?:manager\.)?)?Manager\b", re.MULTILINE)
+
+
+def script_uses_manager(script: str, module: bool = False) -> bool:
+    """Whether the training script (a path, or a module name with ``module``) uses this Manager:
+    its text imports it (``from elastic_trainer import Manager``, or from ``elastic_trainer.training``
+    or ``.training.manager``) or names ``elastic_trainer.Manager``. ``elastic-train`` runs such a script under
+    live recovery by default and any other under restart: a script that ignores the Manager would,
+    under live recovery, get from torchrun a process group of its own node only (each node
+    training alone), so it must not run there."""
+    import importlib.util
+
+    path: str | None = script
+    if module:
+        try:
+            spec = importlib.util.find_spec(script)
+        except (ImportError, ValueError):
+            spec = None
+        path = spec.origin if spec is not None else None
+    if not path:
+        return False
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return False
+    return _USES_MANAGER.search(text) is not None
+
+
+# ---- the Manager ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Agreement:
+    """What the ranks agreed at a step's end."""
+
+    values: list[float]
+    """The loop's values, summed over the ranks."""
+    reform: bool
+    """Some rank's quorum asks to re-form (a node waits to join, a member's lease expired): every
+    rank re-forms now, at this same step (``Manager.reform``)."""
+    next_in: int
+    """Steps until the next agreement (rank 0's choice)."""
+
+
+@dataclass(frozen=True)
+class Reform:
+    """A re-form's outcome: the new quorum, the state this rank received (None unless it was behind
+    or new) and when each phase ended (``time.perf_counter``)."""
+
+    quorum: Quorum
+    state: dict | None
+    old_rank: int
+    old_world_size: int
+    torn: float
+    agreed: float
+    grouped: float
+
+    def timings(self, started: float, done: float) -> dict[str, float]:
+        """Seconds of each phase from ``started`` (the caller's teardown began) to ``done``."""
+        return {"teardown_s": self.torn - started, "agree_s": self.agreed - self.torn,
+                "group_s": self.grouped - self.agreed, "state_s": done - self.grouped, "total_s": done - started}
+
+
+class Manager:
+    """A worker's process group, its re-form, the state transfer and the step agreement (see the
+    module docstring). ``device``: this rank's device (gloo on the CPU, NCCL on CUDA)."""
+
+    def __init__(self, device: torch.device | None = None, *, collective_timeout: float = 300.0,
+                 env: WorkerEnv | None = None) -> None:
+        self.env = WorkerEnv.from_environ() if env is None else env
+        if self.env.restart_count is not None:  # started by torchrun's agent, which gives each worker a
+            die_with_parent()                   # session of its own: go when the agent goes (a killed node)
+        self.device = device if device is not None else torch.device("cpu")
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.collective_timeout = collective_timeout
+        rt = runtime()
+        self.group: LiveGroup | None = LiveGroup.from_env(self.env, start_thread=rt.start_thread,
+                                                          on_lease_lost=self._lease_lost)
+        """The live quorum's membership (None in plain mode); also the checkpoint commit's fence."""
+        if self.group is not None and self.device.type == "cuda":  # an NCCL collective may hang on a lost peer
+            self.group.on_member_lost = lambda why: _abort_world_group()
+        self.rank, self.world_size = self.env.rank or 0, self.env.world_size or 1
+        self.round = self.env.rdzv_round
+        """The quorum number under live recovery (the rendezvous round otherwise)."""
+        self.distributed = False
+        self._agree_in = 1  # steps until the next agreement (the first step agrees)
+        self._last_due: float | None = None
+        self._cycle_s: float | None = None
+
+    @property
+    def live(self) -> bool:
+        """Whether this worker is under live recovery (else: plain mode, nothing re-forms)."""
+        return self.group is not None
+
+    @property
+    def quorum(self) -> Quorum | None:
+        return self.group.quorum if self.group is not None else None
+
+    @property
+    def fence(self) -> LiveGroup | None:
+        """What fences a checkpoint commit under live recovery (``CheckpointManager(fence=...)``):
+        the quorum number and this worker's lease; None in plain mode."""
+        return self.group
+
+    @property
+    def newcomer(self) -> bool:
+        """Joined a group that was already training: ``receive_state()`` gives its state."""
+        return self.group is not None and self.group.quorum is not None and not self.group.quorum.cold
+
+    # ---- start and stop ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Join the process group: the live quorum's (waiting until it admits this worker; call it
+        once the model is built, so that the others never wait for this worker's start-up), or in
+        plain mode torchrun's. Raises ``RunFinished`` for a spare the run never needed."""
+        if self.group is None:
+            self.distributed = init_from_env(self.env, self.device, self.collective_timeout)
+            if self.distributed:
+                self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            return
+        warm_up_ddp()
+        t0 = time.perf_counter()
+        quorum = self.group.join()
+        t1 = time.perf_counter()
+        self._init_group()
+        logger.info("live: admitted to quorum %d as rank %d of %d after %.3fs (%s); group in %.3fs", quorum.q,
+                    self.rank, quorum.world_size, t1 - t0, "cold start" if quorum.cold else "newcomer",
+                    time.perf_counter() - t1)
+        self.group.start_watching()
+
+    def _init_group(self) -> None:
+        """The default group of the current quorum, on a fresh store in etcd."""
+        q = self.group.quorum
+        extra: dict[str, Any] = {}
+        if self.backend == "nccl":
+            nccl_error_handling()
+            extra["device_id"] = self.device
+        dist.init_process_group(self.backend, store=self.group.store(), rank=q.rank_of(self.group.id),
+                                world_size=q.world_size,
+                                timeout=datetime.timedelta(seconds=self.collective_timeout), **extra)
+        self.group.forget_old()
+        self.rank, self.world_size, self.round, self.distributed = dist.get_rank(), q.world_size, q.q, True
+
+    def receive_state(self) -> dict | None:
+        """A newcomer's training state, sent by a live rank (call it once, right after ``start()``:
+        that rank waits for it); None on a cold start and in plain mode (load a checkpoint then)."""
+        if not self.newcomer:
+            return None
+        q = self.group.quorum
+        return send_state(None, q.source, q.receivers, self.device)
+
+    def close(self, *, finished: bool = False) -> None:
+        """Leave the quorum (its lease is revoked, so the others see at once that this worker is
+        gone); with ``finished`` rank 0 marks the run finished first, so that waiting spares exit 0.
+        The process group stays (destroy it when done with it)."""
+        if self.group is not None:
+            if finished and self.rank == 0:
+                self.group.finish()
+            self.group.close()
+
+    def __enter__(self) -> Manager:
+        self.start()
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        """The loop's end: leave the quorum and the group. A spare that was not needed exits 0, a
+        worker left out of the quorum exits ``EXIT_EXCLUDED`` (its agent starts a newcomer); other
+        errors propagate (the agent restarts the worker)."""
+        self.close()
+        if isinstance(exc, RunFinished):
+            runtime().exit(EXIT_OK, "live: the run finished before this worker was admitted")
+        if isinstance(exc, LiveExcluded):
+            runtime().exit(EXIT_EXCLUDED, f"live: {exc}; its agent starts this worker again as a newcomer")
+        if exc is None and self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+        return False
+
+    def _lease_lost(self, reason: str) -> None:
+        runtime().exit(EXIT_EXCLUDED, reason, run_hooks=False)
+
+    # ---- while training ----------------------------------------------------------------------------
+    def before_step(self) -> None:
+        """Call before each step: a worker paused past its lease never starts a step in the old group."""
+        if self.group is not None:
+            self.group.check_lease()
+
+    def run(self, step: Callable[[], T]) -> tuple[T | None, str | None]:
+        """``(step(), None)``, or under live recovery ``(None, cause)`` when a collective failed in it
+        (then ``reform``); other errors, and every error in plain mode, propagate."""
+        return run_or_failed_collective(step, recover=self.live)
+
+    @property
+    def reform_pending(self) -> bool:
+        """This rank's quorum asks to re-form (shared with the others by the next ``agree``)."""
+        return self.group is not None and self.group.change_pending.is_set()
+
+    @property
+    def reform_reason(self) -> str:
+        return self.group.change_reason if self.group is not None else ""
+
+    def agree_due(self) -> bool:
+        """Count a step's end; True when the ranks agree after it (every ``Agreement.next_in`` steps)."""
+        now = time.perf_counter()
+        if self._last_due is not None:
+            self._cycle_s = now - self._last_due
+        self._last_due = now
+        self._agree_in -= 1
+        return self._agree_in <= 0
+
+    def agree(self, values: Sequence[float] | torch.Tensor, *, interval: int | None = None) -> Agreement:
+        """One small all-reduce: ``values`` summed over the ranks, and whether to re-form now.
+
+        ``interval`` (rank 0's is used): steps until the next agreement; by default about 0.2 s of
+        steps at the cycle ``agree_due`` measured. Every rank must call it at the same steps."""
+        if interval is None:
+            interval = agree_interval(self._cycle_s or 0.0)
+        vals = values.to(torch.float64) if isinstance(values, torch.Tensor) else torch.tensor(
+            [float(v) for v in values], dtype=torch.float64, device=self.device)
+        flags = torch.tensor([float(self.reform_pending), float(interval) if self.rank == 0 else 0.0],
+                             dtype=torch.float64, device=vals.device)  # the group's device (NCCL: CUDA)
+        shared = torch.cat([vals.reshape(-1), flags])
+        if self.distributed and self.world_size > 1:
+            dist.all_reduce(shared)
+        out = shared.tolist()
+        n = len(out) - 2
+        self._agree_in = max(1, int(out[n + 1]))
+        return Agreement(out[:n], out[n] > 0, self._agree_in)
+
+    def reform(self, step: int, cause: str, state_dict: Callable[[], dict] | None = None, *,
+               step_seconds: float | None = None) -> Reform:
+        """Re-form the group in place: same process, same state, a new group at the new world size.
+
+        Call it after ``run`` returned a failure, or at an agreed step whose ``Agreement.reform``
+        is set, with nothing referring to the old group any more (drop DDP first). ``step`` is the
+        last step this rank completed; the quorum continues at the highest step any survivor
+        reported, and the ranks behind it and the newcomers receive ``state_dict()`` of a rank
+        that completed it (``Reform.state``). Raises ``LiveExcluded`` when the quorum formed
+        without this worker. ``step_seconds`` (default: the measured cycle) stretches the wait for
+        a slow member's report to three steps."""
+        if self.group is None:
+            raise RuntimeError("Manager.reform needs live recovery (elastic-train's etcd-v3 rendezvous with "
+                               "--recovery live); in plain mode a failure ends the worker and torchrun restarts it")
+        old_rank, old_world = self.rank, self.world_size
+        leave_process_group()
+        torn = time.perf_counter()
+        cycle = self._cycle_s if step_seconds is None else step_seconds
+        quorum = self.group.reform(step, cause, report_timeout=max(self.group.settings.report_timeout,
+                                                                    3 * (cycle or 0.0)))
+        agreed = time.perf_counter()
+        self._init_group()
+        grouped = time.perf_counter()
+        state = None
+        if quorum.receivers:
+            source = self.rank == quorum.source
+            if source and state_dict is None:
+                raise ValueError("Manager.reform needs state_dict on the rank that sends the state to the others")
+            state = send_state(state_dict() if source else None, quorum.source, quorum.receivers, self.device)
+        self._agree_in = 1
+        return Reform(quorum, state, old_rank, old_world, torn, agreed, grouped)
+
+
+__all__ = ["Agreement", "LiveExcluded", "Manager", "Reform", "RunFinished", "agree_interval", "collective_failed",
+           "host_step_is_device_state", "leave_process_group", "nccl_error_handling", "run_or_failed_collective",
+           "script_uses_manager", "send_state", "warm_up_ddp"]
