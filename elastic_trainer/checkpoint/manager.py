@@ -307,6 +307,12 @@ class CheckpointManager:
             self.last_save_stats = stats
         return blocked
 
+    def prepare(self, state: dict) -> None:
+        """Make the snapshot memory for saves of states like ``state`` now, on a background thread
+        (page-locked for a GPU state), so that the first save blocks no longer than the later ones;
+        call it once the state exists (after the first optimizer step). See ``host_memory``."""
+        self._snapshotter.prepare(state)
+
     def settle_copy(self) -> None:
         """Judge the copy running beside training (waiting for it if needed); see ``DeferredCopy``."""
         deferred = self._deferred
@@ -495,6 +501,7 @@ class CheckpointManager:
             self._check_landed(own, files)
         if include is not None:
             files.update(include)
+            stats["bytes"] += sum(int(info["size"]) for info in include.values())  # every byte committed
         if self.fence is not None:
             self.fence()
         manifest = {

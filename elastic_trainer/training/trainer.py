@@ -44,6 +44,7 @@ from elastic_trainer import config as cfgmod
 from elastic_trainer import devices
 from elastic_trainer import records
 from elastic_trainer.checkpoint import storage
+from elastic_trainer.checkpoint.sharded import prepare_saves
 from elastic_trainer.records import Event, EventRecord, JsonLines, LedgerRecord, StepRecord
 from elastic_trainer.training import metrics
 from elastic_trainer.config import TrainConfig
@@ -587,6 +588,9 @@ class Trainer:
         self.timer.start()
         loss_sum = self._train_step(self.batches)
         self._boundaries += 1
+        if self._boundaries == 1 and self.ckpt is not None:  # the saves' host memory, made beside the next steps
+            self._sharded_saver = prepare_saves(self.ckpt, self.module, self.optimizer, sharded=self._sharded(),
+                                                main=self.dinfo.is_main, timeout=self.config.collective_timeout)
         took = self.timer.stop()  # CUDA: known once the GPU ran the step (at the agreement at the latest)
         if took.ready():
             self._last_step_s = took.seconds()
