@@ -338,10 +338,20 @@ class ShardedSaver:
             self._group = dist.new_group(backend="gloo", **kwargs)
         return self._group
 
+    def folder(self) -> str:
+        """The shards' folder in every step, named by rank 0's writer id (made on first use: collective)."""
+        if self._folder is None:
+            box = [f"{SHARDS}-{self.ckpt.writer_id}" if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(box, src=0, group=self.group())
+            self._folder = box[0]
+        return self._folder
+
     def prepare(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
-        """Every rank, once the optimizer has its state (after the first step): make this rank's
-        staging buffer on a background thread (``Staging.prepare``), so that the first save only
-        copies; returns whether a buffer is being made."""
+        """Every rank, collectively, once the optimizer has its state (after the first step): make
+        the checkpoint group and the folder's name now, and this rank's staging buffer on a
+        background thread (``Staging.prepare``), so that the first save only copies; returns
+        whether a buffer is being made."""
+        self.folder()
         return self._staging.prepare(_sharded_state(module, optimizer))
 
     def save(self, step: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -356,11 +366,7 @@ class ShardedSaver:
         self.ckpt.wait()
         waited = time.perf_counter() - start
         group = self.group()
-        if self._folder is None:  # rank 0's writer id names the folder in every step
-            box = [f"{SHARDS}-{self.ckpt.writer_id}" if dist.get_rank() == 0 else None]
-            dist.broadcast_object_list(box, src=0, group=group)
-            self._folder = box[0]
-        folder = self._folder
+        folder = self.folder()
         path = storage.join(self.ckpt.root, f"step-{step}", folder)
         storage.makedirs(self.ckpt.fs, path)
         rest = copy.deepcopy(rest) if rest is not None else None  # the scheduler's lists may change meanwhile
