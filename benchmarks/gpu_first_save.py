@@ -105,7 +105,7 @@ def host_memory_part(job: Job, nbytes: int) -> dict:
     out: dict = {"bytes": nbytes}
     src = torch.empty(nbytes, dtype=torch.uint8, device=job.device)
 
-    def copy_gbps(dst: torch.Tensor) -> float:
+    def copy_gbps(dst: torch.Tensor, src: torch.Tensor) -> float:
         best = float("inf")
         for _ in range(3):
             _sync(job.device)
@@ -123,7 +123,7 @@ def host_memory_part(job: Job, nbytes: int) -> dict:
         t0 = time.perf_counter()
         buf = make()
         out[f"{name}_make_s"] = time.perf_counter() - t0
-        out[f"{name}_copy_gbps"] = copy_gbps(buf)
+        out[f"{name}_copy_gbps"] = copy_gbps(buf, src)
         del buf
     del src
     steady = timed_steps(job, 20)

@@ -13,8 +13,8 @@ batch 16, bf16 autocast, AdamW; about 30 ms a step on an H100) on one GPU, one w
 - B, plain: ``torchrun --standalone --nproc-per-node 1 benchmarks/gpu_overhead.py plain-worker``:
   DistributedSampler, DDP over NCCL, the same model, data, AdamW and autocast, TF32 on as the
   trainer sets it, no checkpoints, no logging in the loop.
-- ``--fsdp`` adds C, ``elastic-train --recovery restart -- --fsdp`` (sharded saves), once per
-  repeat, for its blocked milliseconds per save.
+- ``--fsdp`` adds C, ``elastic-train --recovery restart -- --fsdp`` (sharded saves), once, after
+  the pairs, for its blocked milliseconds per save.
 
 The sides alternate, A B A B, so that whatever else the machine does falls on both alike.
 Samples/s of a run: global batch x steps / seconds over the steps after ``--warmup-steps`` (50)
@@ -203,7 +203,7 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--warmup-steps", type=int, default=50, help="steps left out of samples/s (default 50)")
     p.add_argument("--checkpoint-every", type=int, default=100, help="elastic side: save every N steps (default 100)")
     p.add_argument("--global-batch-size", type=int, default=16, help="both sides (default 16)")
-    p.add_argument("--fsdp", action="store_true", help="also run elastic-train --fsdp once per repeat (sharded saves)")
+    p.add_argument("--fsdp", action="store_true", help="also run elastic-train --fsdp once, after the pairs (sharded saves)")
     p.add_argument("--device", default=None, help="cuda (default where torch sees a GPU) or cpu (smoke tests)")
     p.add_argument("--timeout", type=float, default=240, help="seconds one run may take (default 240)")
     p.add_argument("--workdir", default=None, help="keep run logs here (default: a temp dir, removed)")
@@ -234,18 +234,24 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir).resolve() if args.workdir else Path(tempfile.mkdtemp(prefix="gpu-overhead-"))
     workdir.mkdir(parents=True, exist_ok=True)
     sides = ["elastic", "plain", *(["elastic-fsdp"] if args.fsdp else [])]
+    plan = [(i, kind) for i in range(args.repeats) for kind in ("elastic", "plain")]
+    plan += [(args.repeats - 1, "elastic-fsdp")] if args.fsdp else []  # once: its blocked ms per save
+    head = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit(),
+            **builds(), "benchmark": "gpu_overhead", "command": shlex.join(["python", *sys.argv])}
     runs: list[dict] = []
     try:
-        for i in range(args.repeats):
-            for kind in sides:
-                r = measure(kind, args, workdir / f"{i:02d}-{kind}", env)
-                r["repeat"] = i
-                runs.append(r)
-                saves = (f", saves blocked {r['periodic_blocked_ms']} ms (periodic), "
-                         f"{[s['blocked_ms'] for s in r['saves'] if s['blocking']]} ms (final)" if "saves" in r else "")
-                print(f"repeat {i} {kind:12s} {r['samples_per_s']:8.1f} samples/s over steps {r['first_step']}.."
-                      f"{r['last_step']} (median step {r['median_step_s'] * 1e3:.1f} ms, max {r['max_step_ms']:.0f} ms), "
-                      f"wall {r['wall_s']:.1f} s{saves}", flush=True)
+        for i, kind in plan:
+            r = measure(kind, args, workdir / f"{i:02d}-{kind}", env)
+            r["repeat"] = i
+            runs.append(r)
+            if args.out:  # after every run: a run cut short still leaves what it measured
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps({**head, "partial": True, "runs": runs}, indent=2) + "\n")
+            saves = (f", saves blocked {r['periodic_blocked_ms']} ms (periodic), "
+                     f"{[s['blocked_ms'] for s in r['saves'] if s['blocking']]} ms (final)" if "saves" in r else "")
+            print(f"repeat {i} {kind:12s} {r['samples_per_s']:8.1f} samples/s over steps {r['first_step']}.."
+                  f"{r['last_step']} (median step {r['median_step_s'] * 1e3:.1f} ms, max {r['max_step_ms']:.0f} ms), "
+                  f"wall {r['wall_s']:.1f} s{saves}", flush=True)
     except BaseException:
         print(f"gpu_overhead: a run failed; its logs are kept in {workdir}", file=sys.stderr)
         raise
@@ -256,9 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     periodic = [ms for r in by["elastic"] + by.get("elastic-fsdp", []) for ms in r["periodic_blocked_ms"]]
     first = [r["periodic_blocked_ms"][0] for r in by["elastic"] + by.get("elastic-fsdp", []) if r["periodic_blocked_ms"]]
     result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit(),
-        **builds(), "benchmark": "gpu_overhead", "command": shlex.join(["python", *sys.argv]),
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")},
+        **head, "settings": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")},
         "samples_per_s": {k: overhead.summary([r["samples_per_s"] for r in rs]) for k, rs in by.items()},
         "median_step_ms": {k: statistics.median(r["median_step_s"] * 1e3 for r in rs) for k, rs in by.items()},
         "paired_ratio": paired, "ratio_min": min(paired),
