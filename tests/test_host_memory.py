@@ -123,6 +123,10 @@ def test_sharded_staging_after_prepare_copies_into_the_prepared_buffer(allocatio
     assert staged_again["model"]["weight"].data_ptr() == staged["model"]["weight"].data_ptr()
     assert torch.equal(staged["model"]["weight"], state["model"]["weight"])
     assert staged["model"]["weight"].data_ptr() != state["model"]["weight"].data_ptr()
+    for t in [*staged["model"].values(), *staged["optimizer"]["state"][0].values()]:
+        # in the one buffer, yet each tensor's storage is its own bytes: DCP writes them as they are
+        assert t.untyped_storage().size() == t.nbytes
+        assert staging.host.tensor.data_ptr() <= t.data_ptr() < staging.host.tensor.data_ptr() + staging.host.capacity
     staging.close()
 
 

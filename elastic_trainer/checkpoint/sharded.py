@@ -278,8 +278,9 @@ class Staging:
             offsets.append(size)
             size += -(-local.numel() * local.element_size() // _ALIGN) * _ALIGN
         buffer = self.host.get(size, pinned=any(local.is_cuda for _, _, local in tensors))
+        raw = buffer.numpy()
         for (path, v, local), offset in zip(tensors, offsets):
-            view = buffer[offset:offset + local.numel() * local.element_size()].view(local.dtype).view(local.shape)
+            view = _exact_view(raw, offset, local)
             if isinstance(v, DTensor):
                 # the source's mesh and placements around a CPU local tensor, which then takes the
                 # view's memory (set_: a tensor op; under no_grad to_local() is that very tensor)
@@ -311,6 +312,18 @@ class Staging:
         """Free the buffer."""
         self._staged, self._buffers, self._layout = {}, [], None
         self.host.free()
+
+
+def _exact_view(raw, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """A tensor shaped and typed as ``like`` over ``raw[offset:]`` (the host buffer as a numpy
+    array) whose storage is exactly its own bytes: DCP's writer clones a tensor whose storage is
+    larger than the tensor (and ``torch.save`` would write all of it), which a plain view of the
+    buffer is."""
+    nbytes = like.numel() * like.element_size()
+    if nbytes == 0:
+        return torch.empty(like.shape, dtype=like.dtype)
+    exact = torch.frombuffer(memoryview(raw[offset:offset + nbytes]), dtype=torch.uint8)
+    return exact.view(like.dtype).view(like.shape)
 
 
 class ShardedSaver:
