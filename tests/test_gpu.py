@@ -467,3 +467,38 @@ def test_fsdp_on_two_gpus_saves_sharded_and_resumes_resharded_on_one(tmp_path):
     assert "resumed from checkpoint step-4" in again
     state = CheckpointManager(str(tmp_path / "ck")).load()[1]
     assert state["meta"]["world_size"] == 1 and "sharded" in state
+
+
+def test_sharded_staging_of_cuda_shards_copies_into_prepared_page_locked_memory():
+    """--fsdp's staging: DTensors around CPU views of one prepared, page-locked buffer (the same
+    mesh and placements as the shards), each view's storage exactly its bytes (DCP writes it as
+    it is), the values those of the stage."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from elastic_trainer.checkpoint.sharded import Staging
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 8))
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters())
+        model(torch.ones(4, 1024, device=device)).sum().backward()
+        opt.step()
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        staging = Staging()
+        assert staging.prepare(state)
+        staging.host.wait()
+        staged = staging.stage(state)
+        assert staging.host.allocations == 1 and staging.host.pinned
+        w, got = state["model"]["0.weight"], staged["model"]["0.weight"]
+        assert isinstance(got, DTensor) and got.device_mesh == w.device_mesh and got.placements == w.placements
+        local = got.to_local()
+        assert local.device.type == "cpu" and local.untyped_storage().size() == local.nbytes
+        assert torch.equal(local, w.to_local().cpu())
+        staging.close()
+    finally:
+        dist.destroy_process_group()

@@ -284,10 +284,10 @@ class Staging:
             if isinstance(v, DTensor):
                 # the source's mesh and placements around a CPU local tensor, which then takes the
                 # view's memory (set_: a tensor op; under no_grad to_local() is that very tensor)
-                staged = torch.empty_like(v, device="cpu")
+                staged = _cpu_dtensor(v)
                 inner = staged.to_local()
-                if inner is not staged.to_local() or inner.device.type != "cpu":
-                    raise RuntimeError(f"cannot stage {path}: this torch's DTensor gives no CPU local tensor "
+                if inner is not staged.to_local():
+                    raise RuntimeError(f"cannot stage {path}: this torch's DTensor.to_local() gives no tensor "
                                        "to fill in place")
                 inner.set_(view)
                 self._buffers.append(inner)
@@ -312,6 +312,18 @@ class Staging:
         """Free the buffer."""
         self._staged, self._buffers, self._layout = {}, [], None
         self.host.free()
+
+
+def _cpu_dtensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor with ``tensor``'s mesh and placements around a new CPU local tensor: an empty
+    one (no copy) where this torch's DTensor makes it, else a copy (what DCP's stager makes)."""
+    try:
+        out = torch.empty_like(tensor, device="cpu")
+        if out.to_local().device.type == "cpu":
+            return out
+    except (RuntimeError, NotImplementedError) as exc:
+        log.debug("empty_like of a DTensor on the CPU failed (%s); staging by a copy", exc)
+    return tensor.to("cpu")
 
 
 def _exact_view(raw, offset: int, like: torch.Tensor) -> torch.Tensor:
