@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import torch  # noqa: E402
 
 import gpt_task  # noqa: E402
-from gpu_overhead import QUICK_GPT, builds, commit  # noqa: E402
+from gpu_overhead import QUICK_GPT, builds, commit, write_json  # noqa: E402
 
 from elastic_trainer.checkpoint import CheckpointManager, host_memory  # noqa: E402
 from elastic_trainer.checkpoint.sharded import ShardedSaver, prepare_saves  # noqa: E402
@@ -258,9 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"every save after prepare (the first included) < 50 ms: "
           f"{'met' if result['every_prepared_save_under_50_ms'] else 'MISSED'} (max {result['max_prepared_blocked_ms']} ms)")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        write_json(args.out, result, say=True)
     return 0
 
 

@@ -186,6 +186,13 @@ def builds() -> dict:
     return out
 
 
+def write_json(path: str, result: dict, say: bool = False) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2) + "\n")
+    if say:
+        print(f"wrote {path}")
+
+
 def commit() -> str:
     """The code's commit: git's, else $GIT_COMMIT (a copy without .git, as launch/gpu-check runs), else unknown."""
     try:
@@ -245,8 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             r["repeat"] = i
             runs.append(r)
             if args.out:  # after every run: a run cut short still leaves what it measured
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.out).write_text(json.dumps({**head, "partial": True, "runs": runs}, indent=2) + "\n")
+                write_json(args.out, {**head, "partial": True, "runs": runs})
             saves = (f", saves blocked {r['periodic_blocked_ms']} ms (periodic), "
                      f"{[s['blocked_ms'] for s in r['saves'] if s['blocking']]} ms (final)" if "saves" in r else "")
             print(f"repeat {i} {kind:12s} {r['samples_per_s']:8.1f} samples/s over steps {r['first_step']}.."
@@ -287,9 +293,7 @@ def main(argv: list[str] | None = None) -> int:
           f"included: {'met' if result['targets']['every_save_under_50_ms'] else 'MISSED'} "
           f"(max {result['max_periodic_blocked_ms']} ms); {result['total_s']:.0f} s in all")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        write_json(args.out, result, say=True)
     return 0
 
 
