@@ -4,31 +4,30 @@
 Every field is checked in ``__post_init__``; a bad value raises ``ValueError`` with one
 sentence that names the value and says what to change, which the CLI prints as one line.
 
-Each trainer flag is written once, as a ``TrainConfig`` field: its ``field(metadata=flag(...))``
-holds its section and help, and :func:`add_train_flags` generates the trainer's parser from the
-fields (torchtitan derives its CLI from its ``JobConfig`` dataclasses the same way). The flag is
-the field's name with dashes, and the checkpoint manager's keyword arguments use the same names.
-``elastic-train`` parses the trainer's flags with that parser, and offers the two it needs itself
-(``--checkpoint-dir``, ``--log-dir``) with :func:`add_train_flag`, the same declaration.
+Each flag and each default is written once, as a field: its ``field(metadata=...)`` holds its
+section and help (:func:`flag` for the trainer's, :func:`run_flag` for the launcher's), its default
+is the field's, and ``elastic_trainer/flags.py`` generates both parsers from the fields
+(torchtitan derives its CLI from its ``JobConfig`` dataclasses the same way). The flag is the
+field's name with dashes, and the checkpoint manager's keyword arguments use the same names.
+``elastic-train`` parses the trainer's flags with the trainer's parser, and offers the two it needs
+itself (``--checkpoint-dir``, ``--log-dir``) with the trainer's declaration of them.
 
 The environment variables through which the launcher tells the workers where things are
-are named here once. The checkpoint manager and the sampler take their few settings as
+are named in ``env.py``, once. The checkpoint manager and the sampler take their few settings as
 arguments (``CheckpointManager(url, keep_checkpoints=..., async_checkpoint=...)``).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import re
-import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
 # Environment variables through which the launcher tells the workers where things are.
-# They are named here, once; the trainer reads them as the defaults of its own flags.
+# They are named in env.py, once; the trainer reads them as the defaults of its own flags.
 from elastic_trainer.env import (  # noqa: E402,F401 - re-exported: the flags' env defaults
     ENV_CHECKPOINT_DIR,
     ENV_LOG_DIR,
@@ -39,54 +38,148 @@ from elastic_trainer.env import (  # noqa: E402,F401 - re-exported: the flags' e
 )
 
 DEFAULT_RUN_ID = "elastic-run"
-
+RECOVERY_MODES = ("live", "restart")
 
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
+# ------------------------------------------------------------------------------ launcher flags
+
+RUN_SECTIONS = {
+    "nodes": "nodes",
+    "rendezvous": "rendezvous",
+    "agent": "agent",
+    "storage": "storage (the trainer's own flags: give each here or after `--`, not both)",
+}
+"""The argument groups of the launcher's parser, in order; every ``RunConfig`` flag is in one."""
+
+
+def run_flag(section: str, help: str = "", *, parse: Callable[[str], Any] | None = None, metavar: str | None = None,
+             aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None,
+             default_text: str | None = None, trainer: bool = False) -> dict[str, Any]:
+    """The ``field(metadata=...)`` of a ``RunConfig`` field that is a flag of ``elastic-train``.
+
+    The flag is the field's name with dashes; ``aliases`` are torchrun's spellings. ``parse`` turns
+    the text into the value (default: the field's type). ``default_text`` replaces the field's
+    default in the help where that reads better (``077`` for the umask). ``trainer`` marks a
+    flag that is the built-in trainer's own (``--checkpoint-dir``): its declaration, help included,
+    is ``TrainConfig``'s.
+    """
+    if section not in RUN_SECTIONS:
+        raise ValueError(f"launcher flag section {section!r} is not one of {', '.join(RUN_SECTIONS)}")
+    return {"section": section, "help": help, "parse": parse, "metavar": metavar, "aliases": aliases,
+            "choices": choices, "default_text": default_text, "trainer": trainer}
+
+
+def positive_int(flag: str) -> Callable[[str], int]:
+    """A flag's value parser: a whole number of at least 1, else an error naming ``flag``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a whole number, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be at least 1, got {value}")
+        return value
+    return parse
+
+
+def parse_nproc(text: str) -> int:
+    """``--nproc-per-node``: a number, or ``auto``/``gpu``/``cpu`` counted on this node's GPUs."""
+    if text in ("auto", "gpu", "cpu"):
+        from elastic_trainer import devices
+
+        try:
+            return devices.nproc_per_node(text, devices.CudaView.probe())
+        except devices.DeviceError as exc:  # `gpu` without a GPU: an error, as torchrun's
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return positive_int("--nproc-per-node")(text)
+
+
+def parse_umask(text: str) -> int:
+    """``--umask``: an octal mask from 000 to 777."""
+    try:
+        value = int(text, 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--umask takes an octal mask such as 077 or 027, got {text!r}") from None
+    if not 0 <= value <= 0o777:
+        raise argparse.ArgumentTypeError(f"--umask must be from 000 to 777, got {text!r}")
+    return value
+
+
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """``--rdzv-conf``: ``key=value[,key=value...]`` as a dict."""
+    conf = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"--rdzv-conf takes key=value[,key=value...], got {item!r}")
+        conf[key.strip()] = value.strip()
+    return conf
+
+
 @dataclass
 class RunConfig:
-    """One node's share of an elastic run, as the launcher builds it from flags."""
+    """One node's share of an elastic run, as the launcher builds it from flags.
 
-    min_nodes: int = 1
-    """Fewest nodes the job trains on; below it, the survivors wait for nodes to join."""
-    max_nodes: int = 1
-    """Most nodes admitted to a round; more wait as spares."""
-    nproc_per_node: int = 1
-    """Worker processes per node (one per GPU on GPU nodes)."""
-    rdzv_endpoint: str | None = None
-    """etcd ``host:port[,host:port...]``; None starts the embedded etcd for this run."""
-    rdzv_backend: str = "etcd-v3"
-    """torchrun rendezvous backend; ``etcd-v3`` is ours, ``c10d`` is torch's (for comparisons)."""
-    rdzv_conf: dict[str, str] = field(default_factory=dict)
-    """Backend options (``--rdzv-conf k=v,k=v``), see the rendezvous docs."""
-    run_id: str = DEFAULT_RUN_ID
-    """Names the run: nodes with the same run id and endpoint train together."""
-    max_restarts: int = 100
-    """Worker-group restarts an agent allows after failures (a lost peer counts as one)."""
-    monitor_interval: float = 0.1
-    """Seconds between the agent's checks of its workers."""
-    checkpoint_dir: str | None = None
-    """The trainer's ``--checkpoint-dir`` (``TrainConfig.checkpoint_dir``) for this run; when None,
-    ``checkpoints/<run id>``, the launcher's default, defined here only; empty = no checkpoints."""
-    log_dir: str | None = None
-    """The trainer's ``--log-dir`` for this run, also the embedded etcd's data and the agents' logs;
-    ``runs/<run id>`` when None (the launcher's default, defined here only)."""
-    local_addr: str | None = None
-    """The address other nodes reach this one at; looked up from the host name when None."""
-    umask: int = 0o077
-    """The file-mode mask of the launcher, its agent and workers (``--umask``): 077 makes every
-    folder and file the run creates (checkpoints, logs, the embedded etcd's data) private to its
-    user; 027 lets the group read them, 022 everyone (torchrun's behaviour)."""
+    Each field that is a flag of ``elastic-train`` has its help in its ``metadata`` (:func:`run_flag`)
+    and its default here: the launcher's parser is generated from them (``flags.add_run_flags``).
+    """
+
+    min_nodes: int = field(default=1, metadata=run_flag(
+        "nodes", "fewest nodes to train on; below it, the survivors wait for nodes to join",
+        parse=positive_int("--min-nodes")))
+    max_nodes: int | None = field(default=None, metadata=run_flag(
+        "nodes", "most nodes in a round; more wait as spares", parse=positive_int("--max-nodes"),
+        default_text="--min-nodes"))
+    nproc_per_node: int = field(default=1, metadata=run_flag(
+        "nodes", "workers on this node: a number, 'auto' (one per GPU, else 1), 'gpu' (one per GPU; an error "
+        "without one) or 'cpu' (1)", parse=parse_nproc, metavar="N", aliases=("--nproc_per_node",)))
+    rdzv_endpoint: str | None = field(default=None, metadata=run_flag(
+        "rendezvous", "etcd to meet through; leave out to start the embedded etcd on this machine",
+        metavar="HOST:PORT[,HOST:PORT]", aliases=("--rdzv_endpoint",)))
+    rdzv_backend: str = field(default="etcd-v3", metadata=run_flag(
+        "rendezvous", "torchrun rendezvous backend: etcd-v3 (ours) or c10d (torch's, for comparisons)",
+        aliases=("--rdzv_backend",)))
+    rdzv_conf: dict[str, str] = field(default_factory=dict, metadata=run_flag(
+        "rendezvous", "rendezvous options, e.g. last_call_timeout=1,lease_ttl=3 (see README)",
+        parse=parse_rdzv_conf, metavar="K=V,...", aliases=("--rdzv_conf",)))
+    run_id: str = field(default=DEFAULT_RUN_ID, metadata=run_flag(
+        "rendezvous", "the run's name; nodes with the same run id and endpoint train together",
+        aliases=("--rdzv-id", "--rdzv_id")))
+    max_restarts: int = field(default=100, metadata=run_flag(
+        "agent", "restarts of the worker group after failures, a lost peer included", aliases=("--max_restarts",)))
+    monitor_interval: float = field(default=0.1, metadata=run_flag(
+        "agent", "seconds between the agent's checks of its workers", aliases=("--monitor_interval",)))
+    recovery: str | None = field(default=None, metadata=run_flag(
+        "agent", "live (the default for the built-in trainer with DDP): survivors keep their processes and state "
+        "when a node is lost or added; restart (the default for your own scripts, --fsdp and --scale-lr): every "
+        "fault restarts the workers, which resume from the newest checkpoint", choices=RECOVERY_MODES))
+    # The trainer's --checkpoint-dir and --log-dir; when None, the launcher's defaults (defined here
+    # only): checkpoints/<run id> (empty = no checkpoints) and runs/<run id> (also the embedded
+    # etcd's data and the agents' logs).
+    checkpoint_dir: str | None = field(default=None, metadata=run_flag("storage", trainer=True))
+    log_dir: str | None = field(default=None, metadata=run_flag("storage", trainer=True))
+    local_addr: str | None = field(default=None, metadata=run_flag(
+        "rendezvous", "address other nodes reach this one at (default: looked up from the host name)",
+        aliases=("--local_addr",)))
+    umask: int = field(default=0o077, metadata=run_flag(
+        "storage", "file-mode mask of this node's launcher and workers: 077 keeps checkpoints, logs and the "
+        "embedded etcd's data readable by this user only; 027 also by its group; 022 by everyone (torchrun's)",
+        parse=parse_umask, metavar="OCTAL", default_text="077"))
     program: list[str] = field(default_factory=list)
-    """The worker command after the interpreter: ``[script, args...]`` or ``["-m", module, args...]``."""
+    """Not a flag: the worker command after the interpreter, ``[script, args...]`` or ``["-m", module, args...]``."""
+    trainer: TrainConfig | None = None
+    """Not a flag: the built-in trainer's config, its flags after ``--`` parsed as each worker will
+    parse them; None for your own script."""
 
     def __post_init__(self) -> None:
+        if self.max_nodes is None:
+            self.max_nodes = self.min_nodes
         for name in ("min_nodes", "max_nodes", "nproc_per_node"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} must be a whole number of at least 1, got {value!r}")
+                raise ValueError(f"{flag_name(name)} must be a whole number of at least 1, got {value!r}")
         if self.max_nodes < self.min_nodes:
             raise ValueError(f"--max-nodes ({self.max_nodes}) must be at least --min-nodes "
                              f"({self.min_nodes}); raise --max-nodes or lower --min-nodes")
@@ -141,7 +234,7 @@ class TrainConfig:
     """Everything the trainer needs besides the task; each field is a flag of ``elastic_trainer.train``.
 
     A field's help, section and flag details are its ``metadata`` (see :func:`flag`); the parser
-    is generated from them by :func:`add_train_flags`, and ``elastic-train`` reads the trainer's
+    is generated from them by ``flags.add_train_flags``, and ``elastic-train`` reads the trainer's
     flags with that same parser.
     """
 
@@ -245,7 +338,7 @@ class TrainConfig:
     profile_active: int = field(default=3, metadata=flag("profiling", "Profiler schedule: steps recorded."))
 
     task_args: Any = None
-    """Not a flag: the ``argparse.Namespace`` handed to the task builder (set by ``train.py``)."""
+    """Not a flag: the ``argparse.Namespace`` handed to the task builder (set by ``flags.parse_train_config``)."""
 
     def __post_init__(self) -> None:
         def positive(name: str, value: Any, allow_none: bool = True) -> None:
@@ -267,7 +360,7 @@ class TrainConfig:
         devices = train_field("device").metadata["choices"]
         if self.device not in devices:
             raise ValueError(f"--device must be {', '.join(devices[:-1])} or {devices[-1]}, got {self.device!r}")
-        # Whether this node can run --device is checked where it runs: the launcher (cli.check_devices)
+        # Whether this node can run --device is checked where it runs: the launcher (cli/launch.py's check_devices)
         # and each worker (devices.pick_device), not here (the k8s manifests are parsed off the node).
         amps = train_field("amp").metadata["choices"]
         if self.amp not in amps:
@@ -290,7 +383,7 @@ class TrainConfig:
                              f"(or the env var {ENV_CHECKPOINT_DIR})")
 
 
-# ------------------------------------------------------------------------- the generated parser
+# ------------------------------------------------------------------------- flags of a config
 
 def train_flag_fields() -> list[Field]:
     """The ``TrainConfig`` fields that are flags (every one but ``task_args``), in order."""
@@ -307,72 +400,6 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-@functools.cache
-def _types() -> dict[str, Any]:
-    return typing.get_type_hints(TrainConfig)
-
-
-class _Switch(argparse.Action):
-    """A bool field's flag: ``--name`` sets it, ``--no-name`` (and the field's ``off`` spellings) clears it."""
-
-    def __init__(self, option_strings: list[str], dest: str, off: tuple[str, ...] = (), **kwargs: Any) -> None:
-        self.off = ("--no-" + option_strings[0][2:], *off)
-        super().__init__([*option_strings, *self.off], dest, nargs=0, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        setattr(namespace, self.dest, option_string not in self.off)
-
-    def format_usage(self) -> str:
-        return " | ".join(self.option_strings[:2])
-
-
-def _converter(kind: type, optional: bool) -> Callable[[str], Any]:
-    def convert(text: str) -> Any:
-        if optional and text.lower() in ("none", ""):
-            return None
-        return kind(text)
-    convert.__name__ = kind.__name__  # argparse says "invalid int value: 'x'"
-    return convert
-
-
-def _default_text(f: Field) -> str | None:
-    if f.metadata["env"]:
-        return f"${f.metadata['env']}, else {'none' if f.default is None else f.default}"
-    if isinstance(f.default, bool):
-        return "on" if f.default else "off"
-    return None if f.default is None else str(f.default)
-
-
-def add_train_flag(container: Any, name: str, *, default: Any, default_text: str | None = None) -> argparse.Action:
-    """Add the flag of ``TrainConfig.<name>`` to ``container`` (a parser or an argument group).
-
-    Its type, choices, metavar and help come from the field; ``default`` is the caller's (the
-    trainer's is the field's default or its env var; the launcher's is None, "not given here").
-    """
-    f = train_field(name)
-    meta = f.metadata
-    kind = _types()[name]
-    optional = type(None) in typing.get_args(kind)
-    if optional:
-        kind = next(k for k in typing.get_args(kind) if k is not type(None))
-    text = meta["help"] + (f" (default: {default_text})" if default_text else "")
-    text = text.replace("%", "%%")
-    if kind is bool:
-        return container.add_argument(flag_name(name), action=_Switch, off=meta["off"], default=default, help=text)
-    metavar = meta["metavar"] or {int: "N", float: "X"}.get(kind)
-    return container.add_argument(flag_name(name), type=None if kind is str else _converter(kind, optional),
-                                  choices=meta["choices"], metavar=metavar, default=default, help=text)
-
-
-def add_train_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
-    """Add every ``TrainConfig`` flag to ``parser``, one argument group per section of :data:`SECTIONS`.
-
-    A default is the field's, or the value of the field's env var in ``environ`` (``os.environ``
-    unless given) when that is set and not empty.
-    """
-    environ = os.environ if environ is None else environ
-    groups = {section: parser.add_argument_group(title) for section, title in SECTIONS.items()}
-    for f in train_flag_fields():
-        env = f.metadata["env"]
-        default = (environ.get(env) if env else None) or f.default
-        add_train_flag(groups[f.metadata["section"]], f.name, default=default, default_text=_default_text(f))
+def run_flag_fields() -> list[Field]:
+    """The ``RunConfig`` fields that are flags of ``elastic-train`` (all but ``program`` and ``trainer``)."""
+    return [f for f in fields(RunConfig) if "section" in f.metadata]

@@ -48,3 +48,11 @@ EXIT_EXCLUDED = 76
 """A worker left out of the quorum exits with this; its agent restarts it as a newcomer."""
 EXIT_PREEMPTED = 128 + int(signal.SIGTERM)
 """The usual exit code after a SIGTERM: W&B's "not a success"."""
+
+# ---- torch's variables that we set --------------------------------------------------------------
+ENV_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+"""How an NCCL process group handles an error or a timeout; torchrun's agent sets ``1`` (end the
+process) for its workers when its own environment lacks it."""
+NCCL_CLEAN_UP_ONLY = "2"
+"""``ENV_NCCL_ERROR_HANDLING``'s value for the live path: abort the communicators and raise the
+error on the training thread, keeping the process. ``elastic-train`` sets it in live mode."""

@@ -18,17 +18,15 @@ interpreter exit could abort a worker whose run succeeded.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import logging
 import os
 import signal
 import sys
-from collections.abc import Mapping
 from typing import NoReturn
 
-from elastic_trainer import config as cfgmod
 from elastic_trainer.env import EXIT_ERROR
+from elastic_trainer.flags import parse_train_config  # the flags: generated from TrainConfig
 
 PR_SET_PDEATHSIG = 1
 
@@ -46,52 +44,13 @@ def die_with_parent() -> None:
         runtime().exit(EXIT_ERROR, "the agent that started this worker is gone", run_hooks=False)
 
 
-def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser,
-                 environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
-    """The trainer's parser: every ``TrainConfig`` field's flag, generated from the dataclass
-    (``config.add_train_flags``), then the example task's flags (``tasks.add_example_arguments``).
-
-    ``parser_class`` lets the launcher get errors as exceptions; ``environ`` replaces ``os.environ``
-    as the source of the env-var defaults (the launcher passes what its workers will get).
-    """
-    from elastic_trainer.tasks import add_example_arguments
-
-    p = parser_class(prog="python -m elastic_trainer.train", description=__doc__.split("\n\n")[0],
-                     epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    cfgmod.add_train_flags(p, environ)
-    add_example_arguments(p)
-    return p
-
-
-def parse_config(argv: list[str] | None = None,
-                 parser: argparse.ArgumentParser | None = None) -> cfgmod.TrainConfig:
-    """Parse flags into a checked ``TrainConfig`` (unknown flags go to the task as ``args.task_argv``).
-
-    Bad input goes to ``parser.error`` (argparse's: usage, message and exit status 2).
-    """
-    parser = parser or build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if args.task is None and unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.task_argv = unknown
-    names = {f.name for f in cfgmod.train_flag_fields()}
-    try:
-        if args.task is None:  # the built-in example: its flags must fit the --example chosen
-            from elastic_trainer.tasks import check_example_args
-
-            check_example_args(args)
-        return cfgmod.TrainConfig(**{k: v for k, v in vars(args).items() if k in names}, task_args=args)
-    except ValueError as exc:
-        parser.error(str(exc))
-
-
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, train, return the exit status (0 also after a SIGTERM that was handled)."""
     die_with_parent()
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=os.environ.get("ELASTIC_TRAINER_LOG_LEVEL", "INFO"),
                         format=f"[%(asctime)s] rank{rank} %(levelname)s %(name)s: %(message)s")
-    config = parse_config(argv)
+    config = parse_train_config(argv)
     from elastic_trainer.training.trainer import EXIT_PEER_STOPPED, PEER_STOPPED, Trainer
 
     from elastic_trainer.training.live import EXIT_EXCLUDED, LiveExcluded, RunFinished

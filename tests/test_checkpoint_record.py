@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -135,7 +134,7 @@ def test_loaders_follow_the_record_not_a_newer_manifest_in_storage(rendezvous, e
         fenced.save(5, _state(5, 5.0))
         fs, root = storage.get_fs(url)
         # retention kept the record's two steps and left the step the record does not know alone
-        assert sorted(fenced._steps()) == [4, 5, 9]
+        assert sorted(fenced.steps()) == [4, 5, 9]
     finally:
         fence.close()
 

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from elastic_trainer import cli
+from elastic_trainer.cli import launch
 from tests.helpers.common import cli_cmd
 
 BAD_INPUTS = {
@@ -40,9 +41,9 @@ BAD_INPUTS = {
 @pytest.fixture
 def nothing_launched(monkeypatch):
     """Fail the test if the launcher gets as far as starting etcd and the agent."""
-    def launch(run):
+    def run_node(run):
         raise AssertionError(f"launched {run.program} despite bad input")
-    monkeypatch.setattr(cli, "_launch", launch)
+    monkeypatch.setattr(launch, "run_node", run_node)
 
 
 @pytest.mark.parametrize("name", sorted(BAD_INPUTS))
@@ -118,45 +119,48 @@ def test_missing_etcd_binary_says_how_to_install(tmp_path):
 
 
 def test_umask_is_private_by_default_and_can_be_opened_up():
-    assert cli.parse_run_config([]).umask == 0o077
-    assert cli.parse_run_config(["--umask", "027"]).umask == 0o027
+    assert launch.parse_run_config([]).umask == 0o077
+    assert launch.parse_run_config(["--umask", "027"]).umask == 0o027
 
 
 def test_nnodes_sets_min_and_max():
-    run = cli.parse_run_config(["--nnodes", "2:4", "--nproc-per-node", "3"])
+    run = launch.parse_run_config(["--nnodes", "2:4", "--nproc-per-node", "3"])
     assert (run.min_nodes, run.max_nodes, run.nproc_per_node) == (2, 4, 3)
     assert run.program[:2] == ["-m", "elastic_trainer.train"]
     assert run.embedded_etcd
 
 
 def test_trainer_flags_after_double_dash_reach_the_builtin_trainer():
-    run = cli.parse_run_config(["--min-nodes", "1", "--", "--max-steps", "5"])
+    run = launch.parse_run_config(["--min-nodes", "1", "--", "--max-steps", "5"])
     assert run.program == ["-m", "elastic_trainer.train", "--max-steps", "5"]
 
 
 def test_checkpoint_and_log_dirs_are_taken_before_or_after_double_dash_with_one_default():
-    run = cli.parse_run_config(["--run-id", "r1"])
+    run = launch.parse_run_config(["--run-id", "r1"])
     assert (run.checkpoint_dir, run.log_dir) == ("checkpoints/r1", "runs/r1")
-    run = cli.parse_run_config(["--checkpoint-dir", "s3://b/c", "--log-dir", "L"])
+    run = launch.parse_run_config(["--checkpoint-dir", "s3://b/c", "--log-dir", "L"])
     assert (run.checkpoint_dir, run.log_dir) == ("s3://b/c", "L")
-    run = cli.parse_run_config(["--", "--checkpoint-dir", "s3://b/c", "--log-dir", "L"])
+    run = launch.parse_run_config(["--", "--checkpoint-dir", "s3://b/c", "--log-dir", "L"])
     assert (run.checkpoint_dir, run.log_dir) == ("s3://b/c", "L")
     assert run.program == ["-m", "elastic_trainer.train", "--checkpoint-dir", "s3://b/c", "--log-dir", "L"]
-    run = cli.parse_run_config(["--checkpoint-dir", "same", "--", "--checkpoint-dir", "same"])
+    run = launch.parse_run_config(["--checkpoint-dir", "same", "--", "--checkpoint-dir", "same"])
     assert run.checkpoint_dir == "same"
+    for argv in (["--checkpoint-dir", ""], ["--", "--checkpoint-dir", ""]):  # empty: no checkpoints, either side
+        run = launch.parse_run_config(argv)
+        assert run.checkpoint_dir == "" and run.trainer.checkpoint_dir is None, argv
 
 
 def test_a_scripts_flags_are_its_own_and_not_checked_as_the_trainers(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
-    run = cli.parse_run_config([str(script), "--", "--global-batch-size", "0"])
+    run = launch.parse_run_config([str(script), "--", "--global-batch-size", "0"])
     assert run.program == ["-u", str(script), "--global-batch-size", "0"]
 
 
 def test_script_and_its_arguments_are_passed_like_torchrun(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
-    run = cli.parse_run_config(["--nnodes", "1", str(script), "--lr", "3"])
+    run = launch.parse_run_config(["--nnodes", "1", str(script), "--lr", "3"])
     assert run.program == ["-u", str(script), "--lr", "3"]
 
 
@@ -188,26 +192,26 @@ def test_start_check_reaches_an_etcd_that_requires_client_certificates(tls_etcd,
     # k8s (etcd serves client TLS by default): the start-up check must speak TLS with the --rdzv-conf certificates,
     # as the rendezvous will, instead of failing every pod with status 2.
     server, certs = tls_etcd
-    run = cli.parse_run_config(["--rdzv-endpoint", server.endpoint, "--rdzv-conf", _tls_conf(certs),
+    run = launch.parse_run_config(["--rdzv-endpoint", server.endpoint, "--rdzv-conf", _tls_conf(certs),
                                 "--checkpoint-dir", str(tmp_path)])
-    cli.check_environment(run)
+    launch.check_environment(run)
 
 
 @pytest.mark.timeout(60)
 def test_start_check_against_tls_etcd_without_a_client_certificate_names_the_tls_options(tls_etcd, tmp_path):
     server, certs = tls_etcd
     for conf in (_tls_conf(certs, client=False), ""):
-        run = cli.parse_run_config(["--rdzv-endpoint", server.endpoint, "--rdzv-conf", conf,
+        run = launch.parse_run_config(["--rdzv-endpoint", server.endpoint, "--rdzv-conf", conf,
                                     "--checkpoint-dir", str(tmp_path)])
         with pytest.raises(cli.UsageError, match="no etcd answered.*TLS options"):
-            cli.check_environment(run)
+            launch.check_environment(run)
 
 
 def test_bad_rendezvous_options_are_reported_at_start(tmp_path):
-    run = cli.parse_run_config(["--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "protocol=https",
+    run = launch.parse_run_config(["--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "protocol=https",
                                 "--checkpoint-dir", str(tmp_path)])
     with pytest.raises(cli.UsageError, match="--rdzv-conf: protocol=https needs ca_cert"):
-        cli.check_environment(run)
+        launch.check_environment(run)
 
 
 def test_a_node_that_finds_the_run_closed_ends_with_success(tmp_path, monkeypatch, capsys):
@@ -227,3 +231,54 @@ def test_a_node_that_finds_the_run_closed_ends_with_success(tmp_path, monkeypatc
     assert cli.main(["--rdzv-backend", "c10d", "--checkpoint-dir", str(tmp_path / "c"),
                      "--log-dir", str(tmp_path / "logs"), "--recovery", "restart"]) == 0
     assert "closed" in capsys.readouterr().err
+
+
+# ------------------------------------------------------- what NCCL does on an error, as a worker sees it
+
+NCCL_PROBE = '''
+import os
+from pathlib import Path
+
+from tests.helpers import task_fixture
+
+
+def build(args):
+    value = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "<unset>")
+    Path(os.environ["NCCL_PROBE_OUT"], "rank" + os.environ["RANK"]).write_text(value)
+    return task_fixture.build(args)
+'''
+
+
+def _worker_nccl_error_handling(tmp_path, name: str, *flags: str, env: dict | None = None) -> tuple[str, str]:
+    """Run a one-step job under `elastic-train` whose task records the worker's
+    TORCH_NCCL_ASYNC_ERROR_HANDLING; return (that value, the launcher's stderr)."""
+    from tests.helpers.common import REPO
+
+    probe, out = tmp_path / f"probe_{name}.py", tmp_path / f"out_{name}"
+    probe.write_text(NCCL_PROBE)
+    out.mkdir()
+    environ = {k: v for k, v in os.environ.items() if k != "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+    proc = subprocess.run(
+        cli_cmd("--nnodes", "1", "--nproc-per-node", "1", "--run-id", name, "--log-dir", str(tmp_path / name),
+                "--checkpoint-dir", str(tmp_path / f"ck_{name}"), "--rdzv-conf", "last_call_timeout=1", *flags,
+                "--", "--task", f"{probe}:build", "--global-batch-size", "8", "--max-steps", "1", "--no-wandb",
+                "--no-progress"),
+        capture_output=True, text=True, timeout=180, cwd=REPO,
+        env={**environ, "NCCL_PROBE_OUT": str(out), **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return (out / "rank0").read_text(), proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_live_workers_keep_the_process_on_an_nccl_error_and_a_users_value_is_kept_with_a_warning(tmp_path):
+    """torchrun's agent gives every worker TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (end the process on an
+    NCCL error) unless the agent's own environment has it, which would turn live recovery into
+    restarts on GPUs: in live mode the launcher sets clean-up-only (2) there; a user's value wins,
+    with a one-line warning."""
+    warning = "turns live recovery into restarts"
+    seen, err = _worker_nccl_error_handling(tmp_path, "live", "--recovery", "live")
+    assert seen == "2" and warning not in err
+    seen, err = _worker_nccl_error_handling(tmp_path, "user", env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
+    assert seen == "1"
+    assert len([line for line in err.splitlines() if warning in line]) == 1, err[-3000:]

@@ -12,12 +12,13 @@ import inspect
 
 import pytest
 
-from elastic_trainer import cli, config, train
+from elastic_trainer import config, flags
+from elastic_trainer.cli import launch
 from elastic_trainer.checkpoint import CheckpointManager
 from elastic_trainer.config import SECTIONS, TrainConfig, flag_name, train_field, train_flag_fields
 from elastic_trainer.drill import scenario
 
-NOT_A_FLAG = {"task_args"}  # the parsed argparse.Namespace handed to the task builder, set by train.py
+NOT_A_FLAG = {"task_args"}  # the parsed argparse.Namespace handed to the task builder, set by flags.parse_train_config
 
 
 def _actions_by_dest(parser: argparse.ArgumentParser) -> dict[str, list[argparse.Action]]:
@@ -42,7 +43,7 @@ def test_the_six_sections_are_the_trainers_argument_groups():
 
 
 def test_every_trainer_field_has_exactly_one_flag_in_one_section_with_help():
-    parser = train.build_parser(environ={})
+    parser = flags.build_train_parser(environ={})
     actions = _actions_by_dest(parser)
     names = [f.name for f in dataclasses.fields(TrainConfig)]
     assert {f.name for f in train_flag_fields()} == set(names) - NOT_A_FLAG
@@ -59,7 +60,7 @@ def test_every_trainer_field_has_exactly_one_flag_in_one_section_with_help():
 def test_the_parser_has_no_trainer_flag_that_is_not_a_field():
     from elastic_trainer.tasks import example_args
 
-    parser = train.build_parser(environ={})
+    parser = flags.build_train_parser(environ={})
     fields = {f.name for f in train_flag_fields()}
     example = set(vars(example_args()))
     assert set(_actions_by_dest(parser)) - {"help"} == fields | example
@@ -67,10 +68,10 @@ def test_the_parser_has_no_trainer_flag_that_is_not_a_field():
 
 
 def test_the_generated_defaults_are_the_dataclass_defaults():
-    args = train.build_parser(environ={}).parse_args([])
+    args = flags.build_train_parser(environ={}).parse_args([])
     for f in train_flag_fields():
         assert getattr(args, f.name) == f.default, f.name
-    parsed = train.parse_config([], train.build_parser(environ={}))
+    parsed = flags.parse_train_config([], flags.build_train_parser(environ={}))
     default = TrainConfig()
     for f in train_flag_fields():
         assert getattr(parsed, f.name) == getattr(default, f.name), f.name
@@ -78,9 +79,9 @@ def test_the_generated_defaults_are_the_dataclass_defaults():
 
 def test_the_env_vars_named_in_the_metadata_replace_the_defaults():
     environ = {config.ENV_CHECKPOINT_DIR: "s3://b/ck", config.ENV_LOG_DIR: "/logs"}
-    parsed = train.parse_config([], train.build_parser(environ=environ))
+    parsed = flags.parse_train_config([], flags.build_train_parser(environ=environ))
     assert (parsed.checkpoint_dir, parsed.log_dir) == ("s3://b/ck", "/logs")
-    parsed = train.parse_config(["--checkpoint-dir", "x"], train.build_parser(environ=environ))
+    parsed = flags.parse_train_config(["--checkpoint-dir", "x"], flags.build_train_parser(environ=environ))
     assert parsed.checkpoint_dir == "x"
 
 
@@ -94,7 +95,7 @@ def test_the_env_vars_named_in_the_metadata_replace_the_defaults():
     (["--max-steps", "7"], "max_steps", 7),
 ])
 def test_flags_parse_to_the_field_of_the_same_name(argv, name, value):
-    assert getattr(train.build_parser(environ={}).parse_args(argv), name) == value
+    assert getattr(flags.build_train_parser(environ={}).parse_args(argv), name) == value
 
 
 def test_a_bad_value_names_the_flag():
@@ -111,15 +112,36 @@ def test_the_checkpoint_manager_takes_the_configs_names_and_defaults():
 
 
 def test_the_launchers_storage_flags_are_the_trainers_declarations():
-    launcher = _actions_by_dest(cli.build_parser())
-    for name in cli.SHARED_TRAINER_FLAGS:
+    launcher = _actions_by_dest(launch.build_parser())
+    for name in launch.SHARED_TRAINER_FLAGS:
         (action,) = launcher[name]
         assert action.option_strings == [flag_name(name)] and action.help == train_field(name).metadata["help"]
         assert action.default is None  # "not given here"; the run's default is RunConfig's
     trainer_flags = {flag_name(f.name) for f in train_flag_fields()}
-    others = {s for a in cli.build_parser()._actions if a.dest not in cli.SHARED_TRAINER_FLAGS
+    others = {s for a in launch.build_parser()._actions if a.dest not in launch.SHARED_TRAINER_FLAGS
               for s in a.option_strings}
     assert not others & trainer_flags
+
+
+def test_every_launcher_field_has_one_flag_in_its_section_whose_default_is_the_fields():
+    parser = launch.build_parser()
+    actions = _actions_by_dest(parser)
+    titles = {title: section for section, title in config.RUN_SECTIONS.items()}
+    for f in config.run_flag_fields():
+        (action,) = actions[f.name]
+        assert action.option_strings[0] == flag_name(f.name), f"{f.name} is spelled {action.option_strings}"
+        assert action.default is None, f.name  # "not given": the default is the field's, written once
+        group = next(g for g in parser._action_groups if action in g._group_actions)
+        assert titles[group.title] == f.metadata["section"], f.name
+        if not f.metadata["trainer"]:
+            assert f.metadata["help"].strip() and f.metadata["help"] in action.help, f.name
+    assert {"program", "trainer"}.isdisjoint(actions)  # not flags
+    run, default = launch.parse_run_config([]), config.RunConfig(run_id=config.DEFAULT_RUN_ID)
+    for f in config.run_flag_fields():
+        if f.name not in ("rdzv_conf", "recovery"):  # the launcher chooses the recovery mode
+            assert getattr(run, f.name) == getattr(default, f.name), f.name
+    assert run.recovery == run.rdzv_conf["recovery"] == "live" and run.trainer == TrainConfig(
+        checkpoint_dir=run.checkpoint_dir, log_dir=run.log_dir, task_args=run.trainer.task_args)
 
 
 def test_the_drill_declares_no_trainer_flag():
@@ -131,7 +153,7 @@ def test_the_drill_declares_no_trainer_flag():
 
 def test_the_drills_default_trainer_args_parse_with_the_generated_parser():
     handed_over = {config.ENV_CHECKPOINT_DIR: "out/checkpoints", config.ENV_LOG_DIR: "out/nodes/node-0"}
-    parsed = train.parse_config(list(scenario.DEFAULT_TRAINER_ARGS), train.build_parser(environ=handed_over))
+    parsed = flags.parse_train_config(list(scenario.DEFAULT_TRAINER_ARGS), flags.build_train_parser(environ=handed_over))
     assert parsed.task_args.task_argv == []
     assert (parsed.global_batch_size, parsed.checkpoint_every, parsed.sample_ledger) == (12, 5, True)
     assert not parsed.wandb

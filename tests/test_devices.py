@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from elastic_trainer import cli, devices
-from elastic_trainer.checkpoint.snapshot import cuda_devices
+from elastic_trainer.cli import launch
+from elastic_trainer.checkpoint.host_memory import cuda_devices
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.devices import CudaView, DeviceError
 from elastic_trainer.training.trainer import agree_interval, collective_failed, host_step_is_device_state
@@ -179,9 +180,9 @@ def test_the_first_line_of_a_run_names_device_and_backend(tmp_path):
 
 @pytest.fixture
 def nothing_launched(monkeypatch):
-    def launch(run):
+    def run_node(run):
         raise AssertionError(f"launched {run.program} despite a device it cannot use")
-    monkeypatch.setattr(cli, "_launch", launch)
+    monkeypatch.setattr(launch, "run_node", run_node)
 
 
 @needs_no_cuda

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from elastic_trainer import cli
 from elastic_trainer.checkpoint import CheckpointManager
 from elastic_trainer.tasks import Task
-from elastic_trainer.train import parse_config
+from elastic_trainer.flags import parse_train_config
 from elastic_trainer.training.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(120)
@@ -28,7 +28,7 @@ def _single_process_env(monkeypatch):
 
 def _trained(tmp_path) -> str:
     ckpt = str(tmp_path / "ck")
-    Trainer(parse_config(["--task", FIXTURE, "--global-batch-size", "16", "--max-steps", "3", "--checkpoint-dir", ckpt,
+    Trainer(parse_train_config(["--task", FIXTURE, "--global-batch-size", "16", "--max-steps", "3", "--checkpoint-dir", ckpt,
                           "--log-dir", str(tmp_path / "l"), "--no-wandb", "--no-progress"])).train()
     return ckpt
 
@@ -78,7 +78,7 @@ def test_init_from_starts_a_new_run_from_the_exported_weights(tmp_path):
         return torch.nn.functional.mse_loss(m(batch[0]), batch[1])
 
     data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32, 2))
-    config = parse_config(["--init-from", str(out), "--global-batch-size", "16", "--max-steps", "1",
+    config = parse_train_config(["--init-from", str(out), "--global-batch-size", "16", "--max-steps", "1",
                            "--checkpoint-dir", str(tmp_path / "new"), "--log-dir", str(tmp_path / "l2"),
                            "--no-wandb", "--no-progress"])
     Trainer(config, Task(model=model, dataset=data, training_step=training_step)).train()
@@ -90,11 +90,11 @@ def test_init_from_starts_a_new_run_from_the_exported_weights(tmp_path):
 
 def test_init_from_a_file_that_does_not_fit_names_the_flag(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        parse_config(["--init-from", str(tmp_path / "missing.safetensors")])
+        parse_train_config(["--init-from", str(tmp_path / "missing.safetensors")])
     assert "--init-from" in capsys.readouterr().err
     wrong = tmp_path / "wrong.safetensors"
     save_file({"weight": torch.zeros(3, 4)}, str(wrong))
-    config = parse_config(["--init-from", str(wrong), "--global-batch-size", "8", "--max-steps", "1",
+    config = parse_train_config(["--init-from", str(wrong), "--global-batch-size", "8", "--max-steps", "1",
                            "--log-dir", str(tmp_path / "l"), "--no-wandb", "--no-progress"])
     task = Task(model=torch.nn.Linear(4, 2), dataset=torch.utils.data.TensorDataset(torch.randn(16, 4)),
                 training_step=lambda m, b: m(b[0]).sum())

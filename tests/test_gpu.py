@@ -34,7 +34,7 @@ from elastic_trainer.checkpoint.host_memory import cuda_devices
 from elastic_trainer.checkpoint.snapshot import Snapshotter
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.etcd_server import free_port
-from elastic_trainer.train import parse_config
+from elastic_trainer.flags import parse_train_config
 from elastic_trainer.training.trainer import Trainer
 from elastic_trainer.training.worker import setup_distributed
 from elastic_trainer import records
@@ -61,7 +61,7 @@ def _single_process_env(monkeypatch):
 
 
 def _train(tmp_path, *argv: str) -> dict:
-    return Trainer(parse_config([*argv, "--no-wandb", "--no-progress", "--log-dir", str(tmp_path / "l")])).train()
+    return Trainer(parse_train_config([*argv, "--no-wandb", "--no-progress", "--log-dir", str(tmp_path / "l")])).train()
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -119,10 +119,11 @@ def test_a_world_of_one_over_nccl_trains_resumes_and_names_nccl_first(tmp_path):
 
 def test_launcher_refuses_more_workers_than_gpus(tmp_path, capsys, monkeypatch):
     from elastic_trainer import cli
+    from elastic_trainer.cli import launch
 
-    def launch(run):
+    def run_node(run):
         raise AssertionError(f"launched {run.nproc_per_node} workers on {torch.cuda.device_count()} GPU(s)")
-    monkeypatch.setattr(cli, "_launch", launch)
+    monkeypatch.setattr(launch, "run_node", run_node)
     n = torch.cuda.device_count()
     argv = ["--nproc-per-node", str(n + 1), "--rdzv-backend", "c10d",  # c10d: no etcd binary needed for the checks
             "--checkpoint-dir", str(tmp_path / "ck"), "--log-dir", str(tmp_path / "l")]

@@ -21,7 +21,7 @@ from elastic_trainer.checkpoint.host_memory import HostBuffer
 from elastic_trainer.checkpoint.sharded import Staging, prepare_saves
 from elastic_trainer.checkpoint.snapshot import Snapshotter
 from elastic_trainer.etcd_server import free_port
-from elastic_trainer.train import parse_config
+from elastic_trainer.flags import parse_train_config
 from elastic_trainer.training.trainer import Trainer
 
 PREPARING = "checkpoint-host-buffer"
@@ -155,7 +155,7 @@ def test_the_trainers_saves_use_the_memory_prepared_after_its_first_step(tmp_pat
             monkeypatch.setenv(name, value)
     argv = [*SMALL_EXAMPLE, "--global-batch-size", "16", "--max-steps", "6", "--checkpoint-every", "2",
             "--checkpoint-dir", str(tmp_path / "ck"), "--log-dir", str(tmp_path / "l"), "--no-wandb", "--no-progress"]
-    trainer = Trainer(parse_config([*argv, *(["--fsdp"] if fsdp else [])]))
+    trainer = Trainer(parse_train_config([*argv, *(["--fsdp"] if fsdp else [])]))
     assert trainer.train()["step"] == 6
     names = [name for name, _ in allocations]
     # no save made memory while training waited (sharded: rank 0's small rest of the state is a

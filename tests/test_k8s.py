@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from elastic_trainer import cli
+from elastic_trainer.cli import launch
 from tests.helpers import k8s_pod, k8s_schemas
 
 REPO = Path(__file__).resolve().parent.parent
@@ -146,7 +146,7 @@ def _run_config(path, container, rendered):
     unresolved = [t for t in argv if "$(" in t]
     assert not unresolved, f"k8s/{path}: $(VAR) references the kubelet cannot resolve: {unresolved}"
     cut = argv.index("elastic-train")
-    return argv[cut + 1:], cli.parse_run_config(argv[cut + 1:])
+    return argv[cut + 1:], launch.parse_run_config(argv[cut + 1:])
 
 
 def _trainer_flag(program: list[str], flag: str) -> str | None:
@@ -373,7 +373,7 @@ def test_rdzv_conf_and_trainer_flags_are_accepted_by_their_parsers(rendered):
     try:
         from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-        from elastic_trainer import train
+        from elastic_trainer.flags import build_train_parser
         from elastic_trainer.rendezvous.handler import RendezvousOptions
     except ImportError as exc:
         pytest.skip(f"the rendezvous or trainer module is not there yet: {exc}")
@@ -382,7 +382,7 @@ def test_rdzv_conf_and_trainer_flags_are_accepted_by_their_parsers(rendered):
         params = RendezvousParameters(backend=run.rdzv_backend, endpoint=run.rdzv_endpoint, run_id=run.run_id,
                                       min_nodes=run.min_nodes, max_nodes=run.max_nodes, **run.rdzv_conf)
         RendezvousOptions(params)  # raises ValueError naming a bad or unknown option
-        args, unknown = train.build_parser().parse_known_args(run.program[2:])
+        args, unknown = build_train_parser().parse_known_args(run.program[2:])
         assert not unknown, f"k8s/{path} {label}: the trainer does not know {unknown}"
 
 

@@ -24,7 +24,7 @@ import pytest
 import yaml
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic_trainer import cli
+from elastic_trainer.cli import launch
 from elastic_trainer.drill.kinds import FAULTS
 from elastic_trainer.rendezvous.handler import RendezvousOptions
 from tests.helpers import k8s_pod, k8s_schemas
@@ -100,7 +100,7 @@ def _trainer_argv(container: dict, objs: list[dict]) -> list[str]:
 def _run(container: dict, objs: list[dict]):
     argv = _trainer_argv(container, objs)
     assert not [t for t in argv if "$(" in t], f"unresolved $(VAR) in {argv}"
-    return cli.parse_run_config(argv[argv.index("elastic-train") + 1:])
+    return launch.parse_run_config(argv[argv.index("elastic-train") + 1:])
 
 
 # ------------------------------------------------------------------------------ Trainer v2 overlay

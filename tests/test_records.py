@@ -14,7 +14,7 @@ from elastic_trainer import records
 from elastic_trainer.drill import kinds
 from elastic_trainer.drill.scenario import ScenarioError, build_parser, parse_fault
 from elastic_trainer.records import Event, EventRecord, LedgerRecord, RecordError, StepRecord
-from elastic_trainer.train import parse_config
+from elastic_trainer.flags import parse_train_config
 from elastic_trainer.training.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(120)
@@ -146,8 +146,8 @@ def test_the_readers_read_what_the_trainer_writes(tmp_path):
     logs, ck = tmp_path / "logs", tmp_path / "ck"
     common = ["--task", FIXTURE, "--global-batch-size", "16", "--micro-batch-size", "8", "--sample-ledger",
               "--log-dir", str(logs), "--checkpoint-dir", str(ck), "--no-wandb", "--no-progress"]
-    Trainer(parse_config([*common, "--max-steps", "3"])).train()
-    Trainer(parse_config([*common, "--max-steps", "5"])).train()  # resumes at step 3
+    Trainer(parse_train_config([*common, "--max-steps", "3"])).train()
+    Trainer(parse_train_config([*common, "--max-steps", "5"])).train()  # resumes at step 3
 
     steps = records.read_steps(logs, rank=0)
     assert [s.step for s in steps] == [1, 2, 3, 4, 5]

@@ -11,7 +11,7 @@ import pytest
 
 from elastic_trainer import records
 from elastic_trainer.sampler import epoch_permutation
-from elastic_trainer.train import parse_config
+from elastic_trainer.flags import parse_train_config
 from elastic_trainer.training.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(120)
@@ -28,7 +28,7 @@ def _single_process_env(monkeypatch):
 
 
 def _train(tmp_path, log: str, *argv: str) -> dict:
-    config = parse_config([*TINY, *argv, "--checkpoint-dir", str(tmp_path / "ck"), "--log-dir", str(tmp_path / log),
+    config = parse_train_config([*TINY, *argv, "--checkpoint-dir", str(tmp_path / "ck"), "--log-dir", str(tmp_path / log),
                            "--sample-ledger", "--no-wandb", "--no-progress", "--seed", "3"])
     return Trainer(config).train()
 
@@ -74,7 +74,7 @@ def test_resume_with_fewer_epochs_than_already_trained_names_the_flag(tmp_path):
 def test_resume_with_another_dataset_size_names_the_flag(tmp_path):
     _train(tmp_path, "a", "--global-batch-size", "16", "--max-steps", "2")
     tiny = [a if a != "256" else "512" for a in TINY]
-    config = parse_config([*tiny, "--global-batch-size", "16", "--checkpoint-dir", str(tmp_path / "ck"),
+    config = parse_train_config([*tiny, "--global-batch-size", "16", "--checkpoint-dir", str(tmp_path / "ck"),
                            "--log-dir", str(tmp_path / "b"), "--no-wandb", "--no-progress"])
     with pytest.raises(ValueError, match=r"dataset of 256 samples but this dataset has 512.*--dataset-size 256"):
         Trainer(config).train()

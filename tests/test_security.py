@@ -20,6 +20,7 @@ import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
 from elastic_trainer import cli, etcd_server
+from elastic_trainer.cli import launch
 from elastic_trainer.etcd_server import EtcdServer
 from elastic_trainer.rendezvous.options import RendezvousOptions
 from tests.helpers.common import REPO, cli_cmd, wait_until
@@ -64,7 +65,7 @@ def nothing_connects(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("reached the network despite bad input")
     monkeypatch.setattr(etcd_server, "probe_endpoint", fail)
-    monkeypatch.setattr(cli, "_launch", fail)
+    monkeypatch.setattr(launch, "run_node", fail)
 
 
 def test_a_password_on_the_command_line_is_refused_without_echoing_it(capsys, nothing_connects):
@@ -209,8 +210,8 @@ def test_embedded_etcd_and_the_runs_files_are_private_to_its_user(tmp_path, proc
     finally:
         anonymous.close()
     # The printed join command works for this user: its start check and the rendezvous's own client.
-    run = cli.parse_run_config([*join, "--checkpoint-dir", str(tmp_path / "ck2"), "--log-dir", str(tmp_path / "l2")])
-    cli.check_environment(run)
+    run = launch.parse_run_config([*join, "--checkpoint-dir", str(tmp_path / "ck2"), "--log-dir", str(tmp_path / "l2")])
+    launch.check_environment(run)
     from elastic_trainer.rendezvous.etcd_client import EtcdConnection
     options = RendezvousOptions(RendezvousParameters("etcd-v3", endpoint, "private", 1, 1, **run.rdzv_conf))
     conn = EtcdConnection(options.etcd)

@@ -16,7 +16,8 @@ import pytest
 from elastic_trainer.etcd_server import free_port
 from elastic_trainer.rendezvous.etcd_backend import run_prefix
 from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
-from elastic_trainer.status import MAX_EVENTS, StatusPublisher, format_status, read_status
+from elastic_trainer.cli.status import format_status, read_status
+from elastic_trainer.training.status import MAX_EVENTS, StatusPublisher
 from tests.helpers.common import cli_cmd, wait_until
 
 TINY = ["--d-model", "16", "--nhead", "2", "--layers", "1", "--dim-feedforward", "32", "--src-len", "4",

@@ -21,7 +21,7 @@ from elastic_trainer import records
 from elastic_trainer.checkpoint import CheckpointManager
 from elastic_trainer.checkpoint.sharded import gathered
 from elastic_trainer.records import Event, StepRecord
-from elastic_trainer.train import parse_config
+from elastic_trainer.flags import parse_train_config
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.training.trainer import Trainer
 from elastic_trainer.etcd_server import free_port
@@ -45,7 +45,7 @@ def _single_process_env(monkeypatch):
 
 
 def train_inprocess(*argv: str) -> dict:
-    return Trainer(parse_config([*argv, "--no-wandb", "--no-progress"])).train()
+    return Trainer(parse_train_config([*argv, "--no-wandb", "--no-progress"])).train()
 
 
 def latest(ckpt_dir: Path) -> tuple[int, dict]:
@@ -95,16 +95,16 @@ def test_config_rejects_bad_values_naming_the_flag(kwargs, message):
 def test_config_defaults_to_one_epoch_and_env_dirs(monkeypatch, tmp_path):
     monkeypatch.setenv("ELASTIC_TRAINER_CHECKPOINT_DIR", str(tmp_path / "ck"))
     monkeypatch.setenv("ELASTIC_TRAINER_LOG_DIR", str(tmp_path / "logs"))
-    config = parse_config([])
+    config = parse_train_config([])
     assert config.epochs == 1 and config.max_steps is None
     assert config.checkpoint_dir == str(tmp_path / "ck") and config.log_dir == str(tmp_path / "logs")
 
 
 def test_unknown_flags_go_to_a_user_task_and_are_refused_without_one(capsys):
-    config = parse_config(["--task", FIXTURE, "--noise", "0", "--max-steps", "2"])
+    config = parse_train_config(["--task", FIXTURE, "--noise", "0", "--max-steps", "2"])
     assert config.task_args.task_argv == ["--noise", "0"] and config.max_steps == 2
     with pytest.raises(SystemExit):
-        parse_config(["--noise", "0"])
+        parse_train_config(["--noise", "0"])
     assert "unrecognized arguments: --noise 0" in capsys.readouterr().err
 
 
@@ -128,16 +128,16 @@ def test_default_example_learns_to_reverse_token_sequences(tmp_path):
 ])
 def test_example_flags_that_do_not_fit_the_example_are_refused_in_one_line(flags, message, capsys):
     with pytest.raises(SystemExit):
-        parse_config(flags)
+        parse_train_config(flags)
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
-    parse_config(["--example", "seeds", "--loss", "mse"])  # the seeds' workload keeps its flags
+    parse_train_config(["--example", "seeds", "--loss", "mse"])  # the seeds' workload keeps its flags
 
 
 def test_seeds_example_is_the_seed_scripts_transformer_on_random_floats():
     from elastic_trainer.tasks import build_example
 
-    task = build_example(parse_config(["--example", "seeds", "--dataset-size", "8"]).task_args)
+    task = build_example(parse_train_config(["--example", "seeds", "--dataset-size", "8"]).task_args)
     assert isinstance(task.model, torch.nn.Transformer)
     src, tgt = task.dataset[0]
     assert src.shape == (16, 128) and tgt.shape == (20, 128) and src.dtype == torch.float32
@@ -224,7 +224,7 @@ def test_each_step_is_in_the_ledger_before_its_backward_all_reduces_it(tmp_path)
 
     data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
     task = Task(model=torch.nn.Linear(4, 1), dataset=data, training_step=training_step)
-    config = parse_config(["--max-steps", "3", "--global-batch-size", "8", "--micro-batch-size", "4",
+    config = parse_train_config(["--max-steps", "3", "--global-batch-size", "8", "--micro-batch-size", "4",
                            "--log-dir", str(log_dir), "--sample-ledger", "--no-wandb", "--no-progress"])
     Trainer(config, task).train()
     # two micro-batches a step: the first runs before the step's line is written, the last after it

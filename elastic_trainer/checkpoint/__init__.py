@@ -3,8 +3,16 @@
 Modules:
 
 - ``manager``: ``CheckpointManager`` (save asynchronously, commit fenced and atomically, verify,
-  load the newest valid step, keep the latest K), ``capture_rng_state``/``restore_rng_state``;
+  load the newest valid step, keep the latest K): a small facade over
+- ``writer``: the save pipeline (snapshot, then serialize, upload, commit, prune; retries);
+- ``save_thread``: the manager's one save thread, kept between saves;
+- ``commit``: one snapshot's files written and committed, fenced (manifest or etcd record);
+- ``retention``: which checkpoints are kept after a commit;
+- ``reader``: find, verify and load the newest valid checkpoint;
+- ``manifest``: the step folders, the manifest and its checksums;
 - ``record``: the etcd commit record, written in one transaction with the fence's token;
+- ``rng_state``: ``capture_rng_state``/``restore_rng_state`` (every generator of a process);
+- ``sharded``: FSDP checkpoints saved shard by shard through DCP (``ShardedSaver``);
 - ``format``: the file format (raw tensor bytes in an arena behind a JSON header; no pickle);
 - ``snapshot``: the state copied into CPU memory, beside training where it can be (the
   manager's internal API: ``Snapshotter``, ``DeferredCopy``, ``OptimizerWatch``);
@@ -25,8 +33,12 @@ __all__ = ["CheckpointManager", "capture_rng_state", "restore_rng_state"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from elastic_trainer.checkpoint import manager
+    if name == "CheckpointManager":
+        from elastic_trainer.checkpoint.manager import CheckpointManager
 
-        return getattr(manager, name)
+        return CheckpointManager
+    if name in __all__:
+        from elastic_trainer.checkpoint import rng_state
+
+        return getattr(rng_state, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

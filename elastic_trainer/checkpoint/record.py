@@ -24,7 +24,7 @@ Readers trust the record: ``CheckpointManager.load`` tries its steps, newest com
 verified against the file lists in the record; the manifest in storage (written after the record) is only a fallback for
 a job whose etcd has no record (a new etcd). Retention keeps every step in the record.
 
-    record = CommitRecord(fence, "s3://bucket/run")   # fence: RoundFence or LiveGroup
+    record = CommitRecord(fence, "s3://bucket/run")   # fence: a rendezvous.fence.Fence
     entries, _ = record.read()                         # newest first; [] when there is no record
     record.commit({"step": 40, "files": {...}, "writer": "w", ...}, keep=3)  # FencedError, Conflict
 """
@@ -34,24 +34,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from typing import Any, Protocol
+
+from elastic_trainer.rendezvous.fence import Fence, FencedError
 
 log = logging.getLogger(__name__)
 
 ATTEMPTS = 5
 """Transactions a commit tries when only unrelated keys changed (a node joined, the quorum was
 marked finished) before giving up; each attempt re-checks the fence first."""
-
-
-class Fence(Protocol):
-    """What the record needs of a fence: ``rendezvous.fence.RoundFence`` or ``training.live.LiveGroup``."""
-
-    prefix: str
-
-    @property
-    def etcd(self) -> Any: ...
-
-    def guard(self) -> Any: ...
 
 
 class Conflict(Exception):
@@ -101,8 +91,6 @@ class CommitRecord:
         Raises ``FencedError`` (from the fence) when the writer's round, quorum or lease is over,
         and ``Conflict`` when ``entry``'s step is already committed under the same fencing token.
         """
-        from elastic_trainer.rendezvous.fence import FencedError
-
         key = self.key
         for _ in range(ATTEMPTS):
             guard = self.fence.guard()  # raises FencedError

@@ -10,7 +10,7 @@ A reader verifies every file before anything is loaded. Loading reshards: DCP's 
 the sharded state dicts of the *current* model and optimizer, whatever world size wrote them.
 
 A save (``ShardedSaver.save``) blocks training only while this rank's shards are copied into CPU
-memory (``Staging``: one ``torch._foreach_copy_`` into buffers kept for the next save, so a rank
+memory (``Staging``: one ``foreach_copy`` into buffers kept for the next save, so a rank
 holds one extra copy of its own shards, never of the model); the rest, DCP's ``save`` of those
 buffers, runs on a background thread that the ``CheckpointManager`` owns as its in-flight save,
 so ``ckpt.wait()``, ``ckpt.close()`` and the next save wait for it:
@@ -60,6 +60,7 @@ import xxhash
 
 from elastic_trainer.checkpoint import storage
 from elastic_trainer.checkpoint.host_memory import HostBuffer, cuda_devices
+from elastic_trainer.rendezvous.torch_private import foreach_copy
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ class Staging:
     one (what DCP's own ``DefaultStager`` makes, without a fresh allocation per tensor). The
     first ``stage`` (and any after the state's layout changed: other keys, shapes, dtypes or
     shardings) lays the views out; every ``stage`` copies the live tensors into them with one
-    ``torch._foreach_copy_`` (then one synchronize per GPU) and rebuilds only the containers,
+    ``foreach_copy`` (then one synchronize per GPU) and rebuilds only the containers,
     with fresh copies of the non-tensor values (learning rates, step counters kept as numbers).
     ``prepare(state)`` makes the buffer on a background thread before the first save, which then
     copies and does not allocate.
@@ -263,7 +264,7 @@ class Staging:
                 self._lay_out(tensors)
                 self._layout = layout
             sources = [local for _, _, local in tensors]
-            torch._foreach_copy_(self._buffers, sources, non_blocking=self.host.pinned)
+            foreach_copy(self._buffers, sources, non_blocking=self.host.pinned)
             for device in cuda_devices(sources):  # the copies' own GPUs, not the current one
                 torch.cuda.synchronize(device)
         return self._rebuild(state, ())
@@ -469,8 +470,7 @@ class ShardedSaver:
                 error = f"the commit failed ({type(exc).__name__}: {storage.redact(exc)})"
         if error is not None:
             error = f"checkpoint step-{step} not committed: {error}"
-            self.ckpt.last_error = error
-            self.ckpt.last_save_stats = {**stats, "committed": False, "error": error}
+            self.ckpt.record_failure(stats, error)
             log.error("%s; the last good checkpoint stays", error)
             return
         done = self.ckpt.last_save_stats

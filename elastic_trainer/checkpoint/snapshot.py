@@ -25,9 +25,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from elastic_trainer.checkpoint import format as checkpoint_format
 from elastic_trainer.checkpoint.format import Arena
 from elastic_trainer.checkpoint.host_memory import HostBuffer, cuda_devices
+from elastic_trainer.rendezvous.torch_private import foreach_copy
 
 if TYPE_CHECKING:
-    from elastic_trainer.checkpoint import CheckpointManager
+    from elastic_trainer.checkpoint.writer import CheckpointWriter
 
 
 _PLAIN = frozenset({str, bool, int, float, type(None)})
@@ -59,7 +60,7 @@ class DeferredCopy:
 
     def run(self) -> None:
         try:
-            torch._foreach_copy_([d for _, d, _, _ in self.items], [s for _, _, s, _ in self.items])
+            foreach_copy([d for _, d, _, _ in self.items], [s for _, _, s, _ in self.items])
         except BaseException as exc:  # noqa: BLE001 - handed to the writer, which reports it
             self.error = exc
         finally:
@@ -115,7 +116,7 @@ class Snapshotter:
     a new arena is laid out and the state walked again. Reuse is safe because a new save starts
     only after the previous one finished writing. Every arena lives in one ``HostBuffer``, which
     a re-layout reuses when the new state fits, so the snapshot's memory (pinned for CUDA
-    sources) stays about the size of the state. Copies go out in one ``torch._foreach_copy_``
+    sources) stays about the size of the state. Copies go out in one ``foreach_copy``
     (one dispatch instead of one per tensor); with CUDA sources the arena is pinned and one
     synchronize ends the copy. Tensors without a raw layout (sparse, quantized, sub-byte dtypes)
     are copied apart, and their state is then written with ``torch.save`` (format 2).
@@ -150,7 +151,7 @@ class Snapshotter:
             walk = _Walk(walk.defer)
             snap = self._copy(state, (), walk)
         if walk.dst:
-            torch._foreach_copy_(walk.dst, walk.src, non_blocking=True)
+            foreach_copy(walk.dst, walk.src, non_blocking=True)
             for device in cuda_devices(walk.src):  # the copies' own GPUs, not the current one
                 torch.cuda.synchronize(device)
         if stats is not None:
@@ -211,7 +212,7 @@ class OptimizerWatch:
 
     It remembers the optimizers that step (their tensors are the ones a save may copy beside
     training) and, before any optimizer changes its parameters, settles the deferred copies of
-    every manager that has one in flight.
+    every checkpoint writer that has one in flight.
     """
 
     _instance: "OptimizerWatch | None" = None
@@ -219,7 +220,7 @@ class OptimizerWatch:
 
     def __init__(self) -> None:
         self.optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-        self.waiting: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
+        self.waiting: "weakref.WeakSet[CheckpointWriter]" = weakref.WeakSet()
         register_optimizer_step_pre_hook(self._before_step)
 
     @classmethod
@@ -232,8 +233,8 @@ class OptimizerWatch:
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.optimizers.add(optimizer)
         if self.waiting:
-            for manager in list(self.waiting):
-                manager.settle_copy()
+            for writer in list(self.waiting):
+                writer.settle_copy()
 
     def owned(self) -> set[int]:
         """Data pointers of every parameter and optimizer-state tensor of the optimizers seen."""

@@ -248,10 +248,11 @@ def _trainer_checkpoint_dir(trainer_argv: list[str], builtin: bool) -> str | Non
     check them (``TrainConfig``, with the folders the drill hands over); a ``--script`` gets them as
     they are.
     """
-    from elastic_trainer import config, train
+    from elastic_trainer import config
+    from elastic_trainer.flags import build_train_parser, parse_train_config
 
     unset = "\0unset"  # the env default of --log-dir, to tell whether it was given
-    given, _ = train.build_parser(_TrainerParser, {config.ENV_LOG_DIR: unset}).parse_known_args(trainer_argv)
+    given, _ = build_train_parser(_TrainerParser, {config.ENV_LOG_DIR: unset}).parse_known_args(trainer_argv)
     if given.log_dir != unset:
         raise ScenarioError("--trainer-args: leave --log-dir out; the drill gives each node its own")
     if given.checkpoint_dir == "":
@@ -259,5 +260,5 @@ def _trainer_checkpoint_dir(trainer_argv: list[str], builtin: bool) -> str | Non
     if builtin:
         handed_over = {config.ENV_CHECKPOINT_DIR: given.checkpoint_dir or "<out>/checkpoints",
                        config.ENV_LOG_DIR: "<out>/nodes/node-<i>"}
-        train.parse_config(trainer_argv, train.build_parser(_TrainerParser, handed_over))
+        parse_train_config(trainer_argv, build_train_parser(_TrainerParser, handed_over))
     return given.checkpoint_dir

@@ -24,6 +24,13 @@ A write put in one transaction with them (the checkpoint commit record,
 writer was paused in between. The live quorum (``training/live.py``) gives the same kind of
 ``Guard`` for its quorum key and member lease.
 
+What a writer needs of either is the ``Fence`` protocol: ``prefix`` (the etcd key prefix its
+keys live under), ``token`` (its round's or quorum's short name), ``etcd`` (the connection a
+fenced write goes through) and ``guard()``. ``RoundFence`` and the live group both provide it;
+the checkpoint commit record (``checkpoint/record.py``) and ``CheckpointManager`` take any
+``Fence``. A plain ``check`` function can fence a commit too (check-then-act, no record):
+``round_token()`` is then the token recorded beside it.
+
     from elastic_trainer.rendezvous.fence import RoundFence, FencedError
     fence = RoundFence.from_env()          # None when not started by the etcd-v3 rendezvous
     if fence is not None:
@@ -37,6 +44,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
@@ -47,6 +55,9 @@ from elastic_trainer.env import (  # noqa: E402,F401 - the names are defined onc
     ENV_RDZV_PREFIX,
     ENV_RDZV_ROUND,
 )
+
+if TYPE_CHECKING:
+    from elastic_trainer.rendezvous.etcd_client import EtcdConnection
 
 
 class FencedError(RuntimeError):
@@ -64,6 +75,42 @@ class Guard:
 
     token: str
     compares: tuple[tuple[str, str, int], ...]
+
+
+class Fence(Protocol):
+    """What a fenced writer needs of a fence: ``RoundFence``, or the live group of ``--recovery live``.
+
+    Members:
+        prefix: the etcd key prefix of the run (``RoundFence``: ``/elastic-trainer/<run_id>/``;
+            the live group: ``<run prefix>live/``); the commit record's key is made from it.
+        token: a short name of what is fenced (``"round-7"``, ``"quorum-3"``), recorded beside
+            what was written.
+        etcd: the ``EtcdConnection`` (``rendezvous.etcd_client``) that a write fenced by
+            ``guard()`` goes through (its ``call(fn, what)``).
+        guard(): check that the round (or quorum) is current, raising ``FencedError`` if not, and
+            return the ``Guard`` whose comparisons keep holding exactly while it stays current.
+
+    A fence is an object, not a function: ``CheckpointManager`` takes either a ``Fence`` (the
+    commit is then the etcd record) or a plain callable (check-then-act before the manifest).
+    Structural: a class provides it by having these members; it need not inherit from it.
+    """
+
+    prefix: str
+
+    @property
+    def token(self) -> str: ...
+
+    @property
+    def etcd(self) -> EtcdConnection: ...
+
+    def guard(self) -> Guard: ...
+
+
+def round_token() -> str | None:
+    """The token of this worker's rendezvous round from its environment (``"round-7"``, as
+    ``RoundFence.token``), None when it was not started by the etcd-v3 rendezvous."""
+    rnd = os.environ.get(ENV_RDZV_ROUND)
+    return f"round-{rnd}" if rnd else None
 
 
 class RoundFence:

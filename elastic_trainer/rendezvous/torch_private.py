@@ -8,7 +8,9 @@ attribute and enum member we rely on; ``tests/test_torch_private.py`` calls it, 
 upgrade that changes any of them fails loudly in one test rather than deep inside a recovery.
 One more pair lives here for the same reason: DCP's ``FsspecWriter``/``FsspecReader``
 (``dcp_fsspec_storage``), public classes of a private torch module, which sharded checkpoints on
-object stores use (``checkpoint/sharded.py``).
+object stores use (``checkpoint/sharded.py``); and ``torch._foreach_copy_`` (``foreach_copy``),
+with which checkpoint snapshots copy many tensors in one call (``checkpoint/snapshot.py``,
+``checkpoint/sharded.py``).
 
 Checked against torch 2.12 (2.12.1), 2.13 (2.13.0, what CI installs) and 2.14 (2.14.1);
 ``pyproject.toml`` bounds torch to ``>=2.12,<2.15``. To admit a new torch: ``bash launch/torch-versions VERSION``
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as _dr
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: F401 - re-exported
     DynamicRendezvousHandler,
@@ -60,6 +63,12 @@ def dcp_fsspec_storage() -> tuple[type, type]:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
     return FsspecWriter, FsspecReader
+
+
+def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor], non_blocking: bool = False) -> None:
+    """Copy every ``src[i]`` into ``dst[i]`` in one dispatch (``torch._foreach_copy_``, private:
+    one call instead of one per tensor, what a snapshot of many small tensors needs)."""
+    torch._foreach_copy_(dst, src, non_blocking=non_blocking)
 
 
 # What the subclasses in handler.py and state.py call or override on torch's classes.
@@ -109,6 +118,16 @@ def check_compatible() -> list[str]:
     if not hasattr(DynamicRendezvousHandler, "_node_desc_generator") or not callable(
             getattr(DynamicRendezvousHandler._node_desc_generator, "generate", None)):
         problems.append("DynamicRendezvousHandler._node_desc_generator.generate is gone")
+    if not callable(getattr(torch, "_foreach_copy_", None)):
+        problems.append("torch._foreach_copy_ is gone (foreach_copy: checkpoint snapshots)")
+    else:
+        try:
+            dst, src = [torch.zeros(2)], [torch.ones(2)]
+            foreach_copy(dst, src, non_blocking=False)
+            if not torch.equal(dst[0], src[0]):
+                problems.append("torch._foreach_copy_ no longer copies its sources into its destinations")
+        except TypeError as exc:
+            problems.append(f"torch._foreach_copy_(dst, src, non_blocking=...) fails ({exc})")
     try:
         writer, reader = dcp_fsspec_storage()
     except ImportError as exc:
@@ -124,4 +143,4 @@ def check_compatible() -> list[str]:
 
 __all__ = ["TESTED_TORCH", "Action", "DistributedOpExecutor", "DynamicRendezvousHandler", "ExitOp", "JoinOp",
            "NodeDesc", "RendezvousContext", "RendezvousSettings", "RendezvousState", "RendezvousTimeout",
-           "StateHolder", "check_compatible", "dcp_fsspec_storage", "generate_node_desc", "remove_participant_epilogue"]
+           "StateHolder", "check_compatible", "dcp_fsspec_storage", "foreach_copy", "generate_node_desc", "remove_participant_epilogue"]

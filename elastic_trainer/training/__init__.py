@@ -8,7 +8,8 @@ Modules:
 - ``parallel``: DDP or FSDP2 wrapping, ``no_sync`` and full state dicts (``Parallel``);
 - ``rng``: every rank's own RNG state gathered into a checkpoint, and which one a rank restores;
 - ``data``: the example task's synthetic and HDF5 datasets;
-- ``metrics``: rank-0 printing, the progress bar and the W&B logger (a no-op when off).
+- ``metrics``: rank-0 printing, the progress bar and the W&B logger (a no-op when off);
+- ``status``: what rank 0 publishes into etcd for ``elastic-train status`` (``StatusPublisher``).
 
 Exports ``Trainer``; the task API users write against is ``elastic_trainer.tasks`` and the
 flags are ``elastic_trainer.config.TrainConfig``.

@@ -256,7 +256,7 @@ class Trainer:
             return None
         if not self._status_tried:
             self._status_tried = True
-            from elastic_trainer.status import StatusPublisher
+            from elastic_trainer.training.status import StatusPublisher
 
             try:
                 self._status = StatusPublisher.from_env()
@@ -493,7 +493,7 @@ class Trainer:
         if loaded is not None and "model" in loaded[1] and not full_fsdp:  # into the bare module, before
             self.module.load_state_dict(loaded[1]["model"])  # DDP (a sharded one is loaded after: _restore)
         elif c.init_from is not None and not from_peer and loaded is None and not self._fsdp():
-            from elastic_trainer.export import load_weights
+            from elastic_trainer.checkpoint.weights import load_weights
 
             load_weights(self.module, c.init_from)
             print0(f"initialized the model from {c.init_from}")
@@ -501,7 +501,7 @@ class Trainer:
         if c.init_from is not None and not from_peer and loaded is None and self._fsdp():
             # FSDP: rank 0 alone reads the file (checked against the model); it is broadcast
             # into the shards below, one tensor at a time: no whole copy on every rank
-            from elastic_trainer.export import read_weights
+            from elastic_trainer.checkpoint.weights import read_weights
 
             init_shards = read_weights(self.module, c.init_from) if d.rank == 0 else {}
         self.sampler = self._new_sampler()

@@ -1,33 +1,30 @@
 """Model weights in and out of the safetensors format, which standard tools open.
 
-    elastic-train export CHECKPOINT_URL --to model.safetensors [--step N]
-    elastic-train ... -- --init-from model.safetensors      # a new run starts from those weights
+Writing: :func:`export_weights` loads the newest complete checkpoint under a URL (or step ``N``),
+verified as a resume would, and writes its model's weights (``state["model"]``: the full state
+dict, as the trainer saves it under DDP, gathered from the shards under FSDP) with
+``safetensors.torch.save_file``, the step and the source in the file's metadata. The file is
+written beside the target and renamed into place, so a half-written file never has the target's
+name. ``elastic-train export`` (``cli/export.py``) is the command around it.
 
-``export`` loads the newest complete checkpoint under ``CHECKPOINT_URL`` (or step ``N``), verified
-as a resume would, and writes its model's weights (``state["model"]``: the full state dict, as
-the trainer saves it under DDP and FSDP) with ``safetensors.torch.save_file``, the step and the
-source in the file's metadata. The file is written beside the target and renamed into place, so
-a half-written file never has the target's name. ``--init-from`` loads such a file into the
-model before it is wrapped (``load_weights``) when there is no checkpoint to resume from; a
-checkpoint, when there is one, wins (it holds the optimizer too).
+Reading: ``--init-from`` loads such a file into the model before it is wrapped
+(:func:`load_weights`; under FSDP rank 0 reads it with :func:`read_weights` and broadcasts) when
+there is no checkpoint to resume from; a checkpoint, when there is one, wins (it holds the
+optimizer too).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import sys
 from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
 
-USAGE_ERROR = 2
 
-
-def _weights(model_state: Any) -> dict[str, torch.Tensor]:
+def weights_of(model_state: Any) -> dict[str, torch.Tensor]:
     """The tensors of a model state dict as safetensors takes them: contiguous, one storage each."""
     if not isinstance(model_state, dict):
         raise ValueError("the checkpoint has no model state dict")
@@ -49,7 +46,7 @@ def _weights(model_state: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def export(url: str, to: str, step: int | None = None) -> int:
+def export_weights(url: str, to: str, step: int | None = None) -> int:
     """Write the model weights of ``url``'s newest (or ``step``'s) checkpoint to ``to``; returns the step."""
     from safetensors.torch import save_file
 
@@ -64,7 +61,7 @@ def export(url: str, to: str, step: int | None = None) -> int:
 
     if is_sharded(state):  # gathered from the shards of an --fsdp checkpoint
         state = gathered(CheckpointManager(url), step, state)
-    weights = _weights(state.get("model"))
+    weights = weights_of(state.get("model"))
     tmp = f"{to}.tmp-{os.getpid()}"
     try:
         save_file(weights, tmp, metadata={"step": str(step), "source": storage.redact(url), "format": "pt"})
@@ -107,25 +104,3 @@ def load_weights(module: torch.nn.Module, path: str) -> None:
 
 def _mismatch(own: dict, weights: dict) -> tuple[list[str], list[str]]:
     return sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``elastic-train export``: parse, export, print one line; bad input: one line, status 2."""
-    p = argparse.ArgumentParser(prog="elastic-train export", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint_url", metavar="CHECKPOINT_URL", help="a --checkpoint-dir: path, s3://..., any fsspec URL")
-    p.add_argument("--to", required=True, metavar="PATH.safetensors", help="the file to write")
-    p.add_argument("--step", type=int, default=None, help="this step instead of the newest complete one")
-    args = p.parse_args(argv)
-    if not args.to.endswith(".safetensors"):
-        p.error(f"--to {args.to!r} must end with .safetensors")
-    folder = os.path.dirname(os.path.abspath(args.to))
-    if not os.path.isdir(folder):
-        p.error(f"--to {args.to!r}: the folder {folder} does not exist; create it first")
-    try:
-        step = export(args.checkpoint_url, args.to, args.step)
-    except ValueError as exc:
-        print(f"elastic-train export: error: {exc}", file=sys.stderr)
-        return USAGE_ERROR
-    print(f"exported the model weights of step-{step} to {args.to}")
-    return 0

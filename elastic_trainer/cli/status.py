@@ -1,4 +1,4 @@
-"""A running job's status in etcd: what rank 0 publishes, and ``elastic-train status``, which reads it.
+"""``elastic-train status``: a running job's nodes, round and training, read from its etcd.
 
 Run it from any terminal or machine that reaches the job's etcd::
 
@@ -14,16 +14,9 @@ publishes: world size, step, epoch, samples/s and loss of the last steps, the ne
 checkpoint (step, age, URL with credentials redacted) and the last events (world size changes and
 why, resumes, restarts, stops).
 
-What rank 0 publishes, ``<key_prefix>/<run_id>/status`` (one JSON document)::
-
-    {"time": ..., "node": ..., "step": ..., "epoch": ..., "world_size": ..., "round": ...,
-     "loss": ..., "samples_per_s": ..., "checkpoint": {"step": ..., "time": ..., "url": ...} | null,
-     "state": "training" | "finished" | "stopped", "events": [{"time": ..., "event": ..., ...}, ...]}
-
-``StatusPublisher`` writes it from a background thread at most once a second (``INTERVAL_S``),
-only when something changed, so the training loop never waits for etcd: a step only updates a dict.
-A worker not started by the etcd-v3 rendezvous (plain ``python -m elastic_trainer.train``) publishes
-nothing. The embedded etcd's endpoint is in ``<log dir>/etcd-endpoint`` while the launcher runs.
+What rank 0 publishes is ``training/status.py``'s ``StatusPublisher``; this module only reads.
+The embedded etcd's endpoint is in ``<log dir>/etcd-endpoint`` (``ENDPOINT_FILE``) while the
+launcher runs.
 """
 
 from __future__ import annotations
@@ -31,99 +24,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
-import os
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from elastic_trainer.cli.usage import Parser
+from elastic_trainer.training.status import STATUS_KEY
 
-INTERVAL_S = 1.0
-"""Rank 0 writes its status at most this often."""
-MAX_EVENTS = 12
-"""The status keeps this many of the newest events."""
 ENDPOINT_FILE = "etcd-endpoint"
 """In the launcher's log dir while its embedded etcd runs: ``host:port``."""
-STATUS_KEY = "status"
-
-
-# ------------------------------------------------------------------------------- publishing
-
-class StatusPublisher:
-    """Rank 0's status in ``<prefix>status``: ``update()`` and ``event()`` change a dict, a thread writes it."""
-
-    def __init__(self, conn, prefix: str, interval: float = INTERVAL_S) -> None:
-        self._conn = conn
-        self._key = prefix + STATUS_KEY
-        self._interval = interval
-        self._lock = threading.Lock()
-        self._doc: dict[str, Any] = {"state": "training", "checkpoint": None, "events": []}
-        self._dirty = False
-        self._stop = threading.Event()
-        self._warned = False
-        try:  # keep the events of earlier processes (a restart, a new rank 0)
-            value, _ = conn.call(lambda c: c.get(self._key), "status read", retry_timeout=2)
-            if value:
-                old = json.loads(value)
-                self._doc["events"] = list(old.get("events", []))[-MAX_EVENTS:]
-                self._doc["checkpoint"] = old.get("checkpoint")
-        except Exception as exc:  # noqa: BLE001 - a status is a convenience: never stop training for it
-            logger.info("status: could not read the previous status: %s", exc)
-        self._thread = threading.Thread(target=self._run, name="status-publisher", daemon=True)
-        self._thread.start()
-
-    @classmethod
-    def from_env(cls) -> StatusPublisher | None:
-        """The publisher of a worker started by ``elastic-train`` on the etcd-v3 rendezvous, else None."""
-        from elastic_trainer.rendezvous.fence import ENV_RDZV_CONN, ENV_RDZV_PREFIX
-
-        text, prefix = os.environ.get(ENV_RDZV_CONN), os.environ.get(ENV_RDZV_PREFIX)
-        if not text or not prefix:
-            return None
-        from elastic_trainer.rendezvous.etcd_client import EtcdConnection, options_from_export
-
-        return cls(EtcdConnection(options_from_export(text, retry_timeout=5.0)), prefix)
-
-    def update(self, **fields: Any) -> None:
-        """Set fields of the status (``step=``, ``loss=``, ``checkpoint=``...); written within a second."""
-        with self._lock:
-            self._doc.update(fields)
-            self._dirty = True
-
-    def event(self, record: dict) -> None:
-        """Add an event (an ``EventRecord``'s JSON); the status keeps the newest ``MAX_EVENTS``."""
-        with self._lock:
-            self._doc["events"] = (self._doc["events"] + [record])[-MAX_EVENTS:]
-            self._dirty = True
-
-    def _write(self) -> None:
-        with self._lock:
-            if not self._dirty:
-                return
-            self._doc["time"] = time.time()
-            data = json.dumps(self._doc, separators=(",", ":"), default=str)
-            self._dirty = False
-        try:
-            self._conn.call(lambda c: c.put(self._key, data), "status write", retry_timeout=2)
-        except Exception as exc:  # noqa: BLE001 - training goes on; say so once
-            if not self._warned:
-                logger.warning("status: could not write %s to etcd (%s); `elastic-train status` shows older "
-                               "numbers until it works again", self._key, exc)
-                self._warned = True
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            self._write()
-
-    def close(self) -> None:
-        """Write what is pending now, stop the thread and close the connection."""
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._write()
-        self._conn.close()
 
 
 # ------------------------------------------------------------------------------- reading
@@ -262,8 +172,9 @@ def find_embedded_endpoint(log_dir: str | None, run_id: str | None) -> tuple[str
 
 # ------------------------------------------------------------------------------- the command
 
-def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p = parser_class(prog="elastic-train status", formatter_class=argparse.RawDescriptionHelpFormatter,
+def build_parser() -> argparse.ArgumentParser:
+    """The command's parser; its errors are ``UsageError`` (one line, status 2)."""
+    p = Parser(prog="elastic-train status", formatter_class=argparse.RawDescriptionHelpFormatter,
                      description="Show a running job: nodes, round, world size, step, loss, checkpoint, events.",
                      epilog=__doc__.split("\n\n")[1])
     p.add_argument("--rdzv-endpoint", default=None, metavar="H:P[,H:P]",
@@ -279,7 +190,7 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
     return p
 
 
-def main(argv: list[str], parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> int:
+def main(argv: list[str]) -> int:
     """``elastic-train status``: print the status (once, or every ``--watch`` seconds). Exit 0."""
     from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
@@ -288,7 +199,7 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser] = argparse
     from elastic_trainer.etcd_server import PASSWORD_FILE, ROOT_USER
     from elastic_trainer.rendezvous.options import RendezvousOptions
 
-    p = build_parser(parser_class)
+    p = build_parser()
     args = p.parse_args(argv)
     if args.watch is not None and args.watch <= 0:
         p.error(f"--watch {args.watch:g} must be a positive number of seconds")

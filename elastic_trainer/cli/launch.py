@@ -1,0 +1,327 @@
+"""``elastic-train``: run one node of an elastic training job on torchrun's elastic agent.
+
+The node command: flags -> a checked ``RunConfig`` -> torch's ``LaunchConfig`` ->
+``torch.distributed.launcher.api.elastic_launch``; the agents, their restarts and their workers
+are torchrun's own. In order:
+
+1. :func:`parse_run_config`: the launcher's flags (generated from ``RunConfig``'s fields by
+   ``flags.add_run_flags``, plus ``--nnodes``, ``-m`` and the program), and the built-in trainer's
+   flags after ``--``, parsed once with the trainer's own generated parser, as every worker will
+   (a bad one ends the launcher with one line and status 2). The recovery mode is chosen here.
+2. :func:`check_devices` and :func:`check_environment`: what this node can run (``--device``,
+   ``--amp``, GPUs per worker), the etcd binary or endpoint, a writable checkpoint dir.
+3. :func:`run_node`: the embedded etcd when no endpoint is given, the workers' environment
+   (``OMP_NUM_THREADS``, the run's folders, secrets moved out by ``cli.secrets``, NCCL's error
+   handling in live mode), then torch's ``elastic_launch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from elastic_trainer import cpus, flags
+from elastic_trainer.cli import secrets
+from elastic_trainer.cli.usage import Parser, TrainerParser, UsageError
+from elastic_trainer.config import RunConfig, TrainConfig, flag_name, run_flag_fields
+from elastic_trainer.env import (
+    ENV_CHECKPOINT_DIR,
+    ENV_LOG_DIR,
+    ENV_NCCL_ERROR_HANDLING,
+    ENV_RDZV_ENDPOINT,
+    ENV_RUN_ID,
+    NCCL_CLEAN_UP_ONLY,
+)
+
+if TYPE_CHECKING:
+    from elastic_trainer.rendezvous.etcd_client import EtcdOptions
+
+logger = logging.getLogger("elastic_trainer")
+
+BUILTIN_TRAINER = ["-m", "elastic_trainer.train"]
+SHARED_TRAINER_FLAGS = tuple(f.name for f in run_flag_fields() if f.metadata["trainer"])
+"""Trainer flags the launcher takes too: it checks the checkpoint dir and keeps its own logs in the log dir."""
+
+
+def _nnodes(text: str) -> tuple[int, int]:
+    parts = text.split(":")
+    if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"--nnodes takes N or MIN:MAX (for example 1:4), got {text!r}")
+    low, high = int(parts[0]), int(parts[-1])
+    if low < 1:
+        raise argparse.ArgumentTypeError(f"--nnodes minimum must be at least 1, got {low}")
+    return low, high
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The launcher's parser (also used by tests and the k8s manifest checks): ``RunConfig``'s flags,
+    generated, and those that are not a field: ``--nnodes``, ``-m`` and the program."""
+    p = Parser(prog="elastic-train", description=__doc__.split("\n\n")[0],
+               epilog="Commands: elastic-train etcd|status|export|drill --help. Flags of the built-in trainer go "
+                      "after `--`; see `python -m elastic_trainer.train --help`.",
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    groups = flags.add_run_flags(p)
+    groups["nodes"].add_argument("--nnodes", type=_nnodes, default=None, metavar="MIN:MAX",
+                                 help="torchrun's spelling of --min-nodes/--max-nodes: N or MIN:MAX")
+    prog = p.add_argument_group("program")
+    prog.add_argument("-m", "--module", action="store_true",
+                      help="run the program as a Python module (python -m), like torchrun")
+    prog.add_argument("training_script", nargs="?", default=None,
+                      help="script to run on every worker (default: the built-in trainer)")
+    prog.add_argument("training_script_args", nargs=argparse.REMAINDER,
+                      help="arguments of the script")
+    return p
+
+
+def parse_run_config(argv: list[str]) -> RunConfig:
+    """Parse launcher flags into a checked ``RunConfig``; raise ``UsageError`` on bad input."""
+    secrets.refuse_command_line_secrets(argv)
+    trainer_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, trainer_args = argv[:cut], argv[cut + 1:]
+    args = build_parser().parse_args(argv)
+    given = flags.given_run_flags(args)
+    if args.nnodes is not None:
+        if "min_nodes" in given or "max_nodes" in given:
+            raise UsageError("give either --nnodes or --min-nodes/--max-nodes, not both")
+        given["min_nodes"], given["max_nodes"] = args.nnodes
+    if args.training_script is None:
+        if args.module:
+            raise UsageError("-m/--module needs a module name after the flags")
+        program = [*BUILTIN_TRAINER, *trainer_args]
+    elif args.module:
+        program = ["-m", args.training_script, *args.training_script_args, *trainer_args]
+    else:
+        if not Path(args.training_script).is_file():
+            raise UsageError(f"the training script {args.training_script!r} does not exist; "
+                             "give a path to a .py file, or nothing for the built-in trainer")
+        program = ["-u", args.training_script, *args.training_script_args, *trainer_args]
+    rdzv_conf = given["rdzv_conf"] = dict(given.get("rdzv_conf", {}))
+    secrets.refuse_rdzv_password(rdzv_conf)
+    backend = given.get("rdzv_backend", RunConfig.rdzv_backend)
+    recovery = given.pop("recovery", None) or rdzv_conf.get("recovery")
+    builtin = args.training_script is None
+    live_ok = builtin and backend == "etcd-v3" and not {"--fsdp", "--scale-lr"} & set(trainer_args)
+    if recovery == "live" and not live_ok:
+        raise UsageError("--recovery live needs the built-in trainer with DDP, a constant global batch and the "
+                         "etcd-v3 rendezvous (not your own script, --fsdp, --scale-lr or c10d); "
+                         "use --recovery restart")
+    if backend == "etcd-v3":
+        rdzv_conf["recovery"] = recovery or ("live" if live_ok else "restart")
+    if "checkpoint_dir" not in given:  # "" given: no checkpoints
+        # The launcher's env var: where a URL with keys may come from (never a command line).
+        given["checkpoint_dir"] = os.environ.get(ENV_CHECKPOINT_DIR) or None
+    try:
+        run = RunConfig(**given, recovery=rdzv_conf.get("recovery"), program=program)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    if program[:2] == BUILTIN_TRAINER:  # `-m elastic_trainer.train` too
+        run.trainer = trainer_config(run, given_here={name: getattr(args, name) for name in SHARED_TRAINER_FLAGS})
+    return run
+
+
+def trainer_config(run: RunConfig, given_here: dict[str, str | None]) -> TrainConfig:
+    """Parse the built-in trainer's flags (``run.program[2:]``) with its generated parser, as each
+    worker will, and check them as ``TrainConfig`` does: a bad one ends the launcher now, with one
+    line, instead of every worker after the start. A shared flag (``--checkpoint-dir``, ``--log-dir``)
+    given there becomes the run's; given both here and there with different values, it is an error.
+    """
+    # What the workers get: the launcher hands its checkpoint and log folders over in these env vars.
+    environ = {ENV_CHECKPOINT_DIR: run.checkpoint_dir or "", ENV_LOG_DIR: run.log_dir or ""}
+    trainer = flags.parse_train_config(run.program[2:], flags.build_train_parser(TrainerParser, environ))
+    for name in SHARED_TRAINER_FLAGS:
+        here, there = getattr(run, name) or "", getattr(trainer, name) or ""
+        if there == here:
+            continue
+        if given_here[name] is not None:
+            raise UsageError(f"{flag_name(name)} is given twice, {here!r} before `--` and {there!r} "
+                             "after it; give it once")
+        setattr(run, name, there)
+    return trainer
+
+
+def check_devices(run: RunConfig) -> None:
+    """The built-in trainer's ``--device`` and ``--amp`` against the GPUs this node shows (its
+    workers see the same ones): ``--device auto`` on a node whose GPUs torch cannot use, ``cuda``
+    without CUDA, more workers than GPUs, ``--amp fp16`` on the CPU end the launcher now with one
+    line, instead of training on the CPU by accident or failing in every worker later. (Whether a
+    GPU has bf16 is left to the workers: asking would make a CUDA context in the launcher.)"""
+    from elastic_trainer import devices
+
+    if run.trainer is None:
+        return
+    view = devices.CudaView.probe()
+    try:
+        device = devices.pick_device(run.trainer.device, 0, view)
+        if device.type == "cuda":
+            devices.check_local_ranks(run.nproc_per_node, view.device_count)
+        devices.amp_plan(run.trainer.amp, device)
+    except devices.DeviceError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def rendezvous_etcd_options(run: RunConfig) -> EtcdOptions:
+    """How the etcd-v3 rendezvous will reach etcd (``EtcdOptions``), from ``--rdzv-conf`` as its
+    handler parses it; a bad option is a ``UsageError`` now rather than in every agent later."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+
+    from elastic_trainer.rendezvous.options import RendezvousOptions
+
+    try:
+        params = RendezvousParameters("etcd-v3", run.rdzv_endpoint or "", run.run_id, run.min_nodes,
+                                      run.max_nodes, **run.rdzv_conf)
+        return RendezvousOptions(params).etcd
+    except ValueError as exc:
+        raise UsageError(f"--rdzv-conf: {exc}") from exc
+
+
+def check_environment(run: RunConfig) -> None:
+    """Checks that need the outside world: the etcd binary or endpoint, the checkpoint dir."""
+    from elastic_trainer import etcd_server
+    from elastic_trainer.checkpoint import storage
+
+    if run.embedded_etcd:
+        try:
+            etcd_server.find_etcd_binary()
+        except etcd_server.EtcdError as exc:
+            raise UsageError(str(exc)) from exc
+    elif run.rdzv_backend == "etcd-v3":
+        try:
+            etcd_server.parse_endpoints(run.rdzv_endpoint or "")
+        except ValueError as exc:
+            raise UsageError(f"--rdzv-endpoint: {exc}") from exc
+        etcd = rendezvous_etcd_options(run)
+        try:
+            # With the rendezvous's own TLS and auth options: a check in plain http would fail
+            # against an etcd that serves TLS although the rendezvous would reach it.
+            etcd_server.probe_endpoint(run.rdzv_endpoint or "", timeout=3.0, options=etcd)
+        except etcd_server.EtcdError as exc:
+            raise UsageError(f"--rdzv-endpoint: {exc}") from exc
+    if not run.checkpoint_dir:
+        return  # an empty --checkpoint-dir: no checkpoints
+    try:
+        storage.check_writable(run.checkpoint_dir)
+    except storage.StorageError as exc:
+        raise UsageError(f"--checkpoint-dir: {exc}") from exc
+
+
+def keep_nccl_errors_in_process(run: RunConfig) -> str | None:
+    """In live mode, NCCL's clean-up-only error handling for every worker: set in this (the agent's)
+    environment, before torch's agent builds the workers' (which would otherwise put ``1`` there,
+    ending a worker on any NCCL error, so that live recovery became a restart). A value the user set
+    is kept, with a warning. Returns the variable's earlier value (None: it was not set)."""
+    before = os.environ.get(ENV_NCCL_ERROR_HANDLING)
+    if run.recovery != "live":
+        return before
+    if before is None:
+        os.environ[ENV_NCCL_ERROR_HANDLING] = NCCL_CLEAN_UP_ONLY
+    elif before != NCCL_CLEAN_UP_ONLY:
+        logger.warning("%s=%s ends a worker on an NCCL error or timeout, which turns live recovery into restarts; "
+                       "unset it (or set %s) to keep live recovery on GPUs", ENV_NCCL_ERROR_HANDLING, before,
+                       NCCL_CLEAN_UP_ONLY)
+    return before
+
+
+def run_node(run: RunConfig) -> int:
+    """Start the embedded etcd if needed, run torchrun's agent, stop etcd. Return an exit status."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from elastic_trainer.cli.status import ENDPOINT_FILE
+    from elastic_trainer.etcd_server import PASSWORD_FILE, ROOT_USER, EtcdError, EtcdServer, enable_auth, run_password
+
+    log_dir = Path(run.log_dir).resolve()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    server = None
+    endpoint = run.rdzv_endpoint
+    if run.embedded_etcd:
+        server = EtcdServer(data_dir=log_dir / "etcd", log_path=log_dir / "etcd.log")
+        password_file = log_dir / PASSWORD_FILE
+        try:
+            server.start()
+            # Authentication on: any other user of this machine reaches the loopback port too, and
+            # could otherwise register a node or rewrite the run's state. The password is in a
+            # 0600 file, so the join command below works for this user only.
+            enable_auth(server.endpoint, run_password(password_file))
+        except EtcdError as exc:
+            server.stop()
+            raise UsageError(str(exc)) from exc
+        endpoint = server.endpoint
+        endpoint_file = log_dir / ENDPOINT_FILE  # where `elastic-train status` finds it
+        endpoint_file.write_text(endpoint + "\n")
+        auth = f"user={ROOT_USER},password_file={password_file}"
+        run.rdzv_conf.update(user=ROOT_USER, password_file=str(password_file))
+        print(f"elastic-train: embedded etcd at {endpoint} (run {run.run_id}); join from another "
+              f"terminal with: elastic-train --nnodes {run.min_nodes}:{run.max_nodes} "
+              f"--nproc-per-node {run.nproc_per_node} --run-id {run.run_id} --rdzv-endpoint {endpoint} "
+              f"--rdzv-conf {auth}",
+              file=sys.stderr, flush=True)
+    elif endpoint is None:
+        endpoint = "127.0.0.1:29400"  # torch's c10d default, for side-by-side runs
+    if "OMP_NUM_THREADS" not in os.environ:
+        # torchrun sets 1 for several workers; we give each worker its share of the CPUs this node
+        # may use (the affinity mask capped by the cgroup's CPU quota: a pod's limits.cpu), so that
+        # N workers do not each start a thread per core (measured: 30x slower on 2 cores).
+        threads = cpus.threads_per_worker(run.nproc_per_node)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        logger.info("OMP_NUM_THREADS=%d for each of %d worker(s) (set it to override)", threads, run.nproc_per_node)
+    nccl_before = keep_nccl_errors_in_process(run)
+    try:
+        with secrets.handed_over(run.checkpoint_dir or "") as workers_url:
+            os.environ.update({ENV_RDZV_ENDPOINT: endpoint, ENV_RUN_ID: run.run_id,
+                               ENV_CHECKPOINT_DIR: workers_url, ENV_LOG_DIR: str(log_dir)})
+            config = LaunchConfig(
+                min_nodes=run.min_nodes, max_nodes=run.max_nodes, nproc_per_node=run.nproc_per_node,
+                run_id=run.run_id, rdzv_backend=run.rdzv_backend, rdzv_endpoint=endpoint,
+                rdzv_configs=dict(run.rdzv_conf), max_restarts=run.max_restarts,
+                monitor_interval=run.monitor_interval, local_addr=run.local_addr, start_method="spawn",
+                logs_specs=DefaultLogsSpecs(log_dir=str(log_dir / "torchelastic")),
+            )
+            elastic_launch(config, sys.executable)(*run.program)
+            return 0
+    except ChildFailedError as exc:
+        first = next(iter(exc.failures.values()), None)
+        print(f"elastic-train: training failed: {exc.name} "
+              f"(exit code {getattr(first, 'exitcode', '?')}; see the worker output above)", file=sys.stderr)
+        return 1
+    except RendezvousClosedError as exc:
+        # A spare beyond --max-nodes, or a node that came after the end: the run is over, and this
+        # node has nothing to do. Success, so that a Job does not recreate the pod (which, alone in
+        # etcd later, could start the finished run over).
+        print(f"elastic-train: nothing to do: {exc}", file=sys.stderr)
+        return 0
+    except SignalException as exc:
+        print(f"elastic-train: stopped by {signal.Signals(exc.sigval).name}; workers ended", file=sys.stderr)
+        return 128 + int(exc.sigval)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if server is not None:
+            (log_dir / ENDPOINT_FILE).unlink(missing_ok=True)
+            server.stop()
+        if nccl_before is None:  # for callers that run main() in-process
+            os.environ.pop(ENV_NCCL_ERROR_HANDLING, None)
+
+
+def main(argv: list[str]) -> int:
+    """``elastic-train [flags] [script [args]] [-- trainer flags]``: check everything, then run this
+    node (:func:`run_node`). Bad input: ``UsageError``, before anything starts."""
+    run = parse_run_config(argv)
+    # Before anything is created (the checkpoint dir's probe, the log dir, etcd's data); the
+    # agent and its workers inherit it. Restored after, for callers that run main() in-process.
+    old_umask = os.umask(run.umask)
+    try:
+        check_devices(run)  # first: on a node whose GPUs cannot be used, that is the error to see
+        check_environment(run)
+        return run_node(run)
+    finally:
+        os.umask(old_umask)
