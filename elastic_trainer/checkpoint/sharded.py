@@ -60,7 +60,7 @@ import xxhash
 
 from elastic_trainer.checkpoint import storage
 from elastic_trainer.checkpoint.host_memory import HostBuffer, cuda_devices
-from elastic_trainer.rendezvous.torch_private import foreach_copy
+from elastic_trainer.rendezvous.torch_private import dtensor_like, foreach_copy
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,8 @@ class Staging:
     The staged copy has the state's structure; each of its tensors is a view of one
     ``host_memory.HostBuffer`` (page-locked when the shards are on a GPU, so the copy runs at the
     bus's speed), wrapped in a DTensor with the source's mesh and placements where the source is
-    one (what DCP's own ``DefaultStager`` makes, without a fresh allocation per tensor). The
+    one (``torch_private.dtensor_like``: what DCP's own ``DefaultStager`` makes, without an
+    allocation or a dispatch per tensor). The
     first ``stage`` (and any after the state's layout changed: other keys, shapes, dtypes or
     shardings) lays the views out; every ``stage`` copies the live tensors into them with one
     ``foreach_copy`` (then one synchronize per GPU) and rebuilds only the containers,
@@ -282,20 +283,9 @@ class Staging:
         raw = buffer.numpy()
         for (path, v, local), offset in zip(tensors, offsets):
             view = _exact_view(raw, offset, local)
-            if isinstance(v, DTensor):
-                # the source's mesh and placements around a CPU local tensor, which then takes the
-                # view's memory (set_: a tensor op; under no_grad to_local() is that very tensor)
-                staged = _cpu_dtensor(v)
-                inner = staged.to_local()
-                if inner is not staged.to_local():
-                    raise RuntimeError(f"cannot stage {path}: this torch's DTensor.to_local() gives no tensor "
-                                       "to fill in place")
-                inner.set_(view)
-                self._buffers.append(inner)
-            else:
-                staged = view
-                self._buffers.append(view)
-            self._staged[path] = staged
+            # a DTensor source: its mesh and placements around the view (what DCP's stager makes)
+            self._staged[path] = dtensor_like(v, view) if isinstance(v, DTensor) else view
+            self._buffers.append(view)
 
     def _rebuild(self, tree: Any, path: tuple) -> Any:
         if isinstance(tree, dict):
@@ -313,18 +303,6 @@ class Staging:
         """Free the buffer."""
         self._staged, self._buffers, self._layout = {}, [], None
         self.host.free()
-
-
-def _cpu_dtensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor with ``tensor``'s mesh and placements around a new CPU local tensor: an empty
-    one (no copy) where this torch's DTensor makes it, else a copy (what DCP's stager makes)."""
-    try:
-        out = torch.empty_like(tensor, device="cpu")
-        if out.to_local().device.type == "cpu":
-            return out
-    except (RuntimeError, NotImplementedError) as exc:
-        log.debug("empty_like of a DTensor on the CPU failed (%s); staging by a copy", exc)
-    return tensor.to("cpu")
 
 
 def _exact_view(raw, offset: int, like: torch.Tensor) -> torch.Tensor:

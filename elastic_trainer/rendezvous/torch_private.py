@@ -71,6 +71,17 @@ def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor], non_blocking:
     torch._foreach_copy_(dst, src, non_blocking=non_blocking)
 
 
+def dtensor_like(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A DTensor with ``like``'s mesh, placements and global shape around ``local`` as it is, on
+    whatever device it is: torch's constructor with ``like``'s private ``_spec``, no dispatch and no
+    copy (``DTensor.from_local`` moves a local tensor to the mesh's device; DCP's own stager makes
+    its CPU DTensors from the spec too). ``checkpoint/sharded.py`` stages GPU shards in CPU memory
+    with it."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, like._spec, requires_grad=False)
+
+
 # What the subclasses in handler.py and state.py call or override on torch's classes.
 _METHODS = {
     DynamicRendezvousHandler: ("__init__", "_get_world", "_get_store", "_get_deadline", "_keep_alive", "_close",
@@ -128,6 +139,15 @@ def check_compatible() -> list[str]:
                 problems.append("torch._foreach_copy_ no longer copies its sources into its destinations")
         except TypeError as exc:
             problems.append(f"torch._foreach_copy_(dst, src, non_blocking=...) fails ({exc})")
+    from torch.distributed.tensor import DTensor
+
+    try:  # a builtin (no signature to read) on some builds: then its use in the tests is the check
+        params = list(inspect.signature(DTensor.__new__).parameters)
+    except ValueError:
+        params = None
+    if params is not None and (params[:3] != ["cls", "local_tensor", "spec"] or "requires_grad" not in params):
+        problems.append(f"DTensor.__new__ takes {params}, expected cls, local_tensor, spec, requires_grad "
+                        "(dtensor_like: sharded checkpoints' staging)")
     try:
         writer, reader = dcp_fsspec_storage()
     except ImportError as exc:
