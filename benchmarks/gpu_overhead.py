@@ -194,12 +194,14 @@ def write_json(path: str, result: dict, say: bool = False) -> None:
 
 
 def commit() -> str:
-    """The code's commit: git's, else $GIT_COMMIT (a copy without .git, as launch/gpu-check runs), else unknown."""
+    """The code's commit: $GIT_COMMIT (a copy without its .git, as launch/gpu-check runs), else git's, else unknown."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               check=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("GIT_COMMIT", "unknown")
+        return "unknown"
 
 
 def parse_args(argv: list[str] | None):

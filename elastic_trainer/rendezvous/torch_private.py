@@ -12,8 +12,8 @@ object stores use (``checkpoint/sharded.py``); and ``torch._foreach_copy_`` (``f
 with which checkpoint snapshots copy many tensors in one call (``checkpoint/snapshot.py``,
 ``checkpoint/sharded.py``).
 
-Checked against torch 2.12 (2.12.1), 2.13 (2.13.0, what CI installs) and 2.14 (2.14.1);
-``pyproject.toml`` bounds torch to ``>=2.12,<2.15``. To admit a new torch: ``bash launch/torch-versions VERSION``
+Checked against torch 2.11 (2.11.0+cu130, on a GPU machine: ``launch/gpu-check``), 2.12 (2.12.1),
+2.13 (2.13.0, what CI installs) and 2.14 (2.14.1); ``pyproject.toml`` bounds torch to ``>=2.11,<2.15``. To admit a new torch: ``bash launch/torch-versions VERSION``
 runs ``check_compatible()``, ``tests/test_torch_private.py`` and the rendezvous tests on it in a
 venv of its own; then widen the bound and ``TESTED_TORCH``.
 """
@@ -30,7 +30,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: F
     RendezvousTimeout,
 )
 
-TESTED_TORCH = ("2.12", "2.13", "2.14")
+TESTED_TORCH = ("2.11", "2.12", "2.13", "2.14")
 """The torch minor versions this module was checked against."""
 
 Action = _dr._Action
