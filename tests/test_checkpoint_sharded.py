@@ -138,8 +138,8 @@ def test_fsdp_training_saves_sharded_in_the_background_to_s3_and_resumes_at_one_
 
 
 def test_staging_reuses_its_buffers_holds_each_saves_values_and_restages_when_the_layout_changes():
-    """``Staging``: the second save copies into the first one's buffers (no new memory, no walk of
-    DCP's stager), holds the values of its own moment whatever changes after, and stages anew
+    """``Staging``: the second save copies into the first one's buffers (no new memory, no new
+    layout), holds the values of its own moment whatever changes after, and stages anew
     when the keys' order or a tensor's shape changes."""
     from elastic_trainer.checkpoint.sharded import Staging
 
@@ -154,9 +154,9 @@ def test_staging_reuses_its_buffers_holds_each_saves_values_and_restages_when_th
     first = staging.stage(state(w, b, 0.1))
     assert torch.equal(first["model"]["w"], w) and first["model"]["w"].data_ptr() != w.data_ptr()
     buffer = first["model"]["w"].data_ptr()
-    restaged = []  # calls of DCP's stager after the first: only on a layout change
-    stage = staging._stager.stage
-    staging._stager.stage = lambda state: restaged.append(1) or stage(state)
+    restaged = []  # layouts made after the first: only on a layout change
+    lay_out = staging._lay_out
+    staging._lay_out = lambda tensors: restaged.append(1) or lay_out(tensors)
 
     w.add_(10), b.mul_(2), step.add_(1)
     second = staging.stage(state(w, b, 0.2))  # the same layout: copied into the same buffers

@@ -19,7 +19,7 @@ import torch
 
 from elastic_trainer import cli, devices
 from elastic_trainer.cli import launch
-from elastic_trainer.checkpoint.snapshot import cuda_devices
+from elastic_trainer.checkpoint.host_memory import cuda_devices
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.devices import CudaView, DeviceError
 from elastic_trainer.training.manager import agree_interval, collective_failed, host_step_is_device_state

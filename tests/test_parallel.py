@@ -67,8 +67,12 @@ def test_on_cuda_the_model_reaches_the_gpu_sharded_and_blocks_compute_in_bf16():
         config.amp = "bf16"
         par = Parallel.wrap(model, config, DistInfo(device=device, distributed=True, world_size=1))
         seen = {}
-        model.transformer.encoder.layers[0].register_forward_hook(
-            lambda module, inputs, output: seen.setdefault("dtype", module.linear1.weight.dtype))
+
+        def hook(module, inputs) -> None:  # None: a hook's result would replace the inputs
+            seen.setdefault("dtype", module.linear1.weight.dtype)
+        # a pre-hook: FSDP's own pre-forward (all-gather, bf16) runs before it; its post-forward
+        # reshards (fp32 shards again) before any forward hook registered after it
+        model.transformer.encoder.layers[0].register_forward_pre_hook(hook)
         src, tgt = task.dataset[0]
         task.compute_loss(par.model, (src[None].to(device), tgt[None].to(device))).backward()
         assert seen["dtype"] == torch.bfloat16

@@ -16,6 +16,8 @@ Modules:
 - ``format``: the file format (raw tensor bytes in an arena behind a JSON header; no pickle);
 - ``snapshot``: the state copied into CPU memory, beside training where it can be (the
   manager's internal API: ``Snapshotter``, ``DeferredCopy``, ``OptimizerWatch``);
+- ``host_memory``: the reused CPU buffer snapshots and sharded staging copy into, page-locked
+  for GPU states and made ready on a background thread before the first save;
 - ``storage``: every byte to and from storage, through fsspec (file, memory, s3, ...).
 
 Exports ``CheckpointManager``, ``capture_rng_state``, ``restore_rng_state``; importing this

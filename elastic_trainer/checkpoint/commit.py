@@ -95,6 +95,7 @@ class Committer:
             self._check_landed(own, files)
         if include is not None:
             files.update(include)
+            stats["bytes"] += sum(int(info["size"]) for info in include.values())  # every byte committed
         if self.check is not None:
             self.check()
         manifest = {

@@ -140,6 +140,12 @@ class CheckpointManager:
         """
         return self.writer.save(step, state, blocking=blocking, include=include)
 
+    def prepare(self, state: dict) -> None:
+        """Make the snapshot memory for saves of states like ``state`` now, on a background thread
+        (page-locked for a GPU state), so that the first save blocks no longer than the later ones;
+        call it once the state exists (after the first optimizer step). See ``host_memory``."""
+        self.writer.prepare(state)
+
     def wait(self) -> None:
         """Block until the in-flight save (if any) is done; its failure is in ``last_error``.
         (Called from the save thread itself, as a sharded save's commit does, it returns at once.)"""

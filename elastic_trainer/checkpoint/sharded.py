@@ -59,7 +59,8 @@ import torch.distributed as dist
 import xxhash
 
 from elastic_trainer.checkpoint import storage
-from elastic_trainer.rendezvous.torch_private import foreach_copy
+from elastic_trainer.checkpoint.host_memory import HostBuffer, cuda_devices
+from elastic_trainer.rendezvous.torch_private import dtensor_like, foreach_copy
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ SHARDS = "dcp"
 """The prefix of the DCP folder inside a step folder (``dcp-<writer id>``)."""
 HASH = "xxh3_128"
 _READ = 4 << 20
+_ALIGN = 64  # bytes: each staged tensor starts on a multiple (as in a format-3 arena)
 
 
 def _url(ckpt, path: str) -> str:
@@ -196,19 +198,23 @@ class HashingFiles:
 
 
 class Staging:
-    """This rank's shards of a state dict copied into CPU buffers that are kept between saves.
+    """This rank's shards of a state dict copied into one CPU buffer that is kept between saves.
 
-    The first ``stage`` (and any after the state's layout changed: other keys, shapes, dtypes or
-    shardings) lets DCP's ``DefaultStager`` build the staged copy (DTensors whose local tensors
-    are CPU buffers); every later one copies the live tensors into those same buffers with one
-    ``foreach_copy`` and rebuilds only the containers, with fresh copies of the
-    non-tensor values (learning rates, step counters kept as numbers). DCP's stager walks the
-    whole state in Python on every save (~10-25 ms for a 4-layer model on this machine's CPU,
-    most of a small model's blocked time); this is the copy itself plus a walk of the keys.
+    The staged copy has the state's structure; each of its tensors is a view of one
+    ``host_memory.HostBuffer`` (page-locked when the shards are on a GPU, so the copy runs at the
+    bus's speed), wrapped in a DTensor with the source's mesh and placements where the source is
+    one (``torch_private.dtensor_like``: what DCP's own ``DefaultStager`` makes, without an
+    allocation or a dispatch per tensor). The
+    first ``stage`` (and any after the state's layout changed: other keys, shapes, dtypes or
+    shardings) lays the views out; every ``stage`` copies the live tensors into them with one
+    ``foreach_copy`` (then one synchronize per GPU) and rebuilds only the containers,
+    with fresh copies of the non-tensor values (learning rates, step counters kept as numbers).
+    ``prepare(state)`` makes the buffer on a background thread before the first save, which then
+    copies and does not allocate.
     """
 
     def __init__(self) -> None:
-        self._stager = None
+        self.host = HostBuffer()
         self._staged: dict[tuple, torch.Tensor] = {}  # path -> staged tensor (a DTensor or a tensor)
         self._buffers: list[torch.Tensor] = []  # their local tensors, in the order of the layout
         self._layout: list[tuple[tuple, tuple]] | None = None
@@ -238,26 +244,48 @@ class Staging:
         spec = (tensor.device_mesh, tuple(tensor.placements)) if isinstance(tensor, DTensor) else None
         return type(tensor), tensor.dtype, tuple(tensor.shape), tuple(local.shape), local.device.type, spec
 
+    def _tensors(self, state: dict) -> list[tuple[tuple, torch.Tensor, torch.Tensor]]:
+        return [(path, v, self._local(v)) for path, v in self._leaves(state) if isinstance(v, torch.Tensor)]
+
+    def prepare(self, state: dict) -> bool:
+        """Start making the buffer for ``state``'s shards on a background thread (nothing is
+        copied); returns whether one was started (not when the current buffer serves it)."""
+        with torch.no_grad():
+            locals_ = [local for _, _, local in self._tensors(state)]
+        nbytes = sum(t.numel() * t.element_size() + _ALIGN for t in locals_)
+        return self.host.prepare(nbytes, pinned=any(t.is_cuda for t in locals_))
+
     def stage(self, state: dict) -> dict:
         """A copy of ``state`` whose tensors are this object's CPU buffers, filled now."""
         with torch.no_grad():
-            tensors = [(path, v, self._local(v)) for path, v in self._leaves(state) if isinstance(v, torch.Tensor)]
+            tensors = self._tensors(state)
             layout = [(path, self._signature(v, local)) for path, v, local in tensors]  # in order: the buffers' order
-            if layout == self._layout:
-                foreach_copy(self._buffers, [local for _, _, local in tensors])
-                return self._rebuild(state, ())
-        if self._stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            self.host.waited_s = 0.0
+            if layout != self._layout:
+                self._lay_out(tensors)
+                self._layout = layout
+            sources = [local for _, _, local in tensors]
+            foreach_copy(self._buffers, sources, non_blocking=self.host.pinned)
+            for device in cuda_devices(sources):  # the copies' own GPUs, not the current one
+                torch.cuda.synchronize(device)
+        return self._rebuild(state, ())
 
-            # synchronous copies into CPU buffers (no pinned or shared memory: those are for
-            # copies from a GPU and to a writer process)
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=False))
-        staged = self._stager.stage(state)
-        self._staged = {path: v for path, v in self._leaves(staged) if isinstance(v, torch.Tensor)}
-        self._buffers = [self._local(self._staged[path]) for path, _ in layout]
-        self._layout = layout
-        return staged
+    def _lay_out(self, tensors: list[tuple[tuple, torch.Tensor, torch.Tensor]]) -> None:
+        """Views of the host buffer for every tensor, aligned, wrapped like their sources."""
+        from torch.distributed.tensor import DTensor
+
+        self._staged, self._buffers, self._layout = {}, [], None  # no view of the old buffer stays here
+        offsets, size = [], 0
+        for _, _, local in tensors:
+            offsets.append(size)
+            size += -(-local.numel() * local.element_size() // _ALIGN) * _ALIGN
+        buffer = self.host.get(size, pinned=any(local.is_cuda for _, _, local in tensors))
+        raw = buffer.numpy()
+        for (path, v, local), offset in zip(tensors, offsets):
+            view = _exact_view(raw, offset, local)
+            # a DTensor source: its mesh and placements around the view (what DCP's stager makes)
+            self._staged[path] = dtensor_like(v, view) if isinstance(v, DTensor) else view
+            self._buffers.append(view)
 
     def _rebuild(self, tree: Any, path: tuple) -> Any:
         if isinstance(tree, dict):
@@ -272,10 +300,21 @@ class Staging:
         return copy.deepcopy(tree)
 
     def close(self) -> None:
-        """Free the buffers."""
-        if self._stager is not None:
-            self._stager.close()
-        self._stager, self._staged, self._buffers, self._layout = None, {}, [], None
+        """Free the buffer."""
+        self._staged, self._buffers, self._layout = {}, [], None
+        self.host.free()
+
+
+def _exact_view(raw, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """A tensor shaped and typed as ``like`` over ``raw[offset:]`` (the host buffer as a numpy
+    array) whose storage is exactly its own bytes: DCP's writer clones a tensor whose storage is
+    larger than the tensor (and ``torch.save`` would write all of it), which a plain view of the
+    buffer is."""
+    nbytes = like.numel() * like.element_size()
+    if nbytes == 0:
+        return torch.empty(like.shape, dtype=like.dtype)
+    exact = torch.frombuffer(memoryview(raw[offset:offset + nbytes]), dtype=torch.uint8)
+    return exact.view(like.dtype).view(like.shape)
 
 
 class ShardedSaver:
@@ -303,6 +342,22 @@ class ShardedSaver:
             self._group = dist.new_group(backend="gloo", **kwargs)
         return self._group
 
+    def folder(self) -> str:
+        """The shards' folder in every step, named by rank 0's writer id (made on first use: collective)."""
+        if self._folder is None:
+            box = [f"{SHARDS}-{self.ckpt.writer_id}" if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(box, src=0, group=self.group())
+            self._folder = box[0]
+        return self._folder
+
+    def prepare(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        """Every rank, collectively, once the optimizer has its state (after the first step): make
+        the checkpoint group and the folder's name now, and this rank's staging buffer on a
+        background thread (``Staging.prepare``), so that the first save only copies; returns
+        whether a buffer is being made."""
+        self.folder()
+        return self._staging.prepare(_sharded_state(module, optimizer))
+
     def save(self, step: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
              rest: dict | None, *, blocking: bool = False) -> float:
         """Every rank, collectively: stage this rank's shards of ``step`` and write them in the
@@ -315,11 +370,7 @@ class ShardedSaver:
         self.ckpt.wait()
         waited = time.perf_counter() - start
         group = self.group()
-        if self._folder is None:  # rank 0's writer id names the folder in every step
-            box = [f"{SHARDS}-{self.ckpt.writer_id}" if dist.get_rank() == 0 else None]
-            dist.broadcast_object_list(box, src=0, group=group)
-            self._folder = box[0]
-        folder = self._folder
+        folder = self.folder()
         path = storage.join(self.ckpt.root, f"step-{step}", folder)
         storage.makedirs(self.ckpt.fs, path)
         rest = copy.deepcopy(rest) if rest is not None else None  # the scheduler's lists may change meanwhile
@@ -329,7 +380,8 @@ class ShardedSaver:
         state = self._staging.stage(_sharded_state(module, optimizer))
         writer = _writer(self.ckpt, path)
         hashing = HashingFiles.wraps(writer)
-        stats = {"step": int(step), "wait_s": waited, "stage_s": time.perf_counter() - staged, "folder": folder}
+        stats = {"step": int(step), "wait_s": waited, "stage_s": time.perf_counter() - staged, "folder": folder,
+                 "host_buffer_wait_s": self._staging.host.waited_s, "host_buffer_bytes": self._staging.host.capacity}
         self.last_stats = stats
 
         def write():
@@ -402,7 +454,22 @@ class ShardedSaver:
         done = self.ckpt.last_save_stats
         done.update(blocked_s=stats["blocked_s"], sharded_bytes=sum(e["size"] for e in files.values()),
                     total_s=time.perf_counter() - t0, **{k: stats[k] for k in ("stage_s", "write_s", "hash_s")})
-        done["bytes"] = done.get("bytes", 0) + done["sharded_bytes"]
+
+
+def prepare_saves(ckpt, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, sharded: bool, main: bool,
+                  timeout: datetime.timedelta | float | None = None) -> "ShardedSaver | None":
+    """After the first step, on every rank: start making the host memory the saves to come copy
+    into (page-locked for a GPU state, on a background thread: ``host_memory``), so that the first
+    save blocks no longer than the later ones. Sharded (``--fsdp``): this rank's staging buffer,
+    and the ``ShardedSaver`` to save with is returned; else the full-state snapshot's buffer on
+    the rank that saves (``main``), sized from ``module`` and ``optimizer``, and None."""
+    if sharded:
+        saver = ShardedSaver(ckpt, timeout=timeout)
+        saver.prepare(module, optimizer)
+        return saver
+    if main:
+        ckpt.prepare({"model": module.state_dict(), "optimizer": optimizer.state_dict()})
+    return None
 
 
 def save_sharded(ckpt, step: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -7,7 +7,8 @@ data, so the writer later writes a small header and then the arena as it is. Wit
 returned as a ``DeferredCopy`` that the writer thread runs beside the next forward and
 backward; ``OptimizerWatch`` (one global optimizer step pre-hook) makes the next optimizer
 step wait for that copy and then checks every source's version counter, so a snapshot can
-never hold values from after the save.
+never hold values from after the save. The arena's memory is one ``host_memory.HostBuffer``,
+page-locked for CUDA states and made ready before the first save (``Snapshotter.prepare``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from elastic_trainer.checkpoint import format as checkpoint_format
 from elastic_trainer.checkpoint.format import Arena
+from elastic_trainer.checkpoint.host_memory import HostBuffer, cuda_devices
 from elastic_trainer.rendezvous.torch_private import foreach_copy
 
 if TYPE_CHECKING:
@@ -78,84 +80,6 @@ class DeferredCopy:
             return waited
 
 
-_PAGE = 4096
-
-
-class HostBuffer:
-    """The one CPU buffer every arena of a ``Snapshotter`` is laid out in, pinned for CUDA sources.
-
-    Allocated once at the size of the state and reused by every save and every re-layout that
-    fits; allocated again (exactly the new size, the old one freed first) only when the state
-    outgrows it, shrinks below half of it, or needs pinning it lacks (or has pinning it does not
-    need). Pinned memory is a plain allocation (whole pages) page-locked with ``cudaHostRegister``
-    (``torch.cuda.cudart()``) rather than ``pin_memory=True``: torch's caching host allocator
-    rounds every block up to a power of two and keeps freed blocks for reuse (by default without
-    limit), so a 1.1 GiB state takes a 2 GiB block, and every re-layout may add one that stays.
-    ``allocations`` counts the buffers made, ``capacity`` is the current one's size in bytes.
-    """
-
-    def __init__(self) -> None:
-        self.tensor: torch.Tensor | None = None
-        self.pinned = False
-        self.allocations = 0
-        self._unpin: weakref.finalize | None = None
-
-    @property
-    def capacity(self) -> int:
-        return 0 if self.tensor is None else self.tensor.numel()
-
-    def get(self, nbytes: int, pinned: bool) -> torch.Tensor:
-        """A uint8 buffer of at least ``nbytes`` bytes (this one reused when it fits; see the class)."""
-        if self.tensor is None or pinned != self.pinned or not nbytes <= self.capacity <= 2 * nbytes + _PAGE:
-            self.free()
-            if pinned and nbytes:
-                tensor = whole_pages(nbytes)
-                self._unpin = _page_lock(tensor)
-            else:
-                tensor = torch.empty(nbytes, dtype=torch.uint8)
-            self.tensor, self.pinned = tensor, pinned
-            self.allocations += 1
-        return self.tensor
-
-    def free(self) -> None:
-        """Unpin and drop the buffer (views still held elsewhere stay valid, no longer pinned)."""
-        if self._unpin is not None:
-            self._unpin()
-            self._unpin = None
-        self.tensor, self.pinned = None, False
-
-
-def whole_pages(nbytes: int) -> torch.Tensor:
-    """A uint8 CPU buffer of at least ``nbytes`` bytes that starts and ends on page boundaries, so
-    that page-locking it locks no page another allocation shares (``cudaHostRegister`` refuses a
-    page already registered, as a neighbouring small buffer's would be)."""
-    size = -(-nbytes // _PAGE) * _PAGE
-    raw = torch.empty(size + _PAGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % _PAGE
-    return raw[start:start + size]
-
-
-def _page_lock(tensor: torch.Tensor) -> weakref.finalize:
-    """Page-lock ``tensor``'s memory for the GPU; returns the finalizer that unlocks it (called by
-    ``HostBuffer.free``, or when ``tensor`` is collected: before its memory can be freed, which
-    views of it may delay; they stay valid, unpinned)."""
-    cudart = torch.cuda.cudart()
-    ptr = tensor.data_ptr()
-    err = int(cudart.cudaHostRegister(ptr, tensor.numel(), 1))  # 1: cudaHostRegisterPortable
-    if err != 0:
-        raise RuntimeError(f"cudaHostRegister of the {tensor.numel()}-byte snapshot buffer failed with CUDA error "
-                           f"{err}; is the locked-memory limit (ulimit -l) of the container too low?")
-    unpin = weakref.finalize(tensor, _page_unlock, ptr)
-    unpin.atexit = False  # never after the CUDA context is gone
-    return unpin
-
-
-def _page_unlock(ptr: int) -> None:
-    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
-    if err != 0:
-        raise RuntimeError(f"cudaHostUnregister of the snapshot buffer failed with CUDA error {err}")
-
-
 class Snapshot:
     """What a save writes: the copied state, whose dense tensors are views of ``arena``."""
 
@@ -181,17 +105,6 @@ class _Walk:
         self.missing = False  # a tensor found none
 
 
-def cuda_devices(tensors: list[torch.Tensor]) -> list[torch.device]:
-    """The CUDA devices ``tensors`` live on, in first-seen order: the ones whose queued copies a
-    snapshot must wait for (``torch.cuda.synchronize()`` alone waits for the *current* device,
-    which need not be the state's)."""
-    seen: dict[torch.device, None] = {}
-    for t in tensors:
-        if t.is_cuda:
-            seen.setdefault(t.device, None)
-    return list(seen)
-
-
 class Snapshotter:
     """Copies a state into CPU memory: every dense tensor into its view of one ``Arena``.
 
@@ -212,6 +125,10 @@ class Snapshotter:
     others (the optimizer's parameters and states, which only an optimizer step changes) are
     returned as a ``DeferredCopy`` to run beside training. A deferred tensor found changed is
     copied synchronously by every later ``take`` (``sync_keys``).
+
+    ``prepare(state)`` gets the host buffer for states like ``state`` ready on a background
+    thread (``host_memory.HostBuffer.prepare``), so that the first ``take`` finds it made and
+    page-locked instead of making it while training waits.
     """
 
     def __init__(self) -> None:
@@ -228,6 +145,8 @@ class Snapshotter:
             self.buffers, self.arena = {}, None  # a new layout, in the same host buffer when it fits
             self.arena = Arena([(t.shape, t.dtype) for _, t in walk.tensors],
                                pinned=any(t.is_cuda for _, t in walk.tensors), allocate=self.host.get)
+            if stats is not None:
+                stats["host_buffer_wait_s"] = self.host.waited_s  # a preparation not finished yet
             self.buffers = {key: view for (key, _), view in zip(walk.tensors, self.arena.views)}
             walk = _Walk(walk.defer)
             snap = self._copy(state, (), walk)
@@ -239,6 +158,16 @@ class Snapshotter:
             stats["host_buffer_bytes"] = self.host.capacity  # the snapshot's memory (pinned for CUDA)
         deferred = DeferredCopy(walk.later, stats if stats is not None else {}) if walk.later else None
         return Snapshot(snap, self.arena), deferred
+
+    def prepare(self, state: dict) -> bool:
+        """Start making the host buffer for a snapshot of ``state`` (its dense tensors, a little
+        more for what a save adds to them) on a background thread; returns whether one was started
+        (not when the current buffer serves it already). Nothing is copied."""
+        walk = _Walk(set())
+        self._copy(state, (), walk)
+        tensors = [t for _, t in walk.tensors]
+        nbytes = sum(t.numel() * t.element_size() + 64 for t in tensors)  # + each view's alignment
+        return self.host.prepare(nbytes, pinned=any(t.is_cuda for t in tensors))
 
     def clear(self) -> None:
         """Free the arena and its host buffer (the next ``take`` lays out a new one)."""

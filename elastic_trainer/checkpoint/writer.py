@@ -92,6 +92,10 @@ class CheckpointWriter:
             self.last_save_stats = stats
         return blocked
 
+    def prepare(self, state: dict) -> None:
+        """The snapshot's host memory for states like ``state``, made on a background thread."""
+        self._snapshotter.prepare(state)
+
     def settle_copy(self) -> None:
         """Judge the copy running beside training (waiting for it if needed); see ``DeferredCopy``."""
         deferred = self.deferred

@@ -19,9 +19,10 @@ object stores use (``checkpoint/sharded.py``); and ``torch._foreach_copy_`` (``f
 with which checkpoint snapshots copy many tensors in one call (``checkpoint/snapshot.py``,
 ``checkpoint/sharded.py``).
 
-Checked against torch 2.13 (2.13.0, what CI installs); ``pyproject.toml`` bounds torch to
-``>=2.13,<2.14``. To admit a new torch: run ``tests/test_torch_private.py`` and the rendezvous
-tests on it, then widen the bound and ``TESTED_TORCH``.
+Checked against torch 2.11 (2.11.0+cu130, on a GPU machine: ``launch/gpu-check``), 2.12 (2.12.1),
+2.13 (2.13.0, what CI installs) and 2.14 (2.14.1); ``pyproject.toml`` bounds torch to ``>=2.11,<2.15``. To admit a new torch: ``bash launch/torch-versions VERSION``
+runs ``check_compatible()``, ``tests/test_torch_private.py`` and the rendezvous tests on it in a
+venv of its own; then widen the bound and ``TESTED_TORCH``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: F
     RendezvousTimeout,
 )
 
-TESTED_TORCH = ("2.13",)
+TESTED_TORCH = ("2.11", "2.12", "2.13", "2.14")
 """The torch minor versions this module was checked against."""
 
 Action = _dr._Action
@@ -77,6 +78,17 @@ def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor], non_blocking:
     """Copy every ``src[i]`` into ``dst[i]`` in one dispatch (``torch._foreach_copy_``, private:
     one call instead of one per tensor, what a snapshot of many small tensors needs)."""
     torch._foreach_copy_(dst, src, non_blocking=non_blocking)
+
+
+def dtensor_like(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A DTensor with ``like``'s mesh, placements and global shape around ``local`` as it is, on
+    whatever device it is: torch's constructor with ``like``'s private ``_spec``, no dispatch and no
+    copy (``DTensor.from_local`` moves a local tensor to the mesh's device; DCP's own stager makes
+    its CPU DTensors from the spec too). ``checkpoint/sharded.py`` stages GPU shards in CPU memory
+    with it."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, like._spec, requires_grad=False)
 
 
 # What the subclasses in handler.py and state.py (and the executor in handler.py) override, call or
@@ -193,6 +205,15 @@ def check_compatible() -> list[str]:
                 problems.append("torch._foreach_copy_ no longer copies its sources into its destinations")
         except TypeError as exc:
             problems.append(f"torch._foreach_copy_(dst, src, non_blocking=...) fails ({exc})")
+    from torch.distributed.tensor import DTensor
+
+    try:  # a builtin (no signature to read) on some builds: then its use in the tests is the check
+        params = list(inspect.signature(DTensor.__new__).parameters)
+    except ValueError:
+        params = None
+    if params is not None and (params[:3] != ["cls", "local_tensor", "spec"] or "requires_grad" not in params):
+        problems.append(f"DTensor.__new__ takes {params}, expected cls, local_tensor, spec, requires_grad "
+                        "(dtensor_like: sharded checkpoints' staging)")
     try:
         writer, reader = dcp_fsspec_storage()
     except ImportError as exc:
@@ -208,5 +229,6 @@ def check_compatible() -> list[str]:
 
 __all__ = ["ATTRIBUTES", "METHODS", "TESTED_TORCH", "Action", "DistributedOpExecutor", "DynamicRendezvousHandler",
            "ExitOp", "JoinOp", "NodeDesc", "RendezvousContext", "RendezvousSettings", "RendezvousState",
-           "RendezvousTimeout", "StateHolder", "check_compatible", "dcp_fsspec_storage", "foreach_copy", "generate_node_desc",
+           "RendezvousTimeout", "StateHolder", "check_compatible", "dcp_fsspec_storage", "dtensor_like", "foreach_copy",
+           "generate_node_desc",
            "instance_attributes", "remove_participant_epilogue", "torch_classes"]

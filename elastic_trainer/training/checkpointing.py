@@ -286,6 +286,21 @@ class Checkpointing:
                            f"in all) to {storage.redact(str(self.config.checkpoint_dir))}")
         return st
 
+    def prepare(self) -> None:
+        """After the first step, on every rank: have the host memory of the saves to come made
+        beside the next steps (``checkpoint.sharded.prepare_saves``: page-locked for a GPU state,
+        on a thread of the worker runtime), so that the first save blocks no longer than the later
+        ones. Under ``--fsdp`` this also makes the ``ShardedSaver`` the saves use."""
+        if self.manager is None:
+            return
+        from elastic_trainer.checkpoint.sharded import prepare_saves
+
+        s = self.state
+        saver = prepare_saves(self.manager, s.module, s.optimizer, sharded=self.sharded(), main=self.dinfo.is_main,
+                              timeout=self.config.collective_timeout)
+        if saver is not None:
+            self._sharded_saver = saver
+
     def save(self, *, blocking: bool) -> None:
         """Save this step: capture (all ranks under FSDP), wait for the previous save and report it,
         then start this one: rank 0 the whole state, or (``--fsdp``) every rank copies its shards to

@@ -238,6 +238,8 @@ class Trainer:
         self.timer.start()
         loss_sum = self._train_step(self.batches)
         self.preemption.boundaries += 1
+        if self.preemption.boundaries == 1:  # the saves' host memory, made beside the next steps
+            self.checkpoints.prepare()
         took = self.timer.stop()  # CUDA: known once the GPU ran the step (at the agreement at the latest)
         if took.ready():
             self._last_step_s = took.seconds()
