@@ -296,7 +296,7 @@ class Checkpointing:
         from elastic_trainer.checkpoint.sharded import prepare_saves
 
         s = self.state
-        saver = prepare_saves(self.manager, s.module, s.optimizer, sharded=self.sharded(), main=self.dinfo.is_main,
+        saver = prepare_saves(self.manager, s.module, s.optimizer, sharded=self.sharded, main=self.dinfo.is_main,
                               timeout=self.config.collective_timeout)
         if saver is not None:
             self._sharded_saver = saver
