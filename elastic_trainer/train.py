@@ -12,7 +12,7 @@ Run it::
     python -m elastic_trainer.train --task my_pkg.my_task:build --epochs 3 --my-flag 7
 
 The process sets PR_SET_PDEATHSIG(SIGKILL) first thing, so it dies with the agent that started it.
-After a clean finish it leaves with ``os._exit`` (``exit_without_teardown``): gloo's teardown at
+After a clean finish it leaves through the worker runtime's exit (``exit_without_teardown``): gloo's teardown at
 interpreter exit could abort a worker whose run succeeded.
 """
 

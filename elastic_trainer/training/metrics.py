@@ -21,7 +21,7 @@ process is, and which bar is shown, belong to the caller (``training/reporting.p
 How a W&B run ends tells what happened (W&B's exit-code contract: 0 is a success, anything else
 is failed or preempted): ``finish(exit_code=0)`` when training finished or hit ``--max-seconds``;
 on SIGTERM ``mark_preempting()`` at once, then ``finish(exit_code=EXIT_PREEMPTED)`` (``elastic_trainer.env``) after the
-save, also from the forced exits (``finish_within``, bounded, before ``os._exit``).
+save, also from the forced exits (``finish_within``, bounded, before ``runtime().exit``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
 """The worker runtime: the one object in a worker process that owns its background threads and
 the one place that ends the process.
 
-Every thread a worker starts for its own purposes (the live quorum's watcher and probe, lease
-renewals, the SIGTERM watcher, grace and hang timers, checkpoint writers, the status publisher)
-is started through ``runtime().start_thread`` or ``runtime().start_timer``: the runtime knows its
-name, how to ask it to stop, and joins it at ``close()``. A forced exit (a lost lease, a grace
+Every thread a worker starts for its own purposes (the live quorum's watcher and probe, the
+SIGTERM watcher, grace and hang timers, the checkpoint save thread and host-buffer maker, the
+status publisher, W&B's bounded finish) is started through ``runtime().start_thread`` or
+``runtime().start_timer``: the runtime knows its name, how to ask it to stop, and joins it at
+``close()``. Two library threads keep their own owner, which the runtime's threads own in turn:
+a lease's renewal and watchdog threads (``rendezvous/lease.LeaseKeeper``, closed by the live
+quorum's ``close()``) and the etcd client's keep-alive stream reader (``rendezvous/etcd_client``). A forced exit (a lost lease, a grace
 period over, a hung step after a signal) goes through ``runtime().exit``: it runs the registered
 ``before_exit`` hooks (bounded: a W&B flush, say), flushes stdout and stderr, shuts logging down
 and calls ``os._exit``, which appears in no other module. The exit codes are ``elastic_trainer.env``'s.
