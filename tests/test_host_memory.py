@@ -165,6 +165,6 @@ def test_the_trainers_saves_use_the_memory_prepared_after_its_first_step(tmp_pat
     # the committed line's bytes are every byte the manifest lists (sharded: the shards too), as
     # soon as the save counts as committed
     manifest = json.loads((tmp_path / "ck" / "step-6" / "manifest.json").read_text())
-    stats = trainer.ckpt.last_save_stats
+    stats = trainer.checkpoints.manager.last_save_stats
     assert stats["committed"] and stats["bytes"] == sum(f["size"] for f in manifest["files"].values())
     assert not fsdp or stats["bytes"] > stats["sharded_bytes"] > 0
