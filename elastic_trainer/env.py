@@ -47,6 +47,9 @@ ENV_RDZV_PASSWORD = "ELASTIC_TRAINER_RDZV_PASSWORD"
 ENV_LIVE = "ELASTIC_TRAINER_LIVE"
 """Set by the etcd-v3 handler in live mode: JSON of the live quorum's settings."""
 ENV_WANDB_KEY_FILE = "ELASTIC_TRAINER_WANDB_KEY_FILE"
+ENV_DEBUG_HANG = "ELASTIC_TRAINER_DEBUG_HANG"
+"""Drills and tests: ``1`` makes a live worker's training thread hang for good on SIGUSR2
+(``training/manager.py``, ``install_debug_hang``), to prove the hang detection."""
 
 # ---- exit codes -------------------------------------------------------------------------------
 EXIT_OK = 0
@@ -97,6 +100,11 @@ class LiveSettings:
     """Seconds between two renewals of that lease."""
     poll: float = 0.1
     """Seconds between the watcher's looks at joiners and leases while training."""
+    hang_min: float = 2.0
+    """A rank whose step lasts longer than ``max(hang_min, hang_factor x median step)`` while no
+    peer is busy (a checkpoint, a warm-up) declares the group stalled: the hung rank is excluded."""
+    hang_factor: float = 3.0
+    """See ``hang_min``; 0 turns hang detection off (the collective timeout is then the bound)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -135,12 +143,13 @@ class WorkerEnv:
     rdzv_conn: str | None = None
     """``etcd_client.export_options``' JSON: endpoints and TLS files, a password only as a file name."""
     rdzv_endpoint: str | None = None
+    debug_hang: str | None = None
     live: LiveSettings | None = None
 
     _NAMES = {"rank": ENV_RANK, "world_size": ENV_WORLD_SIZE, "local_rank": ENV_LOCAL_RANK,
               "local_world_size": ENV_LOCAL_WORLD_SIZE, "restart_count": ENV_RESTART_COUNT,
               "rdzv_round": ENV_RDZV_ROUND, "rdzv_prefix": ENV_RDZV_PREFIX, "rdzv_node": ENV_RDZV_NODE,
-              "rdzv_conn": ENV_RDZV_CONN, "rdzv_endpoint": ENV_RDZV_ENDPOINT}
+              "rdzv_conn": ENV_RDZV_CONN, "rdzv_endpoint": ENV_RDZV_ENDPOINT, "debug_hang": ENV_DEBUG_HANG}
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:

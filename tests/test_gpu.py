@@ -254,7 +254,7 @@ _NCCL_PROBE = textwrap.dedent("""
 
     def group():
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev,
-                                timeout=datetime.timedelta(seconds=10),
+                                timeout=datetime.timedelta(seconds=120 if mode == "hang" else 10),
                                 store=dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, rank == 0)
                                 if world > 1 else dist.HashStore())
     group()
@@ -262,10 +262,17 @@ _NCCL_PROBE = textwrap.dedent("""
     dist.all_reduce(t)
     torch.cuda.synchronize(dev)
     print("reduced", t.tolist(), flush=True)
-    if rank == 1:  # the peer that is gone
+    if rank == 1:  # the peer that is gone, or (hang) alive with its connections open but never entering
+        if mode == "hang":
+            time.sleep(30)
+            os._exit(0)
         os.kill(os.getpid(), 9)
     if mode == "abort":  # the live watcher's way (Trainer's on_member_lost): abort from another thread
         threading.Timer(3.0, dist.group.WORLD.abort).start()
+    if mode == "hang":  # what the watcher calls on a lease expiry or a declared stall
+        from elastic_trainer.training.abandon import GroupAbandon
+        threading.Timer(3.0, GroupAbandon("nccl").abandon, args=("test",)).start()
+    started = time.monotonic()
     try:
         for _ in range(10 ** 6 if world > 1 else 1):
             dist.all_reduce(t)
@@ -277,6 +284,7 @@ _NCCL_PROBE = textwrap.dedent("""
         print("no error", flush=True)
     except Exception as exc:
         print("raised", type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "", flush=True)
+        print(f"after {time.monotonic() - started:.1f}", flush=True)
     try:
         dist.destroy_process_group()
     except Exception as exc:
@@ -368,6 +376,21 @@ def test_an_nccl_error_from_a_peer_that_is_gone_reaches_the_training_thread_and_
     assert rank0.returncode == 0, rank0.stdout[-3000:]
     lines = rank0.stdout.splitlines()
     assert "handling 2" in lines and any(ln.startswith("raised ") for ln in lines), rank0.stdout[-3000:]
+    assert lines[-1] == "alive", rank0.stdout[-3000:]
+
+
+@needs_two_gpus
+def test_abandoning_an_nccl_group_ends_a_collective_hung_on_a_silent_peer(tmp_path):
+    """Rank 1 stays alive with its connections open but never enters the next all-reduce (a hung
+    or frozen peer: nothing fails by itself until the 120 s timeout). ``GroupAbandon.abandon()``,
+    what the live watcher calls on a lease expiry or a declared stall, ends rank 0's hung
+    collective with an exception on its training thread within seconds, and the process lives."""
+    rank0, rank1 = _nccl_probe(tmp_path, "hang", 2)
+    assert rank0.returncode == 0, rank0.stdout[-3000:]
+    lines = rank0.stdout.splitlines()
+    assert any(ln.startswith("raised ") for ln in lines), rank0.stdout[-3000:]
+    after = float(next(ln for ln in lines if ln.startswith("after ")).split()[1])
+    assert after < 20, f"the hung collective ended {after:.1f}s after it began (the abort came at 3 s)"
     assert lines[-1] == "alive", rank0.stdout[-3000:]
 
 

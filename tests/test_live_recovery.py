@@ -18,55 +18,11 @@ import pytest
 
 from elastic_trainer import records
 from elastic_trainer.records import Event
-from tests.helpers.common import REPO, cli_cmd, wait_until
-from tests.helpers.runs import CONF, SEEDS_MSE, baseline, check_equivalence, final_batches, latest
+from tests.helpers.common import REPO, cli_cmd
+from tests.helpers.live import agent_of, current_ranks, kill_node, live_agent, steps_of, wait_steps
+from tests.helpers.runs import CONF, baseline, check_equivalence, final_batches, latest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-def live_agent(procs, etcd, run_id: str, ck: Path, logs: Path, out: Path, *trainer_args: str, nnodes: str = "2:3"):
-    with open(out, "a") as log:
-        return procs.start(cli_cmd("--nnodes", nnodes, "--rdzv-endpoint", etcd.endpoint, "--run-id", run_id,
-                                   "--rdzv-conf", CONF, "--recovery", "live", "--checkpoint-dir", str(ck),
-                                   "--log-dir", str(logs), "--", *SEEDS_MSE, *trainer_args),
-                           cwd=REPO, stdout=log, stderr=log)
-
-
-def steps_of(logs: Path) -> list[dict]:
-    """Every step line as its JSON object, with the ``pid`` of the worker process that wrote it."""
-    return [{**rec.to_json(), "pid": f.pid} for f in records.step_files(logs)
-            for rec in records.read_file(f.path, records.StepRecord)]
-
-
-def wait_steps(what: str, pred, logs: Path, timeout: float, outs: list[Path]) -> list[dict]:
-    def seen() -> str:
-        tails = "\n".join(f"--- {o.name}\n" + o.read_text()[-2500:] for o in outs if o.exists())
-        return f"steps so far: {sorted({(s['round'], s['world_size'], s['pid']) for s in steps_of(logs)})}\n{tails}"
-
-    return wait_until(lambda: steps_of(logs), timeout, what, until=pred, details=seen)
-
-
-def agent_of(worker_pid: int, agents) -> object:
-    """The agent (torchrun) process whose child this worker is."""
-    ppid = int(Path(f"/proc/{worker_pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    return next(a for a in agents if a.pid == ppid)
-
-
-def kill_node(worker_pid: int, agents, logs: Path, outs: list[Path], world: int, steps: int):
-    """SIGKILL the whole node (its agent's process group) of ``worker_pid``, then wait for ``steps``
-    steps at world size ``world`` after it. Returns (the killed agent, the kill's time, the steps)."""
-    victim = agent_of(worker_pid, agents)
-    os.killpg(victim.pid, signal.SIGKILL)
-    t_kill = time.time()
-    st = wait_steps(f"survivors training at {world}", lambda st: sum(
-        s["world_size"] == world and s["time"] > t_kill for s in st) >= steps, logs, 60, outs)
-    return victim, t_kill, st
-
-
-def current_ranks(st: list[dict]) -> dict[int, int]:
-    """rank -> pid in the newest round."""
-    newest = max(s["round"] for s in st)
-    return {s["rank"]: s["pid"] for s in st if s["round"] == newest}
 
 
 def test_live_run_that_loses_two_nodes_and_gains_one_keeps_survivors_and_matches_an_uninterrupted_run(
@@ -135,50 +91,6 @@ def test_live_run_that_loses_two_nodes_and_gains_one_keeps_survivors_and_matches
     check_equivalence(state["model"], base_model, total)
 
 
-def test_a_node_stopped_past_its_lease_never_trains_in_the_old_group_and_rejoins_as_a_newcomer(
-        etcd, run_id, procs, tmp_path):
-    ck, logs = tmp_path / "ck", tmp_path / "logs"
-    outs = [tmp_path / f"agent{i}.log" for i in range(3)]
-    args = ("--max-steps", "100000", "--sleep-per-step", "0.1", "--collective-timeout", "8")
-    agents = [live_agent(procs, etcd, run_id, ck, logs, outs[i], *args) for i in range(3)]
-    st = wait_steps("a world of 3 at step 3", lambda st: any(s["world_size"] == 3 and s["step"] >= 3 for s in st),
-                    logs, 120, outs)
-    ranks = current_ranks(st)
-    stopped = agent_of(ranks[1], agents)
-    stopped_worker = ranks[1]
-    old_round = max(s["round"] for s in st)
-    # the whole node: its agent, and its worker (torchrun starts each worker in a session of its own)
-    groups = [stopped.pid, os.getpgid(stopped_worker)]
-    for pgid in groups:
-        os.killpg(pgid, signal.SIGSTOP)
-    time.sleep(6)  # twice the lease
-    for pgid in reversed(groups):
-        os.killpg(pgid, signal.SIGCONT)
-    t_resume = time.time()
-    st = wait_steps("a world of 3 again, with a new worker on the stopped node", lambda st: any(
-        s["world_size"] == 3 and s["time"] > t_resume and s["round"] > old_round + 1 for s in st), logs, 150, outs)
-    # The stopped worker never trains in the old group once it resumes: it finishes the step it
-    # was stopped in (its peers were blocked in that step's collective with it, so the old round
-    # is still the only world) and then learns that its lease is gone and exits, before another
-    # step. Every step of the old round needs all three, so the survivors' logs count its steps too.
-    late = [s for s in st if s["round"] == old_round and s["time"] > t_resume]
-    per_rank: dict[int, list[int]] = {}
-    for s in late:
-        per_rank.setdefault(s["pid"], []).append(s["step"])
-    assert all(len(steps) <= 1 for steps in per_rank.values()), per_rank
-    assert all(s["round"] == old_round for s in st if s["pid"] == stopped_worker and s["time"] > t_resume)
-    # one world at a time: no round's steps overlap in time with another round's
-    spans: dict[int, tuple[float, float]] = {}
-    for s in st:
-        lo, hi = spans.get(s["round"], (s["time"], s["time"]))
-        spans[s["round"]] = (min(lo, s["time"]), max(hi, s["time"]))
-    ordered = sorted(spans.items())
-    for (r1, (_, end1)), (r2, (start2, _)) in zip(ordered, ordered[1:]):
-        assert end1 <= start2 + 0.5, (r1, r2, ordered)
-    newcomers = {s["pid"] for s in st if s["time"] > t_resume} - set(ranks.values())
-    assert newcomers, "the stopped node came back with a new worker (a newcomer)"
-
-
 def test_an_agent_stopped_past_its_lease_takes_a_new_one_and_its_worker_trains_on(etcd, run_id, procs, tmp_path):
     """Only the agent stops (its worker, in a session of its own, runs on and renews its own lease):
     in live mode the agent takes a new lease when it resumes, and no worker is stopped or replaced
@@ -204,8 +116,8 @@ def test_an_agent_stopped_past_its_lease_takes_a_new_one_and_its_worker_trains_o
 
 
 def test_the_watcher_tells_a_lost_process_within_a_poll_and_calls_the_abort_hook(etcd, run_id):
-    """NCCL collectives may hang on a dead peer instead of failing, so on CUDA the trainer sets
-    ``on_member_lost`` (it aborts the group): the watcher must call it as soon as a member of
+    """NCCL collectives may hang on a dead peer instead of failing, so on CUDA the Manager sets
+    ``probe_peers`` (``on_member_lost`` aborts the group): the watcher must call it as soon as a member of
     another node is gone (its probe port refuses: what the kernel does when a process dies), long
     before the member's lease (3 s) expires. Real etcd, two members of two nodes in one process."""
     import threading
@@ -227,6 +139,7 @@ def test_the_watcher_tells_a_lost_process_within_a_poll_and_calls_the_abort_hook
         a, b = groups
         calls: list[tuple[float, str]] = []
         a.on_member_lost = lambda why: calls.append((time.monotonic(), why))
+        a.probe_peers = True  # what the Manager sets on CUDA
         a.start_watching()
         time.sleep(0.5)
         assert calls == [] and not a.change_pending.is_set(), "no loss while both members live"

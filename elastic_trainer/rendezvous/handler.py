@@ -437,7 +437,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._export_env(0, LiveSettings(
             min_nodes=s.min_nodes, max_nodes=s.max_nodes, last_call=o.last_call_timeout,
             join_timeout=o.join_timeout, report_timeout=o.report_timeout, lease_ttl=o.lease_ttl,
-            keep_alive_interval=o.keep_alive_interval))
+            keep_alive_interval=o.keep_alive_interval, hang_min=o.hang_min, hang_factor=o.hang_factor))
         logger.info("node %s starts its workers in the live group of run '%s'", self.node_name, s.run_id)
         return RendezvousInfo(store, 0, 1, bootstrap)
 

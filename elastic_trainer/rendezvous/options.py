@@ -92,7 +92,7 @@ class RendezvousOptions:
         "retry_timeout": 60.0, "join_timeout": _LIVE.join_timeout, "last_call_timeout": _LIVE.last_call,
         "close_timeout": 30.0, "heartbeat_timeout": 5.0, "lease_ttl": _LIVE.lease_ttl,
         "keep_alive_interval": _LIVE.keep_alive_interval, "recovery": "restart",
-        "report_timeout": _LIVE.report_timeout,
+        "report_timeout": _LIVE.report_timeout, "hang_min": _LIVE.hang_min, "hang_factor": _LIVE.hang_factor,
     }
     """The options the live quorum shares take their defaults from ``env.LiveSettings`` (one place)."""
 
@@ -110,13 +110,21 @@ class RendezvousOptions:
             raise ValueError(f"the rendezvous option protocol={protocol!r} must be http or https")
         timeouts = {k: _seconds(params, k, self.DEFAULTS[k]) for k in (
             "read_timeout", "connect_timeout", "retry_timeout", "join_timeout", "last_call_timeout",
-            "close_timeout", "heartbeat_timeout", "keep_alive_interval", "report_timeout")}
+            "close_timeout", "heartbeat_timeout", "keep_alive_interval", "report_timeout", "hang_min")}
         self.join_timeout = timeouts["join_timeout"]
         self.last_call_timeout = timeouts["last_call_timeout"]
         self.close_timeout = timeouts["close_timeout"]
         self.heartbeat_timeout = timeouts["heartbeat_timeout"]
         self.keep_alive_interval = timeouts["keep_alive_interval"]
         self.report_timeout = timeouts["report_timeout"]
+        self.hang_min = timeouts["hang_min"]
+        try:
+            self.hang_factor = float(params.get("hang_factor", self.DEFAULTS["hang_factor"]))
+        except (TypeError, ValueError):
+            self.hang_factor = -1.0
+        if not self.hang_factor >= 0:
+            raise ValueError(f"the rendezvous option hang_factor={params.get('hang_factor')!r} must be a number "
+                             f">= 0 (0 turns hang detection off)")
         self.recovery = str(params.get("recovery", "restart")).lower()
         if self.recovery not in ("live", "restart"):
             raise ValueError(f"the rendezvous option recovery={self.recovery!r} must be live or restart")

@@ -16,7 +16,8 @@ process hosts a single point of failure). Each worker keeps ``live/alive/<id>`` 
 - **Cold start** (no quorum with a live member): workers register ``live/join/<id>``; once
   ``min_nodes`` whole nodes registered and ``last_call`` passed (or ``max_nodes`` registered),
   one of them writes quorum ``q+1`` with ``cold: true``; its ranks load the newest checkpoint.
-- **Node lost**: a collective fails on the survivors (a dead peer's sockets close at once). Each
+- **Node lost**: a collective fails on the survivors (a dead peer's sockets close at once; a silent
+  one's are shut by the watcher, below). Each
   survivor destroys its group and reports ``live/report/<q+1>/<id>`` with the step it completed.
   The quorum closes when every old member reported, or is provably dead (its lease is gone, or
   its probe port refuses connections: a killed process's listening socket is closed by the
@@ -33,11 +34,20 @@ process hosts a single point of failure). Each worker keeps ``live/alive/<id>`` 
   passes one that exits with ``EXIT_EXCLUDED``). Checkpoint commits check the quorum number and
   the lease (``fence_check``).
 
-**NCCL.** A gloo collective fails at once when a peer's sockets close; an NCCL collective may
-instead hang on the GPU. So with ``on_member_lost`` set (the Manager sets it on CUDA) the watcher
-also probes one member of every other node each ``poll`` and, on a lost member (probe refused,
-lease gone, or a newer quorum), calls it: the Manager aborts the NCCL group, which ends the hung
-collective with an error on the training thread, and the re-form proceeds as on gloo.
+**Silent failures.** A node that freezes or is cut off closes no socket: the survivors' collective
+would wait for the collective timeout. The watcher sees its lease expire (``lease_ttl`` after its
+last renewal) and calls ``on_member_lost``: the Manager abandons the group (gloo: shuts the
+group's connections; NCCL: aborts it, ``training/abandon.py``), the blocked collective fails as on
+a dead peer, and the re-form proceeds without waiting for that node (whole nodes: once one member
+is gone nobody waits for the others). A worker whose training thread hangs while its lease lives
+is found by its lack of progress (``rendezvous/progress.py``): a rank whose step lasts past
+``max(hang_min, hang_factor x median step)``, while no member shows a ``busy/<id>`` key (a
+checkpoint, a warm-up), declares ``stall/<q>`` (compare-and-swap, once); every rank abandons its
+group, the waiting ranks re-form, and the rank whose training thread does not come out of its
+step within half a second is the hung one: its watcher ends the process (``on_hung``; its agent
+starts a newcomer). A worker left out of a quorum while its thread is stuck is ended the same way.
+On NCCL (``probe_peers``) the watcher also probes one member of every other node each ``poll``: a
+collective may hang on a dead peer there, and the abort ends it.
 
 **Threads.** The probe listener and the watcher are started through ``start_thread(name, target,
 *args, stop=...)`` (a worker passes ``runtime().start_thread``, so that its runtime owns them; the
@@ -58,6 +68,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from elastic_trainer.env import LiveSettings, WorkerEnv
+from elastic_trainer.rendezvous.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -198,6 +209,8 @@ class _View:
     alive: set[str]
     joiners: dict[str, tuple[dict, int]]  # id -> (value, create revision)
     reports: dict[str, dict] = field(default_factory=dict)
+    stall: dict | None = None  # the stall declared for the quorum asked about, if any
+    busy: dict[str, dict] = field(default_factory=dict)  # id -> {"q", "what"}: members in a slow phase
 
 
 class LiveGroup:
@@ -226,7 +239,21 @@ class LiveGroup:
         self.change_pending = threading.Event()
         self.change_reason = ""
         self.on_member_lost: Callable[[str], None] | None = None
-        """Called from the watcher thread when a member is lost (NCCL: abort the hung group)."""
+        """Called from the watcher thread when the group's collectives in flight must fail now (a
+        member's lease expired, a stall was declared, a member's process is gone): the Manager
+        abandons its process group (gloo: shuts its connections; NCCL: aborts it)."""
+        self.probe_peers = False
+        """Also probe one member of every other node each poll (NCCL: a collective may hang on a
+        dead peer instead of failing; gloo's fail when the peer's sockets close)."""
+        self.on_hung: Callable[[str], None] | None = None
+        """Called from the watcher when this worker's training thread is stuck while its peers
+        re-form without it (it must end the process: the Manager exits; its agent starts a newcomer)."""
+        self.progress = Progress(settings.hang_min, settings.hang_factor)
+        """The training thread's step clock (the Manager marks it); the watcher judges hangs by it."""
+        self._wake = threading.Event()
+        self._busy_shown: tuple[int, str] | None = None  # (quorum, what) of the busy key this worker wrote
+        self._waiting_on: str = ""
+        self._trouble: tuple[int, float, int, str] | None = None  # (quorum, when, moves, why): the thread must move
         self._adopt_lock = threading.Lock()
         self._lease = LeaseKeeper(conn, self._key("alive/" + self.id), settings.lease_ttl,
                                   settings.keep_alive_interval, self._on_lease_tick, self._on_lease_tick)
@@ -265,7 +292,9 @@ class LiveGroup:
         self.requests += 1
         return self.conn.call(fn, f"live {what}")
 
-    def _read(self, report_q: int | None = None) -> _View:
+    def _read(self, report_q: int | None = None, stall_q: int | None = None) -> _View:
+        """One transaction: the quorum, the leases, the joiners, and (when asked) the reports for
+        quorum ``report_q``, and the stall declared for quorum ``stall_q`` with the busy members."""
         p = self.prefix
 
         def txn(c):
@@ -275,6 +304,8 @@ class LiveGroup:
             if report_q is not None:
                 rp = f"{p}report/{report_q}/"
                 ops.append(t.get(rp, range_end=_range_end(rp)))
+            if stall_q is not None:
+                ops += [t.get(f"{p}stall/{stall_q}"), t.get(p + "busy/", range_end=_range_end(p + "busy/"))]
             return c.transaction(compare=[], success=ops, failure=[])
 
         _, responses = self._call(txn, "read")
@@ -289,15 +320,16 @@ class LiveGroup:
                 joiners[meta.key.decode()[len(p + "join/"):]] = (json.loads(value), meta.create_revision)
             except ValueError:
                 continue
-        reports = {}
+        view = _View(quorum, rev, alive, joiners)
+        rest = responses[3:]
         if report_q is not None:
             rp = f"{p}report/{report_q}/"
-            for value, meta in responses[3]:
-                try:
-                    reports[meta.key.decode()[len(rp):]] = json.loads(value)
-                except ValueError:
-                    continue
-        return _View(quorum, rev, alive, joiners, reports)
+            view.reports = _json_values(rest[0], rp)
+            rest = rest[1:]
+        if stall_q is not None:
+            view.stall = next(iter(_json_values(rest[0], f"{p}stall/").values()), None)
+            view.busy = {mid: v for mid, v in _json_values(rest[1], p + "busy/").items() if v.get("q") == stall_q}
+        return view
 
     def _cas_quorum(self, new: Quorum, expected_rev: int) -> bool:
         key = self._key("quorum")
@@ -399,16 +431,26 @@ class LiveGroup:
         old = self.quorum
         assert old is not None
         target = old.q + 1
-        self._lease.put(self._key(f"report/{target}/{self.id}"),
-                        json.dumps({"step": step, "cause": cause}).encode())
+        if self.change_reason and self.change_reason not in cause:
+            cause = f"{cause}: {self.change_reason}"
+        try:
+            self._lease.put(self._key(f"report/{target}/{self.id}"),
+                            json.dumps({"step": step, "cause": cause}).encode())
+        except Exception as exc:
+            if self._lease.lost or "lease not found" in str(exc).lower():
+                raise LiveExcluded(f"this worker's etcd lease expired before it could report ({exc})") from exc
+            raise
         timeout = self.settings.report_timeout if report_timeout is None else report_timeout
-        deadline = time.monotonic() + timeout
+        entered = time.monotonic()
+        deadline = entered + timeout
         min_deadline = time.monotonic() + self.settings.join_timeout
         dead: set[str] = set()
         last_probe = 0.0
         next_say = time.monotonic() + 5.0
         while True:
-            view = self._read(report_q=target)
+            view = self._read(report_q=target, stall_q=old.q)
+            if view.stall is not None:  # the ranks that waited come out within a poll; the hung one ends itself
+                deadline = min(deadline, entered + self.settings.poll * 3 + 1.0)
             q = view.quorum
             if q is not None and q.q >= target:
                 if q.rank_of(self.id) is None:
@@ -417,12 +459,14 @@ class LiveGroup:
             if q is None or q.q != old.q:
                 raise LiveExcluded(f"the quorum moved from {old.q} to {q.q if q else None} without this worker")
             now = time.monotonic()
-            pending = [m for m in old.members if m.id not in view.reports and m.id in view.alive
-                       and m.id not in dead]
+            # a node is kept or dropped whole: once one of its members is gone, nobody waits for the others
+            gone_nodes = {m.node for m in old.members if m.id not in view.alive or m.id in dead}
+            pending = [m for m in old.members if m.id not in view.reports and m.node not in gone_nodes]
             if pending and now - last_probe > 0.02:
                 last_probe = now
                 dead |= {m.id for m in pending if _probe_dead(m.probe)}
-                pending = [m for m in pending if m.id not in dead]
+                gone_nodes |= {m.node for m in old.members if m.id in dead}
+                pending = [m for m in pending if m.node not in gone_nodes]
             if now > next_say:  # a long wait says what it waits for
                 next_say = now + 5.0
                 logger.warning("live: quorum %d not formed after %.0fs: reported %s; silent %s; min_nodes %d",
@@ -480,9 +524,10 @@ class LiveGroup:
         q = self.quorum
         if q is None or q.rank_of(self.id) != 0 or q.q < 3:
             return
-        for sub in (f"store/{q.q - 2}/", f"report/{q.q - 1}/"):
+        for sub in (f"store/{q.q - 2}/", f"report/{q.q - 1}/", f"stall/{q.q - 2}"):
             try:
-                self._call(lambda c, s=sub: c.delete_prefix(self._key(s)), "cleanup")
+                self._call(lambda c, s=sub: c.delete_prefix(self._key(s)) if s.endswith("/")
+                           else c.delete(self._key(s)), "cleanup")
             except Exception as exc:  # noqa: BLE001 - leftovers only cost etcd space
                 logger.info("live: could not delete %s: %s", sub, exc)
 
@@ -490,25 +535,33 @@ class LiveGroup:
     def start_watching(self) -> None:
         """Watch joiners, leases and (with ``on_member_lost``) the other nodes' probes while training."""
         if self._watcher is None:
-            self._watcher = self._start_thread("live-watch", self._watch, stop=self._stop.set)
+            self._watcher = self._start_thread("live-watch", self._watch, stop=self._stop_watching)
+
+    def _stop_watching(self) -> None:
+        self._stop.set()
+        self._wake.set()
 
     def _watch(self) -> None:
-        while not self._stop.wait(self.settings.poll):
+        while not self._stop.is_set():
+            self._wake.wait(self.settings.poll)
+            self._wake.clear()
             q = self.quorum
-            if q is None or self.change_pending.is_set():
+            if q is None or self._stop.is_set():
                 continue
+            self._show_busy(q)
             try:
-                view = self._read()
+                view = self._read(stall_q=q.q)
             except Exception as exc:  # noqa: BLE001 - etcd out of reach: the lease decides
                 logger.info("live: watcher could not read etcd: %s", exc)
                 continue
-            lost = ""
-            if view.quorum is not None and view.quorum.q > q.q:
-                lost = f"the quorum moved to {view.quorum.q}"
-            elif any(m.id not in view.alive for m in q.members):
-                lost = "a member's lease expired"
-            elif self.on_member_lost is not None and (gone := self._probe_other_nodes(q)):
-                lost = f"the process of {gone} is gone"
+            self._check_stuck(q, view)
+            if self.change_pending.is_set():
+                continue
+            lost, must_move = self._lost(q, view), False
+            if not lost and view.stall is not None:
+                lost, must_move = f"{view.stall.get('by')} saw no progress for {view.stall.get('waited', 0):.1f}s", True
+            if not lost and (lasted := self.progress.stalled()) is not None and self._declare_stall(q, view, lasted):
+                lost, must_move = f"no progress for {lasted:.1f}s (a rank is hung)", True
             reason = lost
             if not lost and len(q.nodes) < self.settings.max_nodes and any(
                     n not in q.nodes for n, _ in _complete_nodes(view)):
@@ -519,9 +572,102 @@ class LiveGroup:
                         continue
                     self.change_reason = reason
                     self.change_pending.set()
-            if lost and self.on_member_lost is not None:
-                logger.warning("live: %s in quorum %d: aborting the process group", lost, q.q)
-                self.on_member_lost(lost)
+            if lost:
+                if must_move:  # the training thread must come out of its step now, or it is the hung one
+                    self._trouble = (q.q, time.monotonic(), self.progress.moves,
+                                     f"its training thread made no progress while its peers waited ({lost}) and "
+                                     f"did not come out of its step once the group was abandoned: it is the hung rank")
+                if self.on_member_lost is not None:
+                    logger.warning("live: %s in quorum %d: abandoning the process group's collectives", lost, q.q)
+                    self.on_member_lost(lost)
+
+    def _lost(self, q: Quorum, view: _View) -> str:
+        """Why the quorum ``q`` lost a member (moved on, a lease expired, a process gone), or ""."""
+        if view.quorum is not None and view.quorum.q > q.q:
+            return f"the quorum moved to {view.quorum.q}"
+        expired = [m.id for m in q.members if m.id not in view.alive]
+        if expired:
+            return f"the etcd lease of {expired[0]} expired (stopped or cut off)"
+        if self.probe_peers and (gone := self._probe_other_nodes(q)):
+            return f"the process of {gone} is gone"
+        return ""
+
+    def _declare_stall(self, q: Quorum, view: _View, lasted: float) -> bool:
+        """This rank waited past the hang bound: unless a peer is busy (a checkpoint, a warm-up),
+        declare quorum ``q`` stalled in etcd (one key, first writer wins), so that every rank
+        abandons its collectives and the hung one is found. True when the stall is declared."""
+        busy = {mid: v for mid, v in view.busy.items() if q.rank_of(mid) is not None and mid != self.id}
+        if busy:
+            waiting_on = ", ".join(f"{mid} ({v.get('what')})" for mid, v in sorted(busy.items()))
+            if waiting_on != self._waiting_on:
+                self._waiting_on = waiting_on
+                logger.info("live: step running %.1fs, past the hang bound; not a hang: busy %s", lasted, waiting_on)
+            return False
+        key = self._key(f"stall/{q.q}")
+        record = json.dumps({"by": self.id, "waited": lasted, "bound": self.progress.bound(),
+                             "median_step": self.progress.median_step(), "at": time.time()}).encode()
+
+        def txn(c):
+            t = c.transactions
+            return c.transaction(compare=[t.create(key) == 0], success=[t.put(key, record)], failure=[])
+
+        try:
+            self._call(txn, "stall declaration")
+        except Exception as exc:  # noqa: BLE001 - etcd out of reach: try again at the next poll
+            logger.info("live: could not declare the stall: %s", exc)
+            return False
+        logger.warning("live: no progress for %.1fs in a step (bound %.1fs = max(hang_min %g s, hang_factor %g x "
+                       "median step %.3fs)) and no peer is busy: quorum %d is stalled", lasted,
+                       self.progress.bound() or 0.0, self.settings.hang_min, self.settings.hang_factor,
+                       self.progress.median_step() or 0.0, q.q)
+        return True
+
+    def _show_busy(self, q: Quorum) -> None:
+        """Keep ``busy/<id>`` in etcd while this rank is in a slow phase (or warming up past half a
+        second), so that its peers do not take their wait for it as a hang."""
+        busy = self.progress.busy()
+        if busy == "warm-up" and (self.progress.in_step() or 0.0) < 0.5:
+            busy = None if self._busy_shown is None else self._busy_shown[1]
+        want = (q.q, busy) if busy is not None else None
+        if want == self._busy_shown:
+            return
+        try:
+            if want is None:
+                self._lease.delete(self._key("busy/" + self.id))
+            else:
+                self._lease.put(self._key("busy/" + self.id), json.dumps({"q": q.q, "what": busy}).encode())
+            self._busy_shown = want
+        except Exception as exc:  # noqa: BLE001 - tried again at the next poll
+            logger.info("live: could not update the busy key: %s", exc)
+
+    def wake(self) -> None:
+        """Make the watcher look now (a slow phase began)."""
+        self._wake.set()
+
+    def _check_stuck(self, q: Quorum, view: _View) -> None:
+        """End this worker when its training thread is stuck while the others go on: it did not
+        come out of its step within ``come_back`` seconds of a declared stall (it is the hung rank),
+        or the quorum formed without it while the thread neither moved nor re-formed (it would
+        never learn). A thread in a slow phase it announced is left to find out by itself."""
+        moves, now = self.progress.moves, time.monotonic()
+        come_back = max(0.5, 3 * self.settings.poll)
+        if self._trouble is not None:
+            tq, since, seen_moves, what = self._trouble
+            if tq != q.q or moves != seen_moves or self.progress.reforming \
+                    or self.progress.busy() not in (None, "warm-up"):
+                self._trouble = None
+            elif now - since > come_back:
+                reason = f"live: this worker leaves the group: {what}; its agent starts a newcomer"
+                logger.error("%s", reason)
+                self._trouble = None
+                if self.on_hung is not None:
+                    self.on_hung(reason)
+                return
+        moved = view.quorum
+        if self._trouble is None and moved is not None and moved.q > q.q and moved.rank_of(self.id) is None \
+                and not self.progress.reforming and self.progress.busy() is None:
+            self._trouble = (q.q, now, moves, f"quorum {moved.q} formed without it ({moved.cause}) while its "
+                                              f"training thread did not move")
 
     def _probe_other_nodes(self, q: Quorum) -> str | None:
         """The id of a member of another node whose probe port refuses connections, if any (one
@@ -582,7 +728,7 @@ class LiveGroup:
         """Leave: the lease is revoked, so the others see at once that this worker is gone."""
         if self._stop.is_set():
             return
-        self._stop.set()
+        self._stop_watching()
         if self._watcher is not None:
             self._watcher.join(timeout=2)
         self._probe.close()
@@ -594,6 +740,19 @@ def _range_end(prefix: str) -> bytes:
     import etcd3.utils
 
     return etcd3.utils.prefix_range_end(prefix.encode())
+
+
+def _json_values(responses, prefix: str) -> dict[str, dict]:
+    """key (less ``prefix``) -> its JSON object, for the values of one range read (others skipped)."""
+    out = {}
+    for value, meta in responses:
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            continue
+        if isinstance(parsed, dict):
+            out[meta.key.decode()[len(prefix):]] = parsed
+    return out
 
 
 def _complete_nodes(view: _View) -> list[tuple[str, list[Member]]]:

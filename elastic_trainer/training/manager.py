@@ -45,29 +45,36 @@ Usage (``examples/own_loop.py`` is the whole program)::
 The NCCL group is made with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (clean up only: an error or a
 timeout aborts the communicators and reaches the training thread instead of ending the process)
 unless the user set it, bound to its device so that its communicators are made during the
-re-form; a hung NCCL collective on a lost peer is ended by the quorum's watcher, which aborts
-the group (``on_member_lost``). Anything the Manager cannot handle (an error while re-forming, a
+re-form. A collective blocked on a peer that stopped answering (frozen, cut off, hung) is ended
+by the quorum's watcher, which abandons the group (``on_member_lost``: ``training/abandon.py``)
+when the peer's lease expires or the ranks agree it is hung (``slow()`` marks what is not a hang). Anything the Manager cannot handle (an error while re-forming, a
 worker left out of the quorum: ``LiveExcluded``) ends the worker; its agent restarts it, and it
 joins as a newcomer. Design and numbers: docs/trainer.md, "Live recovery".
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import logging
 import os
 import re
+import signal
+import socket
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from elastic_trainer.env import ENV_NCCL_ERROR_HANDLING, EXIT_EXCLUDED, EXIT_OK, NCCL_CLEAN_UP_ONLY, WorkerEnv
+from elastic_trainer.env import (ENV_DEBUG_HANG, ENV_NCCL_ERROR_HANDLING, EXIT_EXCLUDED, EXIT_OK,
+                                 NCCL_CLEAN_UP_ONLY, WorkerEnv)
 from elastic_trainer.rendezvous.quorum import LiveExcluded, LiveGroup, Quorum, RunFinished
+from elastic_trainer.training.abandon import GroupAbandon
 from elastic_trainer.training.runtime import die_with_parent, runtime
 
 logger = logging.getLogger(__name__)
@@ -142,14 +149,34 @@ def leave_process_group() -> None:
         logger.info("destroying the broken process group: %s", exc)
 
 
-def _abort_world_group() -> None:
-    """Abort the default group from another thread (NCCL: ends its collectives in flight with an
-    error, which the training thread takes as a failed collective and re-forms)."""
-    try:
-        if dist.is_initialized():
-            dist.group.WORLD.abort()
-    except Exception as exc:  # noqa: BLE001 - the group may already be gone (re-formed meanwhile)
-        logger.info("live: abort of the process group from the watcher: %s", exc)
+def _etcd_addresses(group: LiveGroup | None) -> list[tuple[str, int]]:
+    """The (address, port) pairs of the live group's etcd endpoints: connections the group's
+    abandonment must leave alone."""
+    if group is None:
+        return []
+    out = []
+    for host, port in group.conn.options.endpoints:
+        try:
+            out += [(info[4][0], int(port)) for info in socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)]
+        except OSError:
+            out.append((host, int(port)))
+    return out
+
+
+def install_debug_hang(env: WorkerEnv) -> None:
+    """Drills and tests: with ``ELASTIC_TRAINER_DEBUG_HANG=1`` a SIGUSR2 makes the training thread
+    stop making progress for good (a sleep loop in the signal handler, which runs on the main
+    thread), while the process and its other threads (lease, watcher) stay healthy: a hang that
+    only the lack of progress can reveal."""
+    if env.debug_hang != "1" or threading.current_thread() is not threading.main_thread():
+        return
+
+    def hang(signum, frame) -> None:
+        logger.warning("live: SIGUSR2 with %s=1: the training thread hangs now (a drill)", ENV_DEBUG_HANG)
+        while True:
+            time.sleep(1.0)
+
+    signal.signal(signal.SIGUSR2, hang)
 
 
 def nccl_error_handling() -> str:
@@ -302,8 +329,13 @@ class Manager:
         self.group: LiveGroup | None = LiveGroup.from_env(self.env, start_thread=rt.start_thread,
                                                           on_lease_lost=self._lease_lost)
         """The live quorum's membership (None in plain mode); also the checkpoint commit's fence."""
-        if self.group is not None and self.device.type == "cuda":  # an NCCL collective may hang on a lost peer
-            self.group.on_member_lost = lambda why: _abort_world_group()
+        self.abandon = GroupAbandon(self.backend, _etcd_addresses(self.group))
+        """Makes the group's collectives in flight fail now (the watcher calls it on a silent loss)."""
+        if self.group is not None:
+            self.group.on_member_lost = self.abandon.abandon
+            self.group.probe_peers = self.device.type == "cuda"  # an NCCL collective may hang on a dead peer
+            self.group.on_hung = lambda reason: runtime().exit(EXIT_EXCLUDED, reason, run_hooks=False)
+            install_debug_hang(self.env)
         self.rank, self.world_size = self.env.rank or 0, self.env.world_size or 1
         self.round = self.env.rdzv_round
         """The quorum number under live recovery (the rendezvous round otherwise)."""
@@ -359,9 +391,10 @@ class Manager:
         if self.backend == "nccl":
             nccl_error_handling()
             extra["device_id"] = self.device
-        dist.init_process_group(self.backend, store=self.group.store(), rank=q.rank_of(self.group.id),
-                                world_size=q.world_size,
-                                timeout=datetime.timedelta(seconds=self.collective_timeout), **extra)
+        with self.abandon.recording():  # gloo: the connections it opens are the ones to shut on a silent loss
+            dist.init_process_group(self.backend, store=self.group.store(), rank=q.rank_of(self.group.id),
+                                    world_size=q.world_size,
+                                    timeout=datetime.timedelta(seconds=self.collective_timeout), **extra)
         self.group.forget_old()
         self.rank, self.world_size, self.round, self.distributed = dist.get_rank(), q.world_size, q.q, True
 
@@ -410,8 +443,33 @@ class Manager:
 
     def run(self, step: Callable[[], T]) -> tuple[T | None, str | None]:
         """``(step(), None)``, or under live recovery ``(None, cause)`` when a collective failed in it
-        (then ``reform``); other errors, and every error in plain mode, propagate."""
-        return run_or_failed_collective(step, recover=self.live)
+        (then ``reform``); other errors, and every error in plain mode, propagate.
+
+        Under live recovery its duration is the step time the hang detection measures: a rank
+        whose ``run`` lasts past ``max(hang_min, hang_factor x median)`` while no peer is busy
+        declares the group stalled (docs/trainer.md, "Silent failures")."""
+        if self.group is None:
+            return run_or_failed_collective(step, recover=False)
+        progress = self.group.progress
+        progress.enter()
+        out: tuple[T | None, str | None] = (None, "the step raised")
+        try:
+            out = run_or_failed_collective(step, recover=True)
+        finally:
+            progress.leave(measured=out[1] is None)
+        return out
+
+    @contextlib.contextmanager
+    def slow(self, what: str) -> Iterator[None]:
+        """A phase that may take far longer than a step (a checkpoint save, a compile, an
+        evaluation): while in it, the peers that wait for this rank do not take it for a hung one
+        (its ``busy/`` key in etcd says so). Outside live recovery it does nothing."""
+        if self.group is None:
+            yield
+            return
+        with self.group.progress.slow(what):
+            self.group.wake()
+            yield
 
     @property
     def reform_pending(self) -> bool:
@@ -444,7 +502,14 @@ class Manager:
                              dtype=torch.float64, device=vals.device)  # the group's device (NCCL: CUDA)
         shared = torch.cat([vals.reshape(-1), flags])
         if self.distributed and self.world_size > 1:
-            dist.all_reduce(shared)
+            if self.group is not None:  # a wait for a hung peer here is a stalled step too
+                self.group.progress.enter()
+                try:
+                    dist.all_reduce(shared)
+                finally:
+                    self.group.progress.leave(measured=False)
+            else:
+                dist.all_reduce(shared)
         out = shared.tolist()
         n = len(out) - 2
         self._agree_in = max(1, int(out[n + 1]))
@@ -465,14 +530,18 @@ class Manager:
             raise RuntimeError("Manager.reform needs live recovery (elastic-train's etcd-v3 rendezvous with "
                                "--recovery live); in plain mode a failure ends the worker and torchrun restarts it")
         old_rank, old_world = self.rank, self.world_size
-        leave_process_group()
-        torn = time.perf_counter()
-        cycle = self._cycle_s if step_seconds is None else step_seconds
-        quorum = self.group.reform(step, cause, report_timeout=max(self.group.settings.report_timeout,
-                                                                    3 * (cycle or 0.0)))
-        agreed = time.perf_counter()
-        self._init_group()
-        grouped = time.perf_counter()
+        self.group.progress.reform_started()
+        try:
+            leave_process_group()
+            torn = time.perf_counter()
+            cycle = self._cycle_s if step_seconds is None else step_seconds
+            quorum = self.group.reform(step, cause, report_timeout=max(self.group.settings.report_timeout,
+                                                                        3 * (cycle or 0.0)))
+            agreed = time.perf_counter()
+            self._init_group()
+            grouped = time.perf_counter()
+        finally:
+            self.group.progress.reform_ended()
         state = None
         if quorum.receivers:
             source = self.rank == quorum.source

@@ -239,7 +239,8 @@ class Trainer:
         loss_sum = self._train_step(self.batches)
         self.preemption.boundaries += 1
         if self.preemption.boundaries == 1:  # the saves' host memory, made beside the next steps
-            self.checkpoints.prepare()
+            with self.manager.slow("checkpoint host memory"):  # peers waiting meanwhile: not a hang
+                self.checkpoints.prepare()
         took = self.timer.stop()  # CUDA: known once the GPU ran the step (at the agreement at the latest)
         if took.ready():
             self._last_step_s = took.seconds()
@@ -263,7 +264,8 @@ class Trainer:
             self.report.event("stop", step=self.step, reason=reason)
             return reason  # _finish saves this step
         if self.checkpoints.manager is not None and (save_due or every_n) and not self._done(total):
-            self.checkpoints.save(blocking=False)
+            with self.manager.slow("checkpoint"):  # waits for the previous upload, snapshots: not a hang
+                self.checkpoints.save(blocking=False)
             return "saved"
         if reform and not self._done(total):
             return "reform"
