@@ -326,3 +326,63 @@ def test_a_node_cut_off_the_network_is_out_at_its_lease_and_rejoins_when_it_is_b
         if etcd is not None:
             etcd.stop()
         net.teardown()
+
+
+# ---- the stall protocol on a real etcd, two members in one process ----------------------------------------
+@pytest.mark.timeout(60)
+def test_a_stall_waits_for_a_busy_peer_then_is_declared_once_and_ends_the_rank_that_does_not_move(etcd, run_id):
+    """Member a's step runs past its bound while b is in ``slow("checkpoint")``: a holds off. Once
+    b's slow phase ends (but its training thread does not come back), a declares the stall
+    (``live/stall/<q>``), both abandon their group, and b, whose thread never moves, is ended by
+    its own watcher (``on_hung``) about half a second later; a, whose thread comes out of its step,
+    is not."""
+    from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
+    from elastic_trainer.rendezvous.quorum import LiveGroup
+
+    settings = LiveSettings(min_nodes=2, max_nodes=2, last_call=0.1, join_timeout=20, lease_ttl=3, hang_min=1.0)
+    conn = EtcdConnection(EtcdOptions(endpoints=parse_endpoints(etcd.endpoint), retry_timeout=10))
+    groups = [LiveGroup(conn, f"/t/{run_id}", node, 0, 1, "127.0.0.1", settings) for node in ("node-a", "node-b")]
+    events: list[tuple[float, str, str]] = []
+    try:
+        joined = [threading.Thread(target=g.join) for g in groups]
+        for t in joined:
+            t.start()
+        for t in joined:
+            t.join(timeout=30)
+        a, b = groups
+        for g, name in ((a, "a"), (b, "b")):
+            g.on_member_lost = lambda why, n=name: events.append((time.monotonic(), n, "abandon"))
+        # a's collective fails once its group is abandoned: its training thread comes out of the step
+        a.on_member_lost = lambda why: (events.append((time.monotonic(), "a", "abandon")),
+                                        a.progress.leave(measured=False))
+        for g in (a, b):
+            g.on_hung = lambda why, n=name: events.append((time.monotonic(), n, "hung: " + why))
+            for _ in range(3):  # three 0.1 s steps: bound max(1 s, 3 x 0.1 s) = 1 s
+                g.progress.enter()
+                time.sleep(0.1)
+                g.progress.leave()
+            g.start_watching()
+        b_slow = b.progress.slow("checkpoint")
+        b_slow.__enter__()
+        b.wake()
+        a.progress.enter()  # a waits in its next step; b is "checkpointing"
+        b.progress.enter()
+        time.sleep(2.5)
+        assert events == [], "no stall while b is busy"
+        assert not a.change_pending.is_set()
+        b_slow.__exit__(None, None, None)  # b's slow phase ends, but its thread never comes back
+        t_end = time.monotonic()
+        deadline = t_end + 5
+        while not any("hung" in e[2] for e in events) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(1.0)
+        hung = [e for e in events if "hung" in e[2]]
+        assert [e[1] for e in hung] == ["b"], events
+        assert "it is the hung rank" in hung[0][2]
+        assert {e[1] for e in events if e[2] == "abandon"} == {"a", "b"}, events
+        assert hung[0][0] - t_end < 3.0, f"b ended {hung[0][0] - t_end:.2f}s after its slow phase"
+        stall = conn.call(lambda c: c.get(f"/t/{run_id}/live/stall/{a.quorum.q}"), "read")[0]
+        assert stall is not None and b"node-" in stall
+    finally:
+        for g in groups:
+            g.close()
