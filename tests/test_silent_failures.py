@@ -332,8 +332,9 @@ def test_a_node_cut_off_the_network_is_out_at_its_lease_and_rejoins_when_it_is_b
 @pytest.mark.timeout(60)
 def test_a_stall_waits_for_a_busy_peer_then_is_declared_once_and_ends_the_rank_that_does_not_move(etcd, run_id):
     """Member a's step runs past its bound while b is in ``slow("checkpoint")``: a holds off. Once
-    b's slow phase ends (but its training thread does not come back), a declares the stall
-    (``live/stall/<q>``), both abandon their group, and b, whose thread never moves, is ended by
+    b's slow phase ends (but its training thread does not come back), the stall is declared
+    (``live/stall/<q>``, by whichever sees its bound pass first), both abandon their group, and b,
+    whose thread never moves, is ended by
     its own watcher (``on_hung``) about half a second later; a, whose thread comes out of its step,
     is not."""
     from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
