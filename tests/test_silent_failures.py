@@ -24,7 +24,7 @@ import pytest
 from elastic_trainer.env import ENV_DEBUG_HANG, EXIT_EXCLUDED, LiveSettings
 from elastic_trainer.rendezvous.progress import Progress
 from tests.helpers.common import REPO, cli_cmd
-from tests.helpers.live import agent_of, current_ranks, live_agent, steps_of, wait_steps
+from tests.helpers.live import agent_of, current_ranks, live_agent, two_members, wait_steps
 from tests.helpers.runs import CONF
 
 LEASE_TTL = LiveSettings().lease_ttl
@@ -337,26 +337,15 @@ def test_a_stall_waits_for_a_busy_peer_then_is_declared_once_and_ends_the_rank_t
     whose thread never moves, is ended by
     its own watcher (``on_hung``) about half a second later; a, whose thread comes out of its step,
     is not."""
-    from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
-    from elastic_trainer.rendezvous.quorum import LiveGroup
-
-    settings = LiveSettings(min_nodes=2, max_nodes=2, last_call=0.1, join_timeout=20, lease_ttl=3, hang_min=1.0)
-    conn = EtcdConnection(EtcdOptions(endpoints=parse_endpoints(etcd.endpoint), retry_timeout=10))
-    groups = [LiveGroup(conn, f"/t/{run_id}", node, 0, 1, "127.0.0.1", settings) for node in ("node-a", "node-b")]
     events: list[tuple[float, str, str]] = []
-    try:
-        joined = [threading.Thread(target=g.join) for g in groups]
-        for t in joined:
-            t.start()
-        for t in joined:
-            t.join(timeout=30)
+    with two_members(etcd, run_id, hang_min=1.0) as groups:
         a, b = groups
-        for g, name in ((a, "a"), (b, "b")):
-            g.on_member_lost = lambda why, n=name: events.append((time.monotonic(), n, "abandon"))
-        # a's collective fails once its group is abandoned: its training thread comes out of the step
+        # a's collective fails once its group is abandoned: its training thread comes out of the step;
+        # b's thread is the hung one and never does
         a.on_member_lost = lambda why: (events.append((time.monotonic(), "a", "abandon")),
                                         a.progress.leave(measured=False))
-        for g in (a, b):
+        b.on_member_lost = lambda why: events.append((time.monotonic(), "b", "abandon"))
+        for g, name in ((a, "a"), (b, "b")):
             g.on_hung = lambda why, n=name: events.append((time.monotonic(), n, "hung: " + why))
             for _ in range(3):  # three 0.1 s steps: bound max(1 s, 3 x 0.1 s) = 1 s
                 g.progress.enter()
@@ -382,8 +371,5 @@ def test_a_stall_waits_for_a_busy_peer_then_is_declared_once_and_ends_the_rank_t
         assert "it is the hung rank" in hung[0][2]
         assert {e[1] for e in events if e[2] == "abandon"} == {"a", "b"}, events
         assert hung[0][0] - t_end < 3.0, f"b ended {hung[0][0] - t_end:.2f}s after its slow phase"
-        stall = conn.call(lambda c: c.get(f"/t/{run_id}/live/stall/{a.quorum.q}"), "read")[0]
+        stall = a.conn.call(lambda c: c.get(f"/t/{run_id}/live/stall/{a.quorum.q}"), "read")[0]
         assert stall is not None and b"node-" in stall
-    finally:
-        for g in groups:
-            g.close()
