@@ -76,6 +76,13 @@ def test_the_step_clock_bounds_a_step_by_its_median_and_never_judges_a_busy_or_w
         assert p.busy() == "checkpoint" and p.stalled() is None
     p.leave()
     assert p.median_step() == 1.0, "a step with a slow phase in it is not a step time"
+    p.enter()
+    with p.slow("evaluation", limit=10):  # a bounded slow phase: busy for 10 s, then judged again
+        clock.now += 9
+        assert p.busy() == "evaluation"
+        clock.now += 2
+        assert p.busy() is None and p.stalled() == pytest.approx(11)
+    p.leave()
     off = Progress(hang_factor=0, clock=clock)
     for _ in range(5):
         off.enter()

@@ -42,6 +42,7 @@ class Watcher:
         self._busy_shown: tuple[int, str] | None = None  # (quorum, what) of the busy key this worker wrote
         self._waiting_on = ""
         self._trouble: tuple[int, float, int, str] | None = None  # (quorum, when, moves, why): the thread must move
+        self._excluded_since: float | None = None  # when this worker was first seen left out of a newer quorum
 
     def run(self) -> None:
         while not self.group.stopped:
@@ -147,29 +148,40 @@ class Watcher:
         self._wake.set()
 
     def _check_stuck(self, q: Quorum, view: View) -> None:
-        """End this worker when its training thread is stuck while the others go on: it did not
-        come out of its step within ``come_back`` seconds of a declared stall (it is the hung rank),
-        or the quorum formed without it while the thread neither moved nor re-formed (it would
-        never learn). A thread in a slow phase it announced is left to find out by itself."""
-        moves, now = self.group.progress.moves, time.monotonic()
+        """End this worker when its training thread is stuck while the others go on:
+
+        - it did not come out of its step within ``come_back`` seconds of a declared stall (and is
+          not in a slow phase it announced): it is the hung rank;
+        - the quorum formed without it and the thread has not started re-forming (which would
+          raise ``LiveExcluded`` and exit cleanly) within ``come_back``, or ``report_timeout`` when
+          it is in a slow phase: it would never learn, or never get there (a save that hangs)."""
+        progress = self.group.progress
+        now = time.monotonic()
         come_back = max(0.5, 3 * self.group.settings.poll)
+        why = ""
         if self._trouble is not None:
             tq, since, seen_moves, what = self._trouble
-            if tq != q.q or moves != seen_moves or self.group.progress.reforming \
-                    or self.group.progress.busy() not in (None, "warm-up"):
+            if tq != q.q or progress.moves != seen_moves or progress.reforming \
+                    or progress.busy() not in (None, "warm-up"):
                 self._trouble = None
             elif now - since > come_back:
-                reason = f"live: this worker leaves the group: {what}; its agent starts a newcomer"
-                logger.error("%s", reason)
-                self._trouble = None
-                if self.group.on_hung is not None:
-                    self.group.on_hung(reason)
-                return
+                why = what
         moved = view.quorum
-        if self._trouble is None and moved is not None and moved.q > q.q and moved.rank_of(self.group.id) is None \
-                and not self.group.progress.reforming and self.group.progress.busy() is None:
-            self._trouble = (q.q, now, moves, f"quorum {moved.q} formed without it ({moved.cause}) while its "
-                                              f"training thread did not move")
+        if moved is not None and moved.q > q.q and moved.rank_of(self.group.id) is None and not progress.reforming:
+            if self._excluded_since is None:
+                self._excluded_since = now
+            grace = come_back if progress.busy() is None else max(come_back, self.group.settings.report_timeout)
+            if not why and now - self._excluded_since > grace:
+                why = (f"quorum {moved.q} formed without it ({moved.cause}) and its training thread did not "
+                       f"start re-forming within {grace:g}s")
+        else:
+            self._excluded_since = None
+        if why:
+            reason = f"live: this worker leaves the group: {why}; its agent starts a newcomer"
+            logger.error("%s", reason)
+            self._trouble = self._excluded_since = None
+            if self.group.on_hung is not None:
+                self.group.on_hung(reason)
 
     def _probe_other_nodes(self, q: Quorum) -> str | None:
         """The id of a member of another node whose probe port refuses connections, if any (one
