@@ -199,10 +199,11 @@ def test_a_hung_worker_is_found_by_its_lack_of_progress_excluded_and_replaced(et
     lease and watcher stay healthy: the ranks that wait for it declare the group stalled after
     max(hang_min 2 s, 3 x median step), exclude it and step at N-1 within that bound + 1 s (+1 s
     of slack on a loaded machine here); the hung process exits with EXIT_EXCLUDED (its own
-    watcher ends it), its agent starts a newcomer, and the world is back at 3."""
+    watcher ends it), its agent starts a newcomer, and the world is back at 3. A checkpoint every
+    2 steps: the others may wait for it inside a save's gather, which must not count as busy."""
     ck, logs = tmp_path / "ck", tmp_path / "logs"
     outs = [tmp_path / f"agent{i}.log" for i in range(3)]
-    args = ("--max-steps", "100000", "--sleep-per-step", "0.05")
+    args = ("--max-steps", "100000", "--sleep-per-step", "0.05", "--checkpoint-every", "2")
     os.environ[ENV_DEBUG_HANG] = "1"
     try:
         agents = [live_agent(procs, etcd, run_id, ck, logs, outs[i], *args) for i in range(3)]

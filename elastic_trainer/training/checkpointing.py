@@ -25,12 +25,14 @@ Threads: the save after a failure and the bounded wait run on worker-runtime thr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import socket
 import time
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, ContextManager, Protocol
 
 import torch
 import torch.distributed as dist
@@ -78,8 +80,11 @@ class Checkpointing:
     """Capture, save, load and restore the trainer's state; see the module docstring."""
 
     def __init__(self, manager, config: TrainConfig, dinfo: DistInfo, state: TrainingState,
-                 report: Reporter) -> None:
+                 report: Reporter, slow: Callable[[str], ContextManager] | None = None) -> None:
         self.manager = manager  # the CheckpointManager, None without --checkpoint-dir
+        self.slow = slow or (lambda what: contextlib.nullcontext())
+        """``Manager.slow``: marks this rank's local waits (the previous upload, the snapshot) so
+        that peers waiting for it do not take it for hung; never a collective (a hang there is one)."""
         self.config, self.dinfo, self.state, self.report = config, dinfo, state, report
         self.last_save_step: int | None = None  # the step saved (or resumed from) last
         self.saving_after_failure = False  # rank 0 saves alone after a lost peer: no RNG gather
@@ -318,15 +323,17 @@ class Checkpointing:
         self.last_save_step = s.step
         if self.manager is None or (state is None and not sharded):
             return
-        self.manager.wait()  # save() waits for the previous save anyway; say first whether it committed
+        with self.slow("checkpoint"):  # this rank alone: the previous upload may still run
+            self.manager.wait()  # save() waits for the previous save anyway; say first whether it committed
         self.note_commit()
         if sharded:
             self._sharded_saver.save(s.step, s.module, s.optimizer, state, blocking=blocking)
             blocked = time.perf_counter() - t0
         else:
-            blocked = self.manager.save(s.step, state, blocking=blocking)
-            if blocking:
-                self.manager.wait()
+            with self.slow("checkpoint"):  # rank 0's snapshot (and with blocking, its upload)
+                blocked = self.manager.save(s.step, state, blocking=blocking)
+                if blocking:
+                    self.manager.wait()
         committed = bool(self.manager.last_save_stats.get("committed")) if blocking and d.is_main else None
         if committed is False:  # a committed save gets its one line from note_commit
             self.report.print0(f"checkpoint step-{s.step} NOT saved to {storage.redact(self.config.checkpoint_dir)}")

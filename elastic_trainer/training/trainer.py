@@ -154,7 +154,7 @@ class Trainer:
             self.run_id: str | None = None
             self.last_loss: float = float("nan")
             self.first_loss: tuple[int, float] | None = None  # (step, loss) of this process's first agreed step
-            self.checkpoints = Checkpointing(manager, c, d, self, self.report)
+            self.checkpoints = Checkpointing(manager, c, d, self, self.report, slow=self.manager.slow)
             self.profiler = None  # torch.profiler's, with --profile (train() starts it)
             self._pending: list[tuple] = []  # (step, epoch, offset, loss sum, StepTime, end time) not in the step log yet
             self._boundary_at: float | None = None  # perf_counter at the end of the last step
@@ -264,8 +264,7 @@ class Trainer:
             self.report.event("stop", step=self.step, reason=reason)
             return reason  # _finish saves this step
         if self.checkpoints.manager is not None and (save_due or every_n) and not self._done(total):
-            with self.manager.slow("checkpoint"):  # waits for the previous upload, snapshots: not a hang
-                self.checkpoints.save(blocking=False)
+            self.checkpoints.save(blocking=False)  # its local waits are Manager.slow phases, its gathers not
             return "saved"
         if reform and not self._done(total):
             return "reform"
