@@ -486,9 +486,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds between faults in the goodput run (alternately kill a node, add one)")
     p.add_argument("--seed", type=int, default=0, help="seed of the goodput run's choice of nodes to kill")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list of {', '.join(SCENARIOS)}")
-    p.add_argument("--cap", type=float, default=60.0,
+    p.add_argument("--cap", type=float, default=90.0,
                    help="silent faults: seconds to wait for a world without the node or worker; past it the "
-                        "trial counts as '> cap' (systems that wait for their collective timeout)")
+                        "trial counts as '> cap'. Above what restart and c10d-tuned need with the collective "
+                        "timeout below (a hung worker: that timeout, then torchrun's 30 s grace to stop it), "
+                        "far below their defaults")
     p.add_argument("--away", type=float, default=float(silent.LEASE_TTL + 2),
                    help="silent faults: seconds a frozen or cut-off node stays away at least (past its lease)")
     p.add_argument("--baseline-collective-timeout", type=float, default=30.0,

@@ -77,6 +77,14 @@ class Netns:
         """Node ``index``'s command inside its namespace, with its address as ``--local-addr``."""
         node = self.nodes[index] = self.network.add_node(index)
         cmd = [node.address if prev == "--local-addr" else arg for prev, arg in zip([None, *cmd], cmd)]
+        backend = cmd[cmd.index("--rdzv-backend") + 1] if "--rdzv-backend" in cmd else None
+        if index == 0 and backend == "c10d":  # c10d finds its store host by host name, which a namespace keeps
+            if "--rdzv-conf" in cmd:
+                at = cmd.index("--rdzv-conf") + 1
+                cmd[at] = ",".join(c for c in (cmd[at], "is_host=true") if c)
+            else:
+                at = cmd.index("--rdzv-backend") + 2
+                cmd[at:at] = ["--rdzv-conf", "is_host=true"]
         env = {**env, "GLOO_SOCKET_IFNAME": netns.INSIDE_IFNAME, "TP_SOCKET_IFNAME": netns.INSIDE_IFNAME}
         return self.network.wrap(node, cmd), env
 
@@ -168,7 +176,7 @@ def measure(job, scenario: str, n: int, args, live: bool, steady, redone_steps) 
         raise Failed(f"no step at world size {n} within {args.timeout:g}s after the node came back"
                      + ("" if first else f" (nor without it within the cap of {args.cap:g}s)"))
     time.sleep(0.5)
-    out["redone"] = redone_steps(job.steps(), t0, n - 1) if first and first["world_size"] == n - 1 else None
+    out["redone"] = redone_steps(job.steps(), t0, first["world_size"]) if first else None
     return out
 
 
