@@ -19,7 +19,7 @@ import pytest
 from elastic_trainer import records
 from elastic_trainer.records import Event
 from tests.helpers.common import REPO, cli_cmd
-from tests.helpers.live import agent_of, current_ranks, kill_node, live_agent, steps_of, wait_steps
+from tests.helpers.live import agent_of, current_ranks, kill_node, live_agent, steps_of, two_members, wait_steps
 from tests.helpers.runs import CONF, baseline, check_equivalence, final_batches, latest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -120,22 +120,7 @@ def test_the_watcher_tells_a_lost_process_within_a_poll_and_calls_the_abort_hook
     ``probe_peers`` (``on_member_lost`` aborts the group): the watcher must call it as soon as a member of
     another node is gone (its probe port refuses: what the kernel does when a process dies), long
     before the member's lease (3 s) expires. Real etcd, two members of two nodes in one process."""
-    import threading
-
-    from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
-    from elastic_trainer.env import LiveSettings
-    from elastic_trainer.rendezvous.quorum import LiveGroup
-
-    settings = LiveSettings(min_nodes=2, max_nodes=2, last_call=0.1, join_timeout=20, lease_ttl=3)
-    conn = EtcdConnection(EtcdOptions(endpoints=parse_endpoints(etcd.endpoint), retry_timeout=10))
-    groups = [LiveGroup(conn, f"/t/{run_id}", node, 0, 1, "127.0.0.1", settings) for node in ("node-a", "node-b")]
-    try:
-        joined = [threading.Thread(target=g.join) for g in groups]
-        for t in joined:
-            t.start()
-        for t in joined:
-            t.join(timeout=30)
-        assert all(g.quorum is not None and g.quorum.world_size == 2 for g in groups)
+    with two_members(etcd, run_id) as groups:
         a, b = groups
         calls: list[tuple[float, str]] = []
         a.on_member_lost = lambda why: calls.append((time.monotonic(), why))
@@ -152,9 +137,6 @@ def test_the_watcher_tells_a_lost_process_within_a_poll_and_calls_the_abort_hook
         assert calls[0][0] - t_gone < 1.0, f"took {calls[0][0] - t_gone:.2f}s"
         assert "is gone" in calls[0][1] and b.id in calls[0][1]
         assert a.change_pending.is_set() and a.change_reason == calls[0][1]
-    finally:
-        for g in groups:
-            g.close()
 
 
 def test_nccl_groups_of_the_live_path_abort_instead_of_ending_the_process(monkeypatch, caplog):

@@ -24,7 +24,7 @@ import pytest
 from elastic_trainer.env import ENV_DEBUG_HANG, EXIT_EXCLUDED, LiveSettings
 from elastic_trainer.rendezvous.progress import Progress
 from tests.helpers.common import REPO, cli_cmd
-from tests.helpers.live import agent_of, current_ranks, live_agent, steps_of, wait_steps
+from tests.helpers.live import agent_of, current_ranks, live_agent, two_members, wait_steps
 from tests.helpers.runs import CONF
 
 LEASE_TTL = LiveSettings().lease_ttl
@@ -76,6 +76,13 @@ def test_the_step_clock_bounds_a_step_by_its_median_and_never_judges_a_busy_or_w
         assert p.busy() == "checkpoint" and p.stalled() is None
     p.leave()
     assert p.median_step() == 1.0, "a step with a slow phase in it is not a step time"
+    p.enter()
+    with p.slow("evaluation", limit=10):  # a bounded slow phase: busy for 10 s, then judged again
+        clock.now += 9
+        assert p.busy() == "evaluation"
+        clock.now += 2
+        assert p.busy() is None and p.stalled() == pytest.approx(11)
+    p.leave()
     off = Progress(hang_factor=0, clock=clock)
     for _ in range(5):
         off.enter()
@@ -326,3 +333,50 @@ def test_a_node_cut_off_the_network_is_out_at_its_lease_and_rejoins_when_it_is_b
         if etcd is not None:
             etcd.stop()
         net.teardown()
+
+
+# ---- the stall protocol on a real etcd, two members in one process ----------------------------------------
+@pytest.mark.timeout(60)
+def test_a_stall_waits_for_a_busy_peer_then_is_declared_once_and_ends_the_rank_that_does_not_move(etcd, run_id):
+    """Member a's step runs past its bound while b is in ``slow("checkpoint")``: a holds off. Once
+    b's slow phase ends (but its training thread does not come back), the stall is declared
+    (``live/stall/<q>``, by whichever sees its bound pass first), both abandon their group, and b,
+    whose thread never moves, is ended by
+    its own watcher (``on_hung``) about half a second later; a, whose thread comes out of its step,
+    is not."""
+    events: list[tuple[float, str, str]] = []
+    with two_members(etcd, run_id, hang_min=1.0) as groups:
+        a, b = groups
+        # a's collective fails once its group is abandoned: its training thread comes out of the step;
+        # b's thread is the hung one and never does
+        a.on_member_lost = lambda why: (events.append((time.monotonic(), "a", "abandon")),
+                                        a.progress.leave(measured=False))
+        b.on_member_lost = lambda why: events.append((time.monotonic(), "b", "abandon"))
+        for g, name in ((a, "a"), (b, "b")):
+            g.on_hung = lambda why, n=name: events.append((time.monotonic(), n, "hung: " + why))
+            for _ in range(3):  # three 0.1 s steps: bound max(1 s, 3 x 0.1 s) = 1 s
+                g.progress.enter()
+                time.sleep(0.1)
+                g.progress.leave()
+            g.start_watching()
+        b_slow = b.progress.slow("checkpoint")
+        b_slow.__enter__()
+        b.wake()
+        a.progress.enter()  # a waits in its next step; b is "checkpointing"
+        b.progress.enter()
+        time.sleep(2.5)
+        assert events == [], "no stall while b is busy"
+        assert not a.change_pending.is_set()
+        b_slow.__exit__(None, None, None)  # b's slow phase ends, but its thread never comes back
+        t_end = time.monotonic()
+        deadline = t_end + 5
+        while not any("hung" in e[2] for e in events) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(1.0)
+        hung = [e for e in events if "hung" in e[2]]
+        assert [e[1] for e in hung] == ["b"], events
+        assert "it is the hung rank" in hung[0][2]
+        assert {e[1] for e in events if e[2] == "abandon"} == {"a", "b"}, events
+        assert hung[0][0] - t_end < 3.0, f"b ended {hung[0][0] - t_end:.2f}s after its slow phase"
+        stall = a.conn.call(lambda c: c.get(f"/t/{run_id}/live/stall/{a.quorum.q}"), "read")[0]
+        assert stall is not None and b"node-" in stall

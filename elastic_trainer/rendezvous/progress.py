@@ -47,7 +47,7 @@ class Progress:
         self._steps: deque[float] = deque(maxlen=window)
         self._depth = 0
         self._entered: float | None = None
-        self._slow: list[str] = []
+        self._slow: list[tuple[str, float | None]] = []  # (what, until)
         self._slow_in_step = False
         self.moves = 0
         """Counts every call of the training thread into the Manager (enter, leave, slow, reform):
@@ -75,19 +75,21 @@ class Progress:
                 self._entered = None
 
     @contextlib.contextmanager
-    def slow(self, what: str) -> Iterator[None]:
+    def slow(self, what: str, limit: float | None = None) -> Iterator[None]:
         """A phase that may take much longer than a step (a checkpoint save, a compile): while in it
-        this rank is busy, and its peers do not take the wait for it as a hang."""
+        (for at most ``limit`` seconds, when given) this rank is busy, and its peers do not take
+        the wait for it as a hang."""
+        entry = (what, None if limit is None else self._clock() + limit)
         with self._lock:
             self.moves += 1
-            self._slow.append(what)
+            self._slow.append(entry)
             self._slow_in_step = self._slow_in_step or self._depth > 0
         try:
             yield
         finally:
             with self._lock:
                 self.moves += 1
-                self._slow.remove(what)
+                self._slow.remove(entry)
 
     def reform_started(self) -> None:
         with self._lock:
@@ -115,8 +117,10 @@ class Progress:
     def busy(self) -> str | None:
         """Why this rank may legitimately take long now (a slow phase, warming up), else None."""
         with self._lock:
-            if self._slow:
-                return self._slow[-1]
+            now = self._clock()
+            within = [what for what, until in self._slow if until is None or now < until]
+            if within:
+                return within[-1]
             if self._entered is not None and len(self._steps) < self.warmup:
                 return "warm-up"
             return None

@@ -3,9 +3,10 @@
 Under ``--recovery live`` (the default) every agent's rendezvous is a world of its own node
 (``rendezvous/handler.py``, live mode): torchrun still starts, supervises and restarts the
 workers, but *which workers train together* is decided here. This module is membership only
-(``LiveGroup``: the quorum key, leases, compare-and-swap, join, re-form, the probe listener, the
-watcher); the process group built on it, the state transfer and the step agreement are the
-training side's ``Manager`` (``training/manager.py``), which is what a training loop uses.
+(``LiveGroup``: the quorum key, leases, compare-and-swap, join, re-form); what a quorum is made of
+is ``rendezvous/members.py``, what watches it while training is ``rendezvous/watcher.py``; the
+process group built on it, the state transfer and the step agreement are the training side's
+``Manager`` (``training/manager.py``), which is what a training loop uses.
 
 The **quorum** is one etcd key, ``<run prefix>live/quorum``: a number ``q`` and the members in
 rank order. Every change of it is a compare-and-swap on that key, so there is one quorum at a
@@ -61,157 +62,18 @@ import datetime
 import json
 import logging
 import os
-import socket
 import threading
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from elastic_trainer.env import LiveSettings, WorkerEnv
+from elastic_trainer.rendezvous.members import (LiveExcluded, LiveTimeout, Member, ProbeListener, Quorum, RunFinished,
+                                                StartThread, View, complete_nodes, json_values, probe_dead,
+                                                range_end, resolvable, start_daemon_thread)
 from elastic_trainer.rendezvous.progress import Progress
+from elastic_trainer.rendezvous.watcher import Watcher
 
 logger = logging.getLogger(__name__)
-
-StartThread = Callable[..., threading.Thread]
-"""``start_thread(name, target, *args, stop=callable) -> Thread``, as ``WorkerRuntime.start_thread``."""
-
-
-def start_daemon_thread(name: str, target: Callable[..., object], *args: object,
-                        stop: Callable[[], None] | None = None) -> threading.Thread:
-    """The default ``StartThread``: a plain daemon thread (nobody joins it; ``stop`` is the caller's)."""
-    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-    thread.start()
-    return thread
-
-
-class LiveExcluded(RuntimeError):
-    """This worker is not a member of the quorum that was formed: it may not train or commit."""
-
-
-class RunFinished(LiveExcluded):
-    """The run finished while this worker waited to be admitted (a spare that was not needed).
-
-    Only while a member of the finished quorum still lives: once none does, the finished quorum
-    is an earlier job's, and a new launch of the same run id (say with a larger ``--max-steps``)
-    starts it over with a cold quorum instead of exiting 0 without training."""
-
-
-class LiveTimeout(RuntimeError):
-    """No quorum could be formed in time (too few nodes, or etcd out of reach)."""
-
-
-@dataclass(frozen=True)
-class Member:
-    id: str
-    node: str
-    local_rank: int
-    probe: str  # host:port of the member's probe listener
-
-
-@dataclass(frozen=True)
-class Quorum:
-    """One membership of the live group: rank ``i`` is ``members[i]``."""
-
-    q: int
-    members: tuple[Member, ...]
-    step: int = -1
-    source: int = 0
-    """The rank whose state the receivers load (one that completed ``step``)."""
-    receivers: tuple[int, ...] = ()
-    cold: bool = False
-    finished: bool = False
-    cause: str = ""
-    formed_at: float = 0.0
-
-    @property
-    def world_size(self) -> int:
-        return len(self.members)
-
-    @property
-    def nodes(self) -> list[str]:
-        return list(dict.fromkeys(m.node for m in self.members))
-
-    def rank_of(self, member_id: str) -> int | None:
-        for i, m in enumerate(self.members):
-            if m.id == member_id:
-                return i
-        return None
-
-    def to_json(self) -> bytes:
-        d = asdict(self)
-        return json.dumps(d).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> Quorum:
-        d = json.loads(data)
-        if not isinstance(d, dict) or not isinstance(d.get("q"), int) or not isinstance(d.get("members"), list):
-            raise ValueError("the live quorum in etcd is malformed")
-        members = tuple(Member(str(m["id"]), str(m["node"]), int(m["local_rank"]), str(m["probe"]))
-                        for m in d["members"])
-        return cls(q=d["q"], members=members, step=int(d.get("step", -1)), source=int(d.get("source", 0)),
-                   receivers=tuple(int(r) for r in d.get("receivers", ())), cold=bool(d.get("cold")),
-                   finished=bool(d.get("finished")), cause=str(d.get("cause", "")),
-                   formed_at=float(d.get("formed_at", 0.0)))
-
-
-def _probe_dead(address: str, timeout: float = 0.05) -> bool:
-    """True when nothing listens at ``address`` any more (connection refused): the process is gone.
-
-    A stopped process still accepts (the kernel completes the handshake), and an unreachable
-    host times out: both count as "not provably dead"."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
-            return False
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
-
-
-class _ProbeListener:
-    """A listening socket whose refusal tells peers that this process is gone."""
-
-    def __init__(self, host: str, start_thread: StartThread) -> None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.bind((host, 0))
-        self.sock.listen(64)
-        self.address = f"{host}:{self.sock.getsockname()[1]}"
-        self._closed = False
-        start_thread("live-probe", self._run, stop=self.close)
-
-    def _run(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            conn.close()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-
-
-@dataclass
-class _View:
-    """One read of the live keys."""
-
-    quorum: Quorum | None
-    quorum_rev: int  # mod revision of the quorum key (0: absent)
-    alive: set[str]
-    joiners: dict[str, tuple[dict, int]]  # id -> (value, create revision)
-    reports: dict[str, dict] = field(default_factory=dict)
-    stall: dict | None = None  # the stall declared for the quorum asked about, if any
-    busy: dict[str, dict] = field(default_factory=dict)  # id -> {"q", "what"}: members in a slow phase
-
 
 class LiveGroup:
     """This worker's membership in the live quorum of its run (see the module docstring).
@@ -233,7 +95,7 @@ class LiveGroup:
         self.id = f"{node}-{local_rank}-{os.getpid()}"
         self._start_thread = start_thread
         self._on_lease_lost = on_lease_lost
-        self._probe = _ProbeListener(host, start_thread)
+        self._probe = ProbeListener(host, start_thread)
         self.me = Member(self.id, node, local_rank, self._probe.address)
         self.quorum: Quorum | None = None
         self.change_pending = threading.Event()
@@ -250,16 +112,13 @@ class LiveGroup:
         re-form without it (it must end the process: the Manager exits; its agent starts a newcomer)."""
         self.progress = Progress(settings.hang_min, settings.hang_factor)
         """The training thread's step clock (the Manager marks it); the watcher judges hangs by it."""
-        self._wake = threading.Event()
-        self._busy_shown: tuple[int, str] | None = None  # (quorum, what) of the busy key this worker wrote
-        self._waiting_on: str = ""
-        self._trouble: tuple[int, float, int, str] | None = None  # (quorum, when, moves, why): the thread must move
         self._adopt_lock = threading.Lock()
         self._lease = LeaseKeeper(conn, self._key("alive/" + self.id), settings.lease_ttl,
                                   settings.keep_alive_interval, self._on_lease_tick, self._on_lease_tick)
         self._lease_asked = 0.0
         self._lease.ensure()
         self._stop = threading.Event()
+        self.watcher = Watcher(self)
         self._watcher: threading.Thread | None = None
         self.requests = 0
 
@@ -279,7 +138,7 @@ class LiveGroup:
         options = options_from_export(env.rdzv_conn, retry_timeout=15.0)
         node = env.rdzv_node
         host = node.rsplit("_", 2)[0] if node.count("_") >= 2 else "127.0.0.1"
-        host = _resolvable(host)
+        host = resolvable(host)
         return cls(EtcdConnection(options), env.rdzv_prefix, node, env.local_rank or 0,
                    env.local_world_size or 1, host, env.live, start_thread=start_thread,
                    on_lease_lost=on_lease_lost)
@@ -292,20 +151,20 @@ class LiveGroup:
         self.requests += 1
         return self.conn.call(fn, f"live {what}")
 
-    def _read(self, report_q: int | None = None, stall_q: int | None = None) -> _View:
+    def _read(self, report_q: int | None = None, stall_q: int | None = None) -> View:
         """One transaction: the quorum, the leases, the joiners, and (when asked) the reports for
         quorum ``report_q``, and the stall declared for quorum ``stall_q`` with the busy members."""
         p = self.prefix
 
         def txn(c):
             t = c.transactions
-            ops = [t.get(p + "quorum"), t.get(p + "alive/", range_end=_range_end(p + "alive/")),
-                   t.get(p + "join/", range_end=_range_end(p + "join/"))]
+            ops = [t.get(p + "quorum"), t.get(p + "alive/", range_end=range_end(p + "alive/")),
+                   t.get(p + "join/", range_end=range_end(p + "join/"))]
             if report_q is not None:
                 rp = f"{p}report/{report_q}/"
-                ops.append(t.get(rp, range_end=_range_end(rp)))
+                ops.append(t.get(rp, range_end=range_end(rp)))
             if stall_q is not None:
-                ops += [t.get(f"{p}stall/{stall_q}"), t.get(p + "busy/", range_end=_range_end(p + "busy/"))]
+                ops += [t.get(f"{p}stall/{stall_q}"), t.get(p + "busy/", range_end=range_end(p + "busy/"))]
             return c.transaction(compare=[], success=ops, failure=[])
 
         _, responses = self._call(txn, "read")
@@ -320,15 +179,15 @@ class LiveGroup:
                 joiners[meta.key.decode()[len(p + "join/"):]] = (json.loads(value), meta.create_revision)
             except ValueError:
                 continue
-        view = _View(quorum, rev, alive, joiners)
+        view = View(quorum, rev, alive, joiners)
         rest = responses[3:]
         if report_q is not None:
             rp = f"{p}report/{report_q}/"
-            view.reports = _json_values(rest[0], rp)
+            view.reports = json_values(rest[0], rp)
             rest = rest[1:]
         if stall_q is not None:
-            view.stall = next(iter(_json_values(rest[0], f"{p}stall/").values()), None)
-            view.busy = {mid: v for mid, v in _json_values(rest[1], p + "busy/").items() if v.get("q") == stall_q}
+            view.stall = next(iter(json_values(rest[0], f"{p}stall/").values()), None)
+            view.busy = {mid: v for mid, v in json_values(rest[1], p + "busy/").items() if v.get("q") == stall_q}
         return view
 
     def _cas_quorum(self, new: Quorum, expected_rev: int) -> bool:
@@ -393,7 +252,7 @@ class LiveGroup:
                     return self._adopt(q)
                 live_quorum = q is not None and any(m.id in view.alive for m in q.members)
                 if not live_quorum:
-                    nodes = _complete_nodes(view)
+                    nodes = complete_nodes(view)
                     if len(nodes) >= self.settings.min_nodes:
                         enough_since = enough_since or time.monotonic()
                         if (len(nodes) >= self.settings.max_nodes
@@ -464,7 +323,7 @@ class LiveGroup:
             pending = [m for m in old.members if m.id not in view.reports and m.node not in gone_nodes]
             if pending and now - last_probe > 0.02:
                 last_probe = now
-                dead |= {m.id for m in pending if _probe_dead(m.probe)}
+                dead |= {m.id for m in pending if probe_dead(m.probe)}
                 gone_nodes |= {m.node for m in old.members if m.id in dead}
                 pending = [m for m in pending if m.node not in gone_nodes]
             if now > next_say:  # a long wait says what it waits for
@@ -485,7 +344,7 @@ class LiveGroup:
                     continue
             time.sleep(0.003)
 
-    def _propose(self, old: Quorum, view: _View, target: int, cause: str) -> Quorum | None:
+    def _propose(self, old: Quorum, view: View, target: int, cause: str) -> Quorum | None:
         """The next quorum from what ``view`` shows, or None while there are too few nodes."""
         by_node: dict[str, list[Member]] = {}
         for m in old.members:
@@ -494,7 +353,7 @@ class LiveGroup:
                      if all(x.id in view.reports for x in ms)]
         nodes = list(dict.fromkeys(m.node for m in survivors))
         room = self.settings.max_nodes - len(nodes)
-        joiners = [(n, ms) for n, ms in _complete_nodes(view) if n not in nodes][:max(0, room)]
+        joiners = [(n, ms) for n, ms in complete_nodes(view) if n not in nodes][:max(0, room)]
         if len(nodes) + len(joiners) < self.settings.min_nodes or not survivors:
             return None
         members = tuple(survivors) + tuple(m for _, ms in joiners for m in ms)
@@ -535,150 +394,19 @@ class LiveGroup:
     def start_watching(self) -> None:
         """Watch joiners, leases and (with ``on_member_lost``) the other nodes' probes while training."""
         if self._watcher is None:
-            self._watcher = self._start_thread("live-watch", self._watch, stop=self._stop_watching)
+            self._watcher = self._start_thread("live-watch", self.watcher.run, stop=self._stop_watching)
 
     def _stop_watching(self) -> None:
         self._stop.set()
-        self._wake.set()
+        self.watcher.wake()
 
-    def _watch(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self.settings.poll)
-            self._wake.clear()
-            q = self.quorum
-            if q is None or self._stop.is_set():
-                continue
-            self._show_busy(q)
-            try:
-                view = self._read(stall_q=q.q)
-            except Exception as exc:  # noqa: BLE001 - etcd out of reach: the lease decides
-                logger.info("live: watcher could not read etcd: %s", exc)
-                continue
-            self._check_stuck(q, view)
-            if self.change_pending.is_set():
-                continue
-            lost, must_move = self._lost(q, view), False
-            if not lost and view.stall is not None:
-                lost, must_move = f"{view.stall.get('by')} saw no progress for {view.stall.get('waited', 0):.1f}s", True
-            if not lost and (lasted := self.progress.stalled()) is not None and self._declare_stall(q, view, lasted):
-                lost, must_move = f"no progress for {lasted:.1f}s (a rank is hung)", True
-            reason = lost
-            if not lost and len(q.nodes) < self.settings.max_nodes and any(
-                    n not in q.nodes for n, _ in _complete_nodes(view)):
-                reason = "a node asks to join"
-            if reason:
-                with self._adopt_lock:
-                    if self.quorum is not q:  # re-formed while this view was read: it is stale
-                        continue
-                    self.change_reason = reason
-                    self.change_pending.set()
-            if lost:
-                if must_move:  # the training thread must come out of its step now, or it is the hung one
-                    self._trouble = (q.q, time.monotonic(), self.progress.moves,
-                                     f"its training thread made no progress while its peers waited ({lost}) and "
-                                     f"did not come out of its step once the group was abandoned: it is the hung rank")
-                if self.on_member_lost is not None:
-                    logger.warning("live: %s in quorum %d: abandoning the process group's collectives", lost, q.q)
-                    self.on_member_lost(lost)
-
-    def _lost(self, q: Quorum, view: _View) -> str:
-        """Why the quorum ``q`` lost a member (moved on, a lease expired, a process gone), or ""."""
-        if view.quorum is not None and view.quorum.q > q.q:
-            return f"the quorum moved to {view.quorum.q}"
-        expired = [m.id for m in q.members if m.id not in view.alive]
-        if expired:
-            return f"the etcd lease of {expired[0]} expired (stopped or cut off)"
-        if self.probe_peers and (gone := self._probe_other_nodes(q)):
-            return f"the process of {gone} is gone"
-        return ""
-
-    def _declare_stall(self, q: Quorum, view: _View, lasted: float) -> bool:
-        """This rank waited past the hang bound: unless a peer is busy (a checkpoint, a warm-up),
-        declare quorum ``q`` stalled in etcd (one key, first writer wins), so that every rank
-        abandons its collectives and the hung one is found. True when the stall is declared."""
-        busy = {mid: v for mid, v in view.busy.items() if q.rank_of(mid) is not None and mid != self.id}
-        if busy:
-            waiting_on = ", ".join(f"{mid} ({v.get('what')})" for mid, v in sorted(busy.items()))
-            if waiting_on != self._waiting_on:
-                self._waiting_on = waiting_on
-                logger.info("live: step running %.1fs, past the hang bound; not a hang: busy %s", lasted, waiting_on)
-            return False
-        key = self._key(f"stall/{q.q}")
-        record = json.dumps({"by": self.id, "waited": lasted, "bound": self.progress.bound(),
-                             "median_step": self.progress.median_step(), "at": time.time()}).encode()
-
-        def txn(c):
-            t = c.transactions
-            return c.transaction(compare=[t.create(key) == 0], success=[t.put(key, record)], failure=[])
-
-        try:
-            self._call(txn, "stall declaration")
-        except Exception as exc:  # noqa: BLE001 - etcd out of reach: try again at the next poll
-            logger.info("live: could not declare the stall: %s", exc)
-            return False
-        logger.warning("live: no progress for %.1fs in a step (bound %.1fs = max(hang_min %g s, hang_factor %g x "
-                       "median step %.3fs)) and no peer is busy: quorum %d is stalled", lasted,
-                       self.progress.bound() or 0.0, self.settings.hang_min, self.settings.hang_factor,
-                       self.progress.median_step() or 0.0, q.q)
-        return True
-
-    def _show_busy(self, q: Quorum) -> None:
-        """Keep ``busy/<id>`` in etcd while this rank is in a slow phase (or warming up past half a
-        second), so that its peers do not take their wait for it as a hang."""
-        busy = self.progress.busy()
-        if busy == "warm-up" and (self.progress.in_step() or 0.0) < 0.5:
-            busy = None if self._busy_shown is None else self._busy_shown[1]
-        want = (q.q, busy) if busy is not None else None
-        if want == self._busy_shown:
-            return
-        try:
-            if want is None:
-                self._lease.delete(self._key("busy/" + self.id))
-            else:
-                self._lease.put(self._key("busy/" + self.id), json.dumps({"q": q.q, "what": busy}).encode())
-            self._busy_shown = want
-        except Exception as exc:  # noqa: BLE001 - tried again at the next poll
-            logger.info("live: could not update the busy key: %s", exc)
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
 
     def wake(self) -> None:
         """Make the watcher look now (a slow phase began)."""
-        self._wake.set()
-
-    def _check_stuck(self, q: Quorum, view: _View) -> None:
-        """End this worker when its training thread is stuck while the others go on: it did not
-        come out of its step within ``come_back`` seconds of a declared stall (it is the hung rank),
-        or the quorum formed without it while the thread neither moved nor re-formed (it would
-        never learn). A thread in a slow phase it announced is left to find out by itself."""
-        moves, now = self.progress.moves, time.monotonic()
-        come_back = max(0.5, 3 * self.settings.poll)
-        if self._trouble is not None:
-            tq, since, seen_moves, what = self._trouble
-            if tq != q.q or moves != seen_moves or self.progress.reforming \
-                    or self.progress.busy() not in (None, "warm-up"):
-                self._trouble = None
-            elif now - since > come_back:
-                reason = f"live: this worker leaves the group: {what}; its agent starts a newcomer"
-                logger.error("%s", reason)
-                self._trouble = None
-                if self.on_hung is not None:
-                    self.on_hung(reason)
-                return
-        moved = view.quorum
-        if self._trouble is None and moved is not None and moved.q > q.q and moved.rank_of(self.id) is None \
-                and not self.progress.reforming and self.progress.busy() is None:
-            self._trouble = (q.q, now, moves, f"quorum {moved.q} formed without it ({moved.cause}) while its "
-                                              f"training thread did not move")
-
-    def _probe_other_nodes(self, q: Quorum) -> str | None:
-        """The id of a member of another node whose probe port refuses connections, if any (one
-        member per node is probed: a node is kept or dropped whole)."""
-        seen = {self.node}
-        for m in q.members:
-            if m.node not in seen:
-                seen.add(m.node)
-                if _probe_dead(m.probe):
-                    return m.id
-        return None
+        self.watcher.wake()
 
     def fence_check(self) -> None:
         """Raise ``FencedError`` unless this worker's quorum is still the current one and its lease lives."""
@@ -733,63 +461,6 @@ class LiveGroup:
             self._watcher.join(timeout=2)
         self._probe.close()
         self._lease.close(revoke=True)
-
-
-# ---- helpers -----------------------------------------------------------------------------------------
-def _range_end(prefix: str) -> bytes:
-    import etcd3.utils
-
-    return etcd3.utils.prefix_range_end(prefix.encode())
-
-
-def _json_values(responses, prefix: str) -> dict[str, dict]:
-    """key (less ``prefix``) -> its JSON object, for the values of one range read (others skipped)."""
-    out = {}
-    for value, meta in responses:
-        try:
-            parsed = json.loads(value)
-        except ValueError:
-            continue
-        if isinstance(parsed, dict):
-            out[meta.key.decode()[len(prefix):]] = parsed
-    return out
-
-
-def _complete_nodes(view: _View) -> list[tuple[str, list[Member]]]:
-    """Joiners grouped by node, nodes with all their workers registered, first come first."""
-    by_node: dict[str, list[tuple[int, Member]]] = {}
-    nproc: dict[str, int] = {}
-    for mid, (value, rev) in view.joiners.items():
-        if mid not in view.alive:
-            continue
-        node = str(value.get("node"))
-        nproc[node] = int(value.get("nproc", 1))
-        by_node.setdefault(node, []).append((rev, Member(mid, node, int(value.get("local_rank", 0)),
-                                                         str(value.get("probe", "")))))
-    out = []
-    for node, items in by_node.items():
-        ranks = {m.local_rank for _, m in items}
-        if len(items) == nproc[node] and ranks == set(range(nproc[node])):
-            out.append((min(r for r, _ in items), node, sorted((m for _, m in items), key=lambda m: m.local_rank)))
-    out.sort()
-    return [(node, ms) for _, node, ms in out]
-
-
-def _resolvable(host: str) -> str:
-    """An address this host can bind to for the probe listener (the node's address, else loopback)."""
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except OSError:
-        return "127.0.0.1"
-    for family, *_rest, sockaddr in infos:
-        addr = sockaddr[0]
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as s:
-                s.bind((addr, 0))
-            return addr
-        except OSError:
-            continue
-    return "127.0.0.1"
 
 
 __all__ = ["LiveExcluded", "LiveGroup", "LiveTimeout", "Member", "Quorum", "RunFinished", "StartThread",

@@ -460,14 +460,16 @@ class Manager:
         return out
 
     @contextlib.contextmanager
-    def slow(self, what: str) -> Iterator[None]:
+    def slow(self, what: str, limit: float | None = None) -> Iterator[None]:
         """A phase that may take far longer than a step (a checkpoint save, a compile, an
         evaluation): while in it, the peers that wait for this rank do not take it for a hung one
-        (its ``busy/`` key in etcd says so). Outside live recovery it does nothing."""
+        (its ``busy/`` key in etcd says so). With ``limit`` it counts as busy for that many seconds
+        at most (a hang inside it is then found); without, a hang inside it waits for the
+        collective timeout. Outside live recovery it does nothing."""
         if self.group is None:
             yield
             return
-        with self.group.progress.slow(what):
+        with self.group.progress.slow(what, limit):
             self.group.wake()
             yield
 

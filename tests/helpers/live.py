@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from elastic_trainer import records
@@ -55,3 +58,28 @@ def current_ranks(st: list[dict]) -> dict[int, int]:
     """rank -> pid in the newest round."""
     newest = max(s["round"] for s in st)
     return {s["rank"]: s["pid"] for s in st if s["round"] == newest}
+
+
+@contextlib.contextmanager
+def two_members(etcd, run_id: str, **settings) -> Iterator[list]:
+    """Two ``LiveGroup``s of two nodes ("node-a", "node-b") in this process, joined into one
+    quorum on the real ``etcd``; closed after. ``settings`` override ``LiveSettings``' (2 nodes)."""
+    from elastic_trainer.env import LiveSettings
+    from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
+    from elastic_trainer.rendezvous.quorum import LiveGroup
+
+    live = LiveSettings(**{"min_nodes": 2, "max_nodes": 2, "last_call": 0.1, "join_timeout": 20, "lease_ttl": 3,
+                           **settings})
+    conn = EtcdConnection(EtcdOptions(endpoints=parse_endpoints(etcd.endpoint), retry_timeout=10))
+    groups = [LiveGroup(conn, f"/t/{run_id}", node, 0, 1, "127.0.0.1", live) for node in ("node-a", "node-b")]
+    try:
+        joined = [threading.Thread(target=g.join) for g in groups]
+        for t in joined:
+            t.start()
+        for t in joined:
+            t.join(timeout=30)
+        assert all(g.quorum is not None and g.quorum.world_size == 2 for g in groups)
+        yield groups
+    finally:
+        for g in groups:
+            g.close()

@@ -1,0 +1,212 @@
+"""What the live quorum is made of: members, the quorum record, one read of the live keys, and
+the probe port that tells peers a process is gone. No etcd calls here (``rendezvous/quorum.py``
+makes them; ``rendezvous/watcher.py`` watches them)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+StartThread = Callable[..., threading.Thread]
+"""``start_thread(name, target, *args, stop=callable) -> Thread``, as ``WorkerRuntime.start_thread``."""
+
+
+def start_daemon_thread(name: str, target: Callable[..., object], *args: object,
+                        stop: Callable[[], None] | None = None) -> threading.Thread:
+    """The default ``StartThread``: a plain daemon thread (nobody joins it; ``stop`` is the caller's)."""
+    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+class LiveExcluded(RuntimeError):
+    """This worker is not a member of the quorum that was formed: it may not train or commit."""
+
+
+class RunFinished(LiveExcluded):
+    """The run finished while this worker waited to be admitted (a spare that was not needed).
+
+    Only while a member of the finished quorum still lives: once none does, the finished quorum
+    is an earlier job's, and a new launch of the same run id (say with a larger ``--max-steps``)
+    starts it over with a cold quorum instead of exiting 0 without training."""
+
+
+class LiveTimeout(RuntimeError):
+    """No quorum could be formed in time (too few nodes, or etcd out of reach)."""
+
+
+@dataclass(frozen=True)
+class Member:
+    id: str
+    node: str
+    local_rank: int
+    probe: str  # host:port of the member's probe listener
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """One membership of the live group: rank ``i`` is ``members[i]``."""
+
+    q: int
+    members: tuple[Member, ...]
+    step: int = -1
+    source: int = 0
+    """The rank whose state the receivers load (one that completed ``step``)."""
+    receivers: tuple[int, ...] = ()
+    cold: bool = False
+    finished: bool = False
+    cause: str = ""
+    formed_at: float = 0.0
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    @property
+    def nodes(self) -> list[str]:
+        return list(dict.fromkeys(m.node for m in self.members))
+
+    def rank_of(self, member_id: str) -> int | None:
+        for i, m in enumerate(self.members):
+            if m.id == member_id:
+                return i
+        return None
+
+    def to_json(self) -> bytes:
+        d = asdict(self)
+        return json.dumps(d).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Quorum:
+        d = json.loads(data)
+        if not isinstance(d, dict) or not isinstance(d.get("q"), int) or not isinstance(d.get("members"), list):
+            raise ValueError("the live quorum in etcd is malformed")
+        members = tuple(Member(str(m["id"]), str(m["node"]), int(m["local_rank"]), str(m["probe"]))
+                        for m in d["members"])
+        return cls(q=d["q"], members=members, step=int(d.get("step", -1)), source=int(d.get("source", 0)),
+                   receivers=tuple(int(r) for r in d.get("receivers", ())), cold=bool(d.get("cold")),
+                   finished=bool(d.get("finished")), cause=str(d.get("cause", "")),
+                   formed_at=float(d.get("formed_at", 0.0)))
+
+
+def probe_dead(address: str, timeout: float = 0.05) -> bool:
+    """True when nothing listens at ``address`` any more (connection refused): the process is gone.
+
+    A stopped process still accepts (the kernel completes the handshake), and an unreachable
+    host times out: both count as "not provably dead"."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
+class ProbeListener:
+    """A listening socket whose refusal tells peers that this process is gone."""
+
+    def __init__(self, host: str, start_thread: StartThread) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.bind((host, 0))
+        self.sock.listen(64)
+        self.address = f"{host}:{self.sock.getsockname()[1]}"
+        self._closed = False
+        start_thread("live-probe", self._run, stop=self.close)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            conn.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+@dataclass
+class View:
+    """One read of the live keys."""
+
+    quorum: Quorum | None
+    quorum_rev: int  # mod revision of the quorum key (0: absent)
+    alive: set[str]
+    joiners: dict[str, tuple[dict, int]]  # id -> (value, create revision)
+    reports: dict[str, dict] = field(default_factory=dict)
+    stall: dict | None = None  # the stall declared for the quorum asked about, if any
+    busy: dict[str, dict] = field(default_factory=dict)  # id -> {"q", "what"}: members in a slow phase
+
+
+# ---- reading the live keys ------------------------------------------------------------------------------
+def range_end(prefix: str) -> bytes:
+    import etcd3.utils
+
+    return etcd3.utils.prefix_range_end(prefix.encode())
+
+
+def json_values(responses, prefix: str) -> dict[str, dict]:
+    """key (less ``prefix``) -> its JSON object, for the values of one range read (others skipped)."""
+    out = {}
+    for value, meta in responses:
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            continue
+        if isinstance(parsed, dict):
+            out[meta.key.decode()[len(prefix):]] = parsed
+    return out
+
+
+def complete_nodes(view: View) -> list[tuple[str, list[Member]]]:
+    """Joiners grouped by node, nodes with all their workers registered, first come first."""
+    by_node: dict[str, list[tuple[int, Member]]] = {}
+    nproc: dict[str, int] = {}
+    for mid, (value, rev) in view.joiners.items():
+        if mid not in view.alive:
+            continue
+        node = str(value.get("node"))
+        nproc[node] = int(value.get("nproc", 1))
+        by_node.setdefault(node, []).append((rev, Member(mid, node, int(value.get("local_rank", 0)),
+                                                         str(value.get("probe", "")))))
+    out = []
+    for node, items in by_node.items():
+        ranks = {m.local_rank for _, m in items}
+        if len(items) == nproc[node] and ranks == set(range(nproc[node])):
+            out.append((min(r for r, _ in items), node, sorted((m for _, m in items), key=lambda m: m.local_rank)))
+    out.sort()
+    return [(node, ms) for _, node, ms in out]
+
+
+def resolvable(host: str) -> str:
+    """An address this host can bind to for the probe listener (the node's address, else loopback)."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return "127.0.0.1"
+    for family, *_rest, sockaddr in infos:
+        addr = sockaddr[0]
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((addr, 0))
+            return addr
+        except OSError:
+            continue
+    return "127.0.0.1"
+
+
+__all__ = ["LiveExcluded", "LiveTimeout", "Member", "ProbeListener", "Quorum", "RunFinished", "StartThread", "View",
+           "complete_nodes", "json_values", "probe_dead", "range_end", "resolvable", "start_daemon_thread"]
