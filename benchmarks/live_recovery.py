@@ -22,7 +22,16 @@ Each trial, per system, in one job while it survives (a fresh job for what follo
   kill-other  SIGKILL the node of the highest rank -> the first step at N-1;
   join        then start a node -> the survivors' pause (their last step at N-1 to the first step at N)
               and the newcomer's start -> its first step;
-  kill-rank0  SIGKILL the node of rank 0 -> the first step at N-1.
+  kill-rank0  SIGKILL the node of rank 0 -> the first step at N-1;
+  stop-node, stop-rank0, cut-node, hang
+              silent faults (issue 27, ``benchmarks/silent.py``): a node frozen or cut off, a worker
+              hung -> the first step at N-1 (or "> cap" after ``--cap`` s) and back at N. cut-node runs in
+              a job of its own whose nodes live in network namespaces (root). The restart path and
+              c10d run with ``--baseline-collective-timeout`` (30 s; their defaults are 300 s and 30 min).
+
+``--scenarios`` picks some (all by default), e.g. ``--scenarios stop-node,stop-rank0,cut-node,hang
+--goodput-seconds 0`` for the silent faults alone. ``--text`` and ``--json`` write the results with
+the commit and the date (``benchmarks/results/``).
 
 For each fault it also counts the steps redone (the last step any rank completed before it, minus
 the first step after it, plus one; 0 when nothing is lost; plain_ddp has no checkpoints and starts
@@ -44,12 +53,14 @@ recorded agent PID (``signal_tree``), and every etcd is stopped, also on error, 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import random
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -60,6 +71,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import recovery  # noqa: E402  (benchmarks/recovery.py: the job, c10d's settings, the waits)
+import silent  # noqa: E402  (benchmarks/silent.py: frozen, cut-off and hung nodes)
 from recovery import Failed  # noqa: E402
 
 from elastic_trainer import records  # noqa: E402
@@ -68,7 +80,8 @@ from elastic_trainer.drill.nodes import descendants  # noqa: E402
 
 SYSTEMS = ("live", "own-loop", "restart", "c10d-tuned")
 LIVE_SYSTEMS = ("live", "own-loop")
-SCENARIOS = ("kill-other", "join", "kill-rank0")
+LOUD = ("kill-other", "join", "kill-rank0")
+SCENARIOS = (*LOUD, *silent.SCENARIOS)
 EXAMPLE = ["--example", "seeds", "--d-model", "16", "--nhead", "2", "--layers", "1", "--dim-feedforward", "32", "--src-len", "2",
            "--tgt-len", "4", "--dataset-size", "2400", "--loss", "mse", "--global-batch-size", "12"]
 """The model and data of /tmp/live/try.py's experiment, flags both the trainer and plain_ddp.py take."""
@@ -88,10 +101,10 @@ def read_steps(log_dir: Path) -> list[dict]:
 class TrainerJob(recovery.Job):
     """Our trainer (``elastic-train``) on one etcd, with ``--recovery live`` or ``restart``."""
 
-    def __init__(self, recovery_mode: str, nodes: int, workdir: Path, settings: argparse.Namespace) -> None:
-        super().__init__("etcd-v3", nodes, workdir)
+    def __init__(self, recovery_mode: str, nodes: int, workdir: Path, settings: argparse.Namespace, net=None) -> None:
+        super().__init__("etcd-v3", nodes, workdir, net=net)
         self.name, self.recovery, self.settings = recovery_mode, recovery_mode, settings
-        self.env = {"OMP_NUM_THREADS": "1"}
+        self.env = {"OMP_NUM_THREADS": "1", **silent.DEBUG_ENV}
 
     def node_cmd(self) -> list[str]:
         s = self.settings
@@ -100,7 +113,8 @@ class TrainerJob(recovery.Job):
                 "--recovery", self.recovery, "--local-addr", "127.0.0.1",
                 "--checkpoint-dir", str(self.dir / "ckpt"), "--log-dir", str(self.dir), "--",
                 *EXAMPLE, *TRAINER, "--sleep-per-step", str(s.sleep_per_step),
-                "--checkpoint-every", str(s.checkpoint_every)]
+                "--checkpoint-every", str(s.checkpoint_every),
+                *(["--collective-timeout", str(s.baseline_collective_timeout)] if self.recovery == "restart" else [])]
 
     def steps(self) -> list[dict]:
         return read_steps(self.dir)
@@ -113,8 +127,8 @@ class OwnLoopJob(TrainerJob):
     """``examples/own_loop.py`` (a plain DDP loop through ``elastic_trainer.Manager``) under
     ``elastic-train``, live: the Manager's recovery without the built-in trainer."""
 
-    def __init__(self, nodes: int, workdir: Path, settings: argparse.Namespace) -> None:
-        super().__init__("live", nodes, workdir, settings)
+    def __init__(self, nodes: int, workdir: Path, settings: argparse.Namespace, net=None) -> None:
+        super().__init__("live", nodes, workdir, settings, net)
         self.name = "own-loop"
 
     def node_cmd(self) -> list[str]:
@@ -128,8 +142,8 @@ class OwnLoopJob(TrainerJob):
 class PlainJob(recovery.Job):
     """torchrun on c10d (as ``recovery.py`` tunes it) running ``benchmarks/plain_ddp.py``."""
 
-    def __init__(self, nodes: int, workdir: Path, settings: argparse.Namespace) -> None:
-        super().__init__("c10d-tuned", nodes, workdir)
+    def __init__(self, nodes: int, workdir: Path, settings: argparse.Namespace, net=None) -> None:
+        super().__init__("c10d-tuned", nodes, workdir, net=net)
         self.settings = settings
         self.env = {**self.env, "OMP_NUM_THREADS": "1"}
 
@@ -139,7 +153,8 @@ class PlainJob(recovery.Job):
                         backend=self.rdzv_backend, conf=self.conf)
         cmd = cmd[:cmd.index("--out") - 1]  # torchrun's flags, without benchmarks/rdzv_worker.py
         return [*cmd, str(REPO / "benchmarks" / "plain_ddp.py"), *EXAMPLE, "--max-steps", "1000000",
-                "--log-dir", str(self.dir), "--live-step-log", "--sleep-per-step", str(s.sleep_per_step)]
+                "--log-dir", str(self.dir), "--live-step-log", "--sleep-per-step", str(s.sleep_per_step),
+                "--collective-timeout", str(s.baseline_collective_timeout)]
 
     def steps(self) -> list[dict]:
         return read_steps(self.dir)
@@ -148,12 +163,19 @@ class PlainJob(recovery.Job):
         return []
 
 
-def make_job(system: str, nodes: int, workdir: Path, settings: argparse.Namespace) -> recovery.Job:
-    if system == "c10d-tuned":
-        return PlainJob(nodes, workdir, settings)
-    if system == "own-loop":
-        return OwnLoopJob(nodes, workdir, settings)
-    return TrainerJob(system, nodes, workdir, settings)
+def make_job(system: str, nodes: int, workdir: Path, settings: argparse.Namespace, netns: bool = False) -> recovery.Job:
+    """A job of ``system``; with ``netns`` its nodes each in a network namespace (``silent.Netns``)."""
+    net = silent.Netns() if netns else None
+    try:
+        if system == "c10d-tuned":
+            return PlainJob(nodes, workdir, settings, net)
+        if system == "own-loop":
+            return OwnLoopJob(nodes, workdir, settings, net)
+        return TrainerJob(system, nodes, workdir, settings, net)
+    except BaseException:
+        if net is not None:
+            net.close()
+        raise
 
 
 # ---- what the step logs say --------------------------------------------------------------------
@@ -272,18 +294,26 @@ def _hwm_extra(before: dict[int, float | None]) -> dict[str, float] | None:
 
 
 def trial(system: str, args: argparse.Namespace, root: Path) -> dict:
-    """Every scenario once; a scenario that fails ends its job, and the next one starts a fresh job."""
+    """Every scenario once; a scenario that fails ends its job, and the next one starts a fresh job
+    (as does one that needs network namespaces after one that does not)."""
     n, live, results = args.nodes, system in LIVE_SYSTEMS, {}
     job, jobs = None, 0
     try:
-        for scenario in SCENARIOS:
+        for scenario in args.scenarios:
             if scenario == "join" and not isinstance(results.get("kill-other"), dict):
                 results["join"] = "not run (kill-other failed)"
                 continue
+            netns = scenario in silent.NEEDS_NETNS
+            if netns and silent.can_cut():
+                results[scenario] = silent.can_cut()
+                continue
+            if job is not None and (job.net is not None) != netns:
+                job.close()
+                job = None
             try:
                 if job is None:
                     jobs += 1
-                    job = make_job(system, n, root / f"{system}-{jobs}", args)
+                    job = make_job(system, n, root / f"{system}-{jobs}", args, netns)
                     for _ in range(n):
                         job.start_node()
                     try:
@@ -293,11 +323,15 @@ def trial(system: str, args: argparse.Namespace, root: Path) -> dict:
                     results.setdefault("step_interval", step_interval(job.steps(), n))
                 if scenario == "join":
                     results[scenario] = _join(job, n, args.timeout, live)
+                elif scenario in silent.SCENARIOS:
+                    results[scenario] = silent.measure(job, scenario, n, args, live,
+                                                       lambda j, size: _steady(j, size, args.timeout), redone_steps)
                 else:
                     results[scenario] = _kill(job, 0 if scenario == "kill-rank0" else n - 1, n, args.timeout, live)
             except Failed as exc:
                 results[scenario] = str(exc)
-                job.close()
+                if job is not None:
+                    job.close()
                 job = None
     finally:
         if job is not None:
@@ -379,12 +413,12 @@ def _stats(values: list) -> tuple[str, str]:
     return med, worst
 
 
-def summarize(results: dict[str, list[dict]]) -> str:
+def summarize(results: dict[str, list[dict]], scenarios: list[str]) -> str:
     head = (f"{'system':<11} {'scenario':<11} {'ok':>5} {'median s':>9} {'worst s':>8} {'pause med':>9} "
             f"{'pause max':>9} {'redone':>7} {'+HWM MiB':>8}  failures")
     lines = [head]
     for system, trials in results.items():
-        for sc in SCENARIOS:
+        for sc in scenarios:
             vals = [t.get(sc, "not run") for t in trials]
             ok = [v for v in vals if isinstance(v, dict)]
             med, worst = _stats([v["s"] for v in ok])
@@ -406,7 +440,7 @@ def verdicts(results: dict[str, list[dict]], goodput: dict[str, dict]) -> list[s
     for system in LIVE_SYSTEMS:
         trials = results.get(system, [])
         for sc in ("kill-other", "kill-rank0"):
-            vals = [t.get(sc) for t in trials]
+            vals = [t.get(sc) for t in trials if sc in t]
             ok = [v["s"] for v in vals if isinstance(v, dict)]
             if vals:
                 met = len(ok) == len(vals) and statistics.median(ok) < 0.5 and max(ok) < 1.0
@@ -414,7 +448,7 @@ def verdicts(results: dict[str, list[dict]], goodput: dict[str, dict]) -> list[s
                 out.append(f"{system} {sc}: median {med} s, worst {worst} s, {len(ok)}/{len(vals)} "
                            f"(target {TARGETS['kill']}): {'met' if met else 'NOT met'}")
         pauses = [t["join"]["pause"] for t in trials if isinstance(t.get("join"), dict) and t["join"].get("pause")]
-        if trials:
+        if any("join" in t for t in trials):
             med = statistics.median(pauses) if pauses else None
             out.append(f"{system} join: survivors' pause median {med if med is None else f'{med:.3f}'} s "
                        f"(target {TARGETS['join']}): {'met' if med is not None and med < 0.5 else 'NOT met'}")
@@ -451,10 +485,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fault-every", type=float, default=10.0,
                    help="seconds between faults in the goodput run (alternately kill a node, add one)")
     p.add_argument("--seed", type=int, default=0, help="seed of the goodput run's choice of nodes to kill")
-    p.add_argument("--json", default=None, help="also write every measurement to this JSON file")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list of {', '.join(SCENARIOS)}")
+    p.add_argument("--cap", type=float, default=90.0,
+                   help="silent faults: seconds to wait for a world without the node or worker; past it the "
+                        "trial counts as '> cap'. Above what restart and c10d-tuned need with the collective "
+                        "timeout below (a hung worker: that timeout, then torchrun's 30 s grace to stop it), "
+                        "far below their defaults")
+    p.add_argument("--away", type=float, default=float(silent.LEASE_TTL + 2),
+                   help="silent faults: seconds a frozen or cut-off node stays away at least (past its lease)")
+    p.add_argument("--baseline-collective-timeout", type=float, default=30.0,
+                   help="restart and c10d-tuned: the collective timeout a user who knows about hangs sets "
+                        "(--collective-timeout, init_process_group(timeout=)); the live path keeps its default")
+    p.add_argument("--json", default=None, help="also write every measurement to this JSON file (with commit and date)")
+    p.add_argument("--text", default=None,
+                   help="also write the printed results to this file, after a first line with commit, date, "
+                        "cores, load and command")
     p.add_argument("--keep", action="store_true", help="keep every job's logs")
     args = p.parse_args(argv)
     systems = _systems(args.systems, p)
+    args.scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    for sc in args.scenarios:
+        if sc not in SCENARIOS:
+            p.error(f"unknown scenario {sc!r}; choose from {', '.join(SCENARIOS)}")
+    args.scenarios = [sc for sc in SCENARIOS if sc in args.scenarios]  # join follows kill-other
     goodput_systems = _systems(args.goodput_systems, p) if args.goodput_seconds > 0 else []
     if not 1 <= args.min_nodes < args.nodes:
         p.error(f"--min-nodes {args.min_nodes} must be at least 1 and below --nodes {args.nodes}")
@@ -464,6 +517,13 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     root = Path(tempfile.mkdtemp(prefix="live-recovery-bench-"))
+    load_start, date = os.getloadavg()[0], datetime.datetime.now(datetime.timezone.utc)
+    printed: list[str] = []
+
+    def say(line: str = "") -> None:  # print, and keep for --text
+        print(line, flush=True)
+        printed.append(line)
+
     counts = {s: args.trials if s in LIVE_SYSTEMS else (args.baseline_trials or args.trials) for s in systems}
     results: dict[str, list[dict]] = {s: [] for s in systems}
     goodput: dict[str, dict] = {}
@@ -474,16 +534,14 @@ def main(argv: list[str] | None = None) -> int:
                 if i < counts[s]:
                     r = trial(s, args, root / f"trial-{i}")
                     results[s].append(r)
-                    print(f"trial {i + 1} {s}: " + ", ".join(
-                        f"{k}={v['s']:.3f}s" + (f" (pause {v['pause']:.3f}s)" if v.get("pause") is not None else "")
-                        + (f" redone {v['redone']}" if v.get("redone") is not None else "")
-                        if isinstance(v, dict) else f"{k}={v}" for k, v in r.items() if k in SCENARIOS), flush=True)
+                    say(f"trial {i + 1} {s}: " + ", ".join(
+                        _trial_value(k, v) for k, v in r.items() if k in SCENARIOS))
         for s in goodput_systems:
             base = goodput_run(s, args, root / f"goodput-{s}-clean", faults=False)
-            print(f"goodput {s} without faults: {base.get('steps')} steps in {args.goodput_seconds:.0f} s", flush=True)
+            say(f"goodput {s} without faults: {base.get('steps')} steps in {args.goodput_seconds:.0f} s")
             hit = goodput_run(s, args, root / f"goodput-{s}-faults", faults=True)
-            print(f"goodput {s} with a fault every {args.fault_every:.0f} s: {hit.get('steps')} steps "
-                  f"({len(hit['faults'])} faults)", flush=True)
+            say(f"goodput {s} with a fault every {args.fault_every:.0f} s: {hit.get('steps')} steps "
+                f"({len(hit['faults'])} faults)")
             ratio = hit["steps"] / base["steps"] if hit.get("steps") is not None and base.get("steps") else None
             busy = 1 - hit["stalled_s"] / args.goodput_seconds if hit.get("steps") is not None else None
             goodput[s] = {"clean": base, "faults": hit, "ratio": ratio, "time_ratio": busy}
@@ -493,43 +551,97 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(root, ignore_errors=True)
 
-    print()
-    print(summarize(results))
-    print("  ok: recovered/trials; median/worst s: kill -> first step at N-1, join: the newcomer's start -> its "
-          "first step; pause: the survivors' last step at N-1 -> first at N; redone: steps done again (range); "
-          "+HWM: the survivors' largest VmHWM growth over the re-form (live)")
+    loud = [sc for sc in args.scenarios if sc in LOUD]
+    quiet = [sc for sc in args.scenarios if sc in silent.SCENARIOS]
+    intervals = [t["step_interval"] for ts in results.values() for t in ts if t.get("step_interval")]
+    step_s = statistics.median(intervals) if intervals else None
+    say()
+    if loud:
+        say(summarize(results, loud))
+        say("  ok: recovered/trials; median/worst s: kill -> first step at N-1, join: the newcomer's start -> its "
+            "first step; pause: the survivors' last step at N-1 -> first at N; redone: steps done again (range); "
+            "+HWM: the survivors' largest VmHWM growth over the re-form (live)")
+    if quiet:
+        say(silent.summarize(results, quiet, args.cap))
+        say(f"  silent faults: N-1 ok: trials with a world without the node or worker within --cap {args.cap:g} s; "
+            f"to N-1: fault -> its first step ('> {args.cap:g}': none within the cap); to N: fault -> the first step "
+            f"at N once the node is back (away >= {args.away:g} s) or the worker replaced; restart and c10d-tuned "
+            f"with a collective timeout of {args.baseline_collective_timeout:g} s, live at its defaults (lease "
+            f"{silent.LEASE_TTL} s, hang bound max({silent.HANG_MIN:g} s, {silent.HANG_FACTOR:g} x median step))")
     for s in systems:
-        for sc in SCENARIOS:
+        for sc in args.scenarios:
             phases = [t[sc]["reform"] for t in results[s] if isinstance(t.get(sc), dict) and t[sc].get("reform")]
             if phases:
-                print(f"  {s} {sc} re-form on rank 0, median s: " + ", ".join(
+                say(f"  {s} {sc} re-form on rank 0, median s: " + ", ".join(
                     f"{k[:-2]} {statistics.median(ph[k] for ph in phases):.3f}"
                     for k in ("teardown_s", "agree_s", "group_s", "state_s", "total_s")))
-    intervals = [t["step_interval"] for ts in results.values() for t in ts if t.get("step_interval")]
-    if intervals:
-        print(f"  steps padded with --sleep-per-step {args.sleep_per_step}: median step interval "
-              f"{statistics.median(intervals):.3f} s at {args.nodes} nodes, so about "
-              f"{max(0.0, statistics.median(intervals) - args.sleep_per_step):.3f} s of compute and waiting per step")
+    if step_s is not None:
+        say(f"  steps padded with --sleep-per-step {args.sleep_per_step}: median step interval "
+            f"{step_s:.3f} s at {args.nodes} nodes, so about "
+            f"{max(0.0, step_s - args.sleep_per_step):.3f} s of compute and waiting per step")
     for s, g in goodput.items():
         ratio = "-" if g["ratio"] is None else f"{g['ratio']:.3f}"
         busy = "-" if g["time_ratio"] is None else f"{g['time_ratio']:.3f}"
-        print(f"goodput {s}: {g['faults'].get('steps')} / {g['clean'].get('steps')} steps = {ratio} "
-              f"({args.goodput_seconds:.0f} s each, a fault every {args.fault_every:.0f} s); time not stalled "
-              f"in the run with faults: {busy} ({g['faults'].get('stalled_s', float('nan')):.1f} s stalled, "
-              f"{g['clean'].get('stalled_s', float('nan')):.1f} s without faults). On 2 shared cores the step "
-              "ratio also moves with the load and with smaller worlds stepping faster")
-    print()
-    print("targets (issue 17):")
-    for line in verdicts(results, goodput):
-        print("  " + line)
-    print(f"\n{args.nodes} nodes x 1 worker on loopback, --nnodes {args.min_nodes}:{args.nodes}, {os.cpu_count()} "
-          f"CPUs, load average {os.getloadavg()[0]:.1f}, {time.time() - started:.0f} s in all")
-    print("command: " + " ".join([Path(sys.executable).name, *sys.argv]))
+        say(f"goodput {s}: {g['faults'].get('steps')} / {g['clean'].get('steps')} steps = {ratio} "
+            f"({args.goodput_seconds:.0f} s each, a fault every {args.fault_every:.0f} s); time not stalled "
+            f"in the run with faults: {busy} ({g['faults'].get('stalled_s', float('nan')):.1f} s stalled, "
+            f"{g['clean'].get('stalled_s', float('nan')):.1f} s without faults). On 2 shared cores the step "
+            "ratio also moves with the load and with smaller worlds stepping faster")
+    targets = verdicts(results, goodput)
+    targets27 = silent.verdicts(results, LIVE_SYSTEMS, step_s, args.cap) if quiet else []
+    if targets:
+        say()
+        say("targets (issue 17):")
+        for line in targets:
+            say("  " + line)
+    if targets27:
+        say()
+        say("targets (issue 27):")
+        for line in targets27:
+            say("  " + line)
+    load_end = os.getloadavg()[0]
+    command = " ".join([Path(sys.executable).name, *sys.argv])
+    say(f"\n{args.nodes} nodes x 1 worker on loopback (cut-node: in network namespaces), --nnodes "
+        f"{args.min_nodes}:{args.nodes}, {os.cpu_count()} CPUs, load average {load_start:.1f} at the start, "
+        f"{load_end:.1f} at the end, {time.time() - started:.0f} s in all")
+    say("command: " + command)
+    head = {"commit": commit(), "date": date.strftime("%Y-%m-%d"), "started_utc": date.isoformat(timespec="seconds"),
+            "cores": os.cpu_count(), "load": [round(load_start, 2), round(load_end, 2)], "command": command}
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "targets": TARGETS, "results": results,
-                                               "goodput": goodput, "verdicts": verdicts(results, goodput)},
+        Path(args.json).write_text(json.dumps({**head, "args": vars(args), "targets": TARGETS, "results": results,
+                                               "goodput": goodput, "verdicts": targets, "verdicts_issue_27": targets27},
                                               indent=1))
+    if args.text:
+        Path(args.text).write_text(f"# commit {head['commit']} date {head['date']} cores {os.cpu_count()} load "
+                                   f"{load_start:.2f}/{load_end:.2f} command: {command}\n" + "\n".join(printed) + "\n")
     return 0
+
+
+def _trial_value(scenario: str, v) -> str:
+    """One scenario of a trial, for its progress line."""
+    if not isinstance(v, dict):
+        return f"{scenario}={v}"
+    if scenario in silent.SCENARIOS:
+        to_away = f"> {v['cap']:g}s (cap)" if v.get("s") is None else f"{v['s']:.3f}s"
+        back = "" if v.get("back") is None else f" (N again {v['back']:.3f}s)"
+        return f"{scenario}={to_away}{back}" + (f" redone {v['redone']}" if v.get("redone") is not None else "")
+    return (f"{scenario}={v['s']:.3f}s" + (f" (pause {v['pause']:.3f}s)" if v.get("pause") is not None else "")
+            + (f" redone {v['redone']}" if v.get("redone") is not None else ""))
+
+
+def commit() -> str:
+    """The code's commit: $GIT_COMMIT (a copy without its .git), else git's with ``-dirty`` when
+    tracked files differ from it, else unknown."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True, timeout=10).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                                 capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("-dirty" if changed else "")
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ trainer's step-log format, so one parser reads both), and rank 0 prints one line
 with samples/s measured over the steps after ``--warmup-steps``.
 
 ``--live-step-log`` writes each line as its step ends instead (``benchmarks/live_recovery.py`` reads
-the logs while torchrun recovers the job), and ``--sleep-per-step`` pads every step as the trainer's
-flag of that name does.
+the logs while torchrun recovers the job), ``--sleep-per-step`` pads every step as the trainer's
+flag of that name does, and ``--collective-timeout`` bounds the gloo collectives (silent faults).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import random
 import signal
 import sys
 import time
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "read it while the job runs; a killed worker keeps what it logged)")
     p.add_argument("--sleep-per-step", type=float, default=0.0,
                    help="seconds to sleep after every step, as the trainer's flag (default 0)")
+    p.add_argument("--collective-timeout", type=float, default=None,
+                   help="seconds a gloo collective may wait before it fails (default: torch's, 30 min); "
+                        "what a user lowers to get out of a hang on a silent peer")
     add_example_arguments(p)
     return p
 
@@ -71,7 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
     args = build_parser().parse_args(argv)
-    dist.init_process_group("gloo")
+    if args.collective_timeout is None:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.collective_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.global_batch_size % world:
         raise SystemExit(f"--global-batch-size {args.global_batch_size} must be divisible by the world size {world}")

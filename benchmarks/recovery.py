@@ -66,9 +66,10 @@ class Failed(Exception):
 
 
 class Job:
-    """One elastic job of single-worker nodes on loopback."""
+    """One elastic job of single-worker nodes on loopback, or each in a network namespace of its own
+    (``net``: ``benchmarks/silent.py``'s ``Netns``, which places each node and its etcd or store)."""
 
-    def __init__(self, backend: str, nodes: int, workdir: Path, extra_conf: str = "") -> None:
+    def __init__(self, backend: str, nodes: int, workdir: Path, extra_conf: str = "", net=None) -> None:
         self.name = backend
         self.rdzv_backend, conf, self.env = BACKENDS[backend]
         self.conf = ",".join(c for c in (conf, extra_conf) if c)
@@ -78,9 +79,13 @@ class Job:
         self.out = str(workdir / "steps")
         self.agents: list[subprocess.Popen] = []
         self.server = None
+        self.net = net
         if self.rdzv_backend == "etcd-v3":
-            self.server = EtcdServer(data_dir=workdir / "etcd", log_path=workdir / "etcd.log").start()
+            host = net.host_address if net is not None else "127.0.0.1"
+            self.server = EtcdServer(data_dir=workdir / "etcd", host=host, log_path=workdir / "etcd.log").start()
             self.endpoint = self.server.endpoint
+        elif net is not None:  # the first node hosts c10d's store, inside its namespace (all ports free there)
+            self.endpoint = f"{net.address_of(0)}:29400"
         else:
             self.endpoint = f"127.0.0.1:{free_port()}"
 
@@ -96,9 +101,11 @@ class Job:
     def start_node(self) -> subprocess.Popen:
         i = len(self.agents)
         cmd = self.node_cmd()
+        env = dict(os.environ, ELASTIC_TRAINER_RDZV_LOG="INFO", LOGLEVEL="INFO", **self.env)
+        if self.net is not None:
+            cmd, env = self.net.place(i, cmd, env)
         with open(self.dir / f"agent-{i}.log", "w") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=dict(os.environ, ELASTIC_TRAINER_RDZV_LOG="INFO", LOGLEVEL="INFO", **self.env))
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         self.agents.append(proc)
         if i == 0 and self.rdzv_backend == "c10d":
             time.sleep(1.0)  # let the first agent host the c10d store, as an operator would
@@ -153,11 +160,15 @@ class Job:
         raise Failed(f"no live agent runs worker {worker_pid}")
 
     def close(self) -> None:
-        for agent in self.agents:
-            signal_tree(agent.pid, signal.SIGKILL)
-            agent.wait()
-        if self.server is not None:
-            self.server.stop()
+        try:
+            for agent in self.agents:
+                signal_tree(agent.pid, signal.SIGKILL)
+                agent.wait()
+            if self.server is not None:
+                self.server.stop()
+        finally:
+            if self.net is not None:
+                self.net.close()
 
 
 def _steady(job: Job, size: int, timeout: float) -> dict[int, int]:

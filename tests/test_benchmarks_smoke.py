@@ -94,7 +94,8 @@ def test_recovery_one_trial_of_etcd_v3_measures_each_scenario(procs, tmp_path):
 def test_live_recovery_one_trial_recovers_each_fault_and_measures_goodput(procs, tmp_path):
     """One live trial (kill a node, add one, kill rank 0) and a 12 s goodput run with a fault at 6 s."""
     out = run_script(procs, "live_recovery.py", "--systems", "live", "--trials", "1", "--goodput-seconds", "12",
-                     "--fault-every", "6", "--json", str(tmp_path / "live.json"), timeout=270)
+                     "--fault-every", "6", "--scenarios", "kill-other,join,kill-rank0", "--json",
+                     str(tmp_path / "live.json"), timeout=270)
     result = json.loads((tmp_path / "live.json").read_text())
     trial = result["results"]["live"][0]
     for scenario in ("kill-other", "join", "kill-rank0"):
@@ -106,6 +107,24 @@ def test_live_recovery_one_trial_recovers_each_fault_and_measures_goodput(procs,
     assert 0 < goodput["time_ratio"] <= 1
     assert len(goodput["faults"]["faults"]) == 1  # one fault at 6 s (the next would be at 12 s, the end)
     assert "targets (issue 17):" in out and "median s" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_live_recovery_one_frozen_node_goes_to_n_minus_1_and_back_and_writes_commit_and_date(procs, tmp_path):
+    """One live trial of stop-node (issue 27): a world without the frozen node, then N again."""
+    out = run_script(procs, "live_recovery.py", "--systems", "live", "--trials", "1", "--scenarios", "stop-node",
+                     "--goodput-seconds", "0", "--json", str(tmp_path / "s.json"), "--text", str(tmp_path / "s.txt"),
+                     timeout=120)
+    result = json.loads((tmp_path / "s.json").read_text())
+    stop = result["results"]["live"][0]["stop-node"]
+    assert isinstance(stop, dict), f"live did not recover from a frozen node: {stop}"
+    assert 0 < stop["s"] < stop["back"] and stop["away_s"] >= 5
+    assert list(result)[:2] == ["commit", "date"] and re.fullmatch(r"\d{4}-\d\d-\d\d", result["date"])
+    head = (tmp_path / "s.txt").read_text().splitlines()[0]
+    assert re.match(r"# commit [0-9a-f]{40}(-dirty)? date \d{4}-\d\d-\d\d cores \d+ load [\d.]+/[\d.]+ command: ",
+                    head), head
+    assert "targets (issue 27):" in out and "live stop-node: to N-1 median" in out
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from typing import TypeVar
 
 from elastic_trainer import records
 from elastic_trainer.records import EventRecord, StepRecord
+from elastic_trainer.drill.kinds import FAULTS
 from elastic_trainer.drill.nodes import Node, children, die_with_drill, start_ticks
 from elastic_trainer.drill.scenario import DEFAULT_TRAINER_ARGS, ScenarioError
 from elastic_trainer.etcd_server import EtcdServer
@@ -183,6 +184,8 @@ class Cluster:
         if self.args.rdzv_conf:
             cmd += ["--rdzv-conf", self.args.rdzv_conf]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        for kind in sorted({f.kind for f in self.args.faults}):  # e.g. hang's debug hook, on every node
+            env.update(FAULTS[kind].node_env)
         net = None
         if self.network is not None:
             from elastic_trainer.drill import netns
@@ -265,6 +268,10 @@ class Cluster:
     def latest(self) -> StepRecord | None:
         """Rank 0's newest step line, or None before the first step."""
         return self.r0[-1] if self.r0 else None
+
+    def node(self, name: str | None) -> Node | None:
+        """The node called ``name`` (``node-<i>``), or None."""
+        return next((n for n in self.nodes if n.name == name), None)
 
     def pick(self, target: str) -> Node | None:
         """The running node that ``target`` (node:N, rank0, random) names now, or None."""

@@ -3,7 +3,7 @@
 :class:`FaultDriver` fires a :class:`~elastic_trainer.drill.scenario.Fault` on a
 :class:`~elastic_trainer.drill.cluster.Cluster` through its kind's entry in
 :data:`~elastic_trainer.drill.kinds.FAULTS` (SIGKILL, SIGSTOP, SIGTERM or cut a node, add a
-node, restart etcd, corrupt the newest checkpoint, fill the checkpoint disk), ends the faults that
+node, hang a worker, restart etcd, corrupt the newest checkpoint, fill the checkpoint disk), ends the faults that
 last ``for:SECONDS`` (the entry's ``heal``), and decides when the run has recovered: :data:`SETTLE_STEPS` steps of one
 world at the expected size since the fault (or its end). Each fault leaves a record (a dict: what
 fired, when, on which node, the world expected after it, the outcome) that ``drill_report``
@@ -107,7 +107,7 @@ class FaultDriver:
 
     def end_fault(self, rec: dict) -> None:
         """The second half of a fault with a duration (its ``heal``): SIGCONT, link up, etcd back, disk freed."""
-        node = next((n for n in self.cluster.nodes if n.name == rec.get("node")), None)
+        node = self.cluster.node(rec.get("node"))
         FAULTS[rec["kind"]].heal(self, rec, node)
         rec["end_at"] = time.time()
         rec.pop("end_due", None)
@@ -124,9 +124,11 @@ class FaultDriver:
                 self.end_fault(rec)
             return False
         since = rec["end_at"] or rec["fired_at"]
-        must_restart = rec["kind"] in drill_report.WORLD_CHANGING and rec["round_before"] is not None
+        must_restart = (rec["kind"] in drill_report.WORLD_CHANGING or rec.get("expect_dip")) \
+            and rec["round_before"] is not None
         # Settled: SETTLE_STEPS steps of one world at the expected size since the fault (one
-        # stray step of the old world finishing after a stall does not count).
+        # stray step of the old world finishing after a stall does not count; after a dip to N-1
+        # the world at N is a new one).
         fresh = [s for s in self.cluster.r0[-SETTLE_STEPS:] if s.time > since
                  and s.world_size == rec["final_world"]
                  and not (must_restart and s.round == rec["round_before"])]

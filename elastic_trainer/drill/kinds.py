@@ -11,18 +11,27 @@ report (``report.WORLD_CHANGING``) all read this table; adding a fault is adding
 ``FaultDriver`` (its ``cluster`` and ``args``), ``rec`` the fault's record (it sets the world
 expected after the fault), ``node`` the node struck (None for a kind without a ``victim``),
 ``size`` the number of member nodes before the fault. ``heal(driver, rec, node)`` ends it.
+
+Silent faults (``stop``, ``cut``, ``hang``) set ``rec["away_world"]`` (the world without the
+node, N-1) and ``rec["expect_dip"]``: whether the run must train at N-1 while the fault lasts and
+at N again after it, in a new round. A node frozen or cut off for longer than its lease (plus
+:data:`EVICT_MARGIN`) is out when the lease expires; a shorter absence must end at N (a dip is
+reported, not judged: the lease may have been renewed up to a keep-alive interval before the
+fault). A hung worker is always left out, once its peers see no progress.
 """
 
 from __future__ import annotations
 
 import argparse
 import enum
+import os
 import signal
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from elastic_trainer.drill.nodes import killpg
+from elastic_trainer.drill.nodes import children, killpg
+from elastic_trainer.env import ENV_DEBUG_HANG
 
 if TYPE_CHECKING:
     from elastic_trainer.drill.faults import FaultDriver
@@ -53,6 +62,12 @@ class FaultKind:
     arms: bool = False  # fire only arms it; FaultDriver.progress strikes later
     prepare: Callable[["FaultDriver", dict], str | None] | None = None  # before firing; a reason to skip
     refuse: Callable[[argparse.Namespace], str | None] | None = None  # why the drill cannot run it
+    node_env: tuple[tuple[str, str], ...] = ()  # set on every node when the scenario holds this kind
+
+
+EVICT_MARGIN = 1.0
+"""Seconds past the lease TTL that a node must stay away to be out of the world for sure: etcd
+revokes an expired lease up to about half a second late (its expiry check runs twice a second)."""
 
 
 # ------------------------------------------------------------------------------ fire and heal
@@ -92,11 +107,19 @@ def _term(driver: FaultDriver, rec: dict, node: Node | None, size: int, now: flo
     _expect(rec, size - 1, driver)
 
 
+def _away(driver: FaultDriver, rec: dict, size: int) -> None:
+    """stop/cut: N-1 while the node is away when that outlasts its lease, N after (module docstring)."""
+    longer = rec.get("duration") is not None and rec["duration"] >= driver.args.lease_ttl + EVICT_MARGIN
+    rec["away_world"] = size - 1
+    rec["expect_dip"] = bool(longer) and driver.args.rdzv_backend == "etcd-v3"
+    rec["expected_world"] = size - 1 if rec["expect_dip"] else size
+
+
 def _stop(driver: FaultDriver, rec: dict, node: Node | None, size: int, now: float) -> None:
     node.paused_pgids = node.signal(signal.SIGSTOP)
     node.state = "stopped"
     driver.cluster.note(node.name, "node_stopped", pgids=sorted(node.paused_pgids))
-    _expect(rec, size - 1, driver, final=False)
+    _away(driver, rec, size)
 
 
 def _cont(driver: FaultDriver, rec: dict, node: Node | None) -> None:
@@ -113,7 +136,7 @@ def _cut(driver: FaultDriver, rec: dict, node: Node | None, size: int, now: floa
     driver.cluster.network.cut(node.net)
     node.state = "cut"
     driver.cluster.note(node.name, "node_cut")
-    _expect(rec, size - 1, driver, final=False)
+    _away(driver, rec, size)
 
 
 def _reconnect(driver: FaultDriver, rec: dict, node: Node | None) -> None:
@@ -123,6 +146,35 @@ def _reconnect(driver: FaultDriver, rec: dict, node: Node | None) -> None:
     if node.state == "cut":
         node.state = "running"
     driver.cluster.note(node.name, "node_restored")
+
+
+def _pick_worker(driver: FaultDriver, rec: dict) -> str | None:
+    """hang: choose the worker process to hang (a child of the node's agent), or say why not."""
+    node = driver.cluster.node(rec["node"])
+    workers = sorted(children(node.proc.pid)) if node is not None else []
+    if not workers:
+        return f"skipped: {rec['node']} runs no worker process now"
+    rec["worker_pid"] = driver.cluster.rng.choice(workers)
+    return None
+
+
+def _hang(driver: FaultDriver, rec: dict, node: Node | None, size: int, now: float) -> None:
+    """One worker stops making progress while its process lives. Live path: SIGUSR2, which the
+    trainer's debug hook (``ENV_DEBUG_HANG``) turns into an endless sleep of the training thread,
+    its lease and watcher threads still running; the others must leave it out (N-1), its agent
+    starts a newcomer (N). Restart path (no such hook): SIGSTOP of that worker process alone; its
+    agent sees a live worker, and only the collective timeout ends the wait."""
+    live = driver.args.recovery != "restart"
+    sig = signal.SIGUSR2 if live else signal.SIGSTOP
+    rec["signal"] = sig.name
+    try:
+        os.kill(rec["worker_pid"], sig)
+    except ProcessLookupError:
+        rec["notes"].append(f"worker {rec['worker_pid']} exited before the {sig.name}")
+    driver.cluster.note(node.name, "worker_hung", pid=rec["worker_pid"], signal=sig.name)
+    rec["away_world"] = size - 1
+    rec["expect_dip"] = live
+    rec["expected_world"] = size - 1 if live else size
 
 
 def _add_node(driver: FaultDriver, rec: dict, node: Node | None, size: int, now: float) -> None:
@@ -174,7 +226,7 @@ FAULTS: dict[str, FaultKind] = {k.name: k for k in [  # in --help order
     FaultKind("kill-during-checkpoint",
               "SIGKILL rank 0's node as soon as a checkpoint save starts at or after WHEN",
               Target.NONE, _arm_kill_during_checkpoint, changes_world=True, arms=True),
-    FaultKind("stop", "SIGSTOP a node for:SECONDS (past the lease TTL), then SIGCONT it: a zombie",
+    FaultKind("stop", "SIGSTOP a node for:SECONDS, then SIGCONT it: past the lease the others go on at N-1, it rejoins",
               Target.REQUIRED, _stop, _cont, duration=8.0, victim="target"),
     FaultKind("term", "SIGTERM a node (preemption); SIGKILL what is left after --term-grace",
               Target.REQUIRED, _term, victim="target", changes_world=True),
@@ -182,7 +234,7 @@ FAULTS: dict[str, FaultKind] = {k.name: k for k in [  # in --help order
     FaultKind("restart-etcd",
               "SIGKILL the drill's etcd, start it again for:SECONDS later (default 1) on the same port and data",
               Target.NONE, _kill_etcd, _start_etcd, duration=1.0, refuse=_needs_own_etcd),
-    FaultKind("cut", "cut a node off the network for:SECONDS (needs --netns)",
+    FaultKind("cut", "cut a node off the network for:SECONDS (needs --netns): past the lease N-1, then N",
               Target.REQUIRED, _cut, _reconnect, duration=6.0, victim="target", refuse=_needs_netns),
     FaultKind("corrupt-checkpoint",
               "flip bytes in the newest checkpoint, then SIGKILL TARGET (default random) "
@@ -191,4 +243,7 @@ FAULTS: dict[str, FaultKind] = {k.name: k for k in [  # in --help order
               prepare=_corrupt),
     FaultKind("fill-disk", "fill the checkpoint tmpfs for:SECONDS, then free it",
               Target.NONE, _fill_disk, _free_disk, duration=8.0, refuse=_needs_own_disk),
+    FaultKind("hang", "hang one worker of a node: its training thread stops, its process and lease live on "
+              "(SIGUSR2 with ELASTIC_TRAINER_DEBUG_HANG=1 on every node; restart path: SIGSTOP of the worker)",
+              Target.REQUIRED, _hang, victim="target", prepare=_pick_worker, node_env=((ENV_DEBUG_HANG, "1"),)),
 ]}

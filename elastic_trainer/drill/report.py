@@ -5,8 +5,9 @@ worker processes started and gone, checkpoint commits), :func:`build_report` mea
 and the whole run:
 
 * Per fault (times from the fault): **detection** (a surviving node's workers stopped),
-  **rendezvous** (new workers started for the next round), **first step** at the expected world
-  size; **steps/samples lost** (last step before the fault minus the step resumed from); and
+  **rendezvous** (new workers started for the next round), for a silent fault (stop, cut, hang)
+  the **first step at N-1** (the world without the node), **first step** at the expected world
+  size (after a silent fault: back at N); **steps/samples lost** (last step before the fault minus the step resumed from); and
   **committed work lost** (a checkpoint committed before the resume that was newer than the
   step resumed from: that is a bug, the rest is the price of the checkpoint interval).
 * For the run: exactly-once over the final lineage (``drill_ledger``) and no two worlds
@@ -48,6 +49,17 @@ DETECT_RE = re.compile(r"stopping its workers|lost their etcd lease|round \d+ is
 JOINED_RE = re.compile(r"joined round (\d+) of rendezvous|-> \d+ of \d+ in quorum (\d+)|admitted to quorum (\d+)")
 
 
+def _steps_redone(logs: RunLogs, last_step: int, first: Attempt | None, final: Attempt) -> int:
+    """Steps redone from the last step before a fault through every world up to ``final``: at
+    each change of world, the previous world's last step minus the step the next one resumed from."""
+    chain = [a for a in logs.attempts if first is not None and first.start <= a.start <= final.start]
+    lost, top = 0, last_step
+    for attempt in chain or [final]:
+        lost += max(0, top - (attempt.first_step - 1))
+        top = attempt.last_step
+    return lost
+
+
 def _mean(values: list[float]) -> float | None:
     values = [v for v in values if isinstance(v, (int, float))]
     return round(sum(values) / len(values), 5) if values else None
@@ -82,22 +94,29 @@ def measure_fault(rec: dict, logs: RunLogs, timeline: list[dict], global_batch: 
         rec_line = _first(r0, lambda s: s.time > tf and s.world_size == want
                           and logs.attempt_of(s) is not attempt_before)
         start_from = tf
-    else:  # stop/cut: back at full size after the node returns; etcd/disk: steps go on
+    else:  # stop/cut/hang: back at full size after the node returns; etcd/disk: steps go on
         want = rec.get("final_world", rec.get("world_before"))
         start_from = t_end
         later = [s for s in r0 if s.time > t_end and s.world_size == want]
         restarted_after = [s for s in later if logs.attempt_of(s) is not attempt_before]
         rec_line = (restarted_after or later or [None])[0]
-        if kind in ("stop", "cut"):
-            evicted = _first(r0, lambda s: tf < s.time and s.world_size == rec.get("expected_world")
-                             and logs.attempt_of(s) is not attempt_before)
-            out["evicted_first_step_s"] = round(evicted.time - tf, 3) if evicted else None
-            if evicted is None:
-                notes.append("the survivors did not train without the node while it was away")
-        out["steps_during_fault"] = len([s for s in r0 if tf < s.time <= t_end])
+        if rec.get("end_at"):
+            out["steps_during_fault"] = len([s for s in r0 if tf < s.time <= t_end])
+    evicted = None
+    if "away_world" in rec:  # a silent fault: the first step of the world without the node (N-1)
+        evicted = _first(r0, lambda s: tf < s.time and s.world_size == rec["away_world"]
+                         and logs.attempt_of(s) is not attempt_before)
+        out["evicted_first_step_s"] = round(evicted.time - tf, 3) if evicted else None
+        if rec.get("expect_dip") and evicted is None:
+            notes.append(f"the others did not train at {rec['away_world']} without "
+                         + ("the hung worker" if kind == "hang" else "the node while it was away"))
+        elif evicted is not None and not rec.get("expect_dip"):
+            notes.append(f"the world went to {rec['away_world']} although the fault was shorter than the lease")
     recovered = rec_line is not None
     out["recovered"] = recovered
     out["first_step_s"] = round(rec_line.time - tf, 3) if rec_line else None
+    if rec_line is not None and rec.get("end_at"):
+        out["back_after_end_s"] = round(rec_line.time - t_end, 3)
     limit = rec_line.time if rec_line else float("inf")
     survivors = set(rec.get("survivors", []))
     seen = [o["time"] for o in timeline if tf < o["time"] <= limit and o["what"] == "workers_gone"
@@ -120,11 +139,13 @@ def measure_fault(rec: dict, logs: RunLogs, timeline: list[dict], global_batch: 
             joined = [o["time"] for o in timeline if o["what"] == "workers_started" and after < o["time"] <= limit]
         out["rendezvous_s"] = round(min(joined) - tf, 3) if joined else None
     out["restarted"] = restarted
-    ok = recovered
+    ok = recovered and not (rec.get("expect_dip") and evicted is None)
     if restarted:
         resumed = new_attempt.first_step - 1
         out["resumed_from"] = resumed
         lost = max(0, (last.step if last else 0) - resumed)
+        if evicted is not None:  # went through N-1: steps redone at each change of world
+            lost = _steps_redone(logs, last.step if last else 0, logs.attempt_of(evicted), new_attempt)
         out["steps_lost"], out["samples_lost"] = lost, lost * global_batch
         bad = set(rec.get("corrupted_steps", []))
         committed = max((step for step, t in commits.items() if t < new_attempt.start and step not in bad),
@@ -196,15 +217,20 @@ def build_report(meta: dict, faults: list[dict], timeline: list[dict], node_dirs
     failures.extend(meta.get("problems", []))
     r0 = logs.rank0_lines
     by_kind: dict[str, list[float]] = {}
+    to_away: dict[str, list[float]] = {}
     for m in measured:
         if m.get("recovered") and m.get("first_step_s") is not None:
             by_kind.setdefault(m["kind"], []).append(m["first_step_s"])
+        if m.get("evicted_first_step_s") is not None:
+            to_away.setdefault(m["kind"], []).append(m["evicted_first_step_s"])
     report = {
         **meta,
         "ok": not failures,
         "failures": failures,
         "recovery_first_step_s": {k: {"n": len(v), "median": sorted(v)[len(v) // 2], "max": max(v)}
                                   for k, v in sorted(by_kind.items())},
+        "first_step_at_n_minus_1_s": {k: {"n": len(v), "median": sorted(v)[len(v) // 2], "max": max(v)}
+                                      for k, v in sorted(to_away.items())},
         "faults": measured,
         "ledger": ledger,
         "worlds": [{"key": a.key, "start": a.start, "end": a.end, "first_step": a.first_step,
@@ -220,18 +246,21 @@ def build_report(meta: dict, faults: list[dict], timeline: list[dict], node_dirs
 
 def summary_table(report: dict) -> str:
     """One screen: a row per fault, then the ledger verdict and the overall result."""
-    head = f"{'#':>2} {'fault':<34} {'step':>5} {'detect':>7} {'rdzv':>7} {'1st step':>8} {'world':>6} " \
-           f"{'lost':>5} {'samples':>7} {'ok':>3}"
+    head = f"{'#':>2} {'fault':<34} {'step':>5} {'detect':>7} {'rdzv':>7} {'to N-1':>7} {'1st step':>8} " \
+           f"{'world':>7} {'lost':>5} {'samples':>7} {'ok':>3}"
     rows = [head, "-" * len(head)]
 
     def sec(v):
         return f"{v:.1f}s" if isinstance(v, (int, float)) else "-"
 
     for f in report["faults"]:
-        world = f"{f.get('world_before', '?')}>{f.get('final_world', f.get('expected_world', '?'))}"
+        dipped = f.get("expect_dip") or f.get("evicted_first_step_s") is not None
+        world = f"{f.get('world_before', '?')}>" + (f"{f.get('away_world', '?')}>" if dipped else "") + \
+            f"{f.get('final_world', f.get('expected_world', '?'))}"
         rows.append(f"{f['index']:>2} {f['label'][:34]:<34} {str(f.get('fired_step', '-')):>5} "
-                    f"{sec(f.get('detect_s')):>7} {sec(f.get('rendezvous_s')):>7} {sec(f.get('first_step_s')):>8} "
-                    f"{world:>6} {str(f.get('steps_lost', '-')):>5} {str(f.get('samples_lost', '-')):>7} "
+                    f"{sec(f.get('detect_s')):>7} {sec(f.get('rendezvous_s')):>7} "
+                    f"{sec(f.get('evicted_first_step_s')):>7} {sec(f.get('first_step_s')):>8} "
+                    f"{world:>7} {str(f.get('steps_lost', '-')):>5} {str(f.get('samples_lost', '-')):>7} "
                     f"{'yes' if f['ok'] else 'NO':>3}")
     led = report["ledger"]
     rows.append("-" * len(head))

@@ -234,7 +234,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             raise ScenarioError(problem)
     if args.netns and args.rdzv_endpoint:
         raise ScenarioError("--netns starts its own etcd on the drill bridge: leave out --rdzv-endpoint")
+    args.lease_ttl = lease_ttl(args.rdzv_conf)
     return args
+
+
+def lease_ttl(rdzv_conf: str | None) -> float:
+    """The nodes' etcd lease in seconds: ``lease_ttl`` in ``--rdzv-conf`` (``k=v,k=v``), else the
+    rendezvous default (``LiveSettings.lease_ttl``, 3 s). A frozen or cut-off node is out of the
+    world when its lease expires, so this decides what a ``stop`` or ``cut`` is expected to do."""
+    from elastic_trainer.env import LiveSettings
+
+    for item in (rdzv_conf or "").split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == "lease_ttl":
+            try:
+                return float(value)
+            except ValueError:
+                raise ScenarioError(f"--rdzv-conf lease_ttl={value!r} is not a number of seconds") from None
+    return float(LiveSettings().lease_ttl)
 
 
 class _TrainerParser(argparse.ArgumentParser):
