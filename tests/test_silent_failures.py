@@ -56,7 +56,7 @@ class FakeClock:
 
 def test_the_step_clock_bounds_a_step_by_its_median_and_never_judges_a_busy_or_warming_rank():
     clock = FakeClock()
-    p = Progress(hang_min=2.0, hang_factor=3.0, warmup=3, clock=clock)
+    p = Progress(hang_min=2.0, hang_factor=3.0, clock=clock)
     p.enter()
     clock.now += 30.0  # a first step (a compile): warming up, not stalled
     assert p.busy() == "warm-up" and p.stalled() is None
@@ -82,6 +82,17 @@ def test_the_step_clock_bounds_a_step_by_its_median_and_never_judges_a_busy_or_w
         assert p.busy() == "evaluation"
         clock.now += 2
         assert p.busy() is None and p.stalled() == pytest.approx(11)
+    p.leave()
+    p.reform_started()
+    p.reform_ended()
+    p.enter()  # the first step after a re-form (a recompile, DDP's rebuild): warm-up again
+    clock.now += 20
+    assert p.busy() == "warm-up" and p.stalled() is None
+    p.leave()
+    assert p.median_step() == 1.0, "nor is a warm-up step"
+    p.enter()
+    clock.now += 3.5
+    assert p.stalled() == pytest.approx(3.5)
     p.leave()
     off = Progress(hang_factor=0, clock=clock)
     for _ in range(5):

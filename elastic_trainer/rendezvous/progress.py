@@ -9,9 +9,10 @@ the step clock can. The ``Manager`` marks when its training thread enters and le
 the bound, ``max(hang_min, hang_factor x median step)`` over the last steps, and it is not
 **busy**:
 
-- in a slow phase its loop announced (``slow("checkpoint")``: a save, a first compile), or
-- warming up: fewer than ``warmup`` steps measured since this process started (a first step,
-  a compile, a newcomer's first steps after it received the state).
+- in a slow phase its loop announced (``slow("checkpoint")``: a save, an evaluation), or
+- warming up: in the first step after this process joined or after a re-form (a first step, a
+  compile, a recompile for the new per-rank batch, DDP's bucket rebuild). That step is not a step
+  time either; a bound needs one measured step.
 
 A stalled rank is not the hung one (every rank that waits for the hung one is stalled at the
 same step); the watcher then asks its peers whether one of them is busy, and if none is,
@@ -39,9 +40,9 @@ class Progress:
 
     ``hang_factor <= 0`` turns hang detection off (``stalled()`` is then always None)."""
 
-    def __init__(self, hang_min: float = 2.0, hang_factor: float = 3.0, warmup: int = 3, window: int = 20,
+    def __init__(self, hang_min: float = 2.0, hang_factor: float = 3.0, window: int = 20,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.hang_min, self.hang_factor, self.warmup = hang_min, hang_factor, warmup
+        self.hang_min, self.hang_factor = hang_min, hang_factor
         self._clock = clock
         self._lock = threading.Lock()
         self._steps: deque[float] = deque(maxlen=window)
@@ -49,6 +50,7 @@ class Progress:
         self._entered: float | None = None
         self._slow: list[tuple[str, float | None]] = []  # (what, until)
         self._slow_in_step = False
+        self._warm = True  # the next step is the first since this process joined or re-formed
         self.moves = 0
         """Counts every call of the training thread into the Manager (enter, leave, slow, reform):
         a watcher that sees it unchanged for a while knows the thread did not move."""
@@ -70,8 +72,10 @@ class Progress:
             self.moves += 1
             self._depth = max(0, self._depth - 1)
             if self._depth == 0 and self._entered is not None:
-                if measured and not self._slow_in_step:
+                if measured and not self._slow_in_step and not self._warm:
                     self._steps.append(self._clock() - self._entered)
+                if measured:
+                    self._warm = False
                 self._entered = None
 
     @contextlib.contextmanager
@@ -101,6 +105,7 @@ class Progress:
         with self._lock:
             self.moves += 1
             self.reforming = False
+            self._warm = True
 
     # ---- the watcher ----------------------------------------------------------------------------
     def median_step(self) -> float | None:
@@ -110,7 +115,7 @@ class Progress:
     def bound(self) -> float | None:
         """Seconds a step may last before this rank counts as stalled; None while warming up or off."""
         with self._lock:
-            if self.hang_factor <= 0 or len(self._steps) < self.warmup:
+            if self.hang_factor <= 0 or not self._steps:
                 return None
             return max(self.hang_min, self.hang_factor * statistics.median(self._steps))
 
@@ -121,7 +126,7 @@ class Progress:
             within = [what for what, until in self._slow if until is None or now < until]
             if within:
                 return within[-1]
-            if self._entered is not None and len(self._steps) < self.warmup:
+            if self._entered is not None and self._warm:
                 return "warm-up"
             return None
 
