@@ -253,11 +253,16 @@ class TrainConfig:
 
     # optimization
     max_steps: int | None = field(default=None, metadata=flag(
-        "optimization", "Stop after this many optimizer steps in total (counted across restarts)."))
+        "optimization", "Stop after this many optimizer steps in total (counted across restarts: a resumed "
+        "run goes on from the checkpoint's step)."))
     epochs: int | None = field(default=None, metadata=flag(
-        "optimization", "Stop after this many epochs; 1 when neither this nor --max-steps is given."))
+        "optimization", "Stop after this many epochs (counted across restarts); 1 when none of --epochs, "
+        "--max-steps and --max-seconds is given."))
     max_seconds: float | None = field(default=None, metadata=flag(
-        "optimization", "Stop (with a checkpoint) after this many seconds of this process's training."))
+        "optimization", "Stop (with a checkpoint) once global rank 0 has trained this many seconds, on the "
+        "clock of its worker process since that process started training; given alone, training goes on "
+        "over epochs until then. Not counted across restarts: live recovery keeps the processes and so the "
+        "count, a worker restart (the restart path) starts it again."))
     lr: float = field(default=1e-3, metadata=flag(
         "optimization", "Learning rate of the default Adam optimizer (the seeds' 1e-3)."))
     scale_lr: bool = field(default=False, metadata=flag(
@@ -375,8 +380,8 @@ class TrainConfig:
                                                and os.path.isfile(self.init_from)):
             raise ValueError(f"--init-from {self.init_from!r} must be an existing .safetensors file "
                              "(elastic-train export CHECKPOINT_URL --to PATH.safetensors writes one)")
-        if self.max_steps is None and self.epochs is None:
-            self.epochs = 1
+        if self.max_steps is None and self.epochs is None and self.max_seconds is None:
+            self.epochs = 1  # with only --max-seconds, the clock alone stops the run
         if self.checkpoint_dir == "":
             self.checkpoint_dir = None
         if self.checkpoint_dir is None and (self.checkpoint_every or self.checkpoint_every_seconds):
