@@ -134,7 +134,8 @@ class RunConfig:
         default_text="--min-nodes"))
     nproc_per_node: int = field(default=1, metadata=run_flag(
         "nodes", "workers on this node: a number, 'auto' (one per GPU, else 1), 'gpu' (one per GPU; an error "
-        "without one) or 'cpu' (1)", parse=parse_nproc, metavar="N", aliases=("--nproc_per_node",)))
+        "without one) or 'cpu' (1 worker: unlike torchrun's 'cpu', not one per core)",
+        parse=parse_nproc, metavar="N", aliases=("--nproc_per_node",)))
     rdzv_endpoint: str | None = field(default=None, metadata=run_flag(
         "rendezvous", "etcd to meet through; leave out to start the embedded etcd on this machine",
         metavar="HOST:PORT[,HOST:PORT]", aliases=("--rdzv_endpoint",)))
@@ -142,13 +143,15 @@ class RunConfig:
         "rendezvous", "torchrun rendezvous backend: etcd-v3 (ours) or c10d (torch's, for comparisons)",
         aliases=("--rdzv_backend",)))
     rdzv_conf: dict[str, str] = field(default_factory=dict, metadata=run_flag(
-        "rendezvous", "rendezvous options, e.g. last_call_timeout=1,lease_ttl=3 (see README)",
+        "rendezvous", "rendezvous options, e.g. last_call_timeout=1,lease_ttl=3 (docs/rendezvous.md lists them)",
         parse=parse_rdzv_conf, metavar="K=V,...", aliases=("--rdzv_conf",)))
     run_id: str = field(default=DEFAULT_RUN_ID, metadata=run_flag(
         "rendezvous", "the run's name; nodes with the same run id and endpoint train together",
         aliases=("--rdzv-id", "--rdzv_id")))
     max_restarts: int = field(default=100, metadata=run_flag(
-        "agent", "restarts of the worker group after failures, a lost peer included", aliases=("--max_restarts",)))
+        "agent", "restarts of this node's worker group after a failure: a worker that errs or (live recovery) is "
+        "left out of the quorum; on the restart path also the collective a lost peer breaks. A join costs none",
+        aliases=("--max_restarts",)))
     monitor_interval: float = field(default=0.1, metadata=run_flag(
         "agent", "seconds between the agent's checks of its workers", aliases=("--monitor_interval",)))
     recovery: str | None = field(default=None, metadata=run_flag(

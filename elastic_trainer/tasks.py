@@ -157,7 +157,8 @@ def add_example_arguments(parser: argparse.ArgumentParser) -> None:
                         "copy: learn to copy them; seeds: the seed scripts' workload, random float tensors "
                         "(nothing to learn; for comparisons with those scripts). Default reverse")
     g.add_argument("--vocab-size", type=int, default=16, help="tokens, BOS included (reverse, copy; default 16)")
-    g.add_argument("--d-model", type=int, default=128, help="Transformer width (seeds: 512; default 128)")
+    g.add_argument("--d-model", type=int, default=128,
+                   help="Transformer width (default 128; the seed scripts used 512)")
     g.add_argument("--nhead", type=int, default=4, help="attention heads (default 4)")
     g.add_argument("--num-encoder-layers", type=int, default=2, help="encoder layers (default 2)")
     g.add_argument("--num-decoder-layers", type=int, default=2, help="decoder layers (default 2)")
@@ -167,9 +168,12 @@ def add_example_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dropout", type=float, default=0.0,
                    help="dropout (default 0, so runs at different world sizes match exactly)")
     g.add_argument("--src-len", type=int, default=16,
-                   help="reverse, copy: tokens per sequence; seeds: source sequence length (seeds: 1; default 16)")
-    g.add_argument("--tgt-len", type=int, default=20, help="seeds: target sequence length (seeds: 20)")
-    g.add_argument("--dataset-size", type=int, default=2048, help="synthetic samples (seeds: 2048)")
+                   help="reverse, copy: tokens per sequence; seeds: source sequence length (default 16; "
+                        "the seed scripts used 1)")
+    g.add_argument("--tgt-len", type=int, default=20,
+                   help="seeds: target sequence length (default 20, as in the seed scripts)")
+    g.add_argument("--dataset-size", type=int, default=2048,
+                   help="synthetic samples (default 2048, as in the seed scripts)")
     g.add_argument("--data-seed", type=int, default=0, help="seed of the synthetic data (default 0)")
     g.add_argument("--data", default="synthetic", metavar="synthetic|h5:PATH",
                    help="seeds: where samples come from: generated in memory, or an HDF5 file with datasets "
