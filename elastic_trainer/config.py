@@ -63,7 +63,7 @@ def run_flag(section: str, help: str = "", *, parse: Callable[[str], Any] | None
     the text into the value (default: the field's type). ``default_text`` replaces the field's
     default in the help where that reads better (``077`` for the umask). ``trainer`` marks a
     flag that is the built-in trainer's own (``--checkpoint-dir``): its declaration, help included,
-    is ``TrainConfig``'s.
+    is ``TrainConfig``'s; its ``default_text`` is the launcher's default, which differs from the trainer's.
     """
     if section not in RUN_SECTIONS:
         raise ValueError(f"launcher flag section {section!r} is not one of {', '.join(RUN_SECTIONS)}")
@@ -138,7 +138,7 @@ class RunConfig:
         parse=parse_nproc, metavar="N", aliases=("--nproc_per_node",)))
     rdzv_endpoint: str | None = field(default=None, metadata=run_flag(
         "rendezvous", "etcd to meet through; leave out to start the embedded etcd on this machine",
-        metavar="HOST:PORT[,HOST:PORT]", aliases=("--rdzv_endpoint",)))
+        metavar="HOST:PORT[,HOST:PORT]", aliases=("--rdzv_endpoint",), default_text="the embedded etcd"))
     rdzv_backend: str = field(default="etcd-v3", metadata=run_flag(
         "rendezvous", "torchrun rendezvous backend: etcd-v3 (ours) or c10d (torch's, for comparisons)",
         aliases=("--rdzv_backend",)))
@@ -155,15 +155,17 @@ class RunConfig:
     monitor_interval: float = field(default=0.1, metadata=run_flag(
         "agent", "seconds between the agent's checks of its workers", aliases=("--monitor_interval",)))
     recovery: str | None = field(default=None, metadata=run_flag(
-        "agent", "live (the default for the built-in trainer with DDP and for scripts that use "
-        "elastic_trainer.Manager): survivors keep their processes and state when a node is lost or added; restart "
-        "(the default for other scripts, --fsdp and --scale-lr): every fault restarts the workers, which resume "
-        "from the newest checkpoint", choices=RECOVERY_MODES))
+        "agent", "live: survivors keep their processes and state when a node is lost or added, and a newcomer "
+        "gets the state from a live rank; restart: every fault restarts the workers, which resume from the "
+        "newest checkpoint", choices=RECOVERY_MODES,
+        default_text="live for the built-in trainer with DDP and for scripts that use elastic_trainer.Manager; "
+        "restart for other scripts, --fsdp and --scale-lr"))
     # The trainer's --checkpoint-dir and --log-dir; when None, the launcher's defaults (defined here
     # only): checkpoints/<run id> (empty = no checkpoints) and runs/<run id> (also the embedded
     # etcd's data and the agents' logs).
-    checkpoint_dir: str | None = field(default=None, metadata=run_flag("storage", trainer=True))
-    log_dir: str | None = field(default=None, metadata=run_flag("storage", trainer=True))
+    checkpoint_dir: str | None = field(default=None, metadata=run_flag(
+        "storage", trainer=True, default_text="checkpoints/<run-id>"))
+    log_dir: str | None = field(default=None, metadata=run_flag("storage", trainer=True, default_text="runs/<run-id>"))
     local_addr: str | None = field(default=None, metadata=run_flag(
         "rendezvous", "address other nodes reach this one at (default: looked up from the host name)",
         aliases=("--local_addr",)))
