@@ -44,7 +44,6 @@ recorded agent PID (``signal_tree``), and every etcd is stopped, also on error, 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -63,6 +62,7 @@ import recovery  # noqa: E402  (benchmarks/recovery.py: the job, c10d's settings
 from recovery import Failed  # noqa: E402
 
 from elastic_trainer import records  # noqa: E402
+from benchmarks import provenance  # noqa: E402  (the results' header: date, commit, machine, command)
 from benchmarks.rdzv_worker import agent_cmd, signal_tree  # noqa: E402
 from elastic_trainer.drill.nodes import descendants  # noqa: E402
 
@@ -453,7 +453,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the goodput run's choice of nodes to kill")
     p.add_argument("--json", default=None, help="also write every measurement to this JSON file")
     p.add_argument("--keep", action="store_true", help="keep every job's logs")
+    provenance.add_arguments(p)
     args = p.parse_args(argv)
+    with provenance.record(args.txt) as run:
+        return _main(p, args, run)
+
+
+def _main(p: argparse.ArgumentParser, args: argparse.Namespace, run: provenance.Run) -> int:
     systems = _systems(args.systems, p)
     goodput_systems = _systems(args.goodput_systems, p) if args.goodput_seconds > 0 else []
     if not 1 <= args.min_nodes < args.nodes:
@@ -525,10 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{args.nodes} nodes x 1 worker on loopback, --nnodes {args.min_nodes}:{args.nodes}, {os.cpu_count()} "
           f"CPUs, load average {os.getloadavg()[0]:.1f}, {time.time() - started:.0f} s in all")
     print("command: " + " ".join([Path(sys.executable).name, *sys.argv]))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "targets": TARGETS, "results": results,
-                                               "goodput": goodput, "verdicts": verdicts(results, goodput)},
-                                              indent=1))
+    provenance.write_json(args.json, {"args": vars(args), "targets": TARGETS, "results": results,
+                                      "goodput": goodput, "verdicts": verdicts(results, goodput)}, run, indent=1)
     return 0
 
 
