@@ -313,14 +313,18 @@ class TrainConfig:
     wandb: bool = field(default=True, metadata=flag(
         "logs", "Log to W&B from rank 0 (offline unless WANDB_API_KEY is set)."))
     wandb_project: str = field(default="elastic-trainer", metadata=flag("logs", "W&B project name."))
-    progress: bool = field(default=True, metadata=flag("logs", "Show the tqdm bar on global rank 0."))
+    progress: bool = field(default=True, metadata=flag(
+        "logs", "Show the tqdm bar on global rank 0: seconds up to --max-seconds when there is no --max-steps, "
+        "else steps; log lines are written above it."))
 
     # execution
     device: str = field(default="auto", metadata=flag(
-        "execution", "auto (cuda:<local rank> when CUDA is available, else cpu), cpu or cuda.",
+        "execution", "auto (cuda:<local rank> when CUDA is available, else cpu), cpu or cuda; auto on a node "
+        "that shows NVIDIA GPUs torch cannot use is an error (docs/gpu.md).",
         choices=("auto", "cpu", "cuda")))
     fsdp: bool = field(default=False, metadata=flag(
-        "execution", "Shard parameters, gradients and optimizer state with FSDP (fully_shard) instead of DDP."))
+        "execution", "Shard parameters, gradients and optimizer state with FSDP2 (fully_shard on each block, then "
+        "the root) instead of DDP; checkpoints are then sharded, and recovery takes the restart path."))
     bucket_cap_mb: float | None = field(default=None, metadata=flag(
         "execution", "DDP gradient bucket size in MiB; none = torch's default (25)."))
     amp: str = field(default="off", metadata=flag(
@@ -331,7 +335,8 @@ class TrainConfig:
     tf32: bool = field(default=True, metadata=flag(
         "execution", "TF32 for float32 matmuls and convolutions on CUDA (Ampere or newer); --no-tf32 keeps "
         "full float32. No effect on the CPU."))
-    compile: bool = field(default=False, metadata=flag("execution", "Wrap the model in torch.compile."))
+    compile: bool = field(default=False, metadata=flag(
+        "execution", "Wrap the model in torch.compile (its first steps compile, which takes long on a CPU)."))
     seed: int = field(default=0, metadata=flag(
         "execution", "Seeds python, numpy, torch (the model's initialisation) and the sampler's permutations."))
     sleep_per_step: float = field(default=0.0, metadata=flag(

@@ -213,7 +213,10 @@ def split_default(help_text: str) -> tuple[str, str | None]:
 
 
 def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
+    """One table cell: on one line, ``|`` escaped, and ``<`` escaped outside code spans (``<run-id>``
+    would be read as an HTML tag)."""
+    parts = " ".join(text.split()).replace("|", "\\|").split("`")
+    return "`".join(p if i % 2 else p.replace("<", "\\<") for i, p in enumerate(parts))
 
 
 def _spelling(action: argparse.Action) -> str:
