@@ -34,7 +34,6 @@ Prints a table and the command that produced it.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -49,6 +48,7 @@ import uuid
 
 import torch
 
+import provenance  # benchmarks/provenance.py: the results' header (date, commit, machine, command)
 from elastic_trainer.checkpoint import storage
 from elastic_trainer.checkpoint import CheckpointManager, capture_rng_state
 
@@ -186,7 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--saves", type=int, default=5, help="saves per mode, median reported (default 5)")
     p.add_argument("--stores", default="file,s3", help="file and/or s3 (default both)")
     p.add_argument("--json", metavar="PATH", help="also write the rows (seconds, MB/s, ratios) and the settings here")
+    provenance.add_arguments(p)
     args = p.parse_args(argv)
+    with provenance.record(args.txt) as run:
+        return _main(args, run)
+
+
+def _main(args, run: provenance.Run) -> int:
     if args.quick:
         args.sizes, args.layers, args.steps, args.saves = "128", 1, 3, 1
     logging.basicConfig(level=logging.WARNING)
@@ -218,8 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             server.wait()
         shutil.rmtree(tmp, ignore_errors=True)
 
-    command = " ".join([os.path.basename(sys.executable), *sys.argv])
-    print(f"command: {command}")
+    print(f"command: {run.command}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
           f"{args.layers}+{args.layers} layers, median of {args.saves} saves")
     head = ("store", "d_model", "params M", "ckpt MB", "step ms", "1st async blocked ms", "async blocked ms",
@@ -249,14 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average (1/5/15 min) at the start: {load_start[0]:.1f} {load_start[1]:.1f} {load_start[2]:.1f}, "
           f"at the end: {load_end[0]:.1f} {load_end[1]:.1f} {load_end[2]:.1f}")
     if args.json:
-        result = {"command": command, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        result = {"torch": torch.__version__, "threads": torch.get_num_threads(),
                   "cpus": os.cpu_count(), "layers": args.layers, "saves": args.saves, "steps": args.steps,
                   "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "load_start": list(load_start),
                   "load_end": list(load_end),
                   "rows": [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()}
                            for r in rows]}
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        provenance.write_json(args.json, result, run, indent=1)
         print(f"rows written to {args.json}")
     return 0
 

@@ -16,14 +16,13 @@ a 2.0 GB state). Three parts:
 3. **Sharded saves** (FSDP2 over NCCL, a world of one; ``ShardedSaver``): the same, and the bytes
    the committed line reports.
 
-Prints a table; ``--out`` writes JSON that starts with "date" and "commit". Target (issue 28):
+Prints a table; ``--out`` writes JSON that starts with "commit", "date", "machine" and "command". Target (issue 28):
 every save, the first included, blocks < 50 ms.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -40,7 +39,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import torch  # noqa: E402
 
 import gpt_task  # noqa: E402
-from gpu_overhead import QUICK_GPT, builds, commit, write_json  # noqa: E402
+import provenance  # noqa: E402  (benchmarks/provenance.py: the results' header: date, commit, machine, command)
+from gpu_overhead import QUICK_GPT, builds, write_json  # noqa: E402
 
 from elastic_trainer.checkpoint import CheckpointManager, host_memory  # noqa: E402
 from elastic_trainer.checkpoint.sharded import ShardedSaver, prepare_saves  # noqa: E402
@@ -211,7 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the results as JSON to this file")
     p.add_argument("--quick", action="store_true", help="a tiny GPT (CPU too)")
     p.add_argument("--parts", default="memory,full,sharded", help="comma list (default memory,full,sharded)")
+    provenance.add_arguments(p)
     args = p.parse_args(argv)
+    with provenance.record(args.txt) as run:
+        return _main(args, run)
+
+
+def _main(args: argparse.Namespace, run: provenance.Run) -> int:
     parts = set(args.parts.split(","))
     opts = gpt_task.add_arguments(argparse.ArgumentParser()).parse_args(QUICK_GPT if args.quick else [])
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -219,9 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")
     steps = max(SAVE_AT) + 1
-    result: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    "commit": commit(), **builds(), "benchmark": "gpu_first_save", "device": str(device),
-                    "command": " ".join(["python", *sys.argv])}
+    result: dict = {**builds(), "benchmark": "gpu_first_save", "device": str(device)}
     with tempfile.TemporaryDirectory(prefix="first-save-") as tmp:
         job = Job(opts, device, args.batch)
         timed_steps(job, 3)
@@ -258,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"every save after prepare (the first included) < 50 ms: "
           f"{'met' if result['every_prepared_save_under_50_ms'] else 'MISSED'} (max {result['max_prepared_blocked_ms']} ms)")
     if args.out:
-        write_json(args.out, result, say=True)
+        write_json(args.out, result, run, say=True)
     return 0
 
 

@@ -23,7 +23,7 @@ worker writes the same format at exit, synchronizing the GPU at the window's two
 window holds the saves at steps 100 and 200; the final blocking save is outside it. Each save's
 blocked milliseconds come from the trainer's ``checkpoint_saved`` events (the first one included).
 
-Writes JSON (``--out``) that starts with "date" and "commit", then the GPU, torch, CUDA and NCCL
+Writes JSON (``--out``) that starts with "commit", "date", "machine" and "command" (``provenance.py``), then the GPU, torch, CUDA and NCCL
 builds, every run, the paired ratios and the blocked milliseconds of each save; prints a table
 and the commands. Target (issue 28): elastic/plain >= 0.99 including saves; every save < 50 ms.
 """
@@ -31,8 +31,6 @@ and the commands. Target (issue 28): elastic/plain >= 0.99 including saves; ever
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import shlex
 import shutil
@@ -50,6 +48,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import gpt_task  # noqa: E402  (benchmarks/gpt_task.py: the model, data and optimizer of both sides)
 import overhead  # noqa: E402  (benchmarks/overhead.py: running a side, step logs, samples/s, events)
+import provenance  # noqa: E402  (benchmarks/provenance.py: the results' header: date, commit, machine, command)
 
 from elastic_trainer import records  # noqa: E402
 
@@ -186,22 +185,11 @@ def builds() -> dict:
     return out
 
 
-def write_json(path: str, result: dict, say: bool = False) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=2) + "\n")
+def write_json(path: str, result: dict, run: provenance.Run, say: bool = False) -> None:
+    """``result`` as JSON, after the header keys (``provenance``: commit, date, machine, command)."""
+    provenance.write_json(path, result, run)
     if say:
         print(f"wrote {path}")
-
-
-def commit() -> str:
-    """The code's commit: $GIT_COMMIT (a copy without its .git, as launch/gpu-check runs), else git's, else unknown."""
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def parse_args(argv: list[str] | None):
@@ -218,6 +206,7 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--workdir", default=None, help="keep run logs here (default: a temp dir, removed)")
     p.add_argument("--out", default=None, help="write the results as JSON to this file")
     p.add_argument("--quick", action="store_true", help="smoke test: 1 pair, 12 steps, save every 5, a tiny GPT")
+    provenance.add_arguments(p)
     args = p.parse_args(argv)
     if args.device is None:
         import torch
@@ -235,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["plain-worker"]:
         return plain_worker(argv[1:])
     args = parse_args(argv)
+    with provenance.record(args.txt) as run:
+        return _main(args, run)
+
+
+def _main(args, run: provenance.Run) -> int:
     started = time.monotonic()
     env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
     for name in [k for k in env if k.startswith("ELASTIC_TRAINER_")]:
@@ -245,8 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     sides = ["elastic", "plain", *(["elastic-fsdp"] if args.fsdp else [])]
     plan = [(i, kind) for i in range(args.repeats) for kind in ("elastic", "plain")]
     plan += [(args.repeats - 1, "elastic-fsdp")] if args.fsdp else []  # once: its blocked ms per save
-    head = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit(),
-            **builds(), "benchmark": "gpu_overhead", "command": shlex.join(["python", *sys.argv])}
+    head = {**builds(), "benchmark": "gpu_overhead"}
     runs: list[dict] = []
     try:
         for i, kind in plan:
@@ -254,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             r["repeat"] = i
             runs.append(r)
             if args.out:  # after every run: a run cut short still leaves what it measured
-                write_json(args.out, {**head, "partial": True, "runs": runs})
+                write_json(args.out, {**head, "partial": True, "runs": runs}, run)
             saves = (f", saves blocked {r['periodic_blocked_ms']} ms (periodic), "
                      f"{[s['blocked_ms'] for s in r['saves'] if s['blocking']]} ms (final)" if "saves" in r else "")
             print(f"repeat {i} {kind:12s} {r['samples_per_s']:8.1f} samples/s over steps {r['first_step']}.."
@@ -270,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     periodic = [ms for r in by["elastic"] + by.get("elastic-fsdp", []) for ms in r["periodic_blocked_ms"]]
     first = [r["periodic_blocked_ms"][0] for r in by["elastic"] + by.get("elastic-fsdp", []) if r["periodic_blocked_ms"]]
     result = {
-        **head, "settings": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")},
+        **head, "settings": {k: v for k, v in vars(args).items() if k not in ("out", "workdir", "txt")},
         "samples_per_s": {k: overhead.summary([r["samples_per_s"] for r in rs]) for k, rs in by.items()},
         "median_step_ms": {k: statistics.median(r["median_step_s"] * 1e3 for r in rs) for k, rs in by.items()},
         "paired_ratio": paired, "ratio_min": min(paired),
@@ -282,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "commands": {k: rs[0]["command"] for k, rs in by.items()},
     }
     print(f"\n{result['gpu'] if 'gpu' in result else args.device}, torch {result['torch']} (CUDA {result['cuda_build']}"
-          f"{', NCCL ' + result['nccl'] if 'nccl' in result else ''}), commit {result['commit'][:12]}")
+          f"{', NCCL ' + result['nccl'] if 'nccl' in result else ''}), commit {run.commit[:12]}")
     for k in sides:
         print(f"{k}: {result['commands'][k]}")
     print("side         | samples/s median (min..max) | median step ms | blocked ms per periodic save")
@@ -295,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
           f"included: {'met' if result['targets']['every_save_under_50_ms'] else 'MISSED'} "
           f"(max {result['max_periodic_blocked_ms']} ms); {result['total_s']:.0f} s in all")
     if args.out:
-        write_json(args.out, result, say=True)
+        write_json(args.out, result, run, say=True)
     return 0
 
 

@@ -30,7 +30,7 @@ Each trial, per system, in one job while it survives (a fresh job for what follo
               c10d run with ``--baseline-collective-timeout`` (30 s; their defaults are 300 s and 30 min).
 
 ``--scenarios`` picks some (all by default), e.g. ``--scenarios stop-node,stop-rank0,cut-node,hang
---goodput-seconds 0`` for the silent faults alone. ``--text`` and ``--json`` write the results with
+--goodput-seconds 0`` for the silent faults alone. ``--txt`` and ``--json`` write the results with
 the commit and the date (``benchmarks/results/``).
 
 For each fault it also counts the steps redone (the last step any rank completed before it, minus
@@ -53,14 +53,11 @@ recorded agent PID (``signal_tree``), and every etcd is stopped, also on error, 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import random
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -75,6 +72,7 @@ import silent  # noqa: E402  (benchmarks/silent.py: frozen, cut-off and hung nod
 from recovery import Failed  # noqa: E402
 
 from elastic_trainer import records  # noqa: E402
+from benchmarks import provenance  # noqa: E402  (the results' header: date, commit, machine, command)
 from benchmarks.rdzv_worker import agent_cmd, signal_tree  # noqa: E402
 from elastic_trainer.drill.nodes import descendants  # noqa: E402
 
@@ -497,11 +495,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="restart and c10d-tuned: the collective timeout a user who knows about hangs sets "
                         "(--collective-timeout, init_process_group(timeout=)); the live path keeps its default")
     p.add_argument("--json", default=None, help="also write every measurement to this JSON file (with commit and date)")
-    p.add_argument("--text", default=None,
-                   help="also write the printed results to this file, after a first line with commit, date, "
-                        "cores, load and command")
     p.add_argument("--keep", action="store_true", help="keep every job's logs")
+    provenance.add_arguments(p)
     args = p.parse_args(argv)
+    with provenance.record(args.txt) as run:
+        return _main(p, args, run)
+
+
+def _main(p: argparse.ArgumentParser, args: argparse.Namespace, run: provenance.Run) -> int:
     systems = _systems(args.systems, p)
     args.scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     for sc in args.scenarios:
@@ -517,12 +518,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     root = Path(tempfile.mkdtemp(prefix="live-recovery-bench-"))
-    load_start, date = os.getloadavg()[0], datetime.datetime.now(datetime.timezone.utc)
-    printed: list[str] = []
-
-    def say(line: str = "") -> None:  # print, and keep for --text
+    def say(line: str = "") -> None:  # printed: provenance.record keeps it for --txt
         print(line, flush=True)
-        printed.append(line)
 
     counts = {s: args.trials if s in LIVE_SYSTEMS else (args.baseline_trials or args.trials) for s in systems}
     results: dict[str, list[dict]] = {s: [] for s in systems}
@@ -599,21 +596,12 @@ def main(argv: list[str] | None = None) -> int:
         say("targets (issue 27):")
         for line in targets27:
             say("  " + line)
-    load_end = os.getloadavg()[0]
-    command = " ".join([Path(sys.executable).name, *sys.argv])
     say(f"\n{args.nodes} nodes x 1 worker on loopback (cut-node: in network namespaces), --nnodes "
-        f"{args.min_nodes}:{args.nodes}, {os.cpu_count()} CPUs, load average {load_start:.1f} at the start, "
-        f"{load_end:.1f} at the end, {time.time() - started:.0f} s in all")
-    say("command: " + command)
-    head = {"commit": commit(), "date": date.strftime("%Y-%m-%d"), "started_utc": date.isoformat(timespec="seconds"),
-            "cores": os.cpu_count(), "load": [round(load_start, 2), round(load_end, 2)], "command": command}
-    if args.json:
-        Path(args.json).write_text(json.dumps({**head, "args": vars(args), "targets": TARGETS, "results": results,
-                                               "goodput": goodput, "verdicts": targets, "verdicts_issue_27": targets27},
-                                              indent=1))
-    if args.text:
-        Path(args.text).write_text(f"# commit {head['commit']} date {head['date']} cores {os.cpu_count()} load "
-                                   f"{load_start:.2f}/{load_end:.2f} command: {command}\n" + "\n".join(printed) + "\n")
+        f"{args.min_nodes}:{args.nodes}, {os.cpu_count()} CPUs, load average {run.load_start[0]:.1f} at the start, "
+        f"{os.getloadavg()[0]:.1f} at the end, {time.time() - started:.0f} s in all")
+    say("command: " + run.command)
+    provenance.write_json(args.json, {"args": vars(args), "targets": TARGETS, "results": results, "goodput": goodput,
+                                      "verdicts": targets, "verdicts_issue_27": targets27}, run, indent=1)
     return 0
 
 
@@ -627,21 +615,6 @@ def _trial_value(scenario: str, v) -> str:
         return f"{scenario}={to_away}{back}" + (f" redone {v['redone']}" if v.get("redone") is not None else "")
     return (f"{scenario}={v['s']:.3f}s" + (f" (pause {v['pause']:.3f}s)" if v.get("pause") is not None else "")
             + (f" redone {v['redone']}" if v.get("redone") is not None else ""))
-
-
-def commit() -> str:
-    """The code's commit: $GIT_COMMIT (a copy without its .git), else git's with ``-dirty`` when
-    tracked files differ from it, else unknown."""
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True, timeout=10).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                 capture_output=True, text=True, check=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head + ("-dirty" if changed else "")
 
 
 if __name__ == "__main__":

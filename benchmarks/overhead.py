@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import shlex
 import shutil
@@ -49,6 +48,7 @@ import time
 import uuid
 from pathlib import Path
 
+import provenance  # benchmarks/provenance.py: the results' header (date, commit, machine, command)
 from elastic_trainer import records
 
 REPO = Path(__file__).resolve().parent.parent
@@ -236,7 +236,7 @@ def side_command(kind: str, args, run_dir: Path) -> list[str]:
                 str(args.nproc_per_node)]
     if kind == "elastic":  # A: what a user runs
         return [sys.executable, "-m", "elastic_trainer.cli", "--nproc-per-node", str(args.nproc_per_node),
-                "--run-id", f"ovh-{uuid.uuid4().hex[:8]}", "--log-dir", str(run_dir),
+                "--recovery", args.recovery, "--run-id", f"ovh-{uuid.uuid4().hex[:8]}", "--log-dir", str(run_dir),
                 "--checkpoint-dir", str(run_dir / "ckpt"), "--", *_trainer_flags(args, True)]
     if kind == "plain":  # B: the baseline
         return [*torchrun, str(PLAIN_SCRIPT), "--max-steps", str(args.max_steps), "--global-batch-size",
@@ -275,6 +275,15 @@ def measure(kind: str, args, run_dir: Path, env: dict) -> dict:
     return result
 
 
+def verdict(ratio: float) -> str:
+    """The 2% target read from the ratio of medians elastic/plain: met within 0.98..1.02; above 1.02 the
+    elastic side cannot really be faster (it does more), so the run's noise hides the answer."""
+    if ratio > 1.02:
+        return (f"not resolved (elastic/plain {ratio:.3f}: faster than the baseline it adds work to, so this run's "
+                "noise is larger than the target; see the CPU per sample and rerun with more repeats)")
+    return "met" if ratio >= 0.98 else "MISSED"
+
+
 def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -293,8 +302,11 @@ def parse_args(argv: list[str] | None):
                    help="comma list, run in this order each repeat (default elastic,plain); also: trainer "
                         "(our trainer + checkpoints under plain torchrun) and trainer-nockpt, to split the overhead")
     p.add_argument("--timeout", type=float, default=600, help="seconds one run may take (default 600)")
+    p.add_argument("--recovery", choices=("live", "restart"), default="live",
+                   help="the elastic side's --recovery (default live, elastic-train's for this trainer)")
     p.add_argument("--workdir", default=None, help="keep run logs here (default: a temp dir, removed)")
     p.add_argument("--out", default=None, help="write the results as JSON to this file")
+    provenance.add_arguments(p)
     p.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, 12 steps, save every 5, tiny model")
     args = p.parse_args(argv)
     if args.quick:
@@ -311,6 +323,11 @@ def parse_args(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    with provenance.record(args.txt) as run:
+        return _main(args, run)
+
+
+def _main(args, run: provenance.Run) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
     for name in [k for k in env if k.startswith("ELASTIC_TRAINER_") and k != "ELASTIC_TRAINER_S3_ENDPOINT_URL"]:
         del env[name]
@@ -362,16 +379,16 @@ def main(argv: list[str] | None = None) -> int:
             sides[k]["cpu_ratio"] = (sides[k]["cpu_ms_per_sample"]["median"]
                                      / sides["plain"]["cpu_ms_per_sample"]["median"])
     ratio = sides["elastic"]["ratio_of_medians"]
-    overhead = 1 - ratio
+    overhead = 1 - ratio  # negative: the elastic side was faster, which only this run's noise can do
     result = {
         "benchmark": "overhead", "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "elastic_command": sides["elastic"]["command"], "plain_command": sides["plain"]["command"],
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "workdir", "txt")},
         "omp_num_threads": env.get("OMP_NUM_THREADS"), "cpus": os.cpu_count(),
         "elastic": sides["elastic"]["samples_per_s"], "plain": sides["plain"]["samples_per_s"],
         "paired_ratio": sides["elastic"]["paired_ratio"], "ratio_of_medians": ratio,
         "median_step_ratio": sides["elastic"]["median_step_ratio"], "cpu_ratio": sides["elastic"]["cpu_ratio"],
-        "overhead": overhead, "within_2_percent": overhead <= 0.02, "sides": sides, "runs": runs,
+        "overhead": overhead, "within_2_percent": abs(overhead) <= 0.02, "sides": sides, "runs": runs,
     }
     import torch  # only for the version line
 
@@ -402,10 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     for k in args.sides:
         by_role = sides[k]["cpu_ms_per_sample_by_role"]
         print(f"  {k:14s} | " + " | ".join(f"{by_role.get(role, 0.0):.3f}" for role in roles))
-    print(f"target (overhead <= 2%): {'met' if result['within_2_percent'] else 'MISSED'}")
+    print(f"target (overhead <= 2%): {verdict(ratio)}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        provenance.write_json(args.out, {**result, "verdict": verdict(ratio)}, run)
         print(f"wrote {args.out}")
     return 0
 

@@ -22,7 +22,6 @@ reads/writes, store, lease), and lost compare-and-swap races per agent.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import shutil
@@ -38,6 +37,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters  # noqa: E402
+
+from benchmarks import provenance  # noqa: E402  (the results' header: date, commit, machine, command)
 from elastic_trainer.rendezvous.torch_private import (  # noqa: E402
     RendezvousSettings,
     RendezvousTimeout,
@@ -232,7 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rdzv-conf", default="lease_ttl=30,keep_alive_interval=5",
                    help="handler options k=v,... (default lease_ttl=30,keep_alive_interval=5: a thousand agents "
                         "on 2 cores cannot renew 3 s leases in time)")
+    provenance.add_arguments(p)
     args = p.parse_args(argv)
+    with provenance.record(args.txt) as run:
+        return _main(args, run)
+
+
+def _main(args: argparse.Namespace, run: provenance.Run) -> int:
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     conf = dict(item.split("=", 1) for item in args.rdzv_conf.split(",") if item)
 
@@ -267,13 +274,10 @@ def main(argv: list[str] | None = None) -> int:
         f"the agents of a process sharing {args.connections} gRPC channels"
     print(f"\n{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; agents are {where}; "
           f"handler options {args.rdzv_conf}")
-    command = " ".join([Path(sys.executable).name, *sys.argv])
-    print("command: " + command)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"command": command, "processes": args.processes,
-                                               "connections": args.connections, "rdzv_conf": conf,
-                                               "cpus": os.cpu_count(), "timeout_s": args.timeout,
-                                               "results": results}, indent=1))
+    print("command: " + run.command)
+    provenance.write_json(args.json, {"processes": args.processes, "connections": args.connections,
+                                      "rdzv_conf": conf, "cpus": os.cpu_count(), "timeout_s": args.timeout,
+                                      "results": results}, run, indent=1)
     return 0
 
 

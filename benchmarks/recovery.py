@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import re
 import shutil
@@ -45,6 +44,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks import provenance  # noqa: E402  (the results' header: date, commit, machine, command)
 from benchmarks.rdzv_worker import agent_cmd, read_steps, signal_tree  # noqa: E402
 from elastic_trainer.drill.nodes import descendants  # noqa: E402
 from elastic_trainer.etcd_server import EtcdServer, free_port  # noqa: E402
@@ -251,7 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rdzv-conf", default="", help="extra --rdzv-conf for etcd-v3 (e.g. lease_ttl=2)")
     p.add_argument("--json", default=None, help="also write every measurement to this JSON file")
     p.add_argument("--keep", action="store_true", help="keep the logs of every trial")
+    provenance.add_arguments(p)
     args = p.parse_args(argv)
+    with provenance.record(args.txt) as run:
+        return _main(p, args, run)
+
+
+def _main(p: argparse.ArgumentParser, args: argparse.Namespace, run: provenance.Run) -> int:
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     for b in backends:
@@ -281,9 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     print(summarize(all_results, counts))
     print(f"\n{args.nodes} nodes x 1 worker on loopback, {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f}, {time.time() - started:.0f} s in all")
-    print("command: " + " ".join([Path(sys.executable).name, *sys.argv]))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": all_results}, indent=1))
+    print("command: " + run.command)
+    provenance.write_json(args.json, {"args": vars(args), "results": all_results}, run, indent=1)
     return 0
 
 

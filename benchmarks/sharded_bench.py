@@ -45,6 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import provenance  # benchmarks/provenance.py: the results' header (date, commit, machine, command)
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -292,7 +294,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="steps timed without a save, and beside each save")
     p.add_argument("--repeats", type=int, default=3, help="saves of each kind (and plain copies)")
     p.add_argument("--dir", default=None, help="where to save (default: a temporary directory)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write the rows and the header (date, commit, machine) here")
+    provenance.add_arguments(p)
     p.add_argument("--worker", default=None, choices=["full", "sharded", "load-full", "load-sharded"],
                    help=argparse.SUPPRESS)
     p.add_argument("--width", type=int, default=None, help=argparse.SUPPRESS)
@@ -302,7 +305,12 @@ def main() -> None:
     if args.worker:
         args.mode = args.worker
         return worker(args)
-    print("command:", " ".join([Path(sys.executable).name, *sys.argv]))
+    with provenance.record(args.txt) as run:
+        _main(args, run)
+
+
+def _main(args: argparse.Namespace, run: provenance.Run) -> None:
+    print("command:", run.command)
     print("load average at start:", " ".join(f"{x:.2f}" for x in os.getloadavg()))
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         out = f"{tmp}/rows.jsonl"
@@ -314,8 +322,7 @@ def main() -> None:
         rows = [json.loads(line) for line in Path(out).read_text().splitlines()]
     report(rows)
     print("load average at end:", " ".join(f"{x:.2f}" for x in os.getloadavg()))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"command": sys.argv, "rows": rows}, indent=1))
+    provenance.write_json(args.json, {"rows": rows}, run, indent=1)
 
 
 if __name__ == "__main__":

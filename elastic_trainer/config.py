@@ -63,7 +63,7 @@ def run_flag(section: str, help: str = "", *, parse: Callable[[str], Any] | None
     the text into the value (default: the field's type). ``default_text`` replaces the field's
     default in the help where that reads better (``077`` for the umask). ``trainer`` marks a
     flag that is the built-in trainer's own (``--checkpoint-dir``): its declaration, help included,
-    is ``TrainConfig``'s.
+    is ``TrainConfig``'s; its ``default_text`` is the launcher's default, which differs from the trainer's.
     """
     if section not in RUN_SECTIONS:
         raise ValueError(f"launcher flag section {section!r} is not one of {', '.join(RUN_SECTIONS)}")
@@ -134,33 +134,38 @@ class RunConfig:
         default_text="--min-nodes"))
     nproc_per_node: int = field(default=1, metadata=run_flag(
         "nodes", "workers on this node: a number, 'auto' (one per GPU, else 1), 'gpu' (one per GPU; an error "
-        "without one) or 'cpu' (1)", parse=parse_nproc, metavar="N", aliases=("--nproc_per_node",)))
+        "without one) or 'cpu' (1 worker: unlike torchrun's 'cpu', not one per core)",
+        parse=parse_nproc, metavar="N", aliases=("--nproc_per_node",)))
     rdzv_endpoint: str | None = field(default=None, metadata=run_flag(
         "rendezvous", "etcd to meet through; leave out to start the embedded etcd on this machine",
-        metavar="HOST:PORT[,HOST:PORT]", aliases=("--rdzv_endpoint",)))
+        metavar="HOST:PORT[,HOST:PORT]", aliases=("--rdzv_endpoint",), default_text="the embedded etcd"))
     rdzv_backend: str = field(default="etcd-v3", metadata=run_flag(
         "rendezvous", "torchrun rendezvous backend: etcd-v3 (ours) or c10d (torch's, for comparisons)",
         aliases=("--rdzv_backend",)))
     rdzv_conf: dict[str, str] = field(default_factory=dict, metadata=run_flag(
-        "rendezvous", "rendezvous options, e.g. last_call_timeout=1,lease_ttl=3 (see README)",
+        "rendezvous", "rendezvous options, e.g. last_call_timeout=1,lease_ttl=3 (docs/rendezvous.md lists them)",
         parse=parse_rdzv_conf, metavar="K=V,...", aliases=("--rdzv_conf",)))
     run_id: str = field(default=DEFAULT_RUN_ID, metadata=run_flag(
         "rendezvous", "the run's name; nodes with the same run id and endpoint train together",
         aliases=("--rdzv-id", "--rdzv_id")))
     max_restarts: int = field(default=100, metadata=run_flag(
-        "agent", "restarts of the worker group after failures, a lost peer included", aliases=("--max_restarts",)))
+        "agent", "restarts of this node's worker group after a failure: a worker that errs or (live recovery) is "
+        "left out of the quorum; on the restart path also the collective a lost peer breaks. A join costs none",
+        aliases=("--max_restarts",)))
     monitor_interval: float = field(default=0.1, metadata=run_flag(
         "agent", "seconds between the agent's checks of its workers", aliases=("--monitor_interval",)))
     recovery: str | None = field(default=None, metadata=run_flag(
-        "agent", "live (the default for the built-in trainer with DDP and for scripts that use "
-        "elastic_trainer.Manager): survivors keep their processes and state when a node is lost or added; restart "
-        "(the default for other scripts, --fsdp and --scale-lr): every fault restarts the workers, which resume "
-        "from the newest checkpoint", choices=RECOVERY_MODES))
+        "agent", "live: survivors keep their processes and state when a node is lost or added, and a newcomer "
+        "gets the state from a live rank; restart: every fault restarts the workers, which resume from the "
+        "newest checkpoint", choices=RECOVERY_MODES,
+        default_text="live for the built-in trainer with DDP and for scripts that use elastic_trainer.Manager; "
+        "restart for other scripts, --fsdp and --scale-lr"))
     # The trainer's --checkpoint-dir and --log-dir; when None, the launcher's defaults (defined here
     # only): checkpoints/<run id> (empty = no checkpoints) and runs/<run id> (also the embedded
     # etcd's data and the agents' logs).
-    checkpoint_dir: str | None = field(default=None, metadata=run_flag("storage", trainer=True))
-    log_dir: str | None = field(default=None, metadata=run_flag("storage", trainer=True))
+    checkpoint_dir: str | None = field(default=None, metadata=run_flag(
+        "storage", trainer=True, default_text="checkpoints/<run-id>"))
+    log_dir: str | None = field(default=None, metadata=run_flag("storage", trainer=True, default_text="runs/<run-id>"))
     local_addr: str | None = field(default=None, metadata=run_flag(
         "rendezvous", "address other nodes reach this one at (default: looked up from the host name)",
         aliases=("--local_addr",)))
@@ -253,11 +258,16 @@ class TrainConfig:
 
     # optimization
     max_steps: int | None = field(default=None, metadata=flag(
-        "optimization", "Stop after this many optimizer steps in total (counted across restarts)."))
+        "optimization", "Stop after this many optimizer steps in total (counted across restarts: a resumed "
+        "run goes on from the checkpoint's step)."))
     epochs: int | None = field(default=None, metadata=flag(
-        "optimization", "Stop after this many epochs; 1 when neither this nor --max-steps is given."))
+        "optimization", "Stop after this many epochs (counted across restarts); 1 when none of --epochs, "
+        "--max-steps and --max-seconds is given."))
     max_seconds: float | None = field(default=None, metadata=flag(
-        "optimization", "Stop (with a checkpoint) after this many seconds of this process's training."))
+        "optimization", "Stop (with a checkpoint) once global rank 0 has trained this many seconds, on the "
+        "clock of its worker process since that process started training; given alone, training goes on "
+        "over epochs until then. Not counted across restarts: live recovery keeps the processes and so the "
+        "count, a worker restart (the restart path) starts it again."))
     lr: float = field(default=1e-3, metadata=flag(
         "optimization", "Learning rate of the default Adam optimizer (the seeds' 1e-3)."))
     scale_lr: bool = field(default=False, metadata=flag(
@@ -303,14 +313,18 @@ class TrainConfig:
     wandb: bool = field(default=True, metadata=flag(
         "logs", "Log to W&B from rank 0 (offline unless WANDB_API_KEY is set)."))
     wandb_project: str = field(default="elastic-trainer", metadata=flag("logs", "W&B project name."))
-    progress: bool = field(default=True, metadata=flag("logs", "Show the tqdm bar on global rank 0."))
+    progress: bool = field(default=True, metadata=flag(
+        "logs", "Show the tqdm bar on global rank 0: seconds up to --max-seconds when there is no --max-steps, "
+        "else steps; log lines are written above it."))
 
     # execution
     device: str = field(default="auto", metadata=flag(
-        "execution", "auto (cuda:<local rank> when CUDA is available, else cpu), cpu or cuda.",
+        "execution", "auto (cuda:<local rank> when CUDA is available, else cpu), cpu or cuda; auto on a node "
+        "that shows NVIDIA GPUs torch cannot use is an error (docs/gpu.md).",
         choices=("auto", "cpu", "cuda")))
     fsdp: bool = field(default=False, metadata=flag(
-        "execution", "Shard parameters, gradients and optimizer state with FSDP (fully_shard) instead of DDP."))
+        "execution", "Shard parameters, gradients and optimizer state with FSDP2 (fully_shard on each block, then "
+        "the root) instead of DDP; checkpoints are then sharded, and recovery takes the restart path."))
     bucket_cap_mb: float | None = field(default=None, metadata=flag(
         "execution", "DDP gradient bucket size in MiB; none = torch's default (25)."))
     amp: str = field(default="off", metadata=flag(
@@ -321,7 +335,8 @@ class TrainConfig:
     tf32: bool = field(default=True, metadata=flag(
         "execution", "TF32 for float32 matmuls and convolutions on CUDA (Ampere or newer); --no-tf32 keeps "
         "full float32. No effect on the CPU."))
-    compile: bool = field(default=False, metadata=flag("execution", "Wrap the model in torch.compile."))
+    compile: bool = field(default=False, metadata=flag(
+        "execution", "Wrap the model in torch.compile (its first steps compile, which takes long on a CPU)."))
     seed: int = field(default=0, metadata=flag(
         "execution", "Seeds python, numpy, torch (the model's initialisation) and the sampler's permutations."))
     sleep_per_step: float = field(default=0.0, metadata=flag(
@@ -375,8 +390,8 @@ class TrainConfig:
                                                and os.path.isfile(self.init_from)):
             raise ValueError(f"--init-from {self.init_from!r} must be an existing .safetensors file "
                              "(elastic-train export CHECKPOINT_URL --to PATH.safetensors writes one)")
-        if self.max_steps is None and self.epochs is None:
-            self.epochs = 1
+        if self.max_steps is None and self.epochs is None and self.max_seconds is None:
+            self.epochs = 1  # with only --max-seconds, the clock alone stops the run
         if self.checkpoint_dir == "":
             self.checkpoint_dir = None
         if self.checkpoint_dir is None and (self.checkpoint_every or self.checkpoint_every_seconds):

@@ -155,28 +155,34 @@ def add_example_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--example", choices=EXAMPLES, default="reverse",
                    help="reverse: learn to reverse token sequences (the loss falls from ln(vocab) towards 0); "
                         "copy: learn to copy them; seeds: the seed scripts' workload, random float tensors "
-                        "(nothing to learn; for comparisons with those scripts). Default reverse")
-    g.add_argument("--vocab-size", type=int, default=16, help="tokens, BOS included (reverse, copy; default 16)")
-    g.add_argument("--d-model", type=int, default=128, help="Transformer width (seeds: 512; default 128)")
-    g.add_argument("--nhead", type=int, default=4, help="attention heads (default 4)")
-    g.add_argument("--num-encoder-layers", type=int, default=2, help="encoder layers (default 2)")
-    g.add_argument("--num-decoder-layers", type=int, default=2, help="decoder layers (default 2)")
-    g.add_argument("--layers", type=int, default=None,
+                        "(nothing to learn; for comparisons with those scripts) (default: reverse)")
+    g.add_argument("--vocab-size", type=int, default=16, metavar="V",
+                   help="reverse, copy: tokens, BOS included (default: 16)")
+    g.add_argument("--d-model", type=int, default=128, metavar="D",
+                   help="Transformer width; the seed scripts used 512 (default: 128)")
+    g.add_argument("--nhead", type=int, default=4, metavar="N", help="attention heads (default: 4)")
+    g.add_argument("--num-encoder-layers", type=int, default=2, metavar="N", help="encoder layers (default: 2)")
+    g.add_argument("--num-decoder-layers", type=int, default=2, metavar="N", help="decoder layers (default: 2)")
+    g.add_argument("--layers", type=int, default=None, metavar="N",
                    help="shorthand: this many encoder and decoder layers (overrides the two flags above)")
-    g.add_argument("--dim-feedforward", type=int, default=512, help="feed-forward width (default 512)")
-    g.add_argument("--dropout", type=float, default=0.0,
-                   help="dropout (default 0, so runs at different world sizes match exactly)")
-    g.add_argument("--src-len", type=int, default=16,
-                   help="reverse, copy: tokens per sequence; seeds: source sequence length (seeds: 1; default 16)")
-    g.add_argument("--tgt-len", type=int, default=20, help="seeds: target sequence length (seeds: 20)")
-    g.add_argument("--dataset-size", type=int, default=2048, help="synthetic samples (seeds: 2048)")
-    g.add_argument("--data-seed", type=int, default=0, help="seed of the synthetic data (default 0)")
+    g.add_argument("--dim-feedforward", type=int, default=512, metavar="N", help="feed-forward width (default: 512)")
+    g.add_argument("--dropout", type=float, default=0.0, metavar="P",
+                   help="dropout; 0, so that runs at different world sizes match exactly (default: 0)")
+    g.add_argument("--src-len", type=int, default=16, metavar="S",
+                   help="reverse, copy: tokens per sequence; seeds: source sequence length, the seed scripts "
+                        "used 1 (default: 16)")
+    g.add_argument("--tgt-len", type=int, default=20, metavar="T",
+                   help="seeds: target sequence length, as in the seed scripts (default: 20)")
+    g.add_argument("--dataset-size", type=int, default=2048, metavar="N",
+                   help="synthetic samples, as many as the seed scripts' (default: 2048)")
+    g.add_argument("--data-seed", type=int, default=0, metavar="N", help="seed of the synthetic data (default: 0)")
     g.add_argument("--data", default="synthetic", metavar="synthetic|h5:PATH",
                    help="seeds: where samples come from: generated in memory, or an HDF5 file with datasets "
-                        "'src' and 'tgt' (write one with `python -m elastic_trainer.tasks write-h5 PATH`)")
+                        "'src' and 'tgt' (write one with `python -m elastic_trainer.tasks write-h5 PATH`) "
+                        "(default: synthetic)")
     g.add_argument("--loss", choices=("ce", "mse"), default=None,
                    help="seeds: ce, the seeds' CrossEntropyLoss(output, target) with the random targets read "
-                        "as class probabilities over dim 1, or mse, mean squared error (default ce)")
+                        "as class probabilities over dim 1, or mse, mean squared error (default: ce)")
 
 
 def check_example_args(args: argparse.Namespace) -> None:

@@ -115,8 +115,10 @@ def test_the_launchers_storage_flags_are_the_trainers_declarations():
     launcher = _actions_by_dest(launch.build_parser())
     for name in launch.SHARED_TRAINER_FLAGS:
         (action,) = launcher[name]
-        assert action.option_strings == [flag_name(name)] and action.help == train_field(name).metadata["help"]
-        assert action.default is None  # "not given here"; the run's default is RunConfig's
+        assert action.option_strings == [flag_name(name)]
+        default_text = config.RunConfig.__dataclass_fields__[name].metadata["default_text"]
+        assert flags.split_default(action.help) == (train_field(name).metadata["help"], default_text)
+        assert action.default is None  # "not given here"; the run's default is RunConfig's, which the help names
     trainer_flags = {flag_name(f.name) for f in train_flag_fields()}
     others = {s for a in launch.build_parser()._actions if a.dest not in launch.SHARED_TRAINER_FLAGS
               for s in a.option_strings}

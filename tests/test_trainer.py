@@ -354,6 +354,16 @@ def test_profile_writes_a_chrome_trace_and_key_averages(tmp_path):
     assert "Self CPU" in tables[0].read_text()
 
 
+def test_max_seconds_alone_trains_over_epochs_until_the_time_is_up(tmp_path):
+    """``--max-seconds`` without ``--max-steps``/``--epochs`` is not cut short by the default one epoch."""
+    assert parse_train_config(["--max-seconds", "60"]).epochs is None
+    assert parse_train_config(["--max-seconds", "60", "--max-steps", "5"]).epochs is None
+    out = train_inprocess("--task", FIXTURE, "--samples", "32", "--global-batch-size", "16",
+                          "--sleep-per-step", "0.05", "--max-seconds", "1.5", "--log-dir", str(tmp_path / "l"))
+    assert out["stopped_by"] == "max-seconds" and out["epoch"] >= 3, out  # 2 steps an epoch: many epochs
+    assert out["step"] >= 6
+
+
 def test_time_based_checkpoints_and_max_seconds_stop_with_a_saved_step(tmp_path):
     out = train_inprocess("--task", FIXTURE, "--global-batch-size", "16", "--max-steps", "100000",
                           "--sleep-per-step", "0.1", "--max-seconds", "1", "--checkpoint-every-seconds", "0.25",

@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command's parser; its errors are ``UsageError`` (one line, status 2)."""
     p = Parser(prog="elastic-train status", formatter_class=argparse.RawDescriptionHelpFormatter,
                      description="Show a running job: nodes, round, world size, step, loss, checkpoint, events.",
-                     epilog=__doc__.split("\n\n")[1])
+                     epilog="\n\n".join(__doc__.split("\n\n")[1:3]))  # the sentence and its examples
     p.add_argument("--rdzv-endpoint", default=None, metavar="H:P[,H:P]",
                    help="the job's etcd (default: the embedded etcd of a run under --log-dir or ./runs/)")
     p.add_argument("--run-id", default=None, help="the job's run id (default: the one run found under ./runs/)")

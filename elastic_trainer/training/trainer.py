@@ -64,7 +64,8 @@ logger = logging.getLogger(__name__)
 
 
 def stop_step(config: TrainConfig, sampler, step: int) -> int:
-    """The step to stop at: ``--max-steps`` and/or ``--epochs`` (10**18 when only the sampler can tell).
+    """The step to stop at: ``--max-steps`` and/or ``--epochs`` (10**18 when only the sampler, or
+    ``--max-seconds`` alone, can tell).
 
     With ``--epochs`` it is counted from where the sampler is: the steps left in this epoch from
     its sample offset at the current global batch, plus whole epochs, so a resume with another
@@ -72,7 +73,7 @@ def stop_step(config: TrainConfig, sampler, step: int) -> int:
     step, whatever its batch, and ``--max-steps`` counts those)."""
     c, s = config, sampler
     if c.epochs is None:
-        return c.max_steps
+        return c.max_steps if c.max_steps is not None else 10**18
     if c.scale_lr:  # steps per epoch follow the world size: only the sampler's epoch can tell the end
         return c.max_steps or 10**18
     to_end = 0 if s.epoch >= c.epochs else s.remaining_steps + (c.epochs - s.epoch - 1) * s.steps_per_epoch
