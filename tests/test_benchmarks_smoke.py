@@ -123,7 +123,7 @@ def test_live_recovery_one_frozen_node_goes_to_n_minus_1_and_back_and_writes_com
     assert 0 < stop["s"] < stop["back"] and stop["away_s"] >= 5
     assert list(result)[:4] == list(provenance.JSON_KEYS)
     head = (tmp_path / "s.txt").read_text().splitlines()[0]
-    assert provenance.HEADER_RE.match(head) and " live_recovery.py " in head, head
+    assert provenance.HEADER_RE.match(head) and "live_recovery.py --systems live" in head, head
     assert "targets (issue 27):" in out and "live stop-node: to N-1 median" in out
 
 
