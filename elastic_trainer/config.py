@@ -152,9 +152,9 @@ class RunConfig:
     monitor_interval: float = field(default=0.1, metadata=run_flag(
         "agent", "seconds between the agent's checks of its workers", aliases=("--monitor_interval",)))
     recovery: str | None = field(default=None, metadata=run_flag(
-        "agent", "live (the default for the built-in trainer with DDP and for scripts that use "
+        "agent", "live (the default for the built-in trainer, DDP or --fsdp, and for scripts that use "
         "elastic_trainer.Manager): survivors keep their processes and state when a node is lost or added; restart "
-        "(the default for other scripts, --fsdp and --scale-lr): every fault restarts the workers, which resume "
+        "(the default for other scripts and --scale-lr): every fault restarts the workers, which resume "
         "from the newest checkpoint", choices=RECOVERY_MODES))
     # The trainer's --checkpoint-dir and --log-dir; when None, the launcher's defaults (defined here
     # only): checkpoints/<run id> (empty = no checkpoints) and runs/<run id> (also the embedded
@@ -310,7 +310,13 @@ class TrainConfig:
         "execution", "auto (cuda:<local rank> when CUDA is available, else cpu), cpu or cuda.",
         choices=("auto", "cpu", "cuda")))
     fsdp: bool = field(default=False, metadata=flag(
-        "execution", "Shard parameters, gradients and optimizer state with FSDP (fully_shard) instead of DDP."))
+        "execution", "Shard parameters, gradients and optimizer state with FSDP (fully_shard) instead of DDP. "
+        "On more than one node: HSDP, sharded over a node's workers and replicated across nodes, so that "
+        "live recovery heals a lost node from a replica (docs/trainer.md, \"HSDP\")."))
+    fsdp_shard_all: bool = field(default=False, metadata=flag(
+        "execution", "With --fsdp: shard over every rank of every node (one copy of the state in all) "
+        "instead of HSDP. Less memory per GPU; under live recovery a lost node then costs a reload of "
+        "the newest checkpoint (in place, without a restart)."))
     bucket_cap_mb: float | None = field(default=None, metadata=flag(
         "execution", "DDP gradient bucket size in MiB; none = torch's default (25)."))
     amp: str = field(default="off", metadata=flag(

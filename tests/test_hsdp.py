@@ -1,0 +1,67 @@
+"""HSDP's pieces (``training/hsdp.py``): the mesh, who sends which shard, and a newcomer's and a
+survivor's shards checked byte for byte on 4 gloo ranks. The whole trainer under faults:
+``tests/test_live_hsdp.py``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from elastic_trainer.training.hsdp import check_layout, mesh_shape, shard_donors
+from tests.helpers.common import REPO
+
+
+def _members(nodes: int, nproc: int):
+    return [SimpleNamespace(node=f"n{r // nproc}", local_rank=r % nproc) for r in range(nodes * nproc)]
+
+
+def test_several_nodes_replicate_across_nodes_and_shard_within_one():
+    assert mesh_shape(6, 2, shard_all=False) == (3, 2)
+    assert mesh_shape(2, 2, shard_all=False) == (2,)  # one node: sharded over it
+    assert mesh_shape(6, 2, shard_all=True) == (6,)  # --fsdp-shard-all: the old layout
+    assert mesh_shape(3, 1, shard_all=False) == (3,)  # one worker per node: nothing to shard within a node
+
+
+def test_each_receiver_gets_its_shard_index_from_a_node_that_receives_nothing():
+    members = _members(3, 2)
+    assert shard_donors(members, [4, 5], source=0, nproc=2) == {4: 0, 5: 1}
+    assert shard_donors(members, [0, 1], source=2, nproc=2) == {0: 2, 1: 3}  # the source's node first
+    # rank 2 is behind: its node may not send; rank 3's shard comes from node 0 too
+    assert shard_donors(members, [2, 4, 5], source=0, nproc=2) == {2: 0, 4: 0, 5: 1}
+    # every node has a receiver: no live replica holds a complete copy
+    assert shard_donors(_members(2, 2), [1, 2], source=0, nproc=2) == {1: None, 2: None}
+
+
+def test_a_quorum_whose_ranks_are_not_whole_nodes_in_local_order_is_refused():
+    check_layout(_members(2, 2), 2)
+    swapped = _members(2, 2)
+    swapped[0], swapped[1] = swapped[1], swapped[0]
+    with pytest.raises(RuntimeError, match="rank 0 is n0 local rank 1"):
+        check_layout(swapped, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_newcomer_node_gets_every_shard_from_the_same_index_and_survivors_keep_theirs(tmp_path):
+    """4 gloo ranks, (replicate=2, shard=2): the second node's ranks, emptied, get their shards from
+    the first node's ranks of the same shard index: every parameter and optimizer-state shard equal
+    to the donor's byte for byte, and the replicas stay equal through 2 more steps; then the
+    first node re-forms alone around the very shards it kept, and steps."""
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           str(REPO / "tests" / "helpers" / "hsdp_heal.py"), str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["mesh"] == [2, 2] and r["donors"] == {"2": 0, "3": 1}
+    filled, trained = r["filled"], r["trained"]
+    assert len(filled[0]) == 16  # 4 parameters x (shard, exp_avg, exp_avg_sq, step)
+    assert filled[2] == filled[0] and filled[3] == filled[1]  # every shard's bytes: the donor's
+    assert filled[0] != filled[1]  # (and two shard indices hold different shards)
+    assert trained[2] == trained[0] and trained[3] == trained[1]
+    assert r["bytes"][2] == r["bytes"][0] > 0
+    assert r["kept_same"] == [True, True] and r["stepped"] == [True, True]
