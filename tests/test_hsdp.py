@@ -10,6 +10,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from elastic_trainer.training.hsdp import check_layout, mesh_shape, shard_donors
 from tests.helpers.common import REPO
@@ -44,6 +45,29 @@ def test_a_quorum_whose_ranks_are_not_whole_nodes_in_local_order_is_refused():
         check_layout(swapped, 2)
 
 
+def _heal(tmp_path, nproc: int, *kind: str) -> dict:
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                           str(REPO / "tests" / "helpers" / "hsdp_heal.py"), str(out), *kind],
+                          cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _check_healed(r: dict, world: int) -> None:
+    half = world // 2
+    assert r["mesh"] == [2, half] and r["donors"] == {str(half + i): i for i in range(half)}
+    filled, trained = r["filled"], r["trained"]
+    assert len(filled[0]) == 16  # 4 parameters x (shard, exp_avg, exp_avg_sq, step)
+    for i in range(half):
+        assert filled[half + i] == filled[i]  # every shard's bytes: the donor's
+        assert trained[half + i] == trained[i]  # and the replicas stay equal as they train
+        assert r["bytes"][half + i] == r["bytes"][i] > 0
+    if half > 1:
+        assert filled[0] != filled[1]  # (two shard indices hold different shards)
+    assert r["kept_same"] == [True] * half and r["stepped"] == [True] * half
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_newcomer_node_gets_every_shard_from_the_same_index_and_survivors_keep_theirs(tmp_path):
@@ -51,17 +75,15 @@ def test_a_newcomer_node_gets_every_shard_from_the_same_index_and_survivors_keep
     the first node's ranks of the same shard index: every parameter and optimizer-state shard equal
     to the donor's byte for byte, and the replicas stay equal through 2 more steps; then the
     first node re-forms alone around the very shards it kept, and steps."""
-    out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                           str(REPO / "tests" / "helpers" / "hsdp_heal.py"), str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=110)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(out.read_text())
-    assert r["mesh"] == [2, 2] and r["donors"] == {"2": 0, "3": 1}
-    filled, trained = r["filled"], r["trained"]
-    assert len(filled[0]) == 16  # 4 parameters x (shard, exp_avg, exp_avg_sq, step)
-    assert filled[2] == filled[0] and filled[3] == filled[1]  # every shard's bytes: the donor's
-    assert filled[0] != filled[1]  # (and two shard indices hold different shards)
-    assert trained[2] == trained[0] and trained[3] == trained[1]
-    assert r["bytes"][2] == r["bytes"][0] > 0
-    assert r["kept_same"] == [True, True] and r["stepped"] == [True, True]
+    _check_healed(_heal(tmp_path, 4), 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason=f"needs 2 GPUs, torch sees {torch.cuda.device_count()}: NCCL between two GPUs")
+def test_on_gpus_a_newcomer_gets_every_shard_over_nccl_and_survivors_keep_theirs(tmp_path):
+    """The same on NCCL, one rank per GPU: 2 GPUs are 2 replicas of 1 shard, 4 GPUs 2 x 2 (an odd
+    last GPU stays out)."""
+    world = 4 if torch.cuda.device_count() >= 4 else 2
+    _check_healed(_heal(tmp_path, world, "cuda"), world)

@@ -1,6 +1,10 @@
 """HSDP healing on 4 gloo ranks (2 "nodes" of 2), for ``tests/test_hsdp.py`` (run under torchrun).
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 tests/helpers/hsdp_heal.py OUT
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/helpers/hsdp_heal.py OUT cuda
+
+With ``cuda`` each rank uses its GPU and NCCL, and the 2 "nodes" hold half the ranks each (2 GPUs:
+replicate=2 x shard=1; 4 GPUs: 2 x 2).
 
 1. A small model under ``fully_shard`` on the (replicate=2, shard=2) mesh trains 3 steps.
 2. Ranks 2 and 3 (the second node) drop their model and optimizer for a fresh, empty one, as a
@@ -31,12 +35,12 @@ from elastic_trainer.training import hsdp
 from elastic_trainer.training.manager import send_states
 from elastic_trainer.training.parallel import fsdp_blocks
 
-CPU = torch.device("cpu")
 
 
 def build(mesh):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 30), torch.nn.Tanh(), torch.nn.Linear(30, 6))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 30), torch.nn.Tanh(), torch.nn.Linear(30, 6))  # on the CPU:
+    # fully_shard moves it to the mesh's device
     skeleton = hsdp.meta_skeleton(model)
     from torch.distributed.fsdp import fully_shard
 
@@ -46,19 +50,19 @@ def build(mesh):
     return model, skeleton, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
-def step(model, optimizer, n: int, rank: int) -> None:
+def step(model, optimizer, n: int, rank: int, device: torch.device) -> None:
     g = torch.Generator().manual_seed(100 * n + rank)
-    model(torch.randn(4, 8, generator=g)).square().mean().backward()
+    model(torch.randn(4, 8, generator=g).to(device)).square().mean().backward()
     optimizer.step()
     optimizer.zero_grad()
 
 
 def digests(model, optimizer) -> dict[str, str]:
     shards = hsdp.Shards.take(model, optimizer)
-    out = {f"param/{n}": hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest() for n, t in shards.params.items()}
+    out = {f"param/{n}": hashlib.sha256(t.contiguous().cpu().numpy().tobytes()).hexdigest() for n, t in shards.params.items()}
     for n, st in shards.optim.items():
         for k, v in st.items():
-            out[f"optim/{n}/{k}"] = hashlib.sha256(v.contiguous().numpy().tobytes()).hexdigest()
+            out[f"optim/{n}/{k}"] = hashlib.sha256(v.contiguous().cpu().numpy().tobytes()).hexdigest()
     return out
 
 
@@ -68,26 +72,43 @@ def gathered(value) -> list:
     return out
 
 
-def main(out_path: str) -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    rank = dist.get_rank()
+def mesh_of(device: torch.device, world: int):
+    """(replicate=2, shard=world/2): the CPU's through ``hsdp.device_mesh`` as the trainer makes it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if device.type == "cpu":
+        return hsdp.device_mesh(device, world, world // 2, shard_all=False)
+    return init_device_mesh("cuda", (2, world // 2) if world >= 2 else (1,), mesh_dim_names=("replicate", "shard"))
+
+
+def main(out_path: str, kind: str = "cpu") -> None:
+    timeout = datetime.timedelta(seconds=60)
+    if kind == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    half = world // 2
     report: dict = {}
-    mesh = hsdp.device_mesh(CPU, 4, 2, shard_all=False)
+    mesh = mesh_of(device, world)
     report["mesh"] = list(mesh.shape)
     model, skeleton, optimizer = build(mesh)
     for n in range(3):
-        step(model, optimizer, n, rank)
+        step(model, optimizer, n, rank, device)
 
     # 2. the second node's ranks start over empty and are filled from the first node's
     kept = hsdp.Shards.take(model, optimizer)
-    if rank >= 2:
-        model = hsdp.rewrap(skeleton, mesh, fsdp_blocks, CPU)
+    if rank >= half:
+        model = hsdp.rewrap(skeleton, mesh, fsdp_blocks, device)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    members = [SimpleNamespace(node=f"node{r // 2}", local_rank=r % 2) for r in range(4)]
-    donors = hsdp.shard_donors(members, [2, 3], source=0, nproc=2)
+    members = [SimpleNamespace(node=f"node{r // half}", local_rank=r % half) for r in range(world)]
+    donors = hsdp.shard_donors(members, range(half, world), source=0, nproc=half)
     report["donors"] = {str(k): v for k, v in donors.items()}
-    got = send_states(kept.to_state() if rank < 2 else None, donors, CPU)
-    if rank >= 2:
+    got = send_states(kept.to_state() if rank < half else None, donors, device)
+    if rank >= half:
         received = hsdp.Shards.from_state(got)
         report_bytes = received.nbytes
         received.load_into(model, optimizer)
@@ -97,23 +118,25 @@ def main(out_path: str) -> None:
     report["bytes"] = gathered(report_bytes)
     report["filled"] = gathered(digests(model, optimizer))
     for n in range(3, 5):
-        step(model, optimizer, n, rank)
+        step(model, optimizer, n, rank, device)
     report["trained"] = gathered(digests(model, optimizer))
 
     # 3. the second node goes; the first re-forms at 2 ranks and keeps its shards
     kept = hsdp.Shards.take(model, optimizer)
     before = digests(model, optimizer)
     dist.destroy_process_group()
-    if rank >= 2:
+    if rank >= half:
         return
-    store = dist.FileStore(os.path.join(os.path.dirname(out_path), "store2"), 2)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
-    mesh2 = hsdp.device_mesh(CPU, 2, 2, shard_all=False)
-    new = hsdp.rewrap(skeleton, mesh2, fsdp_blocks, CPU)
+    store = dist.FileStore(os.path.join(os.path.dirname(out_path), "store2"), half)
+    extra = {"device_id": device} if kind == "cuda" else {}
+    dist.init_process_group("nccl" if kind == "cuda" else "gloo", store=store, rank=rank, world_size=half,
+                            timeout=timeout, **extra)
+    mesh2 = hsdp.device_mesh(device, half, half, shard_all=False)
+    new = hsdp.rewrap(skeleton, mesh2, fsdp_blocks, device)
     hsdp.rebind_optimizer(optimizer, model, new)
     kept.load_into(new, optimizer)
     report["kept_same"] = gathered(digests(new, optimizer) == before)
-    step(new, optimizer, 5, rank)
+    step(new, optimizer, 5, rank, device)
     report["stepped"] = gathered(digests(new, optimizer) != before)
     if rank == 0:
         with open(out_path, "w") as f:
@@ -122,4 +145,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
