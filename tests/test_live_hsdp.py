@@ -73,6 +73,8 @@ def test_hsdp_loses_a_replica_then_rank_0s_and_gains_one_and_matches_an_uninterr
     rank0_agent = next(a for a in agents if a.pid == int(Path(f"/proc/{ranks[0]}/stat").read_text()
                                                           .rsplit(")", 1)[1].split()[1]))
     _, t_kill0, st = kill_node(ranks[0], agents, logs, outs, 4, 4)
+    first = min(s["time"] for s in st if s["world_size"] == 4 and s["time"] > t_kill0)
+    print(f"kill of rank 0's node -> first step at 4 ranks: {first - t_kill0:.2f}s")
     for a in agents:
         if a not in (victim, rank0_agent):
             assert a.wait(timeout=200) == 0, [o.read_text()[-3000:] for o in outs]
@@ -118,3 +120,41 @@ def test_hsdp_loses_a_replica_then_rank_0s_and_gains_one_and_matches_an_uninterr
     written = {n: sum(f.stat().st_size for f in (ck / f"step-{n}").glob("dcp-*/*.distcp")) for n in (total, total + 2)}
     print(f"shard files: {written[total]} bytes of 2 replicas x 2 shards, {written[total + 2]} bytes of 1 x 2")
     assert written[total] < 1.3 * written[total + 2]
+
+
+def test_shards_over_all_ranks_a_lost_node_is_reloaded_from_the_checkpoint_in_place(etcd, run_id, procs, tmp_path):
+    """``--fsdp-shard-all`` on 2 nodes x 2 workers: no shard has a second copy, so a killed node's
+    shards are lost; the survivors keep their processes, re-form at 2 ranks and load the newest
+    sharded checkpoint resharded to 2 ranks in place, redo the steps since it, and end equal to
+    an uninterrupted run."""
+    total = 40
+    base_model, _, base_ledger = baseline(tmp_path, total)
+    ck, logs = tmp_path / "ck", tmp_path / "logs"
+    outs = [tmp_path / f"agent{i}.log" for i in range(2)]
+    args = ("--fsdp", "--fsdp-shard-all", "--max-steps", str(total), "--sleep-per-step", "0.1",
+            "--checkpoint-every", "10")
+    agents = _nodes(procs, etcd, run_id, ck, logs, outs, 2, *args, nnodes="1:2")
+    st = wait_steps("a world of 4 past step 13", lambda st: any(s["world_size"] == 4 and s["step"] >= 13
+                                                                for s in st), logs, 150, outs)
+    assert "fsdp: sharded over shard=4" in "".join(o.read_text() for o in outs)
+    assert "fsdp: sharded over shard=4" in "".join(o.read_text() for o in outs if o.exists())
+    ranks = current_ranks(st)
+    victim, t_kill, st = kill_node(ranks[2], agents, logs, outs, 2, 4)
+    survivors = {ranks[0], ranks[1]}
+    assert {s["pid"] for s in st if s["world_size"] == 2 and s["time"] > t_kill} == survivors
+    print(f"kill -> first step at 2 ranks (checkpoint reloaded): "
+          f"{min(s['time'] for s in st if s['world_size'] == 2 and s['time'] > t_kill) - t_kill:.2f}s")
+    for a in agents:
+        if a is not victim:
+            assert a.wait(timeout=200) == 0, [o.read_text()[-3000:] for o in outs]
+    events = records.read_events(logs)
+    reforms = [e for e in events if e.event == Event.LIVE_REFORM]
+    assert [(e.old, e.new, e.extra.get("reloaded")) for e in reforms] == [(4, 2, True)], reforms
+    loaded = [e for e in events if e.event == Event.CHECKPOINT_LOADED]
+    assert len(loaded) == 1 and loaded[0].step % 10 == 0 and loaded[0].world_size == 2
+    before = max(s["step"] for s in steps_of(logs) if s["time"] <= t_kill)
+    print(f"steps redone after the reload: {before - loaded[0].step}")
+    assert final_batches(logs) == {n: sorted(ix) for n, ix in base_ledger.items()}
+    step, state = latest(ck)
+    assert step == total
+    check_equivalence(gathered(CheckpointManager(str(ck)), step, state)["model"], base_model, total)

@@ -104,14 +104,17 @@ class GroupAbandon:
         self._inodes: set[int] = set()
 
     @contextlib.contextmanager
-    def recording(self) -> Iterator[None]:
-        """Wrap the group's making: the sockets that appear meanwhile are the group's."""
+    def recording(self, add: bool = False) -> Iterator[None]:
+        """Wrap the group's making: the sockets that appear meanwhile are the group's. ``add``: the
+        making of more groups of the same ranks (a DeviceMesh's, a checkpoint's) whose sockets are
+        abandoned with the default group's."""
         before = socket_inodes() if self.backend == "gloo" else set()
         try:
             yield
         finally:
             if self.backend == "gloo":
-                self._inodes = socket_inodes() - before
+                made = socket_inodes() - before
+                self._inodes = self._inodes | made if add else made
 
     def abandon(self, why: str = "") -> None:
         """From any thread: make the group's collectives in flight fail now."""

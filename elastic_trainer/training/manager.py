@@ -363,6 +363,7 @@ class Manager:
         self._agree_in = 1  # steps until the next agreement (the first step agrees)
         self._last_due: float | None = None
         self._cycle_s: float | None = None
+        self._subgroups = False  # groups beside the default one were made (subgroups())
 
     @property
     def live(self) -> bool:
@@ -501,6 +502,19 @@ class Manager:
             self.group.wake()
             yield
 
+    @contextlib.contextmanager
+    def subgroups(self) -> Iterator[None]:
+        """Wrap the making of process groups beside the default one (a DeviceMesh's for HSDP, a
+        checkpoint's): a silent loss abandons their collectives too, and ``reform`` shuts their
+        connections before it leaves, so that a peer blocked on this rank in one of them fails at
+        once (an FSDP module holds its groups in reference cycles: they outlive the default group)."""
+        if self.group is None:
+            yield
+            return
+        self._subgroups = True
+        with self.abandon.recording(add=True):
+            yield
+
     @property
     def reform_pending(self) -> bool:
         """This rank's quorum asks to re-form (shared with the others by the next ``agree``)."""
@@ -568,6 +582,8 @@ class Manager:
         old_rank, old_world = self.rank, self.world_size
         self.group.progress.reform_started()
         try:
+            if self._subgroups:  # gloo: a peer blocked on this rank in a subgroup fails now, as on a death
+                self.abandon.abandon("this rank re-forms")
             leave_process_group()
             torn = time.perf_counter()
             cycle = self._cycle_s if step_seconds is None else step_seconds

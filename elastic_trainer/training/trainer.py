@@ -153,7 +153,8 @@ class Trainer:
             self.peer_state = loaded  # restored by train()
             self.sampler = self._new_sampler()
             blocks = self.task.fsdp_blocks(self.module) if self.task.fsdp_blocks is not None else None
-            self.par = Parallel.wrap(self.module, c, d, blocks=blocks)
+            with self.manager.subgroups() if c.fsdp else contextlib.nullcontext():  # the mesh's groups
+                self.par = Parallel.wrap(self.module, c, d, blocks=blocks)
             self.model = self.par.model
             self.optimizer, self.scheduler = build_optimizer(self.task, self.model, c, d.world_size)
             if loaded is not None and sharded_live:  # a live peer's shards, into this rank's (same shard index)
@@ -216,7 +217,8 @@ class Trainer:
             self.checkpoints.resume(*loaded)
             del loaded
         if self.skeleton is not None and self.manager.newcomer:
-            self.checkpoints.prepare()  # the saver's group: the survivors make theirs at the re-form
+            with self.manager.subgroups():
+                self.checkpoints.prepare()  # the saver's group: the survivors make theirs at the re-form
         else:
             if c.init_from is not None:
                 self.checkpoints.init_from(c.init_from)
@@ -251,8 +253,9 @@ class Trainer:
         loss_sum = self._train_step(self.batches)
         self.preemption.boundaries += 1
         if self.preemption.boundaries == 1:  # the saves' host memory, made beside the next steps
-            with self.manager.slow("checkpoint host memory"):  # peers waiting meanwhile: not a hang
-                self.checkpoints.prepare()
+            with self.manager.slow("checkpoint host memory"), (  # peers waiting meanwhile: not a hang
+                    self.manager.subgroups() if self.par.fsdp else contextlib.nullcontext()):
+                self.checkpoints.prepare()  # --fsdp: also the checkpoint's group
         took = self.timer.stop()  # CUDA: known once the GPU ran the step (at the agreement at the latest)
         if took.ready():
             self._last_step_s = took.seconds()
@@ -382,7 +385,8 @@ class Trainer:
             self._restore(quorum.step, state)
         sharded_live = kept is not None
         if sharded_live:
-            self.checkpoints.prepare()  # the saver's group, made now by every rank (a newcomer: in _resume)
+            with self.manager.subgroups():
+                self.checkpoints.prepare()  # the saver's group, made now by every rank (a newcomer: in _resume)
         del state, kept
         self.batches = MicroBatches(self.task, self.sampler, c.num_workers, c.seed, d.device)
         timings = reformed.timings(t0, time.perf_counter())
@@ -415,7 +419,8 @@ class Trainer:
         (``missing``: a checkpoint follows). Returns the bytes received (0 when kept)."""
         c, d = self.config, self.dinfo
         old = self.module
-        self.par = Parallel.rewrap(self.skeleton, c, d, blocks=self.task.fsdp_blocks)
+        with self.manager.subgroups():  # the new mesh's groups
+            self.par = Parallel.rewrap(self.skeleton, c, d, blocks=self.task.fsdp_blocks)
         self.module = self.par.module
         hsdp.rebind_optimizer(self.optimizer, old, self.module)
         self.checkpoints.regrouped()
