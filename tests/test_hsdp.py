@@ -27,14 +27,17 @@ def test_several_nodes_replicate_across_nodes_and_shard_within_one():
     assert mesh_shape(3, 1, shard_all=False) == (3,)  # one worker per node: nothing to shard within a node
 
 
-def test_each_receiver_gets_its_shard_index_from_a_node_that_receives_nothing():
-    members = _members(3, 2)
-    assert shard_donors(members, [4, 5], source=0, nproc=2) == {4: 0, 5: 1}
-    assert shard_donors(members, [0, 1], source=2, nproc=2) == {0: 2, 1: 3}  # the source's node first
-    # rank 2 is behind: its node may not send; rank 3's shard comes from node 0 too
-    assert shard_donors(members, [2, 4, 5], source=0, nproc=2) == {2: 0, 4: 0, 5: 1}
-    # every node has a receiver: no live replica holds a complete copy
-    assert shard_donors(_members(2, 2), [1, 2], source=0, nproc=2) == {1: None, 2: None}
+def test_each_rank_gets_its_shard_index_from_a_holder_of_the_step_all_go_on_from():
+    assert shard_donors([7] * 6, nproc=2) == {}  # all at one step: nothing moves
+    assert shard_donors([7, 7, 7, 7, -1, -1], nproc=2) == {4: 0, 5: 1}  # a newcomer node
+    assert shard_donors([7, 6, 7, 7], nproc=2) == {1: 3}  # rank 1 behind: shard 1's holder of 7
+    # rank 0 completed step 7, which no holder of shard 1 did: it goes back to 6, from rank 2
+    assert shard_donors([7, 6, 6, 6], nproc=2) == {0: 2}
+    assert shard_donors([7, 6, 6, 6, -1, -1], nproc=2) == {0: 2, 4: 2, 5: 1}
+    # no copy of shard 0 at the step shard 1 has: everyone loads a checkpoint
+    assert shard_donors([7, 6, 7, 6], nproc=2) == {0: None, 1: None, 2: None, 3: None}
+    assert shard_donors([-1, -1, 6, 6], nproc=2) == {0: 2, 1: 3}
+    assert shard_donors([-1, 6, -1, 6], nproc=2) == {r: None for r in range(4)}  # shard 0: no holder
 
 
 def test_a_quorum_whose_ranks_are_not_whole_nodes_in_local_order_is_refused():
@@ -87,3 +90,13 @@ def test_on_gpus_a_newcomer_gets_every_shard_over_nccl_and_survivors_keep_theirs
     last GPU stays out)."""
     world = 4 if torch.cuda.device_count() >= 4 else 2
     _check_healed(_heal(tmp_path, world, "cuda"), world)
+
+
+def test_the_launcher_runs_fsdp_live_by_default_and_scale_lr_still_on_restarts():
+    from elastic_trainer.cli import launch
+
+    assert launch.parse_run_config(["--", "--fsdp"]).recovery == "live"
+    assert launch.parse_run_config(["--", "--fsdp", "--fsdp-shard-all"]).recovery == "live"
+    assert launch.parse_run_config(["--", "--scale-lr"]).recovery == "restart"
+    with pytest.raises(launch.UsageError, match="--scale-lr"):
+        launch.parse_run_config(["--recovery", "live", "--", "--scale-lr"])

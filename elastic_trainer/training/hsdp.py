@@ -13,8 +13,8 @@ What a fault costs (docs/trainer.md, "HSDP"):
    shard index and its shard's size: it keeps its shards (parameters and optimizer state, in
    memory), the process group re-forms at ``N - 1`` replicas, and the model is wrapped again on
    the new mesh around the very same local tensors (``Shards.take``, ``rewrap``): 0 steps redone.
-2. **A newcomer** (a node that joins, or a rank behind the quorum's step) gets each shard from
-   the rank with the same shard index in a replica that completed the step (``shard_donors``),
+2. **A newcomer** (a node that joins, or a rank at another step) gets each shard from the rank
+   with the same shard index that holds the step all go on from (``shard_donors``),
    point to point over the new group (``manager.send_states``, one transfer per shard index, all
    at once: ``Manager.reform(donors=...)``), never from storage: parameters, optimizer state, RNG, sampler position, step.
 3. **No live replica holds a shard** (``--fsdp-shard-all``, or a shard whose every copy is gone):
@@ -206,18 +206,30 @@ def rewrap(skeleton: torch.nn.Module, mesh, blocks: Callable[[torch.nn.Module], 
 
 
 # ---- who sends which shard -----------------------------------------------------------------------
-def shard_donors(members, receivers: Iterable[int], source: int, nproc: int) -> dict[int, int | None]:
-    """For each receiving rank, the rank that sends it its shards: the member of shard index
-    ``rank % nproc`` on the node of ``source`` (a rank that completed the quorum's step), or on
-    another node none of whose ranks receives; None when no live replica holds that shard."""
-    receiving = set(receivers)
-    nodes: list[int] = [source - source % nproc]  # first ranks of the candidate donor nodes, source's first
-    nodes += [r for r in range(0, len(members), nproc) if r not in nodes]
+def shard_donors(steps: list[int], nproc: int) -> dict[int, int | None]:
+    """Who sends which rank its shards, from every rank's completed step (``-1``: a newcomer, no
+    state): receiver rank -> donor rank, the donor holding the same shard index (``rank % nproc``).
+
+    A collective that fails when a node dies may complete on some ranks and not on others, so the
+    survivors may hold two steps. The step they all go on from is the newest step that every shard
+    index has a holder of (``min`` over shard indices of the newest step held); every rank at
+    another step (behind it, a newcomer, or one that completed a step that no holder of some other
+    shard did) gets its shards of that step from a rank of its shard index that holds it: the
+    lowest such rank. Every rank None: some shard index has no holder (a checkpoint is loaded)."""
+    world = len(steps)
+    best: dict[int, int] = {}
+    for r, st in enumerate(steps):
+        if st >= 0:
+            best[r % nproc] = max(best.get(r % nproc, -1), st)
+    if len(best) < min(nproc, world):
+        return {r: None for r in range(world)}
+    target = min(best.values())
     out: dict[int, int | None] = {}
-    for r in sorted(receiving):
-        s = r % nproc
-        out[r] = next((first + s for first in nodes if first + s < len(members) and first + s not in receiving
-                       and not any(first + i in receiving for i in range(nproc))), None)
+    for r, st in enumerate(steps):
+        if st != target:
+            out[r] = next((d for d in range(r % nproc, world, nproc) if steps[d] == target), None)
+    if any(d is None for d in out.values()):
+        return {r: None for r in range(world)}
     return out
 
 

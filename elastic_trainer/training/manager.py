@@ -502,6 +502,17 @@ class Manager:
             self.group.wake()
             yield
 
+    def commit_point(self) -> None:
+        """Call between a step's gradient reduction and its optimizer step when the ranks hold
+        different parts of the state (HSDP): one all-reduce of one number over the whole group, so
+        that a collective that failed anywhere in the step (the gradient reductions of the
+        shard indices are separate collectives) fails here on every rank, before any optimizer
+        step, and the survivors re-form at one step (TorchFT's ``should_commit`` is the model).
+        A node lost during this very all-reduce may still leave them a step apart: then the
+        shards come from the ranks that hold the step every shard index has (``hsdp.shard_donors``)."""
+        if self.distributed and self.world_size > 1:
+            dist.all_reduce(torch.zeros(1, device=self.device))
+
     @contextlib.contextmanager
     def subgroups(self) -> Iterator[None]:
         """Wrap the making of process groups beside the default one (a DeviceMesh's for HSDP, a

@@ -139,7 +139,7 @@ class Trainer:
             self.skeleton = hsdp.meta_skeleton(self.module) if sharded_live else None
             if self.manager.newcomer:  # the state comes from a live rank over the new group, not storage
                 t0 = time.perf_counter()
-                state = self.manager.receive_state(self._donors if sharded_live else None)
+                state = self.manager.receive_state((lambda q: self._donors(q, -1)) if sharded_live else None)
                 if state is not None:
                     loaded = (int(state["meta"]["step"]), state)
                     self._peer_state_s = time.perf_counter() - t0
@@ -361,7 +361,7 @@ class Trainer:
                       if kept is not None else lambda: self._capture_state(any_rank=True))
         try:
             reformed = self.manager.reform(self.step, cause, state_dict, step_seconds=self._last_step_s or 0.0,
-                                           donors=self._donors if kept is not None else None)
+                                           donors=(lambda q: self._donors(q, self.step)) if kept is not None else None)
         except LiveExcluded as exc:
             logger.error("live: %s; exiting so that the agent starts this worker again as a newcomer", exc)
             self._event("live_excluded", step=self.step, reason=str(exc))
@@ -401,17 +401,21 @@ class Trainer:
         if old_world != d.world_size:
             self._event("world_size_changed", old=old_world, new=d.world_size, step=self.step)
 
-    def _donors(self, quorum) -> dict[int, int | None]:
-        """Live --fsdp: who sends each receiver its shards (``hsdp.shard_donors``); every rank is
-        "missing" (a checkpoint reload) when the shards' size changes with the world (sharded over
-        all ranks of several nodes: ``--fsdp-shard-all``), or a rank needs shards of such a layout."""
+    def _donors(self, quorum, step: int) -> dict[int, int | None]:
+        """Live --fsdp, right after the new group is made (every rank, a newcomer with ``step`` -1):
+        who sends each rank its shards (``hsdp.shard_donors``, from every rank's step: one small
+        all-gather); every rank is "missing" (a checkpoint reload) when the shards' size changes
+        with the world (sharded over all ranks of several nodes: ``--fsdp-shard-all``), or a rank
+        needs shards of such a layout."""
         c, nproc = self.config, self.dinfo.local_world_size
         hsdp.check_layout(quorum.members, nproc)
+        steps: list = [None] * quorum.world_size
+        dist.all_gather_object(steps, step)
         shape = hsdp.mesh_shape(quorum.world_size, nproc, c.fsdp_shard_all)
         resized = shape[-1] != hsdp.mesh_shape(self.dinfo.world_size, nproc, c.fsdp_shard_all)[-1]  # the old world's
-        if resized or (shape[-1] > nproc and quorum.receivers):  # no rank holds another's shards
+        if resized or (shape[-1] > nproc and len(set(steps)) > 1):  # no rank holds another's shards
             return {r: None for r in range(quorum.world_size)}
-        return hsdp.shard_donors(quorum.members, quorum.receivers, quorum.source, nproc)
+        return hsdp.shard_donors(steps, nproc)
 
     def _rewrap_sharded(self, kept: "hsdp.Shards", state: dict | None, missing: tuple[int, ...]) -> int:
         """Live --fsdp after a re-form: the model wrapped again on the new group's mesh, holding this
@@ -485,6 +489,8 @@ class Trainer:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
+        if self.skeleton is not None:  # live --fsdp: no rank steps unless every rank's reductions completed
+            self.manager.commit_point()
         skipped = False
         if self.scaler is not None:
             before = self.scaler.get_scale()  # waits for the backward, as scaler.step() does to read found_inf

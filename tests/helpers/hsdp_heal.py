@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import sys
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -104,8 +103,7 @@ def main(out_path: str, kind: str = "cpu") -> None:
     if rank >= half:
         model = hsdp.rewrap(skeleton, mesh, fsdp_blocks, device)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    members = [SimpleNamespace(node=f"node{r // half}", local_rank=r % half) for r in range(world)]
-    donors = hsdp.shard_donors(members, range(half, world), source=0, nproc=half)
+    donors = hsdp.shard_donors([3] * half + [-1] * half, nproc=half)
     report["donors"] = {str(k): v for k, v in donors.items()}
     got = send_states(kept.to_state() if rank < half else None, donors, device)
     if rank >= half:
