@@ -425,8 +425,8 @@ class Trainer:
         old = self.module
         with self.manager.subgroups():  # the new mesh's groups
             self.par = Parallel.rewrap(self.skeleton, c, d, blocks=self.task.fsdp_blocks)
-        self.module = self.par.module
-        hsdp.rebind_optimizer(self.optimizer, old, self.module)
+        self.module = self.task.model = self.par.module  # nothing of ours holds the old one (FSDP's own
+        hsdp.rebind_optimizer(self.optimizer, old, self.module)  # reference cycles: freed at the next gc)
         self.checkpoints.regrouped()
         if missing:
             return 0
