@@ -49,13 +49,14 @@ def test_hsdp_loses_a_replica_then_rank_0s_and_gains_one_and_matches_an_uninterr
     """3 nodes x 2 workers, HSDP (3 replicas of 2 shards). Kill a node that is not rank 0's: the
     survivors keep their processes and shards and step on at 2 replicas, 0 steps redone; a new node
     joins and each of its ranks gets its shard from the same shard index of a live replica (the
-    bytes moved are reported); kill rank 0's node: the same. No checkpoint is read, every sample is
-    used once, and the end state equals an uninterrupted single-process run's."""
+    bytes moved are reported); kill rank 0's node: the same. Sharded checkpoints are saved every 7
+    steps throughout, and none is read; every sample is used once, and the end state equals an
+    uninterrupted single-process run's."""
     total = 100  # the newcomer node (2 workers on 2 cores) takes ~5 s to start: room to join
     base_model, base_loss, base_ledger = baseline(tmp_path, total)
     ck, logs = tmp_path / "ck", tmp_path / "logs"
     outs = [tmp_path / f"agent{i}.log" for i in range(4)]
-    args = ("--fsdp", "--max-steps", str(total), "--sleep-per-step", "0.1")
+    args = ("--fsdp", "--max-steps", str(total), "--sleep-per-step", "0.1", "--checkpoint-every", "7")
     agents = _nodes(procs, etcd, run_id, ck, logs, outs, 3, *args, nnodes="2:3")
 
     st = wait_steps("a world of 6 at step 5", lambda st: any(s["world_size"] == 6 and s["step"] >= 5 for s in st),
@@ -98,6 +99,8 @@ def test_hsdp_loses_a_replica_then_rank_0s_and_gains_one_and_matches_an_uninterr
     print(f"newcomer's ranks received {' + '.join(n for n, _ in joined)} bytes of shards in "
           f"{' and '.join(t for _, t in joined)} s; the survivors paused {reforms[1].total_s:.3f}s for the join")
     assert "no live replica" not in text
+    committed = set(re.findall(r"checkpoint step-(\d+) committed", text))
+    assert len(committed) >= 10, sorted(committed)  # saves at 6, 4 and 6 ranks (a save cut by a kill is not)
     for e in reforms:
         print(f"re-form {e.old}->{e.new}: {e.total_s:.3f}s (teardown {e.teardown_s:.3f}, agree {e.agree_s:.3f}, "
               f"group {e.group_s:.3f}, state {e.state_s:.3f})")
