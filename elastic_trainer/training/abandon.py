@@ -102,6 +102,9 @@ class GroupAbandon:
         self.backend = backend
         self.keep_peers = tuple(keep_peers)
         self._inodes: set[int] = set()
+        self.groups: list = []
+        """NCCL: more groups of the same ranks to abort with the default one (a DeviceMesh's; on gloo
+        their sockets are recorded instead: ``recording(add=True)``)."""
 
     @contextlib.contextmanager
     def recording(self, add: bool = False) -> Iterator[None]:
@@ -109,6 +112,8 @@ class GroupAbandon:
         making of more groups of the same ranks (a DeviceMesh's, a checkpoint's) whose sockets are
         abandoned with the default group's."""
         before = socket_inodes() if self.backend == "gloo" else set()
+        if not add:
+            self.groups = []  # a new default group: the groups made from the old one are gone
         try:
             yield
         finally:
@@ -121,10 +126,11 @@ class GroupAbandon:
         if not dist.is_initialized():
             return
         if self.backend != "gloo":
-            try:
-                dist.group.WORLD.abort()
-            except Exception as exc:  # noqa: BLE001 - the group may be gone already (re-formed meanwhile)
-                logger.info("live: abort of the process group: %s", exc)
+            for group in [dist.group.WORLD, *self.groups]:
+                try:
+                    group.abort()
+                except Exception as exc:  # noqa: BLE001 - the group may be gone already (re-formed meanwhile)
+                    logger.info("live: abort of a process group: %s", exc)
             return
         if not self._inodes:
             logger.warning("live: the gloo group's connections are unknown here (no /proc?); its collectives "

@@ -61,6 +61,17 @@ def device_mesh(device: torch.device, world_size: int, nproc: int, shard_all: bo
     return init_device_mesh(device.type, shape, mesh_dim_names=names)
 
 
+def mesh_groups(module: torch.nn.Module) -> list:
+    """The process groups of the mesh ``module``'s parameters are sharded over (none when it is not)."""
+    from torch.distributed.tensor import DTensor
+
+    p = next(iter(module.parameters()), None)
+    if not isinstance(p, DTensor):
+        return []
+    mesh = p.device_mesh
+    return [mesh.get_group(i) for i in range(mesh.ndim)]
+
+
 def check_layout(members, nproc: int) -> None:
     """HSDP needs rank ``r`` on the ``r // nproc``-th node as its local rank ``r % nproc`` (the
     quorum orders members so); anything else would replicate shards across the wrong ranks."""
@@ -68,14 +79,6 @@ def check_layout(members, nproc: int) -> None:
         if m.local_rank != r % nproc or m.node != members[r - r % nproc].node:
             raise RuntimeError(f"live HSDP: rank {r} is {m.node} local rank {m.local_rank}, not local rank "
                                f"{r % nproc} of the node of rank {r - r % nproc}; the quorum's order changed")
-
-
-def is_hsdp(module: torch.nn.Module) -> bool:
-    """Whether the sharded ``module``'s parameters are replicated across a mesh dimension."""
-    from torch.distributed.tensor import DTensor
-
-    p = next(iter(module.parameters()), None)
-    return isinstance(p, DTensor) and p.device_mesh.ndim == 2
 
 
 # ---- a rank's own shards ---------------------------------------------------------------------------
@@ -233,5 +236,5 @@ def shard_donors(steps: list[int], nproc: int) -> dict[int, int | None]:
     return out
 
 
-__all__ = ["Shards", "check_layout", "device_mesh", "is_hsdp", "mesh_shape", "meta_skeleton", "rebind_optimizer",
+__all__ = ["Shards", "check_layout", "device_mesh", "mesh_groups", "mesh_shape", "meta_skeleton", "rebind_optimizer",
            "rewrap", "shard_donors"]

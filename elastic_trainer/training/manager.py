@@ -514,17 +514,20 @@ class Manager:
             dist.all_reduce(torch.zeros(1, device=self.device))
 
     @contextlib.contextmanager
-    def subgroups(self) -> Iterator[None]:
+    def subgroups(self, groups: Callable[[], Sequence] | None = None) -> Iterator[None]:
         """Wrap the making of process groups beside the default one (a DeviceMesh's for HSDP, a
         checkpoint's): a silent loss abandons their collectives too, and ``reform`` shuts their
-        connections before it leaves, so that a peer blocked on this rank in one of them fails at
-        once (an FSDP module holds its groups in reference cycles: they outlive the default group)."""
+        connections (NCCL: aborts ``groups()``, called once they are made) before it leaves, so that
+        a peer blocked on this rank in one of them fails at once (an FSDP module holds its groups
+        in reference cycles: they outlive the default group)."""
         if self.group is None:
             yield
             return
         self._subgroups = True
         with self.abandon.recording(add=True):
             yield
+        if groups is not None and self.backend != "gloo":
+            self.abandon.groups += list(groups())
 
     @property
     def reform_pending(self) -> bool:

@@ -153,7 +153,8 @@ class Trainer:
             self.peer_state = loaded  # restored by train()
             self.sampler = self._new_sampler()
             blocks = self.task.fsdp_blocks(self.module) if self.task.fsdp_blocks is not None else None
-            with self.manager.subgroups() if c.fsdp else contextlib.nullcontext():  # the mesh's groups
+            with (self.manager.subgroups(lambda: hsdp.mesh_groups(self.module)) if c.fsdp  # the mesh's groups
+                  else contextlib.nullcontext()):
                 self.par = Parallel.wrap(self.module, c, d, blocks=blocks)
             self.model = self.par.model
             self.optimizer, self.scheduler = build_optimizer(self.task, self.model, c, d.world_size)
@@ -423,7 +424,7 @@ class Trainer:
         (``missing``: a checkpoint follows). Returns the bytes received (0 when kept)."""
         c, d = self.config, self.dinfo
         old = self.module
-        with self.manager.subgroups():  # the new mesh's groups
+        with self.manager.subgroups(lambda: hsdp.mesh_groups(self.par.module)):  # the new mesh's groups
             self.par = Parallel.rewrap(self.skeleton, c, d, blocks=self.task.fsdp_blocks)
         self.module = self.task.model = self.par.module  # nothing of ours holds the old one (FSDP's own
         hsdp.rebind_optimizer(self.optimizer, old, self.module)  # reference cycles: freed at the next gc)
