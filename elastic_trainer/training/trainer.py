@@ -217,13 +217,13 @@ class Trainer:
         elif (loaded := self.checkpoints.load()) is not None:
             self.checkpoints.resume(*loaded)
             del loaded
-        if self.skeleton is not None and self.manager.newcomer:
-            with self.manager.subgroups():
-                self.checkpoints.prepare()  # the saver's group: the survivors make theirs at the re-form
         else:
             if c.init_from is not None:
                 self.checkpoints.init_from(c.init_from)
             self.report.event("start", world_size=d.world_size, restart=d.restart, round=d.round)
+        if self.skeleton is not None and self.manager.newcomer:
+            with self.manager.subgroups():
+                self.checkpoints.prepare()  # the saver's group: the survivors make theirs at the re-form
         if self.run_id is None and d.is_main:  # fixed at the first start: restarts before a checkpoint resume it
             self.run_id = (metrics.fixed_run_id(c.checkpoint_dir or str(self.log_dir), fresh=not c.resume)
                            if c.wandb else metrics.new_run_id())
