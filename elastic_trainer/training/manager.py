@@ -19,7 +19,9 @@ Outside live recovery (plain torchrun, ``--recovery restart``) it is a plain man
 ``start()`` joins the group torchrun's environment describes, nothing re-forms, ``run()``
 re-raises every error, and a lost node restarts the workers as torchrun does. So a loop written
 against it runs unchanged in both modes (TorchFT's Manager and torchtitan's no-op FT manager are
-the models; this one is simpler: one quorum per re-form, not per step, and DDP only).
+the models; this one is simpler: one quorum per re-form, not per step). Sharded states (HSDP:
+``training/hsdp.py``) pass ``donors`` to ``reform``/``receive_state``: each rank then gets its
+part from the rank that holds the same part (``send_states``).
 
 Usage (``examples/own_loop.py`` is the whole program)::
 
