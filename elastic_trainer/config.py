@@ -158,8 +158,8 @@ class RunConfig:
         "agent", "live: survivors keep their processes and state when a node is lost or added, and a newcomer "
         "gets the state from a live rank; restart: every fault restarts the workers, which resume from the "
         "newest checkpoint", choices=RECOVERY_MODES,
-        default_text="live for the built-in trainer with DDP and for scripts that use elastic_trainer.Manager; "
-        "restart for other scripts, --fsdp and --scale-lr"))
+        default_text="live for the built-in trainer (DDP or --fsdp) and for scripts that use "
+        "elastic_trainer.Manager; restart for other scripts and --scale-lr"))
     # The trainer's --checkpoint-dir and --log-dir; when None, the launcher's defaults (defined here
     # only): checkpoints/<run id> (empty = no checkpoints) and runs/<run id> (also the embedded
     # etcd's data and the agents' logs).
@@ -323,8 +323,13 @@ class TrainConfig:
         "that shows NVIDIA GPUs torch cannot use is an error (docs/gpu.md).",
         choices=("auto", "cpu", "cuda")))
     fsdp: bool = field(default=False, metadata=flag(
-        "execution", "Shard parameters, gradients and optimizer state with FSDP2 (fully_shard on each block, then "
-        "the root) instead of DDP; checkpoints are then sharded, and recovery takes the restart path."))
+        "execution", "Shard parameters, gradients and optimizer state with FSDP (fully_shard) instead of DDP. "
+        "On more than one node: HSDP, sharded over a node's workers and replicated across nodes, so that "
+        "live recovery heals a lost node from a replica (docs/trainer.md, \"HSDP\")."))
+    fsdp_shard_all: bool = field(default=False, metadata=flag(
+        "execution", "With --fsdp: shard over every rank of every node (one copy of the state in all) "
+        "instead of HSDP. Less memory per GPU; under live recovery a lost node then costs a reload of "
+        "the newest checkpoint (in place, without a restart)."))
     bucket_cap_mb: float | None = field(default=None, metadata=flag(
         "execution", "DDP gradient bucket size in MiB; none = torch's default (25)."))
     amp: str = field(default="off", metadata=flag(

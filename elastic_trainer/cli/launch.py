@@ -112,12 +112,12 @@ def parse_run_config(argv: list[str]) -> RunConfig:
 
     builtin = args.training_script is None
     managed = builtin or script_uses_manager(args.training_script, module=args.module)
-    live_ok = managed and backend == "etcd-v3" and not {"--fsdp", "--scale-lr"} & set(trainer_args)
+    live_ok = managed and backend == "etcd-v3" and "--scale-lr" not in trainer_args
     if recovery == "live" and not live_ok:
-        raise UsageError("--recovery live needs the built-in trainer with DDP and a constant global batch, or a "
+        raise UsageError("--recovery live needs the built-in trainer (DDP or --fsdp) with a constant global batch, or a "
                          "script that uses elastic_trainer.Manager (see examples/own_loop.py; a script without it "
                          "would get a process group of its own node only), on the etcd-v3 rendezvous (not "
-                         "--fsdp, --scale-lr or c10d); use --recovery restart")
+                         "--scale-lr or c10d); use --recovery restart")
     if backend == "etcd-v3":
         rdzv_conf["recovery"] = recovery or ("live" if live_ok else "restart")
     if "checkpoint_dir" not in given:  # "" given: no checkpoints

@@ -102,26 +102,35 @@ class GroupAbandon:
         self.backend = backend
         self.keep_peers = tuple(keep_peers)
         self._inodes: set[int] = set()
+        self.groups: list = []
+        """NCCL: more groups of the same ranks to abort with the default one (a DeviceMesh's; on gloo
+        their sockets are recorded instead: ``recording(add=True)``)."""
 
     @contextlib.contextmanager
-    def recording(self) -> Iterator[None]:
-        """Wrap the group's making: the sockets that appear meanwhile are the group's."""
+    def recording(self, add: bool = False) -> Iterator[None]:
+        """Wrap the group's making: the sockets that appear meanwhile are the group's. ``add``: the
+        making of more groups of the same ranks (a DeviceMesh's, a checkpoint's) whose sockets are
+        abandoned with the default group's."""
         before = socket_inodes() if self.backend == "gloo" else set()
+        if not add:
+            self.groups = []  # a new default group: the groups made from the old one are gone
         try:
             yield
         finally:
             if self.backend == "gloo":
-                self._inodes = socket_inodes() - before
+                made = socket_inodes() - before
+                self._inodes = self._inodes | made if add else made
 
     def abandon(self, why: str = "") -> None:
         """From any thread: make the group's collectives in flight fail now."""
         if not dist.is_initialized():
             return
         if self.backend != "gloo":
-            try:
-                dist.group.WORLD.abort()
-            except Exception as exc:  # noqa: BLE001 - the group may be gone already (re-formed meanwhile)
-                logger.info("live: abort of the process group: %s", exc)
+            for group in [dist.group.WORLD, *self.groups]:
+                try:
+                    group.abort()
+                except Exception as exc:  # noqa: BLE001 - the group may be gone already (re-formed meanwhile)
+                    logger.info("live: abort of a process group: %s", exc)
             return
         if not self._inodes:
             logger.warning("live: the gloo group's connections are unknown here (no /proc?); its collectives "

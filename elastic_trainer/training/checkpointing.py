@@ -100,12 +100,13 @@ class Checkpointing:
         return self.config.fsdp and self.dinfo.distributed
 
     # ---- capture and restore ------------------------------------------------------------------
-    def capture(self, any_rank: bool = False) -> dict | None:
-        """The checkpoint's content (collective under FSDP; None on ranks other than 0 unless ``any_rank``)."""
+    def capture(self, any_rank: bool = False, whole: bool = True) -> dict | None:
+        """The checkpoint's content (collective under FSDP; None on ranks other than 0 unless ``any_rank``).
+        ``whole`` False: without model and optimizer (a live HSDP donor sends its own shards instead)."""
         from elastic_trainer.training.rng import gather_rng_states
 
         s, d = self.state, self.dinfo
-        sharded = self.sharded and not any_rank  # each rank saves its own shards (sharded.py)
+        sharded = (self.sharded and not any_rank) or not whole  # each rank saves its own shards (sharded.py)
         model_state = {} if sharded else s.par.model_state()
         optim_state = {} if sharded else s.par.optimizer_state(s.optimizer)
         # every rank's own generators (a collective), unless this rank saves alone (a live peer's
@@ -142,6 +143,8 @@ class Checkpointing:
                              "--fsdp, or start over with --no-resume")
         if is_sharded(state):  # every rank reads its part of the shards, resharded to this world size
             load_sharded(self.manager, step, state, s.module, s.optimizer)
+        elif "shards" in state:  # a live HSDP peer's own shards, loaded by the caller (hsdp.Shards)
+            pass
         else:  # under FSDP rank 0's, broadcast (the others hold none: load)
             s.par.load_optimizer_state(s.optimizer, state.get("optimizer", {}))
         if s.scheduler is not None and state.get("scheduler"):
@@ -158,6 +161,11 @@ class Checkpointing:
         s.sampler.load_state_dict(state["sampler"])
         s.step = int(meta.get("step", step))
         s.run_id = meta.get("wandb_run_id")
+
+    def regrouped(self) -> None:
+        """After a live re-form: the sharded saver's group went with the old process group; the next
+        save makes a new one (an async save in flight on the old group has failed with it)."""
+        self._sharded_saver = None
 
     def load_model(self, state: dict) -> None:
         """A loaded checkpoint's whole model into the wrapped one: under DDP every rank loads it into
@@ -296,8 +304,8 @@ class Checkpointing:
         beside the next steps (``checkpoint.sharded.prepare_saves``: page-locked for a GPU state,
         on a thread of the worker runtime), so that the first save blocks no longer than the later
         ones. Under ``--fsdp`` this also makes the ``ShardedSaver`` the saves use."""
-        if self.manager is None:
-            return
+        if self.manager is None or (self.sharded and self._sharded_saver is not None):
+            return  # a live --fsdp newcomer or survivor made its saver already (trainer: re-form, resume)
         from elastic_trainer.checkpoint.sharded import prepare_saves
 
         s = self.state

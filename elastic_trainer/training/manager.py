@@ -19,7 +19,9 @@ Outside live recovery (plain torchrun, ``--recovery restart``) it is a plain man
 ``start()`` joins the group torchrun's environment describes, nothing re-forms, ``run()``
 re-raises every error, and a lost node restarts the workers as torchrun does. So a loop written
 against it runs unchanged in both modes (TorchFT's Manager and torchtitan's no-op FT manager are
-the models; this one is simpler: one quorum per re-form, not per step, and DDP only).
+the models; this one is simpler: one quorum per re-form, not per step). Sharded states (HSDP:
+``training/hsdp.py``) pass ``donors`` to ``reform``/``receive_state``: each rank then gets its
+part from the rank that holds the same part (``send_states``).
 
 Usage (``examples/own_loop.py`` is the whole program)::
 
@@ -248,6 +250,24 @@ def send_state(state: dict | None, src: int, receivers: Sequence[int], device: t
     return torch.load(PartsReader([memoryview(raw)]), weights_only=True, map_location="cpu")
 
 
+def send_states(state: dict | None, donors: dict[int, int | None], device: torch.device) -> dict | None:
+    """Several ``send_state`` at once, for ``donors`` (receiver rank -> the rank that sends to it):
+    every donor sends its own ``state`` to its receivers, point to point. Each rank takes part in one
+    transfer only (the others return at once), so the donors send side by side (HSDP: one donor per
+    shard index, ``training/hsdp.py``). Returns what this rank received, else None."""
+    rank = dist.get_rank()
+    by_donor: dict[int, list[int]] = {}
+    for receiver, donor in donors.items():
+        if donor is None:
+            raise ValueError(f"send_states: no rank holds the state of rank {receiver}")
+        by_donor.setdefault(donor, []).append(receiver)
+    got = None
+    for donor, receivers in sorted(by_donor.items()):
+        if rank == donor or rank in receivers:
+            got = send_state(state if rank == donor else None, donor, receivers, device)
+    return got
+
+
 # ---- who uses it ----------------------------------------------------------------------------------
 _USES_MANAGER = re.compile(
     r"^\s*from\s+elastic_trainer(?:\.training(?:\.manager)?)?\s+import\s+(?:\([^)]*|[^\n]*)\bManager\b"
@@ -306,6 +326,8 @@ class Reform:
     torn: float
     agreed: float
     grouped: float
+    missing: tuple[int, ...] = ()
+    """Ranks whose state no live rank holds (``reform(donors=...)``): every rank loads a checkpoint."""
 
     def timings(self, started: float, done: float) -> dict[str, float]:
         """Seconds of each phase from ``started`` (the caller's teardown began) to ``done``."""
@@ -343,6 +365,7 @@ class Manager:
         self._agree_in = 1  # steps until the next agreement (the first step agrees)
         self._last_due: float | None = None
         self._cycle_s: float | None = None
+        self._subgroups = False  # groups beside the default one were made (subgroups())
 
     @property
     def live(self) -> bool:
@@ -391,19 +414,29 @@ class Manager:
         if self.backend == "nccl":
             nccl_error_handling()
             extra["device_id"] = self.device
+        # kept: the store is a Python subclass of torch's Store, and the groups made later from the
+        # default one (new_group: a DeviceMesh, the checkpoint's group) call it through C++, which finds
+        # no Python half once the object is gone ("Not implemented.")
+        self._store = self.group.store()
         with self.abandon.recording():  # gloo: the connections it opens are the ones to shut on a silent loss
-            dist.init_process_group(self.backend, store=self.group.store(), rank=q.rank_of(self.group.id),
+            dist.init_process_group(self.backend, store=self._store, rank=q.rank_of(self.group.id),
                                     world_size=q.world_size,
                                     timeout=datetime.timedelta(seconds=self.collective_timeout), **extra)
         self.group.forget_old()
         self.rank, self.world_size, self.round, self.distributed = dist.get_rank(), q.world_size, q.q, True
 
-    def receive_state(self) -> dict | None:
+    def receive_state(self, donors: Callable[[Quorum], dict[int, int | None]] | None = None) -> dict | None:
         """A newcomer's training state, sent by a live rank (call it once, right after ``start()``:
-        that rank waits for it); None on a cold start and in plain mode (load a checkpoint then)."""
+        that rank waits for it); None on a cold start and in plain mode (load a checkpoint then).
+        ``donors``: as in ``reform`` (None: no live rank holds this rank's state either)."""
         if not self.newcomer:
             return None
         q = self.group.quorum
+        if donors is not None:
+            plan = donors(q)
+            if any(d is None for d in plan.values()):
+                return None
+            return send_states(None, plan, self.device)
         return send_state(None, q.source, q.receivers, self.device)
 
     def close(self, *, finished: bool = False) -> None:
@@ -473,6 +506,33 @@ class Manager:
             self.group.wake()
             yield
 
+    def commit_point(self) -> None:
+        """Call between a step's gradient reduction and its optimizer step when the ranks hold
+        different parts of the state (HSDP): one all-reduce of one number over the whole group, so
+        that a collective that failed anywhere in the step (the gradient reductions of the
+        shard indices are separate collectives) fails here on every rank, before any optimizer
+        step, and the survivors re-form at one step (TorchFT's ``should_commit`` is the model).
+        A node lost during this very all-reduce may still leave them a step apart: then the
+        shards come from the ranks that hold the step every shard index has (``hsdp.shard_donors``)."""
+        if self.distributed and self.world_size > 1:
+            dist.all_reduce(torch.zeros(1, device=self.device))
+
+    @contextlib.contextmanager
+    def subgroups(self, groups: Callable[[], Sequence] | None = None) -> Iterator[None]:
+        """Wrap the making of process groups beside the default one (a DeviceMesh's for HSDP, a
+        checkpoint's): a silent loss abandons their collectives too, and ``reform`` shuts their
+        connections (NCCL: aborts ``groups()``, called once they are made) before it leaves, so that
+        a peer blocked on this rank in one of them fails at once (an FSDP module holds its groups
+        in reference cycles: they outlive the default group)."""
+        if self.group is None:
+            yield
+            return
+        self._subgroups = True
+        with self.abandon.recording(add=True):
+            yield
+        if groups is not None and self.backend != "gloo":
+            self.abandon.groups += list(groups())
+
     @property
     def reform_pending(self) -> bool:
         """This rank's quorum asks to re-form (shared with the others by the next ``agree``)."""
@@ -518,7 +578,8 @@ class Manager:
         return Agreement(out[:n], out[n] > 0, self._agree_in)
 
     def reform(self, step: int, cause: str, state_dict: Callable[[], dict] | None = None, *,
-               step_seconds: float | None = None) -> Reform:
+               step_seconds: float | None = None,
+               donors: Callable[[Quorum], dict[int, int | None]] | None = None) -> Reform:
         """Re-form the group in place: same process, same state, a new group at the new world size.
 
         Call it after ``run`` returned a failure, or at an agreed step whose ``Agreement.reform``
@@ -527,13 +588,20 @@ class Manager:
         reported, and the ranks behind it and the newcomers receive ``state_dict()`` of a rank
         that completed it (``Reform.state``). Raises ``LiveExcluded`` when the quorum formed
         without this worker. ``step_seconds`` (default: the measured cycle) stretches the wait for
-        a slow member's report to three steps."""
+        a slow member's report to three steps.
+
+        ``donors(quorum)`` (sharded states, HSDP): who sends to whom, receiver rank -> donor rank,
+        None where no live rank holds that receiver's state; each donor sends its own
+        ``state_dict()`` (``send_states``). When any receiver has no donor nothing is sent and
+        ``Reform.missing`` names them, on every rank alike: the caller loads a checkpoint."""
         if self.group is None:
             raise RuntimeError("Manager.reform needs live recovery (elastic-train's etcd-v3 rendezvous with "
                                "--recovery live); in plain mode a failure ends the worker and torchrun restarts it")
         old_rank, old_world = self.rank, self.world_size
         self.group.progress.reform_started()
         try:
+            if self._subgroups:  # gloo: a peer blocked on this rank in a subgroup fails now, as on a death
+                self.abandon.abandon("this rank re-forms")
             leave_process_group()
             torn = time.perf_counter()
             cycle = self._cycle_s if step_seconds is None else step_seconds
@@ -544,16 +612,25 @@ class Manager:
             grouped = time.perf_counter()
         finally:
             self.group.progress.reform_ended()
-        state = None
-        if quorum.receivers:
+        state, missing = None, ()
+        plan = donors(quorum) if donors is not None else None
+        if plan is not None:
+            missing = tuple(r for r, d in sorted(plan.items()) if d is None)
+            sender = self.rank in plan.values()
+            if sender and state_dict is None:
+                raise ValueError("Manager.reform needs state_dict on the ranks that send their state to others")
+            if plan and not missing:
+                sent = state_dict() if sender else None
+                state = send_states(sent, plan, self.device)
+        elif quorum.receivers:
             source = self.rank == quorum.source
             if source and state_dict is None:
                 raise ValueError("Manager.reform needs state_dict on the rank that sends the state to the others")
             state = send_state(state_dict() if source else None, quorum.source, quorum.receivers, self.device)
         self._agree_in = 1
-        return Reform(quorum, state, old_rank, old_world, torn, agreed, grouped)
+        return Reform(quorum, state, old_rank, old_world, torn, agreed, grouped, missing)
 
 
 __all__ = ["Agreement", "LiveExcluded", "Manager", "Reform", "RunFinished", "agree_interval", "collective_failed",
            "host_step_is_device_state", "leave_process_group", "nccl_error_handling", "run_or_failed_collective",
-           "script_uses_manager", "send_state", "warm_up_ddp"]
+           "script_uses_manager", "send_state", "send_states", "warm_up_ddp"]

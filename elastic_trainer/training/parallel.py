@@ -13,6 +13,9 @@ data-parallel wrapper:
 Under DDP the model's weights are loaded into the bare module *before* wrapping (DDP broadcasts
 rank 0's parameters), so only the optimizer state is set through here.
 
+On more than one node ``--fsdp`` is HSDP: sharded over a node's workers, replicated across nodes
+(``fsdp_options``; ``training/hsdp.py`` heals a lost replica under live recovery).
+
 FSDP2 as torchtitan applies it (``torchtitan/models/*/parallelize``): ``fully_shard`` on every
 block (``fsdp_blocks``: each transformer layer), then on the root, which keeps what is left (the
 embeddings, the head). Each block's parameters are then gathered only around its own forward and
@@ -28,6 +31,7 @@ after the wrap, from rank 0 only (``load_model_state``/``load_optimizer_state`` 
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -35,6 +39,8 @@ import torch
 
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.training.worker import DistInfo
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,14 +59,9 @@ class Parallel:
         root) around ``module`` when distributed, then ``torch.compile`` with ``--compile``."""
         par = cls(module=module, model=module)
         if dinfo.distributed and config.fsdp:
-            from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
-            amp_dtype = torch.bfloat16 if config.amp == "bf16" else None
-            options = {"mesh": init_device_mesh(dinfo.device.type, (dinfo.world_size,))}
-            policy = fsdp_mixed_precision(dinfo.device, amp_dtype)
-            if policy is not None:
-                options["mp_policy"] = policy
+            options = fsdp_options(config, dinfo)
             for block in (fsdp_blocks(module) if blocks is None else list(blocks)):
                 fully_shard(block, **options)
             fully_shard(module, **options)
@@ -75,6 +76,18 @@ class Parallel:
         if config.compile:
             par.model = torch.compile(par.model)
         return par
+
+    @classmethod
+    def rewrap(cls, skeleton: torch.nn.Module, config: TrainConfig, dinfo: DistInfo,
+               blocks=None) -> "Parallel":
+        """FSDP after a live re-form: a new sharded model on the new group's mesh, made from the meta
+        ``skeleton`` (``hsdp.meta_skeleton``), its shards allocated but not set (load them:
+        ``hsdp.Shards.load_into``, or a checkpoint)."""
+        from elastic_trainer.training import hsdp
+
+        options = fsdp_options(config, dinfo)
+        module = hsdp.rewrap(skeleton, options["mesh"], blocks or fsdp_blocks, dinfo.device, options.get("mp_policy"))
+        return cls(module=module, model=torch.compile(module) if config.compile else module, fsdp=True)
 
     def unwrap(self) -> "Parallel":
         """The bare module without its DDP wrapper (which must go before its process group does)."""
@@ -150,6 +163,23 @@ def fsdp_blocks(root: torch.nn.Module) -> list[torch.nn.Module]:
 
     visit(root)
     return blocks
+
+
+def fsdp_options(config: TrainConfig, dinfo: DistInfo) -> dict:
+    """``fully_shard``'s mesh and mixed-precision policy: HSDP (replicate across nodes x shard over
+    a node's ``local_world_size`` workers) on more than one node, one shard per rank with
+    ``--fsdp-shard-all`` or on one node (``training/hsdp.py``)."""
+    from elastic_trainer.training.hsdp import device_mesh
+
+    mesh = device_mesh(dinfo.device, dinfo.world_size, dinfo.local_world_size, config.fsdp_shard_all)
+    if dinfo.rank == 0:
+        logger.info("fsdp: %s over %s", "HSDP" if mesh.ndim == 2 else "sharded",
+                    ", ".join(f"{n}={k}" for n, k in zip(mesh.mesh_dim_names, mesh.shape)))
+    options: dict = {"mesh": mesh}
+    policy = fsdp_mixed_precision(dinfo.device, torch.bfloat16 if config.amp == "bf16" else None)
+    if policy is not None:
+        options["mp_policy"] = policy
+    return options
 
 
 def fsdp_mixed_precision(device: torch.device, amp_dtype: torch.dtype | None):

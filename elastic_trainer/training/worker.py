@@ -37,6 +37,8 @@ class DistInfo:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    local_world_size: int = 1
+    """Workers per node (HSDP shards over them)."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     distributed: bool = False
     round: int | None = None
@@ -56,7 +58,7 @@ def setup_distributed(config: TrainConfig, env: WorkerEnv | None = None) -> Dist
     then ``Manager.start()`` joins the quorum's group, so that the others never wait for its start-up."""
     env = WorkerEnv.from_environ() if env is None else env
     info = DistInfo(rank=env.rank or 0, world_size=env.world_size or 1, local_rank=env.local_rank or 0,
-                    round=env.rdzv_round, restart=env.restart_count or 0)
+                    local_world_size=env.local_world_size or 1, round=env.rdzv_round, restart=env.restart_count or 0)
     info.device = devices.pick_device(config.device, info.local_rank, devices.CudaView.probe())
     if info.device.type == "cuda":
         torch.cuda.set_device(info.device)

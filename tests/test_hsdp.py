@@ -1,0 +1,137 @@
+"""HSDP's pieces (``training/hsdp.py``): the mesh, who sends which shard, and a newcomer's and a
+survivor's shards checked byte for byte on 4 gloo ranks. The whole trainer under faults:
+``tests/test_live_hsdp.py``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from elastic_trainer.training.hsdp import check_layout, mesh_shape, shard_donors
+from tests.helpers.common import REPO
+
+
+def _members(nodes: int, nproc: int):
+    return [SimpleNamespace(node=f"n{r // nproc}", local_rank=r % nproc) for r in range(nodes * nproc)]
+
+
+def test_several_nodes_replicate_across_nodes_and_shard_within_one():
+    assert mesh_shape(6, 2, shard_all=False) == (3, 2)
+    assert mesh_shape(2, 2, shard_all=False) == (2,)  # one node: sharded over it
+    assert mesh_shape(6, 2, shard_all=True) == (6,)  # --fsdp-shard-all: the old layout
+    assert mesh_shape(3, 1, shard_all=False) == (3,)  # one worker per node: nothing to shard within a node
+
+
+def test_each_rank_gets_its_shard_index_from_a_holder_of_the_step_all_go_on_from():
+    assert shard_donors([7] * 6, nproc=2) == {}  # all at one step: nothing moves
+    assert shard_donors([7, 7, 7, 7, -1, -1], nproc=2) == {4: 0, 5: 1}  # a newcomer node
+    assert shard_donors([7, 6, 7, 7], nproc=2) == {1: 3}  # rank 1 behind: shard 1's holder of 7
+    # rank 0 completed step 7, which no holder of shard 1 did: it goes back to 6, from rank 2
+    assert shard_donors([7, 6, 6, 6], nproc=2) == {0: 2}
+    assert shard_donors([7, 6, 6, 6, -1, -1], nproc=2) == {0: 2, 4: 2, 5: 1}
+    # no copy of shard 0 at the step shard 1 has: everyone loads a checkpoint
+    assert shard_donors([7, 6, 7, 6], nproc=2) == {0: None, 1: None, 2: None, 3: None}
+    assert shard_donors([-1, -1, 6, 6], nproc=2) == {0: 2, 1: 3}
+    assert shard_donors([-1, 6, -1, 6], nproc=2) == {r: None for r in range(4)}  # shard 0: no holder
+
+
+def test_a_quorum_whose_ranks_are_not_whole_nodes_in_local_order_is_refused():
+    check_layout(_members(2, 2), 2)
+    swapped = _members(2, 2)
+    swapped[0], swapped[1] = swapped[1], swapped[0]
+    with pytest.raises(RuntimeError, match="rank 0 is n0 local rank 1"):
+        check_layout(swapped, 2)
+
+
+def _heal(tmp_path, nproc: int, *kind: str) -> dict:
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                           str(REPO / "tests" / "helpers" / "hsdp_heal.py"), str(out), *kind],
+                          cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _check_healed(r: dict, world: int) -> None:
+    half = world // 2
+    assert r["mesh"] == [2, half] and r["donors"] == {str(half + i): i for i in range(half)}
+    filled, trained = r["filled"], r["trained"]
+    assert len(filled[0]) == 16  # 4 parameters x (shard, exp_avg, exp_avg_sq, step)
+    for i in range(half):
+        assert filled[half + i] == filled[i]  # every shard's bytes: the donor's
+        assert trained[half + i] == trained[i]  # and the replicas stay equal as they train
+        assert r["bytes"][half + i] == r["bytes"][i] > 0
+    if half > 1:
+        assert filled[0] != filled[1]  # (two shard indices hold different shards)
+    assert r["kept_same"] == [True] * half and r["stepped"] == [True] * half
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_newcomer_node_gets_every_shard_from_the_same_index_and_survivors_keep_theirs(tmp_path):
+    """4 gloo ranks, (replicate=2, shard=2): the second node's ranks, emptied, get their shards from
+    the first node's ranks of the same shard index: every parameter and optimizer-state shard equal
+    to the donor's byte for byte, and the replicas stay equal through 2 more steps; then the
+    first node re-forms alone around the very shards it kept, and steps."""
+    _check_healed(_heal(tmp_path, 4), 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason=f"needs 2 GPUs, torch sees {torch.cuda.device_count()}: NCCL between two GPUs")
+def test_on_gpus_a_newcomer_gets_every_shard_over_nccl_and_survivors_keep_theirs(tmp_path):
+    """The same on NCCL, one rank per GPU: 2 GPUs are 2 replicas of 1 shard, 4 GPUs 2 x 2 (an odd
+    last GPU stays out)."""
+    world = 4 if torch.cuda.device_count() >= 4 else 2
+    _check_healed(_heal(tmp_path, world, "cuda"), world)
+
+
+def test_the_launcher_runs_fsdp_live_by_default_and_scale_lr_still_on_restarts():
+    from elastic_trainer.cli import launch
+
+    assert launch.parse_run_config(["--", "--fsdp"]).recovery == "live"
+    assert launch.parse_run_config(["--", "--fsdp", "--fsdp-shard-all"]).recovery == "live"
+    assert launch.parse_run_config(["--", "--scale-lr"]).recovery == "restart"
+    with pytest.raises(launch.UsageError, match="--scale-lr"):
+        launch.parse_run_config(["--recovery", "live", "--", "--scale-lr"])
+
+
+def test_the_mesh_groups_are_aborted_with_the_default_one_on_nccl():
+    """On NCCL a re-forming rank (and the watcher, on a silent loss) aborts the mesh's groups too,
+    not only the default one: a peer blocked on it in a shard group then fails at once. Here a world
+    of one over gloo: the mesh's groups of a sharded module are found, and stand-ins for them are
+    aborted; a new default group forgets them."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from elastic_trainer.training.abandon import GroupAbandon
+    from elastic_trainer.training.hsdp import device_mesh, mesh_groups
+
+    class Group:
+        aborted = 0
+
+        def abort(self) -> None:
+            self.aborted += 1
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        module = fully_shard(torch.nn.Linear(2, 2), mesh=device_mesh(torch.device("cpu"), 1, 1, False))
+        groups = mesh_groups(module)
+        assert [g.size() for g in groups] == [1] and mesh_groups(torch.nn.Linear(2, 2)) == []
+        abandon = GroupAbandon("nccl")
+        with abandon.recording():
+            pass
+        abandon.groups += [Group(), Group()]
+        abandon.abandon("a test")
+        assert [g.aborted for g in abandon.groups] == [1, 1]
+        with abandon.recording():  # a new default group: the old one's subgroups are forgotten
+            pass
+        assert abandon.groups == []
+    finally:
+        dist.destroy_process_group()

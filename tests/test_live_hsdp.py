@@ -1,0 +1,166 @@
+"""Live recovery under ``--fsdp`` on several nodes: HSDP (sharded within a node, replicated across
+nodes) heals a lost node from a live replica; with no live copy of a shard the survivors reload the
+newest sharded checkpoint in place.
+
+Real ``elastic-train --recovery live`` agents of 2 gloo workers each on a real etcd, real SIGKILL of
+whole nodes; what is asserted is read back from the trainer's logs (step logs: one file per worker
+process; events; the sample ledger) and the sharded checkpoints, gathered (``checkpoint.sharded``).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_trainer import records
+from elastic_trainer.checkpoint import CheckpointManager
+from elastic_trainer.checkpoint.sharded import gathered
+from elastic_trainer.records import Event
+from tests.helpers.live import current_ranks, kill_node, steps_of, wait_steps
+from tests.helpers.common import REPO
+from tests.helpers.runs import SEEDS_MSE, agent, baseline, check_equivalence, final_batches, latest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _nodes(procs, etcd, run_id, ck: Path, logs: Path, outs: list[Path], n: int, *args: str, nnodes: str):
+    return [agent(procs, etcd, run_id, 2, ck, logs, *args, nnodes=nnodes, out=outs[i], recovery="live")
+            for i in range(n)]
+
+
+def _by_pid_increasing(st: list[dict]) -> None:
+    """No process redid an agreed step (a step a rank completed but the world did not, logged with
+    ``loss_scope`` "rank", may be taken again from a replica that holds the step before it)."""
+    by_pid: dict[int, list[int]] = {}
+    for s in sorted(st, key=lambda s: s["time"]):
+        if "loss_scope" not in s:
+            by_pid.setdefault(s["pid"], []).append(s["step"])
+    for pid, steps in by_pid.items():
+        assert steps == sorted(set(steps)), (pid, steps)
+
+
+def test_hsdp_loses_a_replica_then_rank_0s_and_gains_one_and_matches_an_uninterrupted_run(
+        etcd, run_id, procs, tmp_path):
+    """3 nodes x 2 workers, HSDP (3 replicas of 2 shards). Kill a node that is not rank 0's: the
+    survivors keep their processes and shards and step on at 2 replicas, 0 steps redone; a new node
+    joins and each of its ranks gets its shard from the same shard index of a live replica (the
+    bytes moved are reported); kill rank 0's node: the same. Sharded checkpoints are saved every 7
+    steps throughout, and none is read; every sample is used once, and the end state equals an
+    uninterrupted single-process run's."""
+    total = 100  # the newcomer node (2 workers on 2 cores) takes ~5 s to start: room to join
+    base_model, base_loss, base_ledger = baseline(tmp_path, total)
+    ck, logs = tmp_path / "ck", tmp_path / "logs"
+    outs = [tmp_path / f"agent{i}.log" for i in range(4)]
+    args = ("--fsdp", "--max-steps", str(total), "--sleep-per-step", "0.1", "--checkpoint-every", "7")
+    agents = _nodes(procs, etcd, run_id, ck, logs, outs, 3, *args, nnodes="2:3")
+
+    st = wait_steps("a world of 6 at step 5", lambda st: any(s["world_size"] == 6 and s["step"] >= 5 for s in st),
+                    logs, 150, outs)
+    assert "fsdp: HSDP over replicate=3, shard=2" in "".join(o.read_text() for o in outs if o.exists())
+    ranks = current_ranks(st)
+    victim, t_kill, st = kill_node(ranks[4], agents, logs, outs, 4, 8)
+    at_four = [s for s in st if s["world_size"] == 4 and s["time"] > t_kill]
+    assert {s["pid"] for s in at_four} == {ranks[r] for r in range(4)}, "the survivors kept their processes"
+    first = min(s["time"] for s in at_four)
+    print(f"kill -> first step at 4 ranks: {first - t_kill:.2f}s")
+
+    agents.append(agent(procs, etcd, run_id, 2, ck, logs, *args, nnodes="2:3", out=outs[3], recovery="live"))
+    t_join = time.time()
+    st = wait_steps("a world of 6 after the join", lambda st: sum(
+        s["world_size"] == 6 and s["time"] > t_join for s in st) >= 12, logs, 150, outs)
+    ranks = current_ranks(st)
+    rank0_agent = next(a for a in agents if a.pid == int(Path(f"/proc/{ranks[0]}/stat").read_text()
+                                                          .rsplit(")", 1)[1].split()[1]))
+    _, t_kill0, st = kill_node(ranks[0], agents, logs, outs, 4, 4)
+    first = min(s["time"] for s in st if s["world_size"] == 4 and s["time"] > t_kill0)
+    print(f"kill of rank 0's node -> first step at 4 ranks: {first - t_kill0:.2f}s")
+    for a in agents:
+        if a not in (victim, rank0_agent):
+            assert a.wait(timeout=200) == 0, [o.read_text()[-3000:] for o in outs]
+
+    st = steps_of(logs)
+    _by_pid_increasing(st)
+    assert {s["pid"] for s in st if s["time"] > t_kill0} == {ranks[r] for r in range(2, 6)}
+    assert max(s["step"] for s in st) == total
+    events = records.read_events(logs)
+    assert Event.CHECKPOINT_LOADED not in [e.event for e in events]  # nothing was read from storage
+    reforms = [e for e in events if e.event == Event.LIVE_REFORM]
+    assert [(e.old, e.new) for e in reforms] == [(6, 4), (4, 6), (6, 4)], reforms
+    assert reforms[1].receivers == [4, 5]
+    text = "".join(o.read_text() for o in outs)
+    joined = re.findall(r"received the training state of step \d+ \(shards: (\d+) bytes\) in ([0-9.]+)s",
+                        outs[3].read_text())
+    assert len(joined) == 2 and all(int(n) > 0 for n, _ in joined), outs[3].read_text()[-3000:]
+    print(f"newcomer's ranks received {' + '.join(n for n, _ in joined)} bytes of shards in "
+          f"{' and '.join(t for _, t in joined)} s; the survivors paused {reforms[1].total_s:.3f}s for the join")
+    assert "no live replica" not in text
+    committed = set(re.findall(r"checkpoint step-(\d+) committed", text))
+    assert len(committed) >= 10, sorted(committed)  # saves at 6, 4 and 6 ranks (a save cut by a kill is not)
+    for e in reforms:
+        print(f"re-form {e.old}->{e.new}: {e.total_s:.3f}s (teardown {e.teardown_s:.3f}, agree {e.agree_s:.3f}, "
+              f"group {e.group_s:.3f}, state {e.state_s:.3f})")
+        assert e.total_s < 5, e
+
+    assert final_batches(logs) == {n: sorted(ix) for n, ix in base_ledger.items()}
+    for s in st:
+        if "loss_scope" not in s:
+            assert abs(s["loss"] - base_loss[s["step"]]) <= 1e-5 * abs(base_loss[s["step"]]), s
+    step, state = latest(ck)
+    assert step == total and state["meta"]["world_size"] == 4 and "model" not in state  # sharded
+    check_equivalence(gathered(CheckpointManager(str(ck)), step, state)["model"], base_model, total)
+
+    # it reshards on load: 2 ranks of one node (one shard each) resume it and train on
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "elastic_trainer.train", *SEEDS_MSE, "--fsdp", "--max-steps", str(total + 2),
+                           "--checkpoint-dir", str(ck), "--log-dir", str(tmp_path / "resumed")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert latest(ck)[0] == total + 2 and f"resumed from checkpoint step-{total}" in proc.stdout + proc.stderr
+    # and each shard was written once (DCP keeps one replica's copy): as many bytes as one copy sharded
+    # over 2 ranks (step total + 2), not twice as many
+    written = {n: sum(f.stat().st_size for f in (ck / f"step-{n}").glob("dcp-*/*.distcp")) for n in (total, total + 2)}
+    print(f"shard files: {written[total]} bytes of 2 replicas x 2 shards, {written[total + 2]} bytes of 1 x 2")
+    assert written[total] < 1.3 * written[total + 2]
+
+
+def test_shards_over_all_ranks_a_lost_node_is_reloaded_from_the_checkpoint_in_place(etcd, run_id, procs, tmp_path):
+    """``--fsdp-shard-all`` on 2 nodes x 2 workers: no shard has a second copy, so a killed node's
+    shards are lost; the survivors keep their processes, re-form at 2 ranks and load the newest
+    sharded checkpoint resharded to 2 ranks in place, redo the steps since it, and end equal to
+    an uninterrupted run."""
+    total = 40
+    base_model, _, base_ledger = baseline(tmp_path, total)
+    ck, logs = tmp_path / "ck", tmp_path / "logs"
+    outs = [tmp_path / f"agent{i}.log" for i in range(2)]
+    args = ("--fsdp", "--fsdp-shard-all", "--max-steps", str(total), "--sleep-per-step", "0.1",
+            "--checkpoint-every", "10")
+    agents = _nodes(procs, etcd, run_id, ck, logs, outs, 2, *args, nnodes="1:2")
+    st = wait_steps("a world of 4 past step 13", lambda st: any(s["world_size"] == 4 and s["step"] >= 13
+                                                                for s in st), logs, 150, outs)
+    assert "fsdp: sharded over shard=4" in "".join(o.read_text() for o in outs)
+    assert "fsdp: sharded over shard=4" in "".join(o.read_text() for o in outs if o.exists())
+    ranks = current_ranks(st)
+    victim, t_kill, st = kill_node(ranks[2], agents, logs, outs, 2, 4)
+    survivors = {ranks[0], ranks[1]}
+    assert {s["pid"] for s in st if s["world_size"] == 2 and s["time"] > t_kill} == survivors
+    print(f"kill -> first step at 2 ranks (checkpoint reloaded): "
+          f"{min(s['time'] for s in st if s['world_size'] == 2 and s['time'] > t_kill) - t_kill:.2f}s")
+    for a in agents:
+        if a is not victim:
+            assert a.wait(timeout=200) == 0, [o.read_text()[-3000:] for o in outs]
+    events = records.read_events(logs)
+    reforms = [e for e in events if e.event == Event.LIVE_REFORM]
+    assert [(e.old, e.new, e.extra.get("reloaded")) for e in reforms] == [(4, 2, True)], reforms
+    loaded = [e for e in events if e.event == Event.CHECKPOINT_LOADED]
+    assert len(loaded) == 1 and loaded[0].step % 10 == 0 and loaded[0].world_size == 2
+    before = max(s["step"] for s in steps_of(logs) if s["time"] <= t_kill)
+    print(f"steps redone after the reload: {before - loaded[0].step}")
+    assert final_batches(logs) == {n: sorted(ix) for n, ix in base_ledger.items()}
+    step, state = latest(ck)
+    assert step == total
+    check_equivalence(gathered(CheckpointManager(str(ck)), step, state)["model"], base_model, total)
