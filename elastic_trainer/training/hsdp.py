@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
-import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
