@@ -248,7 +248,7 @@ def test_a_hung_worker_is_found_by_its_lack_of_progress_excluded_and_replaced(et
 @pytest.mark.timeout(300)
 def test_a_newcomers_long_first_step_and_a_slow_checkpoint_are_not_taken_for_a_hang(etcd, run_id, procs, tmp_path):
     """A user's loop (tests/helpers/manager_loop.py): two nodes train, a third joins and spends
-    6 s in its first step (a compile: its warm-up covers it) and then 5 s in
+    6 s in its first step (a compile: the warm-up, the first step after a re-form, covers it) and then 5 s in
     ``manager.slow("checkpoint")`` every 15 steps, while the two others, whose bound is 2 s by
     then, wait for it in the next all-reduce: nobody is excluded, no stall is declared, the world
     goes from 2 to 3 once and stays there."""
@@ -280,8 +280,9 @@ def test_a_newcomers_long_first_step_and_a_slow_checkpoint_are_not_taken_for_a_h
         sorted({(s["round"], s["world_size"]) for s in st})
     text = "".join(o.read_text() for o in outs)
     assert "is stalled" not in text and "hung rank" not in text, text[-3000:]
-    assert "not a hang: busy" in text and "(warm-up)" in text and "(checkpoint)" in text, \
-        "the waiting ranks saw the newcomer's warm-up and its slow phase, and held off"
+    # the newcomer's 6 s first step falls in everyone's warm-up (the first step after the re-form);
+    # its 5 s slow phases come later, past the others' 2 s bound: they saw it busy and held off
+    assert "not a hang: busy" in text and "(checkpoint)" in text, "the waiting ranks saw the slow phase and held off"
 
 
 # ---- a node cut off the network ---------------------------------------------------------------------------
