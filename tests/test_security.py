@@ -230,6 +230,40 @@ def test_embedded_etcd_and_the_runs_files_are_private_to_its_user(tmp_path, proc
     assert password not in _finish(proc, out, tmp_path)
 
 
+# -- a canary in every documented input: no process the launcher starts, file, output holds one -------
+
+URL_KEY, URL_SECRET = "AKIDCANARYURL29", "canaryUrl/Secret29"  # an AWS-style secret, with a "/" in it
+
+
+@pytest.mark.parametrize("url", ["memory://KEY:{secret}@bucket/run", "file://user:{secret}@localhost/tmp/run",
+                                 "gcs://{secret}@bucket/run", "az://account:{secret}@container/run",
+                                 "s3://{secret}@bucket/run"])
+def test_credentials_in_a_url_whose_keys_nothing_routes_are_refused_at_start_in_one_line(
+        url, tmp_path, monkeypatch, capsys, nothing_connects):
+    # From the launcher's environment, where a URL with keys belongs: only s3://KEY:SECRET@ has them
+    # moved into a credentials file; any other userinfo would reach etcd's commit records and the
+    # workers' environment as it is. Refused before anything starts (no log dir, no etcd).
+    monkeypatch.setenv("ELASTIC_TRAINER_CHECKPOINT_DIR", url.format(secret=STORAGE_CANARY))
+    assert cli.main(["--log-dir", str(tmp_path / "logs")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("elastic-train: error: --checkpoint-dir: "), err
+    assert "***@" in err and STORAGE_CANARY not in err
+    assert ("keys in an S3 URL go right after s3://" if url.startswith("s3") else "credentials in the URL are refused") in err
+    assert not (tmp_path / "logs").exists()
+
+
+def test_the_commit_record_in_etcd_names_the_url_without_its_keys():
+    # A trainer started by torchrun itself gets the URL as given, keys and all: the record (which
+    # every node with the run's etcd credentials reads) keeps the URL without them, under one key.
+    from elastic_trainer.checkpoint.record import CommitRecord, record_key
+
+    class Fence:
+        prefix = "/elastic-trainer/r/"
+
+    record = CommitRecord(Fence(), f"s3://{URL_KEY}:{URL_SECRET}@bucket/run")
+    assert record.url == "s3://bucket/run" and record.key == record_key(Fence.prefix, "s3://bucket/run")
+
+
 # -- redaction: a canary secret in the etcd password and the storage URL shows up nowhere ---------------
 
 def test_storage_url_credentials_are_used_and_redacted(s3_url):
