@@ -5,7 +5,8 @@ port with its data under the run's log dir, waits until it answers, and stops it
 run ends. ``elastic-train etcd`` runs one in the foreground for several machines to share.
 
 The server is started with ``PR_SET_PDEATHSIG`` so that it dies with the process that
-started it, even when that process is killed with SIGKILL: nothing is left behind.
+started it, even when that process is killed with SIGKILL: nothing is left behind; and with only
+``env.helper_environ()`` in its environment, so that none of the launcher's secrets reach it.
 
     from elastic_trainer.etcd_server import EtcdServer
     with EtcdServer(data_dir="/tmp/etcd-data") as server:
@@ -26,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from elastic_trainer.env import helper_environ
 
 if TYPE_CHECKING:
     from elastic_trainer.etcd_tls import TlsFiles
@@ -231,7 +234,8 @@ class EtcdServer:
                "--log-level", "warn", *self.extra_args]
         log = open(self.log_path, "ab")
         try:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+            # With only the basics in its environment: etcd needs none of the launcher's secrets.
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=helper_environ(),
                                          stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         finally:
             log.close()
