@@ -7,6 +7,7 @@ run ends. ``elastic-train etcd`` runs one in the foreground for several machines
 The server is started with ``PR_SET_PDEATHSIG`` so that it dies with the process that
 started it, even when that process is killed with SIGKILL: nothing is left behind; and with only
 ``env.helper_environ()`` in its environment, so that none of the launcher's secrets reach it.
+:func:`start_with_auth` starts one with etcd's authentication on (the embedded etcd, the drill's).
 
     from elastic_trainer.etcd_server import EtcdServer
     with EtcdServer(data_dir="/tmp/etcd-data") as server:
@@ -183,6 +184,24 @@ def enable_auth(endpoint: str, password: str, timeout: float = 10.0, tls: TlsFil
         raise EtcdError(f"could not turn on authentication in the etcd at {endpoint}: {exc.details()}") from exc
     finally:
         client.close()
+
+
+def start_with_auth(server: EtcdServer, password_file: str | Path, tls: TlsFiles | None = None) -> dict[str, str]:
+    """Start ``server`` with etcd's authentication on: user root, the password in ``password_file``
+    (generated into a new 0600 file when there is none: :func:`run_password`). ``tls``: the folder
+    whose ``server_flags()`` ``server`` serves TLS with (None: plain http, on loopback).
+
+    Returns the ``--rdzv-conf`` options a node on this machine joins with: the TLS files of the
+    folder's ``client`` certificate, user root and ``password_file``. Raises ``EtcdError``, with the
+    server stopped, when etcd does not start or refuses to turn authentication on."""
+    try:
+        server.start()
+        enable_auth(server.endpoint, run_password(password_file), tls=tls)
+    except EtcdError:
+        server.stop()
+        raise
+    conf = tls.rdzv_options("client") if tls is not None else {}
+    return {**conf, "user": ROOT_USER, "password_file": str(password_file)}
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
