@@ -51,6 +51,22 @@ ENV_DEBUG_HANG = "ELASTIC_TRAINER_DEBUG_HANG"
 """Drills and tests: ``1`` makes a live worker's training thread hang for good on SIGUSR2
 (``training/manager.py``, ``install_debug_hang``), to prove the hang detection."""
 
+# ---- helper processes ----------------------------------------------------------------------------
+HELPER_ENV = ("PATH", "HOME", "USER", "LOGNAME", "TMPDIR", "LANG", "LANGUAGE", "TZ",
+              "GOMAXPROCS", "GOMEMLIMIT", "GODEBUG", "ETCD_UNSUPPORTED_ARCH")
+"""What a helper process (the embedded etcd, the drill's etcd) inherits, besides ``LC_*``: the
+basics any program needs, Go's runtime limits, and ``ETCD_UNSUPPORTED_ARCH`` (etcd 3.4 on arm64
+needs it). Nothing else: not the checkpoint URL, ``AWS_*``, ``WANDB_API_KEY``, the etcd password
+or any other variable a user may keep a secret in (docs/security.md)."""
+
+
+def helper_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment to start a helper process with: ``HELPER_ENV`` and ``LC_*`` of ``environ``
+    (``os.environ`` when None), nothing else."""
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items() if k in HELPER_ENV or k.startswith("LC_")}
+
+
 # ---- exit codes -------------------------------------------------------------------------------
 EXIT_OK = 0
 EXIT_ERROR = 1

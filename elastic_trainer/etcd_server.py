@@ -5,7 +5,9 @@ port with its data under the run's log dir, waits until it answers, and stops it
 run ends. ``elastic-train etcd`` runs one in the foreground for several machines to share.
 
 The server is started with ``PR_SET_PDEATHSIG`` so that it dies with the process that
-started it, even when that process is killed with SIGKILL: nothing is left behind.
+started it, even when that process is killed with SIGKILL: nothing is left behind; and with only
+``env.helper_environ()`` in its environment, so that none of the launcher's secrets reach it.
+:func:`start_with_auth` starts one with etcd's authentication on (the embedded etcd, the drill's).
 
     from elastic_trainer.etcd_server import EtcdServer
     with EtcdServer(data_dir="/tmp/etcd-data") as server:
@@ -26,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from elastic_trainer.env import helper_environ
 
 if TYPE_CHECKING:
     from elastic_trainer.etcd_tls import TlsFiles
@@ -182,6 +186,24 @@ def enable_auth(endpoint: str, password: str, timeout: float = 10.0, tls: TlsFil
         client.close()
 
 
+def start_with_auth(server: EtcdServer, password_file: str | Path, tls: TlsFiles | None = None) -> dict[str, str]:
+    """Start ``server`` with etcd's authentication on: user root, the password in ``password_file``
+    (generated into a new 0600 file when there is none: :func:`run_password`). ``tls``: the folder
+    whose ``server_flags()`` ``server`` serves TLS with (None: plain http, on loopback).
+
+    Returns the ``--rdzv-conf`` options a node on this machine joins with: the TLS files of the
+    folder's ``client`` certificate, user root and ``password_file``. Raises ``EtcdError``, with the
+    server stopped, when etcd does not start or refuses to turn authentication on."""
+    try:
+        server.start()
+        enable_auth(server.endpoint, run_password(password_file), tls=tls)
+    except EtcdError:
+        server.stop()
+        raise
+    conf = tls.rdzv_options("client") if tls is not None else {}
+    return {**conf, "user": ROOT_USER, "password_file": str(password_file)}
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -231,7 +253,8 @@ class EtcdServer:
                "--log-level", "warn", *self.extra_args]
         log = open(self.log_path, "ab")
         try:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+            # With only the basics in its environment: etcd needs none of the launcher's secrets.
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=helper_environ(),
                                          stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         finally:
             log.close()

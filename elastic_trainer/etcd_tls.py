@@ -45,9 +45,14 @@ class TlsFiles:
         return ["--cert-file", str(self.cert(SERVER)), "--key-file", str(self.key(SERVER)),
                 "--trusted-ca-file", str(self.cert(CA)), "--client-cert-auth"]
 
+    def rdzv_options(self, client: str) -> dict[str, str]:
+        """The rendezvous options of a node that uses client certificate ``client``."""
+        return {"protocol": "https", "ca_cert": str(self.cert(CA)), "cert": str(self.cert(client)),
+                "key": str(self.key(client))}
+
     def rdzv_conf(self, client: str) -> str:
         """The ``--rdzv-conf`` of a node that uses client certificate ``client``."""
-        return (f"protocol=https,ca_cert={self.cert(CA)},cert={self.cert(client)},key={self.key(client)}")
+        return ",".join(f"{k}={v}" for k, v in self.rdzv_options(client).items())
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first file that the server needs and that is missing."""

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import etcd3
 import pytest
 
 from elastic_trainer import records
@@ -374,6 +376,56 @@ def test_report_files_and_summary_table(tmp_path):
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = drill_report.summary_table(report)
     assert "kill node:1@step:12" in table and "drill PASSED" in table and "18.5s" in table
+
+
+# ----------------------------------------------------------------------------- the drill's etcd
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("netns", [False, True])
+def test_the_drills_own_etcd_admits_only_holders_of_its_password_and_on_the_bridge_its_certificate(tmp_path, netns):
+    """Issue 29: as the embedded etcd, the drill's etcd has authentication on (any user of the
+    machine reaches its port), the password in a 0600 file the nodes are pointed to; on the netns
+    bridge it serves TLS and asks for a client certificate of its own CA as well."""
+    import grpc
+    from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+
+    from elastic_trainer.drill.cluster import Cluster
+    from elastic_trainer.rendezvous.etcd_client import EtcdConnection
+    from elastic_trainer.rendezvous.options import RendezvousOptions
+
+    if netns and (os.geteuid() != 0 or shutil.which("ip") is None):
+        pytest.skip("network namespaces need root and iproute2")
+    cluster = Cluster(parse_args(["--nodes", "1", "--out", str(tmp_path / "drill"), *(["--netns"] if netns else [])]))
+    try:
+        cluster.setup()
+        conf = dict(item.split("=", 1) for item in cluster.etcd_conf.split(","))
+        assert conf["user"] == "root" and Path(conf["password_file"]).stat().st_mode & 0o777 == 0o600
+        assert conf.get("protocol") == ("https" if netns else None)
+        host, port = cluster.endpoint.rsplit(":", 1)
+        refused = (grpc.RpcError, etcd3.exceptions.Etcd3Exception)  # etcd3 wraps a failed connection
+        anonymous = etcd3.client(host, int(port), timeout=3)  # no password, no certificate, plain http
+        try:
+            with pytest.raises(refused):
+                anonymous.put("/elastic-trainer/intruder", b"")
+        finally:
+            anonymous.close()
+        if netns:  # the CA, but no client certificate: refused in the TLS handshake
+            without_cert = etcd3.client(host, int(port), timeout=3, ca_cert=conf["ca_cert"])
+            try:
+                with pytest.raises(refused):
+                    without_cert.get("/elastic-trainer/x")
+            finally:
+                without_cert.close()
+        # A node's own options (what start_node passes in --rdzv-conf) reach it.
+        options = RendezvousOptions(RendezvousParameters("etcd-v3", cluster.endpoint, cluster.run_id, 1, 1, **conf))
+        conn = EtcdConnection(options.etcd)
+        try:
+            conn.call(lambda c: c.put("/elastic-trainer/node-check", b"ok"), "put")
+        finally:
+            conn.close()
+    finally:
+        cluster.cleanup()
 
 
 # ----------------------------------------------------------------------------- real drills

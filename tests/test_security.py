@@ -2,7 +2,8 @@
 
 Against real components: an etcd 3.4 with authentication on, the embedded etcd, the real
 ``elastic-train`` with a worker script (``tests/helpers/secret_probe.py``) that reports its
-environment and every command line of the job's processes.
+environment and every command line of the job's processes, while the test reads the command line
+and environment of every process below the launcher (``/proc/<pid>/cmdline``, ``environ``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
 from elastic_trainer import cli, etcd_server
-from elastic_trainer.cli import launch
+from elastic_trainer.cli import launch, secrets
+from elastic_trainer.drill.nodes import descendants
+from elastic_trainer.env import HELPER_ENV
 from elastic_trainer.etcd_server import EtcdServer
 from elastic_trainer.rendezvous.options import RendezvousOptions
 from tests.helpers.common import REPO, cli_cmd, wait_until
@@ -145,6 +148,22 @@ def _files_holding(folder: Path, secret: str) -> list[str]:
     return [str(p) for p in folder.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
 
 
+def _processes_below(launcher_pid: int, secrets_: list[str]) -> dict[int, tuple[bytes, bytes]]:
+    """The command line and environment of every process below the launcher (workers, the embedded
+    etcd, W&B's service: the launcher's own is the documented exception); fails naming each one
+    that holds a secret. Returns ``{pid: (cmdline, environ)}``."""
+    seen = {}
+    for pid in descendants(launcher_pid):
+        try:
+            seen[pid] = (Path(f"/proc/{pid}/cmdline").read_bytes(), Path(f"/proc/{pid}/environ").read_bytes())
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # ended meanwhile
+    leaks = [f"{secret!r} in the {what} of {pid} ({cmd[:60]!r})" for pid, (cmd, env) in seen.items()
+             for what, blob in (("cmdline", cmd), ("environ", env)) for secret in secrets_ if secret.encode() in blob]
+    assert not leaks, f"secrets in processes the launcher started: {leaks}"
+    return seen
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_workers_get_files_for_the_etcd_password_and_the_storage_keys_never_the_secrets(
@@ -160,6 +179,8 @@ def test_workers_get_files_for_the_etcd_password_and_the_storage_keys_never_the_
                                    checkpoint_dir=False)
     assert report["fence_error"] is None
     assert any("elastic_trainer.cli" in c for c in report["cmdlines"])
+    assert any(b"secret_probe" in cmd for cmd, _ in _processes_below(proc.pid, [CANARY, STORAGE_CANARY,
+                                                                                  WANDB_CANARY]).values())
     for secret in (CANARY, STORAGE_CANARY, WANDB_CANARY):
         assert secret not in json.dumps(report["environ"]) and secret not in report["proc_environ"]
         assert not [c for c in report["cmdlines"] if secret in c]
@@ -228,6 +249,104 @@ def test_embedded_etcd_and_the_runs_files_are_private_to_its_user(tmp_path, proc
         assert other.returncode == 2 and "password_file=" in other.stderr and "Permission denied" in other.stderr, \
             other.stderr[-2000:]
     assert password not in _finish(proc, out, tmp_path)
+
+
+# -- a canary in every documented input: no process the launcher starts, file, output holds one -------
+
+URL_KEY, URL_SECRET = "AKIDCANARYURL29", "canaryUrl/Secret29"  # an AWS-style secret, with a "/" in it
+ENV_KEY, ENV_SECRET, ENV_TOKEN = "AKIDCANARYENV29", "canaryEnvSecret29", "canaryEnvSessionToken29"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_no_canary_reaches_a_process_the_launcher_starts_a_file_or_the_output(s3_url, tmp_path, procs):
+    """Issue 29. The launcher's environment holds a canary in each documented input: the checkpoint
+    URL's S3 keys, ``AWS_*`` (another key pair and a session token), ``WANDB_API_KEY`` and the etcd
+    password variable; the embedded etcd's own password is one more. While the job runs (a worker
+    with W&B open, the embedded etcd, W&B's service), no process below the launcher has one in its
+    command line or environment, and etcd's environment has only ``env.HELPER_ENV``'s basics; after
+    the run none is in the output, in a file under the log dir (etcd's data, W&B's files, the agents'
+    logs) or in the checkpoint's objects. The launcher's own environment is the documented exception."""
+    bucket_path = s3_url.split("://", 1)[1]
+    given = [URL_KEY, URL_SECRET, ENV_KEY, ENV_SECRET, ENV_TOKEN, WANDB_CANARY, CANARY]
+    proc, out, report = _run_probe(
+        tmp_path, procs, ["--run-id", "canary29"],
+        {"ELASTIC_TRAINER_CHECKPOINT_DIR": f"s3://{URL_KEY}:{URL_SECRET}@{bucket_path}",
+         "AWS_ACCESS_KEY_ID": ENV_KEY, "AWS_SECRET_ACCESS_KEY": ENV_SECRET, "AWS_SESSION_TOKEN": ENV_TOKEN,
+         "WANDB_API_KEY": WANDB_CANARY, "WANDB_MODE": "offline", "PROBE_WANDB": "1",
+         "ELASTIC_TRAINER_RDZV_PASSWORD": CANARY}, checkpoint_dir=False)
+    assert report["fence_error"] is None
+    logs = tmp_path / "logs"
+    password = (logs / "etcd-password").read_text().strip()
+    launcher_environ = Path(f"/proc/{proc.pid}/environ").read_bytes()
+    assert all(secret.encode() in launcher_environ for secret in given)  # the canaries were there to leak
+    below = _processes_below(proc.pid, [*given, password])
+    etcd = [env for cmd, env in below.values() if cmd.split(b"\0")[0].endswith(b"etcd")]
+    assert len(etcd) == 1, [cmd[:60] for cmd, _ in below.values()]
+    names = {entry.split(b"=", 1)[0].decode() for entry in etcd[0].split(b"\0") if entry}
+    assert names and not {n for n in names if n not in HELPER_ENV and not n.startswith("LC_")}, names
+    assert sum(b"secret_probe" in cmd for cmd, _ in below.values()) == 1
+    output = _finish(proc, out, tmp_path)
+    assert list((logs / "wandb").glob("offline-run-*")), "W&B wrote no offline run"
+    assert list((logs / "etcd").rglob("*.wal")), "no etcd data under the log dir"
+    from elastic_trainer.checkpoint import storage
+    fs, root = storage.get_fs(s3_url)
+    objects = fs.find(root)
+    assert [p for p in objects if p.endswith("manifest.json")], "the worker saved no checkpoint"
+    for secret in [*given, password]:
+        assert secret not in output
+        assert not [p for p in objects if secret in p or secret.encode() in fs.cat_file(p)]
+        held = _files_holding(logs, secret)
+        if secret == password:  # the embedded etcd's own password: its 0600 file, and etcd 3.4's log of
+            # the `user add` that set it (3.5 hashes a password before its log: etcd-io/etcd#11943),
+            # in the 0700 data dir beside that file
+            held = [h for h in held if h != str(logs / "etcd-password") and not h.endswith(".wal")]
+        assert not held, (secret, held)
+
+
+@pytest.mark.parametrize("url", ["memory://KEY:{secret}@bucket/run", "file://user:{secret}@localhost/tmp/run",
+                                 "gcs://{secret}@bucket/run", "az://account:{secret}@container/run",
+                                 "s3://{secret}@bucket/run"])
+def test_credentials_in_a_url_whose_keys_nothing_routes_are_refused_at_start_in_one_line(
+        url, tmp_path, monkeypatch, capsys, nothing_connects):
+    # From the launcher's environment, where a URL with keys belongs: only s3://KEY:SECRET@ has them
+    # moved into a credentials file; any other userinfo would reach etcd's commit records and the
+    # workers' environment as it is. Refused before anything starts (no log dir, no etcd).
+    monkeypatch.setenv("ELASTIC_TRAINER_CHECKPOINT_DIR", url.format(secret=STORAGE_CANARY))
+    assert cli.main(["--log-dir", str(tmp_path / "logs")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("elastic-train: error: --checkpoint-dir: "), err
+    assert "***@" in err and STORAGE_CANARY not in err
+    assert ("keys in an S3 URL go right after s3://" if url.startswith("s3") else "credentials in the URL are refused") in err
+    assert not (tmp_path / "logs").exists()
+
+
+def test_the_commit_record_in_etcd_names_the_url_without_its_keys():
+    # A trainer started by torchrun itself gets the URL as given, keys and all: the record (which
+    # every node with the run's etcd credentials reads) keeps the URL without them, under one key.
+    from elastic_trainer.checkpoint.record import CommitRecord, record_key
+
+    class Fence:
+        prefix = "/elastic-trainer/r/"
+
+    record = CommitRecord(Fence(), f"s3://{URL_KEY}:{URL_SECRET}@bucket/run")
+    assert record.url == "s3://bucket/run" and record.key == record_key(Fence.prefix, "s3://bucket/run")
+
+
+def test_aws_keys_leave_the_workers_environment_whatever_the_checkpoint_urls_protocol(tmp_path, monkeypatch):
+    from elastic_trainer.rendezvous import options
+
+    monkeypatch.setattr(options, "_launcher_password", None)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ENV_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", ENV_SECRET)
+    monkeypatch.setenv("ELASTIC_TRAINER_RDZV_PASSWORD", CANARY)
+    with secrets.handed_over(str(tmp_path / "ck")) as url:
+        assert url == str(tmp_path / "ck")
+        assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "ELASTIC_TRAINER_RDZV_PASSWORD"} & set(os.environ)
+        credentials = Path(os.environ["AWS_SHARED_CREDENTIALS_FILE"])
+        assert stat.S_IMODE(credentials.stat().st_mode) == 0o600 and ENV_SECRET in credentials.read_text()
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] == ENV_SECRET and not credentials.exists()
+    assert options.launcher_password() == CANARY  # kept for the rendezvous handler, in this process only
 
 
 # -- redaction: a canary secret in the etcd password and the storage URL shows up nowhere ---------------

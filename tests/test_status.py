@@ -56,6 +56,22 @@ def test_publisher_writes_at_most_once_an_interval_and_keeps_the_newest_events(e
     reader.close()
 
 
+def test_the_publisher_writes_no_urls_credentials_into_etcd_whatever_a_field_holds(etcd, run_id):
+    # A user's own loop may publish what it likes (StatusPublisher is public): the document in etcd,
+    # which `status` shows and every node with the run's credentials reads, holds no userinfo.
+    prefix = run_prefix(None, run_id)
+    pub = StatusPublisher(connect(etcd), prefix, interval=0.3)
+    pub.update(checkpoint={"step": 1, "time": time.time(), "url": "s3://AKIA:s3cr3t/x@bucket/ck"})
+    pub.event({"time": time.time(), "event": "note", "message": "copied from memory://user:pw0rd@store/run"})
+    pub.close()
+    reader = connect(etcd)
+    try:
+        value, _ = reader.client.get(prefix + "status")
+    finally:
+        reader.close()
+    assert b"s3cr3t" not in value and b"pw0rd" not in value and b"s3://***@bucket/ck" in value
+
+
 def test_status_text_shows_a_redacted_checkpoint_url_without_its_password():
     """The trainer publishes the URL through storage.redact; the text a person reads keeps it so."""
     from elastic_trainer.checkpoint import storage

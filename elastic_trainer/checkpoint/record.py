@@ -35,6 +35,7 @@ import hashlib
 import json
 import logging
 
+from elastic_trainer.checkpoint import storage
 from elastic_trainer.rendezvous.fence import Fence, FencedError
 
 log = logging.getLogger(__name__)
@@ -49,19 +50,24 @@ class Conflict(Exception):
 
 
 def record_key(prefix: str, url: str) -> str:
-    """The etcd key of the record of ``url`` under the run's key prefix."""
+    """The etcd key of the record of ``url`` (without its userinfo) under the run's key prefix."""
     root = prefix.rstrip("/")
     if root.endswith("/live"):  # the live group's keys sit under <run prefix>live/
         root = root[: -len("/live")]
+    url = storage.without_userinfo(url)
     return f"{root}/checkpoints/{hashlib.sha256(url.rstrip('/').encode()).hexdigest()[:24]}"
 
 
 class CommitRecord:
-    """The etcd record of the committed checkpoints of one URL (see the module docstring)."""
+    """The etcd record of the committed checkpoints of one URL (see the module docstring).
+
+    The record names the URL without its userinfo: whoever reads etcd (every node with the
+    run's credentials) must not find the storage keys of a trainer started with
+    ``s3://KEY:SECRET@...`` (under torchrun, without ``elastic-train`` to take them out)."""
 
     def __init__(self, fence: Fence, url: str) -> None:
         self.fence = fence
-        self.url = url
+        self.url = storage.without_userinfo(url)
         self.key = record_key(fence.prefix, url)
 
     def read(self) -> tuple[list[dict], int]:

@@ -3,7 +3,10 @@
 ``memory://``, local or NFS paths, ``s3://bucket/prefix`` (s3fs) and every other protocol
 fsspec knows work the same way. Storage options come from the environment (for S3:
 ``AWS_*`` credentials, ``ELASTIC_TRAINER_S3_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL`` for a
-non-AWS endpoint) and are never logged.
+non-AWS endpoint) and are never logged. Only an S3 URL may carry keys (``s3://KEY:SECRET@bucket``,
+taken out by ``split_credentials``); a URL on any other protocol with ``user:password@`` in it is
+refused (``check_credentials``), and what is stored, logged or shown is ``without_userinfo`` or
+``redact``-ed.
 
 Besides opening a filesystem this module offers the few operations a checkpoint needs:
 ``write_bytes``, ``write_streamed`` and ``write_parts`` (durable on local disks), ``create_exclusive`` (atomic
@@ -71,15 +74,67 @@ the hash reads each piece from memory and the write finds it still in the CPU ca
 the writeback of a large write starts while it is still being written."""
 
 
+CREDENTIAL_PROTOCOLS = ("s3", "s3a")
+"""Protocols whose keys a URL may carry as ``KEY:SECRET@`` userinfo: the launcher takes them out of
+the URL into a 0600 credentials file for its workers (``cli.secrets``), and only the URL without
+them is stored, logged, shown or handed on. Userinfo in any other URL is refused
+(:func:`check_credentials`): nothing would route those keys, and the URL would carry them
+into etcd's commit records and the workers' environment."""
+
+# RFC 3986: userinfo is what the authority (up to the first "/", "?" or "#") holds before its last "@".
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)([^/?#\s]*)@")
+# S3 keys: an access key id (never "/" or ":") and a secret, which may hold "/" (AWS's often do):
+# a bucket name never holds ":", so ``s3://KEY:SE/CRET@bucket`` is keys, not a bucket "KEY:SE".
+_S3_KEYS = re.compile(r"(s3a?://)([^/@\s:]+):([^@\s]+)@", re.IGNORECASE)
+_CONTAINER_AT = {"abfs", "abfss", "az", "adl", "wasb", "wasbs"}
+"""Azure's URLs name ``container@account``: an "@" there without a ":" is no credential."""
+
+
+def _is_credential(match: re.Match) -> bool:
+    return ":" in match.group(2) or match.group(1)[:-3].lower() not in _CONTAINER_AT
+
+
+def _userinfo(url: str) -> re.Match | None:
+    """The first credential in ``url``: S3 keys, or any other userinfo (Azure's container aside)."""
+    return _S3_KEYS.search(url) or next((m for m in _USERINFO.finditer(url) if _is_credential(m)), None)
+
+
+def without_userinfo(url: str) -> str:
+    """``url`` without any ``user:password@`` (any protocol): what may be stored, logged or shown."""
+    while (match := _userinfo(url)) is not None:
+        url = url[:match.start()] + match.group(1) + url[match.end():]
+    return url
+
+
+def check_credentials(url: str) -> None:
+    """``StorageError`` (one sentence, no secret in it) when ``url`` carries userinfo that this
+    version does not route: anything but ``s3://KEY:SECRET@bucket/...`` (:data:`CREDENTIAL_PROTOCOLS`)."""
+    match = _userinfo(url)
+    if match is None:
+        return
+    s3 = _S3_KEYS.match(url)
+    if s3 is not None and without_userinfo(url[s3.end():]) == url[s3.end():]:
+        return
+    protocol = match.group(1)[:-3].lower()
+    if protocol in CREDENTIAL_PROTOCOLS:
+        raise StorageError(f"{redact(url)!r}: keys in an S3 URL go right after s3:// as KEY:SECRET@ (access key id "
+                           f"and secret key); or give them in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY")
+    raise StorageError(f"{redact(url)!r}: credentials in the URL are refused on {protocol}:// (they would be stored in "
+                       f"etcd's commit records and handed to every worker); only s3:// URLs take KEY:SECRET@, "
+                       f"other stores take their keys from their own environment or credentials files")
+
+
 def split_credentials(url: str) -> tuple[str, tuple[str, str] | None]:
-    """``s3://KEY:SECRET@bucket/prefix`` -> (``s3://bucket/prefix``, (KEY, SECRET)); other URLs as they are.
+    """``s3://KEY:SECRET@bucket/prefix`` -> (``s3://bucket/prefix``, (KEY, SECRET)); a URL without
+    userinfo as it is. ``StorageError`` for userinfo anywhere else (:func:`check_credentials`).
 
     Only S3 URLs: fsspec would otherwise take ``KEY:SECRET@bucket`` for the bucket's name."""
-    match = re.match(r"^(s3a?://)([^/@\s:]+):([^/@\s]+)@(.*)$", url)
+    check_credentials(url)
+    match = _S3_KEYS.match(url)
     if not match:
         return url, None
-    scheme, key, secret, rest = match.groups()
-    return scheme + rest, (key, secret)
+    scheme, key, secret = match.groups()
+    return scheme + url[match.end():], (key, secret)
 
 
 def storage_options(url: str) -> dict:
@@ -107,12 +162,14 @@ def get_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
 
 def has_credentials(text: str) -> bool:
     """Whether ``text`` holds a URL with ``user:secret@`` in it."""
-    return re.search(r"://[^/@\s:]+:[^/@\s]+@", str(text)) is not None
+    text = str(text)
+    return _S3_KEYS.search(text) is not None or any(":" in m.group(2) for m in _USERINFO.finditer(text))
 
 
 def redact(text: str) -> str:
     """``text`` with any ``user:password@`` inside URLs replaced by ``***@`` (safe to log)."""
-    return re.sub(r"(://)[^/@\s]+@", r"\1***@", str(text))
+    text = _S3_KEYS.sub(r"\1***@", str(text))
+    return _USERINFO.sub(lambda m: m.group(1) + "***@" if _is_credential(m) else m.group(0), text)
 
 
 ATOMIC_CREATE_PROTOCOLS = ("file", "local", "memory", "s3", "s3a")
@@ -136,9 +193,11 @@ def check_atomic_create(url: str) -> None:
 def check_writable(url: str) -> None:
     """Create ``url`` if needed and write, read back and delete a probe file in it.
 
-    Raises ``StorageError`` with one sentence when the location cannot be written, or when a
-    checkpoint could not be committed there atomically (``check_atomic_create``).
+    Raises ``StorageError`` with one sentence when the URL carries credentials this version does
+    not route (``check_credentials``), when the location cannot be written, or when a checkpoint
+    could not be committed there atomically (``check_atomic_create``).
     """
+    check_credentials(url)
     check_atomic_create(url)
     fs, root = get_fs(url)
     probe = join(root, f".write-probe-{uuid.uuid4().hex}")

@@ -243,7 +243,7 @@ def run_node(run: RunConfig) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from elastic_trainer.cli.status import ENDPOINT_FILE
-    from elastic_trainer.etcd_server import PASSWORD_FILE, ROOT_USER, EtcdError, EtcdServer, enable_auth, run_password
+    from elastic_trainer.etcd_server import PASSWORD_FILE, EtcdError, EtcdServer, start_with_auth
 
     log_dir = Path(run.log_dir).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -251,21 +251,18 @@ def run_node(run: RunConfig) -> int:
     endpoint = run.rdzv_endpoint
     if run.embedded_etcd:
         server = EtcdServer(data_dir=log_dir / "etcd", log_path=log_dir / "etcd.log")
-        password_file = log_dir / PASSWORD_FILE
         try:
-            server.start()
             # Authentication on: any other user of this machine reaches the loopback port too, and
             # could otherwise register a node or rewrite the run's state. The password is in a
             # 0600 file, so the join command below works for this user only.
-            enable_auth(server.endpoint, run_password(password_file))
+            conf = start_with_auth(server, log_dir / PASSWORD_FILE)
         except EtcdError as exc:
-            server.stop()
             raise UsageError(str(exc)) from exc
         endpoint = server.endpoint
         endpoint_file = log_dir / ENDPOINT_FILE  # where `elastic-train status` finds it
         endpoint_file.write_text(endpoint + "\n")
-        auth = f"user={ROOT_USER},password_file={password_file}"
-        run.rdzv_conf.update(user=ROOT_USER, password_file=str(password_file))
+        auth = ",".join(f"{k}={v}" for k, v in conf.items())
+        run.rdzv_conf.update(conf)
         print(f"elastic-train: embedded etcd at {endpoint} (run {run.run_id}); join from another "
               f"terminal with: elastic-train --nnodes {run.min_nodes}:{run.max_nodes} "
               f"--nproc-per-node {run.nproc_per_node} --run-id {run.run_id} --rdzv-endpoint {endpoint} "

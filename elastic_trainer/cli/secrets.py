@@ -7,10 +7,13 @@ by every DataLoader worker and subprocess a worker starts. So the launcher
   on its command line, without echoing them (:func:`refuse_command_line_secrets`,
   :func:`refuse_rdzv_password`): they belong in a file only you can read, or the launcher's
   environment;
-- moves S3 keys (from the checkpoint URL or ``AWS_*``) and ``WANDB_API_KEY`` out of the environment
-  its workers inherit into 0600 files in a 0700 folder of their own, named by
-  ``AWS_SHARED_CREDENTIALS_FILE`` and ``ELASTIC_TRAINER_WANDB_KEY_FILE``, and removes the folder
-  and puts the variables back when the run ends (:func:`handed_over`).
+- moves S3 keys (from an S3 checkpoint URL, or ``AWS_*`` whatever the URL) and ``WANDB_API_KEY`` out
+  of the environment its workers inherit into 0600 files in a 0700 folder of their own, named by
+  ``AWS_SHARED_CREDENTIALS_FILE`` and ``ELASTIC_TRAINER_WANDB_KEY_FILE``, removes the etcd password
+  variable (``ELASTIC_TRAINER_RDZV_PASSWORD``), and removes the folder and puts the storage and W&B
+  variables back when the run ends (:func:`handed_over`).
+
+Helper processes (the embedded etcd) get none of it: they start with ``env.helper_environ()``.
 
 docs/security.md tells the whole story; tests/test_security.py checks what a worker can see.
 """
@@ -52,6 +55,11 @@ def handed_over(checkpoint_url: str) -> Iterator[str]:
     files (:func:`hand_over_storage_keys`, :func:`hand_over_wandb_key`); yields the checkpoint URL
     the workers get (without keys). Afterwards the files are removed and the variables put back
     (for callers that run ``cli.main()`` in-process)."""
+    from elastic_trainer.rendezvous.options import launcher_password
+
+    # The etcd password variable: read (and kept in this process, for the rendezvous handler) and
+    # removed now, under every backend; the etcd-v3 handler would only remove it when it starts.
+    launcher_password()
     secrets_dir = tempfile.mkdtemp(prefix="elastic-trainer-secrets-")  # 0700; removed when the run ends
     taken_keys: dict[str, str] = {}
     taken_wandb: dict[str, str] = {}
@@ -71,15 +79,17 @@ def handed_over(checkpoint_url: str) -> Iterator[str]:
 
 def hand_over_storage_keys(url: str, secrets_dir: str) -> tuple[str, dict[str, str]]:
     """What the workers get for S3 keys: the checkpoint URL without ``KEY:SECRET@``, and the keys
-    (from the URL, else ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``) in a
-    0600 AWS credentials file named by ``AWS_SHARED_CREDENTIALS_FILE``, never in their environment
-    (from where they would reach every DataLoader worker and subprocess). Returns the URL for them
-    and the variables it took out of ``os.environ`` (to put back when the run ends)."""
+    (from the URL, else ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``, whatever
+    the URL's protocol) in a 0600 AWS credentials file named by ``AWS_SHARED_CREDENTIALS_FILE``, never
+    in their environment (from where they would reach every DataLoader worker and subprocess).
+    Returns the URL for them and the variables it took out of ``os.environ`` (to put back when the
+    run ends). A URL on another protocol with credentials in it was refused at start
+    (``storage.check_credentials``); here it would raise ``StorageError``."""
     from elastic_trainer.checkpoint.storage import split_credentials
 
-    if not url.startswith(("s3://", "s3a://")):
-        return url, {}
-    clean, keys = split_credentials(url)
+    # AWS_* keys move for every checkpoint URL: a run with checkpoints on a path may still read its
+    # data from S3 (boto3 and s3fs read the credentials file as well).
+    clean, keys = split_credentials(url)  # StorageError for credentials in another protocol's URL
     names = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SHARED_CREDENTIALS_FILE")
     taken = {name: os.environ[name] for name in names if name in os.environ}
     from_env = [os.environ.pop(name, None) for name in names[:3]]

@@ -26,7 +26,8 @@ from elastic_trainer.records import EventRecord, StepRecord
 from elastic_trainer.drill.kinds import FAULTS
 from elastic_trainer.drill.nodes import Node, children, die_with_drill, start_ticks
 from elastic_trainer.drill.scenario import DEFAULT_TRAINER_ARGS, ScenarioError
-from elastic_trainer.etcd_server import EtcdServer
+from elastic_trainer.etcd_server import EtcdServer, start_with_auth
+from elastic_trainer.etcd_tls import make_certs
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=records.Record)
@@ -79,6 +80,7 @@ class Cluster:
         self.commits: dict[int, float] = {}  # checkpoint step -> commit time (manifest mtime)
         self._tail = _Tail()
         self.etcd: EtcdServer | None = None
+        self.etcd_conf = ""  # the --rdzv-conf options (TLS files, user, password file) of the drill's etcd
         self.network = None
         self.tmpfs: Path | None = None
         adds = sum(f.kind == "add-node" for f in args.faults)
@@ -120,8 +122,14 @@ class Cluster:
             from elastic_trainer.etcd_server import free_port
             self.endpoint = f"{host}:{free_port(host)}"
         else:
-            self.etcd = EtcdServer(data_dir=self.out / "etcd", host=host, log_path=self.out / "etcd.log")
-            self.etcd.start()
+            # As the embedded etcd: authentication on (any user of this machine reaches the port),
+            # the password in a 0600 file; on the bridge also TLS with client certificates (the
+            # rendezvous sends a password to an address other than loopback only over TLS).
+            tls = make_certs(self.out / "etcd-tls", [host]) if self.network is not None else None
+            self.etcd = EtcdServer(data_dir=self.out / "etcd", host=host, log_path=self.out / "etcd.log",
+                                   extra_args=tls.server_flags() if tls is not None else None)
+            conf = start_with_auth(self.etcd, self.out / "etcd-password", tls)
+            self.etcd_conf = ",".join(f"{k}={v}" for k, v in conf.items())
             self.endpoint = self.etcd.endpoint
         logger.info("drill %s: out %s, endpoint %s, checkpoints %s", self.run_id, self.out, self.endpoint,
                     self.checkpoint_dir)
@@ -181,8 +189,9 @@ class Cluster:
                "--checkpoint-dir", self.checkpoint_dir, "--max-restarts", "1000"]
         if getattr(self.args, "recovery", None):
             cmd += ["--recovery", self.args.recovery]
-        if self.args.rdzv_conf:
-            cmd += ["--rdzv-conf", self.args.rdzv_conf]
+        rdzv_conf = ",".join(c for c in (self.etcd_conf, self.args.rdzv_conf) if c)
+        if rdzv_conf:
+            cmd += ["--rdzv-conf", rdzv_conf]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         for kind in sorted({f.kind for f in self.args.faults}):  # e.g. hang's debug hook, on every node
             env.update(FAULTS[kind].node_env)

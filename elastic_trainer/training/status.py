@@ -8,6 +8,7 @@ What rank 0 publishes, ``<key_prefix>/<run_id>/status`` (one JSON document)::
 
 ``StatusPublisher`` writes it from a background thread at most once a second (``INTERVAL_S``),
 only when something changed, so the training loop never waits for etcd: a step only updates a dict.
+Every URL in it is written ``storage.redact``-ed (``s3://***@bucket``): no credentials in etcd.
 A new rank 0 (a restart, a re-formed group) keeps the events and the checkpoint of the previous
 one. A worker not started by the etcd-v3 rendezvous (plain ``python -m elastic_trainer.train``)
 publishes nothing (``from_env`` returns None). The command that reads it is ``cli/status.py``.
@@ -21,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+from elastic_trainer.checkpoint import storage
 from elastic_trainer.env import WorkerEnv
 from elastic_trainer.training.runtime import runtime
 
@@ -84,7 +86,8 @@ class StatusPublisher:
             if not self._dirty:
                 return
             self._doc["time"] = time.time()
-            data = json.dumps(self._doc, separators=(",", ":"), default=str)
+            # Whatever a field or an event holds, no URL's credentials reach etcd or `status`.
+            data = storage.redact(json.dumps(self._doc, separators=(",", ":"), default=str))
             self._dirty = False
         try:
             self._conn.call(lambda c: c.put(self._key, data), "status write", retry_timeout=2)

@@ -6,7 +6,9 @@ Each worker writes ``<PROBE_OUT>/rank<RANK>.json``: its own environment, the com
 process of the job (the launcher and agent, the workers, an embedded etcd: the descendants of
 the test's child, whose pid is ``PROBE_TEST_PID``), and
 whether its round fence could reach etcd with the credentials it was handed; rank 0 saves a tiny
-checkpoint into the run's checkpoint dir; then each waits until
+checkpoint into the run's checkpoint dir, committed through the fence (the commit record in etcd),
+and with ``PROBE_WANDB=1`` starts a W&B run (offline, with the key file the launcher handed over,
+the checkpoint URL in its config) that stays open while it waits; then each waits until
 ``<PROBE_OUT>/stop`` exists (at most 120 s), so that a test can look at the running job.
 """
 
@@ -64,18 +66,26 @@ def main() -> int:
         fence_error = str(exc)
     report = {"environ": dict(os.environ), "proc_environ": Path("/proc/self/environ").read_bytes().decode(errors="replace"),
               "cmdlines": job_cmdlines(int(os.environ["PROBE_TEST_PID"])), "fence_error": fence_error}
-    if os.environ["RANK"] == "0" and os.environ.get("ELASTIC_TRAINER_CHECKPOINT_DIR"):
+    url = os.environ.get("ELASTIC_TRAINER_CHECKPOINT_DIR")
+    if os.environ["RANK"] == "0" and url:
         import torch
 
         from elastic_trainer.checkpoint import CheckpointManager
-        CheckpointManager(os.environ["ELASTIC_TRAINER_CHECKPOINT_DIR"], async_checkpoint=False).save(
-            1, {"w": torch.zeros(2)}, blocking=True)
+        CheckpointManager(url, async_checkpoint=False, fence=fence).save(1, {"w": torch.zeros(2)}, blocking=True)
+    wandb_run = None
+    if os.environ["RANK"] == "0" and os.environ.get("PROBE_WANDB"):
+        from elastic_trainer.training import metrics
+        wandb_run = metrics.init_wandb(enabled=True, run_id=f"probe{os.getpid()}", project="probe",
+                                       log_dir=os.environ["ELASTIC_TRAINER_LOG_DIR"], config={"checkpoint_dir": url})
+        wandb_run.log({"global_step": 1, "loss": 1.0})
     tmp = out / f".rank{os.environ['RANK']}.json"
     tmp.write_text(json.dumps(report))
     tmp.rename(out / f"rank{os.environ['RANK']}.json")
     deadline = time.monotonic() + 120
     while not (out / "stop").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
+    if wandb_run is not None:
+        wandb_run.finish()
     return 0
 
 
