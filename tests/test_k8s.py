@@ -598,8 +598,8 @@ def test_etcd_members_bootstrap_from_their_stable_dns_names(rendered):
             args = _etcd_flags(sts)
             members = dict(m.split("=", 1) for m in args["initial-cluster"].split(","))
             svc = spec["serviceName"]
-            assert members == {f"etcd-{i}": f"http://etcd-{i}.{svc}.$(POD_NAMESPACE).svc:2380" for i in range(3)}
-            assert args["initial-advertise-peer-urls"] == f"http://$(POD_NAME).{svc}.$(POD_NAMESPACE).svc:2380"
+            assert members == {f"etcd-{i}": f"https://etcd-{i}.{svc}.$(POD_NAMESPACE).svc:2380" for i in range(3)}
+            assert args["initial-advertise-peer-urls"] == f"https://$(POD_NAME).{svc}.$(POD_NAMESPACE).svc:2380"
             # Trainers get every member (a client fails over between them), by the names advertised.
             assert args["advertise-client-urls"].split("://")[1] == f"$(POD_NAME).{svc}.$(POD_NAMESPACE).svc:2379"
             assert _run_config_map(objs)["RDZV_ENDPOINT"].split(",") == \
@@ -630,7 +630,8 @@ def test_etcd_members_never_share_a_node_and_spread_over_zones(rendered):
 @pytest.mark.parametrize("path", [*KUSTOMIZATIONS, *COMBINED])
 def test_etcd_serves_only_tls_by_default_and_trainers_present_a_client_certificate(rendered, path):
     """Issue 19: whoever reaches etcd's client port can steer the run; with client-certificate TLS
-    only a holder of a certificate from the CA gets in (the NetworkPolicy is the second fence)."""
+    only a holder of a certificate from the CA gets in (the NetworkPolicy is the second fence).
+    Issue 29: the members talk to each other over TLS too, with the same certificates."""
     objs = rendered[path]
     mounted = lambda c, spec: {m["mountPath"]: next((v for v in spec["volumes"] if v["name"] == m["name"]), {})  # noqa: E731
                                for m in c["volumeMounts"]}  # {} for a StatefulSet's claim template
@@ -650,13 +651,18 @@ def test_etcd_serves_only_tls_by_default_and_trainers_present_a_client_certifica
     args = _etcd_flags(sts)
     assert args["listen-client-urls"].startswith("https://") and args["advertise-client-urls"].startswith("https://")
     assert args["client-cert-auth"] == "true"
-    # The etcd container serves with the files; the member init container asks the other members
-    # with them (the server certificate carries clientAuth).
+    for key in ("listen-peer-urls", "initial-advertise-peer-urls"):
+        assert args[key].startswith("https://"), f"k8s/{path}: {key}={args[key]}: peer traffic in clear"
+    assert all(m.split("=", 1)[1].startswith("https://") for m in args["initial-cluster"].split(","))
+    assert args["peer-client-cert-auth"] == "true"
+    # The etcd container serves (clients and peers) with the files; the member init container asks
+    # the other members with them (the server certificate carries clientAuth).
     for c in [*sts["spec"]["template"]["spec"]["initContainers"], *sts["spec"]["template"]["spec"]["containers"]]:
         etcd_mounts = mounted(c, sts["spec"]["template"]["spec"])
         for flag in ("trusted-ca-file", "cert-file", "key-file"):
-            folder = args[flag].rsplit("/", 1)[0]
-            assert etcd_mounts[folder]["secret"]["secretName"] == "etcd-server-tls", f"{c['name']}: {flag}"
+            for prefix in ("", "peer-"):
+                folder = args[prefix + flag].rsplit("/", 1)[0]
+                assert etcd_mounts[folder]["secret"]["secretName"] == "etcd-server-tls", f"{c['name']}: {prefix}{flag}"
 
 
 def _selects(selector: dict, labels: dict) -> bool:
