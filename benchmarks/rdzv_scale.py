@@ -16,7 +16,10 @@ thread waits seconds for its turn, and lease renewals starve). Agents of one pro
 share ``--connections`` gRPC channels. All processes start their agents at the same
 instant (``time.monotonic`` is one clock for every process on Linux). It prints, per size:
 seconds until every agent had its rank, the first agent, etcd requests per agent (state
-reads/writes, store, lease), and lost compare-and-swap races per agent.
+reads/writes, store, lease), lost compare-and-swap races per agent, and the agents whose etcd
+lease was lost (etcd expired it: a renewal came too late) before the round formed or while the
+others still waited. The handler runs with its own defaults (``lease_ttl`` 3 s, renewed every
+second) unless ``--rdzv-conf`` says otherwise.
 """
 
 from __future__ import annotations
@@ -106,6 +109,7 @@ def run_agents(endpoint: str, run_id: str, n: int, count: int, connections: int,
         "start": start, "done": [d for d in done if d is not None],
         "requests": [h._etcd_backend.requests + h._store.requests + h._lease.requests for h in handlers],
         "lost": [h._op_executor.lost_races for h in handlers], "errors": sorted(set(errors))[:3],
+        "lost_leases": sum(1 for h in handlers if h._lease.lost),
     }
     for h in handlers:
         h._joined = None
@@ -126,6 +130,7 @@ def _summary(n: int, parts: list[dict], start: float) -> dict:
         "lost_races_per_agent": statistics.mean(x for p in parts for x in p["lost"]),
         "errors": sorted({e for p in parts for e in p["errors"]})[:3],
         "agents_cpu_s": sum(p["cpu_s"] for p in parts),
+        "lost_leases": sum(p.get("lost_leases", 0) for p in parts),
     }
 
 
@@ -230,9 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=120.0, help="join timeout per size in seconds (default 120)")
     p.add_argument("--endpoint", default=None, help="an etcd to use (default: start a private one)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to PATH")
-    p.add_argument("--rdzv-conf", default="lease_ttl=30,keep_alive_interval=5",
-                   help="handler options k=v,... (default lease_ttl=30,keep_alive_interval=5: a thousand agents "
-                        "on 2 cores cannot renew 3 s leases in time)")
+    p.add_argument("--rdzv-conf", default="",
+                   help="handler options k=v,... (default: none, the handler's defaults, lease_ttl 3 s renewed "
+                        "every second; the runs before 2026-11-27 used lease_ttl=30,keep_alive_interval=5)")
     provenance.add_arguments(p)
     args = p.parse_args(argv)
     with provenance.record(args.txt) as run:
@@ -252,7 +257,7 @@ def _main(args: argparse.Namespace, run: provenance.Run) -> int:
     pool = AgentPool(min(args.processes, max(sizes))) if args.processes > 1 else None
     results = []
     print(f"{'agents':>7} {'all ranked s':>13} {'first s':>8} {'req/agent':>10} {'lost CAS/agent':>15} "
-          f"{'agents CPU s':>13} {'etcd CPU s':>11}  notes")
+          f"{'agents CPU s':>13} {'etcd CPU s':>11} {'lost leases':>12}  notes")
     try:
         for n in sizes:
             r = run_size(endpoint, n, args.connections, args.timeout, conf, pool,
@@ -263,7 +268,7 @@ def _main(args: argparse.Namespace, run: provenance.Run) -> int:
             notes = "" if r["ranks_ok"] else f"only {r['joined']}/{n} ranked; {r['errors']}"
             etcd_cpu = f"{r['etcd_cpu_s']:11.1f}" if r["etcd_cpu_s"] is not None else f"{'-':>11}"
             print(f"{n:>7} {all_s} {first} {r['requests_per_agent']:10.1f} {r['lost_races_per_agent']:15.1f} "
-                  f"{r['agents_cpu_s']:13.1f} {etcd_cpu}  {notes}", flush=True)
+                  f"{r['agents_cpu_s']:13.1f} {etcd_cpu} {r['lost_leases']:12d}  {notes}", flush=True)
     finally:
         if pool is not None:
             pool.close()
@@ -273,7 +278,7 @@ def _main(args: argparse.Namespace, run: provenance.Run) -> int:
     where = (f"spread over {args.processes} processes, " if pool is not None else "threads of one process, ") + \
         f"the agents of a process sharing {args.connections} gRPC channels"
     print(f"\n{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; agents are {where}; "
-          f"handler options {args.rdzv_conf}")
+          f"handler options {args.rdzv_conf or 'the defaults (lease_ttl=3,keep_alive_interval=1)'}")
     print("command: " + run.command)
     provenance.write_json(args.json, {"processes": args.processes, "connections": args.connections,
                                       "rdzv_conf": conf, "cpus": os.cpu_count(), "timeout_s": args.timeout,
