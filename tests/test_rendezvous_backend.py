@@ -381,6 +381,37 @@ def test_a_lost_lease_is_told_at_once_by_the_renewal_and_on_asking_etcd(backend,
         other.close()
 
 
+def test_a_slow_renewal_does_not_hold_up_a_put_on_the_lease(backend, conn, monkeypatch):
+    """A renewal etcd answers late (at 1,000 agents: seconds) must not delay the node's other
+    writes on its lease: the handler's ``joining/`` key waited up to 17.5 s behind renewals."""
+    keeper = LeaseKeeper(conn, backend.alive_key("n4"), ttl=30, interval=60)
+    renewing, release = threading.Event(), threading.Event()
+    real_renew = conn.renew_lease
+
+    def slow_renew(lease_id, failover_after=None):
+        renewing.set()
+        release.wait(10)
+        return real_renew(lease_id, failover_after=failover_after)
+
+    try:
+        keeper.ensure()
+        monkeypatch.setattr(conn, "renew_lease", slow_renew)
+        renewal = threading.Thread(target=keeper.refresh)
+        renewal.start()
+        assert renewing.wait(5)
+        t0 = time.monotonic()
+        keeper.put(backend.alive_key("n4") + "-joining", b"x")
+        took = time.monotonic() - t0
+        release.set()
+        renewal.join(10)
+        assert took < 1.0, f"put waited {took:.1f}s behind a renewal in flight"
+        assert conn.client.get(backend.alive_key("n4") + "-joining")[1].lease_id == keeper._lease_id
+        assert not keeper.lost and keeper.seconds_since_renewal() < 5
+    finally:
+        release.set()
+        keeper.close()
+
+
 def test_closing_the_keeper_waits_for_a_watchdog_check_in_flight_and_logs_no_failure(backend, conn, caplog):
     """Shutdown closes the lease keeper, then the connection: a watchdog check still running
     then must not end in a 'watchdog check failed' traceback (it did, at the end of every run)."""
