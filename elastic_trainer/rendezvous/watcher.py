@@ -25,12 +25,16 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from elastic_trainer.rendezvous.live_watch import KeysWatch
 from elastic_trainer.rendezvous.members import Quorum, View, complete_nodes, probe_dead
 
 if TYPE_CHECKING:
     from elastic_trainer.rendezvous.quorum import LiveGroup
 
 logger = logging.getLogger("elastic_trainer.rendezvous.quorum")
+
+WATCHED = ("quorum", "alive/", "join/", "stall/", "busy/")
+"""The live keys the watcher reads (``LiveGroup._read``), watched so that it reads them only after a change."""
 
 
 class Watcher:
@@ -43,8 +47,26 @@ class Watcher:
         self._waiting_on = ""
         self._trouble: tuple[int, float, int, str] | None = None  # (quorum, when, moves, why): the thread must move
         self._excluded_since: float | None = None  # when this worker was first seen left out of a newer quorum
+        self._dirty = threading.Event()  # a watched key changed since the last read
+        self._view: View | None = None  # the last read, current until the watch reports a change
+        self._view_q = -1  # the quorum it was read for (the stall and busy keys are per quorum)
+        self._watch: KeysWatch | None = None
+        self.reads = 0
 
     def run(self) -> None:
+        self._watch = KeysWatch(self.group.conn, [self.group._key(k) for k in WATCHED], self._changed)
+        self.group._start_thread("live-watch-stream", self._watch.run, stop=self._watch.close)
+        try:
+            self._loop()
+        finally:
+            self._watch.close()
+
+    def _changed(self) -> None:
+        """From the watch's thread: a live key changed (or the watch was re-established): read again."""
+        self._dirty.set()
+        self._wake.set()
+
+    def _loop(self) -> None:
         while not self.group.stopped:
             self._wake.wait(self.group.settings.poll)
             self._wake.clear()
@@ -52,11 +74,16 @@ class Watcher:
             if q is None or self.group.stopped:
                 continue
             self._show_busy(q)
-            try:
-                view = self.group._read(stall_q=q.q)
-            except Exception as exc:  # noqa: BLE001 - etcd out of reach: the lease decides
-                logger.info("live: watcher could not read etcd: %s", exc)
-                continue
+            if self._dirty.is_set() or self._view is None or self._view_q != q.q:
+                self._dirty.clear()  # a change during the read sets it again
+                try:
+                    self._view, self._view_q = self.group._read(stall_q=q.q), q.q
+                    self.reads += 1
+                except Exception as exc:  # noqa: BLE001 - etcd out of reach: the lease decides
+                    self._dirty.set()
+                    logger.info("live: watcher could not read etcd: %s", exc)
+                    continue
+            view = self._view
             self._check_stuck(q, view)
             if self.group.change_pending.is_set():
                 continue
