@@ -212,3 +212,4 @@ def test_a_members_lost_lease_is_seen_within_the_lease_not_a_poll(etcd, run_id):
         a.close()
         b._lease.close(revoke=True)
         b._probe.close()
+
