@@ -58,7 +58,9 @@ class OwnLoopJob(recovery.Job):
         self.env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree)}
 
     def node_cmd(self) -> list[str]:
-        return [sys.executable, "-m", "elastic_trainer.cli", "--nnodes", f"{self.max_nodes}:{self.max_nodes}",
+        # env -C: the agent imports `elastic_trainer` from the tree too (`python -m` puts its working
+        # directory ahead of PYTHONPATH), not from wherever this script runs
+        return ["env", "-C", str(self.tree), sys.executable, "-m", "elastic_trainer.cli", "--nnodes", f"{self.max_nodes}:{self.max_nodes}",
                 "--nproc-per-node", str(self.workers), "--rdzv-endpoint", self.endpoint, "--run-id", "bench",
                 "--rdzv-conf", RDZV_CONF, "--local-addr", "127.0.0.1", "--log-dir", str(self.dir),
                 str(self.tree / "examples" / "own_loop.py"), "--max-steps", "1000000",
