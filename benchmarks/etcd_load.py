@@ -37,9 +37,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import recovery  # noqa: E402  (benchmarks/recovery.py: the job, its etcd, its agents)
+import recovery
 
-from benchmarks import provenance  # noqa: E402
+from benchmarks import provenance
 
 RDZV_CONF = "lease_ttl=3,keep_alive_interval=1,last_call_timeout=1"
 TARGET = 1.0

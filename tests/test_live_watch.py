@@ -69,7 +69,7 @@ def watched(etcd, run_id):
 
 
 def test_a_change_under_a_watched_prefix_or_key_wakes_the_watch_and_others_do_not(watched):
-    watch, seen, conn, prefix = watched
+    _, seen, conn, prefix = watched
     for key in (prefix + "a/x", prefix + "k"):
         n = seen.count
         conn.call(lambda c, k=key: c.put(k, b"1"))
@@ -124,7 +124,7 @@ def test_a_watch_that_etcd_cancels_is_reopened_and_misses_no_change(watched):
 
 
 def test_a_compacted_history_does_not_break_the_watch(watched):
-    watch, seen, conn, prefix = watched
+    _, seen, conn, prefix = watched
     for i in range(5):
         conn.call(lambda c, i=i: c.put(prefix + "a/churn", str(i).encode()))
     rev = conn.call(lambda c: c.get(prefix + "a/churn"))[1].mod_revision

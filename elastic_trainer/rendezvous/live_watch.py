@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 from etcd3 import etcdrpc
