@@ -115,7 +115,8 @@ class LiveSettings:
     keep_alive_interval: float = 1.0
     """Seconds between two renewals of that lease."""
     poll: float = 0.1
-    """Seconds between the watcher's looks at joiners and leases while training."""
+    """Seconds between the watcher's checks that need no etcd (the hang bound, the probes) while
+    training; it reads etcd only when its watch reports a change (``rendezvous/live_watch.py``)."""
     hang_min: float = 2.0
     """A rank whose step lasts longer than ``max(hang_min, hang_factor x median step)`` while no
     peer is busy (a checkpoint, a warm-up) declares the group stalled: the hung rank is excluded."""

@@ -12,7 +12,8 @@ The **quorum** is one etcd key, ``<run prefix>live/quorum``: a number ``q`` and 
 rank order. Every change of it is a compare-and-swap on that key, so there is one quorum at a
 time, and every process group is built on a fresh store under ``live/store/<q>/`` in etcd (no
 process hosts a single point of failure). Each worker keeps ``live/alive/<id>`` on its own lease
-(``lease_ttl``): etcd's lease, not a peer's clock, says who is alive.
+(``lease_ttl``): etcd's lease, not a peer's clock, says who is alive. The watcher learns of
+changes from an etcd watch (``rendezvous/live_watch.py``), so a steady run reads nothing.
 
 - **Cold start** (no quorum with a live member): workers register ``live/join/<id>``; once
   ``min_nodes`` whole nodes registered and ``last_call`` passed (or ``max_nodes`` registered),
@@ -36,8 +37,8 @@ process hosts a single point of failure). Each worker keeps ``live/alive/<id>`` 
   the lease (``fence_check``).
 
 **Silent failures.** A node that freezes or is cut off closes no socket: the survivors' collective
-would wait for the collective timeout. The watcher sees its lease expire (``lease_ttl`` after its
-last renewal) and calls ``on_member_lost``: the Manager abandons the group (gloo: shuts the
+would wait for the collective timeout. The watcher's etcd watch reports its lease's expiry
+(``lease_ttl`` after its last renewal) at once, and the watcher calls ``on_member_lost``: the Manager abandons the group (gloo: shuts the
 group's connections; NCCL: aborts it, ``training/abandon.py``), the blocked collective fails as on
 a dead peer, and the re-form proceeds without waiting for that node (whole nodes: once one member
 is gone nobody waits for the others). A worker whose training thread hangs while its lease lives
@@ -47,7 +48,8 @@ checkpoint, a warm-up), declares ``stall/<q>`` (compare-and-swap, once); every r
 group, the waiting ranks re-form, and the rank whose training thread does not come out of its
 step within half a second is the hung one: its watcher ends the process (``on_hung``; its agent
 starts a newcomer). A worker left out of a quorum while its thread is stuck is ended the same way.
-On NCCL (``probe_peers``) the watcher also probes one member of every other node each ``poll``: a
+On NCCL (``probe_peers``) the watcher also probes one member of every other node each ``poll`` (no
+etcd request): a
 collective may hang on a dead peer there, and the abort ends it.
 
 **Threads.** The probe listener and the watcher are started through ``start_thread(name, target,

@@ -1,22 +1,25 @@
 """The live quorum's watcher: one thread per worker that looks at etcd while the worker trains.
 
-Every ``poll`` (0.1 s) it reads the live keys in one transaction and decides whether the group
-must change (``LiveGroup.change_pending``, shared with the others at the next step-end agreement)
-or, for a silent loss, whether the group's collectives in flight must fail now
-(``LiveGroup.on_member_lost``: the Manager abandons the process group):
+It reads the live keys (one transaction) only when its etcd watch (``rendezvous/live_watch.py``,
+a stream of its own that the watcher owns) reports that one of them changed, or was
+re-established; between changes the last read stands, and every ``poll`` (0.1 s) it makes the
+checks that need no etcd (the hang bound, the probes, a stuck training thread). From what it
+reads it decides whether the group must change (``LiveGroup.change_pending``, shared with the
+others at the next step-end agreement) or, for a silent loss, whether the group's collectives in
+flight must fail now (``LiveGroup.on_member_lost``: the Manager abandons the process group):
 
 - a member's lease expired (a node frozen or cut off), the quorum moved on, or (``probe_peers``,
   NCCL) a member's process is gone: lost;
 - a stall declared for this quorum (``stall/<q>``), or this rank's own step past the hang bound
-  (``rendezvous/progress.py``) with no member busy: lost, and this rank's training thread must
-  come out of its step within half a second, or it is the hung one and ends its process
-  (``LiveGroup.on_hung``);
+  (``rendezvous/progress.py``) with no member busy (nor busy within the last bound): lost, and
+  this rank's training thread must come out of its step within half a second, or it is the hung
+  one and ends its process (``LiveGroup.on_hung``);
 - a node waits to join: a planned re-form.
 
-It also keeps this rank's ``busy/<id>`` key while the rank is in a slow phase or warming up.
-Design and numbers: docs/trainer.md, "Silent failures".
+It also keeps this rank's ``busy/<id>`` key while the rank is in a slow phase or warming up
+(written on transitions only). Design and numbers: docs/trainer.md, "Silent failures" and
+"Watching etcd".
 """
-
 from __future__ import annotations
 
 import json
@@ -25,12 +28,16 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from elastic_trainer.rendezvous.live_watch import KeysWatch
 from elastic_trainer.rendezvous.members import Quorum, View, complete_nodes, probe_dead
 
 if TYPE_CHECKING:
     from elastic_trainer.rendezvous.quorum import LiveGroup
 
 logger = logging.getLogger("elastic_trainer.rendezvous.quorum")
+
+WATCHED = ("quorum", "alive/", "join/", "stall/", "busy/")
+"""The live keys the watcher reads (``LiveGroup._read``), watched so that it reads them only after a change."""
 
 
 class Watcher:
@@ -43,20 +50,49 @@ class Watcher:
         self._waiting_on = ""
         self._trouble: tuple[int, float, int, str] | None = None  # (quorum, when, moves, why): the thread must move
         self._excluded_since: float | None = None  # when this worker was first seen left out of a newer quorum
+        self._dirty = threading.Event()  # a watched key changed since the last read
+        self._view: View | None = None  # the last read, current until the watch reports a change
+        self._view_q = -1  # the quorum it was read for (the stall and busy keys are per quorum)
+        self._watch: KeysWatch | None = None
+        self.reads = 0
+        self._last_look = time.monotonic()
+        self._busy_seen = float("-inf")  # when a peer was last seen busy (_declare_stall)
 
     def run(self) -> None:
+        self._watch = KeysWatch(self.group.conn, [self.group._key(k) for k in WATCHED], self._changed)
+        self.group._start_thread("live-watch-stream", self._watch.run, stop=self._watch.close)
+        try:
+            self._loop()
+        finally:
+            self._watch.close()
+
+    def _changed(self) -> None:
+        """From the watch's thread: a live key changed (or the watch was re-established): read again."""
+        self._dirty.set()
+        self._wake.set()
+
+    def _loop(self) -> None:
         while not self.group.stopped:
             self._wake.wait(self.group.settings.poll)
             self._wake.clear()
+            now = time.monotonic()
+            if now - self._last_look > self.group.settings.lease_ttl:  # paused: events may be on their way
+                self._dirty.set()
+            self._last_look = now
             q = self.group.quorum
             if q is None or self.group.stopped:
                 continue
             self._show_busy(q)
-            try:
-                view = self.group._read(stall_q=q.q)
-            except Exception as exc:  # noqa: BLE001 - etcd out of reach: the lease decides
-                logger.info("live: watcher could not read etcd: %s", exc)
-                continue
+            if self._dirty.is_set() or self._view is None or self._view_q != q.q:
+                self._dirty.clear()  # a change during the read sets it again
+                try:
+                    self._view, self._view_q = self.group._read(stall_q=q.q), q.q
+                    self.reads += 1
+                except Exception as exc:  # noqa: BLE001 - etcd out of reach: the lease decides
+                    self._dirty.set()
+                    logger.info("live: watcher could not read etcd: %s", exc)
+                    continue
+            view = self._view
             self._check_stuck(q, view)
             if self.group.change_pending.is_set():
                 continue
@@ -100,11 +136,18 @@ class Watcher:
         declare quorum ``q`` stalled in etcd (one key, first writer wins), so that every rank
         abandons its collectives and the hung one is found. True when the stall is declared."""
         busy = {mid: v for mid, v in view.busy.items() if q.rank_of(mid) is not None and mid != self.group.id}
+        now = time.monotonic()
         if busy:
+            self._busy_seen = now
             waiting_on = ", ".join(f"{mid} ({v.get('what')})" for mid, v in sorted(busy.items()))
             if waiting_on != self._waiting_on:
                 self._waiting_on = waiting_on
                 logger.info("live: step running %.1fs, past the hang bound; not a hang: busy %s", lasted, waiting_on)
+            return False
+        # A peer just out of its slow phase deletes its busy key on its way to the collective this
+        # rank waits in: the watch says so at once, before that collective completes. The bound
+        # counts again from when a peer was last seen busy.
+        if now - self._busy_seen < (self.group.progress.bound() or self.group.settings.hang_min):
             return False
         key = self.group._key(f"stall/{q.q}")
         record = json.dumps({"by": self.group.id, "waited": lasted, "bound": self.group.progress.bound(),

@@ -1,0 +1,215 @@
+"""The live watcher's etcd watch (``rendezvous/live_watch.py``) on a real etcd: a lost lease wakes
+every watcher, a cancelled or compacted watch and an etcd restart are recovered from without
+missing a change, and a watcher at rest reads nothing (the request rate itself is measured by
+``benchmarks/etcd_load.py``, not asserted here)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from elastic_trainer.env import LiveSettings
+from elastic_trainer.etcd_server import EtcdServer
+from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
+from elastic_trainer.rendezvous.live_watch import KeysWatch
+from elastic_trainer.rendezvous.quorum import LiveGroup
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def wait_until(check, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _conn(server: EtcdServer) -> EtcdConnection:
+    return EtcdConnection(EtcdOptions(endpoints=parse_endpoints(server.endpoint), retry_timeout=10))
+
+
+class _Seen:
+    """Counts ``on_change`` calls; ``wait_next()`` waits for one after now."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._cond = threading.Condition()
+
+    def __call__(self) -> None:
+        with self._cond:
+            self.count += 1
+            self._cond.notify_all()
+
+    def wait_next(self, since: int, timeout: float = 5.0) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.count > since, timeout)
+
+
+@pytest.fixture
+def watched(etcd, run_id):
+    """A ``KeysWatch`` on ``<run>/a/`` and ``<run>/k`` with its thread; yields (watch, seen, conn, prefix)."""
+    conn = _conn(etcd)
+    prefix = f"/{run_id}/"
+    seen = _Seen()
+    watch = KeysWatch(conn, [prefix + "a/", prefix + "k"], seen)
+    thread = threading.Thread(target=watch.run, name="test-watch", daemon=True)
+    thread.start()
+    assert watch.established.wait(5)
+    try:
+        yield watch, seen, conn, prefix
+    finally:
+        watch.close()
+        thread.join(5)
+        assert not thread.is_alive(), "close() must end the watch's thread"
+        conn.close()
+
+
+def test_a_change_under_a_watched_prefix_or_key_wakes_the_watch_and_others_do_not(watched):
+    _, seen, conn, prefix = watched
+    for key in (prefix + "a/x", prefix + "k"):
+        n = seen.count
+        conn.call(lambda c, k=key: c.put(k, b"1"))
+        assert seen.wait_next(n), f"a put of {key} must wake the watch"
+    n = seen.count
+    conn.call(lambda c: c.put(prefix + "other", b"1"))
+    conn.call(lambda c: c.put(prefix + "k2", b"1"))
+    time.sleep(0.3)
+    assert seen.count == n, "keys outside the watched ones must not wake it"
+
+
+def test_a_lost_lease_wakes_every_watcher_of_its_key(etcd, run_id):
+    conns = [_conn(etcd) for _ in range(3)]
+    prefix = f"/{run_id}/alive/"
+    watches = [(KeysWatch(c, [prefix], seen := _Seen()), seen) for c in conns]
+    threads = [threading.Thread(target=w.run, daemon=True) for w, _ in watches]
+    for t in threads:
+        t.start()
+    try:
+        assert all(w.established.wait(5) for w, _ in watches)
+        lease = conns[0].call(lambda c: c.lease(1))
+        conns[0].call(lambda c: c.put(prefix + "gone", b"", lease=lease.id))
+        time.sleep(0.2)
+        counts = [s.count for _, s in watches]
+        started = time.monotonic()  # the lease is never renewed: etcd expires it within ~1-2 s
+        assert all(s.wait_next(n, timeout=6) for (_, s), n in zip(watches, counts)), \
+            "every watcher must be woken by the expiry of a lease"
+        assert not conns[1].call(lambda c: c.get(prefix + "gone"))[0]
+        assert time.monotonic() - started < 4
+    finally:
+        for w, _ in watches:
+            w.close()
+        for t in threads:
+            t.join(5)
+        for c in conns:
+            c.close()
+
+
+def test_a_watch_that_etcd_cancels_is_reopened_and_misses_no_change(watched):
+    watch, seen, conn, prefix = watched
+    opened, n = watch.opened, seen.count
+    # cancel the stream under the watch, as a compaction or an etcd-side cancel ends it
+    with watch._lock:
+        watch._call.cancel()
+    # a change while the stream is down is covered by the read that the re-open asks for
+    conn.call(lambda c: c.put(prefix + "a/while-down", b"1"))
+    assert wait_until(lambda: watch.opened > opened and watch.established.is_set(), timeout=5)
+    assert seen.count >= n + 2, "the lost stream and the re-opened one must each ask for a read"
+    n = seen.count
+    conn.call(lambda c: c.put(prefix + "a/after", b"1"))
+    assert seen.wait_next(n), "the re-opened watch must report changes"
+
+
+def test_a_compacted_history_does_not_break_the_watch(watched):
+    _, seen, conn, prefix = watched
+    for i in range(5):
+        conn.call(lambda c, i=i: c.put(prefix + "a/churn", str(i).encode()))
+    rev = conn.call(lambda c: c.get(prefix + "a/churn"))[1].mod_revision
+    conn.call(lambda c: c.compact(rev, physical=True))
+    n = seen.count
+    conn.call(lambda c: c.put(prefix + "a/x", b"2"))
+    assert seen.wait_next(n), "a watch from 'now' lives through a compaction"
+
+
+def test_an_etcd_restart_mid_watch_reopens_the_watch_and_reports_what_changed_meanwhile(tmp_path, run_id):
+    server = EtcdServer(data_dir=tmp_path / "data")
+    server.start()
+    conn = _conn(server)
+    seen = _Seen()
+    watch = KeysWatch(conn, [f"/{run_id}/a/"], seen)
+    thread = threading.Thread(target=watch.run, daemon=True)
+    thread.start()
+    try:
+        assert watch.established.wait(5)
+        n = seen.count
+        server.stop()
+        assert seen.wait_next(n, timeout=5), "a lost stream must make the watcher read again"
+        server.start()
+        assert wait_until(lambda: watch.opened >= 2 and watch.established.is_set(), timeout=15), \
+            "the watch must be re-established once etcd is back"
+        n = seen.count
+        conn.call(lambda c: c.put(f"/{run_id}/a/x", b"1"))
+        assert seen.wait_next(n)
+    finally:
+        watch.close()
+        thread.join(5)
+        conn.close()
+        server.stop()
+
+
+def _group(etcd, run_id, local_rank: int, **settings) -> LiveGroup:
+    s = LiveSettings(min_nodes=1, max_nodes=2, last_call=0.0, join_timeout=20, **settings)
+    return LiveGroup(_conn(etcd), f"/{run_id}/", f"node{local_rank}", 0, 1, "127.0.0.1", s)
+
+
+def test_a_training_group_at_rest_reads_etcd_only_when_a_live_key_changes(etcd, run_id):
+    group = _group(etcd, run_id, 0)
+    try:
+        group.join()
+        lost: list[str] = []
+        group.on_member_lost = lost.append
+        group.start_watching()
+        assert wait_until(lambda: group.watcher.reads >= 1, timeout=5)
+        time.sleep(0.5)
+        reads, requests = group.watcher.reads, group.requests
+        time.sleep(1.5)  # fifteen polls' worth under the old watcher
+        assert group.watcher.reads == reads and group.requests == requests, \
+            "a watcher at rest must not read etcd"
+        other = _group(etcd, run_id, 1)  # a node that asks to join: one event, one read
+        try:
+            other._lease.put(other._key("join/" + other.id), b'{"node": "node1", "local_rank": 0, "nproc": 1}')
+            assert wait_until(group.change_pending.is_set, timeout=3), "a joiner must be seen through the watch"
+            assert "join" in group.change_reason
+        finally:
+            other.close()
+        assert not lost
+    finally:
+        group.close()
+
+
+def test_a_members_lost_lease_is_seen_within_the_lease_not_a_poll(etcd, run_id):
+    a, b = _group(etcd, run_id, 0, lease_ttl=2), _group(etcd, run_id, 1, lease_ttl=2)
+    try:
+        threads = [threading.Thread(target=g.join, daemon=True) for g in (a, b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert a.quorum is not None and a.quorum.world_size == 2
+        lost: list[str] = []
+        a.on_member_lost = lost.append
+        a.start_watching()
+        assert wait_until(lambda: a.watcher.reads >= 1, timeout=5)
+        b._lease._stop.set()  # b stops renewing: frozen, as far as etcd can tell
+        stopped = time.monotonic()
+        assert wait_until(lambda: lost, timeout=6), "the lost lease must abandon the group"
+        assert "lease" in lost[0]
+        assert time.monotonic() - stopped < 2 + 1.5  # the TTL and etcd's expiry tick, no poll on top
+    finally:
+        a.close()
+        b._lease.close(revoke=True)
+        b._probe.close()
+
