@@ -170,12 +170,21 @@ class Shards:
 
 
 def registered_sharded(module: torch.nn.Module) -> None:
-    """Have ``module`` hold its sharded parameters again: a step that failed in a collective may
-    have left FSDP's gathered (unsharded) ones registered, which the optimizer does not know.
-    ``FSDPModule.reshard`` frees those (no collective); the shards themselves are never changed
-    before the optimizer step."""
+    """Have ``module`` (the root FSDP module) hold its sharded parameters again: a step that failed
+    in a collective may have left FSDP's gathered (unsharded) ones registered, which the optimizer
+    does not know; the shards themselves are never changed before the optimizer step.
+
+    ``FSDPModule.reshard`` alone is not enough: a step that failed in the forward leaves the root
+    in FSDP's forward state, and the root does not reshard after forward (FSDP's default for it),
+    so its ``reshard()`` returns without doing anything and the root keeps its gathered
+    parameters (the flaky no-live-copy test: a kill that landed in a forward crashed both survivors
+    in ``Shards.take``). ``FSDPModule.reset_iter_state`` (torch >= 2.13) is FSDP's own recovery after
+    an aborted forward or backward: every group back to idle and resharded, no collective."""
     from torch.distributed.fsdp import FSDPModule
 
+    if isinstance(module, FSDPModule) and hasattr(module, "reset_iter_state"):
+        module.reset_iter_state()
+        return
     for m in module.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
