@@ -614,7 +614,7 @@ def _main(p: argparse.ArgumentParser, args: argparse.Namespace, run: provenance.
         say("targets (issue 27):")
         for line in targets27:
             say("  " + line)
-    say(f"\n{args.nodes} nodes x 1 worker on loopback (cut-node: in network namespaces), --nnodes "
+    say(f"\n{args.nodes} nodes x {args.nproc} worker(s){' (--fsdp: HSDP)' if args.fsdp else ''} on loopback (cut-node: in network namespaces), --nnodes "
         f"{args.min_nodes}:{args.nodes}, {os.cpu_count()} CPUs, load average {run.load_start[0]:.1f} at the start, "
         f"{os.getloadavg()[0]:.1f} at the end, {time.time() - started:.0f} s in all")
     say("command: " + run.command)
