@@ -178,15 +178,15 @@ def registered_sharded(module: torch.nn.Module) -> None:
     in FSDP's forward state, and the root does not reshard after forward (FSDP's default for it),
     so its ``reshard()`` returns without doing anything and the root keeps its gathered
     parameters (the flaky no-live-copy test: a kill that landed in a forward crashed both survivors
-    in ``Shards.take``). ``FSDPModule.reset_iter_state`` (torch >= 2.13) is FSDP's own recovery after
-    an aborted forward or backward: every group back to idle and resharded, no collective."""
+    in ``Shards.take``). So each FSDP module is first told to reshard after forward
+    (``set_reshard_after_forward``, public; the module is wrapped anew after the re-form, so the
+    change does not outlive it). Not ``FSDPModule.reset_iter_state``: it waits on the failed
+    collective's work, which raises again."""
     from torch.distributed.fsdp import FSDPModule
 
-    if isinstance(module, FSDPModule) and hasattr(module, "reset_iter_state"):
-        module.reset_iter_state()
-        return
     for m in module.modules():
         if isinstance(m, FSDPModule):
+            m.set_reshard_after_forward(True, recurse=False)
             m.reshard()
 
 
