@@ -7,6 +7,12 @@ Run (from the repository root; about 3 min per trial of all three systems, plus 
     .venv/bin/python benchmarks/live_recovery.py --trials 3 --goodput-seconds 60     # a quick look
     .venv/bin/python benchmarks/live_recovery.py --systems live --trials 1 --goodput-seconds 20   # the smoke test
 
+``--fsdp`` (issue 31): nodes of 2 workers each, the trainer with ``--fsdp`` (HSDP: sharded within a
+node, replicated across nodes), live against restart, the loud scenarios; world sizes are in ranks:
+
+    .venv/bin/python benchmarks/live_recovery.py --fsdp --systems live,restart --goodput-systems live,restart \
+        --trials 3 --goodput-seconds 60 --txt benchmarks/results/live_recovery_fsdp.txt
+
 Four systems, ``--nodes`` nodes of one worker each on loopback, the same small model (``TINY``):
 
   live        ``elastic-train --recovery live``: survivors keep their processes and re-form the group;
@@ -108,9 +114,9 @@ class TrainerJob(recovery.Job):
         s = self.settings
         return [sys.executable, "-m", "elastic_trainer.cli", "--nnodes", f"{s.min_nodes}:{self.max_nodes}",
                 "--rdzv-endpoint", self.endpoint, "--run-id", "bench", "--rdzv-conf", RDZV_CONF,
-                "--recovery", self.recovery, "--local-addr", "127.0.0.1",
+                "--recovery", self.recovery, "--local-addr", "127.0.0.1", "--nproc-per-node", str(s.nproc),
                 "--checkpoint-dir", str(self.dir / "ckpt"), "--log-dir", str(self.dir), "--",
-                *EXAMPLE, *TRAINER, "--sleep-per-step", str(s.sleep_per_step),
+                *EXAMPLE, *TRAINER, *(["--fsdp"] if s.fsdp else []), "--sleep-per-step", str(s.sleep_per_step),
                 "--checkpoint-every", str(s.checkpoint_every),
                 *(["--collective-timeout", str(s.baseline_collective_timeout)] if self.recovery == "restart" else [])]
 
@@ -244,29 +250,29 @@ def _steady(job: recovery.Job, size: int, timeout: float) -> dict[int, int]:
     return world_pids(job.steps(), size)
 
 
-def _kill(job: recovery.Job, rank: int, n: int, timeout: float, live: bool) -> dict:
-    """SIGKILL the node of ``rank`` in the world of ``n``; measure the way back to ``n - 1``."""
+def _kill(job: recovery.Job, rank: int, n: int, timeout: float, live: bool, w: int = 1) -> dict:
+    """SIGKILL the node (``w`` workers) of ``rank`` in the world of ``n`` ranks; measure the way back to ``n - w``."""
     ranks = _steady(job, n, timeout)
-    survivors = [pid for r, pid in ranks.items() if r != rank]
-    hwm_before = {pid: vm_hwm_mib(pid) for pid in survivors}
     victim = job.agent_of(ranks[rank])
+    survivors = [pid for pid in ranks.values() if pid not in descendants(victim.pid)]
+    hwm_before = {pid: vm_hwm_mib(pid) for pid in survivors}
     t0 = time.time()
     signal_tree(victim.pid, signal.SIGKILL)
     victim.wait()
-    out: dict = {"s": job.first_step_after(t0, n - 1, timeout)}
-    job.world_formed(n - 1, timeout)
-    time.sleep(0.5)  # a few steps at n - 1: their lines are logged at the next step-end agreement
+    out: dict = {"s": job.first_step_after(t0, n - w, timeout)}
+    job.world_formed(n - w, timeout)
+    time.sleep(0.5)  # a few steps at n - w: their lines are logged at the next step-end agreement
     steps = job.steps()
-    out["redone"] = redone_steps(steps, t0, n - 1)
+    out["redone"] = redone_steps(steps, t0, n - w)
     if live:
         out["hwm_extra_mib"] = _hwm_extra(hwm_before)
         out["reform"] = reform_event(job, t0)
     return out
 
 
-def _join(job: recovery.Job, n: int, timeout: float, live: bool) -> dict:
-    """Start a node in the world of ``n - 1``; measure the survivors' pause and the newcomer's start."""
-    ranks = _steady(job, n - 1, timeout)
+def _join(job: recovery.Job, n: int, timeout: float, live: bool, w: int = 1) -> dict:
+    """Start a node (``w`` workers) in the world of ``n - w`` ranks; measure the survivors' pause and the newcomer's start."""
+    ranks = _steady(job, n - w, timeout)
     hwm_before = {pid: vm_hwm_mib(pid) for pid in ranks.values()}
     t0 = time.time()
     job.start_node()
@@ -274,7 +280,7 @@ def _join(job: recovery.Job, n: int, timeout: float, live: bool) -> dict:
     job.world_formed(n, timeout)
     time.sleep(0.5)
     steps = job.steps()
-    out["pause"] = pause_around(steps, t0, n - 1, n)
+    out["pause"] = pause_around(steps, t0, n - w, n)
     out["redone"] = redone_steps(steps, t0, n)
     if live:
         out["hwm_extra_mib"] = _hwm_extra(hwm_before)
@@ -294,7 +300,8 @@ def _hwm_extra(before: dict[int, float | None]) -> dict[str, float] | None:
 def trial(system: str, args: argparse.Namespace, root: Path) -> dict:
     """Every scenario once; a scenario that fails ends its job, and the next one starts a fresh job
     (as does one that needs network namespaces after one that does not)."""
-    n, live, results = args.nodes, system in LIVE_SYSTEMS, {}
+    nodes, w, live, results = args.nodes, args.nproc, system in LIVE_SYSTEMS, {}
+    n = nodes * w  # ranks
     job, jobs = None, 0
     try:
         for scenario in args.scenarios:
@@ -311,8 +318,8 @@ def trial(system: str, args: argparse.Namespace, root: Path) -> dict:
             try:
                 if job is None:
                     jobs += 1
-                    job = make_job(system, n, root / f"{system}-{jobs}", args, netns)
-                    for _ in range(n):
+                    job = make_job(system, nodes, root / f"{system}-{jobs}", args, netns)
+                    for _ in range(nodes):
                         job.start_node()
                     try:
                         _steady(job, n, args.timeout)
@@ -320,12 +327,12 @@ def trial(system: str, args: argparse.Namespace, root: Path) -> dict:
                         raise Failed(f"setup {exc}") from exc
                     results.setdefault("step_interval", step_interval(job.steps(), n))
                 if scenario == "join":
-                    results[scenario] = _join(job, n, args.timeout, live)
+                    results[scenario] = _join(job, n, args.timeout, live, w)
                 elif scenario in silent.SCENARIOS:
                     results[scenario] = silent.measure(job, scenario, n, args, live,
                                                        lambda j, size: _steady(j, size, args.timeout), redone_steps)
                 else:
-                    results[scenario] = _kill(job, 0 if scenario == "kill-rank0" else n - 1, n, args.timeout, live)
+                    results[scenario] = _kill(job, 0 if scenario == "kill-rank0" else n - 1, n, args.timeout, live, w)
             except Failed as exc:
                 results[scenario] = str(exc)
                 if job is not None:
@@ -346,7 +353,7 @@ def goodput_run(system: str, args: argparse.Namespace, workdir: Path, faults: bo
     try:
         for _ in range(n):
             job.start_node()
-        job.world_formed(n, args.timeout)
+        job.world_formed(n * args.nproc, args.timeout)
         t_start = time.time()
         end = t_start + args.goodput_seconds
         step_start = max(s["step"] for s in job.steps() if s["time"] <= t_start)
@@ -483,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fault-every", type=float, default=10.0,
                    help="seconds between faults in the goodput run (alternately kill a node, add one)")
     p.add_argument("--seed", type=int, default=0, help="seed of the goodput run's choice of nodes to kill")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list of {', '.join(SCENARIOS)}")
+    p.add_argument("--scenarios", default=None,
+                   help=f"comma list of {', '.join(SCENARIOS)} (default: all; with --fsdp the loud ones)")
     p.add_argument("--cap", type=float, default=90.0,
                    help="silent faults: seconds to wait for a world without the node or worker; past it the "
                         "trial counts as '> cap'. Above what restart and c10d-tuned need with the collective "
@@ -494,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline-collective-timeout", type=float, default=30.0,
                    help="restart and c10d-tuned: the collective timeout a user who knows about hangs sets "
                         "(--collective-timeout, init_process_group(timeout=)); the live path keeps its default")
+    p.add_argument("--fsdp", action="store_true",
+                   help="issue 31: nodes of 2 workers, the trainer with --fsdp (HSDP: sharded within a node, "
+                        "replicated across nodes); systems live and restart, the loud scenarios")
     p.add_argument("--json", default=None, help="also write every measurement to this JSON file (with commit and date)")
     p.add_argument("--keep", action="store_true", help="keep every job's logs")
     provenance.add_arguments(p)
@@ -504,6 +515,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(p: argparse.ArgumentParser, args: argparse.Namespace, run: provenance.Run) -> int:
     systems = _systems(args.systems, p)
+    if args.scenarios is None:
+        args.scenarios = ",".join(LOUD if args.fsdp else SCENARIOS)
+    args.nproc = 2 if args.fsdp else 1
+    if args.fsdp and set(systems) - {"live", "restart"}:
+        p.error("--fsdp measures our trainer alone: --systems live,restart")
+    if args.fsdp and set(s.strip() for s in args.scenarios.split(",")) - set(LOUD):
+        p.error(f"--fsdp: --scenarios of {', '.join(LOUD)} (the silent faults are measured without it)")
     args.scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     for sc in args.scenarios:
         if sc not in SCENARIOS:
@@ -596,7 +614,7 @@ def _main(p: argparse.ArgumentParser, args: argparse.Namespace, run: provenance.
         say("targets (issue 27):")
         for line in targets27:
             say("  " + line)
-    say(f"\n{args.nodes} nodes x 1 worker on loopback (cut-node: in network namespaces), --nnodes "
+    say(f"\n{args.nodes} nodes x {args.nproc} worker(s){' (--fsdp: HSDP)' if args.fsdp else ''} on loopback (cut-node: in network namespaces), --nnodes "
         f"{args.min_nodes}:{args.nodes}, {os.cpu_count()} CPUs, load average {run.load_start[0]:.1f} at the start, "
         f"{os.getloadavg()[0]:.1f} at the end, {time.time() - started:.0f} s in all")
     say("command: " + run.command)

@@ -135,3 +135,39 @@ def test_the_mesh_groups_are_aborted_with_the_default_one_on_nccl():
         assert abandon.groups == []
     finally:
         dist.destroy_process_group()
+
+
+def test_a_step_that_failed_in_the_forward_leaves_shards_that_a_survivor_can_take(tmp_path):
+    """A kill that lands in a forward leaves the root FSDP module in its forward state with its
+    gathered parameters registered (the root does not reshard after forward, and ``reshard()``
+    then does nothing); ``Shards.take`` must still find the optimizer's sharded parameters by name
+    (it once raised KeyError there: the survivors crashed and were restarted instead of reloading
+    in place). One gloo rank; a block's forward raises as a collective to a dead peer would."""
+    script = tmp_path / "forward_fails.py"
+    script.write_text('''
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from elastic_trainer.training.hsdp import Shards, device_mesh
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 1))
+mesh = device_mesh(torch.device("cpu"), 1, 1, True)
+fully_shard(model[0], mesh=mesh)
+fully_shard(model, mesh=mesh)
+opt = torch.optim.Adam(model.parameters())
+model(torch.ones(2, 4)).sum().backward(); opt.step()
+def boom(*a):
+    raise RuntimeError("a peer is gone")
+h = model[2].register_forward_pre_hook(boom)
+try:
+    model(torch.ones(2, 4))
+except RuntimeError:
+    pass
+h.remove()
+s = Shards.take(model, opt)
+assert set(s.optim) == {n for n, _ in model.named_parameters()}, s.optim.keys()
+print("TOOK", sorted(s.params))
+''')
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                           str(script)], cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0 and "TOOK" in proc.stdout, proc.stderr[-3000:]

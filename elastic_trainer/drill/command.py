@@ -166,7 +166,7 @@ class Drill:
         marker = time.time()
         for _ in range(self.args.nodes):
             self.cluster.start_node()
-        want = min(self.args.nodes, self.cluster.max_nodes)
+        want = min(self.args.nodes, self.cluster.max_nodes) * self.args.nproc_per_node  # ranks
         while time.time() < min(self.deadline, marker + max(self.args.recovery_timeout, 180)):
             self.cluster.poll()
             fresh = [s for s in self.cluster.r0[-SETTLE_STEPS:]

@@ -92,7 +92,7 @@ class FaultDriver:
             rec["was_rank0"] = bool(self.cluster.latest and self.cluster.latest.origin == node.name)
         rec["survivors"] = [n.name for n in members if n is not node]
         size = len(members)
-        rec["expected_world"] = rec["final_world"] = min(size, self.cluster.max_nodes)
+        rec["expected_world"] = rec["final_world"] = min(size, self.cluster.max_nodes) * self.args.nproc_per_node
         if kind.prepare is not None:
             skipped = kind.prepare(self, rec)
             if skipped:
@@ -161,7 +161,7 @@ class FaultDriver:
                        fired_step=latest.step, world_before=latest.world_size,
                        round_before=latest.round, checkpoint_step=step, during_upload=during,
                        survivors=[n.name for n in members if n is not node],
-                       expected_world=min(len(members) - 1, self.cluster.max_nodes))
+                       expected_world=min(len(members) - 1, self.cluster.max_nodes) * self.args.nproc_per_node)
             rec["final_world"] = rec["expected_world"]
             rec["notes"].append(f"killed while step-{step} was being uploaded (not committed)" if during else
                                 f"step-{step} was already committed when the kill landed")

@@ -170,14 +170,23 @@ class Shards:
 
 
 def registered_sharded(module: torch.nn.Module) -> None:
-    """Have ``module`` hold its sharded parameters again: a step that failed in a collective may
-    have left FSDP's gathered (unsharded) ones registered, which the optimizer does not know.
-    ``FSDPModule.reshard`` frees those (no collective); the shards themselves are never changed
-    before the optimizer step."""
+    """Have ``module`` (the root FSDP module) hold its sharded parameters again: a step that failed
+    in a collective may have left FSDP's gathered (unsharded) ones registered, which the optimizer
+    does not know; the shards themselves are never changed before the optimizer step.
+
+    ``FSDPModule.reshard`` alone is not enough: a step that failed in the forward leaves the root
+    in FSDP's forward state, and the root does not reshard after forward (FSDP's default for it),
+    so its ``reshard()`` returns without doing anything and the root keeps its gathered
+    parameters (the flaky no-live-copy test: a kill that landed in a forward crashed both survivors
+    in ``Shards.take``). So each FSDP module is first told to reshard after forward
+    (``set_reshard_after_forward``, public; the module is wrapped anew after the re-form, so the
+    change does not outlive it). Not ``FSDPModule.reset_iter_state``: it waits on the failed
+    collective's work, which raises again."""
     from torch.distributed.fsdp import FSDPModule
 
     for m in module.modules():
         if isinstance(m, FSDPModule):
+            m.set_reshard_after_forward(True, recurse=False)
             m.reshard()
 
 
