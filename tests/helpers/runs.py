@@ -93,12 +93,12 @@ def baseline(tmp_path: Path, steps: int, workload: list[str] = SEEDS_MSE) -> tup
 
 def agent(procs, etcd, run_id: str, nproc: int, ck: Path, logs: Path, *trainer_args: str,
           nnodes: str = "1", out: Path | None = None, recovery: str | None = None,
-          workload: list[str] = SEEDS_MSE) -> subprocess.Popen:
+          workload: list[str] = SEEDS_MSE, conf: str = CONF) -> subprocess.Popen:
     """An ``elastic-train`` node; ``recovery`` is its --recovery (None: the launcher's default)."""
     log = open(out, "a") if out else subprocess.DEVNULL
     extra = ("--recovery", recovery) if recovery else ()
     proc = procs.start(cli_cmd("--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-endpoint", etcd.endpoint,
-                               "--run-id", run_id, "--rdzv-conf", CONF, *extra, "--checkpoint-dir", str(ck),
+                               "--run-id", run_id, "--rdzv-conf", conf, *extra, "--checkpoint-dir", str(ck),
                                "--log-dir", str(logs), "--", *workload, *trainer_args),
                        cwd=REPO, stdout=log, stderr=subprocess.STDOUT if out else subprocess.PIPE, text=True)
     if out:
