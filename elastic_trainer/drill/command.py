@@ -37,7 +37,7 @@ import time
 from elastic_trainer.drill import report as drill_report
 from elastic_trainer.drill.cluster import POLL, Cluster
 from elastic_trainer.drill.faults import SETTLE_STEPS, FaultDriver
-from elastic_trainer.drill.kinds import FAULTS, FaultKind
+from elastic_trainer.drill.kinds import FAULTS, FaultKind, ranks
 from elastic_trainer.drill.scenario import (DEFAULT_TRAINER_ARGS, DEFAULTS, Fault, ScenarioError, Trigger,
                                             build_parser, parse_args, parse_fault, parse_fault_line)
 
@@ -166,7 +166,7 @@ class Drill:
         marker = time.time()
         for _ in range(self.args.nodes):
             self.cluster.start_node()
-        want = min(self.args.nodes, self.cluster.max_nodes) * self.args.nproc_per_node  # ranks
+        want = ranks(self.args, min(self.args.nodes, self.cluster.max_nodes))
         while time.time() < min(self.deadline, marker + max(self.args.recovery_timeout, 180)):
             self.cluster.poll()
             fresh = [s for s in self.cluster.r0[-SETTLE_STEPS:]

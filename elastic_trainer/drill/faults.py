@@ -19,7 +19,7 @@ from pathlib import Path
 
 from elastic_trainer.drill import report as drill_report
 from elastic_trainer.drill.cluster import POLL, Cluster
-from elastic_trainer.drill.kinds import FAULTS
+from elastic_trainer.drill.kinds import FAULTS, ranks
 from elastic_trainer.drill.scenario import Fault
 
 SETTLE_STEPS = 3  # steps of one world at the expected size that make a fault recovered
@@ -92,7 +92,7 @@ class FaultDriver:
             rec["was_rank0"] = bool(self.cluster.latest and self.cluster.latest.origin == node.name)
         rec["survivors"] = [n.name for n in members if n is not node]
         size = len(members)
-        rec["expected_world"] = rec["final_world"] = min(size, self.cluster.max_nodes) * self.args.nproc_per_node
+        rec["expected_world"] = rec["final_world"] = ranks(self.args, min(size, self.cluster.max_nodes))
         if kind.prepare is not None:
             skipped = kind.prepare(self, rec)
             if skipped:
@@ -161,7 +161,7 @@ class FaultDriver:
                        fired_step=latest.step, world_before=latest.world_size,
                        round_before=latest.round, checkpoint_step=step, during_upload=during,
                        survivors=[n.name for n in members if n is not node],
-                       expected_world=min(len(members) - 1, self.cluster.max_nodes) * self.args.nproc_per_node)
+                       expected_world=ranks(self.args, min(len(members) - 1, self.cluster.max_nodes)))
             rec["final_world"] = rec["expected_world"]
             rec["notes"].append(f"killed while step-{step} was being uploaded (not committed)" if during else
                                 f"step-{step} was already committed when the kill landed")

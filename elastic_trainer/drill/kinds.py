@@ -72,15 +72,15 @@ revokes an expired lease up to about half a second late (its expiry check runs t
 
 # ------------------------------------------------------------------------------ fire and heal
 
-def ranks(driver: FaultDriver, nodes: int) -> int:
+def ranks(args, nodes: int) -> int:
     """The world size (in ranks, as the step lines count it) of ``nodes`` whole nodes: every world
-    size a fault record expects is in ranks (``--nproc-per-node`` workers a node), as its
+    size a fault record expects is in ranks (``args.nproc_per_node`` workers a node), as its
     ``world_before`` is."""
-    return nodes * driver.args.nproc_per_node
+    return nodes * args.nproc_per_node
 
 
 def _expect(rec: dict, world: int, driver: FaultDriver, *, final: bool = True) -> None:
-    rec["expected_world"] = ranks(driver, min(world, driver.cluster.max_nodes) if final else world)
+    rec["expected_world"] = ranks(driver.args, min(world, driver.cluster.max_nodes) if final else world)
     if final:
         rec["final_world"] = rec["expected_world"]
 
@@ -117,9 +117,9 @@ def _term(driver: FaultDriver, rec: dict, node: Node | None, size: int, now: flo
 def _away(driver: FaultDriver, rec: dict, size: int) -> None:
     """stop/cut: N-1 while the node is away when that outlasts its lease, N after (module docstring)."""
     longer = rec.get("duration") is not None and rec["duration"] >= driver.args.lease_ttl + EVICT_MARGIN
-    rec["away_world"] = ranks(driver, size - 1)
+    rec["away_world"] = ranks(driver.args, size - 1)
     rec["expect_dip"] = bool(longer) and driver.args.rdzv_backend == "etcd-v3"
-    rec["expected_world"] = ranks(driver, size - 1 if rec["expect_dip"] else size)
+    rec["expected_world"] = ranks(driver.args, size - 1 if rec["expect_dip"] else size)
 
 
 def _stop(driver: FaultDriver, rec: dict, node: Node | None, size: int, now: float) -> None:
@@ -179,9 +179,9 @@ def _hang(driver: FaultDriver, rec: dict, node: Node | None, size: int, now: flo
     except ProcessLookupError:
         rec["notes"].append(f"worker {rec['worker_pid']} exited before the {sig.name}")
     driver.cluster.note(node.name, "worker_hung", pid=rec["worker_pid"], signal=sig.name)
-    rec["away_world"] = ranks(driver, size - 1)
+    rec["away_world"] = ranks(driver.args, size - 1)
     rec["expect_dip"] = live
-    rec["expected_world"] = ranks(driver, size - 1 if live else size)
+    rec["expected_world"] = ranks(driver.args, size - 1 if live else size)
 
 
 def _add_node(driver: FaultDriver, rec: dict, node: Node | None, size: int, now: float) -> None:
