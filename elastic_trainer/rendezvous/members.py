@@ -5,6 +5,7 @@ tells peers a process is gone. No etcd calls here (``rendezvous/quorum.py`` make
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
 import threading
@@ -72,10 +73,15 @@ class Quorum:
         return list(dict.fromkeys(m.node for m in self.members))
 
     def rank_of(self, member_id: str) -> int | None:
+        return self._ranks.get(member_id)
+
+    @functools.cached_property
+    def _ranks(self) -> dict[str, int]:
+        """member id -> rank, built once (a watcher asks at every change; 8,000 members at 1,000 nodes)."""
+        ranks: dict[str, int] = {}
         for i, m in enumerate(self.members):
-            if m.id == member_id:
-                return i
-        return None
+            ranks.setdefault(m.id, i)
+        return ranks
 
     def to_json(self) -> bytes:
         d = asdict(self)
