@@ -68,7 +68,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks import provenance  # noqa: E402
-from benchmarks.etcd_load import scrape  # noqa: E402
 from elastic_trainer.env import LiveSettings  # noqa: E402
 from elastic_trainer.etcd_server import EtcdServer  # noqa: E402
 from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints  # noqa: E402
@@ -302,6 +301,8 @@ def _stats(ts: list[float]) -> tuple[float, float]:
 
 
 def run(args: argparse.Namespace, endpoint: str) -> dict:
+    from benchmarks.etcd_load import scrape  # here: the simulation processes need none of its imports
+
     n, w = args.nodes, args.workers
     settings = LiveSettings(min_nodes=1, max_nodes=n, last_call=0.0, lease_ttl=args.lease_ttl,
                             keep_alive_interval=1.0, poll=args.poll, hang_factor=0.0)
@@ -338,6 +339,10 @@ def run(args: argparse.Namespace, endpoint: str) -> dict:
               flush=True)
 
         time.sleep(args.settle)
+        lost = sum(part["stats"]["lost_leases"] for part in pool.ask("collect", {"timeout": 0}))
+        if lost:
+            raise RuntimeError(f"{lost} node leases were lost (renewed too late: the machine is too loaded for "
+                               f"--lease-ttl {args.lease_ttl}); the losses would not be the simulation's own")
         m0, b0, t0 = scrape(endpoint), sent_bytes(endpoint), time.monotonic()
         time.sleep(args.window)
         m1, b1, t1 = scrape(endpoint), sent_bytes(endpoint), time.monotonic()
@@ -423,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--processes", type=int, default=8, help="processes the nodes are spread over")
     p.add_argument("--channels", type=int, default=2, help="gRPC channels the workers of one process share")
     p.add_argument("--poll", type=float, default=1.0, help="the watchers' poll (seconds; the product's is 0.1)")
-    p.add_argument("--lease-ttl", type=int, default=3)
+    p.add_argument("--lease-ttl", type=int, default=3,
+                   help="the node leases' TTL (renewed every second whatever it is; a loss is a revoke)")
     p.add_argument("--losses", type=int, default=3, help="nodes lost one after the other")
     p.add_argument("--reread", action="store_true", help="the watcher as before: a whole read on every event")
     p.add_argument("--no-reports", action="store_true",
