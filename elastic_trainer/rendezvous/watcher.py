@@ -88,12 +88,15 @@ class Watcher:
         self._wake.set()
 
     def _update(self) -> bool:
-        """Bring ``_keys`` up to date: a whole read when the watch asked for one (the changes
+        """Bring ``_keys`` up to date: a whole read when the watch asked for one (established, or
+        lost; none before it is first established, which asks for one at once; the changes
         queued before it are in it; those that arrive during it are applied after it, again in
         order), then the queued changes. False when etcd could not be read (or a change could not
         be applied): the next wake tries again."""
+        if not self._loaded and not self._dirty.is_set():
+            return False  # the watch is not established yet: the read it asks for then is the first
         try:
-            if self._dirty.is_set() or not self._loaded:
+            if self._dirty.is_set():
                 self._dirty.clear()  # a stream lost during the read sets it again
                 self._changes.clear()
                 self._keys.load(self._read_all())
