@@ -22,8 +22,8 @@ It measures, in order:
 
 1. **Start**: the workers register (``join/<id>`` and ``alive/<id>`` on their node's lease), the
    main process forms quorum 1 from what it reads (``complete_nodes``, a cold quorum,
-   compare-and-swap), every worker adopts it and starts its watcher; seconds until every
-   watcher has read.
+   compare-and-swap), every worker adopts it and deletes its join key, then starts its watcher;
+   seconds until every watcher has read.
 2. **Steady state**: after ``--settle`` seconds, etcd's own ``/metrics`` read twice ``--window``
    seconds apart (``benchmarks/etcd_load.py``'s ``scrape``): requests/s by gRPC method, and bytes
    etcd sent (``etcd_network_client_grpc_sent_bytes_total``). Target (issue 32): < 2,000
@@ -177,13 +177,18 @@ class Part:
             t.join()
         return len(workers)
 
-    def adopt(self, data: bytes, reports: bool, timeout: float) -> dict:
+    def adopt(self, data: bytes) -> int:
+        """Every worker adopts quorum 1 and deletes its join key, as ``LiveGroup.join`` ends."""
         q = Quorum.from_json(data)
         for w in self.all():
             w._adopt(q)
             w.target = q.q
-        for w in self.all():  # a joined worker deletes its join key (``LiveGroup.join``)
             w.conn.call(lambda c, k=w._key("join/" + w.id): c.delete(k))
+        return len(self.all())
+
+    def watch(self, reports: bool, timeout: float) -> dict:
+        """Every worker starts its watcher (once every process's workers joined, as a trainer
+        starts watching after its join); the answer once each has made its first read."""
         for w in self.all():
             w.watch(reports)
         deadline = time.monotonic() + timeout
@@ -328,8 +333,8 @@ def run(args: argparse.Namespace, endpoint: str) -> dict:
             raise RuntimeError(f"{registered} workers registered, {len(members)} in whole nodes: not {n * w}")
         result["registered_s"] = round(time.monotonic() - t, 2)
         result["quorum_bytes"] = len(q1.to_json())
-        read = sum(a["read"] for a in pool.ask("adopt", {"data": q1.to_json(), "reports": not args.no_reports,
-                                                          "timeout": args.timeout}))
+        pool.ask("adopt", {"data": q1.to_json()})
+        read = sum(a["read"] for a in pool.ask("watch", {"reports": not args.no_reports, "timeout": args.timeout}))
         result["watching_s"] = round(time.monotonic() - t, 2)
         if read != n * w:
             raise RuntimeError(f"only {read} of {n * w} watchers read the live keys within {args.timeout:g}s")
