@@ -301,11 +301,20 @@ def requests(before: dict, after: dict) -> dict[str, float]:
             if after.get((k, m), 0.0) - before.get((k, m), 0.0) > 0}
 
 
+def etcd_cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + system) etcd has used so far, from /proc (0 when unknown: an outside etcd)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, TypeError):
+        return 0.0
+
+
 def _stats(ts: list[float]) -> tuple[float, float]:
     return statistics.median(ts), max(ts)
 
 
-def run(args: argparse.Namespace, endpoint: str) -> dict:
+def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) -> dict:
     from benchmarks.etcd_load import scrape  # here: the simulation processes need none of its imports
 
     n, w = args.nodes, args.workers
@@ -348,15 +357,17 @@ def run(args: argparse.Namespace, endpoint: str) -> dict:
         if lost:
             raise RuntimeError(f"{lost} node leases were lost (renewed too late: the machine is too loaded for "
                                f"--lease-ttl {args.lease_ttl}); the losses would not be the simulation's own")
-        m0, b0, t0 = scrape(endpoint), sent_bytes(endpoint), time.monotonic()
+        m0, b0, t0, c0 = scrape(endpoint), sent_bytes(endpoint), time.monotonic(), etcd_cpu_s(etcd_pid)
         time.sleep(args.window)
-        m1, b1, t1 = scrape(endpoint), sent_bytes(endpoint), time.monotonic()
+        m1, b1, t1, c1 = scrape(endpoint), sent_bytes(endpoint), time.monotonic(), etcd_cpu_s(etcd_pid)
         by_method = {m: round(v / (t1 - t0), 1) for m, v in sorted(requests(m0, m1).items())}
         rps = sum(by_method.values())
         result["steady"] = {"window_s": round(t1 - t0, 1), "requests_per_s": round(rps, 1), "by_method": by_method,
-                            "sent_bytes_per_s": round((b1 - b0) / (t1 - t0))}
+                            "sent_bytes_per_s": round((b1 - b0) / (t1 - t0)),
+                            "etcd_cpu_share": round((c1 - c0) / (t1 - t0), 3)}
         print(f"steady state: {rps:,.1f} requests/s ({'met' if rps < TARGET_RPS else 'NOT met'}: "
-              f"< {TARGET_RPS:,.0f}), {(b1 - b0) / (t1 - t0) / 1e3:,.1f} kB/s sent; by method: "
+              f"< {TARGET_RPS:,.0f}), {(b1 - b0) / (t1 - t0) / 1e3:,.1f} kB/s sent, etcd CPU {(c1 - c0) / (t1 - t0):.1%} of a core; "
+              f"by method: "
               + ", ".join(f"{m} {v:g}" for m, v in by_method.items()), flush=True)
 
         losses, q = [], q1
@@ -376,7 +387,7 @@ def run(args: argparse.Namespace, endpoint: str) -> dict:
             watch = KeysWatch(main_conn, [f"{observer.prefix}report/{target}/"], lambda: None, on_events=on_reports)
             _thread("reports", watch.run)
             watch.established.wait(10)
-            m0, b0 = scrape(endpoint), sent_bytes(endpoint)
+            m0, b0, c0 = scrape(endpoint), sent_bytes(endpoint), etcd_cpu_s(etcd_pid)
             lost_at = pool.ask("lose", {"node": lost_node}, only=owner[lost_node])[0]
             if args.no_reports:
                 written_from = lost_at
@@ -393,7 +404,7 @@ def run(args: argparse.Namespace, endpoint: str) -> dict:
                 raise RuntimeError(f"quorum {target} could not be written")
             written = time.monotonic()
             parts = pool.ask("collect", {"timeout": args.timeout})
-            m1, b1 = scrape(endpoint), sent_bytes(endpoint)
+            m1, b1, c1 = scrape(endpoint), sent_bytes(endpoint), etcd_cpu_s(etcd_pid)
             lost_ts = [x - lost_at for p in parts for x in p["lost_at"] if x is not None]
             knew_ts = [x - lost_at for p in parts for x in p["knew_at"] if x is not None]
             missing = survivors - len(knew_ts)
@@ -405,6 +416,7 @@ def run(args: argparse.Namespace, endpoint: str) -> dict:
                     "known_median_s": round(_stats(knew_ts)[0], 3) if knew_ts else None,
                     "known_worst_s": round(_stats(knew_ts)[1], 3) if knew_ts else None,
                     "requests": round(sum(requests(m0, m1).values())), "sent_bytes": round(b1 - b0),
+                    "etcd_cpu_s": round(c1 - c0, 2),
                     "whole_reads": sum(p["stats"]["reads"] for p in parts)}
             losses.append(loss)
             q = new
@@ -413,7 +425,8 @@ def run(args: argparse.Namespace, endpoint: str) -> dict:
                   f"written at {loss['quorum_written_s']}s, known by {len(knew_ts)}/{survivors} survivors: "
                   f"median {loss['known_median_s']}s, worst {loss['known_worst_s']}s "
                   f"({'met' if not missing and loss['known_worst_s'] < TARGET_S else 'NOT met'}: < {TARGET_S:g}s); "
-                  f"etcd {loss['requests']:,} requests, {loss['sent_bytes'] / 1e6:,.1f} MB sent; "
+                  f"etcd {loss['requests']:,} requests, {loss['sent_bytes'] / 1e6:,.1f} MB sent, "
+                  f"{loss['etcd_cpu_s']:.2f} CPU s; "
                   f"whole reads so far {loss['whole_reads']:,}", flush=True)
             time.sleep(args.between)
         result["losses"] = losses
@@ -455,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
             server = EtcdServer(data_dir=Path(tmp) / "etcd").start()
             endpoint = server.endpoint
         try:
-            result = run(args, endpoint)
+            result = run(args, endpoint, server.proc.pid if server is not None and server.proc is not None else None)
         finally:
             if server is not None:
                 server.stop()
