@@ -182,7 +182,7 @@ def test_a_training_group_at_rest_reads_etcd_only_when_a_live_key_changes(etcd, 
         time.sleep(1.5)  # fifteen polls' worth under the old watcher
         assert group.watcher.reads == reads and group.requests == requests, \
             "a watcher at rest must not read etcd"
-        other = _group(etcd, run_id, 1)  # a node that asks to join: one event, one read
+        other = _group(etcd, run_id, 1)  # a node that asks to join: one event, applied without a read
         try:
             other._lease.put(other._key("join/" + other.id), b'{"node": "node1", "local_rank": 0, "nproc": 1}')
             assert wait_until(group.change_pending.is_set, timeout=3), "a joiner must be seen through the watch"

@@ -46,6 +46,10 @@ WATCHED = ("quorum", "alive/", "join/", "stall/", "busy/")
 class Watcher:
     """Watches the live keys for ``group`` while its worker trains (see the module docstring)."""
 
+    apply_events = True
+    """False: every event makes the watcher read the live keys whole, as it did before it applied
+    the events (``benchmarks/live_sim.py --reread`` compares the two)."""
+
     def __init__(self, group: LiveGroup) -> None:
         self.group = group
         self._wake = threading.Event()
@@ -70,7 +74,7 @@ class Watcher:
 
     def run(self) -> None:
         self._watch = KeysWatch(self.group.conn, [self.group._key(k) for k in WATCHED], self._changed,
-                                on_events=self._events)
+                                on_events=self._events if self.apply_events else None)
         self.group._start_thread("live-watch-stream", self._watch.run, stop=self._watch.close)
         try:
             self._loop()
