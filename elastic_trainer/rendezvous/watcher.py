@@ -14,7 +14,9 @@ flight must fail now (``LiveGroup.on_member_lost``: the Manager abandons the pro
   (``rendezvous/progress.py``) with no member busy (nor busy within the last bound): lost, and
   this rank's training thread must come out of its step within half a second, or it is the hung
   one and ends its process (``LiveGroup.on_hung``);
-- a node waits to join: a planned re-form.
+- a node waits to join: a planned re-form;
+- this worker's own ``alive`` key gone (on the node's lease, ``rendezvous/node_lease.py``): the
+  node's lease expired, and the worker leaves (``LiveGroup.on_view``).
 
 It also keeps this rank's ``busy/<id>`` key while the rank is in a slow phase or warming up
 (written on transitions only). Design and numbers: docs/trainer.md, "Silent failures" and
@@ -93,6 +95,8 @@ class Watcher:
                     logger.info("live: watcher could not read etcd: %s", exc)
                     continue
             view = self._view
+            self.group.on_view(view, current=self._watch is not None and self._watch.established.is_set()
+                               and not self._dirty.is_set())
             self._check_stuck(q, view)
             if self.group.change_pending.is_set():
                 continue
