@@ -114,7 +114,7 @@ class LiveSettings:
     """Seconds the survivors wait for a member that neither reported nor is provably dead (its
     lease still renewed: a stopped or cut-off member is dropped when its lease expires)."""
     lease_ttl: int = 3
-    """Seconds of each worker's etcd lease (``alive/<id>``)."""
+    """Seconds of the node's etcd lease, on which each worker keeps ``alive/<id>`` (``rendezvous/node_lease.py``)."""
     keep_alive_interval: float = 1.0
     """Seconds between two renewals of that lease."""
     poll: float = 0.1
