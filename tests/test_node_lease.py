@@ -60,7 +60,7 @@ def node(etcd, run_id):
     """An agent and its two workers on its lease, joined into a world of 2 and watching."""
     agent = _Agent(etcd, run_id)
     left: list[str] = []
-    settings = LiveSettings(min_nodes=1, max_nodes=1, last_call=0.0, join_timeout=20, lease_ttl=TTL,
+    settings = LiveSettings(min_nodes=1, max_nodes=2, last_call=0.0, join_timeout=20, lease_ttl=TTL,
                             keep_alive_interval=INTERVAL)
     workers = [LiveGroup(_conn(etcd), f"/{run_id}/", "node0", i, 2, "127.0.0.1", settings,
                          node_lease=agent.lease_id, on_lease_lost=left.append) for i in range(2)]
@@ -73,7 +73,7 @@ def node(etcd, run_id):
         assert all(w.quorum is not None and w.quorum.world_size == 2 for w in workers)
         for w in workers:
             w.start_watching()
-        assert wait_until(lambda: all(w.watcher.reads >= 1 for w in workers), timeout=5)
+        assert wait_until(lambda: all(w.watcher.reads + w.watcher.loads >= 1 for w in workers), timeout=5)
         yield agent, workers, left
     finally:
         for w in workers:
@@ -166,3 +166,29 @@ def test_the_renewal_record_lets_one_process_claim_a_late_renewal(tmp_path, monk
     finally:
         a.close(remove=True)
         b.close()
+
+
+def test_a_node_keeps_one_etcd_watch_its_sibling_sees_a_joiner_through_it_and_takes_it_over(node, etcd, run_id):
+    """One watch stream per node (``rendezvous/node_watch.py``): one worker keeps it, the other loads
+    its published views, sees a node asking to join as fast, and keeps the watch once the first is gone."""
+    agent, workers, left = node
+    keeping = [w for w in workers if w.watcher._watch is not None]
+    assert len(keeping) == 1, "exactly one of the node's workers keeps an etcd watch"
+    keeper, sibling = keeping[0], next(w for w in workers if w is not keeping[0])
+    reads = sibling.watcher.reads
+    conn = _conn(etcd)
+    try:
+        # A whole node asks to join (its one worker's join key): a planned re-form for both.
+        joiner, alive = f"/{run_id}/live/join/node9-0-4242", f"/{run_id}/live/alive/node9-0-4242"
+        conn.call(lambda c: c.put(alive, b"{}"))
+        conn.call(lambda c: c.put(joiner, b'{"node": "node9", "local_rank": 0, "nproc": 1, "probe": "127.0.0.1:1"}'))
+        assert wait_until(lambda: all(w.change_pending.is_set() for w in workers), timeout=3), \
+            [w.change_reason for w in workers]
+        assert sibling.watcher.loads >= 2 and sibling.watcher.reads == reads, "the sibling read etcd itself"
+        conn.call(lambda c: c.delete(joiner))
+        conn.call(lambda c: c.delete(alive))
+        keeper.close()  # the keeping worker leaves: its lock goes with it
+        assert wait_until(lambda: sibling.watcher._watch is not None, timeout=2), "the sibling must take the watch"
+        assert not left
+    finally:
+        conn.close()

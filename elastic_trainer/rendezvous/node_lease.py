@@ -28,10 +28,12 @@ exported lease (tests that build a ``LiveGroup`` directly) keeps a ``LeaseKeeper
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
 import os
+import shutil
 import struct
 import tempfile
 import threading
@@ -94,12 +96,13 @@ class RenewalRecord:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def close(self, remove: bool = False) -> None:
+        """Close it; ``remove`` (the agent, done with the lease) also deletes it and the directory
+        of the node's shared watch beside it (``rendezvous/node_watch.py``)."""
         os.close(self._fd)
         if remove:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            shutil.rmtree(self.path + ".d", ignore_errors=True)
 
 
 class AgentRecord:

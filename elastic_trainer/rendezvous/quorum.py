@@ -75,6 +75,7 @@ from elastic_trainer.env import LiveSettings, WorkerEnv
 from elastic_trainer.rendezvous.members import (LiveExcluded, LiveTimeout, Member, ProbeListener, Quorum, RunFinished,
                                                 StartThread, View, complete_nodes, json_values, probe_dead,
                                                 range_end, resolvable, start_daemon_thread)
+from elastic_trainer.rendezvous.node_watch import NodeWatch
 from elastic_trainer.rendezvous.progress import Progress
 from elastic_trainer.rendezvous.watcher import Watcher
 
@@ -243,11 +244,26 @@ class LiveGroup:
             elif threading.current_thread() is threading.main_thread():
                 raise LiveExcluded(reason)
 
-    def on_view(self, view: View, current: bool) -> None:
+    def node_watch(self, on_change: Callable[[], None], on_promote: Callable[[], None]) -> NodeWatch | None:
+        """This worker's part in its node's one etcd watch (``rendezvous/node_watch.py``), on the
+        node's lease only; None where every worker keeps its own watch."""
+        from elastic_trainer.rendezvous.node_lease import NodeLease, record_path
+
+        if not isinstance(self._lease, NodeLease):
+            return None
+        try:
+            return NodeWatch(record_path(self._lease.lease_id) + ".d", self.settings.poll, on_change, on_promote)
+        except OSError as exc:
+            logger.warning("live: this worker keeps an etcd watch of its own (no node directory: %s)", exc)
+            return None
+
+    def on_view(self, view: View, current: bool, authoritative: bool = True) -> None:
         """The watcher's look at a view of the live keys: on the node's lease (``NodeLease``) this
         worker's own ``alive`` key in a ``current`` view (its watch established, nothing unread)
-        proves the lease lives; its absence means the node's lease expired (the node was paused or
-        cut off) and the worker leaves (``on_lease_lost``). A lease of its own says so by itself."""
+        proves the lease lives; its absence from a view this worker read itself (``authoritative``)
+        means the node's lease expired (the node was paused or cut off) and the worker leaves
+        (``on_lease_lost``); from a sibling's view (which may predate its key) etcd is asked first.
+        A lease of its own says so by itself."""
         from elastic_trainer.rendezvous.node_lease import NodeLease
 
         if not isinstance(self._lease, NodeLease) or self._stop.is_set():
@@ -255,6 +271,13 @@ class LiveGroup:
         if self.id in view.alive:
             if current:
                 self._lease.confirm()
+            return
+        if not authoritative:  # a sibling's view: ask etcd (at most once a second)
+            now = time.monotonic()
+            if now - self._lease_asked >= 1.0:
+                self._lease_asked = now
+                if self._lease.expired_at_etcd(timeout=0.5):
+                    self._on_lease_tick()
             return
         self._lease.mark_lost()
         self._on_lease_tick()

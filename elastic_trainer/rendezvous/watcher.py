@@ -31,6 +31,7 @@ import time
 from typing import TYPE_CHECKING
 
 from elastic_trainer.rendezvous.live_watch import KeysWatch
+from elastic_trainer.rendezvous.node_watch import NodeWatch
 from elastic_trainer.rendezvous.members import Quorum, View, complete_nodes, probe_dead
 
 if TYPE_CHECKING:
@@ -56,17 +57,53 @@ class Watcher:
         self._view: View | None = None  # the last read, current until the watch reports a change
         self._view_q = -1  # the quorum it was read for (the stall and busy keys are per quorum)
         self._watch: KeysWatch | None = None
+        self._node: NodeWatch | None = None
+        self._own_view = True  # the last view was read from etcd by this worker (not a sibling's)
         self.reads = 0
+        self.loads = 0  # views loaded from the node's watching worker instead of read
         self._last_look = time.monotonic()
         self._busy_seen = float("-inf")  # when a peer was last seen busy (_declare_stall)
 
     def run(self) -> None:
-        self._watch = KeysWatch(self.group.conn, [self.group._key(k) for k in WATCHED], self._changed)
-        self.group._start_thread("live-watch-stream", self._watch.run, stop=self._watch.close)
+        # One etcd watch per node (rendezvous/node_watch.py): the worker that locks it keeps the
+        # stream and publishes its reads; a sibling is woken by each and takes over if it dies.
+        self._node = self.group.node_watch(self._changed, self._open_watch)
+        if self._node is None or self._node.try_lead():
+            self._open_watch()
+        else:
+            self.group._start_thread("live-node-watch", self._node.run, stop=self._node.close)
         try:
             self._loop()
         finally:
-            self._watch.close()
+            if self._watch is not None:
+                self._watch.close()
+            if self._node is not None:
+                self._node.close()
+
+    def _open_watch(self) -> None:
+        """Keep the etcd watch (at the start, or as a sibling promoted when the last keeper died)."""
+        watch = KeysWatch(self.group.conn, [self.group._key(k) for k in WATCHED], self._changed)
+        self.group._start_thread("live-watch-stream", watch.run, stop=watch.close)
+        self._watch = watch
+
+    def _look(self, q: Quorum) -> tuple[View, bool]:
+        """The current view for quorum ``q``, and whether this worker read it from etcd itself: a
+        sibling loads the one its node's watching worker published (a view for another quorum, or
+        none, is read from etcd); the watching worker reads and publishes."""
+        node = self._node
+        if node is not None and not node.leader:
+            got = node.latest()
+            if got is not None and got[1] == q.q:
+                self.loads += 1
+                return got[0], False
+        view = self.group._read(stall_q=q.q)
+        self.reads += 1
+        if node is not None and node.leader:
+            try:
+                node.publish(view, q.q)
+            except OSError as exc:  # the siblings read etcd themselves when they find nothing current
+                logger.warning("live: could not publish the node's view to its workers: %s", exc)
+        return view, True
 
     def _changed(self) -> None:
         """From the watch's thread: a live key changed (or the watch was re-established): read again."""
@@ -88,15 +125,14 @@ class Watcher:
             if self._dirty.is_set() or self._view is None or self._view_q != q.q:
                 self._dirty.clear()  # a change during the read sets it again
                 try:
-                    self._view, self._view_q = self.group._read(stall_q=q.q), q.q
-                    self.reads += 1
+                    (self._view, self._own_view), self._view_q = self._look(q), q.q
                 except Exception as exc:  # noqa: BLE001 - etcd out of reach: the lease decides
                     self._dirty.set()
                     logger.info("live: watcher could not read etcd: %s", exc)
                     continue
             view = self._view
             self.group.on_view(view, current=self._watch is not None and self._watch.established.is_set()
-                               and not self._dirty.is_set())
+                               and not self._dirty.is_set(), authoritative=self._own_view)
             self._check_stuck(q, view)
             if self.group.change_pending.is_set():
                 continue
