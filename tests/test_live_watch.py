@@ -1,10 +1,13 @@
 """The live watcher's etcd watch (``rendezvous/live_watch.py``) on a real etcd: a lost lease wakes
 every watcher, a cancelled or compacted watch and an etcd restart are recovered from without
-missing a change, and a watcher at rest reads nothing (the request rate itself is measured by
-``benchmarks/etcd_load.py``, not asserted here)."""
+missing a change, a watcher at rest reads nothing, and the view a watcher keeps from the watch's
+events (``members.LiveKeys``) equals a fresh read after a burst of changes, with one whole read
+per watch established (the request rate itself is measured by ``benchmarks/etcd_load.py``, and
+the cost of an event at 1,000 nodes by ``benchmarks/live_sim.py``, not asserted here)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -14,6 +17,7 @@ from elastic_trainer.env import LiveSettings
 from elastic_trainer.etcd_server import EtcdServer
 from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
 from elastic_trainer.rendezvous.live_watch import KeysWatch
+from elastic_trainer.rendezvous.members import Change, LiveKeys, Member, Quorum
 from elastic_trainer.rendezvous.quorum import LiveGroup
 
 pytestmark = pytest.mark.timeout(120)
@@ -213,3 +217,105 @@ def test_a_members_lost_lease_is_seen_within_the_lease_not_a_poll(etcd, run_id):
         b._lease.close(revoke=True)
         b._probe.close()
 
+
+
+# ---- the view kept from the watch's events --------------------------------------------------------------
+def _state(keys: LiveKeys) -> tuple:
+    return (keys.quorum, keys.quorum_rev, sorted(keys.alive), dict(keys.joiners), dict(keys.stalls),
+            dict(keys.busy), list(keys.missing))
+
+
+def _quorum(q: int, *ids: str) -> Quorum:
+    return Quorum(q=q, members=tuple(Member(i, i.split("-")[0], 0, "127.0.0.1:1") for i in ids))
+
+
+def test_live_keys_from_changes_equal_a_load_of_the_result_and_keep_the_missing_members():
+    p = "/r/live/"
+    q1 = _quorum(1, "a-0", "b-0", "c-0")
+    changes = [Change(p + "quorum", q1.to_json(), 5, 5), Change(p + "alive/a-0", b"{}", 6, 6),
+               Change(p + "alive/b-0", b"{}", 7, 7), Change(p + "alive/c-0", b"{}", 8, 8),
+               Change(p + "join/d-0", b'{"node": "d", "local_rank": 0, "nproc": 1}', 9, 9),
+               Change(p + "busy/a-0", b'{"q": 1, "what": "checkpoint"}', 10, 10),
+               Change(p + "stall/1", b'{"by": "b-0"}', 11, 11), Change(p + "join/e-0", b"not json", 12, 12),
+               Change(p + "other", b"1", 13, 13), Change(p + "alive/b-0", None, 0, 14),
+               Change(p + "busy/a-0", None, 0, 15)]
+    keys = LiveKeys(p)
+    keys.load([])
+    keys.track(q1)
+    for change in changes:
+        keys.apply(change)
+    assert list(keys.missing) == ["b-0"], "a member whose alive key was deleted is missing"
+    fresh = LiveKeys(p)
+    fresh.load([Change(p + "quorum", q1.to_json(), 5, 5), Change(p + "alive/a-0", b"{}", 6, 6),
+                Change(p + "alive/c-0", b"{}", 8, 8),
+                Change(p + "join/d-0", b'{"node": "d", "local_rank": 0, "nproc": 1}', 9, 9),
+                Change(p + "stall/1", b'{"by": "b-0"}', 11, 11), Change(p + "join/e-0", b"not json", 12, 12)])
+    fresh.track(q1)
+    assert _state(keys) == _state(fresh)
+    view = keys.view(1)
+    assert view.stall == {"by": "b-0"} and view.busy == {} and keys.view(2).stall is None
+    keys.apply(Change(p + "alive/b-0", b"{}", 16, 16))
+    assert not keys.missing, "a member whose alive key is back is not missing"
+    keys.track(_quorum(2, "a-0", "z-0"))
+    assert list(keys.missing) == ["z-0"], "a new quorum is tracked from the alive keys known"
+    assert keys.view(2).quorum is keys.quorum
+
+
+def _fresh(group: LiveGroup) -> LiveKeys:
+    keys = LiveKeys(group.prefix)
+    keys.load(group.watcher._read_all())
+    keys.track(group.quorum)
+    return keys
+
+
+def test_the_view_kept_from_events_equals_a_fresh_read_after_a_burst_of_changes(etcd, run_id):
+    group = _group(etcd, run_id, 0)
+    conn = _conn(etcd)
+    try:
+        group.join()
+        group.start_watching()
+        assert wait_until(lambda: group.watcher.reads >= 1, timeout=5)
+        p = group.prefix
+        lease = conn.call(lambda c: c.lease(30))
+        for i in range(20):  # alive keys on one lease (a node), joiners, busy and stall keys, the quorum
+            conn.call(lambda c, i=i: c.put(f"{p}alive/n{i}-0", b"{}", lease=lease.id))
+            conn.call(lambda c, i=i: c.put(f"{p}join/n{i}-0", json.dumps(
+                {"node": f"n{i}", "local_rank": 0, "nproc": 1}).encode()))
+            if i % 3 == 0:
+                conn.call(lambda c, i=i: c.delete(f"{p}join/n{i}-0"))
+        conn.call(lambda c: c.put(p + "busy/x", b'{"q": 1, "what": "checkpoint"}'))
+        conn.call(lambda c: c.put(p + "stall/7", b'{"by": "x"}'))
+        conn.call(lambda c: c.delete(p + "busy/x"))
+        moved = _quorum(group.quorum.q + 1, group.id, "n1-0")
+        conn.call(lambda c: c.put(p + "quorum", moved.to_json()))
+        conn.call(lambda c: c.revoke_lease(lease.id))  # a node lost: its 20 alive keys at once
+        assert wait_until(lambda: _state(group.watcher._keys) == _state(_fresh(group)), timeout=5), \
+            "the view kept from the watch's events must equal a fresh read"
+        assert group.watcher.reads == 1, "changes are applied from the events, not read again"
+        assert group.watcher.applied >= 20 + 20 + 7 + 3 + 1 + 20
+    finally:
+        group.close()
+        conn.close()
+
+
+def test_a_watch_lost_with_a_change_in_between_makes_the_watcher_read_everything_again(etcd, run_id):
+    group = _group(etcd, run_id, 0)
+    conn = _conn(etcd)
+    try:
+        group.join()
+        group.start_watching()
+        assert wait_until(lambda: group.watcher._watch is not None and group.watcher._watch.established.is_set()
+                          and group.watcher.reads >= 1, timeout=5)
+        watch, p = group.watcher._watch, group.prefix
+        opened = watch.opened
+        with watch._lock:
+            watch._call.cancel()  # as etcd's cancel or a compaction ends it: the next change has no event
+        conn.call(lambda c: c.put(p + "join/while-down-0", b'{"node": "while", "local_rank": 0, "nproc": 1}'))
+        assert wait_until(lambda: watch.opened > opened and group.watcher.reads >= 2, timeout=5), \
+            "a re-established watch must be followed by a whole read"
+        assert wait_until(lambda: "while-down-0" in group.watcher._keys.joiners, timeout=5), \
+            "the change made while the watch was down must be in the view"
+        assert _state(group.watcher._keys) == _state(_fresh(group))
+    finally:
+        group.close()
+        conn.close()

@@ -1,19 +1,25 @@
-"""An etcd watch on the live keys: it tells the live watcher *that* something changed, not *what*.
+"""An etcd watch on the live keys: it tells the live watcher what changed, and when to read again.
 
 The live watcher (``rendezvous/watcher.py``) used to read the live keys in one transaction every
-``poll`` (0.1 s): ten requests a second per worker, whatever happened. Now it reads them only
-when this watch says that one of them changed, so a steady run costs etcd nothing but the
-leases' renewals (docs/trainer.md, "Watching etcd").
+``poll`` (0.1 s): ten requests a second per worker, whatever happened. Then it read them whole
+each time this watch said that one of them changed: at 1,000 nodes of 8 workers, one lost node
+made 8,000 workers read ~8,000 keys each. Now it reads them whole only when this watch is
+(re-)established, and otherwise applies the changes the watch delivers (``on_events``: the key,
+its new value or its deletion), so a lost node costs etcd one message per watcher
+(docs/rendezvous.md, "At 1,000 and 10,000 nodes").
 
 ``KeysWatch`` keeps one gRPC ``Watch`` stream to etcd, on the connection the worker already has
 (the same HTTP/2 connection as its lease renewals), carrying one watch per key or prefix. It
-hands events to nobody: it calls ``on_change()``, and the watcher then reads the current state.
-That makes every failure of the stream simple to recover from without missing a change:
+calls ``on_events(changes)`` with each response's changes in revision order (without
+``on_events``: ``on_change()``), and ``on_change()`` when the watcher must read everything
+again. That makes every failure of the stream simple to recover from without missing a change:
 
 1. **Established, then read.** ``on_change()`` is called once every watch of a new stream is
    created (etcd answered ``created``). A change before that point is in the read that follows;
    a change after it is an event on the stream. Nothing falls between, so the watch needs no
-   start revision, and a compacted history cannot break it.
+   start revision, and a compacted history cannot break it. (An event that arrives while that
+   read is in flight may already be in it: applying it again in order gives the same state,
+   since every later change of the same key follows it on the stream.)
 2. **Cancelled or compacted.** etcd cancels a watch (``canceled``, or ``compact_revision`` set on
    a watcher that fell behind the compaction): the stream is closed and opened again, and 1.
    applies.
@@ -29,6 +35,7 @@ lease, not this watch, says whether this worker is alive.
 
 **Threads.** ``run()`` is the stream's thread body; its owner starts it (the live watcher, through
 the worker runtime's ``start_thread``) and ends it with ``close()``, which cancels the stream.
+``on_change`` and ``on_events`` are called from that thread: they hand over and return.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from collections.abc import Callable, Iterator, Sequence
 import grpc
 from etcd3 import etcdrpc
 
-from elastic_trainer.rendezvous.members import range_end
+from elastic_trainer.rendezvous.members import Change, range_end
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +61,23 @@ def _create_request(key: str) -> etcdrpc.WatchRequest:
     return etcdrpc.WatchRequest(create_request=create)
 
 
-class KeysWatch:
-    """One watch stream on ``keys`` (see the module docstring); ``on_change()`` on every event and
-    every time the stream is (re-)established or lost."""
+def _changes(events) -> list[Change]:
+    """The events of one watch response, as ``Change``s (a deletion has no value)."""
+    return [Change(e.kv.key.decode(), e.kv.value if e.type == e.PUT else None, e.kv.create_revision,
+                   e.kv.mod_revision) for e in events]
 
-    def __init__(self, conn, keys: Sequence[str], on_change: Callable[[], None], retry_max: float = 1.0) -> None:
+
+class KeysWatch:
+    """One watch stream on ``keys`` (see the module docstring): ``on_events(changes)`` for every
+    response's changes (without ``on_events``: ``on_change()``), and ``on_change()`` every time
+    the stream is (re-)established or lost (read everything again)."""
+
+    def __init__(self, conn, keys: Sequence[str], on_change: Callable[[], None], retry_max: float = 1.0,
+                 on_events: Callable[[list[Change]], None] | None = None) -> None:
         self._conn = conn
         self._keys = tuple(keys)
         self._on_change = on_change
+        self._on_events = on_events
         self._retry_max = retry_max
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -126,7 +142,10 @@ class KeysWatch:
                     continue
                 if response.events:
                     self.events += len(response.events)
-                    self._on_change()
+                    if self._on_events is None:
+                        self._on_change()
+                    else:
+                        self._on_events(_changes(response.events))
             return created >= len(self._keys)  # etcd closed the stream
         finally:
             requests.put(None)

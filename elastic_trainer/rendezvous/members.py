@@ -1,13 +1,16 @@
-"""What the live quorum is made of: members, the quorum record, one read of the live keys, and
-the probe port that tells peers a process is gone. No etcd calls here (``rendezvous/quorum.py``
-makes them; ``rendezvous/watcher.py`` watches them)."""
+"""What the live quorum is made of: members, the quorum record, one read of the live keys, the
+live keys as a watcher keeps them from its watch's changes (``LiveKeys``), and the probe port that
+tells peers a process is gone. No etcd calls here (``rendezvous/quorum.py`` makes them;
+``rendezvous/watcher.py`` watches them)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
 import threading
 from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable
 from typing import Callable
 
 StartThread = Callable[..., threading.Thread]
@@ -70,10 +73,15 @@ class Quorum:
         return list(dict.fromkeys(m.node for m in self.members))
 
     def rank_of(self, member_id: str) -> int | None:
+        return self._ranks.get(member_id)
+
+    @functools.cached_property
+    def _ranks(self) -> dict[str, int]:
+        """member id -> rank, built once (a watcher asks at every change; 8,000 members at 1,000 nodes)."""
+        ranks: dict[str, int] = {}
         for i, m in enumerate(self.members):
-            if m.id == member_id:
-                return i
-        return None
+            ranks.setdefault(m.id, i)
+        return ranks
 
     def to_json(self) -> bytes:
         d = asdict(self)
@@ -140,7 +148,8 @@ class ProbeListener:
 
 @dataclass
 class View:
-    """One read of the live keys."""
+    """One read of the live keys (from ``LiveKeys.view``: ``alive`` and ``joiners`` are the
+    keeper's own, changed by its next update; read them in the thread that updates it)."""
 
     quorum: Quorum | None
     quorum_rev: int  # mod revision of the quorum key (0: absent)
@@ -149,6 +158,123 @@ class View:
     reports: dict[str, dict] = field(default_factory=dict)
     stall: dict | None = None  # the stall declared for the quorum asked about, if any
     busy: dict[str, dict] = field(default_factory=dict)  # id -> {"q", "what"}: members in a slow phase
+
+
+@dataclass(frozen=True)
+class Change:
+    """One change of a key, as an etcd watch delivers it: ``value`` None when it was deleted."""
+
+    key: str
+    value: bytes | None
+    create_revision: int
+    mod_revision: int
+
+
+class LiveKeys:
+    """The live keys under ``prefix`` (``quorum``, ``alive/``, ``join/``, ``stall/``, ``busy/``) as a
+    watcher knows them: ``load`` a whole read, then ``apply`` the watch's changes in order.
+
+    Each change costs O(1): the watcher no longer reads every key after each one. It also keeps
+    ``missing``, the members of the ``track``ed quorum whose alive key is gone (in the order they
+    went), so that a watcher asks "is a member lost?" without walking the member list. A quorum
+    record that arrives again unchanged (the same bytes) is decoded once per process: at 1,000
+    nodes it is ~1 MB of JSON, and a simulation runs a thousand watchers in one process.
+    Not thread-safe: one thread (the watcher's) loads, applies and reads it."""
+
+    _decoded: tuple[bytes, Quorum] | None = None  # the last quorum record decoded in this process
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.quorum: Quorum | None = None
+        self.quorum_rev = 0
+        self.alive: set[str] = set()
+        self.joiners: dict[str, tuple[dict, int]] = {}
+        self.stalls: dict[int, dict] = {}
+        self.busy: dict[str, dict] = {}
+        self.missing: dict[str, None] = {}
+        self.version = 0
+        """Bumped by every load and change: what was derived from an older version is stale."""
+        self._tracked: Quorum | None = None
+        self._ids: frozenset[str] = frozenset()
+
+    def load(self, kvs: Iterable[Change]) -> None:
+        """Replace everything by a whole read (each key as a ``Change`` that puts it)."""
+        self.quorum, self.quorum_rev = None, 0
+        self.alive, self.joiners, self.stalls, self.busy = set(), {}, {}, {}
+        for kv in kvs:
+            self.apply(kv)
+        self._missing_again()
+
+    def apply(self, change: Change) -> None:
+        """One change (a key outside the live keys is ignored). A malformed quorum record raises
+        ``ValueError`` (the watcher then reads again, as it would after a failed read)."""
+        if not change.key.startswith(self.prefix):
+            return
+        sub, value = change.key[len(self.prefix):], change.value
+        self.version += 1
+        if sub == "quorum":
+            self.quorum, self.quorum_rev = (None, 0) if value is None else (self._decode(value), change.mod_revision)
+            return
+        kind, _, name = sub.partition("/")
+        parsed = _json_object(value)
+        if kind == "alive":
+            if value is None:
+                self.alive.discard(name)
+                if name in self._ids:
+                    self.missing[name] = None
+            else:
+                self.alive.add(name)
+                self.missing.pop(name, None)
+        elif kind == "join":
+            if parsed is None:
+                self.joiners.pop(name, None)
+            else:
+                self.joiners[name] = (parsed, change.create_revision)
+        elif kind == "stall" and name.isdigit():
+            if parsed is None:
+                self.stalls.pop(int(name), None)
+            else:
+                self.stalls[int(name)] = parsed
+        elif kind == "busy":
+            if parsed is None:
+                self.busy.pop(name, None)
+            else:
+                self.busy[name] = parsed
+
+    def track(self, quorum: Quorum) -> None:
+        """Keep ``missing`` for ``quorum``'s members (O(members) when the quorum changes, else nothing)."""
+        if quorum is not self._tracked:
+            self._tracked, self._ids = quorum, frozenset(m.id for m in quorum.members)
+            self._missing_again()
+
+    def view(self, q: int) -> View:
+        """A ``View`` for quorum ``q``: its stall, and the members busy in it."""
+        return View(self.quorum, self.quorum_rev, self.alive, self.joiners, stall=self.stalls.get(q),
+                    busy={mid: v for mid, v in self.busy.items() if v.get("q") == q})
+
+    def _missing_again(self) -> None:
+        members = self._tracked.members if self._tracked is not None else ()
+        self.missing = {m.id: None for m in members if m.id not in self.alive}
+
+    @classmethod
+    def _decode(cls, value: bytes) -> Quorum:
+        last = LiveKeys._decoded
+        if last is not None and last[0] == value:
+            return last[1]
+        quorum = Quorum.from_json(value)
+        LiveKeys._decoded = (value, quorum)
+        return quorum
+
+
+def _json_object(value: bytes | None) -> dict | None:
+    """``value`` as a JSON object, or None (deleted, not JSON, or not an object)."""
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
 
 
 # ---- reading the live keys ------------------------------------------------------------------------------
@@ -208,5 +334,5 @@ def resolvable(host: str) -> str:
     return "127.0.0.1"
 
 
-__all__ = ["LiveExcluded", "LiveTimeout", "Member", "ProbeListener", "Quorum", "RunFinished", "StartThread", "View",
+__all__ = ["Change", "LiveExcluded", "LiveKeys", "LiveTimeout", "Member", "ProbeListener", "Quorum", "RunFinished", "StartThread", "View",
            "complete_nodes", "json_values", "probe_dead", "range_end", "resolvable", "start_daemon_thread"]

@@ -1,10 +1,11 @@
 """The live quorum's watcher: one thread per worker that looks at etcd while the worker trains.
 
-It reads the live keys (one transaction) only when its etcd watch (``rendezvous/live_watch.py``,
-a stream of its own that the watcher owns) reports that one of them changed, or was
-re-established; between changes the last read stands, and every ``poll`` (0.1 s) it makes the
-checks that need no etcd (the hang bound, the probes, a stuck training thread). From what it
-reads it decides whether the group must change (``LiveGroup.change_pending``, shared with the
+It reads the live keys whole (one transaction) only when its etcd watch
+(``rendezvous/live_watch.py``, a stream of its own that the watcher owns) is (re-)established;
+between, it applies the changes the watch delivers to what it read (``members.LiveKeys``: one
+message per change, where a read of every key used to follow each), and every ``poll`` (0.1 s) it
+makes the checks that need no etcd (the hang bound, the probes, a stuck training thread). From
+what it knows it decides whether the group must change (``LiveGroup.change_pending``, shared with the
 others at the next step-end agreement) or, for a silent loss, whether the group's collectives in
 flight must fail now (``LiveGroup.on_member_lost``: the Manager abandons the process group):
 
@@ -28,11 +29,13 @@ import json
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections import deque
+from typing import TYPE_CHECKING, Callable
 
 from elastic_trainer.rendezvous.live_watch import KeysWatch
+from elastic_trainer.rendezvous.members import (Change, LiveKeys, Quorum, View, complete_nodes, probe_dead,
+                                                range_end)
 from elastic_trainer.rendezvous.node_watch import NodeWatch
-from elastic_trainer.rendezvous.members import Quorum, View, complete_nodes, probe_dead
 
 if TYPE_CHECKING:
     from elastic_trainer.rendezvous.quorum import LiveGroup
@@ -40,7 +43,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("elastic_trainer.rendezvous.quorum")
 
 WATCHED = ("quorum", "alive/", "join/", "stall/", "busy/")
-"""The live keys the watcher reads (``LiveGroup._read``), watched so that it reads them only after a change."""
+"""The live keys the watcher reads whole when its watch is (re-)established, and then follows by their changes."""
 
 
 class Watcher:
@@ -53,20 +56,29 @@ class Watcher:
         self._waiting_on = ""
         self._trouble: tuple[int, float, int, str] | None = None  # (quorum, when, moves, why): the thread must move
         self._excluded_since: float | None = None  # when this worker was first seen left out of a newer quorum
-        self._dirty = threading.Event()  # a watched key changed since the last read
-        self._view: View | None = None  # the last read, current until the watch reports a change
-        self._view_q = -1  # the quorum it was read for (the stall and busy keys are per quorum)
+        self._dirty = threading.Event()  # the watch was (re-)established or lost: read everything again
+        self._keys = LiveKeys(group.prefix)  # the last whole read, with the watch's changes applied
+        self._loaded = False
+        self._changes: deque[Change] = deque()  # from the watch's thread, applied by the watcher's
         self._watch: KeysWatch | None = None
         self._node: NodeWatch | None = None
-        self._own_view = True  # the last view was read from etcd by this worker (not a sibling's)
         self.reads = 0
-        self.loads = 0  # views loaded from the node's watching worker instead of read
+        """Whole reads of the live keys (one per watch established, and after an etcd failure)."""
+        self.applied = 0
+        """Changes applied from the watch's events."""
+        self.loads = 0
+        """Views loaded from the node's watching worker (a sibling's, ``rendezvous/node_watch.py``)."""
+        self._sibling_view: tuple[View, int] | None = None  # a sibling's last view, and its quorum
+        self._published_q = -1  # the quorum of the last view this worker published for its siblings
+        self.on_view: Callable[[View], None] | None = None
+        """Called from the watcher thread with the view after each update (a read, or changes
+        applied), before it is acted on; it must not keep the view (``benchmarks/live_sim.py``)."""
         self._last_look = time.monotonic()
         self._busy_seen = float("-inf")  # when a peer was last seen busy (_declare_stall)
 
     def run(self) -> None:
         # One etcd watch per node (rendezvous/node_watch.py): the worker that locks it keeps the
-        # stream and publishes its reads; a sibling is woken by each and takes over if it dies.
+        # stream and publishes its views; a sibling is woken by each and takes over if it dies.
         self._node = self.group.node_watch(self._changed, self._open_watch)
         if self._node is None or self._node.try_lead():
             self._open_watch()
@@ -82,33 +94,92 @@ class Watcher:
 
     def _open_watch(self) -> None:
         """Keep the etcd watch (at the start, or as a sibling promoted when the last keeper died)."""
-        watch = KeysWatch(self.group.conn, [self.group._key(k) for k in WATCHED], self._changed)
+        watch = KeysWatch(self.group.conn, [self.group._key(k) for k in WATCHED], self._changed,
+                          on_events=self._events)
         self.group._start_thread("live-watch-stream", watch.run, stop=watch.close)
         self._watch = watch
 
-    def _look(self, q: Quorum) -> tuple[View, bool]:
-        """The current view for quorum ``q``, and whether this worker read it from etcd itself: a
-        sibling loads the one its node's watching worker published (a view for another quorum, or
-        none, is read from etcd); the watching worker reads and publishes."""
+    def _look(self, q: Quorum) -> tuple[View, bool] | None:
+        """The current view for quorum ``q``, and whether this worker knows it from etcd itself
+        (None when etcd could not be read: the next wake tries again). The watching worker (or a
+        worker with a watch of its own) follows its watch and publishes each new view for its
+        siblings; a sibling loads the published one when woken (a view for another quorum, or none,
+        it reads from etcd once)."""
         node = self._node
         if node is not None and not node.leader:
-            got = node.latest()
-            if got is not None and got[1] == q.q:
-                self.loads += 1
-                return got[0], False
-        view = self.group._read(stall_q=q.q)
-        self.reads += 1
-        if node is not None and node.leader:
+            if self._dirty.is_set() or self._sibling_view is None or self._sibling_view[1] != q.q:
+                self._dirty.clear()
+                got = node.latest()
+                if got is not None and got[1] == q.q:
+                    self.loads += 1
+                else:
+                    try:
+                        self._keys.load(self._read_all())
+                    except Exception as exc:  # noqa: BLE001 - etcd out of reach: the lease decides
+                        self._dirty.set()
+                        logger.info("live: watcher could not read etcd: %s", exc)
+                        return None
+                    self.reads += 1
+                    self._keys.track(q)
+                    got = (self._keys.view(q.q), q.q)
+                self._sibling_view = got
+            return self._sibling_view[0], False
+        seen = (self.reads, self.applied)
+        if not self._update():
+            return None
+        self._keys.track(q)
+        view = self._keys.view(q.q)
+        if node is not None and node.leader and (seen != (self.reads, self.applied) or self._published_q != q.q):
             try:
                 node.publish(view, q.q)
+                self._published_q = q.q
             except OSError as exc:  # the siblings read etcd themselves when they find nothing current
                 logger.warning("live: could not publish the node's view to its workers: %s", exc)
         return view, True
 
     def _changed(self) -> None:
-        """From the watch's thread: a live key changed (or the watch was re-established): read again."""
+        """From the watch's thread: the watch was (re-)established or lost: read everything again."""
         self._dirty.set()
         self._wake.set()
+
+    def _events(self, changes: list[Change]) -> None:
+        """From the watch's thread: live keys changed; the watcher thread applies them in order."""
+        self._changes.extend(changes)
+        self._wake.set()
+
+    def _update(self) -> bool:
+        """Bring ``_keys`` up to date: a whole read when the watch asked for one (the changes
+        queued before it are in it; those that arrive during it are applied after it, again in
+        order), then the queued changes. False when etcd could not be read (or a change could not
+        be applied): the next wake tries again."""
+        try:
+            if self._dirty.is_set() or not self._loaded:
+                self._dirty.clear()  # a stream lost during the read sets it again
+                self._changes.clear()
+                self._keys.load(self._read_all())
+                self._loaded = True
+                self.reads += 1
+            while self._changes:
+                self._keys.apply(self._changes.popleft())
+                self.applied += 1
+        except Exception as exc:  # noqa: BLE001 - etcd out of reach (the lease decides), or a malformed record
+            self._dirty.set()
+            logger.info("live: watcher could not read etcd: %s", exc)
+            return False
+        return not self._dirty.is_set()
+
+    def _read_all(self) -> list[Change]:
+        """Every watched key, in one transaction, as changes that put them."""
+        keys = [self.group._key(k) for k in WATCHED]
+
+        def txn(c):
+            t = c.transactions
+            return c.transaction(compare=[], success=[
+                t.get(k, range_end=range_end(k)) if k.endswith("/") else t.get(k) for k in keys], failure=[])
+
+        _, responses = self.group._call(txn, "read")
+        return [Change(meta.key.decode(), value, meta.create_revision, meta.mod_revision)
+                for response in responses for value, meta in response]
 
     def _loop(self) -> None:
         while not self.group.stopped:
@@ -122,17 +193,14 @@ class Watcher:
             if q is None or self.group.stopped:
                 continue
             self._show_busy(q)
-            if self._dirty.is_set() or self._view is None or self._view_q != q.q:
-                self._dirty.clear()  # a change during the read sets it again
-                try:
-                    (self._view, self._own_view), self._view_q = self._look(q), q.q
-                except Exception as exc:  # noqa: BLE001 - etcd out of reach: the lease decides
-                    self._dirty.set()
-                    logger.info("live: watcher could not read etcd: %s", exc)
-                    continue
-            view = self._view
+            got = self._look(q)
+            if got is None:
+                continue
+            view, own = got
+            if self.on_view is not None:
+                self.on_view(view)
             self.group.on_view(view, current=self._watch is not None and self._watch.established.is_set()
-                               and not self._dirty.is_set(), authoritative=self._own_view)
+                               and not self._dirty.is_set(), authoritative=own)
             self._check_stuck(q, view)
             if self.group.change_pending.is_set():
                 continue
@@ -142,9 +210,10 @@ class Watcher:
             if not lost and (lasted := self.group.progress.stalled()) is not None and self._declare_stall(q, view, lasted):
                 lost, must_move = f"no progress for {lasted:.1f}s (a rank is hung)", True
             reason = lost
-            if not lost and len(q.nodes) < self.group.settings.max_nodes and any(
-                    n not in q.nodes for n, _ in complete_nodes(view)):
-                reason = "a node asks to join"
+            if not lost and view.joiners and (waiting := complete_nodes(view)):  # q.nodes: O(members)
+                nodes = q.nodes
+                if len(nodes) < self.group.settings.max_nodes and any(n not in nodes for n, _ in waiting):
+                    reason = "a node asks to join"
             if reason:
                 with self.group._adopt_lock:
                     if self.group.quorum is not q:  # re-formed while this view was read: it is stale
@@ -164,9 +233,8 @@ class Watcher:
         """Why the quorum ``q`` lost a member (moved on, a lease expired, a process gone), or ""."""
         if view.quorum is not None and view.quorum.q > q.q:
             return f"the quorum moved to {view.quorum.q}"
-        expired = [m.id for m in q.members if m.id not in view.alive]
-        if expired:
-            return f"the etcd lease of {expired[0]} expired (stopped or cut off)"
+        if self._keys.missing:  # kept by LiveKeys for q (tracked): no walk over the members
+            return f"the etcd lease of {next(iter(self._keys.missing))} expired (stopped or cut off)"
         if self.group.probe_peers and (gone := self._probe_other_nodes(q)):
             return f"the process of {gone} is gone"
         return ""

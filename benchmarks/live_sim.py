@@ -1,0 +1,460 @@
+"""The live path at scale (issue 32, point 2): N simulated nodes of W workers against one real etcd.
+
+Run (from the repository root):
+
+    .venv/bin/python benchmarks/live_sim.py --nodes 100 --workers 8           # 800 watchers
+    .venv/bin/python benchmarks/live_sim.py --nodes 1000 --workers 8 --processes 16 \\
+        --txt benchmarks/results/live_sim.txt --json benchmarks/results/live_sim.json
+    .venv/bin/python benchmarks/live_sim.py --nodes 5 --workers 2 --processes 2 --losses 1 --window 2  # smoke
+
+What runs is the product's etcd code with the process groups and torch left out. Each simulated
+worker is a ``LiveGroup`` (its key layout, its join key, its quorum compare-and-swap, its
+``_propose``) whose watcher is the real ``rendezvous/watcher.py`` thread with its real
+``KeysWatch`` stream (``rendezvous/live_watch.py``): a whole read when the watch is established,
+then the watch's events. Each node has ONE etcd lease, kept by one ``LeaseKeeper`` (renewed every
+``keep_alive_interval``, 1 s), and its workers' ``live/alive/<id>`` keys are on that lease, as
+the per-node lease has it: a lost node deletes its W alive keys at once. The nodes are spread over
+``--processes`` processes (real workers are separate processes; a thousand threads under one GIL
+measure Python's scheduler), the workers of a process sharing ``--channels`` gRPC channels (many
+watch streams per channel).
+
+It measures, in order:
+
+1. **Start**: the workers register (``join/<id>`` and ``alive/<id>`` on their node's lease), the
+   main process forms quorum 1 from what it reads (``complete_nodes``, a cold quorum,
+   compare-and-swap), every worker adopts it and starts its watcher; seconds until every
+   watcher has read.
+2. **Steady state**: after ``--settle`` seconds, etcd's own ``/metrics`` read twice ``--window``
+   seconds apart (``benchmarks/etcd_load.py``'s ``scrape``): requests/s by gRPC method, and bytes
+   etcd sent (``etcd_network_client_grpc_sent_bytes_total``). Target (issue 32): < 2,000
+   requests/s at 1,000 x 8.
+3. **A lost node** (``--losses`` times, a different node each): its process revokes the node's
+   lease (t0, the lease gone at etcd). Every survivor's watcher sees its node's alive keys go and
+   reports (``report/<q+1>/<id>``, as ``LiveGroup.reform`` does first); the main process, standing
+   in for the re-forming rank 0, watches the reports, reads them once when all are in, proposes
+   the next quorum with the product's ``_propose`` and writes it by compare-and-swap; every
+   survivor's watcher then sees the new quorum (``Watcher.on_view``) and adopts it. Printed: from
+   t0, when the last survivor saw the loss, when the reports were all in, when the quorum was
+   written, and when the last survivor knew it (median and worst over the survivors); etcd's
+   requests and bytes for the loss; whole reads the watchers made. Target: the new quorum known
+   everywhere < 1 s after the lease expires. The real re-form differs in one place: there, every
+   survivor reads the reports until they are all in (``LiveGroup.reform``), which the simulation
+   leaves to one reader (docs/rendezvous.md, "At 1,000 and 10,000 nodes").
+
+``--reread`` runs the watcher as it was before it applied the watch's events: every event makes
+it read all the live keys again (the "before" of docs/rendezvous.md's numbers).
+
+The watchers check what needs no etcd every ``--poll`` seconds (default 1; the product's 0.1 s
+only costs CPU here, 80,000 wake-ups a second at 1,000 x 8, and a watcher is woken at once by an
+event either way). Every process, channel, lease and the private etcd end with the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks import provenance  # noqa: E402
+from benchmarks.etcd_load import scrape  # noqa: E402
+from elastic_trainer.env import LiveSettings  # noqa: E402
+from elastic_trainer.etcd_server import EtcdServer  # noqa: E402
+from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints  # noqa: E402
+from elastic_trainer.rendezvous.lease import LeaseKeeper  # noqa: E402
+from elastic_trainer.rendezvous.live_watch import KeysWatch  # noqa: E402
+from elastic_trainer.rendezvous.members import Member, Quorum, View, complete_nodes  # noqa: E402
+from elastic_trainer.rendezvous.progress import Progress  # noqa: E402
+from elastic_trainer.rendezvous.quorum import LiveGroup  # noqa: E402
+from elastic_trainer.rendezvous.watcher import Watcher  # noqa: E402
+
+PREFIX = "/live-sim/"
+TARGET_RPS, TARGET_S = 2000.0, 1.0
+
+
+def _connection(endpoint: str) -> EtcdConnection:
+    return EtcdConnection(EtcdOptions(endpoints=parse_endpoints(endpoint), retry_timeout=60, read_timeout=60))
+
+
+def _thread(name: str, target, *args, stop=None) -> threading.Thread:
+    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+class SimWorker(LiveGroup):
+    """A ``LiveGroup`` without its probe listener and with its node's lease keeper instead of one
+    of its own (the attributes the watcher and the re-form's etcd calls use; the rest is
+    ``LiveGroup``'s code)."""
+
+    def __init__(self, conn, node: str, local_rank: int, nproc: int, settings: LiveSettings,
+                 keeper: LeaseKeeper | None) -> None:
+        self.conn, self.prefix = conn, PREFIX + "live/"
+        self.node, self.local_rank, self.nproc, self.settings = node, local_rank, nproc, settings
+        self.id = f"{node}-{local_rank}-{os.getpid()}"
+        self._start_thread, self._on_lease_lost, self._probe = _thread, None, None
+        self.me = Member(self.id, node, local_rank, "127.0.0.1:9")
+        self.quorum: Quorum | None = None
+        self.change_pending, self.change_reason = threading.Event(), ""
+        self.on_member_lost = self.on_hung = None
+        self.probe_peers = False
+        self.progress = Progress(settings.hang_min, settings.hang_factor)
+        self._adopt_lock = threading.Lock()
+        self._lease, self._lease_asked = keeper, 0.0
+        self._stop = threading.Event()
+        self.watcher = Watcher(self)
+        self._watcher = None
+        self.requests = 0
+        self.lost_at: float | None = None  # when its watcher first saw the loss
+        self.knew_at: float | None = None  # when its watcher first saw the target quorum
+        self.target = 0
+
+    def register(self) -> None:
+        """``alive/<id>`` and ``join/<id>`` on the node's lease, as ``LeaseKeeper.ensure`` and ``join`` write them."""
+        self._lease.put(self._key("alive/" + self.id), b'{"since": 0}')
+        self._lease.put(self._key("join/" + self.id), (
+            f'{{"node": "{self.node}", "local_rank": {self.local_rank}, "nproc": {self.nproc}, '
+            f'"probe": "{self.me.probe}"}}').encode())
+
+    def watch(self, reports: bool) -> None:
+        def lost(reason: str) -> None:
+            if self.lost_at is None:
+                self.lost_at = time.monotonic()
+                if reports and self.quorum is not None and self.target == self.quorum.q + 1:
+                    self._lease.put(self._key(f"report/{self.target}/{self.id}"), b'{"step": 0, "cause": "sim"}')
+
+        def seen(view: View) -> None:
+            q = view.quorum
+            if q is not None and self.quorum is not None and q.q > self.quorum.q and q.rank_of(self.id) is not None:
+                if q.q >= self.target and self.knew_at is None:
+                    self.knew_at = time.monotonic()
+                self._adopt(q)
+
+        self.on_member_lost = lost
+        self.watcher.on_view = seen
+        self.start_watching()
+
+    def close(self) -> None:
+        self._stop_watching()
+
+
+class Part:
+    """One process's nodes: their lease keepers and workers."""
+
+    def __init__(self, endpoint: str, nodes: list[str], workers: int, channels: int, settings: LiveSettings,
+                 reread: bool = False) -> None:
+        logging.getLogger("elastic_trainer").setLevel(logging.ERROR)  # a warning per worker and loss
+        if reread:  # as before: every event makes the watcher read all the live keys again
+            Watcher._events = lambda self, changes: self._changed()
+        self.conns = [_connection(endpoint) for _ in range(max(1, min(channels, len(nodes))))]
+        self.keepers: dict[str, LeaseKeeper] = {}
+        self.workers: dict[str, list[SimWorker]] = {}
+        for i, node in enumerate(nodes):
+            conn = self.conns[i % len(self.conns)]
+            keeper = LeaseKeeper(conn, f"{PREFIX}node/{node}", settings.lease_ttl, settings.keep_alive_interval)
+            keeper.ensure()
+            self.keepers[node] = keeper
+            self.workers[node] = [SimWorker(conn, node, r, workers, settings, keeper) for r in range(workers)]
+        self.lost: set[str] = set()
+
+    def all(self, live: bool = True) -> list[SimWorker]:
+        return [w for n, ws in self.workers.items() if not (live and n in self.lost) for w in ws]
+
+    def register(self) -> int:
+        workers = self.all()
+        threads = [_thread("register", w.register) for w in workers]
+        for t in threads:
+            t.join()
+        return len(workers)
+
+    def adopt(self, data: bytes, reports: bool, timeout: float) -> dict:
+        q = Quorum.from_json(data)
+        for w in self.all():
+            w._adopt(q)
+            w.target = q.q
+        for w in self.all():  # a joined worker deletes its join key (``LiveGroup.join``)
+            w.conn.call(lambda c, k=w._key("join/" + w.id): c.delete(k))
+        for w in self.all():
+            w.watch(reports)
+        deadline = time.monotonic() + timeout
+        while any(w.watcher.reads < 1 for w in self.all()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"read": sum(w.watcher.reads >= 1 for w in self.all())}
+
+    def expect(self, target: int) -> None:
+        for w in self.all():
+            w.lost_at = w.knew_at = None
+            w.target = target
+
+    def lose(self, node: str) -> float:
+        for w in self.workers[node]:
+            w.close()
+        self.lost.add(node)
+        t0 = time.monotonic()
+        self.keepers[node].close(revoke=True)
+        return t0
+
+    def collect(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while any(w.knew_at is None for w in self.all()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        ws = self.all()
+        return {"lost_at": [w.lost_at for w in ws], "knew_at": [w.knew_at for w in ws], "stats": self.stats()}
+
+    def stats(self) -> dict:
+        ws = self.all(live=False)
+        return {"reads": sum(w.watcher.reads for w in ws), "applied": sum(w.watcher.applied for w in ws),
+                "lost_leases": sum(k.lost for n, k in self.keepers.items() if n not in self.lost),
+                "cpu_s": time.process_time()}
+
+    def close(self) -> None:
+        for w in self.all(live=False):
+            w.close()
+        for node, keeper in self.keepers.items():
+            if node not in self.lost:
+                keeper.close(revoke=False)
+        for conn in self.conns:
+            conn.close()
+
+
+def _serve(pipe) -> None:
+    """A simulation process: builds its ``Part`` and answers the main process's commands."""
+    threading.stack_size(512 * 1024)
+    part = None
+    while (job := pipe.recv()) is not None:
+        what, kwargs = job
+        try:
+            if what == "setup":
+                part = Part(**kwargs)
+                pipe.send(part.register())
+            else:
+                pipe.send(getattr(part, what)(**kwargs))
+        except Exception as exc:  # noqa: BLE001 - sent back to the main process, which reports it
+            pipe.send({"error": f"{what}: {type(exc).__name__}: {exc}"})
+    if part is not None:
+        part.close()
+
+
+class Pool:
+    """``processes`` spawned simulation processes (gRPC does not survive fork)."""
+
+    def __init__(self, processes: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.pipes, self.procs = [], []
+        for _ in range(processes):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+            proc.start()
+            self.pipes.append(parent)
+            self.procs.append(proc)
+
+    def ask(self, what: str, per_pipe: list[dict] | dict | None = None, only: int | None = None) -> list:
+        pipes = list(enumerate(self.pipes)) if only is None else [(only, self.pipes[only])]
+        for i, pipe in pipes:
+            kwargs = per_pipe[i] if isinstance(per_pipe, list) else (per_pipe or {})
+            pipe.send((what, kwargs))
+        answers = [pipe.recv() for _, pipe in pipes]
+        failed = [a["error"] for a in answers if isinstance(a, dict) and "error" in a]
+        if failed:
+            raise RuntimeError(f"a simulation process failed: {failed[0]}")
+        return answers
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            try:
+                pipe.send(None)
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(20)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def sent_bytes(endpoint: str) -> float:
+    """Bytes etcd has sent to its gRPC clients so far (its ``/metrics``)."""
+    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("etcd_network_client_grpc_sent_bytes_total"))
+
+
+def requests(before: dict, after: dict) -> dict[str, float]:
+    """Messages etcd received per gRPC method between two ``scrape``s."""
+    return {m: after.get((k, m), 0.0) - before.get((k, m), 0.0)
+            for (k, m) in after if k == "grpc_server_msg_received_total"
+            if after.get((k, m), 0.0) - before.get((k, m), 0.0) > 0}
+
+
+def _stats(ts: list[float]) -> tuple[float, float]:
+    return statistics.median(ts), max(ts)
+
+
+def run(args: argparse.Namespace, endpoint: str) -> dict:
+    n, w = args.nodes, args.workers
+    settings = LiveSettings(min_nodes=1, max_nodes=n, last_call=0.0, lease_ttl=args.lease_ttl,
+                            keep_alive_interval=1.0, poll=args.poll, hang_factor=0.0)
+    nodes = [f"node{i:05d}" for i in range(n)]
+    procs = min(args.processes, n)
+    owner = {node: i % procs for i, node in enumerate(nodes)}
+    pool = Pool(procs)
+    main_conn = _connection(endpoint)
+    observer = SimWorker(main_conn, "observer", 0, 1, settings, None)
+    result: dict = {"nodes": n, "workers": w, "processes": procs, "channels": args.channels, "poll_s": args.poll,
+                    "watcher": "reread" if args.reread else "events"}
+    try:
+        t = time.monotonic()
+        registered = sum(pool.ask("setup", [{"endpoint": endpoint, "nodes": [x for x in nodes if owner[x] == i],
+                                             "workers": w, "channels": args.channels, "settings": settings,
+                                             "reread": args.reread}
+                                            for i in range(procs)]))
+        view = observer._read()
+        chosen = complete_nodes(view)
+        members = tuple(m for _, ms in chosen for m in ms)
+        q1 = Quorum(q=1, members=members, cold=True, cause="cold start", formed_at=time.time())
+        if registered != n * w or len(members) != n * w or not observer._cas_quorum(q1, view.quorum_rev):
+            raise RuntimeError(f"{registered} workers registered, {len(members)} in whole nodes: not {n * w}")
+        result["registered_s"] = round(time.monotonic() - t, 2)
+        result["quorum_bytes"] = len(q1.to_json())
+        read = sum(a["read"] for a in pool.ask("adopt", {"data": q1.to_json(), "reports": not args.no_reports,
+                                                          "timeout": args.timeout}))
+        result["watching_s"] = round(time.monotonic() - t, 2)
+        if read != n * w:
+            raise RuntimeError(f"only {read} of {n * w} watchers read the live keys within {args.timeout:g}s")
+        print(f"{n} nodes x {w} workers over {procs} processes, watcher "
+              f"{'re-reading on every event (--reread)' if args.reread else 'applying events'}: registered in {result['registered_s']:.1f}s, "
+              f"every watcher reading at {result['watching_s']:.1f}s; quorum record {result['quorum_bytes']:,} bytes",
+              flush=True)
+
+        time.sleep(args.settle)
+        m0, b0, t0 = scrape(endpoint), sent_bytes(endpoint), time.monotonic()
+        time.sleep(args.window)
+        m1, b1, t1 = scrape(endpoint), sent_bytes(endpoint), time.monotonic()
+        by_method = {m: round(v / (t1 - t0), 1) for m, v in sorted(requests(m0, m1).items())}
+        rps = sum(by_method.values())
+        result["steady"] = {"window_s": round(t1 - t0, 1), "requests_per_s": round(rps, 1), "by_method": by_method,
+                            "sent_bytes_per_s": round((b1 - b0) / (t1 - t0))}
+        print(f"steady state: {rps:,.1f} requests/s ({'met' if rps < TARGET_RPS else 'NOT met'}: "
+              f"< {TARGET_RPS:,.0f}), {(b1 - b0) / (t1 - t0) / 1e3:,.1f} kB/s sent; by method: "
+              + ", ".join(f"{m} {v:g}" for m, v in by_method.items()), flush=True)
+
+        losses, q = [], q1
+        for k in range(args.losses):
+            lost_node = nodes[(k * 7919 + 1) % n]
+            target = q.q + 1
+            pool.ask("expect", {"target": target})
+            reports: list[int] = []
+            all_reported = threading.Event()
+            survivors = (n - 1 - k) * w
+
+            def on_reports(changes, reports=reports, all_reported=all_reported, survivors=survivors) -> None:
+                reports.extend(1 for c in changes if c.value is not None)
+                if len(reports) >= survivors:
+                    all_reported.set()
+
+            watch = KeysWatch(main_conn, [f"{observer.prefix}report/{target}/"], lambda: None, on_events=on_reports)
+            _thread("reports", watch.run)
+            watch.established.wait(10)
+            m0, b0 = scrape(endpoint), sent_bytes(endpoint)
+            lost_at = pool.ask("lose", {"node": lost_node}, only=owner[lost_node])[0]
+            if args.no_reports:
+                written_from = lost_at
+            else:
+                all_reported.wait(args.timeout)
+                written_from = time.monotonic()
+            watch.close()
+            observer.quorum = q
+            view = observer._read(report_q=target)
+            if args.no_reports:
+                view.reports = {m.id: {"step": 0} for m in q.members if m.node != lost_node}
+            new = observer._propose(q, view, target, "sim: a node's lease revoked")
+            if new is None or not observer._cas_quorum(new, view.quorum_rev):
+                raise RuntimeError(f"quorum {target} could not be written")
+            written = time.monotonic()
+            parts = pool.ask("collect", {"timeout": args.timeout})
+            m1, b1 = scrape(endpoint), sent_bytes(endpoint)
+            lost_ts = [x - lost_at for p in parts for x in p["lost_at"] if x is not None]
+            knew_ts = [x - lost_at for p in parts for x in p["knew_at"] if x is not None]
+            missing = survivors - len(knew_ts)
+            loss = {"node": lost_node, "survivors": survivors, "knew": len(knew_ts),
+                    "loss_seen_median_s": round(_stats(lost_ts)[0], 3) if lost_ts else None,
+                    "loss_seen_worst_s": round(_stats(lost_ts)[1], 3) if lost_ts else None,
+                    "reports_in_s": None if args.no_reports else round(written_from - lost_at, 3),
+                    "quorum_written_s": round(written - lost_at, 3),
+                    "known_median_s": round(_stats(knew_ts)[0], 3) if knew_ts else None,
+                    "known_worst_s": round(_stats(knew_ts)[1], 3) if knew_ts else None,
+                    "requests": round(sum(requests(m0, m1).values())), "sent_bytes": round(b1 - b0),
+                    "whole_reads": sum(p["stats"]["reads"] for p in parts)}
+            losses.append(loss)
+            q = new
+            print(f"loss {k + 1} ({lost_node}): every survivor saw it at {loss['loss_seen_worst_s']}s "
+                  f"(median {loss['loss_seen_median_s']}s), reports in at {loss['reports_in_s']}s, quorum {target} "
+                  f"written at {loss['quorum_written_s']}s, known by {len(knew_ts)}/{survivors} survivors: "
+                  f"median {loss['known_median_s']}s, worst {loss['known_worst_s']}s "
+                  f"({'met' if not missing and loss['known_worst_s'] < TARGET_S else 'NOT met'}: < {TARGET_S:g}s); "
+                  f"etcd {loss['requests']:,} requests, {loss['sent_bytes'] / 1e6:,.1f} MB sent; "
+                  f"whole reads so far {loss['whole_reads']:,}", flush=True)
+            time.sleep(args.between)
+        result["losses"] = losses
+        stats = [p["stats"] for p in pool.ask("collect", {"timeout": 0})]
+        result["lost_leases"] = sum(s["lost_leases"] for s in stats)
+        result["sim_cpu_s"] = round(sum(s["cpu_s"] for s in stats), 1)
+    finally:
+        pool.close()
+        main_conn.close()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=100)
+    p.add_argument("--workers", type=int, default=8, help="workers per node")
+    p.add_argument("--processes", type=int, default=8, help="processes the nodes are spread over")
+    p.add_argument("--channels", type=int, default=2, help="gRPC channels the workers of one process share")
+    p.add_argument("--poll", type=float, default=1.0, help="the watchers' poll (seconds; the product's is 0.1)")
+    p.add_argument("--lease-ttl", type=int, default=3)
+    p.add_argument("--losses", type=int, default=3, help="nodes lost one after the other")
+    p.add_argument("--reread", action="store_true", help="the watcher as before: a whole read on every event")
+    p.add_argument("--no-reports", action="store_true",
+                   help="write the next quorum as soon as the lease is revoked (no report round)")
+    p.add_argument("--settle", type=float, default=5.0, help="seconds before the steady window")
+    p.add_argument("--window", type=float, default=10.0, help="seconds of the steady window")
+    p.add_argument("--between", type=float, default=3.0, help="seconds between two losses")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds any phase may take")
+    p.add_argument("--endpoint", default=None, help="an etcd to use (default: start a private one)")
+    p.add_argument("--json", default=None, help="also write the results as JSON")
+    provenance.add_arguments(p)
+    args = p.parse_args(argv)
+    with provenance.record(args.txt) as record:
+        tmp = server = None
+        endpoint = args.endpoint
+        if endpoint is None:
+            tmp = tempfile.mkdtemp(prefix="live-sim-")
+            server = EtcdServer(data_dir=Path(tmp) / "etcd").start()
+            endpoint = server.endpoint
+        try:
+            result = run(args, endpoint)
+        finally:
+            if server is not None:
+                server.stop()
+                shutil.rmtree(tmp, ignore_errors=True)
+        print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end; simulation CPU "
+              f"{result['sim_cpu_s']}s; node leases lost by a late renewal: {result['lost_leases']}")
+        print("command: " + record.command)
+        provenance.write_json(args.json, result, record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
