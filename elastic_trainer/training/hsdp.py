@@ -108,11 +108,14 @@ class Shards:
     """The optimizer's param groups' hyperparameters (lr, betas, ...), without the parameters."""
 
     @classmethod
-    def take(cls, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> "Shards":
-        """This rank's shards of ``module`` and ``optimizer``: views, not copies (no collective)."""
+    def take(cls, module: torch.nn.Module, optimizer: torch.optim.Optimizer, settle: bool = True) -> "Shards":
+        """This rank's shards of ``module`` and ``optimizer``: views, not copies (no collective).
+        ``settle`` (after a failed step): have FSDP hold its sharded parameters first
+        (``registered_sharded``); not needed at a step boundary, where FSDP holds them already."""
         from torch.distributed.tensor import DTensor
 
-        registered_sharded(module)
+        if settle:
+            registered_sharded(module)
         names = {p: n for n, p in module.named_parameters()}
         params = {n: (p.to_local() if isinstance(p, DTensor) else p).detach() for n, p in module.named_parameters()}
         optim: dict[str, dict[str, torch.Tensor]] = {}
