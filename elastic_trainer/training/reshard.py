@@ -71,12 +71,12 @@ def choose(held: list[list[Held]]) -> tuple[tuple[int, int, int], dict[int, tupl
     return max(complete, key=lambda kv: (kv[0][2], kv[0][0]))
 
 
-def gather(mine: dict[Held, "Shards | bytes"], extra: dict | None) -> tuple[list[Shards], dict, Held] | None:
+def gather(mine: dict[Held, "Shards | bytes"], extra: dict | None) -> tuple[list[Shards], dict, list[Held]] | None:
     """Over the current group (every rank calls it): choose the newest complete set among what the
     ranks hold (``mine``: a rank's shards, as ``Shards`` or a host copy's bytes, ``peer_copy.encode``)
     and exchange it. ``extra``: this rank's trainer state (sampler, step, RNG, ...) to go with its
     live shards. Returns (the set's shards by shard index, the trainer state of shard index 0's
-    holder, the chosen set's index-0 entry), or None when no set is complete."""
+    holder, what was used for each shard index), or None when no set is complete."""
     world = dist.get_world_size()
     held: list = [None] * world
     dist.all_gather_object(held, list(mine))
@@ -93,7 +93,7 @@ def gather(mine: dict[Held, "Shards | bytes"], extra: dict | None) -> tuple[list
         for i, raw in part.items():
             by_index[i] = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
     shards = [Shards.from_state(by_index[i]["shards"]) for i in range(key[1])]
-    return shards, by_index[0]["trainer"], senders[0][1]
+    return shards, by_index[0]["trainer"], [senders[i][1] for i in range(key[1])]
 
 
 def _encoded(item: "Shards | bytes", extra: dict | None) -> bytes:

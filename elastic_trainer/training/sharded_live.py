@@ -100,17 +100,20 @@ class ShardedLive:
         trainer = t.checkpoints.capture(any_rank=True, whole=False) if kept is not None else None
         got = reshard.gather(mine, trainer)
         if got is not None:
-            shards, trainer_state, held = got
+            shards, trainer_state, used = got
+            held = used[0]
             reshard.cut(reshard.full_state(shards), t.module).load_into(t.module, t.optimizer)
             del shards
-            if held.source != "live" or kept is None:  # a survivor's own sampler, step and RNG are current
+            if held.step != t.step or kept is None:  # a survivor's own sampler, step and RNG are current
                 t.checkpoints.restore(held.step, {**trainer_state, "shards": None})
-            self.source = "live shards" if held.source == "live" else "peer copies"
+            copied = sum(h.source == "copy" for h in used)
+            self.source = "peer copies" if copied else "live shards"
             t.report.print0(f"no live replica holds every shard: rebuilt step {t.step} from {self.source} "
                             f"of {held.shards} shard(s) in {time.perf_counter() - t0:.3f}s, no storage read"
                             + (f" ({before - t.step} steps to redo)" if kept is not None else ""))
-            logger.info("live --fsdp: the state of step %d rebuilt from %s (quorum %d, %d shards) in %.3fs",
-                        t.step, self.source, held.q, held.shards, time.perf_counter() - t0)
+            logger.info("live --fsdp: the state of step %d rebuilt from %s (quorum %d, %d shards, %d of them "
+                        "copies) in %.3fs", t.step, self.source, held.q, held.shards, copied,
+                        time.perf_counter() - t0)
             return True
         loaded = t.checkpoints.load()
         if loaded is None:
