@@ -193,11 +193,11 @@ def test_shards_over_all_ranks_a_lost_node_is_rebuilt_from_peer_copies_without_s
         etcd, run_id, procs, tmp_path):
     """``--fsdp-shard-all --fsdp-peer-copy-every 3``, no checkpoint until the end: every 3 steps each
     rank's shards go to the host memory of a rank on the other node. The late node is killed past
-    step 27: the survivors rebuild its shards from those copies, reshard to 2 ranks in their own
+    step 28 (the copies are of step 27): the survivors rebuild its shards from those copies, reshard to 2 ranks in their own
     processes, redo at most 3 steps, read no storage (there is no checkpoint to read), and end
     equal to an uninterrupted run."""
     total, every = 50, 3
-    base_model, base_ledger, logs, ck, t_kill, outs = _shard_all_run(etcd, run_id, procs, tmp_path, total, 27,
+    base_model, base_ledger, logs, ck, t_kill, outs = _shard_all_run(etcd, run_id, procs, tmp_path, total, 28,
                                                                      "--fsdp-peer-copy-every", str(every))
     events = records.read_events(logs)
     assert Event.CHECKPOINT_LOADED not in [e.event for e in events]

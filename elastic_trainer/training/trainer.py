@@ -394,7 +394,7 @@ class Trainer:
         if sharded_live:
             with self.manager.subgroups():
                 self.checkpoints.prepare()  # the saver's group, made now by every rank (a newcomer: in _resume)
-        del state, kept
+        state = kept = None  # the lambdas above refer to kept: free it, do not unbind it
         self.batches = MicroBatches(self.task, self.sampler, c.num_workers, c.seed, d.device)
         timings = reformed.timings(t0, time.perf_counter())
         logger.info("live: rank %d -> %d of %d in quorum %d (%s) in %.3fs", old_rank, d.rank, d.world_size,
