@@ -108,7 +108,9 @@ class PeerCopies:
         self._cond = threading.Condition()
         self._target: tuple[int, tuple[str, int] | None] | None = None  # (quorum, the holder's address)
         self.sent = 0
-        self.last_send_s = 0.0
+        self.copy_s: list[float] = []  # the training thread's time per snapshot
+        self.send_s: list[float] = []  # the sender thread's time per copy (serialize, send, kept)
+        self.sizes: list[int] = []
         rt = runtime()
         rt.start_thread("peer-copy-server", self._serve, stop=self.close)
         rt.start_thread("peer-copy-sender", self._send_loop, stop=self.close)
@@ -131,7 +133,9 @@ class PeerCopies:
         with self._cond:
             self._pending = (held, snap, trainer, self._target[1])  # a newer one replaces one not yet sent
             self._cond.notify()
-        return time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.copy_s.append(took)
+        return took
 
     # ---- the threads ---------------------------------------------------------------------------------
     def _send_loop(self) -> None:
@@ -155,7 +159,8 @@ class PeerCopies:
                     if conn.recv(1) != b"k":
                         raise ConnectionError("the holder closed the connection before it kept the copy")
                 self.sent += 1
-                self.last_send_s = time.perf_counter() - t0
+                self.send_s.append(time.perf_counter() - t0)
+                self.sizes.append(len(data))
             except OSError as exc:  # a lost holder: the re-form that follows names a new one
                 logger.info("peer copy of step %d to %s:%d not sent: %s", held.step, *target, exc)
 
@@ -179,6 +184,14 @@ class PeerCopies:
                     conn.sendall(b"k")
             except (OSError, ValueError) as exc:  # a sender lost mid-copy: its older copy stands
                 logger.info("a peer copy was not received: %s", exc)
+
+    def summary(self) -> str:
+        """One line: copies sent, their size, the training thread's and the sender's time per copy."""
+        def med(xs: list) -> float:
+            return sorted(xs)[len(xs) // 2] if xs else float("nan")
+        return (f"peer copies: {self.sent} sent of {len(self.copy_s)} taken, {med(self.sizes)} bytes each, "
+                f"training thread {med(self.copy_s):.4f}s per copy, sender {med(self.send_s):.4f}s per copy "
+                f"(medians); holding {self.store.nbytes} bytes")
 
     def close(self) -> None:
         with self._cond:

@@ -141,7 +141,9 @@ class ShardedLive:
         logger.debug("peer copy of step %d handed to the sender in %.4fs", t.step, took)
 
     def close(self) -> None:
+        """Stop the peer copies' threads (their summary to the log)."""
         if self.copies is not None:
+            logger.info("%s", self.copies.summary())
             self.copies.close()
 
 

@@ -296,6 +296,8 @@ class Trainer:
     def _finish(self, stopped_by: str | None) -> None:
         """Final blocking save (unless this step is saved already), flush logs, leave the process group."""
         self.checkpoints.finish()
+        if self.sharded is not None:
+            self.sharded.close()
         if self.live is not None:
             if stopped_by == "done" and self.dinfo.is_main:
                 self.live.finish()  # waiting newcomers exit 0 instead of starting the run again
