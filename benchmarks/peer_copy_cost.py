@@ -55,11 +55,11 @@ class CopyJob(live_recovery.TrainerJob):
     def node_cmd(self) -> list[str]:
         a = self.args
         cmd = super().node_cmd()
-        model = ["--d-model", str(a.d_model), "--nhead", "4", "--layers", str(a.layers),
-                 "--dim-feedforward", str(4 * a.d_model)]
-        for i, flag in enumerate(cmd):  # the larger model and the step count replace the tiny one's
-            if flag in ("--d-model", "--nhead", "--layers", "--dim-feedforward", "--max-steps"):
-                cmd[i + 1] = {"--max-steps": str(a.steps)}.get(flag, model[model.index(flag) + 1])
+        values = {"--d-model": a.d_model, "--nhead": 4, "--layers": a.layers, "--dim-feedforward": 4 * a.d_model,
+                  "--max-steps": a.steps}
+        for i, flag in enumerate(cmd[:-1]):  # the larger model and the step count replace the tiny one's
+            if flag in values:
+                cmd[i + 1] = str(values[flag])
         return cmd
 
 
