@@ -1,6 +1,8 @@
 """Live recovery under ``--fsdp`` on several nodes: HSDP (sharded within a node, replicated across
-nodes) heals a lost node from a live replica; with no live copy of a shard the survivors reload the
-newest sharded checkpoint in place.
+nodes) heals a lost node from a live replica; under ``--fsdp-shard-all`` (no second copy of a
+shard) a late join reshards every rank from the survivors' live shards, and a lost node is rebuilt
+from peer copies in host memory (``--fsdp-peer-copy-every``) or, without them, from the newest
+sharded checkpoint, in place.
 
 Real ``elastic-train --recovery live`` agents of 2 gloo workers each on a real etcd, real SIGKILL of
 whole nodes; what is asserted is read back from the trainer's logs (step logs: one file per worker
