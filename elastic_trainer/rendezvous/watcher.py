@@ -49,6 +49,10 @@ WATCHED = ("quorum", "alive/", "join/", "stall/", "busy/")
 class Watcher:
     """Watches the live keys for ``group`` while its worker trains (see the module docstring)."""
 
+    reread_on_event = False
+    """Read every live key again on each event, as the watcher did before it applied the events
+    (``benchmarks/live_sim.py --reread``: the "before" of its numbers); never in training."""
+
     def __init__(self, group: LiveGroup) -> None:
         self.group = group
         self._wake = threading.Event()
@@ -144,6 +148,9 @@ class Watcher:
 
     def _events(self, changes: list[Change]) -> None:
         """From the watch's thread: live keys changed; the watcher thread applies them in order."""
+        if self.reread_on_event:
+            self._changed()
+            return
         self._changes.extend(changes)
         self._wake.set()
 
