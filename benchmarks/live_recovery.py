@@ -13,6 +13,15 @@ node, replicated across nodes), live against restart, the loud scenarios; world 
     .venv/bin/python benchmarks/live_recovery.py --fsdp --systems live,restart --goodput-systems live,restart \
         --trials 3 --goodput-seconds 60 --txt benchmarks/results/live_recovery_fsdp.txt
 
+``--fsdp-shard-all`` (no shard has a second copy: a lost node costs a checkpoint reload in place, a
+join reshards every rank from the survivors' live shards) and ``--fsdp-peer-copy-every K`` (the
+lost node's shards rebuilt from copies in a peer's host memory instead):
+
+    .venv/bin/python benchmarks/live_recovery.py --fsdp --fsdp-shard-all --systems live,restart \
+        --goodput-seconds 0 --trials 3 --txt benchmarks/results/live_recovery_fsdp_shard_all.txt
+    .venv/bin/python benchmarks/live_recovery.py --fsdp --fsdp-shard-all --fsdp-peer-copy-every 5 --systems live \
+        --goodput-seconds 0 --trials 3 --txt benchmarks/results/live_recovery_fsdp_peer_copy.txt
+
 Four systems, ``--nodes`` nodes of one worker each on loopback, the same small model (``TINY``):
 
   live        ``elastic-train --recovery live``: survivors keep their processes and re-form the group;
@@ -116,7 +125,9 @@ class TrainerJob(recovery.Job):
                 "--rdzv-endpoint", self.endpoint, "--run-id", "bench", "--rdzv-conf", RDZV_CONF,
                 "--recovery", self.recovery, "--local-addr", "127.0.0.1", "--nproc-per-node", str(s.nproc),
                 "--checkpoint-dir", str(self.dir / "ckpt"), "--log-dir", str(self.dir), "--",
-                *EXAMPLE, *TRAINER, *(["--fsdp"] if s.fsdp else []), "--sleep-per-step", str(s.sleep_per_step),
+                *EXAMPLE, *TRAINER, *(["--fsdp"] if s.fsdp else []), *(["--fsdp-shard-all"] if s.fsdp_shard_all else []),
+                *(["--fsdp-peer-copy-every", str(s.fsdp_peer_copy_every)] if s.fsdp_peer_copy_every else []),
+                "--sleep-per-step", str(s.sleep_per_step),
                 "--checkpoint-every", str(s.checkpoint_every),
                 *(["--collective-timeout", str(s.baseline_collective_timeout)] if self.recovery == "restart" else [])]
 
@@ -505,6 +516,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fsdp", action="store_true",
                    help="issue 31: nodes of 2 workers, the trainer with --fsdp (HSDP: sharded within a node, "
                         "replicated across nodes); systems live and restart, the loud scenarios")
+    p.add_argument("--fsdp-shard-all", action="store_true",
+                   help="with --fsdp: the trainer's --fsdp-shard-all (one shard per rank over all nodes: a lost node "
+                        "is rebuilt from peer copies or a checkpoint, a join reshards every rank live)")
+    p.add_argument("--fsdp-peer-copy-every", type=int, default=0, metavar="K",
+                   help="with --fsdp: the trainer's --fsdp-peer-copy-every (each rank's shards in a peer node's "
+                        "host memory every K steps; 0: none)")
     p.add_argument("--json", default=None, help="also write every measurement to this JSON file (with commit and date)")
     p.add_argument("--keep", action="store_true", help="keep every job's logs")
     provenance.add_arguments(p)
@@ -518,6 +535,8 @@ def _main(p: argparse.ArgumentParser, args: argparse.Namespace, run: provenance.
     if args.scenarios is None:
         args.scenarios = ",".join(LOUD if args.fsdp else SCENARIOS)
     args.nproc = 2 if args.fsdp else 1
+    if (args.fsdp_shard_all or args.fsdp_peer_copy_every) and not args.fsdp:
+        p.error("--fsdp-shard-all and --fsdp-peer-copy-every need --fsdp")
     if args.fsdp and set(systems) - {"live", "restart"}:
         p.error("--fsdp measures our trainer alone: --systems live,restart")
     if args.fsdp and set(s.strip() for s in args.scenarios.split(",")) - set(LOUD):
@@ -614,13 +633,20 @@ def _main(p: argparse.ArgumentParser, args: argparse.Namespace, run: provenance.
         say("targets (issue 27):")
         for line in targets27:
             say("  " + line)
-    say(f"\n{args.nodes} nodes x {args.nproc} worker(s){' (--fsdp: HSDP)' if args.fsdp else ''} on loopback (cut-node: in network namespaces), --nnodes "
+    say(f"\n{args.nodes} nodes x {args.nproc} worker(s){_layout(args)} on loopback (cut-node: in network namespaces), --nnodes "
         f"{args.min_nodes}:{args.nodes}, {os.cpu_count()} CPUs, load average {run.load_start[0]:.1f} at the start, "
         f"{os.getloadavg()[0]:.1f} at the end, {time.time() - started:.0f} s in all")
     say("command: " + run.command)
     provenance.write_json(args.json, {"args": vars(args), "targets": TARGETS, "results": results, "goodput": goodput,
                                       "verdicts": targets, "verdicts_issue_27": targets27}, run, indent=1)
     return 0
+
+
+def _layout(args: argparse.Namespace) -> str:
+    if not args.fsdp:
+        return ""
+    copies = f", peer copies every {args.fsdp_peer_copy_every} steps" if args.fsdp_peer_copy_every else ""
+    return f" (--fsdp: {'sharded over all ranks' if args.fsdp_shard_all else 'HSDP'}{copies})"
 
 
 def _trial_value(scenario: str, v) -> str:

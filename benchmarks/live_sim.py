@@ -155,7 +155,7 @@ class Part:
                  reread: bool = False) -> None:
         logging.getLogger("elastic_trainer").setLevel(logging.ERROR)  # a warning per worker and loss
         if reread:  # as before: every event makes the watcher read all the live keys again
-            Watcher.apply_events = False
+            Watcher.reread_on_event = True
         self.conns = [_connection(endpoint) for _ in range(max(1, min(channels, len(nodes))))]
         self.keepers: dict[str, LeaseKeeper] = {}
         self.workers: dict[str, list[SimWorker]] = {}

@@ -330,6 +330,13 @@ class TrainConfig:
         "execution", "With --fsdp: shard over every rank of every node (one copy of the state in all) "
         "instead of HSDP. Less memory per GPU; under live recovery a lost node then costs a reload of "
         "the newest checkpoint (in place, without a restart)."))
+    fsdp_peer_copy_every: int = field(default=0, metadata=flag(
+        "execution", "With --fsdp under live recovery on more than one node: every K steps, copy each rank's "
+        "shards (parameters, optimizer state, trainer state) to the host memory of a rank on the next node, in "
+        "the background, so that a lost node whose shards no live replica holds (--fsdp-shard-all) is rebuilt "
+        "from the copies, at most K steps back, without reading storage. 0 (the default) keeps no copies: "
+        "such a loss reloads the newest checkpoint. Costs host memory of 4 shards per rank "
+        "(docs/trainer.md, \"HSDP\").", metavar="K"))
     bucket_cap_mb: float | None = field(default=None, metadata=flag(
         "execution", "DDP gradient bucket size in MiB; none = torch's default (25)."))
     amp: str = field(default="off", metadata=flag(
@@ -373,7 +380,7 @@ class TrainConfig:
                      "clip_grad_norm", "checkpoint_every", "checkpoint_every_seconds", "keep_checkpoints",
                      "grace_seconds", "bucket_cap_mb", "profile_active", "collective_timeout"):
             positive(name, getattr(self, name))
-        for name in ("profile_wait", "profile_warmup", "num_workers"):
+        for name in ("profile_wait", "profile_warmup", "num_workers", "fsdp_peer_copy_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")
         if self.sleep_per_step < 0:

@@ -44,6 +44,9 @@ ENV_RDZV_ROUND = "ELASTIC_TRAINER_RDZV_ROUND"
 ENV_RDZV_NODE = "ELASTIC_TRAINER_RDZV_NODE"
 ENV_RDZV_CONN = "ELASTIC_TRAINER_RDZV_CONN"
 ENV_RDZV_PASSWORD = "ELASTIC_TRAINER_RDZV_PASSWORD"
+ENV_RDZV_LEASE = "ELASTIC_TRAINER_RDZV_LEASE"
+"""Set by the etcd-v3 handler in live mode: the id of the agent's etcd lease (the node's), to which
+the workers attach their live keys instead of keeping leases of their own (``rendezvous/lease.py``)."""
 ENV_LIVE = "ELASTIC_TRAINER_LIVE"
 """Set by the etcd-v3 handler in live mode: JSON of the live quorum's settings."""
 ENV_WANDB_KEY_FILE = "ELASTIC_TRAINER_WANDB_KEY_FILE"
@@ -111,7 +114,7 @@ class LiveSettings:
     """Seconds the survivors wait for a member that neither reported nor is provably dead (its
     lease still renewed: a stopped or cut-off member is dropped when its lease expires)."""
     lease_ttl: int = 3
-    """Seconds of each worker's etcd lease (``alive/<id>``)."""
+    """Seconds of the node's etcd lease, on which each worker keeps ``alive/<id>`` (``rendezvous/node_lease.py``)."""
     keep_alive_interval: float = 1.0
     """Seconds between two renewals of that lease."""
     poll: float = 0.1
@@ -160,19 +163,22 @@ class WorkerEnv:
     rdzv_conn: str | None = None
     """``etcd_client.export_options``' JSON: endpoints and TLS files, a password only as a file name."""
     rdzv_endpoint: str | None = None
+    rdzv_lease: int | None = None
+    """The node's etcd lease (the agent's), live mode only."""
     debug_hang: str | None = None
     live: LiveSettings | None = None
 
     _NAMES = {"rank": ENV_RANK, "world_size": ENV_WORLD_SIZE, "local_rank": ENV_LOCAL_RANK,
               "local_world_size": ENV_LOCAL_WORLD_SIZE, "restart_count": ENV_RESTART_COUNT,
               "rdzv_round": ENV_RDZV_ROUND, "rdzv_prefix": ENV_RDZV_PREFIX, "rdzv_node": ENV_RDZV_NODE,
-              "rdzv_conn": ENV_RDZV_CONN, "rdzv_endpoint": ENV_RDZV_ENDPOINT, "debug_hang": ENV_DEBUG_HANG}
+              "rdzv_conn": ENV_RDZV_CONN, "rdzv_endpoint": ENV_RDZV_ENDPOINT, "rdzv_lease": ENV_RDZV_LEASE,
+              "debug_hang": ENV_DEBUG_HANG}
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
         """Read ``environ`` (default ``os.environ``); a number that does not parse counts as unset."""
         env = os.environ if environ is None else environ
-        ints = {"rank", "world_size", "local_rank", "local_world_size", "restart_count", "rdzv_round"}
+        ints = {"rank", "world_size", "local_rank", "local_world_size", "restart_count", "rdzv_round", "rdzv_lease"}
         values: dict[str, object] = {}
         for attr, name in cls._NAMES.items():
             text = env.get(name)

@@ -1,6 +1,8 @@
 """Live recovery under ``--fsdp`` on several nodes: HSDP (sharded within a node, replicated across
-nodes) heals a lost node from a live replica; with no live copy of a shard the survivors reload the
-newest sharded checkpoint in place.
+nodes) heals a lost node from a live replica; under ``--fsdp-shard-all`` (no second copy of a
+shard) a late join reshards every rank from the survivors' live shards, and a lost node is rebuilt
+from peer copies in host memory (``--fsdp-peer-copy-every``) or, without them, from the newest
+sharded checkpoint, in place.
 
 Real ``elastic-train --recovery live`` agents of 2 gloo workers each on a real etcd, real SIGKILL of
 whole nodes; what is asserted is read back from the trainer's logs (step logs: one file per worker
@@ -129,41 +131,85 @@ def test_hsdp_loses_a_replica_then_rank_0s_and_gains_one_and_matches_an_uninterr
     assert written[total] < 1.3 * written[total + 2]
 
 
-def test_shards_over_all_ranks_a_lost_node_is_reloaded_from_the_checkpoint_in_place(etcd, run_id, procs, tmp_path):
-    """``--fsdp-shard-all`` on 2 nodes x 2 workers: no shard has a second copy, so a killed node's
-    shards are lost; the survivors keep their processes, re-form at 2 ranks and load the newest
-    sharded checkpoint resharded to 2 ranks in place, redo the steps since it, and end equal to
-    an uninterrupted run."""
-    total = 40
+def _shard_all_run(etcd, run_id, procs, tmp_path, total: int, kill_after: int, *extra: str):
+    """``--fsdp-shard-all`` on 2 nodes x 2 workers where the second node comes late: the first trains
+    alone (world 2) for a few steps, then the second joins before any checkpoint exists, a join that
+    reshards every rank (4 shards instead of 2): the survivors keep their processes and cut the new
+    layout from their live shards. Then the late node is killed past step ``kill_after``. Returns (the base run's
+    model and ledger, logs, checkpoint dir, the kill's time, the first node's worker pids)."""
     base_model, _, base_ledger = baseline(tmp_path, total)
     ck, logs = tmp_path / "ck", tmp_path / "logs"
     outs = [tmp_path / f"agent{i}.log" for i in range(2)]
-    args = ("--fsdp", "--fsdp-shard-all", "--max-steps", str(total), "--sleep-per-step", "0.1",
-            "--checkpoint-every", "10")
-    # Both nodes in the first world: a node that came late would join as a newcomer before the
-    # first checkpoint, and under --fsdp-shard-all a join reshards every rank (open in issue 31).
-    agents = _nodes(procs, etcd, run_id, ck, logs, outs, 2, *args, nnodes="1:2",
-                    conf=CONF.replace("last_call_timeout=1", "last_call_timeout=20"))
-    st = wait_steps("a world of 4 past step 13", lambda st: any(s["world_size"] == 4 and s["step"] >= 13
-                                                                for s in st), logs, 150, outs)
-    assert "fsdp: sharded over shard=4" in "".join(o.read_text() for o in outs)
+    # slow steps: the late node's start takes ~9 s at load 16, and it must join before the first checkpoint (step 30)
+    args = ("--fsdp", "--fsdp-shard-all", "--max-steps", str(total), "--sleep-per-step", "0.4", *extra)
+    agents = _nodes(procs, etcd, run_id, ck, logs, outs, 1, *args, nnodes="1:2")
+    st = wait_steps("a world of 2 at step 3", lambda st: any(s["world_size"] == 2 and s["step"] >= 3 for s in st),
+                    logs, 150, outs)
+    first = {s["pid"] for s in st}
+    assert len(first) == 2
+    agents.append(agent(procs, etcd, run_id, 2, ck, logs, *args, nnodes="1:2", out=outs[1], recovery="live"))
+    st = wait_steps(f"a world of 4 past step {kill_after}", lambda st: any(
+        s["world_size"] == 4 and s["step"] >= kill_after for s in st), logs, 150, outs)
+    joined_at = min(s["step"] for s in st if s["world_size"] == 4)
+    assert not any((ck / f"step-{n}").exists() for n in range(1, joined_at)), "joined before any checkpoint"
     assert "fsdp: sharded over shard=4" in "".join(o.read_text() for o in outs if o.exists())
     ranks = current_ranks(st)
+    assert {ranks[0], ranks[1]} == first, "the first node's workers kept their processes through the join"
     victim, t_kill, st = kill_node(ranks[2], agents, logs, outs, 2, 4)
-    survivors = {ranks[0], ranks[1]}
-    assert {s["pid"] for s in st if s["world_size"] == 2 and s["time"] > t_kill} == survivors
-    print(f"kill -> first step at 2 ranks (checkpoint reloaded): "
+    assert {s["pid"] for s in st if s["world_size"] == 2 and s["time"] > t_kill} == first
+    print(f"kill -> first step at 2 ranks: "
           f"{min(s['time'] for s in st if s['world_size'] == 2 and s['time'] > t_kill) - t_kill:.2f}s")
     for a in agents:
         if a is not victim:
             assert a.wait(timeout=200) == 0, [o.read_text()[-3000:] for o in outs]
+    assert {s["pid"] for s in steps_of(logs)} == first | {ranks[2], ranks[3]}, "no worker restarted"
+    return base_model, base_ledger, logs, ck, t_kill, outs
+
+
+def test_shards_over_all_ranks_a_late_join_and_a_lost_node_keep_the_survivors_processes(
+        etcd, run_id, procs, tmp_path):
+    """``--fsdp-shard-all``, no peer copies: no shard has a second copy. A node that joins late,
+    before the first checkpoint, is given its shards cut from the survivors' live ones (no
+    storage: there is nothing in it yet); a killed node's shards are lost, so the survivors
+    re-form at 2 ranks and load the newest sharded checkpoint resharded to 2 ranks in place, redo
+    the steps since it, and end equal to an uninterrupted run. (Before the late join was built,
+    this test started both nodes in one first world: such a join restarted every worker.)"""
+    total = 50
+    base_model, base_ledger, logs, ck, t_kill, outs = _shard_all_run(etcd, run_id, procs, tmp_path, total, 33,
+                                                                     "--checkpoint-every", "30")
     events = records.read_events(logs)
     reforms = [e for e in events if e.event == Event.LIVE_REFORM]
-    assert [(e.old, e.new, e.extra.get("reloaded")) for e in reforms] == [(4, 2, True)], reforms
+    assert [(e.old, e.new, e.extra.get("state_from")) for e in reforms] == [
+        (2, 4, "live shards"), (4, 2, "checkpoint")], reforms
     loaded = [e for e in events if e.event == Event.CHECKPOINT_LOADED]
-    assert len(loaded) == 1 and loaded[0].step % 10 == 0 and loaded[0].world_size == 2
+    assert len(loaded) == 1 and loaded[0].step == 30 and loaded[0].world_size == 2
     before = max(s["step"] for s in steps_of(logs) if s["time"] <= t_kill)
-    print(f"steps redone after the reload: {before - loaded[0].step}")
+    print(f"steps redone after the reload: {before - loaded[0].step}; the join: {reforms[0].total_s:.3f}s")
+    assert final_batches(logs) == {n: sorted(ix) for n, ix in base_ledger.items()}
+    step, state = latest(ck)
+    assert step == total
+    check_equivalence(gathered(CheckpointManager(str(ck)), step, state)["model"], base_model, total)
+
+
+def test_shards_over_all_ranks_a_lost_node_is_rebuilt_from_peer_copies_without_storage(
+        etcd, run_id, procs, tmp_path):
+    """``--fsdp-shard-all --fsdp-peer-copy-every 3``, no checkpoint until the end: every 3 steps each
+    rank's shards go to the host memory of a rank on the other node. The late node is killed past
+    step 28 (the copies are of step 27): the survivors rebuild its shards from those copies, reshard to 2 ranks in their own
+    processes, redo at most 3 steps, read no storage (there is no checkpoint to read), and end
+    equal to an uninterrupted run."""
+    total, every = 50, 3
+    base_model, base_ledger, logs, ck, t_kill, outs = _shard_all_run(etcd, run_id, procs, tmp_path, total, 28,
+                                                                     "--fsdp-peer-copy-every", str(every))
+    events = records.read_events(logs)
+    assert Event.CHECKPOINT_LOADED not in [e.event for e in events]
+    reforms = [e for e in events if e.event == Event.LIVE_REFORM]
+    assert [(e.old, e.new, e.extra.get("state_from")) for e in reforms] == [
+        (2, 4, "live shards"), (4, 2, "peer copies")], reforms
+    text = "".join(o.read_text() for o in outs)
+    redo = [int(n) for n in re.findall(r"from peer copies of 4 shard\(s\) in [0-9.]+s, no storage read \((\d+) steps", text)]
+    assert redo and all(0 <= n <= every for n in redo), text[-3000:]
+    print(f"rebuilt from peer copies: {redo[0]} steps to redo; re-form {reforms[1].total_s:.3f}s")
     assert final_batches(logs) == {n: sorted(ix) for n, ix in base_ledger.items()}
     step, state = latest(ck)
     assert step == total

@@ -91,10 +91,12 @@ def test_live_run_that_loses_two_nodes_and_gains_one_keeps_survivors_and_matches
     check_equivalence(state["model"], base_model, total)
 
 
-def test_an_agent_stopped_past_its_lease_takes_a_new_one_and_its_worker_trains_on(etcd, run_id, procs, tmp_path):
-    """Only the agent stops (its worker, in a session of its own, runs on and renews its own lease):
-    in live mode the agent takes a new lease when it resumes, and no worker is stopped or replaced
-    (before, the agent stopped its healthy worker: two re-forms and a newcomer for nothing)."""
+def test_an_agent_stopped_past_its_lease_keeps_its_node_and_its_worker_trains_on(etcd, run_id, procs, tmp_path):
+    """Only the agent stops (its worker, in a session of its own, runs on): the worker renews the
+    node's lease while its agent's renewals are late (rendezvous/node_lease.py), so the lease never
+    expires, no worker is stopped or replaced and the agent finds its lease alive when it resumes
+    (before the node's lease was shared, the agent took a new lease and the worker kept its own;
+    before that, the agent stopped its healthy worker: two re-forms and a newcomer for nothing)."""
     ck, logs = tmp_path / "ck", tmp_path / "logs"
     outs = [tmp_path / f"agent{i}.log" for i in range(2)]
     args = ("--max-steps", "100000", "--sleep-per-step", "0.1")
@@ -112,7 +114,8 @@ def test_an_agent_stopped_past_its_lease_takes_a_new_one_and_its_worker_trains_o
     assert {s["pid"] for s in st} == workers, "a worker was replaced"
     assert {s["round"] for s in st} == {st[0]["round"]} and {s["world_size"] for s in st} == {2}
     text = outs[agents.index(stopped)].read_text()
-    assert "took a new one" in text and "stopping its workers" not in text, text[-3000:]
+    assert "expired" not in text and "stopping its workers" not in text, text[-3000:]
+    assert "renews it for its agent" in text, "the worker must have renewed the node's lease: " + text[-3000:]
 
 
 def test_the_watcher_tells_a_lost_process_within_a_poll_and_calls_the_abort_hook(etcd, run_id):

@@ -37,7 +37,10 @@ It also completes a round as soon as every node with a live lease has joined it
    agent's rendezvous is a world of its own node (``_live_rendezvous``), so torch's agent never
    stops healthy workers for a lost or added node; the workers agree on who trains together in
    the live quorum (``rendezvous/quorum.py``). torch's agent still starts, supervises and restarts
-   them, and the node's lease watchdog still stops them when this node's lease is lost.
+   them. The workers attach their live keys to this agent's lease (its id exported as
+   ``ELASTIC_TRAINER_RDZV_LEASE``), so a node costs etcd one lease renewal per interval however
+   many workers it runs; when that lease is lost, the workers see their keys gone and exit, and
+   come back as newcomers.
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ from elastic_trainer.rendezvous.etcd_client import EtcdConnection, export_option
 from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
 from elastic_trainer.rendezvous.etcd_store import EtcdStore
 from elastic_trainer.rendezvous.lease import LeaseKeeper
+from elastic_trainer.rendezvous.node_lease import AgentRecord
 from elastic_trainer.rendezvous.options import RendezvousOptions, launcher_password
 from elastic_trainer.rendezvous.state import (
     EtcdRendezvousStateHolder,
@@ -356,8 +360,11 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._conn = conn
         self._options = options
         self.node_name = node_name(node)
+        # Live mode: the workers' keys are on this lease too; each renewal is recorded for them
+        # (they renew it themselves only when this agent's renewal is late: rendezvous/node_lease.py).
+        self._renewals = AgentRecord() if options.recovery == "live" else None
         self._lease = LeaseKeeper(conn, backend.alive_key(self.node_name), options.lease_ttl,
-                                  options.keep_alive_interval, self._watch)
+                                  options.keep_alive_interval, self._watch, on_renewed=self._renewals)
         self._joined: tuple[int, frozenset[str]] | None = None
         self._first_round = True
         self._revoked: str | None = None
@@ -485,8 +492,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             self._watch()
         if self._joined is not None and self._revoked is None and self._options.recovery != "live":
             # (Live mode: this agent's round is a world of its own node, and which workers train
-            # together is the live quorum's business: each worker holds its own lease and exits
-            # when etcd expired it, quorum changes are compare-and-swaps, commits are fenced.
+            # together is the live quorum's business: each worker's key is on this node's lease
+            # and the worker exits when etcd expired it, quorum changes are compare-and-swaps,
+            # commits are fenced.
             # Stopping healthy workers here would turn a short etcd outage into a restart.)
             unrenewed = self._lease.seconds_since_renewal()
             if unrenewed > self._options.lease_ttl - self._options.keep_alive_interval:
@@ -505,6 +513,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             return super().shutdown()
         finally:
             self._lease.close(revoke=True)
+            if self._renewals is not None:
+                self._renewals.close()
             if self._own_password_file and self._password_file:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self._password_file)
@@ -528,10 +538,12 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         if joined is None or self._revoked is not None:
             return
         if self._lease.lost and self._options.recovery == "live":
-            # This agent was paused or cut off past its lease, and its workers hold leases of
-            # their own in the live group: a worker whose lease is gone too exits by itself (and
-            # is restarted as a newcomer); one whose lease lives trains on. Stopping them here
-            # would cost the run two re-forms for nothing. The agent just takes a new lease.
+            # This node was paused or cut off past its lease (the agent alone being paused costs
+            # nothing: its workers renew the node's lease meanwhile, rendezvous/node_lease.py).
+            # Its workers' live keys were on that lease and went with it: each worker's watch
+            # sees its own key gone and the worker exits by itself; the agent restarts them
+            # (``_live_rendezvous`` exports the new lease) and they join as newcomers. The agent
+            # just takes a new lease.
             try:
                 self._lease.ensure()
             except Exception as exc:  # noqa: BLE001 - etcd out of reach: tried again at the next tick
@@ -539,7 +551,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                                self.node_name, exc)
                 return
             logger.warning("node %s: its etcd lease expired (paused or cut off); took a new one; its workers "
-                           "keep training while their own leases live", self.node_name)
+                           "found their keys gone with it and rejoin as newcomers", self.node_name)
             return
         if self._lease.lost:
             self._revoke("its etcd lease expired")
@@ -584,7 +596,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         os.environ.update(WorkerEnv(
             rdzv_round=round_, rdzv_prefix=self._etcd_backend.prefix, rdzv_node=self.node_name,
             rdzv_endpoint=WorkerEnv.from_environ().rdzv_endpoint or o.endpoint_text,
-            rdzv_conn=export_options(o, self._worker_password_file()), live=live).to_environ())
+            rdzv_conn=export_options(o, self._worker_password_file()), live=live,
+            rdzv_lease=self._lease.lease_id if live is not None else None).to_environ())
 
     def _worker_password_file(self) -> str | None:
         """The 0600 file through which workers get the etcd password: the ``password_file`` the

@@ -26,16 +26,19 @@ class LeaseKeeper:
     A lease etcd no longer knows is *lost*: the keeper does not grant a new one by itself (the
     handler does, in ``next_rendezvous``, after the workers stopped), and calls ``on_lost`` from
     the renewal thread at once (a live worker exits before its next step, not at the next tick).
+    ``on_renewed(lease_id, sent)`` is called after every grant or renewal etcd accepted (under
+    live recovery the handler records it for the node's workers: ``rendezvous/node_lease.py``).
     """
 
     def __init__(self, conn: EtcdConnection, key: str, ttl: int, interval: float, on_tick=None,
-                 on_lost=None) -> None:
+                 on_lost=None, on_renewed=None) -> None:
         self._conn = conn
         self._key = key
         self._ttl = ttl
         self._interval = interval
         self._on_tick = on_tick
         self._on_lost = on_lost
+        self._on_renewed = on_renewed
         self._lease_id: int | None = None
         self._lost = False
         self._last_attempt = time.monotonic()
@@ -51,6 +54,11 @@ class LeaseKeeper:
     @property
     def lost(self) -> bool:
         return self._lost
+
+    @property
+    def lease_id(self) -> int | None:
+        """The lease etcd knows now (None before ``ensure()`` and after ``close()``)."""
+        return self._lease_id
 
     def _grant(self) -> None:
         lease = self._conn.call(lambda c: c.lease(self._ttl), "lease grant")
@@ -80,6 +88,9 @@ class LeaseKeeper:
                 self._put_alive()
             self._last_attempt = time.monotonic()
             self._last_renewed = sent
+            lease_id = self._lease_id
+        if self._on_renewed is not None:
+            self._on_renewed(lease_id, sent)
         if self._thread is None:
             self._thread = threading.Thread(target=self._renew, name=f"etcd-lease {self._key}", daemon=True)
             self._thread.start()
@@ -128,6 +139,8 @@ class LeaseKeeper:
                 self._lost = lost = True
             else:
                 self._last_renewed = max(self._last_renewed, sent)
+        if not lost and self._on_renewed is not None:
+            self._on_renewed(lease_id, sent)
         if lost:
             logger.warning("the etcd lease of %s expired; this node left its round", self._key)
             if self._on_lost is not None:

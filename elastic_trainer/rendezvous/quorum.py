@@ -11,9 +11,11 @@ process group built on it, the state transfer and the step agreement are the tra
 The **quorum** is one etcd key, ``<run prefix>live/quorum``: a number ``q`` and the members in
 rank order. Every change of it is a compare-and-swap on that key, so there is one quorum at a
 time, and every process group is built on a fresh store under ``live/store/<q>/`` in etcd (no
-process hosts a single point of failure). Each worker keeps ``live/alive/<id>`` on its own lease
-(``lease_ttl``): etcd's lease, not a peer's clock, says who is alive. The watcher learns of
-changes from an etcd watch (``rendezvous/live_watch.py``), so a steady run reads nothing.
+process hosts a single point of failure). Each worker keeps ``live/alive/<id>`` on its node's
+lease (the agent's, ``lease_ttl``; ``rendezvous/node_lease.py``): etcd's lease, not a
+peer's clock, says who is alive, and a node costs etcd one renewal per interval however many
+workers it runs. The watcher learns of changes from an etcd watch (``rendezvous/live_watch.py``),
+so a steady run reads nothing.
 
 - **Cold start** (no quorum with a live member): workers register ``live/join/<id>``; once
   ``min_nodes`` whole nodes registered and ``last_call`` passed (or ``max_nodes`` registered),
@@ -32,8 +34,9 @@ changes from an etcd watch (``rendezvous/live_watch.py``), so a steady run reads
   rank over the new group. Storage is read only by a cold quorum.
 - **Fencing**: a worker not in the quorum that was formed (paused past its lease, too slow to
   report, cut off) raises ``LiveExcluded``: it exits, and its agent starts a new worker that joins
-  as a newcomer. A worker whose own lease is lost is ended through ``on_lease_lost`` (the Manager
-  passes one that exits with ``EXIT_EXCLUDED``). Checkpoint commits check the quorum number and
+  as a newcomer. A worker whose lease is lost (its ``alive`` key gone: the node's lease expired)
+  is ended through ``on_lease_lost`` (the Manager passes one that exits with ``EXIT_EXCLUDED``).
+  A worker fenced alone keeps the node's lease: the quorum key fences it. Checkpoint commits check the quorum number and
   the lease (``fence_check``).
 
 **Silent failures.** A node that freezes or is cut off closes no socket: the survivors' collective
@@ -72,6 +75,7 @@ from elastic_trainer.env import LiveSettings, WorkerEnv
 from elastic_trainer.rendezvous.members import (LiveExcluded, LiveTimeout, Member, ProbeListener, Quorum, RunFinished,
                                                 StartThread, View, complete_nodes, json_values, probe_dead,
                                                 range_end, resolvable, start_daemon_thread)
+from elastic_trainer.rendezvous.node_watch import NodeWatch
 from elastic_trainer.rendezvous.progress import Progress
 from elastic_trainer.rendezvous.watcher import Watcher
 
@@ -87,8 +91,9 @@ class LiveGroup:
 
     def __init__(self, conn, prefix: str, node: str, local_rank: int, nproc: int, host: str,
                  settings: LiveSettings, *, start_thread: StartThread = start_daemon_thread,
-                 on_lease_lost: Callable[[str], None] | None = None) -> None:
+                 on_lease_lost: Callable[[str], None] | None = None, node_lease: int | None = None) -> None:
         from elastic_trainer.rendezvous.lease import LeaseKeeper
+        from elastic_trainer.rendezvous.node_lease import NodeLease
 
         self.conn = conn
         self.prefix = prefix.rstrip("/") + "/live/"
@@ -115,14 +120,22 @@ class LiveGroup:
         self.progress = Progress(settings.hang_min, settings.hang_factor)
         """The training thread's step clock (the Manager marks it); the watcher judges hangs by it."""
         self._adopt_lock = threading.Lock()
-        self._lease = LeaseKeeper(conn, self._key("alive/" + self.id), settings.lease_ttl,
-                                  settings.keep_alive_interval, self._on_lease_tick, self._on_lease_tick)
+        self.requests = 0
+        if node_lease is not None:  # the agent's lease, shared by the node's workers (rendezvous/node_lease.py)
+            self._lease: LeaseKeeper | NodeLease = NodeLease(
+                conn, self._key("alive/" + self.id), node_lease, settings.lease_ttl, settings.keep_alive_interval,
+                self._on_lease_tick)
+            self._forget_earlier_selves()
+        else:
+            self._lease = LeaseKeeper(conn, self._key("alive/" + self.id), settings.lease_ttl,
+                                      settings.keep_alive_interval, self._on_lease_tick, self._on_lease_tick)
         self._lease_asked = 0.0
         self._lease.ensure()
+        if isinstance(self._lease, NodeLease):
+            self._lease.start(start_thread)
         self._stop = threading.Event()
         self.watcher = Watcher(self)
         self._watcher: threading.Thread | None = None
-        self.requests = 0
 
     @classmethod
     def from_env(cls, env: WorkerEnv, *, start_thread: StartThread = start_daemon_thread,
@@ -143,7 +156,7 @@ class LiveGroup:
         host = resolvable(host)
         return cls(EtcdConnection(options), env.rdzv_prefix, node, env.local_rank or 0,
                    env.local_world_size or 1, host, env.live, start_thread=start_thread,
-                   on_lease_lost=on_lease_lost)
+                   on_lease_lost=on_lease_lost, node_lease=env.rdzv_lease)
 
     # ---- etcd ------------------------------------------------------------------------------
     def _key(self, sub: str) -> str:
@@ -203,6 +216,23 @@ class LiveGroup:
         ok, _ = self._call(txn, "quorum compare-and-swap")
         return bool(ok)
 
+    def _forget_earlier_selves(self) -> None:
+        """Delete the live keys of this node's earlier workers at this local rank (one killed alone,
+        or a whole group its agent restarted): on the node's lease they would outlive the process,
+        and a stale ``join/`` key would keep the node from looking complete. One worker per node
+        and local rank lives at a time (torch's agent restarts the whole group)."""
+        mine = f"{self.node}-{self.local_rank}"
+        for sub in ("alive/", "join/", "busy/"):
+            prefix = self._key(sub + mine + "-")
+            try:
+                found = self._call(lambda c, p=prefix: list(c.get_prefix(p, keys_only=True)), "earlier keys")
+                for _, meta in found:
+                    key = meta.key.decode()
+                    if key[len(self._key(sub)):].rsplit("-", 1)[0] == mine and not key.endswith("-" + str(os.getpid())):
+                        self._call(lambda c, k=key: c.delete(k), "earlier key delete")
+            except Exception as exc:  # noqa: BLE001 - they go with the node's lease at the latest
+                logger.info("live: could not delete the keys of earlier workers at %s: %s", mine, exc)
+
     def _on_lease_tick(self) -> None:
         if self._lease.lost and not self._stop.is_set():
             # etcd declared this worker dead (it was paused or cut off past its lease): the
@@ -213,6 +243,44 @@ class LiveGroup:
                 self._on_lease_lost(reason)
             elif threading.current_thread() is threading.main_thread():
                 raise LiveExcluded(reason)
+
+    def node_watch(self, on_change: Callable[[], None], on_promote: Callable[[], None]) -> NodeWatch | None:
+        """This worker's part in its node's one etcd watch (``rendezvous/node_watch.py``), on the
+        node's lease only; None where every worker keeps its own watch."""
+        from elastic_trainer.rendezvous.node_lease import NodeLease, record_path
+
+        if not isinstance(self._lease, NodeLease):
+            return None
+        try:
+            return NodeWatch(record_path(self._lease.lease_id) + ".d", self.settings.poll, on_change, on_promote)
+        except OSError as exc:
+            logger.warning("live: this worker keeps an etcd watch of its own (no node directory: %s)", exc)
+            return None
+
+    def on_view(self, view: View, current: bool, authoritative: bool = True) -> None:
+        """The watcher's look at a view of the live keys: on the node's lease (``NodeLease``) this
+        worker's own ``alive`` key in a ``current`` view (its watch established, nothing unread)
+        proves the lease lives; its absence from a view this worker read itself (``authoritative``)
+        means the node's lease expired (the node was paused or cut off) and the worker leaves
+        (``on_lease_lost``); from a sibling's view (which may predate its key) etcd is asked first.
+        A lease of its own says so by itself."""
+        from elastic_trainer.rendezvous.node_lease import NodeLease
+
+        if not isinstance(self._lease, NodeLease) or self._stop.is_set():
+            return
+        if self.id in view.alive:
+            if current:
+                self._lease.confirm()
+            return
+        if not authoritative:  # a sibling's view: ask etcd (at most once a second)
+            now = time.monotonic()
+            if now - self._lease_asked >= 1.0:
+                self._lease_asked = now
+                if self._lease.expired_at_etcd(timeout=0.5):
+                    self._on_lease_tick()
+            return
+        self._lease.mark_lost()
+        self._on_lease_tick()
 
     def check_lease(self) -> None:
         """Before a step: end this worker (as ``_on_lease_tick`` does) when its lease is gone.

@@ -15,7 +15,9 @@ flight must fail now (``LiveGroup.on_member_lost``: the Manager abandons the pro
   (``rendezvous/progress.py``) with no member busy (nor busy within the last bound): lost, and
   this rank's training thread must come out of its step within half a second, or it is the hung
   one and ends its process (``LiveGroup.on_hung``);
-- a node waits to join: a planned re-form.
+- a node waits to join: a planned re-form;
+- this worker's own ``alive`` key gone (on the node's lease, ``rendezvous/node_lease.py``): the
+  node's lease expired, and the worker leaves (``LiveGroup.on_view``).
 
 It also keeps this rank's ``busy/<id>`` key while the rank is in a slow phase or warming up
 (written on transitions only). Design and numbers: docs/trainer.md, "Silent failures" and
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING, Callable
 from elastic_trainer.rendezvous.live_watch import KeysWatch
 from elastic_trainer.rendezvous.members import (Change, LiveKeys, Quorum, View, complete_nodes, probe_dead,
                                                 range_end)
+from elastic_trainer.rendezvous.node_watch import NodeWatch
 
 if TYPE_CHECKING:
     from elastic_trainer.rendezvous.quorum import LiveGroup
@@ -46,9 +49,9 @@ WATCHED = ("quorum", "alive/", "join/", "stall/", "busy/")
 class Watcher:
     """Watches the live keys for ``group`` while its worker trains (see the module docstring)."""
 
-    apply_events = True
-    """False: every event makes the watcher read the live keys whole, as it did before it applied
-    the events (``benchmarks/live_sim.py --reread`` compares the two)."""
+    reread_on_event = False
+    """Read every live key again on each event, as the watcher did before it applied the events
+    (``benchmarks/live_sim.py --reread``: the "before" of its numbers); never in training."""
 
     def __init__(self, group: LiveGroup) -> None:
         self.group = group
@@ -62,10 +65,15 @@ class Watcher:
         self._loaded = False
         self._changes: deque[Change] = deque()  # from the watch's thread, applied by the watcher's
         self._watch: KeysWatch | None = None
+        self._node: NodeWatch | None = None
         self.reads = 0
         """Whole reads of the live keys (one per watch established, and after an etcd failure)."""
         self.applied = 0
         """Changes applied from the watch's events."""
+        self.loads = 0
+        """Views loaded from the node's watching worker (a sibling's, ``rendezvous/node_watch.py``)."""
+        self._sibling_view: tuple[View, int] | None = None  # a sibling's last view, and its quorum
+        self._published_q = -1  # the quorum of the last view this worker published for its siblings
         self.on_view: Callable[[View], None] | None = None
         """Called from the watcher thread with the view after each update (a read, or changes
         applied), before it is acted on; it must not keep the view (``benchmarks/live_sim.py``)."""
@@ -73,13 +81,65 @@ class Watcher:
         self._busy_seen = float("-inf")  # when a peer was last seen busy (_declare_stall)
 
     def run(self) -> None:
-        self._watch = KeysWatch(self.group.conn, [self.group._key(k) for k in WATCHED], self._changed,
-                                on_events=self._events if self.apply_events else None)
-        self.group._start_thread("live-watch-stream", self._watch.run, stop=self._watch.close)
+        # One etcd watch per node (rendezvous/node_watch.py): the worker that locks it keeps the
+        # stream and publishes its views; a sibling is woken by each and takes over if it dies.
+        self._node = self.group.node_watch(self._changed, self._open_watch)
+        if self._node is None or self._node.try_lead():
+            self._open_watch()
+        else:
+            self.group._start_thread("live-node-watch", self._node.run, stop=self._node.close)
         try:
             self._loop()
         finally:
-            self._watch.close()
+            if self._watch is not None:
+                self._watch.close()
+            if self._node is not None:
+                self._node.close()
+
+    def _open_watch(self) -> None:
+        """Keep the etcd watch (at the start, or as a sibling promoted when the last keeper died)."""
+        watch = KeysWatch(self.group.conn, [self.group._key(k) for k in WATCHED], self._changed,
+                          on_events=self._events)
+        self.group._start_thread("live-watch-stream", watch.run, stop=watch.close)
+        self._watch = watch
+
+    def _look(self, q: Quorum) -> tuple[View, bool] | None:
+        """The current view for quorum ``q``, and whether this worker knows it from etcd itself
+        (None when etcd could not be read: the next wake tries again). The watching worker (or a
+        worker with a watch of its own) follows its watch and publishes each new view for its
+        siblings; a sibling loads the published one when woken (a view for another quorum, or none,
+        it reads from etcd once)."""
+        node = self._node
+        if node is not None and not node.leader:
+            if self._dirty.is_set() or self._sibling_view is None or self._sibling_view[1] != q.q:
+                self._dirty.clear()
+                got = node.latest()
+                if got is not None and got[1] == q.q:
+                    self.loads += 1
+                else:
+                    try:
+                        self._keys.load(self._read_all())
+                    except Exception as exc:  # noqa: BLE001 - etcd out of reach: the lease decides
+                        self._dirty.set()
+                        logger.info("live: watcher could not read etcd: %s", exc)
+                        return None
+                    self.reads += 1
+                    self._keys.track(q)
+                    got = (self._keys.view(q.q), q.q)
+                self._sibling_view = got
+            return self._sibling_view[0], False
+        seen = (self.reads, self.applied)
+        if not self._update():
+            return None
+        self._keys.track(q)
+        view = self._keys.view(q.q)
+        if node is not None and node.leader and (seen != (self.reads, self.applied) or self._published_q != q.q):
+            try:
+                node.publish(view, q.q)
+                self._published_q = q.q
+            except OSError as exc:  # the siblings read etcd themselves when they find nothing current
+                logger.warning("live: could not publish the node's view to its workers: %s", exc)
+        return view, True
 
     def _changed(self) -> None:
         """From the watch's thread: the watch was (re-)established or lost: read everything again."""
@@ -88,6 +148,9 @@ class Watcher:
 
     def _events(self, changes: list[Change]) -> None:
         """From the watch's thread: live keys changed; the watcher thread applies them in order."""
+        if self.reread_on_event:
+            self._changed()
+            return
         self._changes.extend(changes)
         self._wake.set()
 
@@ -140,12 +203,14 @@ class Watcher:
             if q is None or self.group.stopped:
                 continue
             self._show_busy(q)
-            if not self._update():
+            got = self._look(q)
+            if got is None:
                 continue
-            self._keys.track(q)
-            view = self._keys.view(q.q)
+            view, own = got
             if self.on_view is not None:
                 self.on_view(view)
+            self.group.on_view(view, current=self._watch is not None and self._watch.established.is_set()
+                               and not self._dirty.is_set(), authoritative=own)
             self._check_stuck(q, view)
             if self.group.change_pending.is_set():
                 continue

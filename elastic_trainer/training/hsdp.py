@@ -19,7 +19,8 @@ What a fault costs (docs/trainer.md, "HSDP"):
    at once: ``Manager.reform(donors=...)``), never from storage: parameters, optimizer state, RNG, sampler position, step.
 3. **No live replica holds a shard** (``--fsdp-shard-all``, or a shard whose every copy is gone):
    the survivors still keep their processes; they re-form, wrap a fresh model on the new mesh and
-   load the newest sharded checkpoint into it, resharded to the new world (DCP), in place.
+   rebuild the state in it from their live shards (a join), from peer copies (``peer_copy.py``),
+   or from the newest sharded checkpoint, resharded to the new world (``sharded_live.py``).
 
 Why not TorchFT's way: TorchFT keeps FSDP's process groups and swaps the replicate dimension's
 backend under them (a ``ManagedProcessGroup`` on a ``ManagedDeviceMesh``), re-forming it every
@@ -108,11 +109,14 @@ class Shards:
     """The optimizer's param groups' hyperparameters (lr, betas, ...), without the parameters."""
 
     @classmethod
-    def take(cls, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> "Shards":
-        """This rank's shards of ``module`` and ``optimizer``: views, not copies (no collective)."""
+    def take(cls, module: torch.nn.Module, optimizer: torch.optim.Optimizer, settle: bool = True) -> "Shards":
+        """This rank's shards of ``module`` and ``optimizer``: views, not copies (no collective).
+        ``settle`` (after a failed step): have FSDP hold its sharded parameters first
+        (``registered_sharded``); not needed at a step boundary, where FSDP holds them already."""
         from torch.distributed.tensor import DTensor
 
-        registered_sharded(module)
+        if settle:
+            registered_sharded(module)
         names = {p: n for n, p in module.named_parameters()}
         params = {n: (p.to_local() if isinstance(p, DTensor) else p).detach() for n, p in module.named_parameters()}
         optim: dict[str, dict[str, torch.Tensor]] = {}

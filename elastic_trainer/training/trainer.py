@@ -54,6 +54,7 @@ from elastic_trainer.training.manager import (
 from elastic_trainer.training.parallel import Parallel
 from elastic_trainer.training.preemption import Preemption
 from elastic_trainer.training.reporting import Reporter, start_profiler
+from elastic_trainer.training.sharded_live import ShardedLive
 from elastic_trainer.training.worker import (
     MicroBatches,
     seed_everything,
@@ -136,11 +137,11 @@ class Trainer:
             self._peer_state_s = 0.0
             loaded = None
             sharded_live = self.live is not None and c.fsdp and d.distributed
-            # live --fsdp: a meta copy of the bare model, wrapped again on the next re-form's mesh (hsdp.py)
-            self.skeleton = hsdp.meta_skeleton(self.module) if sharded_live else None
+            # live --fsdp: its re-forms and peer copies (sharded_live.py)
+            self.sharded = ShardedLive(self) if sharded_live else None
             if self.manager.newcomer:  # the state comes from a live rank over the new group, not storage
                 t0 = time.perf_counter()
-                state = self.manager.receive_state((lambda q: self._donors(q, -1)) if sharded_live else None)
+                state = self.manager.receive_state((lambda q: self.sharded.donors(q, -1)) if sharded_live else None)
                 if state is not None:
                     loaded = (int(state["meta"]["step"]), state)
                     self._peer_state_s = time.perf_counter() - t0
@@ -149,8 +150,8 @@ class Trainer:
                                 else f"from rank {self.live.quorum.source}", self._peer_state_s)
                     if not sharded_live:
                         self.module.load_state_dict(loaded[1]["model"])  # before DDP, as the members that sent it
-                else:  # live --fsdp: no live replica holds this rank's shards; they all load a checkpoint
-                    logger.info("live: no live replica holds this rank's shards; loading the newest checkpoint")
+                else:  # live --fsdp: no live replica holds this rank's shards (ShardedLive.recover, in _resume)
+                    logger.info("live: no live replica holds this rank's shards; rebuilding them in _resume")
             self.peer_state = loaded  # restored by train()
             self.sampler = self._new_sampler()
             blocks = self.task.fsdp_blocks(self.module) if self.task.fsdp_blocks is not None else None
@@ -215,6 +216,9 @@ class Trainer:
             self._restore(*self.peer_state)
             self.peer_state = None
             self.report.joined_live(self.step, self.sampler, source=self.live.quorum.source, seconds=self._peer_state_s)
+        elif self.sharded is not None and self.manager.newcomer:  # live --fsdp, no replica held our shards
+            if not self.sharded.recover(None, None):
+                self.report.event("start", world_size=d.world_size, restart=d.restart, round=d.round)
         elif (loaded := self.checkpoints.load()) is not None:
             self.checkpoints.resume(*loaded)
             del loaded
@@ -222,7 +226,7 @@ class Trainer:
             if c.init_from is not None:
                 self.checkpoints.init_from(c.init_from)
             self.report.event("start", world_size=d.world_size, restart=d.restart, round=d.round)
-        if self.skeleton is not None and self.manager.newcomer:
+        if self.sharded is not None and self.manager.newcomer:
             with self.manager.subgroups():
                 self.checkpoints.prepare()  # the saver's group: the survivors make theirs at the re-form
         if self.run_id is None and d.is_main:  # fixed at the first start: restarts before a checkpoint resume it
@@ -254,6 +258,8 @@ class Trainer:
         self.timer.start()
         loss_sum = self._train_step(self.batches)
         self.preemption.boundaries += 1
+        if self.sharded is not None:
+            self.sharded.copy()  # every K-th step: this rank's shards to a peer's host memory (peer_copy.py)
         if self.preemption.boundaries == 1:  # the saves' host memory, made beside the next steps
             with self.manager.slow("checkpoint host memory"), (  # peers waiting meanwhile: not a hang
                     self.manager.subgroups() if self.par.fsdp else contextlib.nullcontext()):
@@ -290,6 +296,8 @@ class Trainer:
     def _finish(self, stopped_by: str | None) -> None:
         """Final blocking save (unless this step is saved already), flush logs, leave the process group."""
         self.checkpoints.finish()
+        if self.sharded is not None:
+            self.sharded.close()
         if self.live is not None:
             if stopped_by == "done" and self.dinfo.is_main:
                 self.live.finish()  # waiting newcomers exit 0 instead of starting the run again
@@ -357,12 +365,12 @@ class Trainer:
         self.par = self.par.unwrap()  # DDP goes before its process group
         self.model = None
         self.optimizer.zero_grad(set_to_none=True)
-        kept = hsdp.Shards.take(self.module, self.optimizer) if self.skeleton is not None else None
+        kept = hsdp.Shards.take(self.module, self.optimizer) if self.sharded is not None else None
         state_dict = ((lambda: {**self.checkpoints.capture(any_rank=True, whole=False), "shards": kept.to_state()})
                       if kept is not None else lambda: self._capture_state(any_rank=True))
         try:
             reformed = self.manager.reform(self.step, cause, state_dict, step_seconds=self._last_step_s or 0.0,
-                                           donors=(lambda q: self._donors(q, self.step)) if kept is not None else None)
+                                           donors=(lambda q: self.sharded.donors(q, self.step)) if kept is not None else None)
         except LiveExcluded as exc:
             logger.error("live: %s; exiting so that the agent starts this worker again as a newcomer", exc)
             self._event("live_excluded", step=self.step, reason=str(exc))
@@ -370,7 +378,7 @@ class Trainer:
         quorum, state = reformed.quorum, reformed.state
         d.rank, d.world_size, d.round = self.manager.rank, self.manager.world_size, self.manager.round
         if kept is not None:  # live --fsdp: the same shards (kept, or a peer's) in a model on the new mesh
-            moved = self._rewrap_sharded(kept, state, reformed.missing)
+            moved = self.sharded.rewrap(kept, state, reformed.missing)
         else:
             if state is not None:
                 self.module.load_state_dict(state["model"])
@@ -380,73 +388,28 @@ class Trainer:
         position = self.sampler.state_dict()
         self.sampler = self._new_sampler()
         self.sampler.load_state_dict(position)
-        if kept is not None and reformed.missing:  # no live replica holds some shard: the newest checkpoint
-            self._reload_in_place(reformed.missing)
+        if kept is not None and reformed.missing:  # no live replica holds some shard: live shards, copies, checkpoint
+            self.sharded.recover(kept, (old_round, old_rank, old_world))
         elif state is not None:
             self._restore(quorum.step, state)
         sharded_live = kept is not None
         if sharded_live:
             with self.manager.subgroups():
                 self.checkpoints.prepare()  # the saver's group, made now by every rank (a newcomer: in _resume)
-        del state, kept
+        state = kept = None  # the lambdas above refer to kept: free it, do not unbind it
         self.batches = MicroBatches(self.task, self.sampler, c.num_workers, c.seed, d.device)
         timings = reformed.timings(t0, time.perf_counter())
         logger.info("live: rank %d -> %d of %d in quorum %d (%s) in %.3fs", old_rank, d.rank, d.world_size,
                     quorum.q, quorum.cause, timings["total_s"])
         self.report.print0(f"world size changed: {old_world} -> {d.world_size} ranks without a restart "
                            f"({quorum.cause}); step {self.step}, global batch stays {self.gbs}")
-        sharded = {"extra": {"shard_bytes": moved, "reloaded": bool(reformed.missing)}} if sharded_live else {}
+        sharded = {"extra": {"shard_bytes": moved, "reloaded": bool(reformed.missing),
+                             "state_from": self.sharded.source if reformed.missing else "replica"}} if sharded_live else {}
         self._event("live_reform", step=self.step, old=old_world, new=d.world_size, round=quorum.q,
                     old_round=old_round, cause=quorum.cause, failed_at=failed_at,
                     receivers=list(quorum.receivers), **timings, **sharded)
         if old_world != d.world_size:
             self._event("world_size_changed", old=old_world, new=d.world_size, step=self.step)
-
-    def _donors(self, quorum, step: int) -> dict[int, int | None]:
-        """Live --fsdp, right after the new group is made (every rank, a newcomer with ``step`` -1):
-        who sends each rank its shards (``hsdp.shard_donors``, from every rank's step: one small
-        all-gather); every rank is "missing" (a checkpoint reload) when the shards' size changes
-        with the world (sharded over all ranks of several nodes: ``--fsdp-shard-all``), or a rank
-        needs shards of such a layout."""
-        c, nproc = self.config, self.dinfo.local_world_size
-        hsdp.check_layout(quorum.members, nproc)
-        steps: list = [None] * quorum.world_size
-        dist.all_gather_object(steps, step)
-        shape = hsdp.mesh_shape(quorum.world_size, nproc, c.fsdp_shard_all)
-        resized = shape[-1] != hsdp.mesh_shape(self.dinfo.world_size, nproc, c.fsdp_shard_all)[-1]  # the old world's
-        if resized or (shape[-1] > nproc and len(set(steps)) > 1):  # no rank holds another's shards
-            return {r: None for r in range(quorum.world_size)}
-        return hsdp.shard_donors(steps, nproc)
-
-    def _rewrap_sharded(self, kept: "hsdp.Shards", state: dict | None, missing: tuple[int, ...]) -> int:
-        """Live --fsdp after a re-form: the model wrapped again on the new group's mesh, holding this
-        rank's kept shards, or those a peer of the same shard index sent (``state``), or none yet
-        (``missing``: a checkpoint follows). Returns the bytes received (0 when kept)."""
-        c, d = self.config, self.dinfo
-        old = self.module
-        with self.manager.subgroups(lambda: hsdp.mesh_groups(self.par.module)):  # the new mesh's groups
-            self.par = Parallel.rewrap(self.skeleton, c, d, blocks=self.task.fsdp_blocks)
-        self.module = self.task.model = self.par.module  # nothing of ours holds the old one (FSDP's own
-        hsdp.rebind_optimizer(self.optimizer, old, self.module)  # reference cycles: freed at the next gc)
-        self.checkpoints.regrouped()
-        if missing:
-            return 0
-        got = hsdp.Shards.from_state(state["shards"]) if state is not None else kept
-        got.load_into(self.module, self.optimizer)
-        return got.nbytes if state is not None else 0
-
-    def _reload_in_place(self, missing: tuple[int, ...]) -> None:
-        """No live replica holds the shards of ``missing``: every rank loads the newest checkpoint
-        into the re-formed model, resharded to the new world (DCP), in its own process."""
-        before = self.step
-        loaded = self.checkpoints.load()
-        if loaded is None:
-            raise RuntimeError(f"live --fsdp: no live replica holds the shards of rank(s) {list(missing)} and "
-                               f"{self.config.checkpoint_dir or 'no --checkpoint-dir'} holds no checkpoint; the "
-                               "workers restart")
-        self.checkpoints.resume(*loaded)
-        self.report.print0(f"no live replica holds every shard: reloaded checkpoint step-{self.step} in place "
-                           f"({before - self.step} steps to redo)")
 
     def _done(self, total: int) -> bool:
         c = self.config
@@ -490,7 +453,7 @@ class Trainer:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
-        if self.skeleton is not None:  # live --fsdp: no rank steps unless every rank's reductions completed
+        if self.sharded is not None:  # live --fsdp: no rank steps unless every rank's reductions completed
             self.manager.commit_point()
         skipped = False
         if self.scaler is not None:

@@ -1,0 +1,88 @@
+"""One etcd watch per node (``rendezvous/node_watch.py``): the first worker to lock the node's watch
+keeps it and publishes its views; a sibling is woken by each one within milliseconds and reads it
+back whole; when the watching process dies (SIGKILL: nothing of it runs) a sibling takes the watch
+within a poll. Real processes, real files and sockets; the etcd side is in test_node_lease.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from elastic_trainer.rendezvous.members import Member, Quorum, View
+from elastic_trainer.rendezvous.node_watch import NodeWatch, view_from_json, view_to_json
+
+pytestmark = pytest.mark.timeout(60)
+POLL = 0.1
+
+
+def _view() -> View:
+    q = Quorum(7, (Member("n0-0-1", "n0", 0, "127.0.0.1:1"), Member("n1-0-2", "n1", 0, "127.0.0.1:2")), step=12)
+    return View(q, 42, {"n0-0-1", "n1-0-2"}, {"n2-0-3": ({"node": "n2"}, 50)}, stall=None,
+                busy={"n1-0-2": {"q": 7, "what": "checkpoint"}})
+
+
+def test_a_view_survives_its_trip_through_the_published_file():
+    view = _view()
+    back, q = view_from_json(view_to_json(view, 7))
+    assert q == 7 and back == view
+
+
+def test_one_worker_keeps_the_watch_and_a_sibling_is_woken_by_each_published_view(tmp_path):
+    changes: list[float] = []
+    promoted = threading.Event()
+    leader = NodeWatch(str(tmp_path / "node"), POLL, lambda: None, lambda: None)
+    sibling = NodeWatch(str(tmp_path / "node"), POLL, lambda: changes.append(time.monotonic()), promoted.set)
+    thread = threading.Thread(target=sibling.run, daemon=True)
+    try:
+        assert leader.try_lead() and not sibling.try_lead(), "one watching worker per node"
+        thread.start()
+        time.sleep(3 * POLL)  # the sibling's socket is bound; no view yet, no promotion while the leader lives
+        assert not changes and not promoted.is_set() and sibling.latest() is None
+        sent = time.monotonic()
+        leader.publish(_view(), 7)
+        deadline = time.monotonic() + 2
+        while not changes and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert changes and changes[0] - sent < 0.05, "the sibling must be woken at once, not at a poll"
+        view, q = sibling.latest()
+        assert q == 7 and view == _view()
+    finally:
+        sibling.close()
+        leader.close()
+        thread.join(2)
+    assert not thread.is_alive()
+
+
+def test_a_sibling_takes_the_watch_within_a_poll_when_the_watching_process_is_killed(tmp_path):
+    directory = str(tmp_path / "node")
+    code = ("import sys, time; from elastic_trainer.rendezvous.node_watch import NodeWatch;"
+            f"w = NodeWatch({directory!r}, 0.1, lambda: None, lambda: None); assert w.try_lead();"
+            "print('leading', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+    promoted = threading.Event()
+    sibling = NodeWatch(directory, POLL, lambda: None, promoted.set)
+    thread = threading.Thread(target=sibling.run, daemon=True)
+    try:
+        assert holder.stdout.readline().strip() == "leading"
+        assert not sibling.try_lead()
+        thread.start()
+        time.sleep(3 * POLL)
+        assert not promoted.is_set(), "no promotion while the watching worker lives"
+        holder.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        holder.wait(5)
+        assert promoted.wait(2), "a sibling must take the watch of a killed worker"
+        assert time.monotonic() - killed < 3 * POLL and sibling.leader
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(5)
+        sibling.close()
+        thread.join(2)
