@@ -595,6 +595,31 @@ def test_watchdog_revokes_the_round_when_a_peer_loses_its_lease(etcd, run_id):
         b.shutdown()
 
 
+def test_a_node_whose_lease_expires_while_it_waits_to_join_takes_a_new_one_and_is_admitted(etcd, run_id, conn):
+    """A node waiting to join (no workers) whose lease etcd expired (renewals too late: an overloaded
+    etcd or node) takes a new lease and writes its keys again, and the round forms with it. It
+    stayed invisible before, and at 1,000 simulated agents the nodes wrote each other out of the
+    state for minutes."""
+    create = handler_creator()
+    a, b = (create(_params(etcd, run_id, 2, 2, lease_ttl="2", keep_alive_interval="0.5", join_timeout="20"))
+            for _ in range(2))
+    infos = [None, None]
+    try:
+        first = threading.Thread(target=lambda: infos.__setitem__(0, a.next_rendezvous()))
+        first.start()
+        wait_until(lambda: conn.client.get(f"/elastic-trainer/{run_id}/joining/{a.node_name}")[0] is not None,
+                   10, "a to wait to join")
+        conn.client.revoke_lease(a._lease._lease_id)  # as if etcd had expired it
+        wait_until(lambda: conn.client.get(f"/elastic-trainer/{run_id}/alive/{a.node_name}")[0] is not None and
+                   not a._lease.lost, 10, "a to take a new lease")
+        infos[1] = b.next_rendezvous()
+        first.join(30)
+        assert [i.world_size for i in infos] == [2, 2] and sorted(i.rank for i in infos) == [0, 1]
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
 def test_node_that_lost_its_lease_must_leave_before_it_rejoins(etcd, run_id, conn):
     create = handler_creator()
     a = create(_params(etcd, run_id, 1, 2, lease_ttl="2", keep_alive_interval="0.5"))
