@@ -19,7 +19,9 @@ seconds until every agent had its rank, the first agent, etcd requests per agent
 reads/writes, store, lease), lost compare-and-swap races per agent, and the agents whose etcd
 lease was lost (etcd expired it: a renewal came too late) before the round formed or while the
 others still waited. The handler runs with its own defaults (``lease_ttl`` 3 s, renewed every
-second) unless ``--rdzv-conf`` says otherwise.
+second) unless ``--rdzv-conf`` says otherwise. ``--trace`` also prints where the time goes: every
+etcd request by kind (how many, their wall time, the CPU of the thread that sent them, when they
+started) and the agents' CPU in state syncs and state decoding.
 """
 
 from __future__ import annotations
@@ -59,8 +61,52 @@ from elastic_trainer.rendezvous.handler import (  # noqa: E402
 )
 
 
+_TRACE: list[tuple[str, float, float, float]] = []  # (what, started, wall s, thread CPU s), with --trace
+
+
+def _install_trace() -> None:
+    """Time every etcd request by kind, and the handler's syncs and state decoding (this process)."""
+    from elastic_trainer.rendezvous import handler, state
+
+    def timed(owner, name: str, label: str) -> None:
+        real = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            t0, c0 = time.monotonic(), time.thread_time()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                _TRACE.append((label if label else (args[2] if len(args) > 2 else kwargs.get("what", "request")),
+                               t0, time.monotonic() - t0, time.thread_time() - c0))
+        setattr(owner, name, wrapper)
+    if getattr(EtcdConnection.call, "_traced", False):
+        return
+    timed(EtcdConnection, "call", "")
+    EtcdConnection.call._traced = True  # type: ignore[attr-defined]
+    timed(state.EtcdRendezvousStateHolder, "sync", "=state sync")
+    timed(state, "decode_state", "=state decode")
+    handler.decode_state = state.decode_state
+
+
+def _trace_table(parts: list[dict]) -> list[str]:
+    rows: dict[str, list] = {}
+    for p in parts:
+        for what, (count, wall, cpu, starts) in p.get("trace", {}).items():
+            row = rows.setdefault(what, [0, 0.0, 0.0, []])
+            row[0] += count
+            row[1] += wall
+            row[2] += cpu
+            row[3] += starts
+    lines = [f"{'what':<18}{'count':>7}{'mean wall s':>12}{'thread CPU s':>13}  started at (s) p10/p50/p90"]
+    for what, (count, wall, cpu, starts) in sorted(rows.items(), key=lambda kv: -kv[1][2]):
+        starts.sort()
+        q = [starts[min(len(starts) - 1, int(f * len(starts)))] for f in (0.1, 0.5, 0.9)]
+        lines.append(f"{what:<18}{count:>7}{wall / count:>12.2f}{cpu:>13.2f}  {q[0]:.1f}/{q[1]:.1f}/{q[2]:.1f}")
+    return lines
+
+
 def run_agents(endpoint: str, run_id: str, n: int, count: int, connections: int, timeout: float, conf: dict,
-               ready=None) -> dict:
+               ready=None, trace: bool = False) -> dict:
     """Run ``count`` of the ``n`` agents of one round as threads of this process.
 
     ``ready(go_event)`` is called once every handler is built: it must set ``go_event`` at the
@@ -93,6 +139,9 @@ def run_agents(endpoint: str, run_id: str, n: int, count: int, connections: int,
         except Exception as exc:  # noqa: BLE001 - reported in the summary
             errors.append(f"{type(exc).__name__}: {exc}"[:200])
 
+    if trace:
+        _install_trace()
+        _TRACE.clear()
     threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(count)]
     for t in threads:
         t.start()
@@ -111,6 +160,15 @@ def run_agents(endpoint: str, run_id: str, n: int, count: int, connections: int,
         "lost": [h._op_executor.lost_races for h in handlers], "errors": sorted(set(errors))[:3],
         "lost_leases": sum(1 for h in handlers if h._lease.lost),
     }
+    if trace:
+        table: dict[str, list] = {}
+        for what, t0, wall, cpu in list(_TRACE):
+            row = table.setdefault(what, [0, 0.0, 0.0, []])
+            row[0] += 1
+            row[1] += wall
+            row[2] += cpu
+            row[3].append(round(t0 - start, 2))
+        result["trace"] = table
     for h in handlers:
         h._joined = None
         h._lease.close(revoke=False)
@@ -122,7 +180,11 @@ def run_agents(endpoint: str, run_id: str, n: int, count: int, connections: int,
 def _summary(n: int, parts: list[dict], start: float) -> dict:
     finished = [d for p in parts for d in p["done"]]
     ranks = sorted(d[1] for d in finished)
+    done = sorted(d[0] - start for d in finished)
     return {
+        "ranked_at_s": {f"p{q}": round(done[min(len(done) - 1, q * len(done) // 100)], 2)
+                        for q in (10, 50, 90)} if done else None,
+        "trace": _trace_table(parts) if any("trace" in p for p in parts) else None,
         "agents": n, "joined": len(finished), "ranks_ok": ranks == list(range(n)),
         "all_ranked_s": max(d[0] for d in finished) - start if len(finished) == n else None,
         "first_ranked_s": min(d[0] for d in finished) - start if finished else None,
@@ -162,12 +224,13 @@ class AgentPool:
             self.pipes.append(parent)
             self.procs.append(proc)
 
-    def run(self, endpoint: str, run_id: str, n: int, connections: int, timeout: float, conf: dict) -> dict:
+    def run(self, endpoint: str, run_id: str, n: int, connections: int, timeout: float, conf: dict,
+            trace: bool = False) -> dict:
         shares = [n // len(self.pipes) + (i < n % len(self.pipes)) for i in range(len(self.pipes))]
         pipes = [(p, c) for p, c in zip(self.pipes, shares) if c]
         for pipe, count in pipes:
             pipe.send({"endpoint": endpoint, "run_id": run_id, "n": n, "count": count,
-                       "connections": connections, "timeout": timeout, "conf": conf})
+                       "connections": connections, "timeout": timeout, "conf": conf, "trace": trace})
         for pipe, _ in pipes:
             answer = pipe.recv()
             if answer != "ready":
@@ -204,15 +267,15 @@ def _cpu_s(pid: int | None) -> float | None:
 
 
 def run_size(endpoint: str, n: int, connections: int, timeout: float, conf: dict,
-             pool: AgentPool | None = None, etcd_pid: int | None = None) -> dict:
+             pool: AgentPool | None = None, etcd_pid: int | None = None, trace: bool = False) -> dict:
     """N agents join one round; every agent a thread of this process, or spread over ``pool``."""
     run_id = f"scale-{n}-{int(time.time())}"
     etcd0 = _cpu_s(etcd_pid)
     if pool is None:
-        part = run_agents(endpoint, run_id, n, n, connections, timeout, conf)
+        part = run_agents(endpoint, run_id, n, n, connections, timeout, conf, trace=trace)
         result = _summary(n, [part], part["start"])
     else:
-        result = pool.run(endpoint, run_id, n, connections, timeout, conf)
+        result = pool.run(endpoint, run_id, n, connections, timeout, conf, trace)
     etcd1 = _cpu_s(etcd_pid)
     result["etcd_cpu_s"] = etcd1 - etcd0 if etcd0 is not None and etcd1 is not None else None
     conn = EtcdConnection(RendezvousOptions(RendezvousParameters("etcd-v3", endpoint, run_id, 1, 1)).etcd)
@@ -238,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rdzv-conf", default="",
                    help="handler options k=v,... (default: none, the handler's defaults, lease_ttl 3 s renewed "
                         "every second; the runs before 2026-11-27 used lease_ttl=30,keep_alive_interval=5)")
+    p.add_argument("--trace", action="store_true",
+                   help="also print every etcd request by kind (count, wall and CPU seconds, start times)")
     provenance.add_arguments(p)
     args = p.parse_args(argv)
     with provenance.record(args.txt) as run:
@@ -261,7 +326,7 @@ def _main(args: argparse.Namespace, run: provenance.Run) -> int:
     try:
         for n in sizes:
             r = run_size(endpoint, n, args.connections, args.timeout, conf, pool,
-                         server.proc.pid if server is not None and server.proc is not None else None)
+                         server.proc.pid if server is not None and server.proc is not None else None, args.trace)
             results.append(r)
             all_s = f"{r['all_ranked_s']:13.2f}" if r["all_ranked_s"] is not None else f"{'>' + str(args.timeout):>13}"
             first = f"{r['first_ranked_s']:8.2f}" if r["first_ranked_s"] is not None else f"{'-':>8}"
@@ -269,6 +334,11 @@ def _main(args: argparse.Namespace, run: provenance.Run) -> int:
             etcd_cpu = f"{r['etcd_cpu_s']:11.1f}" if r["etcd_cpu_s"] is not None else f"{'-':>11}"
             print(f"{n:>7} {all_s} {first} {r['requests_per_agent']:10.1f} {r['lost_races_per_agent']:15.1f} "
                   f"{r['agents_cpu_s']:13.1f} {etcd_cpu} {r['lost_leases']:12d}  {notes}", flush=True)
+            if r["ranked_at_s"]:
+                print(f"{'':>7} ranked by (s): p10 {r['ranked_at_s']['p10']}, p50 {r['ranked_at_s']['p50']}, "
+                      f"p90 {r['ranked_at_s']['p90']}", flush=True)
+            for line in r["trace"] or []:
+                print(f"{'':>7} {line}", flush=True)
     finally:
         if pool is not None:
             pool.close()

@@ -111,6 +111,18 @@ class _Members:
         return True
 
 
+def _count(prefix: bytes) -> etcdrpc.RequestOp:
+    """How many keys are under ``prefix`` (etcd walks its in-memory index; no values, no keys sent)."""
+    return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
+        key=prefix, range_end=etcd3.utils.prefix_range_end(prefix), count_only=True))
+
+
+def _first(prefix: bytes) -> etcdrpc.RequestOp:
+    """The smallest key under ``prefix`` (keys only, one key)."""
+    return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
+        key=prefix, range_end=etcd3.utils.prefix_range_end(prefix), keys_only=True, limit=1))
+
+
 def _get(key: bytes) -> etcdrpc.RequestOp:
     return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key))
 
@@ -158,6 +170,10 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._watch_alive = _Members(self.alive_prefix, True)
         self._published_alive: dict | None = None
         self._read_lock = threading.Lock()
+        self.light_alive_count = 0
+        """With the last *light* read (``get_state(light=True)``): how many alive/ keys etcd held."""
+        self.light_first_joining: str | None = None
+        """With the last light read: the smallest name under joining/ (None when there is none)."""
 
     @property
     def name(self) -> str:
@@ -252,14 +268,21 @@ class EtcdRendezvousBackend(RendezvousBackend):
         resp = self._txn("state read", [], [_get(self._state_key)])
         return self._state_value(resp.responses[0].response_range.kvs)
 
-    def get_state(self, exact_joining: bool = True) -> tuple[bytes, Token] | None:
+    def get_state(self, exact_joining: bool = True, light: bool = False) -> tuple[bytes, Token] | None:
         """torch's contract. With ``exact_joining`` False the ``joining/`` view is lazy
-        (``_Members``): it may keep names whose keys were deleted; True reads it whole if so."""
+        (``_Members``): it may keep names whose keys were deleted; True reads it whole if so.
+
+        ``light``: read neither member list, only how many nodes are alive
+        (``light_alive_count``) and the smallest name waiting to join (``light_first_joining``):
+        a few bytes instead of O(nodes), for the nodes that do not admit (see ``state.py``);
+        ``last_alive`` and ``last_joining`` are left as they were."""
         # A conditional read: when the state is still at the revision we last saw, etcd sends
         # only what is new under alive/ and joining/, not the state (waiting nodes poll it).
         cached = self._cache
-        views = (self._alive, self._joining)
-        ranges, lazy = self._member_ranges(exact_joining)
+        if light:
+            ranges = [_count(self._alive.prefix), _first(self._joining.prefix)]
+        else:
+            ranges, lazy = self._member_ranges(exact_joining)
         if cached is None:
             resp = self._txn("state read", [], [_get(self._state_key), *ranges])
         else:
@@ -268,8 +291,14 @@ class EtcdRendezvousBackend(RendezvousBackend):
         unchanged = cached is not None and resp.succeeded
         answers = list(resp.responses)
         state_kvs = None if unchanged else answers.pop(0).response_range.kvs
-        self._members(answers, resp.header.revision, "state read", views, lazy=lazy)
-        self._publish()
+        if light:
+            self.light_alive_count = int(answers[0].response_range.count)
+            first = answers[1].response_range.kvs
+            n = len(self._joining.prefix)
+            self.light_first_joining = first[0].key[n:].decode() if first else None
+        else:
+            self._members(answers, resp.header.revision, "state read", (self._alive, self._joining), lazy=lazy)
+            self._publish()
         if unchanged:
             return cached[1], cached[0]  # type: ignore[index]
         found = self._state_value(state_kvs)
@@ -286,6 +315,16 @@ class EtcdRendezvousBackend(RendezvousBackend):
                          retry_timeout=retry_timeout)
         kvs = resp.responses[0].response_range.kvs
         return (kvs[0].value if kvs else None), int(resp.responses[1].response_range.count)
+
+    def poll_round(self) -> tuple[bytes | None, int, str | None]:
+        """``poll_summary`` and the smallest name under joining/ (None when none), in one
+        request: a node that waits to be admitted learns that it became the admitter."""
+        resp = self._txn("state poll", [], [_get(self._summary_key), _count(self._alive.prefix),
+                                            _first(self._joining.prefix)])
+        kvs, first = resp.responses[0].response_range.kvs, resp.responses[2].response_range.kvs
+        n = len(self._joining.prefix)
+        return ((kvs[0].value if kvs else None), int(resp.responses[1].response_range.count),
+                first[0].key[n:].decode() if first else None)
 
     def set_state(self, state: bytes, token: Token | None = None, *,
                   summary: bytes | None = None, exact_joining: bool = True) -> tuple[bytes, Token, bool] | None:

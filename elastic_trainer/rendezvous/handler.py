@@ -128,6 +128,8 @@ class _EtcdOpExecutor(DistributedOpExecutor):
     """torch's operation loop with fresh reads, a short adaptive poll and early completion."""
 
     lost_races = 0
+    rejoin = None
+    """Called at each turn of a join (the handler's ``_rejoin``): a new lease if this one was lost."""
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
         _record(self, self._node, message, node_state)
@@ -137,17 +139,23 @@ class _EtcdOpExecutor(DistributedOpExecutor):
         try:
             self._run(holder, state_handler, deadline, update_deadline)
         finally:
-            holder.exact_joining = True
+            holder.exact_joining, holder.light = True, False
 
     def _run(self, holder: EtcdRendezvousStateHolder, state_handler, deadline: float, update_deadline) -> None:
         action = None
         self._state = holder.state
+        joining = isinstance(state_handler, JoinOp)
         while action != Action.FINISH:
+            if joining and self.rejoin is not None:
+                self.rejoin()
             # Only a node that admits needs the exact joining list: the admitter, or a node the
             # admitter kept waiting too long (it writes itself in with everyone waiting). The
             # others keep a lazy one (see etcd_backend._Members), which names the admitter as
             # well: a name in it whose key is gone belongs to a node already admitted, or a dead one.
             holder.exact_joining = self._is_admitter(holder) or time.monotonic() < self._bypass_gate_until
+            # The others read light (no member lists; state.py): they only need the state, how
+            # many nodes live and who admits. A node that finds itself the admitter reads exactly next.
+            holder.light = not holder.exact_joining
             if holder.sync(use_cache=False) is False:
                 # Lost a compare-and-swap race: back off in proportion to the crowd, then
                 # read afresh, so that N racing agents do not retry in lockstep.
@@ -175,11 +183,11 @@ class _EtcdOpExecutor(DistributedOpExecutor):
                     f"(join_timeout {self._settings.timeout.join.total_seconds():g}s); fewer than "
                     f"min nodes ({self._settings.min_nodes}) joined")
             joining_op = isinstance(state_handler, JoinOp)
-            if action == Action.SYNC and joining_op and self._everyone_alive_has_joined(holder.alive):
+            if action == Action.SYNC and joining_op and self._everyone_alive_has_joined(holder):
                 action = Action.MARK_RENDEZVOUS_COMPLETE
             if joining_op and action in (Action.SYNC, Action.ADD_TO_PARTICIPANTS):
                 if self._is_admitter(holder):
-                    if not holder.joining_exact:
+                    if not holder.joining_exact or holder.last_light:
                         continue  # the admitter acts on the list: the next sync reads it exactly
                     if self._admit_joining():
                         holder.mark_dirty()  # admit everyone waiting in one write
@@ -224,8 +232,8 @@ class _EtcdOpExecutor(DistributedOpExecutor):
 
     def _admit_joining(self) -> bool:
         """Add the live nodes waiting to join (``joining/`` keys) to this round; True if any was added."""
-        state = self._state
-        if state.complete or state.closed or not self._state_holder.joining_exact:  # type: ignore[attr-defined]
+        state, holder = self._state, self._state_holder
+        if state.complete or state.closed or not holder.joining_exact or holder.last_light:  # type: ignore[attr-defined]
             return False
         from datetime import datetime, timezone
         now = datetime.now(timezone.utc)
@@ -263,6 +271,8 @@ class _EtcdOpExecutor(DistributedOpExecutor):
     _admitter_memo: tuple = (None, None, None, None)
 
     def _admitter(self, holder: EtcdRendezvousStateHolder) -> str | None:
+        if holder.last_light:  # every node of the round holds its joining key until the round completes
+            return holder.first_joining
         state, alive, joining, name = self._admitter_memo
         if state is self._state and alive is holder.alive and joining is holder.joining:
             return name  # asked up to three times per loop; the inputs are new objects when they change
@@ -288,7 +298,8 @@ class _EtcdOpExecutor(DistributedOpExecutor):
         if state.complete:  # waiting in the wait list for the next round
             return action == Action.SYNC
         if action == Action.ADD_TO_PARTICIPANTS and (
-                time.monotonic() < self._bypass_gate_until or self._node not in holder.joining):
+                time.monotonic() < self._bypass_gate_until or
+                (not holder.last_light and self._node not in holder.joining)):
             return False  # the admitter cannot see us (yet), or it kept us waiting too long
         admitter = self._admitter(holder)
         return admitter is not None and admitter != node_name(self._node)
@@ -305,16 +316,19 @@ class _EtcdOpExecutor(DistributedOpExecutor):
         waiting_to_join = self._node not in state.participants and not state.complete
         # The crowd is the live nodes, not only those in the state: a node that came early sees
         # an almost empty state, and polled 20 times a second while a thousand others arrived.
-        crowd = max(_crowd(state), len(holder.alive))
-        started, alive, admitted = time.monotonic(), len(holder.alive), len(state.participants)
+        crowd = max(_crowd(state), holder.alive_count)
+        started, alive, admitted = time.monotonic(), holder.alive_count, len(state.participants)
+        me = node_name(self._node)
         while True:
             time.sleep(min(2.0, 0.05 + 0.002 * crowd) * random.uniform(0.7, 1.3))
             now = time.monotonic()
-            summary, count = backend.poll_summary()
+            summary, count, first = backend.poll_round()
             summary = decode_summary(summary)
             if now > deadline or summary is None or summary[:3] != expected:
                 return
             if count < alive:  # a node died (perhaps the admitter, or a participant): look closer
+                return
+            if first == me and holder.last_light and not state.complete:  # we admit now (those before us left)
                 return
             alive, crowd = count, max(crowd, count, summary[3] + summary[4])
             if summary[3] != admitted:  # the admitter is at work: patience starts over
@@ -325,11 +339,12 @@ class _EtcdOpExecutor(DistributedOpExecutor):
             if now - started > max(5.0, 0.01 * crowd):  # a full read now and then regardless
                 return
 
-    def _everyone_alive_has_joined(self, alive: frozenset[str]) -> bool:
-        """True when this round has min..max participants, us among them, and no other live node."""
-        state = self._state
+    def _everyone_alive_has_joined(self, holder: EtcdRendezvousStateHolder) -> bool:
+        """True when this round has min..max participants, us among them, and no other live node
+        (never after a light sync: it does not know which nodes live)."""
+        state, alive = self._state, holder.alive
         n = len(state.participants)
-        if state.complete or state.closed or self._node not in state.participants or state.deadline is None:
+        if holder.last_light or state.complete or state.closed or self._node not in state.participants or state.deadline is None:
             return False
         if not self._settings.min_nodes <= n <= self._settings.max_nodes:
             return False
@@ -339,7 +354,7 @@ class _EtcdOpExecutor(DistributedOpExecutor):
         state = self._state
         # 50 ms for a few nodes, up to 3 s for a thousand: every waiting node reads the state
         # (the admitter, alone in reading it often, waits 50 ms).
-        crowd = max(_crowd(state), len(self._state_holder.alive))  # type: ignore[attr-defined]
+        crowd = max(_crowd(state), self._state_holder.alive_count)  # type: ignore[attr-defined]
         pause = (0.05 if fast else min(3.0, 0.05 + 0.003 * crowd)) * random.uniform(0.7, 1.3)
         if state.deadline is not None and self._node in state.participants:
             from datetime import datetime, timezone
@@ -400,10 +415,13 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             self._op_executor.run(ExitOp(), deadline)
         # Only after leaving the last round may others admit this node to the next one.
         joining_key = self._etcd_backend.joining_key(self.node_name)
-        self._lease.put(joining_key, json.dumps(node_json(self._this_node)).encode())
+        joining_value = json.dumps(node_json(self._this_node)).encode()
+        self._lease.put(joining_key, joining_value)
+        self._op_executor.rejoin = lambda: self._rejoin(joining_key, joining_value)
         try:
             self._op_executor.run(JoinOp(), deadline, self._get_deadline)
         finally:
+            self._op_executor.rejoin = None
             try:
                 self._lease.delete(joining_key)
             except RendezvousError as exc:
@@ -424,6 +442,22 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         logger.info("node %s joined round %d of rendezvous '%s' as rank %d of %d", self.node_name,
                     state.round, self._settings.run_id, rank, world_size)
         return RendezvousInfo(store, rank, world_size, bootstrap)
+
+    def _rejoin(self, joining_key: str, joining_value: bytes) -> None:
+        """While this node waits to join: when etcd expired its lease (etcd or this node too slow
+        to renew in time), take a new one and write the alive and joining keys again. The node has
+        no workers now, so it may; without this it stayed invisible to the admitter, wrote itself
+        into the state after its patience, and every node that saw its key gone wrote it out again:
+        at 1,000 simulated agents under load, 60,000 state writes in two minutes and no round."""
+        if not self._lease.lost:
+            return
+        logger.warning("node %s: its etcd lease expired while it waited to join; taking a new one",
+                       self.node_name)
+        try:
+            self._lease.ensure()
+            self._lease.put(joining_key, joining_value)
+        except RendezvousError as exc:
+            logger.warning("node %s: could not take a new etcd lease yet: %s", self.node_name, exc)
 
     def _live_rendezvous(self) -> RendezvousInfo:
         """Live recovery (``recovery=live``): a world of this node alone, for torch's agent.
@@ -567,6 +601,14 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             if summary is not None and summary[:4] == (round_, 1, 0, len(members)) and \
                     count >= max(self._alive_count, len(members)):
                 self._waiting, self._alive_count = summary[4], count
+                return
+            if summary is not None and summary[:4] == (round_, 1, 0, len(members)) and count < len(members):
+                # Fewer nodes alive than the round has participants: one of them is dead, and the
+                # names would not change what this node does. (Every node reading the state and
+                # every live name here, at each lost lease, was O(N^2): at 1,000 simulated agents
+                # those reads took the CPU that the renewals needed, and more leases ran out.)
+                self._revoke(f"{len(members) - count} participant(s) of round {round_} lost their etcd lease "
+                             f"({count} of {len(members)} nodes alive)")
                 return
             data, _, alive = self._etcd_backend.read(retry_timeout=self._options.keep_alive_interval)
             self._alive_count = len(alive)

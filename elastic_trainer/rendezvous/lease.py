@@ -49,6 +49,8 @@ class LeaseKeeper:
         self._slow_warned = False
         self._lock = threading.Lock()
         self._since = json.dumps({"since": time.time()}).encode()
+        self._inflight: list[tuple[int, object]] = []  # (lease id, renewal sent and not answered yet)
+        self._inflight_lock = threading.Lock()
         self.requests = 0
 
     @property
@@ -109,28 +111,63 @@ class LeaseKeeper:
         self._conn.call(lambda c: c.delete(key), "delete")
         self.requests += 1
 
-    def refresh(self) -> None:
+    def refresh(self, wait: float | None = None) -> None:
         """Renew the lease once; mark it lost when etcd no longer knows it.
 
-        The request is sent without holding the keeper's lock: a renewal that etcd answers late
+        The renewal is sent, then its answer awaited for at most ``wait`` seconds (None: until
+        etcd answers or the renewal is given up); an answer that comes later is applied by the
+        next call. The renewal thread waits one interval, so a late answer never delays the next
+        renewal: at 1,000 simulated agents answers took seconds to reach their threads, and a
+        keeper that waited for each sent the next one after its 3 s lease had run out.
+
+        Nothing here holds the keeper's lock while etcd answers: a renewal that etcd answers late
         (a loaded etcd, a failover) must not hold up ``put`` (the handler's ``joining/`` key) or
         ``expired_at_etcd``. At 1,000 agents a join waited up to 17.5 s behind slow renewals."""
         with self._lock:
             lease_id = self._lease_id
             if lease_id is None or self._lost:
                 return
-            self._last_attempt = sent = time.monotonic()
+            self._last_attempt = time.monotonic()
+        # Several endpoints: a member that does not answer within ttl - 2 intervals (1 s at
+        # the defaults) is given up, and the next renewal, sent at once to the next member,
+        # still lands before the lease (renewed an interval before this one) runs out.
+        failover_after = max(0.5, self._ttl - 2 * self._interval)
+        with self._inflight_lock:
+            inflight, self._inflight = self._inflight, []
+        # Earlier answers first (a renewal unanswered too long fails its stream here, so that this
+        # one goes out on a new stream), then this renewal's, waited for up to ``wait`` seconds.
         try:
-            # Several endpoints: a member that does not answer within ttl - 2 intervals (1 s at
-            # the defaults) is given up, and the next renewal, sent at once to the next member,
-            # still lands before the lease (renewed an interval before this one) runs out.
-            ttl = self._conn.call(lambda c: self._conn.renew_lease(
-                lease_id, failover_after=max(0.5, self._ttl - 2 * self._interval)),
-                "lease keep-alive", retry_timeout=0)
+            still = self._collect(inflight, 0.0, failover_after)
+        except Exception as exc:  # noqa: BLE001 - their stream failed; this renewal opens a new one
+            logger.info("earlier renewals of the etcd lease of %s failed: %s", self._key, exc)
+            still = []
+        try:
+            pending = self._conn.call(lambda c: self._conn.send_renewal(lease_id), "lease keep-alive",
+                                      retry_timeout=0)
             self.requests += 1
+            still += self._collect([(lease_id, pending)], float("inf") if wait is None else wait, failover_after)
         except Exception as exc:  # noqa: BLE001 - a failed renewal is retried at the next tick
             logger.warning("could not renew the etcd lease of %s: %s", self._key, exc)
-            return
+        if still:
+            with self._inflight_lock:
+                self._inflight[:0] = still
+
+    def _collect(self, inflight: list, wait: float, failover_after: float) -> list:
+        """Apply the answers that came to renewals in flight (waiting up to ``wait`` seconds for
+        the last); the ones still unanswered. A failed stream raises."""
+        still = []
+        for i, (lease_id, p) in enumerate(inflight):
+            # Not through ``call``: nothing here is retried, and a renewal's Python is what a
+            # thousand simulated agents on two CPUs run short of.
+            ttl = self._conn.renewal_result(p, wait if i == len(inflight) - 1 else 0.0, failover_after)
+            if ttl is None:
+                still.append((lease_id, p))
+            else:
+                self._renewed(lease_id, p.sent, ttl, p.answered - p.sent)
+        return still
+
+    def _renewed(self, lease_id: int, sent: float, ttl: int, took: float) -> None:
+        """Apply etcd's answer ``ttl`` to a renewal of ``lease_id`` sent at ``sent``."""
         lost = False
         with self._lock:
             if self._lease_id != lease_id:  # closed, or a new lease granted meanwhile: not ours to judge
@@ -145,7 +182,6 @@ class LeaseKeeper:
             logger.warning("the etcd lease of %s expired; this node left its round", self._key)
             if self._on_lost is not None:
                 self._on_lost()
-        took = time.monotonic() - sent
         if took + self._interval > self._ttl - self._interval and not self._slow_warned:
             self._slow_warned = True  # once: the node fences itself next if it stays this slow
             logger.warning("etcd took %.1fs to answer a lease renewal; at this latency lease_ttl=%d "
@@ -190,7 +226,7 @@ class LeaseKeeper:
         delay = self._interval
         while not self._stop.wait(delay):
             started = time.monotonic()
-            self.refresh()
+            self.refresh(wait=self._interval)
             delay = max(0.0, self._interval - (time.monotonic() - started))
 
     def _tick(self) -> None:

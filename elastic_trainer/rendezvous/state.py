@@ -262,6 +262,15 @@ class EtcdRendezvousStateHolder(StateHolder):
         self.exact_joining = True
         """Whether syncs must read ``joining`` exactly; when False it may keep nodes whose
         joining keys were deleted (cheaper; see ``etcd_backend._Members``)."""
+        self.light = False
+        """Whether plain syncs may be *light*: the state without the member lists (see ``sync``)."""
+        self.last_light = False
+        """Whether the last sync was light: ``alive`` and ``joining`` are then as an earlier sync
+        left them, and ``alive_count`` and ``first_joining`` are current."""
+        self.alive_count = 0
+        """How many nodes held a live lease key at the last sync."""
+        self.first_joining: str | None = None
+        """After a light sync: the smallest name waiting to join (None when none)."""
 
     @property
     def joining_exact(self) -> bool:
@@ -276,6 +285,24 @@ class EtcdRendezvousStateHolder(StateHolder):
         self._dirty = True
 
     def sync(self, use_cache: bool = True) -> bool | None:
+        """Write the local state if it changed (compare-and-swap), else read it; then drop the
+        nodes whose lease keys are gone.
+
+        A *light* sync (``light`` set, nothing to write) reads the state with the number of live
+        nodes and the smallest name waiting to join instead of both member lists: a few bytes
+        instead of O(nodes), so N waiting nodes no longer read O(N^2) in all. It is what the nodes
+        that do not admit need (the admitter is the smallest name waiting; ``handler.py``). Its
+        check of the state's nodes is by count: when fewer nodes are alive than the state names,
+        one of them is dead and the sync reads both lists whole, exactly as a plain sync (a dead
+        node is removed where it matters: by the admitter, which always syncs exactly, and by any
+        node that can count the loss). A loss hidden by a newcomer's lease in the same count is
+        left to the admitter and to the membership watchdog."""
+        if self.light and not self._dirty and not (
+                use_cache and self._cache_duration > 0 and
+                self._last_sync_time >= max(time.monotonic() - self._cache_duration, 0)):
+            if self._sync_light():
+                return None
+        self.last_light = False
         state_bits = None
         token = None
         if self._dirty:
@@ -303,11 +330,31 @@ class EtcdRendezvousStateHolder(StateHolder):
         self._dirty = False
         self._last_sync_time = time.monotonic()
         self.refresh_membership()
+        self.alive_count = len(self.alive)
         dead = remove_dead_nodes(self._state, self.alive, self._settings)
         if dead:
             logger.info("rendezvous %r: removing node(s) %s, their etcd leases ended",
                         self._settings.run_id, ", ".join(map(node_name, dead)))
         return has_set
+
+    def _sync_light(self) -> bool:
+        """A light read (see ``sync``); False when its count says a node of the state is dead."""
+        response = self._backend.get_state(self.exact_joining, light=True)
+        if response is None:
+            state, token = RendezvousState(), None
+        else:
+            state_bits, token = response
+            if self._pristine is None or self._pristine[0] != token:
+                self._pristine = (token, decode_state(state_bits))
+            state = self._pristine[1]
+        count = self._backend.light_alive_count
+        if count < len(state.participants) + len(state.wait_list) + len(state.redundancy_list):
+            return False
+        self._state = _copy(state) if response is not None else state
+        self._token = token
+        self._last_sync_time = time.monotonic()
+        self.alive_count, self.first_joining, self.last_light = count, self._backend.light_first_joining, True
+        return True
 
     def refresh_membership(self) -> None:
         """``alive`` and ``joining`` from the backend's last read (the state is left as it is)."""
