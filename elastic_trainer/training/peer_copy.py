@@ -9,7 +9,7 @@ instead; this is that idea at its smallest:
 - **Who holds whose.** A ring over nodes: rank ``r`` sends to rank ``(r + nproc) % world`` (the
   same local rank of the next node), and keeps its own snapshot too. A node's loss then leaves
   every shard of the layout with a holder unless the next node is lost as well.
-- **What.** At every K-th step, the training thread copies its shards (parameters and optimizer
+- **What.** At every K-th step (and the first step in a new quorum), the training thread copies its shards (parameters and optimizer
   state, ``hsdp.Shards``) to host memory and captures its trainer state (sampler, step, RNG,
   scheduler: what the heal path sends a newcomer); that is all it waits for. A background thread
   (``runtime().start_thread``) serializes it and pushes it over a plain TCP connection to the
@@ -116,8 +116,11 @@ class PeerCopies:
         rt.start_thread("peer-copy-sender", self._send_loop, stop=self.close)
 
     # ---- the training thread -----------------------------------------------------------------------
-    def due(self, step: int, world: int) -> bool:
-        return self.every > 0 and step % self.every == 0 and world > self.nproc
+    def due(self, step: int, world: int, q: int) -> bool:
+        """Every ``every``-th step, and the first step in a new quorum (whose layout no copy holds yet:
+        a join that resharded leaves no copy of the new shards), on every rank alike."""
+        fresh = self._target is None or self._target[0] != q
+        return self.every > 0 and world > self.nproc and (step % self.every == 0 or fresh)
 
     def snapshot(self, q: int, rank: int, world: int, shards_count: int, step: int, shards: Shards,
                  trainer: dict) -> float:

@@ -130,9 +130,10 @@ class ShardedLive:
 
     # ---- in the loop -----------------------------------------------------------------------------------
     def copy(self) -> None:
-        """At every K-th step (all ranks at once): this rank's shards to its peer's host memory."""
+        """At every K-th step and the first in a new quorum (all ranks at once): this rank's shards
+        to its peer's host memory."""
         t, d = self.t, self.t.dinfo
-        if self.copies is None or not self.copies.due(t.step, d.world_size):
+        if self.copies is None or not self.copies.due(t.step, d.world_size, d.round):
             return
         count = hsdp.mesh_shape(d.world_size, d.local_world_size, t.config.fsdp_shard_all)[-1]
         shards = hsdp.Shards.take(t.module, t.optimizer, settle=False)
