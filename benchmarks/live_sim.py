@@ -74,6 +74,7 @@ from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, 
 from elastic_trainer.rendezvous.lease import LeaseKeeper  # noqa: E402
 from elastic_trainer.rendezvous.live_watch import KeysWatch  # noqa: E402
 from elastic_trainer.rendezvous.members import Member, Quorum, View, complete_nodes  # noqa: E402
+from elastic_trainer.rendezvous.node_watch import NodeWatch  # noqa: E402
 from elastic_trainer.rendezvous.progress import Progress  # noqa: E402
 from elastic_trainer.rendezvous.quorum import LiveGroup  # noqa: E402
 from elastic_trainer.rendezvous.watcher import Watcher  # noqa: E402
@@ -118,6 +119,13 @@ class SimWorker(LiveGroup):
         self.lost_at: float | None = None  # when its watcher first saw the loss
         self.knew_at: float | None = None  # when its watcher first saw the target quorum
         self.target = 0
+        self.node_dir: str | None = None  # --node-watch: the node's shared directory
+
+    def node_watch(self, on_change, on_promote) -> NodeWatch | None:
+        """``--node-watch``: one etcd watch per node, as the product has it on a node's lease."""
+        if self.node_dir is None:
+            return None
+        return NodeWatch(self.node_dir, self.settings.poll, on_change, on_promote)
 
     def register(self) -> None:
         """``alive/<id>`` and ``join/<id>`` on the node's lease, as ``LeaseKeeper.ensure`` and ``join`` write them."""
@@ -152,7 +160,7 @@ class Part:
     """One process's nodes: their lease keepers and workers."""
 
     def __init__(self, endpoint: str, nodes: list[str], workers: int, channels: int, settings: LiveSettings,
-                 reread: bool = False) -> None:
+                 reread: bool = False, node_dir: str | None = None) -> None:
         logging.getLogger("elastic_trainer").setLevel(logging.ERROR)  # a warning per worker and loss
         if reread:  # as before: every event makes the watcher read all the live keys again
             Watcher.reread_on_event = True
@@ -165,6 +173,8 @@ class Part:
             keeper.ensure()
             self.keepers[node] = keeper
             self.workers[node] = [SimWorker(conn, node, r, workers, settings, keeper) for r in range(workers)]
+            for w in self.workers[node]:
+                w.node_dir = os.path.join(node_dir, node) if node_dir is not None else None
         self.lost: set[str] = set()
 
     def all(self, live: bool = True) -> list[SimWorker]:
@@ -192,9 +202,9 @@ class Part:
         for w in self.all():
             w.watch(reports)
         deadline = time.monotonic() + timeout
-        while any(w.watcher.reads < 1 for w in self.all()) and time.monotonic() < deadline:
+        while any(w.watcher.reads + w.watcher.loads < 1 for w in self.all()) and time.monotonic() < deadline:
             time.sleep(0.05)
-        return {"read": sum(w.watcher.reads >= 1 for w in self.all())}
+        return {"read": sum(w.watcher.reads + w.watcher.loads >= 1 for w in self.all())}
 
     def expect(self, target: int) -> None:
         for w in self.all():
@@ -327,12 +337,13 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
     main_conn = _connection(endpoint)
     observer = SimWorker(main_conn, "observer", 0, 1, settings, None)
     result: dict = {"nodes": n, "workers": w, "processes": procs, "channels": args.channels, "poll_s": args.poll,
-                    "watcher": "reread" if args.reread else "events"}
+                    "watcher": "reread" if args.reread else "events", "node_watch": args.node_watch}
     try:
         t = time.monotonic()
         registered = sum(pool.ask("setup", [{"endpoint": endpoint, "nodes": [x for x in nodes if owner[x] == i],
                                              "workers": w, "channels": args.channels, "settings": settings,
-                                             "reread": args.reread}
+                                             "reread": args.reread,
+                                             "node_dir": os.path.join(args.workdir, "nodes") if args.node_watch else None}
                                             for i in range(procs)]))
         view = observer._read()
         chosen = complete_nodes(view)
@@ -450,6 +461,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the node leases' TTL (renewed every second whatever it is; a loss is a revoke)")
     p.add_argument("--losses", type=int, default=3, help="nodes lost one after the other")
     p.add_argument("--reread", action="store_true", help="the watcher as before: a whole read on every event")
+    p.add_argument("--node-watch", action="store_true",
+                   help="one etcd watch per node (rendezvous/node_watch.py), as the product runs on a node's lease; "
+                        "default: a watch stream per worker")
     p.add_argument("--no-reports", action="store_true",
                    help="write the next quorum as soon as the lease is revoked (no report round)")
     p.add_argument("--settle", type=float, default=5.0, help="seconds before the steady window")
@@ -463,8 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     with provenance.record(args.txt) as record:
         tmp = server = None
         endpoint = args.endpoint
+        tmp = tempfile.mkdtemp(prefix="live-sim-")
+        args.workdir = tmp
         if endpoint is None:
-            tmp = tempfile.mkdtemp(prefix="live-sim-")
             server = EtcdServer(data_dir=Path(tmp) / "etcd").start()
             endpoint = server.endpoint
         try:
@@ -472,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if server is not None:
                 server.stop()
-                shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
         print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end; simulation CPU "
               f"{result['sim_cpu_s']}s; node leases lost by a late renewal: {result['lost_leases']}")
         print("command: " + record.command)

@@ -73,6 +73,7 @@ class Watcher:
         self.loads = 0
         """Views loaded from the node's watching worker (a sibling's, ``rendezvous/node_watch.py``)."""
         self._sibling_view: tuple[View, int] | None = None  # a sibling's last view, and its quorum
+        self._sibling_missing: list[str] | None = None  # the members of q absent from it (None: following the watch)
         self._published_q = -1  # the quorum of the last view this worker published for its siblings
         self.on_view: Callable[[View], None] | None = None
         """Called from the watcher thread with the view after each update (a read, or changes
@@ -127,7 +128,9 @@ class Watcher:
                     self._keys.track(q)
                     got = (self._keys.view(q.q), q.q)
                 self._sibling_view = got
+                self._sibling_missing = [m.id for m in q.members if m.id not in got[0].alive]
             return self._sibling_view[0], False
+        self._sibling_missing = None
         seen = (self.reads, self.applied)
         if not self._update():
             return None
@@ -243,8 +246,11 @@ class Watcher:
         """Why the quorum ``q`` lost a member (moved on, a lease expired, a process gone), or ""."""
         if view.quorum is not None and view.quorum.q > q.q:
             return f"the quorum moved to {view.quorum.q}"
-        if self._keys.missing:  # kept by LiveKeys for q (tracked): no walk over the members
-            return f"the etcd lease of {next(iter(self._keys.missing))} expired (stopped or cut off)"
+        # Kept by LiveKeys for q (tracked) where this worker follows the watch: no walk over the
+        # members; a sibling's, computed once per view it loads (``_look``).
+        missing = self._keys.missing if self._sibling_missing is None else self._sibling_missing
+        if missing:
+            return f"the etcd lease of {next(iter(missing))} expired (stopped or cut off)"
         if self.group.probe_peers and (gone := self._probe_other_nodes(q)):
             return f"the process of {gone} is gone"
         return ""
