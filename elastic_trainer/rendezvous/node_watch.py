@@ -78,6 +78,7 @@ class NodeWatch:
                                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         self.leader = False
         self._stop = threading.Event()
+        self._closing = threading.Lock()
         self._sock: socket.socket | None = None
         self._sock_path = os.path.join(directory, f"{os.getpid()}-{id(self):x}.sock")
         self.published = 0
@@ -164,9 +165,12 @@ class NodeWatch:
 
     def close(self) -> None:
         """Stop ``run`` and give up the watch (a sibling takes it within a poll)."""
-        self._stop.set()
-        os.close(self._lock_fd)
-        self.leader = False
+        with self._closing:  # the watcher and the runtime may both close it
+            if self._stop.is_set():
+                return
+            self._stop.set()
+            os.close(self._lock_fd)
+            self.leader = False
 
 
 __all__ = ["NodeWatch", "view_from_json", "view_to_json"]
