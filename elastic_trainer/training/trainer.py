@@ -247,7 +247,8 @@ class Trainer:
                 continue
             if reason == "saved":
                 last_save = time.monotonic()
-            elif reason == "reform":
+            elif reason == "reform":  # planned: the save in flight commits on the old group first
+                self.checkpoints.settle()
                 self._live_reform(f"planned: {self.manager.reform_reason or 'a member asked'}")
             elif reason is not None:
                 return reason
