@@ -123,7 +123,8 @@ def test_a_cuda_ranks_shards_go_to_host_bytes_and_back_into_a_model_wrapped_agai
     _step(model, optimizer, 2, device)
     _step(again, opt_again, 2, device)
     trained, trained_again = _full(model, optimizer), _full(again, opt_again)
-    assert all(torch.equal(trained[k], trained_again[k]) for k in trained)
+    for k in trained:  # the same kernels on the same inputs (within a float32 rounding, should cuBLAS vary)
+        torch.testing.assert_close(trained_again[k], trained[k], rtol=0, atol=1e-6, msg=k)
 
 
 @needs_a_gpu
