@@ -479,10 +479,12 @@ def verdicts(results: dict[str, list[dict]], goodput: dict[str, dict]) -> list[s
             med = statistics.median(pauses) if pauses else None
             moved = moved_bytes(joins)
             per_rank = [j["reform"]["moved_bytes"] // len(j["reform"]["receivers"]) for j in joins
-                        if (j.get("reform") or {}).get("moved_bytes") and j["reform"].get("receivers")]
+                        if (j.get("reform") or {}).get("moved_bytes") and j["reform"].get("receivers")
+                        and j["reform"].get("state_from") == "replica"]  # a reshard sends rows to every rank
             with_bytes = "" if moved is None else (
-                f", {moved} bytes of shards moved per join (median; {statistics.median(per_rank):.0f} per newcomer "
-                "rank), point to point from the donors")
+                f", {moved} bytes of shards moved per join (median" + (
+                    f"; {statistics.median(per_rank):.0f} per newcomer rank), point to point from the donors"
+                    if per_rank else "; a reshard: each rank sent its new rows), point to point"))
             out.append(f"{system} join: survivors' pause median {med if med is None else f'{med:.3f}'} s "
                        f"(target {TARGETS['join']}): {'met' if med is not None and med < 0.5 else 'NOT met'}"
                        + with_bytes)
