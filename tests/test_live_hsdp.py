@@ -91,7 +91,11 @@ def test_hsdp_loses_a_replica_then_rank_0s_and_gains_one_and_matches_an_uninterr
 
     st = steps_of(logs)
     _by_pid_increasing(st)
-    assert {s["pid"] for s in st if s["time"] > t_kill0} == {ranks[r] for r in range(2, 6)}
+    # the survivors at 4 ranks are ranks 2..5 of the world of 6 (the killed node's workers may end a
+    # step of the world of 6 in the milliseconds before they die: the agent's SIGKILL reaches them
+    # through its death, seen once at step 97, 46 ms after the kill, under load)
+    assert {s["pid"] for s in st if s["time"] > t_kill0 and s["world_size"] == 4} == {ranks[r] for r in range(2, 6)}
+    assert not [s for s in st if s["time"] > t_kill0 and s["pid"] in (ranks[0], ranks[1]) and s["world_size"] != 6]
     assert max(s["step"] for s in st) == total
     events = records.read_events(logs)
     assert Event.CHECKPOINT_LOADED not in [e.event for e in events]  # nothing was read from storage
