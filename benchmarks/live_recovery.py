@@ -244,11 +244,13 @@ def step_interval(steps: list[dict], size: int) -> float | None:
 
 
 def reform_event(job: recovery.Job, t0: float) -> dict | None:
-    """The first ``live_reform`` event rank 0 logged after ``t0`` (its phase timings)."""
+    """The first ``live_reform`` event rank 0 logged after ``t0``: its phase timings and, under
+    ``--fsdp``, the bytes of shards the re-form moved over all ranks (``moved_bytes``: a join's
+    newcomers' shards from their donors, a reshard's rows)."""
     for e in job.events():
         if e.get("event") == "live_reform" and e.get("time", 0) > t0:
             return {k: e[k] for k in ("cause", "teardown_s", "agree_s", "group_s", "state_s", "total_s",
-                                      "receivers") if k in e}
+                                      "receivers", "moved_bytes", "sent_bytes", "state_from") if k in e}
     return None
 
 
@@ -429,9 +431,15 @@ def _stats(values: list) -> tuple[str, str]:
     return med, worst
 
 
+def moved_bytes(ok: list[dict]) -> int | None:
+    """The median bytes of shards the re-forms of these trials moved (rank 0's ``live_reform`` event)."""
+    moved = [v["reform"]["moved_bytes"] for v in ok if (v.get("reform") or {}).get("moved_bytes") is not None]
+    return int(statistics.median(moved)) if moved else None
+
+
 def summarize(results: dict[str, list[dict]], scenarios: list[str]) -> str:
     head = (f"{'system':<11} {'scenario':<11} {'ok':>5} {'median s':>9} {'worst s':>8} {'pause med':>9} "
-            f"{'pause max':>9} {'redone':>7} {'+HWM MiB':>8}  failures")
+            f"{'pause max':>9} {'redone':>7} {'+HWM MiB':>8} {'moved B':>9}  failures")
     lines = [head]
     for system, trials in results.items():
         for sc in scenarios:
@@ -444,9 +452,11 @@ def summarize(results: dict[str, list[dict]], scenarios: list[str]) -> str:
                 str(redone[0]) if redone else "-")
             hwm = [v["hwm_extra_mib"]["max"] for v in ok if v.get("hwm_extra_mib")]
             hw = f"{max(hwm):.1f}" if hwm else "-"
+            moved = moved_bytes(ok)
+            mv = "-" if moved is None else str(moved)
             bad = "; ".join(sorted({v for v in vals if isinstance(v, str)}))
             lines.append(f"{system:<11} {sc:<11} {len(ok):>2}/{len(vals):<2} {med:>9} {worst:>8} {pmed:>9} "
-                         f"{pmax:>9} {red:>7} {hw:>8}  {bad}")
+                         f"{pmax:>9} {red:>7} {hw:>8} {mv:>9}  {bad}")
     return "\n".join(lines)
 
 
@@ -463,11 +473,21 @@ def verdicts(results: dict[str, list[dict]], goodput: dict[str, dict]) -> list[s
                 med, worst = _stats(ok)
                 out.append(f"{system} {sc}: median {med} s, worst {worst} s, {len(ok)}/{len(vals)} "
                            f"(target {TARGETS['kill']}): {'met' if met else 'NOT met'}")
-        pauses = [t["join"]["pause"] for t in trials if isinstance(t.get("join"), dict) and t["join"].get("pause")]
+        joins = [t["join"] for t in trials if isinstance(t.get("join"), dict)]
+        pauses = [j["pause"] for j in joins if j.get("pause")]
         if any("join" in t for t in trials):
             med = statistics.median(pauses) if pauses else None
+            moved = moved_bytes(joins)
+            per_rank = [j["reform"]["moved_bytes"] // len(j["reform"]["receivers"]) for j in joins
+                        if (j.get("reform") or {}).get("moved_bytes") and j["reform"].get("receivers")
+                        and j["reform"].get("state_from") == "replica"]  # a reshard sends rows to every rank
+            with_bytes = "" if moved is None else (
+                f", {moved} bytes of shards moved per join (median" + (
+                    f"; {statistics.median(per_rank):.0f} per newcomer rank), point to point from the donors"
+                    if per_rank else "; a reshard: each rank sent its new rows), point to point"))
             out.append(f"{system} join: survivors' pause median {med if med is None else f'{med:.3f}'} s "
-                       f"(target {TARGETS['join']}): {'met' if med is not None and med < 0.5 else 'NOT met'}")
+                       f"(target {TARGETS['join']}): {'met' if med is not None and med < 0.5 else 'NOT met'}"
+                       + with_bytes)
     for system, g in goodput.items():
         ratio = g.get("ratio")
         out.append(f"{system} goodput: {ratio if ratio is None else f'{ratio:.3f}'} (target {TARGETS['goodput']}): "
@@ -594,7 +614,8 @@ def _main(p: argparse.ArgumentParser, args: argparse.Namespace, run: provenance.
         say(summarize(results, loud))
         say("  ok: recovered/trials; median/worst s: kill -> first step at N-1, join: the newcomer's start -> its "
             "first step; pause: the survivors' last step at N-1 -> first at N; redone: steps done again (range); "
-            "+HWM: the survivors' largest VmHWM growth over the re-form (live)")
+            "+HWM: the survivors' largest VmHWM growth over the re-form (live); moved B: --fsdp, bytes of shards "
+            "the re-form sent over all ranks (median; rank 0's live_reform event)")
     if quiet:
         say(silent.summarize(results, quiet, args.cap))
         say(f"  silent faults: N-1 ok: trials with a world without the node or worker within --cap {args.cap:g} s; "
@@ -658,7 +679,8 @@ def _trial_value(scenario: str, v) -> str:
         back = "" if v.get("back") is None else f" (N again {v['back']:.3f}s)"
         return f"{scenario}={to_away}{back}" + (f" redone {v['redone']}" if v.get("redone") is not None else "")
     return (f"{scenario}={v['s']:.3f}s" + (f" (pause {v['pause']:.3f}s)" if v.get("pause") is not None else "")
-            + (f" redone {v['redone']}" if v.get("redone") is not None else ""))
+            + (f" redone {v['redone']}" if v.get("redone") is not None else "")
+            + (f" moved {v['reform']['moved_bytes']} B" if (v.get("reform") or {}).get("moved_bytes") else ""))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import live_recovery  # noqa: E402  (benchmarks/live_recovery.py: our trainer's job)
+from overhead import summary  # noqa: E402  (benchmarks/overhead.py: median, min, max, IQR of alternated repeats)
 
 from benchmarks import provenance  # noqa: E402
 
@@ -117,15 +118,26 @@ def main(argv: list[str] | None = None) -> int:
                              if "bytes" in got else ""), flush=True)
         off = [g["step_s"] for g in runs if not g["every"] and g["step_s"]]
         on = [g["step_s"] for g in runs if g["every"] and g["step_s"]]
-        if off and on:
-            ratio = statistics.median(on) / statistics.median(off)
-            print(f"\nmedian step: {statistics.median(off):.4f} s without copies, {statistics.median(on):.4f} s with a "
-                  f"copy every {args.every} steps: {ratio:.3f}x")
+        sides = {}
+        if off and on:  # the alternated repeats' summary, as overhead.py gives it
+            sides = {"off": summary(off), "on": summary(on),
+                     "paired_ratio": summary([b["step_s"] / a["step_s"] for a, b in zip(runs[::2], runs[1::2])
+                                              if a["step_s"] and b["step_s"]])}
+            ratio = sides["on"]["median"] / sides["off"]["median"]
+            print(f"\nmedian step: {sides['off']['median']:.4f} s without copies, {sides['on']['median']:.4f} s with "
+                  f"a copy every {args.every} steps: {ratio:.3f}x")
+            for name in ("off", "on"):
+                st = sides[name]
+                print(f"  copies {name:3s}: min {st['min']:.4f} s, max {st['max']:.4f} s, IQR {st['q1']:.4f}.."
+                      f"{st['q3']:.4f} s over {st['n']} runs")
+            paired = sides["paired_ratio"]
+            print(f"  paired ratios (each repeat's run with copies / without): median {paired['median']:.3f}, "
+                  f"min {paired['min']:.3f}, max {paired['max']:.3f}")
         print(f"{args.nodes} nodes x 2 workers, --fsdp --fsdp-shard-all, d-model {args.d_model}, {args.layers} layers, "
               f"{args.steps} steps per run (first {args.skip} left out), load average {run.load_start[0]:.1f} at "
               f"the start, {os.getloadavg()[0]:.1f} at the end, {time.time() - started:.0f} s in all")
         print("command: " + run.command)
-        provenance.write_json(args.json, {"args": vars(args), "runs": runs}, run, indent=1)
+        provenance.write_json(args.json, {"args": vars(args), "runs": runs, "summary": sides}, run, indent=1)
     return 0
 
 

@@ -81,7 +81,8 @@ def test_a_snapshot_reaches_its_holder_over_a_socket_and_training_may_change_the
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_layout_cut_from_another_layouts_shards_holds_the_same_state_and_trains_the_same(tmp_path):
-    """4 ranks: FSDP over all 4 (uneven rows) -> HSDP 2 x 2, through the gathered full state."""
+    """4 ranks: FSDP over all 4 (uneven rows) -> HSDP 2 x 2, through the gathered full state and
+    point to point (each rank sent only its new rows: fewer bytes than every shard to every rank)."""
     out = tmp_path / "out.json"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                            str(REPO / "tests" / "helpers" / "reshard_check.py"), str(out)],
@@ -91,3 +92,9 @@ def test_a_layout_cut_from_another_layouts_shards_holds_the_same_state_and_train
     assert r["gathered_equal"] and r["cut_equal"], r
     assert r["after_step_max_diff"] < 1e-6, r
     assert r["rows"]["0.weight"] == [0, 15]  # rank 0 of the 2-shard layout: the first half of 30 rows
+    # point to point (reshard.gather): each rank received only the rows it holds now, the rest of the
+    # state once (with shard index 0); before, every rank received every other rank's whole shard
+    assert r["p2p_equal"], r
+    print(f"bytes received per rank, 4 shards -> 2 x 2: point to point {r['p2p_received']}, "
+          f"all to all before {r['allgather_received']}")
+    assert sum(r["p2p_received"]) < 0.6 * sum(r["allgather_received"]), r

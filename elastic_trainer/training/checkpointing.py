@@ -350,6 +350,18 @@ class Checkpointing:
                           committed=committed, epoch=s.sampler.epoch, offset=s.sampler.offset,
                           world_size=d.world_size)
 
+    def settle(self) -> None:
+        """Before a planned re-form (a node joins, a member leaves on its own: every rank of the old
+        group is alive): wait for the save in flight to commit. Its collectives run on a subgroup of
+        the old group, which the re-form tears down: a save cut there is lost, and a node lost after
+        the join would find no checkpoint to reload (the flaky late-join test: its survivors
+        restarted). Costs the join the rest of that save, and nothing when none is in flight."""
+        if self.manager is None:
+            return
+        with self.slow("checkpoint"):  # this rank's wait: not a hang
+            self.manager.wait()
+        self.note_commit()
+
     def finish(self) -> None:
         """The end of training: a final blocking save unless this step is saved already (the same
         decision on every rank: FSDP gathers), then the savers close."""

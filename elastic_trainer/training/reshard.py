@@ -16,10 +16,12 @@ Where a set's shards come from (``choose``):
 - **peer copies** (``training/peer_copy.py``): each rank's shard, every K steps, in the host memory
   of a rank on another node (and its own), so that a lost node's shards survive it.
 
-The newest complete set wins; the exchange (``gather``) is one ``all_gather_object`` over the new
-group in which one holder of each shard index sends it. Every rank then holds the whole state for
-the moment of the cut (host memory: model and optimizer once); sending each rank only the rows it
-needs (point to point) is the scalable next step. No complete set: the caller loads a checkpoint.
+The newest complete set wins. The exchange (``gather``) is point to point: one holder of each old
+shard index sends each rank of the new layout only the rows of that shard that its new shard holds
+(``span``: both layouts cut rows as ``torch.chunk`` does), and the state that is not sharded
+(buffers, Adam's step, the trainer state) goes with shard index 0. So a rank receives about its new
+shard's size, not the whole state (``tests/test_reshard.py`` measures both), and nobody holds the
+whole state at once. No complete set: the caller loads a checkpoint.
 """
 
 from __future__ import annotations
@@ -71,36 +73,171 @@ def choose(held: list[list[Held]]) -> tuple[tuple[int, int, int], dict[int, tupl
     return max(complete, key=lambda kv: (kv[0][2], kv[0][0]))
 
 
-def gather(mine: dict[Held, "Shards | bytes"], extra: dict | None) -> tuple[list[Shards], dict, list[Held]] | None:
-    """Over the current group (every rank calls it): choose the newest complete set among what the
-    ranks hold (``mine``: a rank's shards, as ``Shards`` or a host copy's bytes, ``peer_copy.encode``)
-    and exchange it. ``extra``: this rank's trainer state (sampler, step, RNG, ...) to go with its
-    live shards. Returns (the set's shards by shard index, the trainer state of shard index 0's
-    holder, what was used for each shard index), or None when no set is complete."""
-    world = dist.get_world_size()
+@dataclass
+class Gathered:
+    """What ``gather`` returns to each rank."""
+
+    shards: Shards
+    """This rank's shards of the new layout."""
+    trainer: dict
+    """The trainer state (sampler, step, RNG) that came with shard index 0."""
+    used: list[Held]
+    """What was used for each old shard index."""
+    sent: int
+    """Bytes this rank sent to others (serialized rows; its own rows are not sent)."""
+    received: int
+    """Bytes this rank received."""
+
+
+def gather(mine: dict[Held, "Shards | bytes"], extra: dict | None, module: torch.nn.Module,
+           device: torch.device) -> Gathered | None:
+    """Over the current group (every rank calls it, ``module`` already sharded on the new mesh):
+    choose the newest complete set among what the ranks hold (``mine``: a rank's shards, as
+    ``Shards`` or a host copy's bytes, ``peer_copy.encode``) and send each rank the rows of it that
+    its new shards hold, point to point. ``extra``: this rank's trainer state (sampler, step, RNG,
+    ...) to go with its live shards. Returns this rank's new shards (what ``Shards.load_into``
+    takes), the trainer state of shard index 0's holder, what was used for each shard index and
+    the bytes this rank sent and received; None when no set is complete."""
+    world, me = dist.get_world_size(), dist.get_rank()
     held: list = [None] * world
     dist.all_gather_object(held, list(mine))
     chosen = choose(held)
     if chosen is None:
         return None
-    key, senders = chosen
+    (_, count, _), senders = chosen
+    shape = _layout(module)
+    out: dict[int, dict] = {}
+    for index, (rank, h) in senders.items():
+        if rank != me:
+            continue
+        state = _decoded(mine[h], extra if h.source == "live" else None)
+        shards = Shards.from_state(state["shards"])
+        for dst in range(world):
+            piece = _piece(shards, index, count, shape, dst)
+            if index == 0:  # what is not sharded goes with shard index 0, to every rank
+                piece["common"] = {"buffers": shards.buffers, "groups": shards.groups, "trainer": state["trainer"],
+                                   "sharded_keys": shards.sharded_keys, "optim_dtypes": {
+                                       n: {k: st[k].dtype for k in shards.sharded_keys.get(n, ()) if k in st}
+                                       for n, st in shards.optim.items()},
+                                   "optim": {n: {k: v for k, v in st.items() if k not in shards.sharded_keys.get(n, ())}
+                                             for n, st in shards.optim.items()}}
+            if piece["rows"] or index == 0:
+                out.setdefault(dst, {"pieces": []})["pieces"].append(piece)
+    own = out.pop(me, {"pieces": []})["pieces"]  # this rank's rows of the shards it holds: not sent
+    raw = {dst: _encoded(msg) for dst, msg in out.items()}
+    sizes: list = [None] * world
+    dist.all_gather_object(sizes, {dst: len(b) for dst, b in raw.items()})
+    inbox = _exchange(raw, sizes, device)
+    got, trainer = _assemble([p for msg in inbox for p in msg["pieces"]] + own, shape, me)
+    sent = sum(len(b) for b in raw.values())
+    received = sum(s.get(me, 0) for s in sizes)
+    return Gathered(got, trainer, [senders[i][1] for i in range(count)], sent, received)
+
+
+def span(n: int, count: int, index: int) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of ``n`` that shard ``index`` of ``count`` holds (``torch.chunk``'s cut)."""
+    size = math.ceil(n / count) if n else 0
+    start = min(index * size, n)
+    return start, min(start + size, n)
+
+
+def _layout(module: torch.nn.Module) -> dict[str, tuple[int, int, list[int], torch.Tensor]]:
+    """Per parameter of the new layout: (its rows, the shard count, each rank's shard index, an
+    empty tensor of its dtype and row shape: a shard with no rows)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    out = {}
+    for n, p in module.named_parameters():
+        empty = torch.empty((0, *p.shape[1:]), dtype=p.dtype)
+        if not isinstance(p, DTensor):
+            out[n] = (p.shape[0], 1, [0] * dist.get_world_size(), empty)
+            continue
+        rows(p)  # checks the placements
+        dim = next(i for i, pl in enumerate(p.placements) if isinstance(pl, Shard))
+        mesh = p.device_mesh.mesh
+        stride = math.prod(mesh.shape[dim + 1:])
+        index = [0] * dist.get_world_size()
+        for i, rank in enumerate(mesh.flatten().tolist()):  # the rank's coordinate on the shard dimension
+            index[rank] = (i // stride) % mesh.shape[dim]
+        out[n] = (p.shape[0], mesh.shape[dim], index, empty)
+    return out
+
+
+def _piece(shards: Shards, index: int, count: int, shape: dict, dst: int) -> dict:
+    """The rows of old shard ``index`` (of ``count``) that rank ``dst`` holds in the new layout:
+    copies in host memory (a view would send its whole storage; a GPU's rows meet the others there)."""
+    params, optim, at = {}, {}, {}
+    for n, (total, new_count, indices, empty) in shape.items():
+        o0, o1 = span(total, count, index)
+        n0, n1 = span(total, new_count, indices[dst])
+        lo, hi = max(o0, n0), min(o1, n1)
+        if lo >= hi:
+            continue
+        if shards.params[n].shape[0] != o1 - o0:
+            raise RuntimeError(f"live resharding: shard {index} of {count} of {n} has {shards.params[n].shape[0]} "
+                               f"rows, not the {o1 - o0} that torch.chunk gives it")
+        at[n] = lo
+        params[n] = _host(shards.params[n][lo - o0:hi - o0])
+        keys = shards.sharded_keys.get(n, ())
+        optim[n] = {k: _host(shards.optim[n][k][lo - o0:hi - o0]) for k in keys if k in shards.optim.get(n, {})}
+    return {"index": index, "rows": at, "params": params, "optim": optim}
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+def _exchange(raw: dict[int, bytes], sizes: list[dict], device: torch.device) -> list[dict]:
+    """Send each message of ``raw`` (destination -> bytes) to its rank and receive this rank's from
+    the others (``sizes[src][dst]``), point to point, all at once."""
     me = dist.get_rank()
-    send = {i: _encoded(mine[h], extra if h.source == "live" else None) for i, (r, h) in senders.items() if r == me}
-    parts: list = [None] * world
-    dist.all_gather_object(parts, send)
-    by_index: dict[int, dict] = {}
-    for part in parts:
-        for i, raw in part.items():
-            by_index[i] = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
-    shards = [Shards.from_state(by_index[i]["shards"]) for i in range(key[1])]
-    return shards, by_index[0]["trainer"], [senders[i][1] for i in range(key[1])]
+    ops, inbox = [], []
+    for src, out in enumerate(sizes):
+        if src != me and out.get(me):
+            buf = torch.empty(out[me], dtype=torch.uint8, device=device)
+            inbox.append(buf)
+            ops.append(dist.P2POp(dist.irecv, buf, src))
+    for dst, data in sorted(raw.items()):
+        ops.append(dist.P2POp(dist.isend, torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device), dst))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return [torch.load(io.BytesIO(buf.cpu().numpy().tobytes()), weights_only=True, map_location="cpu")
+            for buf in inbox]
 
 
-def _encoded(item: "Shards | bytes", extra: dict | None) -> bytes:
+def _assemble(pieces: list[dict], shape: dict, me: int) -> tuple[Shards, dict]:
+    """This rank's new shards from the pieces it received, in row order."""
+    common = next((p["common"] for p in pieces if "common" in p), None)
+    if common is None:
+        raise RuntimeError(f"live resharding: rank {me} got no piece of shard index 0 (the state that is not sharded)")
+    pieces = sorted(pieces, key=lambda p: p["index"])
+    params: dict[str, torch.Tensor] = {}
+    optim: dict[str, dict[str, torch.Tensor]] = {n: dict(st) for n, st in common["optim"].items()}
+    for n, (total, new_count, indices, empty) in shape.items():
+        n0, n1 = span(total, new_count, indices[me])
+        parts = [p for p in pieces if n in p["params"]]
+        if [p["rows"][n] for p in parts] != sorted(p["rows"][n] for p in parts) or \
+                sum(p["params"][n].shape[0] for p in parts) != n1 - n0:
+            raise RuntimeError(f"live resharding: rank {me} got rows of {n} that do not make up [{n0}, {n1})")
+        params[n] = torch.cat([p["params"][n] for p in parts]) if parts else empty.clone()  # no rows: empty
+        for k in common["sharded_keys"].get(n, ()):
+            optim.setdefault(n, {})[k] = (torch.cat([p["optim"][n][k] for p in parts]) if parts
+                                          else torch.empty_like(empty, dtype=common["optim_dtypes"][n][k]))
+    return Shards(params, dict(common["buffers"]), optim, dict(common["sharded_keys"]), list(common["groups"])), \
+        common["trainer"]
+
+
+def _decoded(item: "Shards | bytes", extra: dict | None) -> dict:
+    """A held shard as ``{"shards": ..., "trainer": ...}`` (a host copy's bytes decoded)."""
     if isinstance(item, bytes):
-        return item
+        return torch.load(io.BytesIO(item), weights_only=True, map_location="cpu")
+    return {"shards": item.to_state(), "trainer": extra}
+
+
+def _encoded(message: dict) -> bytes:
     buf = io.BytesIO()
-    torch.save({"shards": item.to_state(), "trainer": extra}, buf)
+    torch.save(message, buf)
     return buf.getvalue()
 
 
@@ -151,4 +288,4 @@ def cut(full: Shards, module: torch.nn.Module) -> Shards:
     return Shards(params, dict(full.buffers), optim, dict(full.sharded_keys), list(full.groups))
 
 
-__all__ = ["Held", "choose", "cut", "full_state", "gather", "rows"]
+__all__ = ["Gathered", "Held", "choose", "cut", "full_state", "gather", "rows", "span"]

@@ -11,8 +11,11 @@ order every rank takes (survivor and newcomer alike, so that their collectives p
 2. the model wrapped again on the new mesh around this rank's kept shards, or a peer's
    (``rewrap``), or none yet (missing);
 3. missing: ``recover``: the newest complete set of shards, live (a join: the survivors hold every
-   old shard) or from peer copies (a lost node), cut to the new layout (``reshard``), else the
-   newest checkpoint, resharded by DCP. Either way in the same processes.
+   old shard) or from peer copies (a lost node), each rank sent its rows of the new layout point to
+   point (``reshard.gather``), else the newest checkpoint, resharded by DCP. Either way in the same
+   processes.
+4. ``moved``: the bytes of shards the re-form sent, summed over the ranks (the ``live_reform``
+   event's ``moved_bytes``: what a join or a reshard costs the network).
 
 And in the loop, every K-th step: ``copy`` (``peer_copy.PeerCopies.snapshot``).
 """
@@ -23,6 +26,7 @@ import logging
 import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from elastic_trainer.training import hsdp, reshard
@@ -47,14 +51,18 @@ class ShardedLive:
                                       d.local_world_size)
         self.source = ""
         """Where the last recovery's state came from: "live shards", "peer copies", "checkpoint"."""
+        self.sent = self.received = 0
+        """Bytes of shards this rank sent and received in the current re-form (``moved`` sums them)."""
 
     # ---- 1. who sends which shard ----------------------------------------------------------------
-    def donors(self, quorum, step: int) -> dict[int, int | None]:
+    def donors(self, quorum, step: int, kept: hsdp.Shards | None = None) -> dict[int, int | None]:
         """Right after the new group is made (every rank; a newcomer with ``step`` -1): who sends each
         rank its shards (``hsdp.shard_donors``, from every rank's step: one small all-gather); every
         rank is "missing" when the shards' size changes with the world (sharded over all ranks of
-        several nodes: ``--fsdp-shard-all``), or a rank needs shards of such a layout."""
+        several nodes: ``--fsdp-shard-all``), or a rank needs shards of such a layout. A donor counts
+        the bytes of its ``kept`` shards once per receiver (``sent``)."""
         c, d = self.t.config, self.t.dinfo
+        self.sent = self.received = 0
         nproc = d.local_world_size
         hsdp.check_layout(quorum.members, nproc)
         steps: list = [None] * quorum.world_size
@@ -63,7 +71,10 @@ class ShardedLive:
         resized = shape[-1] != hsdp.mesh_shape(d.world_size, nproc, c.fsdp_shard_all)[-1]  # the old world's
         if resized or (shape[-1] > nproc and len(set(steps)) > 1):  # no rank holds another's shards
             return {r: None for r in range(quorum.world_size)}
-        return hsdp.shard_donors(steps, nproc)
+        plan = hsdp.shard_donors(steps, nproc)
+        if kept is not None and None not in plan.values():
+            self.sent = kept.nbytes * sum(donor == dist.get_rank() for donor in plan.values())
+        return plan
 
     # ---- 2. the model on the new mesh ------------------------------------------------------------
     def rewrap(self, kept: hsdp.Shards, state: dict | None, missing: tuple[int, ...]) -> int:
@@ -81,7 +92,8 @@ class ShardedLive:
             return 0
         got = hsdp.Shards.from_state(state["shards"]) if state is not None else kept
         got.load_into(t.module, t.optimizer)
-        return got.nbytes if state is not None else 0
+        self.received = got.nbytes if state is not None else 0
+        return self.received
 
     # ---- 3. no live replica holds some shard ---------------------------------------------------------
     def recover(self, kept: hsdp.Shards | None, old: tuple[int, int, int] | None) -> bool:
@@ -98,15 +110,15 @@ class ShardedLive:
             count = hsdp.mesh_shape(world, t.dinfo.local_world_size, t.config.fsdp_shard_all)[-1]
             mine[reshard.Held(q, count, rank % count, t.step, "live")] = kept
         trainer = t.checkpoints.capture(any_rank=True, whole=False) if kept is not None else None
-        got = reshard.gather(mine, trainer)
+        got = reshard.gather(mine, trainer, t.module, t.dinfo.device)  # this rank's rows, point to point
         if got is not None:
-            shards, trainer_state, used = got
-            held = used[0]
-            reshard.cut(reshard.full_state(shards), t.module).load_into(t.module, t.optimizer)
-            del shards
+            held = got.used[0]
+            got.shards.load_into(t.module, t.optimizer)
+            self.sent, self.received = self.sent + got.sent, self.received + got.received
             if held.step != t.step or kept is None:  # a survivor's own sampler, step and RNG are current
-                t.checkpoints.restore(held.step, {**trainer_state, "shards": None})
-            copied = sum(h.source == "copy" for h in used)
+                t.checkpoints.restore(held.step, {**got.trainer, "shards": None})
+            copied = sum(h.source == "copy" for h in got.used)
+            del got
             self.source = "peer copies" if copied else "live shards"
             t.report.print0(f"no live replica holds every shard: rebuilt step {t.step} from {self.source} "
                             f"of {held.shards} shard(s) in {time.perf_counter() - t0:.3f}s, no storage read"
@@ -127,6 +139,21 @@ class ShardedLive:
         t.report.print0(f"no live replica holds every shard: reloaded checkpoint step-{t.step} in place"
                         + (f" ({before - t.step} steps to redo)" if kept is not None else ""))
         return True
+
+    # ---- 4. what the re-form moved --------------------------------------------------------------------
+    def moved(self) -> tuple[int, int]:
+        """Every rank of the new group, after its state arrived (one small all-reduce): the bytes of
+        shards sent and received by all ranks in this re-form (``Shards.nbytes`` for a replica's
+        shards, serialized rows for a reshard), logged per rank."""
+        d = self.t.dinfo
+        mine = torch.tensor([self.sent, self.received], dtype=torch.int64, device=d.device)
+        total = mine.clone()
+        dist.all_reduce(total)
+        sent, received = (int(x) for x in total.tolist())
+        logger.info("live --fsdp: this rank sent %d and received %d bytes of shards; all ranks: %d sent, %d received",
+                    self.sent, self.received, sent, received)
+        self.sent = self.received = 0
+        return sent, received
 
     # ---- in the loop -----------------------------------------------------------------------------------
     def copy(self) -> None:

@@ -145,8 +145,10 @@ class Trainer:
                 if state is not None:
                     loaded = (int(state["meta"]["step"]), state)
                     self._peer_state_s = time.perf_counter() - t0
+                    if sharded_live:
+                        self.sharded.received = hsdp.Shards.from_state(state["shards"]).nbytes
                     logger.info("live: received the training state of step %d (%s) in %.3fs", loaded[0],
-                                f"shards: {hsdp.Shards.from_state(state['shards']).nbytes} bytes" if sharded_live
+                                f"shards: {self.sharded.received} bytes" if sharded_live
                                 else f"from rank {self.live.quorum.source}", self._peer_state_s)
                     if not sharded_live:
                         self.module.load_state_dict(loaded[1]["model"])  # before DDP, as the members that sent it
@@ -227,6 +229,7 @@ class Trainer:
                 self.checkpoints.init_from(c.init_from)
             self.report.event("start", world_size=d.world_size, restart=d.restart, round=d.round)
         if self.sharded is not None and self.manager.newcomer:
+            self.sharded.moved()  # the bytes the re-form moved (with the survivors' _live_reform)
             with self.manager.subgroups():
                 self.checkpoints.prepare()  # the saver's group: the survivors make theirs at the re-form
         if self.run_id is None and d.is_main:  # fixed at the first start: restarts before a checkpoint resume it
@@ -244,7 +247,8 @@ class Trainer:
                 continue
             if reason == "saved":
                 last_save = time.monotonic()
-            elif reason == "reform":
+            elif reason == "reform":  # planned: the save in flight commits on the old group first
+                self.checkpoints.settle()
                 self._live_reform(f"planned: {self.manager.reform_reason or 'a member asked'}")
             elif reason is not None:
                 return reason
@@ -370,7 +374,8 @@ class Trainer:
                       if kept is not None else lambda: self._capture_state(any_rank=True))
         try:
             reformed = self.manager.reform(self.step, cause, state_dict, step_seconds=self._last_step_s or 0.0,
-                                           donors=(lambda q: self.sharded.donors(q, self.step)) if kept is not None else None)
+                                           donors=(lambda q: self.sharded.donors(q, self.step, kept))
+                                           if kept is not None else None)
         except LiveExcluded as exc:
             logger.error("live: %s; exiting so that the agent starts this worker again as a newcomer", exc)
             self._event("live_excluded", step=self.step, reason=str(exc))
@@ -394,6 +399,7 @@ class Trainer:
             self._restore(quorum.step, state)
         sharded_live = kept is not None
         if sharded_live:
+            sent, received = self.sharded.moved()  # with the newcomers' _resume
             with self.manager.subgroups():
                 self.checkpoints.prepare()  # the saver's group, made now by every rank (a newcomer: in _resume)
         state = kept = None  # the lambdas above refer to kept: free it, do not unbind it
@@ -402,8 +408,10 @@ class Trainer:
         logger.info("live: rank %d -> %d of %d in quorum %d (%s) in %.3fs", old_rank, d.rank, d.world_size,
                     quorum.q, quorum.cause, timings["total_s"])
         self.report.print0(f"world size changed: {old_world} -> {d.world_size} ranks without a restart "
-                           f"({quorum.cause}); step {self.step}, global batch stays {self.gbs}")
-        sharded = {"extra": {"shard_bytes": moved, "reloaded": bool(reformed.missing),
+                           f"({quorum.cause}); step {self.step}, global batch stays {self.gbs}"
+                           + (f"; {received} bytes of shards moved point to point" if sharded_live else ""))
+        sharded = {"extra": {"shard_bytes": moved, "moved_bytes": received, "sent_bytes": sent,
+                             "reloaded": bool(reformed.missing),
                              "state_from": self.sharded.source if reformed.missing else "replica"}} if sharded_live else {}
         self._event("live_reform", step=self.step, old=old_world, new=d.world_size, round=quorum.q,
                     old_round=old_round, cause=quorum.cause, failed_at=failed_at,
