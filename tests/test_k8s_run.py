@@ -44,7 +44,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import k8s_pod
-from tests.helpers.common import REPO, wait_until
+from tests.helpers.common import REPO, Processes, wait_until
 
 kubectl = shutil.which("kubectl")
 etcd_binary = shutil.which("etcd")
@@ -102,9 +102,8 @@ class Pod:
     def run(self, container: dict, claims: dict[str, Path], wait: bool) -> subprocess.Popen:
         env, argv = self._env_argv(container, claims)
         log = open(self.root / f"{container['name']}.log", "ab")
-        proc = subprocess.Popen(["ip", "netns", "exec", self.node.namespace, *argv], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        self.cluster.all_procs.append(proc)
+        proc = self.cluster.processes.start(["ip", "netns", "exec", self.node.namespace, *argv], env=env, stdout=log,
+                                            stderr=subprocess.STDOUT)
         if wait:
             assert proc.wait(timeout=120) == 0, f"{self.name} {container['name']} failed: {self.log(container['name'])}"
         else:
@@ -140,7 +139,7 @@ class Cluster:
         self.root, self.objs, self.secrets = root, objs, secrets
         self.config_maps = {o["metadata"]["name"]: o.get("data", {}) for o in objs if o["kind"] == "ConfigMap"}
         self.net = netns.Network()
-        self.all_procs: list[subprocess.Popen] = []
+        self.processes = Processes()  # every pod's and spawned process, killed at teardown
         self.pods: dict[str, Pod] = {}
         self.hosts_dirs: list[Path] = []
         self.dns: dict[str, str] = {}  # pod name -> the DNS name etcd's clients reach it by (up())
@@ -179,19 +178,11 @@ class Cluster:
     def spawn(self, name: str, argv: list[str], log: Path) -> subprocess.Popen:
         """A process that is no rendered pod (an etcd the user runs) in ``name``'s namespace."""
         with open(log, "ab") as out:
-            proc = subprocess.Popen(["ip", "netns", "exec", self.nodes[name].namespace, *argv], stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        self.all_procs.append(proc)
-        return proc
+            return self.processes.start(["ip", "netns", "exec", self.nodes[name].namespace, *argv], stdout=out,
+                                        stderr=subprocess.STDOUT)
 
     def teardown(self) -> None:
-        for proc in self.all_procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+        self.processes.kill_all()
         self.net.teardown()
         for folder in self.hosts_dirs:
             shutil.rmtree(folder, ignore_errors=True)
