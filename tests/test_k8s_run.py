@@ -31,6 +31,7 @@ Needs root (``ip netns``), kubectl and etcd; slow (30 to 60 s per overlay).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -211,6 +212,13 @@ def _secrets(tmp_path: Path) -> dict[str, dict[str, str]]:
     """The StatefulSet's server Secret and the trainers' client Secret, for the members' DNS names."""
     certs = _certs(tmp_path, [f"etcd-{i}.etcd-peer.{NAMESPACE}.svc" for i in range(3)])
     return {"etcd-server-tls": _tls_secret(certs, "server"), "etcd-client-tls": _tls_secret(certs, "client")}
+
+
+@pytest.fixture(scope="module")
+def statefulset_secrets(tmp_path_factory) -> dict[str, dict[str, str]]:
+    """``_secrets`` made once for the module (each ``elastic-train etcd certs`` is a Python start-up,
+    seconds on a loaded machine): every StatefulSet run names the same members. Each test gets a copy."""
+    return _secrets(tmp_path_factory.mktemp("statefulset-certs"))
 
 
 def _etcdctl(cluster: Cluster, member: str, *args: str) -> subprocess.CompletedProcess:
@@ -465,7 +473,8 @@ def _etcd_0_rejoins_from_an_empty_volume(cluster: Cluster, start_etcd: Callable[
 
 
 @pytest.mark.parametrize("overlay", ["base", "overlays/s3", "overlays/pytorchjob", "overlays/trainer-v2"])
-def test_the_rendered_manifests_train_on_through_a_lost_trainer_pod_and_a_lost_etcd_member(tmp_path, overlay, moto_on):
+def test_the_rendered_manifests_train_on_through_a_lost_trainer_pod_and_a_lost_etcd_member(tmp_path, overlay, moto_on,
+                                                                                          statefulset_secrets):
     """Then, with ``base``, the lost member comes back on an empty volume and rejoins. That part is
     the StatefulSet's: it runs again only for an overlay whose StatefulSet renders otherwise than
     base's (none does now)."""
@@ -473,7 +482,7 @@ def test_the_rendered_manifests_train_on_through_a_lost_trainer_pod_and_a_lost_e
     trainers = _trainer_pods(objs)
     statefulset = next(o for o in objs if o["kind"] == "StatefulSet")
     rejoin = overlay == "base" or statefulset != next(o for o in _render("base") if o["kind"] == "StatefulSet")
-    cluster = Cluster(tmp_path, objs, _secrets(tmp_path))
+    cluster = Cluster(tmp_path, objs, copy.deepcopy(statefulset_secrets))
     try:
         cluster.up(["etcd-0", "etcd-1", "etcd-2", *trainers.names])
         run_config = _run_config(cluster)
