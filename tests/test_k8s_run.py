@@ -32,6 +32,7 @@ Needs root (``ip netns``), kubectl and etcd; slow (30 to 60 s per overlay).
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import shutil
@@ -62,8 +63,15 @@ pytestmark = [
 NAMESPACE = "elastic-trainer"
 
 
-def _render(overlay: str) -> list[dict]:
+@functools.cache
+def _rendered(overlay: str) -> list[dict]:
     return k8s_pod.kustomize(REPO / "k8s" / overlay)
+
+
+def _render(overlay: str) -> list[dict]:
+    """The overlay's objects, each ``kubectl kustomize`` once per session (``base``'s is also what
+    every other overlay's StatefulSet is compared with); a copy the test may change."""
+    return copy.deepcopy(_rendered(overlay))
 
 
 def _local_argv(argv: list[str]) -> list[str]:
