@@ -2,20 +2,19 @@
 
 Every fixture starts what it needs on a free loopback port and stops it afterwards,
 also when the test fails. Helpers that are not fixtures are in ``tests/helpers/`` (``common.py``,
-and ``runs.py``: the tiny model's flags and the trainer runs the end-to-end tests compare).
+``Processes`` among them, and ``runs.py``: the tiny model's flags and the trainer runs the
+end-to-end tests compare).
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import uuid
 
 import pytest
 
 from elastic_trainer.etcd_server import EtcdServer, free_port
-from tests.helpers.common import DIST_ENV
+from tests.helpers.common import DIST_ENV, Processes
 
 
 _HANDLER_EXPORTS = "ELASTIC_TRAINER_RDZV_"
@@ -124,31 +123,6 @@ def any_url(request, tmp_path) -> str:
     if request.param == "memory":
         return f"memory://store-{uuid.uuid4().hex[:8]}"
     return request.getfixturevalue("s3_url")
-
-
-class Processes:
-    """OS processes a test starts, each in its own session, all killed (by process group) at the end.
-
-    (Not a torch process group: what it holds are ``subprocess.Popen`` objects.)
-    """
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, cmd: list[str], **kwargs) -> subprocess.Popen:
-        kwargs.setdefault("start_new_session", True)
-        proc = subprocess.Popen(cmd, **kwargs)
-        self.procs.append(proc)
-        return proc
-
-    def kill_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
 
 
 @pytest.fixture

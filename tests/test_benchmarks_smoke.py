@@ -93,9 +93,11 @@ def test_recovery_one_trial_of_etcd_v3_measures_each_scenario(procs, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_live_recovery_one_trial_recovers_each_fault_and_measures_goodput(procs, tmp_path):
-    """One live trial (kill a node, add one, kill rank 0) and a 12 s goodput run with a fault at 6 s."""
-    out = run_script(procs, "live_recovery.py", "--systems", "live", "--trials", "1", "--goodput-seconds", "12",
-                     "--fault-every", "6", "--scenarios", "kill-other,join,kill-rank0", "--json",
+    """One live trial (kill a node, add one, kill rank 0) and an 8 s goodput run with a fault at 4 s
+    (each goodput run, clean and with faults, lasts that long: 8 s instead of 12 s saves 8 s of the
+    suite; the fault is still recovered from in ~0.1-0.3 s, well inside the window)."""
+    out = run_script(procs, "live_recovery.py", "--systems", "live", "--trials", "1", "--goodput-seconds", "8",
+                     "--fault-every", "4", "--scenarios", "kill-other,join,kill-rank0", "--json",
                      str(tmp_path / "live.json"), timeout=270)
     result = json.loads((tmp_path / "live.json").read_text())
     trial = result["results"]["live"][0]
@@ -106,7 +108,7 @@ def test_live_recovery_one_trial_recovers_each_fault_and_measures_goodput(procs,
     goodput = result["goodput"]["live"]
     assert goodput["clean"]["steps"] > 0 and goodput["faults"]["steps"] > 0 and goodput["ratio"] > 0
     assert 0 < goodput["time_ratio"] <= 1
-    assert len(goodput["faults"]["faults"]) == 1  # one fault at 6 s (the next would be at 12 s, the end)
+    assert len(goodput["faults"]["faults"]) == 1  # one fault at 4 s (the next would be at 8 s, the end)
     assert "targets (issue 17):" in out and "median s" in out
 
 

@@ -25,7 +25,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from elastic_trainer.checkpoint import storage
 from elastic_trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
-from tests.helpers.common import assert_same_state, mounted_tmpfs
+from tests.helpers.common import assert_same_state, etcd_conn, mounted_tmpfs
 
 try:
     from elastic_trainer.rendezvous.fence import FencedError
@@ -678,12 +678,11 @@ def test_resumed_run_continues_exactly_like_an_uninterrupted_one(tmp_path):
 def test_round_fence_on_real_etcd_lets_only_the_current_round_commit(etcd, run_id, tmp_path, monkeypatch):
     from elastic_trainer.rendezvous.torch_private import RendezvousState
 
-    from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
     from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
     from elastic_trainer.rendezvous.fence import RoundFence
     from elastic_trainer.rendezvous.state import encode_state
 
-    conn = EtcdConnection(EtcdOptions(endpoints=parse_endpoints(etcd.endpoint), retry_timeout=10))
+    conn = etcd_conn(etcd)
     backend = EtcdRendezvousBackend(conn, run_id)
     state = RendezvousState()
     state.round, state.complete = 4, True

@@ -17,11 +17,10 @@ import torch
 from elastic_trainer.checkpoint import CheckpointManager, storage
 from elastic_trainer.checkpoint.record import CommitRecord
 from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
-from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
 from elastic_trainer.rendezvous.fence import RoundFence
 from elastic_trainer.rendezvous.state import encode_state
 from elastic_trainer.rendezvous.torch_private import RendezvousState
-from tests.helpers.common import wait_until
+from tests.helpers.common import etcd_conn, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,7 +36,7 @@ class _Rendezvous:
     """The rendezvous state of one run in a real etcd, whose round a test moves on."""
 
     def __init__(self, endpoint: str, run_id: str, round_: int) -> None:
-        self.conn = EtcdConnection(EtcdOptions(endpoints=parse_endpoints(endpoint), retry_timeout=10))
+        self.conn = etcd_conn(endpoint)
         self.backend = EtcdRendezvousBackend(self.conn, run_id)
         self.state = RendezvousState()
         self.state.round, self.state.complete = round_, True
@@ -201,7 +200,7 @@ def test_live_quorum_change_between_fence_check_and_commit_fences_the_commit(etc
     from elastic_trainer.rendezvous.quorum import LiveGroup, Quorum
 
     prefix = f"/elastic-trainer/{run_id}/"
-    conn = EtcdConnection(EtcdOptions(endpoints=parse_endpoints(etcd.endpoint), retry_timeout=10))
+    conn = etcd_conn(etcd)
 
     def put_quorum(q: int, members) -> None:
         conn.call(lambda c: c.put(prefix + "live/quorum", Quorum(q=q, members=members).to_json()), "test")

@@ -8,12 +8,15 @@ Secrets as mounted files: TLS certificates made by ``elastic-train etcd certs``)
 "pod" in a network namespace of its own on a bridge, with a hosts file that gives the etcd members
 the names their clients use (``etcd-N.etcd-peer.elastic-trainer.svc``, the headless Service's).
 
-* ``base``, ``pvc``, ``s3``, ``pytorchjob``, ``trainer-v2``: the three etcd members start from the
+* ``base``, ``s3``, ``pytorchjob``, ``trainer-v2``: the three etcd members start from the
   StatefulSet's own init container and command line; two trainer pods train; then one trainer pod
   is killed and the member the trainers use first loses its network (a lost node), and the other
   trainer pod must train on in the same worker process. With ``base`` the member then comes back
   with an empty volume (a lost PVC) and must rejoin as a new member and serve; the other overlays
-  render the same StatefulSet (checked), so that part is not repeated.
+  render the same StatefulSet (checked), so that part is not repeated. ``pvc`` is not run: its
+  Job's pod is the PyTorchJob's and the TrainingRuntime's (``test_k8s.py`` and ``test_k8s_v2.py``
+  check them equal but for what their controllers need), with the same ConfigMap (both overlays
+  take components/pvc), so its run would assert what theirs do (it cost ~35 s of the suite).
 * ``existing-etcd``: no StatefulSet; the etcd its user runs is three plain ``etcd`` members at the
   names RDZV_ENDPOINT gives (``etcd-N.etcd.platform.svc``), with TLS; the same trainer checks.
 * ``gpu``: its pod on this CPU-only machine must stop at once with one line (no GPU here to train on).
@@ -28,6 +31,8 @@ Needs root (``ip netns``), kubectl and etcd; slow (30 to 60 s per overlay).
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
 import shutil
@@ -44,7 +49,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import k8s_pod
-from tests.helpers.common import REPO, wait_until
+from tests.helpers.common import REPO, Processes, wait_until
 
 kubectl = shutil.which("kubectl")
 etcd_binary = shutil.which("etcd")
@@ -58,8 +63,15 @@ pytestmark = [
 NAMESPACE = "elastic-trainer"
 
 
-def _render(overlay: str) -> list[dict]:
+@functools.cache
+def _rendered(overlay: str) -> list[dict]:
     return k8s_pod.kustomize(REPO / "k8s" / overlay)
+
+
+def _render(overlay: str) -> list[dict]:
+    """The overlay's objects, each ``kubectl kustomize`` once per session (``base``'s is also what
+    every other overlay's StatefulSet is compared with); a copy the test may change."""
+    return copy.deepcopy(_rendered(overlay))
 
 
 def _local_argv(argv: list[str]) -> list[str]:
@@ -102,9 +114,8 @@ class Pod:
     def run(self, container: dict, claims: dict[str, Path], wait: bool) -> subprocess.Popen:
         env, argv = self._env_argv(container, claims)
         log = open(self.root / f"{container['name']}.log", "ab")
-        proc = subprocess.Popen(["ip", "netns", "exec", self.node.namespace, *argv], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        self.cluster.all_procs.append(proc)
+        proc = self.cluster.processes.start(["ip", "netns", "exec", self.node.namespace, *argv], env=env, stdout=log,
+                                            stderr=subprocess.STDOUT)
         if wait:
             assert proc.wait(timeout=120) == 0, f"{self.name} {container['name']} failed: {self.log(container['name'])}"
         else:
@@ -140,7 +151,7 @@ class Cluster:
         self.root, self.objs, self.secrets = root, objs, secrets
         self.config_maps = {o["metadata"]["name"]: o.get("data", {}) for o in objs if o["kind"] == "ConfigMap"}
         self.net = netns.Network()
-        self.all_procs: list[subprocess.Popen] = []
+        self.processes = Processes()  # every pod's and spawned process, killed at teardown
         self.pods: dict[str, Pod] = {}
         self.hosts_dirs: list[Path] = []
         self.dns: dict[str, str] = {}  # pod name -> the DNS name etcd's clients reach it by (up())
@@ -179,19 +190,11 @@ class Cluster:
     def spawn(self, name: str, argv: list[str], log: Path) -> subprocess.Popen:
         """A process that is no rendered pod (an etcd the user runs) in ``name``'s namespace."""
         with open(log, "ab") as out:
-            proc = subprocess.Popen(["ip", "netns", "exec", self.nodes[name].namespace, *argv], stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        self.all_procs.append(proc)
-        return proc
+            return self.processes.start(["ip", "netns", "exec", self.nodes[name].namespace, *argv], stdout=out,
+                                        stderr=subprocess.STDOUT)
 
     def teardown(self) -> None:
-        for proc in self.all_procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+        self.processes.kill_all()
         self.net.teardown()
         for folder in self.hosts_dirs:
             shutil.rmtree(folder, ignore_errors=True)
@@ -217,6 +220,13 @@ def _secrets(tmp_path: Path) -> dict[str, dict[str, str]]:
     """The StatefulSet's server Secret and the trainers' client Secret, for the members' DNS names."""
     certs = _certs(tmp_path, [f"etcd-{i}.etcd-peer.{NAMESPACE}.svc" for i in range(3)])
     return {"etcd-server-tls": _tls_secret(certs, "server"), "etcd-client-tls": _tls_secret(certs, "client")}
+
+
+@pytest.fixture(scope="module")
+def statefulset_secrets(tmp_path_factory) -> dict[str, dict[str, str]]:
+    """``_secrets`` made once for the module (each ``elastic-train etcd certs`` is a Python start-up,
+    seconds on a loaded machine): every StatefulSet run names the same members. Each test gets a copy."""
+    return _secrets(tmp_path_factory.mktemp("statefulset-certs"))
 
 
 def _etcdctl(cluster: Cluster, member: str, *args: str) -> subprocess.CompletedProcess:
@@ -470,9 +480,9 @@ def _etcd_0_rejoins_from_an_empty_volume(cluster: Cluster, start_etcd: Callable[
     assert set(_step_records(cluster, pod0.name)) == set(after), "pod 0's workers were replaced"
 
 
-@pytest.mark.parametrize("overlay", ["base", "overlays/pvc", "overlays/s3", "overlays/pytorchjob",
-                                     "overlays/trainer-v2"])
-def test_the_rendered_manifests_train_on_through_a_lost_trainer_pod_and_a_lost_etcd_member(tmp_path, overlay, moto_on):
+@pytest.mark.parametrize("overlay", ["base", "overlays/s3", "overlays/pytorchjob", "overlays/trainer-v2"])
+def test_the_rendered_manifests_train_on_through_a_lost_trainer_pod_and_a_lost_etcd_member(tmp_path, overlay, moto_on,
+                                                                                          statefulset_secrets):
     """Then, with ``base``, the lost member comes back on an empty volume and rejoins. That part is
     the StatefulSet's: it runs again only for an overlay whose StatefulSet renders otherwise than
     base's (none does now)."""
@@ -480,7 +490,7 @@ def test_the_rendered_manifests_train_on_through_a_lost_trainer_pod_and_a_lost_e
     trainers = _trainer_pods(objs)
     statefulset = next(o for o in objs if o["kind"] == "StatefulSet")
     rejoin = overlay == "base" or statefulset != next(o for o in _render("base") if o["kind"] == "StatefulSet")
-    cluster = Cluster(tmp_path, objs, _secrets(tmp_path))
+    cluster = Cluster(tmp_path, objs, copy.deepcopy(statefulset_secrets))
     try:
         cluster.up(["etcd-0", "etcd-1", "etcd-2", *trainers.names])
         run_config = _run_config(cluster)

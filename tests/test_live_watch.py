@@ -15,25 +15,12 @@ import pytest
 
 from elastic_trainer.env import LiveSettings
 from elastic_trainer.etcd_server import EtcdServer
-from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
 from elastic_trainer.rendezvous.live_watch import KeysWatch
 from elastic_trainer.rendezvous.members import Change, LiveKeys, Member, Quorum
 from elastic_trainer.rendezvous.quorum import LiveGroup
+from tests.helpers.common import etcd_conn as _conn, holds_within as wait_until
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def wait_until(check, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
-def _conn(server: EtcdServer) -> EtcdConnection:
-    return EtcdConnection(EtcdOptions(endpoints=parse_endpoints(server.endpoint), retry_timeout=10))
 
 
 class _Seen:

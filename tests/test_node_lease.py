@@ -12,28 +12,15 @@ import time
 import pytest
 
 from elastic_trainer.env import LiveSettings
-from elastic_trainer.etcd_server import EtcdServer
-from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
+from elastic_trainer.rendezvous.etcd_client import EtcdConnection
 from elastic_trainer.rendezvous.lease import LeaseKeeper
 from elastic_trainer.rendezvous.node_lease import AgentRecord, RenewalRecord
 from elastic_trainer.rendezvous.quorum import LiveGroup
+from tests.helpers.common import etcd_conn, holds_within
 
 pytestmark = pytest.mark.timeout(120)
 
 TTL, INTERVAL = 2, 0.5
-
-
-def wait_until(check, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
-def _conn(server: EtcdServer) -> EtcdConnection:
-    return EtcdConnection(EtcdOptions(endpoints=parse_endpoints(server.endpoint), retry_timeout=10))
 
 
 class _Agent:
@@ -41,7 +28,7 @@ class _Agent:
 
     def __init__(self, etcd, run_id) -> None:
         self.record = AgentRecord()
-        self.keeper = LeaseKeeper(_conn(etcd), f"/{run_id}/alive/node0", ttl=TTL, interval=INTERVAL,
+        self.keeper = LeaseKeeper(etcd_conn(etcd), f"/{run_id}/alive/node0", ttl=TTL, interval=INTERVAL,
                                   on_renewed=self.record)
         self.keeper.ensure()
         self.lease_id = self.keeper.lease_id
@@ -62,7 +49,7 @@ def node(etcd, run_id):
     left: list[str] = []
     settings = LiveSettings(min_nodes=1, max_nodes=2, last_call=0.0, join_timeout=20, lease_ttl=TTL,
                             keep_alive_interval=INTERVAL)
-    workers = [LiveGroup(_conn(etcd), f"/{run_id}/", "node0", i, 2, "127.0.0.1", settings,
+    workers = [LiveGroup(etcd_conn(etcd), f"/{run_id}/", "node0", i, 2, "127.0.0.1", settings,
                          node_lease=agent.lease_id, on_lease_lost=left.append) for i in range(2)]
     try:
         threads = [threading.Thread(target=w.join, daemon=True) for w in workers]
@@ -73,7 +60,7 @@ def node(etcd, run_id):
         assert all(w.quorum is not None and w.quorum.world_size == 2 for w in workers)
         for w in workers:
             w.start_watching()
-        assert wait_until(lambda: all(w.watcher.reads + w.watcher.loads >= 1 for w in workers), timeout=5)
+        assert holds_within(lambda: all(w.watcher.reads + w.watcher.loads >= 1 for w in workers), timeout=5)
         yield agent, workers, left
     finally:
         for w in workers:
@@ -99,7 +86,7 @@ def test_an_agent_paused_alone_costs_nothing_its_workers_renew_the_nodes_lease_o
     paused = time.monotonic()
     time.sleep(3 * TTL)  # three leases: the lease would be gone twice over
     elapsed = time.monotonic() - paused
-    conn = _conn(etcd)
+    conn = etcd_conn(etcd)
     try:
         assert _lease_ttl(conn, agent.lease_id) > 0, "the node's lease expired while its workers lived"
         assert not left and not any(w._lease.lost for w in workers)
@@ -119,14 +106,14 @@ def test_a_node_frozen_whole_loses_its_lease_and_every_worker_leaves(node):
     for w in workers:
         w._lease._stop.set()  # the workers' stand-in renewals freeze with the node
     frozen = time.monotonic()
-    assert wait_until(lambda: len(left) >= 2, timeout=TTL + 4), "every worker of the node must leave with its lease"
+    assert holds_within(lambda: len(left) >= 2, timeout=TTL + 4), "every worker of the node must leave with its lease"
     assert time.monotonic() - frozen < TTL + 1.5 * INTERVAL + 1.0
     assert all(w._lease.lost for w in workers)
 
 
 def test_a_worker_on_the_nodes_lease_leaves_it_alive_and_clears_its_earlier_selves(etcd, run_id):
     agent = _Agent(etcd, run_id)
-    conn = _conn(etcd)
+    conn = etcd_conn(etcd)
     settings = LiveSettings(min_nodes=1, max_nodes=1, last_call=0.0, join_timeout=20, lease_ttl=TTL,
                             keep_alive_interval=INTERVAL)
     try:
@@ -135,7 +122,7 @@ def test_a_worker_on_the_nodes_lease_leaves_it_alive_and_clears_its_earlier_selv
         conn.call(lambda c: c.put(f"/{run_id}/live/alive/node0-0-999999", b"{}", lease=agent.lease_id))
         keep = f"/{run_id}/live/alive/node0-1-999999"  # another local rank's key is not its business
         conn.call(lambda c: c.put(keep, b"{}", lease=agent.lease_id))
-        w = LiveGroup(_conn(etcd), f"/{run_id}/", "node0", 0, 2, "127.0.0.1", settings, node_lease=agent.lease_id)
+        w = LiveGroup(etcd_conn(etcd), f"/{run_id}/", "node0", 0, 2, "127.0.0.1", settings, node_lease=agent.lease_id)
         assert conn.call(lambda c: c.get(stale))[0] is None
         assert conn.call(lambda c: c.get(f"/{run_id}/live/alive/node0-0-999999"))[0] is None
         assert conn.call(lambda c: c.get(keep))[0] is not None
@@ -176,19 +163,19 @@ def test_a_node_keeps_one_etcd_watch_its_sibling_sees_a_joiner_through_it_and_ta
     assert len(keeping) == 1, "exactly one of the node's workers keeps an etcd watch"
     keeper, sibling = keeping[0], next(w for w in workers if w is not keeping[0])
     reads = sibling.watcher.reads
-    conn = _conn(etcd)
+    conn = etcd_conn(etcd)
     try:
         # A whole node asks to join (its one worker's join key): a planned re-form for both.
         joiner, alive = f"/{run_id}/live/join/node9-0-4242", f"/{run_id}/live/alive/node9-0-4242"
         conn.call(lambda c: c.put(alive, b"{}"))
         conn.call(lambda c: c.put(joiner, b'{"node": "node9", "local_rank": 0, "nproc": 1, "probe": "127.0.0.1:1"}'))
-        assert wait_until(lambda: all(w.change_pending.is_set() for w in workers), timeout=3), \
+        assert holds_within(lambda: all(w.change_pending.is_set() for w in workers), timeout=3), \
             [w.change_reason for w in workers]
         assert sibling.watcher.loads >= 2 and sibling.watcher.reads == reads, "the sibling read etcd itself"
         conn.call(lambda c: c.delete(joiner))
         conn.call(lambda c: c.delete(alive))
         keeper.close()  # the keeping worker leaves: its lock goes with it
-        assert wait_until(lambda: sibling.watcher._watch is not None, timeout=2), "the sibling must take the watch"
+        assert holds_within(lambda: sibling.watcher._watch is not None, timeout=2), "the sibling must take the watch"
         assert not left
     finally:
         conn.close()

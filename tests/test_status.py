@@ -15,14 +15,14 @@ import pytest
 
 from elastic_trainer.etcd_server import free_port
 from elastic_trainer.rendezvous.etcd_backend import run_prefix
-from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
+from elastic_trainer.rendezvous.etcd_client import EtcdConnection
 from elastic_trainer.cli.status import format_status, read_status
 from elastic_trainer.training.status import MAX_EVENTS, StatusPublisher
-from tests.helpers.common import cli_cmd, wait_until
+from tests.helpers.common import cli_cmd, etcd_conn, wait_until
 from tests.helpers.runs import TINY
 
 def connect(etcd) -> EtcdConnection:
-    return EtcdConnection(EtcdOptions(endpoints=parse_endpoints(etcd.endpoint), retry_timeout=5))
+    return etcd_conn(etcd, retry_timeout=5)
 
 
 def test_publisher_writes_at_most_once_an_interval_and_keeps_the_newest_events(etcd, run_id):

@@ -4,6 +4,8 @@ Modules:
 
 - ``manager``: ``Manager`` (public: ``elastic_trainer.Manager``), the worker's process group under
   live recovery: join, re-form, state transfer, the step agreement; a plain manager otherwise;
+  its parts: ``process_group`` (join, leave, a failed collective), ``state_transfer`` (the state
+  from a peer), ``agreement`` (the step agreement) and ``uses_manager`` (whether a script runs live);
 - ``trainer``: ``Trainer``, the loop (build, resume, step, agree, save), one client of the Manager;
 - ``checkpointing``: ``Checkpointing``, the trainer's checkpoints (capture, save, load, resume,
   the save after a failure) over ``elastic_trainer.checkpoint``;

@@ -23,6 +23,12 @@ the models; this one is simpler: one quorum per re-form, not per step). Sharded 
 ``training/hsdp.py``) pass ``donors`` to ``reform``/``receive_state``: each rank then gets its
 part from the rank that holds the same part (``send_states``).
 
+This module is the Manager itself; its parts live beside it, one idea each, and their public
+names are importable from here as before: ``training/process_group.py`` (join, leave, tell a
+failed collective), ``training/state_transfer.py`` (``send_state``, ``send_states``: the state
+from a peer), ``training/agreement.py`` (``Agreement``, the step agreement's layout and cadence)
+and ``training/uses_manager.py`` (``script_uses_manager``: the launcher's test for a script).
+
 Usage (``examples/own_loop.py`` is the whole program)::
 
     from elastic_trainer import Manager
@@ -58,13 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import io
 import logging
-import os
-import re
-import signal
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -73,245 +73,19 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from elastic_trainer.env import (ENV_DEBUG_HANG, ENV_NCCL_ERROR_HANDLING, EXIT_EXCLUDED, EXIT_OK,
-                                 NCCL_CLEAN_UP_ONLY, WorkerEnv)
+from elastic_trainer.env import EXIT_EXCLUDED, EXIT_OK, WorkerEnv
 from elastic_trainer.rendezvous.quorum import LiveExcluded, LiveGroup, Quorum, RunFinished
 from elastic_trainer.training.abandon import GroupAbandon
+from elastic_trainer.training.agreement import Agreement, Cadence, agree_interval, shared_values
+from elastic_trainer.training.process_group import (collective_failed, etcd_addresses, host_step_is_device_state,
+                                                    init_from_env, install_debug_hang, leave_process_group,
+                                                    nccl_error_handling, run_or_failed_collective, warm_up_ddp)
 from elastic_trainer.training.runtime import die_with_parent, runtime
+from elastic_trainer.training.state_transfer import send_state, send_states, transfer
+from elastic_trainer.training.uses_manager import script_uses_manager
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-
-# ---- telling a failed collective from other errors -------------------------------------------------
-def collective_failed(exc: BaseException) -> bool:
-    """A collective with a peer failed (the peer died, or its group was torn down), on any backend:
-    torch raises ``DistError`` subclasses (``DistBackendError`` for NCCL's errors and timeouts), and
-    plain ``RuntimeError``s whose text names the backend (gloo, NCCL) or the connection."""
-    if isinstance(exc, dist.DistError):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(k in text for k in ("gloo", "nccl", "connection", "peer"))
-
-
-def run_or_failed_collective(step: Callable[[], T], recover: bool) -> tuple[T | None, str | None]:
-    """``(step(), None)``, or ``(None, cause)`` when ``recover`` and a collective failed in it.
-
-    The failure is returned, not handled inside the ``except`` block, so that the re-form runs
-    with the failed step's frames (its traceback) released: while anything refers to the broken
-    process group its gloo connections stay open (checked: a peer blocked on this process then
-    waits until it exits), and a survivor blocked on this one, not on the dead peer, would report
-    late and be left out of the next quorum."""
-    try:
-        return step(), None
-    except Exception as exc:  # noqa: BLE001 - only a failed collective is recovered; the rest re-raises
-        if not recover or not collective_failed(exc):
-            raise
-        return None, f"a collective failed ({type(exc).__name__})"
-
-
-def host_step_is_device_state(device: torch.device) -> bool:
-    """Whether, when a collective fails, the model and optimizer on ``device`` are those of the last
-    step the host completed (so rank 0 may save them without its peers).
-
-    On the CPU (gloo) a collective returns only once it is done, so a failure stops the host before
-    the optimizer step. On CUDA (NCCL) ``work.wait()`` only makes the compute stream wait: the host
-    queues the optimizer step, and further steps, behind an all-reduce that may never finish, and
-    when the group is aborted (watchdog, ``--collective-timeout``) those kernels run on a partial
-    result. The host's step then says nothing about the state on the GPU: no save after a failure."""
-    return device.type != "cuda"
-
-
-def agree_interval(host_cycle_s: float, device_step_s: float | None = None) -> int:
-    """Steps between two step-end agreements: about 0.2 s of steps, 1 to 32. A step takes the
-    longer of the host's cycle (start to start) and the device's own time for it (CUDA), since the
-    host only queues the GPU's work and runs ahead of it until a synchronisation point."""
-    cycle = max(host_cycle_s, device_step_s or 0.0)
-    return max(1, min(32, int(0.2 / cycle))) if cycle > 0 else 1
-
-
-# ---- the process group ----------------------------------------------------------------------------
-def leave_process_group() -> None:
-    """Abort (NCCL: tear the communicators down, unblocking queued work) and destroy the default group.
-
-    What still refers to the group keeps its connections open after ``destroy_process_group``
-    (peers blocked on this process then wait until it exits): the caller drops DDP first. (No
-    ``gc.collect()`` here: under load it took 0.3-0.4 s of every re-form, and the group goes by
-    reference counting once DDP and the failed step's frames are gone.)"""
-    if not dist.is_initialized():
-        return
-    try:
-        dist.group.WORLD.abort()
-    except Exception as exc:  # noqa: BLE001 - gloo has little to abort; destroy below frees it
-        logger.debug("abort of the process group: %s", exc)
-    try:
-        dist.destroy_process_group()
-    except Exception as exc:  # noqa: BLE001 - a broken group may fail to destroy cleanly
-        logger.info("destroying the broken process group: %s", exc)
-
-
-def _etcd_addresses(group: LiveGroup | None) -> list[tuple[str, int]]:
-    """The (address, port) pairs of the live group's etcd endpoints: connections the group's
-    abandonment must leave alone."""
-    if group is None:
-        return []
-    out = []
-    for host, port in group.conn.options.endpoints:
-        try:
-            out += [(info[4][0], int(port)) for info in socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)]
-        except OSError:
-            out.append((host, int(port)))
-    return out
-
-
-def install_debug_hang(env: WorkerEnv) -> None:
-    """Drills and tests: with ``ELASTIC_TRAINER_DEBUG_HANG=1`` a SIGUSR2 makes the training thread
-    stop making progress for good (a sleep loop in the signal handler, which runs on the main
-    thread), while the process and its other threads (lease, watcher) stay healthy: a hang that
-    only the lack of progress can reveal."""
-    if env.debug_hang != "1" or threading.current_thread() is not threading.main_thread():
-        return
-
-    def hang(signum, frame) -> None:
-        logger.warning("live: SIGUSR2 with %s=1: the training thread hangs now (a drill)", ENV_DEBUG_HANG)
-        while True:
-            time.sleep(1.0)
-
-    signal.signal(signal.SIGUSR2, hang)
-
-
-def nccl_error_handling() -> str:
-    """Ask NCCL process groups made from now on to abort their communicators on an error or a
-    timeout and raise it, instead of ending the process (``NCCL_CLEAN_UP_ONLY``); a value the user
-    set is kept, with a warning when it ends the process. Returns the value in force."""
-    value = os.environ.setdefault(ENV_NCCL_ERROR_HANDLING, NCCL_CLEAN_UP_ONLY)
-    if value != NCCL_CLEAN_UP_ONLY:
-        logger.warning("live: %s=%s ends a worker on an NCCL error or timeout, so live recovery falls back to "
-                       "restarting it; unset it (or set %s) to keep the process", ENV_NCCL_ERROR_HANDLING, value,
-                       NCCL_CLEAN_UP_ONLY)
-    return value
-
-
-def init_from_env(env: WorkerEnv, device: torch.device, timeout: float) -> bool:
-    """Plain mode: join the default group that torchrun's environment describes (gloo on CPU, NCCL
-    on GPU, bound to ``device`` so that its communicators are made now). False when not launched."""
-    if not env.launched:
-        return False
-    if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        extra = {"device_id": device} if backend == "nccl" else {}
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), **extra)
-    return True
-
-
-def warm_up_ddp() -> None:
-    """Construct DDP once on a throwaway one-process group: its first construction imports ~800
-    modules (1.6 s here), which a newcomer must not spend while the others wait for it."""
-    if dist.is_initialized():
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
-    finally:
-        dist.destroy_process_group()
-
-
-# ---- state transfer -----------------------------------------------------------------------------
-def send_state(state: dict | None, src: int, receivers: Sequence[int], device: torch.device) -> dict | None:
-    """Send ``state`` from rank ``src`` to each rank in ``receivers`` (point to point: other ranks
-    neither receive nor decode it). Returns the state on the receivers, None elsewhere.
-
-    Peak extra memory: one serialized copy on the sender; on a receiver, the received bytes and
-    the decoded state (``torch.load`` reads the buffer in place, through a zero-copy reader)."""
-    from elastic_trainer.checkpoint.storage import PartsReader
-
-    rank = dist.get_rank()
-    if rank == src:
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        data = torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
-        payload = data.to(device) if device.type != "cpu" else data
-        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-        works = []
-        for dst in receivers:
-            works += [dist.isend(size, dst=dst), dist.isend(payload, dst=dst)]
-        for work in works:
-            work.wait()
-        del payload, data
-        return None
-    if rank not in receivers:
-        return None
-    size = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.recv(size, src=src)
-    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.recv(payload, src=src)
-    raw = payload.cpu().numpy() if device.type != "cpu" else payload.numpy()
-    return torch.load(PartsReader([memoryview(raw)]), weights_only=True, map_location="cpu")
-
-
-def send_states(state: dict | None, donors: dict[int, int | None], device: torch.device) -> dict | None:
-    """Several ``send_state`` at once, for ``donors`` (receiver rank -> the rank that sends to it):
-    every donor sends its own ``state`` to its receivers, point to point. Each rank takes part in one
-    transfer only (the others return at once), so the donors send side by side (HSDP: one donor per
-    shard index, ``training/hsdp.py``). Returns what this rank received, else None."""
-    rank = dist.get_rank()
-    by_donor: dict[int, list[int]] = {}
-    for receiver, donor in donors.items():
-        if donor is None:
-            raise ValueError(f"send_states: no rank holds the state of rank {receiver}")
-        by_donor.setdefault(donor, []).append(receiver)
-    got = None
-    for donor, receivers in sorted(by_donor.items()):
-        if rank == donor or rank in receivers:
-            got = send_state(state if rank == donor else None, donor, receivers, device)
-    return got
-
-
-# ---- who uses it ----------------------------------------------------------------------------------
-_USES_MANAGER = re.compile(
-    r"^\s*from\s+elastic_trainer(?:\.training(?:\.manager)?)?\s+import\s+(?:\([^)]*|[^\n]*)\bManager\b"
-    r"|\belastic_trainer\.(?:training\.(?:manager\.)?)?Manager\b", re.MULTILINE)
-
-
-def script_uses_manager(script: str, module: bool = False) -> bool:
-    """Whether the training script (a path, or a module name with ``module``) uses this Manager:
-    its text imports it (``from elastic_trainer import Manager``, or from ``elastic_trainer.training``
-    or ``.training.manager``) or names ``elastic_trainer.Manager``. ``elastic-train`` runs such a script under
-    live recovery by default and any other under restart: a script that ignores the Manager would,
-    under live recovery, get from torchrun a process group of its own node only (each node
-    training alone), so it must not run there."""
-    import importlib.util
-
-    path: str | None = script
-    if module:
-        try:
-            spec = importlib.util.find_spec(script)
-        except (ImportError, ValueError):
-            spec = None
-        path = spec.origin if spec is not None else None
-    if not path:
-        return False
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
-    except OSError:
-        return False
-    return _USES_MANAGER.search(text) is not None
-
-
-# ---- the Manager ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Agreement:
-    """What the ranks agreed at a step's end."""
-
-    values: list[float]
-    """The loop's values, summed over the ranks."""
-    reform: bool
-    """Some rank's quorum asks to re-form (a node waits to join, a member's lease expired): every
-    rank re-forms now, at this same step (``Manager.reform``)."""
-    next_in: int
-    """Steps until the next agreement (rank 0's choice)."""
 
 
 @dataclass(frozen=True)
@@ -351,7 +125,7 @@ class Manager:
         self.group: LiveGroup | None = LiveGroup.from_env(self.env, start_thread=rt.start_thread,
                                                           on_lease_lost=self._lease_lost)
         """The live quorum's membership (None in plain mode); also the checkpoint commit's fence."""
-        self.abandon = GroupAbandon(self.backend, _etcd_addresses(self.group))
+        self.abandon = GroupAbandon(self.backend, etcd_addresses(self.group))
         """Makes the group's collectives in flight fail now (the watcher calls it on a silent loss)."""
         if self.group is not None:
             self.group.on_member_lost = self.abandon.abandon
@@ -362,9 +136,7 @@ class Manager:
         self.round = self.env.rdzv_round
         """The quorum number under live recovery (the rendezvous round otherwise)."""
         self.distributed = False
-        self._agree_in = 1  # steps until the next agreement (the first step agrees)
-        self._last_due: float | None = None
-        self._cycle_s: float | None = None
+        self._cadence = Cadence()  # when the next agreement is due, and the measured step cycle
         self._subgroups = False  # groups beside the default one were made (subgroups())
 
     @property
@@ -544,12 +316,7 @@ class Manager:
 
     def agree_due(self) -> bool:
         """Count a step's end; True when the ranks agree after it (every ``Agreement.next_in`` steps)."""
-        now = time.perf_counter()
-        if self._last_due is not None:
-            self._cycle_s = now - self._last_due
-        self._last_due = now
-        self._agree_in -= 1
-        return self._agree_in <= 0
+        return self._cadence.due()
 
     def agree(self, values: Sequence[float] | torch.Tensor, *, interval: int | None = None) -> Agreement:
         """One small all-reduce: ``values`` summed over the ranks, and whether to re-form now.
@@ -557,12 +324,8 @@ class Manager:
         ``interval`` (rank 0's is used): steps until the next agreement; by default about 0.2 s of
         steps at the cycle ``agree_due`` measured. Every rank must call it at the same steps."""
         if interval is None:
-            interval = agree_interval(self._cycle_s or 0.0)
-        vals = values.to(torch.float64) if isinstance(values, torch.Tensor) else torch.tensor(
-            [float(v) for v in values], dtype=torch.float64, device=self.device)
-        flags = torch.tensor([float(self.reform_pending), float(interval) if self.rank == 0 else 0.0],
-                             dtype=torch.float64, device=vals.device)  # the group's device (NCCL: CUDA)
-        shared = torch.cat([vals.reshape(-1), flags])
+            interval = agree_interval(self._cadence.cycle_s or 0.0)
+        shared = shared_values(values, self.reform_pending, interval, self.rank, self.device)
         if self.distributed and self.world_size > 1:
             if self.group is not None:  # a wait for a hung peer here is a stalled step too
                 self.group.progress.enter()
@@ -572,10 +335,9 @@ class Manager:
                     self.group.progress.leave(measured=False)
             else:
                 dist.all_reduce(shared)
-        out = shared.tolist()
-        n = len(out) - 2
-        self._agree_in = max(1, int(out[n + 1]))
-        return Agreement(out[:n], out[n] > 0, self._agree_in)
+        agreed = Agreement.read(shared)
+        self._cadence.next_in = agreed.next_in
+        return agreed
 
     def reform(self, step: int, cause: str, state_dict: Callable[[], dict] | None = None, *,
                step_seconds: float | None = None,
@@ -604,7 +366,7 @@ class Manager:
                 self.abandon.abandon("this rank re-forms")
             leave_process_group()
             torn = time.perf_counter()
-            cycle = self._cycle_s if step_seconds is None else step_seconds
+            cycle = self._cadence.cycle_s if step_seconds is None else step_seconds
             quorum = self.group.reform(step, cause, report_timeout=max(self.group.settings.report_timeout,
                                                                         3 * (cycle or 0.0)))
             agreed = time.perf_counter()
@@ -612,25 +374,12 @@ class Manager:
             grouped = time.perf_counter()
         finally:
             self.group.progress.reform_ended()
-        state, missing = None, ()
-        plan = donors(quorum) if donors is not None else None
-        if plan is not None:
-            missing = tuple(r for r, d in sorted(plan.items()) if d is None)
-            sender = self.rank in plan.values()
-            if sender and state_dict is None:
-                raise ValueError("Manager.reform needs state_dict on the ranks that send their state to others")
-            if plan and not missing:
-                sent = state_dict() if sender else None
-                state = send_states(sent, plan, self.device)
-        elif quorum.receivers:
-            source = self.rank == quorum.source
-            if source and state_dict is None:
-                raise ValueError("Manager.reform needs state_dict on the rank that sends the state to the others")
-            state = send_state(state_dict() if source else None, quorum.source, quorum.receivers, self.device)
-        self._agree_in = 1
+        state, missing = transfer(quorum, self.rank, state_dict, self.device, donors)
+        self._cadence.next_in = 1
         return Reform(quorum, state, old_rank, old_world, torn, agreed, grouped, missing)
 
 
 __all__ = ["Agreement", "LiveExcluded", "Manager", "Reform", "RunFinished", "agree_interval", "collective_failed",
            "host_step_is_device_state", "leave_process_group", "nccl_error_handling", "run_or_failed_collective",
            "script_uses_manager", "send_state", "send_states", "warm_up_ddp"]
+

@@ -1,8 +1,10 @@
 """What the tests share that is not a fixture (fixtures live in ``tests/conftest.py``).
 
-- ``common``: helpers the test modules call: ``REPO``, ``cli_cmd``, ``wait_until`` (polling),
-  ``DIST_ENV`` (what conftest's ``single_process_env`` clears), ``assert_same_state`` (exact state
-  equality), ``mounted_tmpfs`` (a tiny filesystem, or a skip).
+- ``common``: helpers the test modules call: ``REPO``, ``cli_cmd``, ``wait_until`` (polling, raises
+  on a timeout) and ``holds_within`` (fine polling, a bool to assert), ``DIST_ENV`` (what conftest's
+  ``single_process_env`` clears), ``assert_same_state`` (exact state equality), ``mounted_tmpfs`` (a
+  tiny filesystem, or a skip), ``etcd_conn`` (a client of a test's etcd), ``Processes`` (what a test
+  starts, killed by process group: conftest's ``procs``).
 - ``runs``: the tiny model's flags (``TINY``) and the trainer runs the end-to-end tests start and
   compare (``SEEDS_MSE``, ``baseline``, ``agent``, ``latest``, ``check_equivalence``, ...).
 - ``ckpt_writer``: a checkpoint writer run as its own process (kills mid-save, concurrent writers).

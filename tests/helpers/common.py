@@ -1,9 +1,10 @@
 """Helpers the test modules share: the repository and the CLI, polling, the distributed
-environment, exact state equality, a tiny tmpfs.
+environment, exact state equality, a tiny tmpfs, an etcd connection, the processes a test starts.
 
     from tests.helpers.common import REPO, assert_same_state, cli_cmd, mounted_tmpfs, wait_until
 
     steps = wait_until(lambda: records.read_steps(logs), 90, "3 steps", until=lambda s: len(s) >= 3)
+    assert holds_within(lambda: watch.established.is_set(), 5), "the watch must be re-established"
     assert_same_state(resumed.state_dict(), uninterrupted.state_dict(), "model")
     with mounted_tmpfs(tmp_path / "tiny", size="1m"):   # skips the test when not root
         ...
@@ -14,6 +15,8 @@ Fixtures stay in ``tests/conftest.py`` (``single_process_env`` clears ``DIST_ENV
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,6 +28,8 @@ import pytest
 import torch
 
 from elastic_trainer.env import ENV_CHECKPOINT_DIR, ENV_LOG_DIR, ENV_RDZV_ROUND
+from elastic_trainer.etcd_server import EtcdServer
+from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -60,6 +65,47 @@ def wait_until(poll: Callable[[], T], timeout: float, what: str, *, until: Calla
             message = f"timed out after {timeout:g} s waiting for {what}"
             raise AssertionError(f"{message}; {details()}" if details is not None else message)
         time.sleep(interval)
+
+
+def holds_within(check: Callable[[], object], timeout: float, interval: float = 0.02) -> bool:
+    """Whether ``check()`` holds within ``timeout`` seconds, polled every ``interval`` (finely: the
+    watch and lease tests time what they wait for): ``assert holds_within(...), "why"``."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
+def etcd_conn(etcd: EtcdServer | str, retry_timeout: float = 10) -> EtcdConnection:
+    """A client connection to a test's etcd (the server, or its endpoint ``host:port[,...]``)."""
+    endpoint = etcd if isinstance(etcd, str) else etcd.endpoint
+    return EtcdConnection(EtcdOptions(endpoints=parse_endpoints(endpoint), retry_timeout=retry_timeout))
+
+
+class Processes:
+    """OS processes a test starts, each in its own session, all killed (by process group) at the end
+    (conftest's ``procs`` fixture; the k8s test's pods). Not a torch process group: what it holds
+    are ``subprocess.Popen`` objects."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, cmd: list[str], **kwargs) -> subprocess.Popen:
+        kwargs.setdefault("start_new_session", True)
+        proc = subprocess.Popen(cmd, **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
 
 
 def assert_same_state(a: Any, b: Any, where: str = "state") -> None:

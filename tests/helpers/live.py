@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from elastic_trainer import records
-from tests.helpers.common import REPO, cli_cmd, wait_until
+from tests.helpers.common import REPO, cli_cmd, etcd_conn, wait_until
 from tests.helpers.runs import CONF, SEEDS_MSE
 
 
@@ -65,12 +65,11 @@ def two_members(etcd, run_id: str, **settings) -> Iterator[list]:
     """Two ``LiveGroup``s of two nodes ("node-a", "node-b") in this process, joined into one
     quorum on the real ``etcd``; closed after. ``settings`` override ``LiveSettings``' (2 nodes)."""
     from elastic_trainer.env import LiveSettings
-    from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
     from elastic_trainer.rendezvous.quorum import LiveGroup
 
     live = LiveSettings(**{"min_nodes": 2, "max_nodes": 2, "last_call": 0.1, "join_timeout": 20, "lease_ttl": 3,
                            **settings})
-    conn = EtcdConnection(EtcdOptions(endpoints=parse_endpoints(etcd.endpoint), retry_timeout=10))
+    conn = etcd_conn(etcd)
     groups = [LiveGroup(conn, f"/t/{run_id}", node, 0, 1, "127.0.0.1", live) for node in ("node-a", "node-b")]
     try:
         joined = [threading.Thread(target=g.join) for g in groups]

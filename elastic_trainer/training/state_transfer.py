@@ -1,0 +1,101 @@
+"""State transfer: a live rank's training state sent point to point to the ranks that need it.
+
+After a re-form the quorum continues at the highest step any survivor reported; the ranks behind
+it and the newcomers (``Quorum.receivers``) receive the state of one rank that completed it
+(``Quorum.source``), over the new process group, never from storage (``send_state``). A sharded
+state (HSDP, ``training/hsdp.py``) has no single source: each receiver gets its part from the rank
+that holds the same part (``donors``: receiver rank -> donor rank), every donor sending side by side
+(``send_states``). ``transfer`` is what a re-form runs: the plan, its checks, and the sends.
+
+The state is whatever the loop's ``state_dict()`` returns (``torch.save``-able: tensors, numbers,
+nested dicts); it is serialized once on the sender and decoded in place on each receiver.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from elastic_trainer.rendezvous.quorum import Quorum
+
+
+def send_state(state: dict | None, src: int, receivers: Sequence[int], device: torch.device) -> dict | None:
+    """Send ``state`` from rank ``src`` to each rank in ``receivers`` (point to point: other ranks
+    neither receive nor decode it). Returns the state on the receivers, None elsewhere.
+
+    Peak extra memory: one serialized copy on the sender; on a receiver, the received bytes and
+    the decoded state (``torch.load`` reads the buffer in place, through a zero-copy reader)."""
+    from elastic_trainer.checkpoint.storage import PartsReader
+
+    rank = dist.get_rank()
+    if rank == src:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        data = torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
+        payload = data.to(device) if device.type != "cpu" else data
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+        works = []
+        for dst in receivers:
+            works += [dist.isend(size, dst=dst), dist.isend(payload, dst=dst)]
+        for work in works:
+            work.wait()
+        del payload, data
+        return None
+    if rank not in receivers:
+        return None
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(size, src=src)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.recv(payload, src=src)
+    raw = payload.cpu().numpy() if device.type != "cpu" else payload.numpy()
+    return torch.load(PartsReader([memoryview(raw)]), weights_only=True, map_location="cpu")
+
+
+def send_states(state: dict | None, donors: dict[int, int | None], device: torch.device) -> dict | None:
+    """Several ``send_state`` at once, for ``donors`` (receiver rank -> the rank that sends to it):
+    every donor sends its own ``state`` to its receivers, point to point. Each rank takes part in one
+    transfer only (the others return at once), so the donors send side by side (HSDP: one donor per
+    shard index, ``training/hsdp.py``). Returns what this rank received, else None."""
+    rank = dist.get_rank()
+    by_donor: dict[int, list[int]] = {}
+    for receiver, donor in donors.items():
+        if donor is None:
+            raise ValueError(f"send_states: no rank holds the state of rank {receiver}")
+        by_donor.setdefault(donor, []).append(receiver)
+    got = None
+    for donor, receivers in sorted(by_donor.items()):
+        if rank == donor or rank in receivers:
+            got = send_state(state if rank == donor else None, donor, receivers, device)
+    return got
+
+
+def transfer(quorum: Quorum, rank: int, state_dict: Callable[[], dict] | None, device: torch.device,
+             donors: Callable[[Quorum], dict[int, int | None]] | None = None) -> tuple[dict | None, tuple[int, ...]]:
+    """A re-form's state transfer on every rank of the new group: ``(received state, missing)``.
+
+    Without ``donors`` the quorum's source sends ``state_dict()`` to its receivers. With ``donors``
+    (``Manager.reform``'s) each donor sends its own ``state_dict()`` to its receivers; when any
+    receiver has no donor nothing is sent and ``missing`` names those ranks, alike on every rank
+    (the caller loads a checkpoint). The state is None on the ranks that received nothing."""
+    plan = donors(quorum) if donors is not None else None
+    if plan is not None:
+        missing = tuple(r for r, d in sorted(plan.items()) if d is None)
+        sender = rank in plan.values()
+        if sender and state_dict is None:
+            raise ValueError("Manager.reform needs state_dict on the ranks that send their state to others")
+        if plan and not missing:
+            sent = state_dict() if sender else None
+            return send_states(sent, plan, device), ()
+        return None, missing
+    if quorum.receivers:
+        source = rank == quorum.source
+        if source and state_dict is None:
+            raise ValueError("Manager.reform needs state_dict on the rank that sends the state to the others")
+        return send_state(state_dict() if source else None, quorum.source, quorum.receivers, device), ()
+    return None, ()
+
+
+__all__ = ["send_state", "send_states", "transfer"]
