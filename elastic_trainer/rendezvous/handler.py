@@ -59,6 +59,7 @@ from datetime import timedelta
 from torch.distributed import PrefixStore
 from torch.distributed.elastic.events import NodeState
 from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
     RendezvousError,
     RendezvousInfo,
     RendezvousParameters,
@@ -145,23 +146,32 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
         if self._options.recovery == "live":
             return self._live_rendezvous()
         logger.info("node %s joins the next round of rendezvous '%s'", self.node_name, self._settings.run_id)
-        self._lease.ensure()
-        deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
-        if self._first_round:
-            # This node's descriptor (address, pid, local id) is new: it cannot be in a round
-            # yet, so there is nothing to leave (torch reads the whole state to find out).
-            self._first_round = False
-            self._reopen_finished_run()
-            time.sleep(random.uniform(0, 0.1))
-        else:
-            self._op_executor.run(ExitOp(), deadline)
-        # Only after leaving the last round may others admit this node to the next one.
         joining_key = self._etcd_backend.joining_key(self.node_name)
         joining_value = json.dumps(node_json(self._this_node)).encode()
-        self._lease.put(joining_key, joining_value)
+        first, self._first_round = self._first_round, False
+        if first:
+            # This node's descriptor (address, pid, local id) is new: it cannot be in a round
+            # yet, so there is nothing to leave (torch reads the whole state to find out), and
+            # its joining key goes out with its alive key, in one request.
+            self._lease.ensure({joining_key: joining_value})
+            deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
+            time.sleep(random.uniform(0, 0.1))
+        else:
+            self._lease.ensure()
+            deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
+            self._op_executor.run(ExitOp(), deadline)
+            # Only after leaving the last round may others admit this node to the next one.
+            self._lease.put(joining_key, joining_value)
         self._op_executor.rejoin = lambda: self._rejoin(joining_key, joining_value)
         try:
-            self._op_executor.run(JoinOp(), deadline, self._get_deadline)
+            try:
+                self._op_executor.run(JoinOp(), deadline, self._get_deadline)
+            except RendezvousClosedError:
+                # A closed state met at the first join may be a finished job's: start it over and
+                # join again (asked only then: at every first join it was a request per node).
+                if not first or not self._reopen_finished_run():
+                    raise
+                self._op_executor.run(JoinOp(), deadline, self._get_deadline)
         finally:
             self._op_executor.rejoin = None
             try:
@@ -224,8 +234,9 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
         logger.info("node %s starts its workers in the live group of run '%s'", self.node_name, s.run_id)
         return RendezvousInfo(store, 0, 1, bootstrap)
 
-    def _reopen_finished_run(self) -> None:
-        """Start over when the run's state says a finished job closed it and nobody is left.
+    def _reopen_finished_run(self) -> bool:
+        """Start over when the run's state says a finished job closed it and nobody is left; True
+        when the run is open now (started over here or by another node, or not closed after all).
 
         torch closes the rendezvous when a job ends; its c10d store vanishes with the job,
         but etcd keeps the closed state, so running the same run id again (the embedded etcd
@@ -240,25 +251,27 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
         backend = self._etcd_backend
         summary = decode_summary(backend.poll_summary()[0])
         if summary is not None and not summary[2]:
-            return  # not closed (the common case), known from a few bytes
+            return True  # not closed (any more), known from a few bytes
         # The state alone first: in a new run there is none (and no summary), and the list of
         # live nodes, read whole, cost every one of 1,000 agents arriving together O(N).
         found = backend.read_state()
         if found is None:
-            return
+            return True
         data, token = found
         old = decode_state(data)
         if not old.closed:
-            return
+            return True
         members = {node_name(n) for n in (*old.participants, *old.wait_list, *old.redundancy_list)}
         if members & backend.read()[2]:
-            return
+            return False
         fresh = RendezvousState()
         fresh.round = old.round + 1
-        if backend.set_state(encode_state(fresh), token, summary=encode_summary(fresh)) is not None:
+        written = backend.set_state(encode_state(fresh), token, summary=encode_summary(fresh))
+        if written is not None and written[2]:  # (a lost swap returns the winner's state, not None)
             logger.info("rendezvous '%s' was closed by a finished job; starting it over at round %d",
                         self._settings.run_id, fresh.round)
             self._store.delete_prefix("")
+        return True  # started over here, or by the node that won the swap
 
     def shutdown(self) -> bool:
         self._joined = None

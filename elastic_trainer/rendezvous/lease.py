@@ -200,18 +200,27 @@ class LeaseKeeper:
         self.requests += 1
         self._lease_id, self._lost = lease.id, False
 
-    def _put_alive(self) -> None:
+    def _put_alive(self, also: dict[str, bytes] | None = None) -> None:
         # The value is for people (`elastic-train status`: since when); readers use the key's name only.
-        self._conn.call(lambda c: c.put(self._key, self._since, lease=self._lease_id), "alive key")
+        if not also:
+            self._conn.call(lambda c: c.put(self._key, self._since, lease=self._lease_id), "alive key")
+        else:
+            def put_all(c):
+                puts = [c.transactions.put(key, value, lease=self._lease_id)
+                        for key, value in ((self._key, self._since), *also.items())]
+                return c.transaction(compare=[], success=puts, failure=[])
+            self._conn.call(put_all, "alive key")
         self.requests += 1
 
-    def ensure(self) -> None:
+    def ensure(self, also: dict[str, bytes] | None = None) -> None:
+        """Hold a live lease (granted now if there is none, or it was lost) and the alive key on it;
+        ``also``: more keys to write on the lease in the same request (a node's ``joining/`` key)."""
         with self._lock:
             sent = time.monotonic()
             if self._lease_id is None or self._lost:
                 self._grant()
             try:
-                self._put_alive()
+                self._put_alive(also)
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.NOT_FOUND:
                     raise
@@ -220,7 +229,7 @@ class LeaseKeeper:
                 logger.warning("the etcd lease of %s ended while etcd was out of reach; taking a new one",
                                self._key)
                 self._grant()
-                self._put_alive()
+                self._put_alive(also)
             self._last_attempt = time.monotonic()
             self._last_renewed = sent
             lease_id = self._lease_id
