@@ -122,7 +122,8 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
         # (they renew it themselves only when this agent's renewal is late: rendezvous/node_lease.py).
         self._renewals = AgentRecord() if options.recovery == "live" else None
         self._lease = LeaseKeeper(conn, backend.alive_key(self.node_name), options.lease_ttl,
-                                  options.keep_alive_interval, self._watch, on_renewed=self._renewals)
+                                  options.keep_alive_interval, self._watch, on_renewed=self._renewals,
+                                  tick_later=True)  # the watchdog starts when this node joined a round
         self._joined: tuple[int, frozenset[str]] | None = None
         self._first_round = True
         self._revoked: str | None = None
@@ -185,6 +186,7 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
         # hosts the TCPStore there (use_agent_store is False).
         bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self._this_node.addr)
         self._joined = (state.round, frozenset(node_name(n) for n in state.participants))
+        self._lease.start_ticking()
         self._export_env(state.round)
         if rank == 0 and state.round >= 2:
             try:
@@ -226,6 +228,7 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
         store = PrefixStore(f"live-agent/{self.node_name}/{self._live_rounds}/", self._store)
         bootstrap = RendezvousStoreInfo.build(0, store, local_addr=self._this_node.addr)
         self._joined = (0, frozenset())  # the lease watchdog runs; the round checks do not
+        self._lease.start_ticking()
         o, s = self._options, self._settings
         self._export_env(0, LiveSettings(
             min_nodes=s.min_nodes, max_nodes=s.max_nodes, last_call=o.last_call_timeout,

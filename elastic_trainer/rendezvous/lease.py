@@ -148,12 +148,13 @@ class LeaseKeeper:
     """
 
     def __init__(self, conn: EtcdConnection, key: str, ttl: int, interval: float, on_tick=None,
-                 on_lost=None, on_renewed=None) -> None:
+                 on_lost=None, on_renewed=None, tick_later: bool = False) -> None:
         self._conn = conn
         self._key = key
         self._ttl = ttl
         self._interval = interval
         self._on_tick = on_tick
+        self._tick_later = tick_later  # ``on_tick`` starts with ``start_ticking()``, not ``ensure()``
         self._on_lost = on_lost
         self._on_renewed = on_renewed
         self._lease_id: int | None = None
@@ -239,9 +240,18 @@ class LeaseKeeper:
             self._started = True
             self.due = time.monotonic() + self._interval
             self._loop.add(self, self.due)
-            if self._on_tick is not None:
-                self._thread = threading.Thread(target=self._tick, name=f"etcd-watchdog {self._key}", daemon=True)
-                self._thread.start()
+            if not self._tick_later:
+                self.start_ticking()
+
+    def start_ticking(self) -> None:
+        """Start calling ``on_tick`` every interval (once; ``ensure()`` does it unless ``tick_later``:
+        the handler's watchdog has nothing to check before its node joined a round, and a thousand
+        agents waiting to join woke a thousand idle threads a second)."""
+        with self._lock:
+            if self._on_tick is None or self._thread is not None or self._stop.is_set():
+                return
+            self._thread = threading.Thread(target=self._tick, name=f"etcd-watchdog {self._key}", daemon=True)
+        self._thread.start()
 
     def put(self, key: str, value: bytes) -> None:
         """Write ``key`` attached to the lease (it vanishes with the lease)."""
