@@ -57,6 +57,7 @@ import time
 from datetime import timedelta
 
 from torch.distributed import PrefixStore
+from torch.distributed.elastic.utils.distributed import get_free_port
 from torch.distributed.elastic.events import NodeState
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
@@ -184,7 +185,7 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
         store = self._get_store()
         # Fresh every round: rank 0 publishes its address and a free port; its rank-0 worker
         # hosts the TCPStore there (use_agent_store is False).
-        bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self._this_node.addr)
+        bootstrap = self._bootstrap(rank, state.round)
         self._joined = (state.round, frozenset(node_name(n) for n in state.participants))
         self._lease.start_ticking()
         self._export_env(state.round)
@@ -196,6 +197,20 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
         logger.info("node %s joined round %d of rendezvous '%s' as rank %d of %d", self.node_name,
                     state.round, self._settings.run_id, rank, world_size)
         return RendezvousInfo(store, rank, world_size, bootstrap)
+
+    def _bootstrap(self, rank: int, round_: int) -> RendezvousStoreInfo:
+        """torch's ``RendezvousStoreInfo.build`` (the round's MASTER_ADDR and MASTER_PORT, the same keys
+        under the round's store prefix) in one etcd request per node: rank 0 writes its address and a
+        free port together, the others read both together. torch's writes and reads them one at a
+        time: four requests on rank 0 and two on every other node."""
+        prefix = f"torch.rendezvous.{self._settings.run_id}.{round_}/"  # the round's store (``_get_store``)
+        keys = [prefix + RendezvousStoreInfo.MASTER_ADDR_KEY, prefix + RendezvousStoreInfo.MASTER_PORT_KEY]
+        if rank == 0:
+            addr, port = self._this_node.addr, get_free_port()
+            self._store.multi_set(keys, [addr.encode(), str(port).encode()])
+            return RendezvousStoreInfo(addr, port)
+        addr_bytes, port_bytes = self._store.multi_get(keys)
+        return RendezvousStoreInfo(addr_bytes.decode(), int(port_bytes.decode()))
 
     def _rejoin(self, joining_key: str, joining_value: bytes) -> None:
         """While this node waits to join: when etcd expired its lease (etcd or this node too slow
