@@ -66,7 +66,7 @@ _TRACE: list[tuple[str, float, float, float]] = []  # (what, started, wall s, th
 
 def _install_trace() -> None:
     """Time every etcd request by kind, and the handler's syncs and state decoding (this process)."""
-    from elastic_trainer.rendezvous import handler, state
+    from elastic_trainer.rendezvous import handler, state, watchdog
 
     def timed(owner, name: str, label: str) -> None:
         real = getattr(owner, name)
@@ -85,7 +85,7 @@ def _install_trace() -> None:
     EtcdConnection.call._traced = True  # type: ignore[attr-defined]
     timed(state.EtcdRendezvousStateHolder, "sync", "=state sync")
     timed(state, "decode_state", "=state decode")
-    handler.decode_state = state.decode_state
+    handler.decode_state = watchdog.decode_state = state.decode_state
 
 
 def _trace_table(parts: list[dict]) -> list[str]:

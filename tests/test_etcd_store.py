@@ -86,6 +86,20 @@ def test_works_wrapped_in_a_prefix_store(store):
     assert store.num_keys() == 0
 
 
+def test_a_rounds_bootstrap_keys_go_out_and_come_back_in_one_request_each_under_torchs_prefix(store):
+    """The handler writes and reads a round's MASTER_ADDR and MASTER_PORT with ``multi_set`` and
+    ``multi_get`` (one request each, not torch's one per key: 2,000 requests at 1,000 agents), under
+    the keys torch's PrefixStore of the round uses; ``multi_get`` waits until both are set."""
+    keys = ["torch.rendezvous.run.3/MASTER_ADDR", "torch.rendezvous.run.3/MASTER_PORT"]
+    threading.Timer(0.3, lambda: store.multi_set(keys, [b"10.0.0.1", b"29500"])).start()
+    assert store.multi_get(keys) == [b"10.0.0.1", b"29500"]
+    before = store.requests
+    store.multi_set(keys, [b"10.0.0.2", b"29501"])
+    assert store.multi_get(keys) == [b"10.0.0.2", b"29501"] and store.requests == before + 2
+    prefixed = dist.PrefixStore("torch.rendezvous.run.3", store)
+    assert (prefixed.get("MASTER_ADDR"), prefixed.get("MASTER_PORT")) == (b"10.0.0.2", b"29501")
+
+
 def test_torch_barrier_over_the_store_releases_all_agents(store):
     from torch.distributed.elastic.utils import store as store_util
 

@@ -21,7 +21,9 @@ import torch
 
 from elastic_trainer.rendezvous import torch_private
 
-SUBCLASS_FILES = [Path(torch_private.__file__).with_name(name) for name in ("handler.py", "state.py")]
+# (handler.py's operation loop moved to admission.py and its watchdog to watchdog.py: both subclass torch's classes.)
+SUBCLASS_FILES = [Path(torch_private.__file__).with_name(name)
+                  for name in ("handler.py", "admission.py", "watchdog.py", "state.py")]
 
 
 def test_torch_private_api_matches_what_the_handler_relies_on():

@@ -21,7 +21,7 @@ transaction (so at the same revision): the state holder treats a node as dead on
 its lease key is gone, which etcd decides by its own clock, never a peer's. Those reads
 fetch only the keys created since the last one (``_Members``), so a poll costs what
 changed, not the number of nodes; nodes that only wait poll the ``summary`` instead of
-the state (``handler._EtcdOpExecutor``).
+the state (``admission.EtcdOpExecutor``).
 
 The stored value starts with ``elastic-trainer-rdzv/1 <run_id>\\n``; a value without it
 (written by another program, another run or another version) is refused with a

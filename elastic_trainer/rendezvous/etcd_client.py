@@ -202,7 +202,7 @@ def _is_auth_expired(exc: BaseException) -> bool:
 class _Pending:
     """One renewal sent on a keep-alive stream, waiting for its answer."""
 
-    __slots__ = ("done", "ttl", "error", "sent", "answered", "stream")
+    __slots__ = ("done", "ttl", "error", "sent", "answered", "stream", "callback", "applied")
 
     def __init__(self, stream: _KeepAliveStream) -> None:
         self.done = threading.Event()
@@ -211,6 +211,20 @@ class _Pending:
         self.sent = time.monotonic()
         self.answered: float | None = None
         self.stream = stream
+        self.callback: Callable[[_Pending], bool] | None = None
+        self.applied = False
+        """True once ``callback`` took the answer (so that whoever reads it later does not apply it again)."""
+
+    def on_answer(self, callback: Callable[[_Pending], bool]) -> None:
+        """Have ``callback(self)`` called with etcd's answer as soon as it arrives, by the stream's
+        reader thread (at once, here, if it already came); it returns True when it applied the
+        answer (``applied``). It must be quick: the stream's other answers wait behind it."""
+        with self.stream._lock:
+            if self.answered is None and self.error is None:
+                self.callback = callback
+                return
+        if self.error is None and callback(self):
+            self.applied = True
 
 
 class _KeepAliveStream:
@@ -255,8 +269,14 @@ class _KeepAliveStream:
                     pending = waiting.popleft() if waiting else None
                     if waiting is not None and not waiting:
                         del self._pending[response.ID]
+                    if pending is not None:
+                        pending.ttl, pending.answered = response.TTL, time.monotonic()
                 if pending is not None:
-                    pending.ttl, pending.answered = response.TTL, time.monotonic()
+                    if pending.callback is not None:  # before ``done``: a waiter sees the answer applied
+                        try:
+                            pending.applied = pending.callback(pending)
+                        except Exception:  # noqa: BLE001 - the answer is applied by its next reader instead
+                            logger.exception("applying a lease renewal's answer failed")
                     pending.done.set()
             error = etcd3.exceptions.ConnectionFailedError("etcd closed the lease keep-alive stream")
         except grpc.RpcError as exc:
@@ -467,6 +487,11 @@ class EtcdConnection:
         ``wait`` seconds; None while unanswered. ``failover_after`` as in ``renew_lease``: a renewal
         unanswered that long (the read timeout with one endpoint) fails its stream and raises."""
         return pending.stream.result(pending, wait, self._renewal_timeout(failover_after))
+
+    def renewal_give_up_after(self, failover_after: float) -> float:
+        """Seconds after which ``renewal_result`` gives up an unanswered renewal (and fails its stream)."""
+        timeout = self._renewal_timeout(failover_after)
+        return self.options.read_timeout if timeout is None else timeout
 
     def _renewal_timeout(self, failover_after: float | None) -> float | None:
         return failover_after if failover_after is not None and len(self.options.endpoints) > 1 else None

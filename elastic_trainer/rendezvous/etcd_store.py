@@ -84,6 +84,21 @@ class EtcdStore(Store):
                               f"{self.prefix} within {self.timeout.total_seconds():g}s")
         return values[0]
 
+    def multi_set(self, keys, values) -> None:
+        """Set several keys in one request (one etcd transaction)."""
+        pairs = [(self._key(k), _bytes(v)) for k, v in zip(keys, values)]
+        self._call(lambda c: c.transaction(compare=[], success=[c.transactions.put(k, v) for k, v in pairs],
+                                           failure=[]), "set")
+
+    def multi_get(self, keys) -> list[bytes]:
+        """The values of several keys, read together in one request, waiting (up to the store's
+        timeout) until every one is set."""
+        values = self._wait_get([self._key(k) for k in keys], self.timeout)
+        if values is None:
+            raise LookupError(f"keys {[_bytes(k).decode(errors='replace') for k in keys]} were not all set "
+                              f"in the etcd store {self.prefix} within {self.timeout.total_seconds():g}s")
+        return values
+
     def wait(self, keys, timeout: timedelta | None = None) -> None:
         wait_for = self.timeout if timeout is None else timeout
         if self._wait_get([self._key(k) for k in keys], wait_for) is None:

@@ -13,7 +13,7 @@ with four changes:
    lease (``lease_ttl``, renewed every ``keep_alive_interval``). A node is dead when etcd
    expired its lease, never because a peer's clock says its heartbeat is old; the state
    carries no periodic heartbeat writes.
-3. **One world at a time.** While training, a watchdog checks at each lease renewal
+3. **One world at a time** (``watchdog.py``). While training, a watchdog checks at each lease renewal
    that this node's lease lives, that the round it joined is still the current one
    with this node in it, and that every participant of that round still holds its
    lease. If not, ``num_nodes_waiting()`` answers >0 and torch's agent stops its
@@ -31,7 +31,9 @@ with four changes:
    (a free port on the new rank 0), where the rank-0 worker hosts the TCPStore.
 
 It also completes a round as soon as every node with a live lease has joined it
-(instead of always waiting ``last_call_timeout``), which is what makes recovery fast.
+(instead of always waiting ``last_call_timeout``), which is what makes recovery fast, and one
+node (the *admitter*) admits everyone waiting in one write while the others wait on a few bytes
+(``admission.py``): torch's loop lets N arriving nodes race O(N^2) times.
 
 5. **Live recovery** (``recovery=live``, what ``elastic-train`` sets for its DDP trainer): each
    agent's rendezvous is a world of its own node (``_live_rendezvous``), so torch's agent never
@@ -50,37 +52,32 @@ import json
 import logging
 import os
 import random
-import sys
 import tempfile
 import time
 from datetime import timedelta
 
 from torch.distributed import PrefixStore
-from torch.distributed.elastic.events import NodeState, construct_and_record_rdzv_event
+from torch.distributed.elastic.utils.distributed import get_free_port
+from torch.distributed.elastic.events import NodeState
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
-    RendezvousConnectionError,
     RendezvousError,
-    RendezvousGracefulExitError,
     RendezvousInfo,
     RendezvousParameters,
     RendezvousStoreInfo,
-    RendezvousTimeoutError,
 )
 from elastic_trainer.rendezvous.torch_private import (
-    Action,
-    DistributedOpExecutor,
     DynamicRendezvousHandler,
     ExitOp,
     JoinOp,
     NodeDesc,
-    RendezvousContext,
     RendezvousSettings,
     RendezvousState,
     RendezvousTimeout,
     generate_node_desc,
 )
 
+from elastic_trainer.rendezvous.admission import EtcdOpExecutor, record_event
 from elastic_trainer.rendezvous.etcd_client import EtcdConnection, export_options
 from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
 from elastic_trainer.rendezvous.etcd_store import EtcdStore
@@ -96,6 +93,7 @@ from elastic_trainer.rendezvous.state import (
     node_json,
     node_name,
 )
+from elastic_trainer.rendezvous.watchdog import MembershipWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -106,271 +104,17 @@ from elastic_trainer.env import LiveSettings, WorkerEnv  # noqa: E402 - what wor
 # interval the state machine sees is a year.
 NO_STATE_HEARTBEATS = timedelta(days=365)
 
-def _record(obj, node: NodeDesc, message: str, node_state: NodeState, rank: int | None = None) -> None:
-    """torch's ``_record`` without ``inspect.stack()``.
+class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
+    """torch's dynamic rendezvous handler on etcd v3 with leases and a membership watchdog.
 
-    torch names each rendezvous event after the calling method with two ``inspect.stack()``
-    calls, which read the source file of every frame: with a thousand agents that was a
-    tenth of all CPU time, even though the events go nowhere unless an events handler is set.
-    The caller's name comes from its frame here.
-    """
-    construct_and_record_rdzv_event(
-        name=f"{type(obj).__name__}.{sys._getframe(2).f_code.co_name}", run_id=obj._settings.run_id,
-        message=message, node_state=node_state, hostname=node.addr, pid=node.pid, local_id=node.local_id,
-        rank=rank)
-
-
-def _crowd(state) -> int:
-    return len(state.participants) + len(state.wait_list) + len(state.redundancy_list)
-
-
-class _EtcdOpExecutor(DistributedOpExecutor):
-    """torch's operation loop with fresh reads, a short adaptive poll and early completion."""
-
-    lost_races = 0
-    rejoin = None
-    """Called at each turn of a join (the handler's ``_rejoin``): a new lease if this one was lost."""
-
-    def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
-        _record(self, self._node, message, node_state)
-
-    def run(self, state_handler, deadline: float, update_deadline=None) -> None:
-        holder: EtcdRendezvousStateHolder = self._state_holder  # type: ignore[assignment]
-        try:
-            self._run(holder, state_handler, deadline, update_deadline)
-        finally:
-            holder.exact_joining, holder.light = True, False
-
-    def _run(self, holder: EtcdRendezvousStateHolder, state_handler, deadline: float, update_deadline) -> None:
-        action = None
-        self._state = holder.state
-        joining = isinstance(state_handler, JoinOp)
-        while action != Action.FINISH:
-            if joining and self.rejoin is not None:
-                self.rejoin()
-            # Only a node that admits needs the exact joining list: the admitter, or a node the
-            # admitter kept waiting too long (it writes itself in with everyone waiting). The
-            # others keep a lazy one (see etcd_backend._Members), which names the admitter as
-            # well: a name in it whose key is gone belongs to a node already admitted, or a dead one.
-            holder.exact_joining = self._is_admitter(holder) or time.monotonic() < self._bypass_gate_until
-            # The others read light (no member lists; state.py): they only need the state, how
-            # many nodes live and who admits. A node that finds itself the admitter reads exactly next.
-            holder.light = not holder.exact_joining
-            if holder.sync(use_cache=False) is False:
-                # Lost a compare-and-swap race: back off in proportion to the crowd, then
-                # read afresh, so that N racing agents do not retry in lockstep.
-                self.lost_races += 1
-                time.sleep(random.uniform(0, min(0.5, 0.0005 * _crowd(holder.state))))
-                holder.sync(use_cache=False)
-            self._state = holder.state
-            ctx = RendezvousContext(self._node, self._state, self._settings)
-            try:
-                action = state_handler(ctx, deadline)
-            except RendezvousGracefulExitError as exc:
-                # A spare (beyond max nodes) when the run finished. torch's agent turns this error
-                # into a run() that returns None, which its launcher then fails on (AttributeError,
-                # status 1: a Job would recreate the pod); a closed rendezvous is what happened.
-                raise RendezvousClosedError(f"the rendezvous of run '{self._settings.run_id}' is closed "
-                                            f"(the job finished) while this node waited as a spare") from exc
-            if action == Action.FINISH:
-                continue
-            if action == Action.ERROR_CLOSED:
-                raise RendezvousClosedError(f"the rendezvous of run '{self._settings.run_id}' is closed "
-                                            f"(the job finished or was shut down)")
-            if action == Action.ERROR_TIMEOUT:
-                raise RendezvousTimeoutError(
-                    f"the rendezvous of run '{self._settings.run_id}' did not complete in time "
-                    f"(join_timeout {self._settings.timeout.join.total_seconds():g}s); fewer than "
-                    f"min nodes ({self._settings.min_nodes}) joined")
-            joining_op = isinstance(state_handler, JoinOp)
-            if action == Action.SYNC and joining_op and self._everyone_alive_has_joined(holder):
-                action = Action.MARK_RENDEZVOUS_COMPLETE
-            if joining_op and action in (Action.SYNC, Action.ADD_TO_PARTICIPANTS):
-                if self._is_admitter(holder):
-                    if not holder.joining_exact or holder.last_light:
-                        continue  # the admitter acts on the list: the next sync reads it exactly
-                    if self._admit_joining():
-                        holder.mark_dirty()  # admit everyone waiting in one write
-                        continue
-                if self._may_wait_lightly(holder, action):
-                    self._wait_lightly(holder, deadline)
-                    continue
-            if action == Action.SYNC:
-                self._pause(fast=joining_op and self._is_admitter(holder))
-                continue
-            if action == Action.KEEP_ALIVE:
-                self._keep_alive()
-            elif action == Action.ADD_TO_PARTICIPANTS:
-                self._add_to_participants()
-            elif action == Action.ADD_TO_WAIT_LIST:
-                self._add_to_wait_list()
-            elif action == Action.ADD_TO_REDUNDANCY_LIST:
-                self._add_to_redundancy_list()
-            elif action == Action.REMOVE_FROM_PARTICIPANTS:
-                self._remove_from_participants()
-            elif action == Action.REMOVE_FROM_WAIT_LIST:
-                self._remove_from_wait_list()
-            elif action == Action.REMOVE_FROM_REDUNDANCY_LIST:
-                self._remove_from_redundancy_list()
-                if update_deadline:
-                    deadline = update_deadline(self._settings.timeout.join)
-            elif action == Action.MARK_RENDEZVOUS_COMPLETE:
-                self._mark_rendezvous_complete()
-            elif action == Action.MARK_RENDEZVOUS_CLOSED:
-                self._mark_rendezvous_closed()
-            holder.mark_dirty()
-
-    def _add_to_participants(self) -> None:
-        """Add this node, and with it every live node waiting to join (up to max nodes).
-
-        torch adds one node per compare-and-swap write, so N nodes arriving together
-        need N writes and lose O(N^2) races; the ``joining/`` keys let one writer admit
-        everyone already waiting in one write.
-        """
-        super()._add_to_participants()
-        self._admit_joining()
-
-    def _admit_joining(self) -> bool:
-        """Add the live nodes waiting to join (``joining/`` keys) to this round; True if any was added."""
-        state, holder = self._state, self._state_holder
-        if state.complete or state.closed or not holder.joining_exact or holder.last_light:  # type: ignore[attr-defined]
-            return False
-        from datetime import datetime, timezone
-        now = datetime.now(timezone.utc)
-        added = 0
-        for node in self._state_holder.joining:  # type: ignore[attr-defined]
-            if len(state.participants) >= self._settings.max_nodes:
-                break
-            if node in state.participants or node in state.redundancy_list:
-                continue
-            state.participants[node] = 0
-            state.wait_list.discard(node)
-            state.last_heartbeats[node] = now
-            added += 1
-        if added:
-            if len(state.participants) >= self._settings.min_nodes and state.deadline is None:
-                state.deadline = now + self._settings.timeout.last_call
-            if len(state.participants) == self._settings.max_nodes:
-                self._mark_rendezvous_complete()
-        return added > 0
-
-    # -- one admitter, light waits ------------------------------------------------------
-    # With every node writing itself into the state, N nodes arriving together lose O(N)
-    # compare-and-swap races each, and every waiting node downloads the whole state (O(N))
-    # each time it changes: O(N^2) in all, which is what stopped 1,000 agents. So one node,
-    # the *admitter* (the smallest live name among the round's participants and the nodes
-    # waiting to join), admits everyone and completes the round; the others poll only the
-    # state's few-byte summary and what is new under alive/ and joining/, and read the whole
-    # state when the summary changes (round complete, next round, closed), when a participant
-    # lost its lease, or when they become the admitter. A node that is not admitted within
-    # ``_admission_patience`` writes itself in, as torch does, so a stuck admitter delays but
-    # never blocks a round.
-
-    _bypass_gate_until = 0.0
-
-    _admitter_memo: tuple = (None, None, None, None)
-
-    def _admitter(self, holder: EtcdRendezvousStateHolder) -> str | None:
-        if holder.last_light:  # every node of the round holds its joining key until the round completes
-            return holder.first_joining
-        state, alive, joining, name = self._admitter_memo
-        if state is self._state and alive is holder.alive and joining is holder.joining:
-            return name  # asked up to three times per loop; the inputs are new objects when they change
-        names = {node_name(n) for n in self._state.participants}
-        names.update(node_name(n) for n in holder.joining)
-        names &= holder.alive
-        name = min(names) if names else None
-        self._admitter_memo = (self._state, holder.alive, holder.joining, name)
-        return name
-
-    def _is_admitter(self, holder: EtcdRendezvousStateHolder) -> bool:
-        state = self._state
-        return not state.complete and not state.closed and self._admitter(holder) == node_name(self._node)
-
-    def _admission_patience(self, crowd: int) -> float:
-        """Seconds a node waits to be admitted while the admitter admits nobody."""
-        return 2.0 + 0.005 * crowd
-
-    def _may_wait_lightly(self, holder: EtcdRendezvousStateHolder, action: Action) -> bool:
-        state = self._state
-        if state.closed:
-            return False
-        if state.complete:  # waiting in the wait list for the next round
-            return action == Action.SYNC
-        if action == Action.ADD_TO_PARTICIPANTS and (
-                time.monotonic() < self._bypass_gate_until or
-                (not holder.last_light and self._node not in holder.joining)):
-            return False  # the admitter cannot see us (yet), or it kept us waiting too long
-        admitter = self._admitter(holder)
-        return admitter is not None and admitter != node_name(self._node)
-
-    def _wait_lightly(self, holder: EtcdRendezvousStateHolder, deadline: float) -> None:
-        """Poll the summary until the state changed in a way that may concern this node.
-
-        (An etcd watch on the summary instead of polls was tried: at 1,000 agents it woke every
-        waiter at each admission write and took longer, 37.6 s against 25.3 s.)
-        """
-        backend: EtcdRendezvousBackend = holder._backend  # type: ignore[attr-defined]
-        state = self._state
-        expected = decode_summary(encode_summary(state))[:3]  # type: ignore[index]  # round, complete, closed
-        waiting_to_join = self._node not in state.participants and not state.complete
-        # The crowd is the live nodes, not only those in the state: a node that came early sees
-        # an almost empty state, and polled 20 times a second while a thousand others arrived.
-        crowd = max(_crowd(state), holder.alive_count)
-        started, alive, admitted = time.monotonic(), holder.alive_count, len(state.participants)
-        me = node_name(self._node)
-        while True:
-            time.sleep(min(2.0, 0.05 + 0.002 * crowd) * random.uniform(0.7, 1.3))
-            now = time.monotonic()
-            summary, count, first = backend.poll_round()
-            summary = decode_summary(summary)
-            if now > deadline or summary is None or summary[:3] != expected:
-                return
-            if count < alive:  # a node died (perhaps the admitter, or a participant): look closer
-                return
-            if first == me and holder.last_light and not state.complete:  # we admit now (those before us left)
-                return
-            alive, crowd = count, max(crowd, count, summary[3] + summary[4])
-            if summary[3] != admitted:  # the admitter is at work: patience starts over
-                started, admitted = now, summary[3]
-            if waiting_to_join and now - started > self._admission_patience(crowd):
-                self._bypass_gate_until = now + 1.0
-                return
-            if now - started > max(5.0, 0.01 * crowd):  # a full read now and then regardless
-                return
-
-    def _everyone_alive_has_joined(self, holder: EtcdRendezvousStateHolder) -> bool:
-        """True when this round has min..max participants, us among them, and no other live node
-        (never after a light sync: it does not know which nodes live)."""
-        state, alive = self._state, holder.alive
-        n = len(state.participants)
-        if holder.last_light or state.complete or state.closed or self._node not in state.participants or state.deadline is None:
-            return False
-        if not self._settings.min_nodes <= n <= self._settings.max_nodes:
-            return False
-        return alive <= {node_name(p) for p in state.participants}
-
-    def _pause(self, fast: bool = False) -> None:
-        state = self._state
-        # 50 ms for a few nodes, up to 3 s for a thousand: every waiting node reads the state
-        # (the admitter, alone in reading it often, waits 50 ms).
-        crowd = max(_crowd(state), self._state_holder.alive_count)  # type: ignore[attr-defined]
-        pause = (0.05 if fast else min(3.0, 0.05 + 0.003 * crowd)) * random.uniform(0.7, 1.3)
-        if state.deadline is not None and self._node in state.participants:
-            from datetime import datetime, timezone
-            until_deadline = (state.deadline - datetime.now(timezone.utc)).total_seconds() + 0.01
-            pause = max(0.01, min(pause, until_deadline))
-        time.sleep(pause)
-
-
-class EtcdRendezvousHandler(DynamicRendezvousHandler):
-    """torch's dynamic rendezvous handler on etcd v3 with leases and a membership watchdog."""
+    (``DynamicRendezvousHandler`` is named although ``MembershipWatchdog`` derives from it: the
+    check of torch's private names, ``tests/test_torch_private.py``, reads each file's own bases.)"""
 
     def __init__(self, node: NodeDesc, settings: RendezvousSettings, store: EtcdStore,
                  backend: EtcdRendezvousBackend, conn: EtcdConnection, options: RendezvousOptions) -> None:
         holder = EtcdRendezvousStateHolder(backend, settings)
         super().__init__(node, settings, backend.name, store, holder)
-        self._op_executor = _EtcdOpExecutor(node, holder, settings)
+        self._op_executor = EtcdOpExecutor(node, holder, settings)
         self._etcd_backend = backend
         self._conn = conn
         self._options = options
@@ -379,7 +123,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         # (they renew it themselves only when this agent's renewal is late: rendezvous/node_lease.py).
         self._renewals = AgentRecord() if options.recovery == "live" else None
         self._lease = LeaseKeeper(conn, backend.alive_key(self.node_name), options.lease_ttl,
-                                  options.keep_alive_interval, self._watch, on_renewed=self._renewals)
+                                  options.keep_alive_interval, self._watch, on_renewed=self._renewals,
+                                  tick_later=True)  # the watchdog starts when this node joined a round
         self._joined: tuple[int, frozenset[str]] | None = None
         self._first_round = True
         self._revoked: str | None = None
@@ -391,7 +136,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._own_password_file = False
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING, rank: int | None = None) -> None:
-        _record(self, self._this_node, message, node_state, rank)
+        record_event(self, self._this_node, message, node_state, rank)
 
     # -- torch's API --------------------------------------------------------------------
     @property
@@ -403,23 +148,32 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         if self._options.recovery == "live":
             return self._live_rendezvous()
         logger.info("node %s joins the next round of rendezvous '%s'", self.node_name, self._settings.run_id)
-        self._lease.ensure()
-        deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
-        if self._first_round:
-            # This node's descriptor (address, pid, local id) is new: it cannot be in a round
-            # yet, so there is nothing to leave (torch reads the whole state to find out).
-            self._first_round = False
-            self._reopen_finished_run()
-            time.sleep(random.uniform(0, 0.1))
-        else:
-            self._op_executor.run(ExitOp(), deadline)
-        # Only after leaving the last round may others admit this node to the next one.
         joining_key = self._etcd_backend.joining_key(self.node_name)
         joining_value = json.dumps(node_json(self._this_node)).encode()
-        self._lease.put(joining_key, joining_value)
+        first, self._first_round = self._first_round, False
+        if first:
+            # This node's descriptor (address, pid, local id) is new: it cannot be in a round
+            # yet, so there is nothing to leave (torch reads the whole state to find out), and
+            # its joining key goes out with its alive key, in one request.
+            self._lease.ensure({joining_key: joining_value})
+            deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
+            time.sleep(random.uniform(0, 0.1))
+        else:
+            self._lease.ensure()
+            deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
+            self._op_executor.run(ExitOp(), deadline)
+            # Only after leaving the last round may others admit this node to the next one.
+            self._lease.put(joining_key, joining_value)
         self._op_executor.rejoin = lambda: self._rejoin(joining_key, joining_value)
         try:
-            self._op_executor.run(JoinOp(), deadline, self._get_deadline)
+            try:
+                self._op_executor.run(JoinOp(), deadline, self._get_deadline)
+            except RendezvousClosedError:
+                # A closed state met at the first join may be a finished job's: start it over and
+                # join again (asked only then: at every first join it was a request per node).
+                if not first or not self._reopen_finished_run():
+                    raise
+                self._op_executor.run(JoinOp(), deadline, self._get_deadline)
         finally:
             self._op_executor.rejoin = None
             try:
@@ -431,8 +185,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         store = self._get_store()
         # Fresh every round: rank 0 publishes its address and a free port; its rank-0 worker
         # hosts the TCPStore there (use_agent_store is False).
-        bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self._this_node.addr)
+        bootstrap = self._bootstrap(rank, state.round)
         self._joined = (state.round, frozenset(node_name(n) for n in state.participants))
+        self._lease.start_ticking()
         self._export_env(state.round)
         if rank == 0 and state.round >= 2:
             try:
@@ -442,6 +197,20 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         logger.info("node %s joined round %d of rendezvous '%s' as rank %d of %d", self.node_name,
                     state.round, self._settings.run_id, rank, world_size)
         return RendezvousInfo(store, rank, world_size, bootstrap)
+
+    def _bootstrap(self, rank: int, round_: int) -> RendezvousStoreInfo:
+        """torch's ``RendezvousStoreInfo.build`` (the round's MASTER_ADDR and MASTER_PORT, the same keys
+        under the round's store prefix) in one etcd request per node: rank 0 writes its address and a
+        free port together, the others read both together. torch's writes and reads them one at a
+        time: four requests on rank 0 and two on every other node."""
+        prefix = f"torch.rendezvous.{self._settings.run_id}.{round_}/"  # the round's store (``_get_store``)
+        keys = [prefix + RendezvousStoreInfo.MASTER_ADDR_KEY, prefix + RendezvousStoreInfo.MASTER_PORT_KEY]
+        if rank == 0:
+            addr, port = self._this_node.addr, get_free_port()
+            self._store.multi_set(keys, [addr.encode(), str(port).encode()])
+            return RendezvousStoreInfo(addr, port)
+        addr_bytes, port_bytes = self._store.multi_get(keys)
+        return RendezvousStoreInfo(addr_bytes.decode(), int(port_bytes.decode()))
 
     def _rejoin(self, joining_key: str, joining_value: bytes) -> None:
         """While this node waits to join: when etcd expired its lease (etcd or this node too slow
@@ -474,6 +243,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         store = PrefixStore(f"live-agent/{self.node_name}/{self._live_rounds}/", self._store)
         bootstrap = RendezvousStoreInfo.build(0, store, local_addr=self._this_node.addr)
         self._joined = (0, frozenset())  # the lease watchdog runs; the round checks do not
+        self._lease.start_ticking()
         o, s = self._options, self._settings
         self._export_env(0, LiveSettings(
             min_nodes=s.min_nodes, max_nodes=s.max_nodes, last_call=o.last_call_timeout,
@@ -482,8 +252,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         logger.info("node %s starts its workers in the live group of run '%s'", self.node_name, s.run_id)
         return RendezvousInfo(store, 0, 1, bootstrap)
 
-    def _reopen_finished_run(self) -> None:
-        """Start over when the run's state says a finished job closed it and nobody is left.
+    def _reopen_finished_run(self) -> bool:
+        """Start over when the run's state says a finished job closed it and nobody is left; True
+        when the run is open now (started over here or by another node, or not closed after all).
 
         torch closes the rendezvous when a job ends; its c10d store vanishes with the job,
         but etcd keeps the closed state, so running the same run id again (the embedded etcd
@@ -498,48 +269,27 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         backend = self._etcd_backend
         summary = decode_summary(backend.poll_summary()[0])
         if summary is not None and not summary[2]:
-            return  # not closed (the common case), known from a few bytes
+            return True  # not closed (any more), known from a few bytes
         # The state alone first: in a new run there is none (and no summary), and the list of
         # live nodes, read whole, cost every one of 1,000 agents arriving together O(N).
         found = backend.read_state()
         if found is None:
-            return
+            return True
         data, token = found
         old = decode_state(data)
         if not old.closed:
-            return
+            return True
         members = {node_name(n) for n in (*old.participants, *old.wait_list, *old.redundancy_list)}
         if members & backend.read()[2]:
-            return
+            return False
         fresh = RendezvousState()
         fresh.round = old.round + 1
-        if backend.set_state(encode_state(fresh), token, summary=encode_summary(fresh)) is not None:
+        written = backend.set_state(encode_state(fresh), token, summary=encode_summary(fresh))
+        if written is not None and written[2]:  # (a lost swap returns the winner's state, not None)
             logger.info("rendezvous '%s' was closed by a finished job; starting it over at round %d",
                         self._settings.run_id, fresh.round)
             self._store.delete_prefix("")
-
-    def num_nodes_waiting(self) -> int:
-        if self._joined is not None and self._revoked is None and \
-                self._lease.seconds_since_renewal_attempt() > self._options.lease_ttl:
-            # This process was paused (or starved) for longer than a lease: find out now.
-            self._lease.refresh()
-            self._watch()
-        if self._joined is not None and self._revoked is None and self._options.recovery != "live":
-            # (Live mode: this agent's round is a world of its own node, and which workers train
-            # together is the live quorum's business: each worker's key is on this node's lease
-            # and the worker exits when etcd expired it, quorum changes are compare-and-swaps,
-            # commits are fenced.
-            # Stopping healthy workers here would turn a short etcd outage into a restart.)
-            unrenewed = self._lease.seconds_since_renewal()
-            if unrenewed > self._options.lease_ttl - self._options.keep_alive_interval:
-                # Cut off from etcd (or etcd is down): the lease may run out any moment and the
-                # others may form a round without us. Stop our workers before that can happen,
-                # so that two worlds never train at once; we rejoin when etcd answers again.
-                self._revoke(f"its etcd lease has not been renewed for {unrenewed:.1f}s "
-                             f"(lease_ttl {self._options.lease_ttl:g}s)")
-        if self._revoked is not None:
-            return max(1, self._waiting)
-        return self._waiting
+        return True  # started over here, or by the node that won the swap
 
     def shutdown(self) -> bool:
         self._joined = None
@@ -560,75 +310,6 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
     def _stop_heartbeats(self) -> None:
         pass
-
-    # -- membership watchdog ------------------------------------------------------------
-    def _revoke(self, reason: str) -> None:
-        if self._revoked is None:
-            logger.warning("node %s: %s; stopping its workers to rejoin", self.node_name, reason)
-            self._revoked = reason
-
-    def _watch(self) -> None:
-        joined = self._joined
-        if joined is None or self._revoked is not None:
-            return
-        if self._lease.lost and self._options.recovery == "live":
-            # This node was paused or cut off past its lease (the agent alone being paused costs
-            # nothing: its workers renew the node's lease meanwhile, rendezvous/node_lease.py).
-            # Its workers' live keys were on that lease and went with it: each worker's watch
-            # sees its own key gone and the worker exits by itself; the agent restarts them
-            # (``_live_rendezvous`` exports the new lease) and they join as newcomers. The agent
-            # just takes a new lease.
-            try:
-                self._lease.ensure()
-            except Exception as exc:  # noqa: BLE001 - etcd out of reach: tried again at the next tick
-                logger.warning("node %s: its etcd lease expired and a new one cannot be taken yet: %s",
-                               self.node_name, exc)
-                return
-            logger.warning("node %s: its etcd lease expired (paused or cut off); took a new one; its workers "
-                           "found their keys gone with it and rejoin as newcomers", self.node_name)
-            return
-        if self._lease.lost:
-            self._revoke("its etcd lease expired")
-            return
-        if self._options.recovery == "live":
-            return  # membership is the live quorum's business (rendezvous/quorum.py)
-        round_, members = joined
-        try:
-            # The summary and the count of live nodes, a few bytes: the whole state and the
-            # live names only when the round changed or fewer nodes are alive than last time.
-            summary, count = self._etcd_backend.poll_summary(retry_timeout=self._options.keep_alive_interval)
-            summary = decode_summary(summary)
-            if summary is not None and summary[:4] == (round_, 1, 0, len(members)) and \
-                    count >= max(self._alive_count, len(members)):
-                self._waiting, self._alive_count = summary[4], count
-                return
-            if summary is not None and summary[:4] == (round_, 1, 0, len(members)) and count < len(members):
-                # Fewer nodes alive than the round has participants: one of them is dead, and the
-                # names would not change what this node does. (Every node reading the state and
-                # every live name here, at each lost lease, was O(N^2): at 1,000 simulated agents
-                # those reads took the CPU that the renewals needed, and more leases ran out.)
-                self._revoke(f"{len(members) - count} participant(s) of round {round_} lost their etcd lease "
-                             f"({count} of {len(members)} nodes alive)")
-                return
-            data, _, alive = self._etcd_backend.read(retry_timeout=self._options.keep_alive_interval)
-            self._alive_count = len(alive)
-        except RendezvousConnectionError as exc:
-            logger.warning("watchdog could not read the rendezvous state: %s", exc)
-            return
-        if data is None:
-            self._revoke("the rendezvous state vanished from etcd")
-            return
-        state = decode_state(data)
-        self._waiting = len(state.wait_list)
-        if state.closed:
-            return
-        if state.round != round_ or not state.complete or self._this_node not in state.participants:
-            self._revoke(f"round {round_} is over (etcd is at round {state.round}, "
-                         f"complete={state.complete})")
-            return
-        dead = sorted(members - alive)
-        if dead:
-            self._revoke(f"participant(s) {', '.join(dead)} of round {round_} lost their etcd lease")
 
     def _export_env(self, round_: int, live: LiveSettings | None = None) -> None:
         """What the workers read (``WorkerEnv``), set in this agent's environment, which torch's
