@@ -1,6 +1,6 @@
 """One etcd watch per node (``rendezvous/node_watch.py``): the first worker to lock the node's watch
 keeps it and publishes its views; a sibling is woken by each one within milliseconds and reads it
-back whole; when the watching process dies (SIGKILL: nothing of it runs) a sibling takes the watch
+back; when the watching process dies (SIGKILL: nothing of it runs) a sibling takes the watch
 within a poll. Real processes, real files and sockets; the etcd side is in test_node_lease.py."""
 
 from __future__ import annotations
@@ -14,23 +14,38 @@ import time
 
 import pytest
 
-from elastic_trainer.rendezvous.members import Member, Quorum, View
-from elastic_trainer.rendezvous.node_watch import NodeWatch, view_from_json, view_to_json
+from elastic_trainer.rendezvous.members import Change, LiveKeys, Member, Quorum
+from elastic_trainer.rendezvous.node_watch import NodeWatch, keys_from_bytes, keys_to_bytes
 
 pytestmark = pytest.mark.timeout(60)
 POLL = 0.1
 
 
-def _view() -> View:
+P = "/run/live/"
+
+
+def _keys() -> LiveKeys:
     q = Quorum(7, (Member("n0-0-1", "n0", 0, "127.0.0.1:1"), Member("n1-0-2", "n1", 0, "127.0.0.1:2")), step=12)
-    return View(q, 42, {"n0-0-1", "n1-0-2"}, {"n2-0-3": ({"node": "n2"}, 50)}, stall=None,
-                busy={"n1-0-2": {"q": 7, "what": "checkpoint"}})
+    keys = LiveKeys(P)
+    keys.load([Change(P + "quorum", q.to_json(), 40, 42), Change(P + "alive/n0-0-1", b"{}", 3, 3),
+               Change(P + "alive/n1-0-2", b"{}", 4, 4), Change(P + "join/n2-0-3", b'{"node": "n2"}', 50, 50),
+               Change(P + "stall/6", b'{"by": "n0-0-1"}', 45, 45),
+               Change(P + "busy/n1-0-2", b'{"q": 7, "what": "checkpoint"}', 46, 46)])
+    return keys
 
 
-def test_a_view_survives_its_trip_through_the_published_file():
-    view = _view()
-    back, q = view_from_json(view_to_json(view, 7))
-    assert q == 7 and back == view
+def test_what_the_watching_worker_knows_survives_its_trip_through_the_published_file():
+    """Every live key travels, not a view for the publisher's quorum (a sibling in another
+    quorum serves itself from it: the view it derives for any quorum is the publisher's)."""
+    keys = _keys()
+    back = LiveKeys(P)
+    keys_from_bytes(back, keys_to_bytes(keys))
+    for q in (6, 7, 8):
+        assert back.view(q) == keys.view(q)
+    assert back.quorum_record == keys.quorum_record
+    decoded = back.quorum
+    keys_from_bytes(back, keys_to_bytes(keys))
+    assert back.quorum is decoded, "the quorum record is decoded again only when its revision changed"
 
 
 def test_one_worker_keeps_the_watch_and_a_sibling_is_woken_by_each_published_view(tmp_path):
@@ -43,15 +58,15 @@ def test_one_worker_keeps_the_watch_and_a_sibling_is_woken_by_each_published_vie
         assert leader.try_lead() and not sibling.try_lead(), "one watching worker per node"
         thread.start()
         time.sleep(3 * POLL)  # the sibling's socket is bound; no view yet, no promotion while the leader lives
-        assert not changes and not promoted.is_set() and sibling.latest() is None
+        got = LiveKeys(P)
+        assert not changes and not promoted.is_set() and not sibling.load(got)
         sent = time.monotonic()
-        leader.publish(_view(), 7)
+        leader.publish(_keys())
         deadline = time.monotonic() + 2
         while not changes and time.monotonic() < deadline:
             time.sleep(0.001)
         assert changes and changes[0] - sent < 0.05, "the sibling must be woken at once, not at a poll"
-        view, q = sibling.latest()
-        assert q == 7 and view == _view()
+        assert sibling.load(got) and got.view(7) == _keys().view(7)
     finally:
         sibling.close()
         leader.close()

@@ -187,6 +187,8 @@ class LiveKeys:
         self.prefix = prefix
         self.quorum: Quorum | None = None
         self.quorum_rev = 0
+        self.quorum_record: bytes | None = None
+        """The quorum key's value as etcd holds it (what ``node_watch`` hands the node's siblings)."""
         self.alive: set[str] = set()
         self.joiners: dict[str, tuple[dict, int]] = {}
         self.stalls: dict[int, dict] = {}
@@ -199,7 +201,7 @@ class LiveKeys:
 
     def load(self, kvs: Iterable[Change]) -> None:
         """Replace everything by a whole read (each key as a ``Change`` that puts it)."""
-        self.quorum, self.quorum_rev = None, 0
+        self.quorum, self.quorum_rev, self.quorum_record = None, 0, None
         self.alive, self.joiners, self.stalls, self.busy = set(), {}, {}, {}
         for kv in kvs:
             self.apply(kv)
@@ -214,6 +216,7 @@ class LiveKeys:
         self.version += 1
         if sub == "quorum":
             self.quorum, self.quorum_rev = (None, 0) if value is None else (self._decode(value), change.mod_revision)
+            self.quorum_record = value
             return
         kind, _, name = sub.partition("/")
         parsed = _json_object(value)
@@ -240,6 +243,19 @@ class LiveKeys:
                 self.busy.pop(name, None)
             else:
                 self.busy[name] = parsed
+
+    def restore(self, record: bytes | None, quorum_rev: int, alive: set[str],
+                joiners: dict[str, tuple[dict, int]], stalls: dict[int, dict], busy: dict[str, dict]) -> None:
+        """Replace everything by what another worker kept (its node's watching worker,
+        ``rendezvous/node_watch.py``); the quorum record is decoded only when its revision changed."""
+        if record is None:
+            self.quorum, self.quorum_rev = None, 0
+        elif quorum_rev != self.quorum_rev or self.quorum is None:
+            self.quorum, self.quorum_rev = self._decode(record), quorum_rev
+        self.quorum_record = record
+        self.alive, self.joiners, self.stalls, self.busy = alive, joiners, stalls, busy
+        self.version += 1
+        self._missing_again()
 
     def track(self, quorum: Quorum) -> None:
         """Keep ``missing`` for ``quorum``'s members (O(members) when the quorum changes, else nothing)."""

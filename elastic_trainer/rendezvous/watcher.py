@@ -49,6 +49,9 @@ WATCHED = ("quorum", "alive/", "join/", "stall/", "busy/")
 class Watcher:
     """Watches the live keys for ``group`` while its worker trains (see the module docstring)."""
 
+    BEHIND_READ = 1.0
+    """Seconds a sibling waits for a published view as new as its quorum before it reads etcd itself."""
+
     reread_on_event = False
     """Read every live key again on each event, as the watcher did before it applied the events
     (``benchmarks/live_sim.py --reread``: the "before" of its numbers); never in training."""
@@ -72,9 +75,10 @@ class Watcher:
         """Changes applied from the watch's events."""
         self.loads = 0
         """Views loaded from the node's watching worker (a sibling's, ``rendezvous/node_watch.py``)."""
-        self._sibling_view: tuple[View, int] | None = None  # a sibling's last view, and its quorum
-        self._sibling_missing: list[str] | None = None  # the members of q absent from it (None: following the watch)
-        self._published_q = -1  # the quorum of the last view this worker published for its siblings
+        self._sibling_loaded = False  # a sibling: _keys holds a published view (or its own read)
+        self._behind = False  # a sibling: the view it holds predates its quorum (it tells nothing of q's members)
+        self._behind_since: float | None = None
+        self._published = -1  # the LiveKeys version this worker last published for its siblings
         self.on_view: Callable[[View], None] | None = None
         """Called from the watcher thread with the view after each update (a read, or changes
         applied), before it is acted on; it must not keep the view (``benchmarks/live_sim.py``)."""
@@ -107,42 +111,63 @@ class Watcher:
     def _look(self, q: Quorum) -> tuple[View, bool] | None:
         """The current view for quorum ``q``, and whether this worker knows it from etcd itself
         (None when etcd could not be read: the next wake tries again). The watching worker (or a
-        worker with a watch of its own) follows its watch and publishes each new view for its
-        siblings; a sibling loads the published one when woken (a view for another quorum, or none,
-        it reads from etcd once)."""
+        worker with a watch of its own) follows its watch and publishes what it knows, whenever
+        that changed, for its siblings (``_load_published``)."""
         node = self._node
         if node is not None and not node.leader:
-            if self._dirty.is_set() or self._sibling_view is None or self._sibling_view[1] != q.q:
-                self._dirty.clear()
-                got = node.latest()
-                if got is not None and got[1] == q.q:
-                    self.loads += 1
-                else:
-                    try:
-                        self._keys.load(self._read_all())
-                    except Exception as exc:  # noqa: BLE001 - etcd out of reach: the lease decides
-                        self._dirty.set()
-                        logger.info("live: watcher could not read etcd: %s", exc)
-                        return None
-                    self.reads += 1
-                    self._keys.track(q)
-                    got = (self._keys.view(q.q), q.q)
-                self._sibling_view = got
-                self._sibling_missing = [m.id for m in q.members if m.id not in got[0].alive]
-            return self._sibling_view[0], False
-        self._sibling_missing = None
-        seen = (self.reads, self.applied)
+            return self._load_published(node, q)
+        self._behind = False
         if not self._update():
             return None
         self._keys.track(q)
-        view = self._keys.view(q.q)
-        if node is not None and node.leader and (seen != (self.reads, self.applied) or self._published_q != q.q):
+        if node is not None and node.leader and self._published != self._keys.version:
             try:
-                node.publish(view, q.q)
-                self._published_q = q.q
-            except OSError as exc:  # the siblings read etcd themselves when they find nothing current
+                node.publish(self._keys)
+                self._published = self._keys.version
+            except OSError as exc:  # the siblings read etcd themselves when they find nothing
                 logger.warning("live: could not publish the node's view to its workers: %s", exc)
-        return view, True
+        return self._keys.view(q.q), True
+
+    def _load_published(self, node: NodeWatch, q: Quorum) -> tuple[View, bool] | None:
+        """A sibling's view: what its node's watching worker published last, loaded when woken
+        by a new one (the quorum record decoded only when it changed). The view holds every live
+        key, so it serves whatever quorum this worker is in. Until one is published (at the start)
+        the sibling reads etcd itself, once. A view that predates this worker's quorum (the
+        watching worker has not seen the re-form yet: it publishes within moments) tells nothing
+        about ``q``'s members: no loss is concluded from it, and if no newer one comes within
+        ``BEHIND_READ`` seconds, the sibling reads etcd itself."""
+        now = time.monotonic()
+        if self._dirty.is_set() or not self._sibling_loaded:
+            self._dirty.clear()
+            if node.load(self._keys):
+                self.loads += 1
+                self._sibling_loaded = True
+            elif not self._read_whole():
+                return None
+        self._keys.track(q)
+        known = self._keys.quorum
+        self._behind = known is None or known.q < q.q
+        if not self._behind:
+            self._behind_since = None
+        elif self._behind_since is None:
+            self._behind_since = now
+        elif now - self._behind_since > self.BEHIND_READ and self._read_whole():
+            self._behind_since = None
+            self._keys.track(q)
+            self._behind = self._keys.quorum is None or self._keys.quorum.q < q.q
+        return self._keys.view(q.q), False
+
+    def _read_whole(self) -> bool:
+        """A sibling reads the live keys from etcd itself (False when it could not)."""
+        try:
+            self._keys.load(self._read_all())
+        except Exception as exc:  # noqa: BLE001 - etcd out of reach: the lease decides
+            self._dirty.set()
+            logger.info("live: watcher could not read etcd: %s", exc)
+            return False
+        self.reads += 1
+        self._sibling_loaded = True
+        return True
 
     def _changed(self) -> None:
         """From the watch's thread: the watch was (re-)established or lost: read everything again."""
@@ -246,9 +271,9 @@ class Watcher:
         """Why the quorum ``q`` lost a member (moved on, a lease expired, a process gone), or ""."""
         if view.quorum is not None and view.quorum.q > q.q:
             return f"the quorum moved to {view.quorum.q}"
-        # Kept by LiveKeys for q (tracked) where this worker follows the watch: no walk over the
-        # members; a sibling's, computed once per view it loads (``_look``).
-        missing = self._keys.missing if self._sibling_missing is None else self._sibling_missing
+        # Kept by LiveKeys for q (tracked): no walk over the members (none for a sibling's view
+        # that predates q, ``_load_published``).
+        missing = {} if self._behind else self._keys.missing
         if missing:
             return f"the etcd lease of {next(iter(missing))} expired (stopped or cut off)"
         if self.group.probe_peers and (gone := self._probe_other_nodes(q)):
