@@ -76,6 +76,7 @@ from elastic_trainer.rendezvous.live_watch import KeysWatch  # noqa: E402
 from elastic_trainer.rendezvous.members import Member, Quorum, View, complete_nodes  # noqa: E402
 from elastic_trainer.rendezvous.node_watch import NodeWatch  # noqa: E402
 from elastic_trainer.rendezvous.progress import Progress  # noqa: E402
+from elastic_trainer.rendezvous import quorum_record  # noqa: E402
 from elastic_trainer.rendezvous.quorum import LiveGroup  # noqa: E402
 from elastic_trainer.rendezvous.watcher import Watcher  # noqa: E402
 
@@ -112,6 +113,7 @@ class SimWorker(LiveGroup):
         self.progress = Progress(settings.hang_min, settings.hang_factor)
         self._adopt_lock = threading.Lock()
         self._lease, self._lease_asked = keeper, 0.0
+        self._last_quorum = None
         self._stop = threading.Event()
         self.watcher = Watcher(self)
         self._watcher = None
@@ -411,7 +413,7 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
             if args.no_reports:
                 view.reports = {m.id: {"step": 0} for m in q.members if m.node != lost_node}
             new = observer._propose(q, view, target, "sim: a node's lease revoked")
-            if new is None or not observer._cas_quorum(new, view.quorum_rev):
+            if new is None or not observer._cas_quorum(new, view.quorum_rev, base=q):
                 raise RuntimeError(f"quorum {target} could not be written")
             written = time.monotonic()
             parts = pool.ask("collect", {"timeout": args.timeout})
@@ -427,6 +429,7 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
                     "known_median_s": round(_stats(knew_ts)[0], 3) if knew_ts else None,
                     "known_worst_s": round(_stats(knew_ts)[1], 3) if knew_ts else None,
                     "requests": round(sum(requests(m0, m1).values())), "sent_bytes": round(b1 - b0),
+                    "record_bytes": len(quorum_record.encode(new, q)[0]),
                     "etcd_cpu_s": round(c1 - c0, 2),
                     "whole_reads": sum(p["stats"]["reads"] for p in parts)}
             losses.append(loss)
@@ -436,7 +439,8 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
                   f"written at {loss['quorum_written_s']}s, known by {len(knew_ts)}/{survivors} survivors: "
                   f"median {loss['known_median_s']}s, worst {loss['known_worst_s']}s "
                   f"({'met' if not missing and loss['known_worst_s'] < TARGET_S else 'NOT met'}: < {TARGET_S:g}s); "
-                  f"etcd {loss['requests']:,} requests, {loss['sent_bytes'] / 1e6:,.1f} MB sent, "
+                  f"etcd {loss['requests']:,} requests, {loss['sent_bytes'] / 1e6:,.1f} MB sent "
+                  f"(the quorum key's record {loss['record_bytes']:,} bytes), "
                   f"{loss['etcd_cpu_s']:.2f} CPU s; "
                   f"whole reads so far {loss['whole_reads']:,}", flush=True)
             time.sleep(args.between)

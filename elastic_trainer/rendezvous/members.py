@@ -177,8 +177,9 @@ class LiveKeys:
     Each change costs O(1): the watcher no longer reads every key after each one. It also keeps
     ``missing``, the members of the ``track``ed quorum whose alive key is gone (in the order they
     went), so that a watcher asks "is a member lost?" without walking the member list. A quorum
-    record that arrives again unchanged (the same bytes) is decoded once per process: at 1,000
-    nodes it is ~1 MB of JSON, and a simulation runs a thousand watchers in one process.
+    record (a change from the quorum before, ``rendezvous/quorum_record.py``) that arrives again
+    unchanged (the same bytes) is decoded once per process: a simulation runs a thousand watchers
+    in one process.
     Not thread-safe: one thread (the watcher's) loads, applies and reads it."""
 
     _decoded: tuple[bytes, Quorum] | None = None  # the last quorum record decoded in this process
@@ -198,9 +199,15 @@ class LiveKeys:
         """Bumped by every load and change: what was derived from an older version is stale."""
         self._tracked: Quorum | None = None
         self._ids: frozenset[str] = frozenset()
+        self._previous: Quorum | None = None  # the quorum before the last whole read
+        self.hint: Quorum | None = None
+        """A quorum its owner holds (its own): a change record from it is applied without a read."""
+        self.fetch_members: Callable[[int], bytes | None] | None = None
+        """Reads quorum ``q``'s whole record (``members/<q>``) where a change record's base is not held."""
 
     def load(self, kvs: Iterable[Change]) -> None:
         """Replace everything by a whole read (each key as a ``Change`` that puts it)."""
+        self._previous = self.quorum  # a change record in the read may be from it
         self.quorum, self.quorum_rev, self.quorum_record = None, 0, None
         self.alive, self.joiners, self.stalls, self.busy = set(), {}, {}, {}
         for kv in kvs:
@@ -272,12 +279,16 @@ class LiveKeys:
         members = self._tracked.members if self._tracked is not None else ()
         self.missing = {m.id: None for m in members if m.id not in self.alive}
 
-    @classmethod
-    def _decode(cls, value: bytes) -> Quorum:
+    def _decode(self, value: bytes) -> Quorum:
+        """The quorum record ``value`` (whole, or a change from a quorum this keeper holds, else
+        built on ``fetch_members``: ``rendezvous/quorum_record.py``), decoded once per process."""
+        from elastic_trainer.rendezvous.quorum_record import decode
+
         last = LiveKeys._decoded
         if last is not None and last[0] == value:
             return last[1]
-        quorum = Quorum.from_json(value)
+        held = [x for x in (self.quorum, self._previous, self.hint, last[1] if last is not None else None) if x is not None]
+        quorum = decode(value, lambda q: next((x for x in held if x.q == q), None), self.fetch_members)
         LiveKeys._decoded = (value, quorum)
         return quorum
 

@@ -94,6 +94,7 @@ class NodeWatch:
         self._sock: socket.socket | None = None
         self._sock_path = os.path.join(directory, f"{os.getpid()}-{id(self):x}.sock")
         self.published = 0
+        self._members_q = -1  # the quorum whose whole record this worker wrote beside its views
 
     def try_lead(self) -> bool:
         """Take the node's watch if nobody holds it (kept until this process ends or ``close``)."""
@@ -110,15 +111,15 @@ class NodeWatch:
 
     # ---- the watching worker ------------------------------------------------------------------
     def publish(self, keys: LiveKeys) -> None:
-        """Make what ``keys`` holds the node's current view and wake the siblings."""
-        path = os.path.join(self.dir, "view.json")
-        tmp = f"{path}.{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, keys_to_bytes(keys))
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        """Make what ``keys`` holds the node's current view and wake the siblings (with its
+        quorum's whole record beside it, once per quorum, for a sibling that does not hold the
+        quorum the record is a change from: ``members``)."""
+        if keys.quorum is not None and keys.quorum.q != self._members_q:
+            self._write(f"members-{keys.quorum.q}.json", keys.quorum.to_json())
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.dir, f"members-{self._members_q}.json"))
+            self._members_q = keys.quorum.q
+        self._write("view.json", keys_to_bytes(keys))
         self.published += 1
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as out:
             out.setblocking(False)
@@ -133,6 +134,19 @@ class NodeWatch:
                 except BlockingIOError:  # its queue is full: it has a wake-up pending anyway
                     pass
 
+    def _write(self, name: str, data: bytes) -> None:
+        """``data`` as the file ``name`` in the node's directory, whole (written aside, renamed)."""
+        path = os.path.join(self.dir, name)
+        tmp = f"{path}.{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+
     # ---- a sibling ----------------------------------------------------------------------------
     def load(self, keys: LiveKeys) -> bool:
         """Make ``keys`` the view the watching worker published last; False when there is none
@@ -145,6 +159,14 @@ class NodeWatch:
         except (OSError, ValueError) as exc:
             logger.debug("live: no published view (%s)", exc)
             return False
+
+    def members(self, q: int) -> bytes | None:
+        """Quorum ``q``'s whole record as the watching worker wrote it beside its view, or None."""
+        try:
+            with open(os.path.join(self.dir, f"members-{q}.json"), "rb") as f:
+                return f.read()
+        except OSError:
+            return None
 
     def run(self) -> None:
         """A sibling's thread: wake the watcher on each published view; take the watch when free."""

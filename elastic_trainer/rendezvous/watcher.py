@@ -65,6 +65,7 @@ class Watcher:
         self._excluded_since: float | None = None  # when this worker was first seen left out of a newer quorum
         self._dirty = threading.Event()  # the watch was (re-)established or lost: read everything again
         self._keys = LiveKeys(group.prefix)  # the last whole read, with the watch's changes applied
+        self._keys.fetch_members = self._fetch_members
         self._loaded = False
         self._changes: deque[Change] = deque()  # from the watch's thread, applied by the watcher's
         self._watch: KeysWatch | None = None
@@ -114,6 +115,7 @@ class Watcher:
         worker with a watch of its own) follows its watch and publishes what it knows, whenever
         that changed, for its siblings (``_load_published``)."""
         node = self._node
+        self._keys.hint = q  # a quorum record that is a change from q is applied without a read
         if node is not None and not node.leader:
             return self._load_published(node, q)
         self._behind = False
@@ -168,6 +170,14 @@ class Watcher:
         self.reads += 1
         self._sibling_loaded = True
         return True
+
+    def _fetch_members(self, q: int) -> bytes | None:
+        """Quorum ``q``'s whole record, for a change record from a quorum this worker does not hold:
+        a sibling takes the one its watching worker wrote beside the view, else etcd's."""
+        node = self._node
+        if node is not None and not node.leader and (whole := node.members(q)) is not None:
+            return whole
+        return self.group._members_of(q)
 
     def _changed(self) -> None:
         """From the watch's thread: the watch was (re-)established or lost: read everything again."""
