@@ -19,7 +19,8 @@ from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, 
 from elastic_trainer.rendezvous.lease import LeaseKeeper
 from elastic_trainer.rendezvous.members import Change, LiveKeys, Member, Quorum
 from elastic_trainer.rendezvous.node_lease import AgentRecord
-from elastic_trainer.rendezvous.node_watch import NodeWatch, keys_from_bytes, keys_to_bytes
+from elastic_trainer.rendezvous.node_watch import (NodeWatch, change_from_line, change_to_line, keys_from_bytes,
+                                                   keys_to_bytes)
 from elastic_trainer.rendezvous.quorum import LiveGroup
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,13 +45,46 @@ def test_what_the_watching_worker_knows_survives_its_trip_through_the_published_
     quorum serves itself from it: the view it derives for any quorum is the publisher's)."""
     keys = _keys()
     back = LiveKeys(P)
-    keys_from_bytes(back, keys_to_bytes(keys))
+    assert keys_from_bytes(back, keys_to_bytes(keys, 5), 5)
     for q in (6, 7, 8):
         assert back.view(q) == keys.view(q)
     assert back.quorum_record == keys.quorum_record
     decoded = back.quorum
-    keys_from_bytes(back, keys_to_bytes(keys))
+    assert not keys_from_bytes(back, keys_to_bytes(keys, 6), 5), "a snapshot of another epoch is not loaded"
+    assert keys_from_bytes(back, keys_to_bytes(keys, 6))
     assert back.quorum is decoded, "the quorum record is decoded again only when its revision changed"
+
+
+def test_a_sibling_applies_the_logged_changes_and_starts_over_from_a_new_snapshot(tmp_path):
+    """Between snapshots the watching worker appends the changes it applied; a sibling applies
+    those since its last load (O(changes), not a parse of every key: at 1,000 x 8 a snapshot is
+    ~0.9 MB), reads whole lines only, and loads the snapshot again when a new epoch begins."""
+    leader = NodeWatch(str(tmp_path / "node"), POLL, lambda: None, lambda: None)
+    sibling = NodeWatch(str(tmp_path / "node"), POLL, lambda: None, lambda: None)
+    try:
+        assert leader.try_lead()
+        keys, got = _keys(), LiveKeys(P)
+        leader.publish(keys, None)
+        assert sibling.load(got) and got.view(7) == keys.view(7)
+        burst = [Change(P + "alive/n1-0-2", None, 0, 60), Change(P + "join/n2-0-3", None, 0, 61),
+                 Change(P + "busy/n9-0-9", '{"q": 7, "what": "écrire"}'.encode(), 62, 62)]
+        odd = Change(P + "alive/x", bytes(range(256)), 1, 2)
+        assert change_from_line(change_to_line(odd)) == odd, "any bytes travel exactly"
+        keys.track(keys.quorum)
+        for change in burst[:2]:
+            keys.apply(change)
+        leader.publish(keys, burst[:2])
+        with open(tmp_path / "node" / "changes.log", "ab") as log:
+            log.write(b'["' + P.encode() + b'busy/half')  # a line being appended: not read yet
+        got.track(got.quorum)
+        assert sibling.load(got) and got.view(7) == keys.view(7) and list(got.missing) == ["n1-0-2"]
+        assert "n9-0-9" not in got.busy
+        keys.apply(burst[2])
+        leader.publish(keys, None)  # a new epoch: the snapshot has the third change
+        assert sibling.load(got) and got.busy["n9-0-9"]["what"] == "écrire" and got.view(7) == keys.view(7)
+    finally:
+        leader.close()
+        sibling.close()
 
 
 def test_one_worker_keeps_the_watch_and_a_sibling_is_woken_by_each_published_view(tmp_path):
@@ -66,7 +100,7 @@ def test_one_worker_keeps_the_watch_and_a_sibling_is_woken_by_each_published_vie
         got = LiveKeys(P)
         assert not changes and not promoted.is_set() and not sibling.load(got)
         sent = time.monotonic()
-        leader.publish(_keys())
+        leader.publish(_keys(), None)
         deadline = time.monotonic() + 2
         while not changes and time.monotonic() < deadline:
             time.sleep(0.001)

@@ -79,7 +79,7 @@ class Watcher:
         self._sibling_loaded = False  # a sibling: _keys holds a published view (or its own read)
         self._behind = False  # a sibling: the view it holds predates its quorum (it tells nothing of q's members)
         self._behind_since: float | None = None
-        self._published = -1  # the LiveKeys version this worker last published for its siblings
+        self._unpublished: list[Change] | None = None  # changes applied since the last publish (None: read whole)
         self.on_view: Callable[[View], None] | None = None
         """Called from the watcher thread with the view after each update (a read, or changes
         applied), before it is acted on; it must not keep the view (``benchmarks/live_sim.py``)."""
@@ -122,11 +122,12 @@ class Watcher:
         if not self._update():
             return None
         self._keys.track(q)
-        if node is not None and node.leader and self._published != self._keys.version:
+        if node is not None and node.leader and (self._unpublished is None or self._unpublished):
             try:
-                node.publish(self._keys)
-                self._published = self._keys.version
+                node.publish(self._keys, self._unpublished)
+                self._unpublished = []
             except OSError as exc:  # the siblings read etcd themselves when they find nothing
+                self._unpublished = None  # a new snapshot next time
                 logger.warning("live: could not publish the node's view to its workers: %s", exc)
         return self._keys.view(q.q), True
 
@@ -207,9 +208,13 @@ class Watcher:
                 self._keys.load(self._read_all())
                 self._loaded = True
                 self.reads += 1
+                self._unpublished = None
             while self._changes:
-                self._keys.apply(self._changes.popleft())
+                change = self._changes.popleft()
+                self._keys.apply(change)
                 self.applied += 1
+                if self._unpublished is not None and self._node is not None and self._node.leader:
+                    self._unpublished.append(change)
         except Exception as exc:  # noqa: BLE001 - etcd out of reach (the lease decides), or a malformed record
             self._dirty.set()
             logger.info("live: watcher could not read etcd: %s", exc)
