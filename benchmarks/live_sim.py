@@ -52,9 +52,11 @@ event either way). Every process, channel, lease and the private etcd end with t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import multiprocessing as mp
 import os
+import selectors
 import shutil
 import statistics
 import sys
@@ -62,6 +64,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -136,12 +139,21 @@ class SimWorker(LiveGroup):
             f'{{"node": "{self.node}", "local_rank": {self.local_rank}, "nproc": {self.nproc}, '
             f'"probe": "{self.me.probe}"}}').encode())
 
-    def watch(self, reports: bool) -> None:
+    def watch(self, reports: bool, thread: bool = True) -> None:
+        """Start watching: the product's watcher thread, or (``thread`` False: a sibling that
+        ``Part._serve_siblings`` serves) only its hooks."""
         def lost(reason: str) -> None:
             if self.lost_at is None:
                 self.lost_at = time.monotonic()
                 if reports and self.quorum is not None and self.target == self.quorum.q + 1:
-                    self._lease.put(self._key(f"report/{self.target}/{self.id}"), b'{"step": 0, "cause": "sim"}')
+                    for attempt in range(5):  # a failed put must not end the watcher's thread
+                        try:
+                            self._lease.put(self._key(f"report/{self.target}/{self.id}"), b'{"step": 0, "cause": "sim"}')
+                            break
+                        except Exception as exc:  # noqa: BLE001 - reported below after the last try
+                            if attempt == 4:
+                                logging.getLogger("live_sim").error("report of %s failed: %s", self.id, exc)
+                            time.sleep(0.1)
 
         def seen(view: View) -> None:
             q = view.quorum
@@ -152,7 +164,8 @@ class SimWorker(LiveGroup):
 
         self.on_member_lost = lost
         self.watcher.on_view = seen
-        self.start_watching()
+        if thread:
+            self.start_watching()
 
     def close(self) -> None:
         self._stop_watching()
@@ -162,7 +175,7 @@ class Part:
     """One process's nodes: their lease keepers and workers."""
 
     def __init__(self, endpoint: str, nodes: list[str], workers: int, channels: int, settings: LiveSettings,
-                 reread: bool = False, node_dir: str | None = None) -> None:
+                 reread: bool = False, node_dir: str | None = None, shared_siblings: bool = False) -> None:
         logging.getLogger("elastic_trainer").setLevel(logging.ERROR)  # a warning per worker and loss
         if reread:  # as before: every event makes the watcher read all the live keys again
             Watcher.reread_on_event = True
@@ -178,32 +191,54 @@ class Part:
             for w in self.workers[node]:
                 w.node_dir = os.path.join(node_dir, node) if node_dir is not None else None
         self.lost: set[str] = set()
+        self.shared_siblings = shared_siblings
+        self.closing = threading.Event()
+        self.look_errors = 0
 
     def all(self, live: bool = True) -> list[SimWorker]:
         return [w for n, ws in self.workers.items() if not (live and n in self.lost) for w in ws]
 
     def register(self) -> int:
         workers = self.all()
-        threads = [_thread("register", w.register) for w in workers]
-        for t in threads:
-            t.join()
+        with ThreadPoolExecutor(32) as pool:
+            list(pool.map(lambda w: w.register(), workers))
         return len(workers)
 
     def adopt(self, data: bytes) -> int:
         """Every worker adopts quorum 1 and deletes its join key, as ``LiveGroup.join`` ends."""
         q = Quorum.from_json(data)
-        for w in self.all():
+
+        def adopt(w: SimWorker) -> None:
             w._adopt(q)
             w.target = q.q
             w.conn.call(lambda c, k=w._key("join/" + w.id): c.delete(k))
+
+        with ThreadPoolExecutor(32) as pool:
+            list(pool.map(adopt, self.all()))
         return len(self.all())
 
     def watch(self, reports: bool, timeout: float) -> dict:
         """Every worker starts its watcher (once every process's workers joined, as a trainer
-        starts watching after its join); the answer once each has made its first read."""
-        for w in self.all():
-            w.watch(reports)
+        starts watching after its join); the answer once each has made its first read. With
+        ``shared_siblings``, each node's first worker starts its watcher thread and takes the
+        node's watch, and one thread of this process serves all the siblings (``_serve_siblings``)."""
         deadline = time.monotonic() + timeout
+        if not self.shared_siblings:
+            for w in self.all():
+                w.watch(reports)
+        else:
+            for ws in self.workers.values():
+                ws[0].watch(reports)
+            while not all(ws[0].watcher._node is not None and ws[0].watcher._node.leader
+                          for ws in self.workers.values()) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            siblings = [w for ws in self.workers.values() for w in ws[1:]]
+            for w in siblings:
+                w.watch(reports, thread=False)
+                w.watcher._node = w.node_watch(w.watcher._changed, w.watcher._open_watch)
+                if w.watcher._node.try_lead():
+                    raise RuntimeError(f"{w.id} took its node's watch: the first worker did not")
+            _thread("siblings", self._serve_siblings, siblings)
         while any(w.watcher.reads + w.watcher.loads < 1 for w in self.all()) and time.monotonic() < deadline:
             time.sleep(0.05)
         return {"read": sum(w.watcher.reads + w.watcher.loads >= 1 for w in self.all())}
@@ -232,9 +267,48 @@ class Part:
         ws = self.all(live=False)
         return {"reads": sum(w.watcher.reads for w in ws), "applied": sum(w.watcher.applied for w in ws),
                 "lost_leases": sum(k.lost for n, k in self.keepers.items() if n not in self.lost),
+                "loads": sum(w.watcher.loads for w in ws), "look_errors": self.look_errors,
                 "cpu_s": time.process_time()}
 
+    def _serve_siblings(self, siblings: list[SimWorker]) -> None:
+        """One thread for every sibling of this process (``--shared-siblings``): what each
+        sibling's two threads do in the product (``NodeWatch.run`` waits on the sibling's socket;
+        the watcher looks at each datagram and every poll), for all of them, one after the other.
+        Each look is the product's ``Watcher.look``; what is not simulated is a sibling's
+        promotion when its node's watching worker dies (no node dies here but a lost one)."""
+        selector = selectors.DefaultSelector()
+        for w in siblings:
+            sock = w.watcher._node.bind()
+            sock.setblocking(False)
+            selector.register(sock, selectors.EVENT_READ, w)
+        poll = siblings[0].settings.poll if siblings else 1.0
+        next_poll = time.monotonic() + poll
+        while not self.closing.is_set():
+            for key, _ in selector.select(max(0.0, next_poll - time.monotonic())):
+                with contextlib.suppress(OSError):
+                    while key.fileobj.recv(16):
+                        pass
+                w = key.data
+                w.watcher._changed()
+                self._look(w)
+            if time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + poll
+                for w in siblings:
+                    self._look(w)
+        selector.close()
+
+    def _look(self, w: SimWorker) -> None:
+        if w.stopped:
+            return
+        try:
+            w.watcher.look()
+        except Exception as exc:  # noqa: BLE001 - counted and printed: a product thread would have died
+            self.look_errors += 1
+            if self.look_errors <= 3:
+                logging.getLogger("live_sim").error("a sibling's look failed: %r", exc)
+
     def close(self) -> None:
+        self.closing.set()
         for w in self.all(live=False):
             w.close()
         for node, keeper in self.keepers.items():
@@ -339,13 +413,15 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
     main_conn = _connection(endpoint)
     observer = SimWorker(main_conn, "observer", 0, 1, settings, None)
     result: dict = {"nodes": n, "workers": w, "processes": procs, "channels": args.channels, "poll_s": args.poll,
-                    "watcher": "reread" if args.reread else "events", "node_watch": args.node_watch}
+                    "watcher": "reread" if args.reread else "events", "node_watch": args.node_watch,
+                    "shared_siblings": getattr(args, "shared_siblings", False)}
     try:
         t = time.monotonic()
         registered = sum(pool.ask("setup", [{"endpoint": endpoint, "nodes": [x for x in nodes if owner[x] == i],
                                              "workers": w, "channels": args.channels, "settings": settings,
                                              "reread": args.reread,
-                                             "node_dir": os.path.join(args.workdir, "nodes") if args.node_watch else None}
+                                             "node_dir": os.path.join(args.workdir, "nodes") if args.node_watch else None,
+                                             "shared_siblings": getattr(args, "shared_siblings", False)}
                                             for i in range(procs)]))
         view = observer._read()
         chosen = complete_nodes(view)
@@ -431,7 +507,8 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
                     "requests": round(sum(requests(m0, m1).values())), "sent_bytes": round(b1 - b0),
                     "record_bytes": len(quorum_record.encode(new, q)[0]),
                     "etcd_cpu_s": round(c1 - c0, 2),
-                    "whole_reads": sum(p["stats"]["reads"] for p in parts)}
+                    "whole_reads": sum(p["stats"]["reads"] for p in parts),
+                    "sibling_loads": sum(p["stats"]["loads"] for p in parts)}
             losses.append(loss)
             q = new
             print(f"loss {k + 1} ({lost_node}): every survivor saw it at {loss['loss_seen_worst_s']}s "
@@ -447,6 +524,7 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
         result["losses"] = losses
         stats = [p["stats"] for p in pool.ask("collect", {"timeout": 0})]
         result["lost_leases"] = sum(s["lost_leases"] for s in stats)
+        result["look_errors"] = sum(s["look_errors"] for s in stats)
         result["sim_cpu_s"] = round(sum(s["cpu_s"] for s in stats), 1)
     finally:
         pool.close()
@@ -468,6 +546,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--node-watch", action="store_true",
                    help="one etcd watch per node (rendezvous/node_watch.py), as the product runs on a node's lease; "
                         "default: a watch stream per worker")
+    p.add_argument("--shared-siblings", action="store_true",
+                   help="with --node-watch: one thread per process serves every sibling (each look the product's "
+                        "Watcher.look) instead of two threads per sibling; what makes 1,000 x 8 fit this machine")
     p.add_argument("--no-reports", action="store_true",
                    help="write the next quorum as soon as the lease is revoked (no report round)")
     p.add_argument("--settle", type=float, default=5.0, help="seconds before the steady window")
@@ -493,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
                 server.stop()
             shutil.rmtree(tmp, ignore_errors=True)
         print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end; simulation CPU "
-              f"{result['sim_cpu_s']}s; node leases lost by a late renewal: {result['lost_leases']}")
+              f"{result['sim_cpu_s']}s; node leases lost by a late renewal: {result['lost_leases']}; "
+              f"sibling looks that raised: {result['look_errors']}")
         print("command: " + record.command)
         provenance.write_json(args.json, result, record)
     return 0

@@ -245,12 +245,20 @@ class NodeWatch:
         except OSError:
             return None
 
+    def bind(self) -> socket.socket:
+        """A sibling's datagram socket in the node's directory (``run`` binds it; a simulation
+        that serves many siblings from one thread binds each and waits on them all)."""
+        if self._sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._sock_path)
+            sock.bind(self._sock_path)
+            self._sock = sock
+        return self._sock
+
     def run(self) -> None:
         """A sibling's thread: wake the watcher on each published view; take the watch when free."""
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._sock_path)
-        self._sock.bind(self._sock_path)
+        self.bind()
         self._sock.settimeout(self._poll)
         try:
             while not self._stop.is_set():
@@ -283,6 +291,7 @@ class NodeWatch:
             if self._stop.is_set():
                 return
             self._stop.set()
+            self._close_socket()
             if self._log_fd is not None:
                 os.close(self._log_fd)
                 self._log_fd = None

@@ -50,7 +50,8 @@ class Watcher:
     """Watches the live keys for ``group`` while its worker trains (see the module docstring)."""
 
     BEHIND_READ = 1.0
-    """Seconds a sibling waits for a published view as new as its quorum before it reads etcd itself."""
+    """Seconds (or 10 polls, if longer) a sibling waits for its node's first published view, or one
+    as new as its quorum, before it reads etcd itself."""
 
     reread_on_event = False
     """Read every live key again on each event, as the watcher did before it applied the events
@@ -79,6 +80,7 @@ class Watcher:
         self._sibling_loaded = False  # a sibling: _keys holds a published view (or its own read)
         self._behind = False  # a sibling: the view it holds predates its quorum (it tells nothing of q's members)
         self._behind_since: float | None = None
+        self._first_wait: float | None = None  # a sibling: since when it waits for its node's first view
         self._unpublished: list[Change] | None = None  # changes applied since the last publish (None: read whole)
         self.on_view: Callable[[View], None] | None = None
         """Called from the watcher thread with the view after each update (a read, or changes
@@ -133,20 +135,25 @@ class Watcher:
 
     def _load_published(self, node: NodeWatch, q: Quorum) -> tuple[View, bool] | None:
         """A sibling's view: what its node's watching worker published last, loaded when woken
-        by a new one (the quorum record decoded only when it changed). The view holds every live
-        key, so it serves whatever quorum this worker is in. Until one is published (at the start)
-        the sibling reads etcd itself, once. A view that predates this worker's quorum (the
-        watching worker has not seen the re-form yet: it publishes within moments) tells nothing
-        about ``q``'s members: no loss is concluded from it, and if no newer one comes within
-        ``BEHIND_READ`` seconds, the sibling reads etcd itself."""
+        by a new one (``NodeWatch.load``: the changes logged since the last). The view holds every
+        live key, so it serves whatever quorum this worker is in. Until one is published (at the
+        start) the sibling waits ``BEHIND_READ``, then reads etcd itself, once. A view that
+        predates this worker's quorum (the watching worker has not seen the re-form yet: it
+        publishes within moments) tells nothing about ``q``'s members: no loss is concluded from
+        it, and if no newer one comes within ``BEHIND_READ``, the sibling reads etcd itself."""
         now = time.monotonic()
+        patience = max(self.BEHIND_READ, 10 * self.group.settings.poll)
         if self._dirty.is_set() or not self._sibling_loaded:
             self._dirty.clear()
             if node.load(self._keys):
                 self.loads += 1
                 self._sibling_loaded = True
-            elif not self._read_whole():
-                return None
+            elif self._sibling_loaded:  # caught between a new epoch's two files: the next wake loads
+                self._dirty.set()
+            else:  # nothing published yet (the start): wait for the watching worker's first view
+                self._first_wait = self._first_wait or now
+                if now - self._first_wait < patience or not self._read_whole():
+                    return None
         self._keys.track(q)
         known = self._keys.quorum
         self._behind = known is None or known.q < q.q
@@ -154,7 +161,7 @@ class Watcher:
             self._behind_since = None
         elif self._behind_since is None:
             self._behind_since = now
-        elif now - self._behind_since > self.BEHIND_READ and self._read_whole():
+        elif now - self._behind_since > patience and self._read_whole():
             self._behind_since = None
             self._keys.track(q)
             self._behind = self._keys.quorum is None or self._keys.quorum.q < q.q
@@ -238,49 +245,53 @@ class Watcher:
         while not self.group.stopped:
             self._wake.wait(self.group.settings.poll)
             self._wake.clear()
-            now = time.monotonic()
-            if now - self._last_look > self.group.settings.lease_ttl:  # paused: events may be on their way
-                self._dirty.set()
-            self._last_look = now
-            q = self.group.quorum
-            if q is None or self.group.stopped:
-                continue
-            self._show_busy(q)
-            got = self._look(q)
-            if got is None:
-                continue
-            view, own = got
-            if self.on_view is not None:
-                self.on_view(view)
-            self.group.on_view(view, current=self._watch is not None and self._watch.established.is_set()
-                               and not self._dirty.is_set(), authoritative=own)
-            self._check_stuck(q, view)
-            if self.group.change_pending.is_set():
-                continue
-            lost, must_move = self._lost(q, view), False
-            if not lost and view.stall is not None:
-                lost, must_move = f"{view.stall.get('by')} saw no progress for {view.stall.get('waited', 0):.1f}s", True
-            if not lost and (lasted := self.group.progress.stalled()) is not None and self._declare_stall(q, view, lasted):
-                lost, must_move = f"no progress for {lasted:.1f}s (a rank is hung)", True
-            reason = lost
-            if not lost and view.joiners and (waiting := complete_nodes(view)):  # q.nodes: O(members)
-                nodes = q.nodes
-                if len(nodes) < self.group.settings.max_nodes and any(n not in nodes for n, _ in waiting):
-                    reason = "a node asks to join"
-            if reason:
-                with self.group._adopt_lock:
-                    if self.group.quorum is not q:  # re-formed while this view was read: it is stale
-                        continue
-                    self.group.change_reason = reason
-                    self.group.change_pending.set()
-            if lost:
-                if must_move:  # the training thread must come out of its step now, or it is the hung one
-                    self._trouble = (q.q, time.monotonic(), self.group.progress.moves,
-                                     f"its training thread made no progress while its peers waited ({lost}) and "
-                                     f"did not come out of its step once the group was abandoned: it is the hung rank")
-                if self.group.on_member_lost is not None:
-                    logger.warning("live: %s in quorum %d: abandoning the process group's collectives", lost, q.q)
-                    self.group.on_member_lost(lost)
+            self.look()
+
+    def look(self) -> None:
+        """One look (what the thread does at each wake-up): the view, what it says, what to do."""
+        now = time.monotonic()
+        if now - self._last_look > self.group.settings.lease_ttl:  # paused: events may be on their way
+            self._dirty.set()
+        self._last_look = now
+        q = self.group.quorum
+        if q is None or self.group.stopped:
+            return
+        self._show_busy(q)
+        got = self._look(q)
+        if got is None:
+            return
+        view, own = got
+        if self.on_view is not None:
+            self.on_view(view)
+        self.group.on_view(view, current=self._watch is not None and self._watch.established.is_set()
+                           and not self._dirty.is_set(), authoritative=own)
+        self._check_stuck(q, view)
+        if self.group.change_pending.is_set():
+            return
+        lost, must_move = self._lost(q, view), False
+        if not lost and view.stall is not None:
+            lost, must_move = f"{view.stall.get('by')} saw no progress for {view.stall.get('waited', 0):.1f}s", True
+        if not lost and (lasted := self.group.progress.stalled()) is not None and self._declare_stall(q, view, lasted):
+            lost, must_move = f"no progress for {lasted:.1f}s (a rank is hung)", True
+        reason = lost
+        if not lost and view.joiners and (waiting := complete_nodes(view)):  # q.nodes: O(members)
+            nodes = q.nodes
+            if len(nodes) < self.group.settings.max_nodes and any(n not in nodes for n, _ in waiting):
+                reason = "a node asks to join"
+        if reason:
+            with self.group._adopt_lock:
+                if self.group.quorum is not q:  # re-formed while this view was read: it is stale
+                    return
+                self.group.change_reason = reason
+                self.group.change_pending.set()
+        if lost:
+            if must_move:  # the training thread must come out of its step now, or it is the hung one
+                self._trouble = (q.q, time.monotonic(), self.group.progress.moves,
+                                 f"its training thread made no progress while its peers waited ({lost}) and "
+                                 f"did not come out of its step once the group was abandoned: it is the hung rank")
+            if self.group.on_member_lost is not None:
+                logger.warning("live: %s in quorum %d: abandoning the process group's collectives", lost, q.q)
+                self.group.on_member_lost(lost)
 
     def _lost(self, q: Quorum, view: View) -> str:
         """Why the quorum ``q`` lost a member (moved on, a lease expired, a process gone), or ""."""
