@@ -261,7 +261,8 @@ class Part:
         while any(w.knew_at is None for w in self.all()) and time.monotonic() < deadline:
             time.sleep(0.02)
         ws = self.all()
-        return {"lost_at": [w.lost_at for w in ws], "knew_at": [w.knew_at for w in ws], "stats": self.stats()}
+        return {"lost_at": [w.lost_at for w in ws], "knew_at": [w.knew_at for w in ws],
+                "keeps_watch": [w.watcher._watch is not None for w in ws], "stats": self.stats()}
 
     def stats(self) -> dict:
         ws = self.all(live=False)
@@ -496,6 +497,17 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
             m1, b1, c1 = scrape(endpoint), sent_bytes(endpoint), etcd_cpu_s(etcd_pid)
             lost_ts = [x - lost_at for p in parts for x in p["lost_at"] if x is not None]
             knew_ts = [x - lost_at for p in parts for x in p["knew_at"] if x is not None]
+            # the breakdown: the workers that keep an etcd watch (all, or one per node) and the
+            # siblings that learn from them
+            by_role: dict[str, dict[str, list[float]]] = {"watching": {"lost": [], "knew": []},
+                                                          "siblings": {"lost": [], "knew": []}}
+            for p in parts:
+                for lost_x, knew_x, keeps in zip(p["lost_at"], p["knew_at"], p["keeps_watch"]):
+                    role = by_role["watching" if keeps else "siblings"]
+                    if lost_x is not None:
+                        role["lost"].append(lost_x - lost_at)
+                    if knew_x is not None:
+                        role["knew"].append(knew_x - lost_at)
             missing = survivors - len(knew_ts)
             loss = {"node": lost_node, "survivors": survivors, "knew": len(knew_ts),
                     "loss_seen_median_s": round(_stats(lost_ts)[0], 3) if lost_ts else None,
@@ -508,10 +520,14 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
                     "record_bytes": len(quorum_record.encode(new, q)[0]),
                     "etcd_cpu_s": round(c1 - c0, 2),
                     "whole_reads": sum(p["stats"]["reads"] for p in parts),
-                    "sibling_loads": sum(p["stats"]["loads"] for p in parts)}
+                    "sibling_loads": sum(p["stats"]["loads"] for p in parts),
+                    "loss_seen_first_s": round(min(lost_ts), 3) if lost_ts else None,
+                    "breakdown": {role: {f"{what}_{k}_s": round(f(ts), 3) for what, ts in d.items() if ts
+                                         for k, f in (("median", statistics.median), ("worst", max))}
+                                  for role, d in by_role.items()}}
             losses.append(loss)
             q = new
-            print(f"loss {k + 1} ({lost_node}): every survivor saw it at {loss['loss_seen_worst_s']}s "
+            print(f"loss {k + 1} ({lost_node}): first saw it at {loss['loss_seen_first_s']}s, every survivor at {loss['loss_seen_worst_s']}s "
                   f"(median {loss['loss_seen_median_s']}s), reports in at {loss['reports_in_s']}s, quorum {target} "
                   f"written at {loss['quorum_written_s']}s, known by {len(knew_ts)}/{survivors} survivors: "
                   f"median {loss['known_median_s']}s, worst {loss['known_worst_s']}s "
@@ -519,7 +535,9 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
                   f"etcd {loss['requests']:,} requests, {loss['sent_bytes'] / 1e6:,.1f} MB sent "
                   f"(the quorum key's record {loss['record_bytes']:,} bytes), "
                   f"{loss['etcd_cpu_s']:.2f} CPU s; "
-                  f"whole reads so far {loss['whole_reads']:,}", flush=True)
+                  f"whole reads so far {loss['whole_reads']:,}; by role: "
+                  + "; ".join(f"{role} " + ", ".join(f"{k} {v}" for k, v in d.items())
+                              for role, d in loss["breakdown"].items() if d), flush=True)
             time.sleep(args.between)
         result["losses"] = losses
         stats = [p["stats"] for p in pool.ask("collect", {"timeout": 0})]
