@@ -123,6 +123,7 @@ class SimWorker(LiveGroup):
         self.requests = 0
         self.lost_at: float | None = None  # when its watcher first saw the loss
         self.knew_at: float | None = None  # when its watcher first saw the target quorum
+        self.event_at: float | None = None  # when its watch stream delivered the target quorum's change
         self.target = 0
         self.node_dir: str | None = None  # --node-watch: the node's shared directory
 
@@ -162,8 +163,16 @@ class SimWorker(LiveGroup):
                     self.knew_at = time.monotonic()
                 self._adopt(q)
 
+        events = self.watcher._events
+
+        def stream(changes) -> None:  # the watch's thread: when the new quorum's event arrived
+            if self.event_at is None and any(c.key == self._key("quorum") for c in changes):
+                self.event_at = time.monotonic()
+            events(changes)
+
         self.on_member_lost = lost
         self.watcher.on_view = seen
+        self.watcher._events = stream
         if thread:
             self.start_watching()
 
@@ -245,7 +254,7 @@ class Part:
 
     def expect(self, target: int) -> None:
         for w in self.all():
-            w.lost_at = w.knew_at = None
+            w.lost_at = w.knew_at = w.event_at = None
             w.target = target
 
     def lose(self, node: str) -> float:
@@ -262,7 +271,8 @@ class Part:
             time.sleep(0.02)
         ws = self.all()
         return {"lost_at": [w.lost_at for w in ws], "knew_at": [w.knew_at for w in ws],
-                "keeps_watch": [w.watcher._watch is not None for w in ws], "stats": self.stats()}
+                "keeps_watch": [w.watcher._watch is not None for w in ws],
+                "event_at": [w.event_at for w in ws if w.event_at is not None], "stats": self.stats()}
 
     def stats(self) -> dict:
         ws = self.all(live=False)
@@ -501,6 +511,7 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
             # siblings that learn from them
             by_role: dict[str, dict[str, list[float]]] = {"watching": {"lost": [], "knew": []},
                                                           "siblings": {"lost": [], "knew": []}}
+            by_role["watching"]["event"] = [x - lost_at for p in parts for x in p["event_at"]]
             for p in parts:
                 for lost_x, knew_x, keeps in zip(p["lost_at"], p["knew_at"], p["keeps_watch"]):
                     role = by_role["watching" if keeps else "siblings"]
