@@ -10,15 +10,20 @@ import signal
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 
 import pytest
 
+from elastic_trainer.env import LiveSettings
+from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
+from elastic_trainer.rendezvous.lease import LeaseKeeper
 from elastic_trainer.rendezvous.members import Change, LiveKeys, Member, Quorum
+from elastic_trainer.rendezvous.node_lease import AgentRecord
 from elastic_trainer.rendezvous.node_watch import (NodeWatch, change_from_line, change_to_line, keys_from_bytes,
                                                    keys_to_bytes)
+from elastic_trainer.rendezvous.quorum import LiveGroup
 from tests.helpers.common import wait_until
-from tests.test_node_lease import node  # noqa: F401, F811 - the fixture: an agent and its two workers, watching
 
 pytestmark = pytest.mark.timeout(60)
 POLL = 0.1
@@ -139,29 +144,51 @@ def test_a_sibling_takes_the_watch_within_a_poll_when_the_watching_process_is_ki
         thread.join(2)
 
 
-def test_after_a_re_form_a_sibling_serves_itself_from_its_nodes_view_and_reads_nothing(node):  # noqa: F811 - the fixture
+def test_after_a_re_form_a_sibling_serves_itself_from_its_nodes_view_and_reads_nothing(etcd, run_id):
     """The watching worker used to publish a view for its own quorum: a sibling that adopted the
     next quorum first (each worker re-forms on its own) found the view "for another quorum" and
     read etcd whole, so every re-form sent ~every sibling to etcd (100 nodes x 8: 423 whole reads,
     the next quorum known everywhere after 72 s). Now the view holds every live key: the sibling
     waits for the one that shows its quorum (concluding no loss from the older one), and the new
     quorum record, a change from the quorum it held, costs it no read either."""
-    agent, workers, left = node
+    conns = [EtcdConnection(EtcdOptions(endpoints=parse_endpoints(etcd.endpoint), retry_timeout=10))
+             for _ in range(3)]
+    record = AgentRecord()
+    agent = LeaseKeeper(conns[2], f"/{run_id}/alive/node0", ttl=5, interval=1.0, on_renewed=record)
+    agent.ensure()
+    settings = LiveSettings(min_nodes=1, max_nodes=2, last_call=0.0, join_timeout=20, lease_ttl=5,
+                            keep_alive_interval=1.0)
     lost: list[str] = []
-    keeper = next(w for w in workers if w.watcher._watch is not None)
-    sibling = next(w for w in workers if w is not keeper)
-    sibling.on_member_lost = lost.append  # (the keeper, still in quorum 1, sees the quorum move)
-    reads, loads = sibling.watcher.reads, sibling.watcher.loads
-    q1 = keeper.quorum
-    q2 = Quorum(q=2, members=q1.members, step=5, cause="test: a planned re-form")
-    sibling._adopt(q2)  # the sibling re-formed first; the keeper is still in quorum 1
-    sibling.wake()
-    time.sleep(0.3)
-    assert not lost and not sibling.change_pending.is_set(), "no loss from a view older than quorum 2"
-    assert keeper._cas_quorum(q2, keeper._read().quorum_rev, base=q1)
-    wait_until(lambda: sibling.watcher._keys.quorum == q2, 3, "the keeper's next view, with quorum 2",
-               interval=0.02)
-    keeper._adopt(q2)
-    time.sleep(0.3)
-    assert sibling.watcher.reads == reads and sibling.watcher.loads > loads, "the sibling read etcd itself"
-    assert not sibling.change_pending.is_set() and not lost and not left
+    workers = [LiveGroup(conns[i], f"/{run_id}/", "node0", i, 2, "127.0.0.1", settings,
+                         node_lease=agent.lease_id) for i in range(2)]
+    try:
+        with ThreadPoolExecutor(2) as pool:  # both join: a world of 2
+            list(pool.map(lambda w: w.join(), workers))
+        for w in workers:
+            w.start_watching()
+        wait_until(lambda: all(w.watcher.reads + w.watcher.loads >= 1 for w in workers), 5, "every first view",
+                   interval=0.02)
+        keeper = next(w for w in workers if w.watcher._watch is not None)
+        sibling = next(w for w in workers if w is not keeper)
+        sibling.on_member_lost = lost.append  # (the keeper, still in quorum 1, sees the quorum move)
+        reads, loads = sibling.watcher.reads, sibling.watcher.loads
+        q1 = keeper.quorum
+        q2 = Quorum(q=2, members=q1.members, step=5, cause="test: a planned re-form")
+        sibling._adopt(q2)  # the sibling re-formed first; the keeper is still in quorum 1
+        sibling.wake()
+        time.sleep(0.3)
+        assert not lost and not sibling.change_pending.is_set(), "no loss from a view older than quorum 2"
+        assert keeper._cas_quorum(q2, keeper._read().quorum_rev, base=q1)
+        wait_until(lambda: sibling.watcher._keys.quorum == q2, 3, "the keeper's next view, with quorum 2",
+                   interval=0.02)
+        keeper._adopt(q2)
+        time.sleep(0.3)
+        assert sibling.watcher.reads == reads and sibling.watcher.loads > loads, "the sibling read etcd itself"
+        assert not sibling.change_pending.is_set() and not lost
+    finally:
+        for w in workers:
+            w.close()
+        agent.close(revoke=True)
+        record.close()
+        for c in conns:
+            c.close()
