@@ -9,7 +9,7 @@ import functools
 import json
 import socket
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from collections.abc import Iterable
 from typing import Callable
 
@@ -84,7 +84,12 @@ class Quorum:
         return ranks
 
     def to_json(self) -> bytes:
-        d = asdict(self)
+        """The whole record (what ``from_json`` reads). Built field by field: ``dataclasses.asdict``
+        took 27 ms at 800 members, on the path from a re-form to the siblings of every node."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["members"] = [{"id": m.id, "node": m.node, "local_rank": m.local_rank, "probe": m.probe}
+                        for m in self.members]
+        d["receivers"] = list(self.receivers)
         return json.dumps(d).encode()
 
     @classmethod

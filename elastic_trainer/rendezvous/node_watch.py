@@ -152,13 +152,9 @@ class NodeWatch:
         """Make what ``keys`` holds the node's current view and wake the siblings: ``changes``
         (those applied to ``keys`` since the last publish) appended to the change log, or with
         None (``keys`` was read whole) a new snapshot and log. The quorum's whole record goes
-        beside them, once per quorum, for a sibling that does not hold the quorum the record is a
-        change from (``members``)."""
-        if keys.quorum is not None and keys.quorum.q != self._members_q:
-            self._write(f"members-{keys.quorum.q}.json", keys.quorum.to_json())
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(self.dir, f"members-{self._members_q}.json"))
-            self._members_q = keys.quorum.q
+        beside them, once per quorum and after the wake-ups, for a sibling that does not hold the
+        quorum the record is a change from (``members``; one that looks before it is written reads
+        etcd's)."""
         if changes is None or self._log_fd is None or self._log_size > LOG_ROTATE:
             self._new_log(keys)
         elif changes:
@@ -180,6 +176,11 @@ class NodeWatch:
                         os.unlink(os.path.join(self.dir, name))
                 except BlockingIOError:  # its queue is full: it has a wake-up pending anyway
                     pass
+        if keys.quorum is not None and keys.quorum.q != self._members_q:  # after the wake-ups: off their path
+            self._write(f"members-{keys.quorum.q}.json", keys.quorum.to_json())
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.dir, f"members-{self._members_q}.json"))
+            self._members_q = keys.quorum.q
 
     def _new_log(self, keys: LiveKeys) -> None:
         """A new epoch: its change log (empty), then the snapshot the log's changes follow. A
