@@ -30,16 +30,28 @@ It measures, in order:
    requests/s at 1,000 x 8.
 3. **A lost node** (``--losses`` times, a different node each): its process revokes the node's
    lease (t0, the lease gone at etcd). Every survivor's watcher sees its node's alive keys go and
-   reports (``report/<q+1>/<id>``, as ``LiveGroup.reform`` does first); the main process, standing
+   reports (``report/<q+1>/<id>``, as ``LiveGroup.reform`` does first; put from a pool of 16
+   threads per process, as each worker's training thread puts it, not the watcher's); the main process, standing
    in for the re-forming rank 0, watches the reports, reads them once when all are in, proposes
    the next quorum with the product's ``_propose`` and writes it by compare-and-swap; every
    survivor's watcher then sees the new quorum (``Watcher.on_view``) and adopts it. Printed: from
-   t0, when the last survivor saw the loss, when the reports were all in, when the quorum was
-   written, and when the last survivor knew it (median and worst over the survivors); etcd's
+   t0, when the first and the last survivor saw the loss, when the reports were all in, when the
+   quorum was written, and when the last survivor knew it (median and worst over the survivors),
+   then the same by role (the workers that keep a watch, with when the new quorum's event reached
+   their stream, and with ``--node-watch`` the siblings that learn from them); etcd's
    requests and bytes for the loss; whole reads the watchers made. Target: the new quorum known
    everywhere < 1 s after the lease expires. The real re-form differs in one place: there, every
    survivor reads the reports until they are all in (``LiveGroup.reform``), which the simulation
    leaves to one reader (docs/rendezvous.md, "At 1,000 and 10,000 nodes").
+
+``--node-watch`` runs one etcd watch per node, as the product does on a node's lease
+(``rendezvous/node_watch.py``: the node's first worker keeps it and publishes, its siblings load
+what it published). ``--shared-siblings`` (with it) serves every sibling of a process from one
+thread instead of two threads each (``Part._serve_siblings``): each sibling still has its own
+socket, datagrams, ``NodeWatch.load`` and ``Watcher.look`` (the product's code), but the looks of
+a process run one after the other, where the product's run in parallel on their nodes' CPUs; a
+sibling's promotion (its node's watching worker gone) is not simulated. It is what makes
+1,000 x 8 fit on a small machine.
 
 ``--reread`` runs the watcher as it was before it applied the watch's events: every event makes
 it read all the live keys again (the "before" of docs/rendezvous.md's numbers).
@@ -126,6 +138,7 @@ class SimWorker(LiveGroup):
         self.event_at: float | None = None  # when its watch stream delivered the target quorum's change
         self.target = 0
         self.node_dir: str | None = None  # --node-watch: the node's shared directory
+        self.reporter: ThreadPoolExecutor | None = None  # puts the reports, as the training threads would
 
     def node_watch(self, on_change, on_promote) -> NodeWatch | None:
         """``--node-watch``: one etcd watch per node, as the product has it on a node's lease."""
@@ -147,14 +160,8 @@ class SimWorker(LiveGroup):
             if self.lost_at is None:
                 self.lost_at = time.monotonic()
                 if reports and self.quorum is not None and self.target == self.quorum.q + 1:
-                    for attempt in range(5):  # a failed put must not end the watcher's thread
-                        try:
-                            self._lease.put(self._key(f"report/{self.target}/{self.id}"), b'{"step": 0, "cause": "sim"}')
-                            break
-                        except Exception as exc:  # noqa: BLE001 - reported below after the last try
-                            if attempt == 4:
-                                logging.getLogger("live_sim").error("report of %s failed: %s", self.id, exc)
-                            time.sleep(0.1)
+                    # the training thread reports (LiveGroup.reform), not the watcher: off its thread
+                    self.reporter.submit(self._report, self.target)
 
         def seen(view: View) -> None:
             q = view.quorum
@@ -175,6 +182,16 @@ class SimWorker(LiveGroup):
         self.watcher._events = stream
         if thread:
             self.start_watching()
+
+    def _report(self, target: int) -> None:
+        for attempt in range(5):  # as reform's first put; a failure is printed, not raised
+            try:
+                self._lease.put(self._key(f"report/{target}/{self.id}"), b'{"step": 0, "cause": "sim"}')
+                return
+            except Exception as exc:  # noqa: BLE001 - reported after the last try
+                if attempt == 4:
+                    logging.getLogger("live_sim").error("report of %s failed: %s", self.id, exc)
+                time.sleep(0.1)
 
     def close(self) -> None:
         self._stop_watching()
@@ -200,6 +217,9 @@ class Part:
             for w in self.workers[node]:
                 w.node_dir = os.path.join(node_dir, node) if node_dir is not None else None
         self.lost: set[str] = set()
+        self.reporter = ThreadPoolExecutor(16)
+        for w in self.all():
+            w.reporter = self.reporter
         self.shared_siblings = shared_siblings
         self.closing = threading.Event()
         self.look_errors = 0
@@ -320,6 +340,7 @@ class Part:
 
     def close(self) -> None:
         self.closing.set()
+        self.reporter.shutdown(wait=False)
         for w in self.all(live=False):
             w.close()
         for node, keeper in self.keepers.items():
