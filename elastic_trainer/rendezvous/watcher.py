@@ -50,8 +50,8 @@ class Watcher:
     """Watches the live keys for ``group`` while its worker trains (see the module docstring)."""
 
     BEHIND_READ = 1.0
-    """Seconds (or 10 polls, if longer) a sibling waits for its node's first published view, or one
-    as new as its quorum, before it reads etcd itself."""
+    """Seconds (or 10 polls, if longer) a sibling waits for a published view as new as its quorum
+    before it reads etcd itself (for the node's first view: a lease)."""
 
     reread_on_event = False
     """Read every live key again on each event, as the watcher did before it applied the events
@@ -137,7 +137,8 @@ class Watcher:
         """A sibling's view: what its node's watching worker published last, loaded when woken
         by a new one (``NodeWatch.load``: the changes logged since the last). The view holds every
         live key, so it serves whatever quorum this worker is in. Until one is published (at the
-        start) the sibling waits ``BEHIND_READ``, then reads etcd itself, once. A view that
+        start: at 1,000 nodes every node's first read is in flight at once) the sibling waits up to
+        a lease, then reads etcd itself, once. A view that
         predates this worker's quorum (the watching worker has not seen the re-form yet: it
         publishes within moments) tells nothing about ``q``'s members: no loss is concluded from
         it, and if no newer one comes within ``BEHIND_READ``, the sibling reads etcd itself."""
@@ -150,9 +151,9 @@ class Watcher:
                 self._sibling_loaded = True
             elif self._sibling_loaded:  # caught between a new epoch's two files: the next wake loads
                 self._dirty.set()
-            else:  # nothing published yet (the start): wait for the watching worker's first view
+            else:  # nothing published yet (the start): the watching worker's first read is on its way
                 self._first_wait = self._first_wait or now
-                if now - self._first_wait < patience or not self._read_whole():
+                if now - self._first_wait < max(patience, self.group.settings.lease_ttl) or not self._read_whole():
                     return None
         self._keys.track(q)
         known = self._keys.quorum
