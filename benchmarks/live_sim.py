@@ -30,16 +30,28 @@ It measures, in order:
    requests/s at 1,000 x 8.
 3. **A lost node** (``--losses`` times, a different node each): its process revokes the node's
    lease (t0, the lease gone at etcd). Every survivor's watcher sees its node's alive keys go and
-   reports (``report/<q+1>/<id>``, as ``LiveGroup.reform`` does first); the main process, standing
+   reports (``report/<q+1>/<id>``, as ``LiveGroup.reform`` does first; put from a pool of 16
+   threads per process, as each worker's training thread puts it, not the watcher's); the main process, standing
    in for the re-forming rank 0, watches the reports, reads them once when all are in, proposes
    the next quorum with the product's ``_propose`` and writes it by compare-and-swap; every
    survivor's watcher then sees the new quorum (``Watcher.on_view``) and adopts it. Printed: from
-   t0, when the last survivor saw the loss, when the reports were all in, when the quorum was
-   written, and when the last survivor knew it (median and worst over the survivors); etcd's
+   t0, when the first and the last survivor saw the loss, when the reports were all in, when the
+   quorum was written, and when the last survivor knew it (median and worst over the survivors),
+   then the same by role (the workers that keep a watch, with when the new quorum's event reached
+   their stream, and with ``--node-watch`` the siblings that learn from them); etcd's
    requests and bytes for the loss; whole reads the watchers made. Target: the new quorum known
    everywhere < 1 s after the lease expires. The real re-form differs in one place: there, every
    survivor reads the reports until they are all in (``LiveGroup.reform``), which the simulation
    leaves to one reader (docs/rendezvous.md, "At 1,000 and 10,000 nodes").
+
+``--node-watch`` runs one etcd watch per node, as the product does on a node's lease
+(``rendezvous/node_watch.py``: the node's first worker keeps it and publishes, its siblings load
+what it published). ``--shared-siblings`` (with it) serves every sibling of a process from one
+thread instead of two threads each (``Part._serve_siblings``): each sibling still has its own
+socket, datagrams, ``NodeWatch.load`` and ``Watcher.look`` (the product's code), but the looks of
+a process run one after the other, where the product's run in parallel on their nodes' CPUs; a
+sibling's promotion (its node's watching worker gone) is not simulated. It is what makes
+1,000 x 8 fit on a small machine.
 
 ``--reread`` runs the watcher as it was before it applied the watch's events: every event makes
 it read all the live keys again (the "before" of docs/rendezvous.md's numbers).
@@ -52,8 +64,6 @@ event either way). Every process, channel, lease and the private etcd end with t
 from __future__ import annotations
 
 import argparse
-import logging
-import multiprocessing as mp
 import os
 import shutil
 import statistics
@@ -70,231 +80,12 @@ sys.path.insert(0, str(REPO))
 from benchmarks import provenance  # noqa: E402
 from elastic_trainer.env import LiveSettings  # noqa: E402
 from elastic_trainer.etcd_server import EtcdServer  # noqa: E402
-from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints  # noqa: E402
-from elastic_trainer.rendezvous.lease import LeaseKeeper  # noqa: E402
 from elastic_trainer.rendezvous.live_watch import KeysWatch  # noqa: E402
-from elastic_trainer.rendezvous.members import Member, Quorum, View, complete_nodes  # noqa: E402
-from elastic_trainer.rendezvous.node_watch import NodeWatch  # noqa: E402
-from elastic_trainer.rendezvous.progress import Progress  # noqa: E402
-from elastic_trainer.rendezvous.quorum import LiveGroup  # noqa: E402
-from elastic_trainer.rendezvous.watcher import Watcher  # noqa: E402
+from elastic_trainer.rendezvous.members import Quorum, complete_nodes  # noqa: E402
+from elastic_trainer.rendezvous import quorum_record  # noqa: E402
+from benchmarks.live_sim_nodes import Pool, SimWorker, connection, daemon_thread  # noqa: E402
 
-PREFIX = "/live-sim/"
 TARGET_RPS, TARGET_S = 2000.0, 1.0
-
-
-def _connection(endpoint: str) -> EtcdConnection:
-    return EtcdConnection(EtcdOptions(endpoints=parse_endpoints(endpoint), retry_timeout=60, read_timeout=60))
-
-
-def _thread(name: str, target, *args, stop=None) -> threading.Thread:
-    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-    thread.start()
-    return thread
-
-
-class SimWorker(LiveGroup):
-    """A ``LiveGroup`` without its probe listener and with its node's lease keeper instead of one
-    of its own (the attributes the watcher and the re-form's etcd calls use; the rest is
-    ``LiveGroup``'s code)."""
-
-    def __init__(self, conn, node: str, local_rank: int, nproc: int, settings: LiveSettings,
-                 keeper: LeaseKeeper | None) -> None:
-        self.conn, self.prefix = conn, PREFIX + "live/"
-        self.node, self.local_rank, self.nproc, self.settings = node, local_rank, nproc, settings
-        self.id = f"{node}-{local_rank}-{os.getpid()}"
-        self._start_thread, self._on_lease_lost, self._probe = _thread, None, None
-        self.me = Member(self.id, node, local_rank, "127.0.0.1:9")
-        self.quorum: Quorum | None = None
-        self.change_pending, self.change_reason = threading.Event(), ""
-        self.on_member_lost = self.on_hung = None
-        self.probe_peers = False
-        self.progress = Progress(settings.hang_min, settings.hang_factor)
-        self._adopt_lock = threading.Lock()
-        self._lease, self._lease_asked = keeper, 0.0
-        self._stop = threading.Event()
-        self.watcher = Watcher(self)
-        self._watcher = None
-        self.requests = 0
-        self.lost_at: float | None = None  # when its watcher first saw the loss
-        self.knew_at: float | None = None  # when its watcher first saw the target quorum
-        self.target = 0
-        self.node_dir: str | None = None  # --node-watch: the node's shared directory
-
-    def node_watch(self, on_change, on_promote) -> NodeWatch | None:
-        """``--node-watch``: one etcd watch per node, as the product has it on a node's lease."""
-        if self.node_dir is None:
-            return None
-        return NodeWatch(self.node_dir, self.settings.poll, on_change, on_promote)
-
-    def register(self) -> None:
-        """``alive/<id>`` and ``join/<id>`` on the node's lease, as ``LeaseKeeper.ensure`` and ``join`` write them."""
-        self._lease.put(self._key("alive/" + self.id), b'{"since": 0}')
-        self._lease.put(self._key("join/" + self.id), (
-            f'{{"node": "{self.node}", "local_rank": {self.local_rank}, "nproc": {self.nproc}, '
-            f'"probe": "{self.me.probe}"}}').encode())
-
-    def watch(self, reports: bool) -> None:
-        def lost(reason: str) -> None:
-            if self.lost_at is None:
-                self.lost_at = time.monotonic()
-                if reports and self.quorum is not None and self.target == self.quorum.q + 1:
-                    self._lease.put(self._key(f"report/{self.target}/{self.id}"), b'{"step": 0, "cause": "sim"}')
-
-        def seen(view: View) -> None:
-            q = view.quorum
-            if q is not None and self.quorum is not None and q.q > self.quorum.q and q.rank_of(self.id) is not None:
-                if q.q >= self.target and self.knew_at is None:
-                    self.knew_at = time.monotonic()
-                self._adopt(q)
-
-        self.on_member_lost = lost
-        self.watcher.on_view = seen
-        self.start_watching()
-
-    def close(self) -> None:
-        self._stop_watching()
-
-
-class Part:
-    """One process's nodes: their lease keepers and workers."""
-
-    def __init__(self, endpoint: str, nodes: list[str], workers: int, channels: int, settings: LiveSettings,
-                 reread: bool = False, node_dir: str | None = None) -> None:
-        logging.getLogger("elastic_trainer").setLevel(logging.ERROR)  # a warning per worker and loss
-        if reread:  # as before: every event makes the watcher read all the live keys again
-            Watcher.reread_on_event = True
-        self.conns = [_connection(endpoint) for _ in range(max(1, min(channels, len(nodes))))]
-        self.keepers: dict[str, LeaseKeeper] = {}
-        self.workers: dict[str, list[SimWorker]] = {}
-        for i, node in enumerate(nodes):
-            conn = self.conns[i % len(self.conns)]
-            keeper = LeaseKeeper(conn, f"{PREFIX}node/{node}", settings.lease_ttl, settings.keep_alive_interval)
-            keeper.ensure()
-            self.keepers[node] = keeper
-            self.workers[node] = [SimWorker(conn, node, r, workers, settings, keeper) for r in range(workers)]
-            for w in self.workers[node]:
-                w.node_dir = os.path.join(node_dir, node) if node_dir is not None else None
-        self.lost: set[str] = set()
-
-    def all(self, live: bool = True) -> list[SimWorker]:
-        return [w for n, ws in self.workers.items() if not (live and n in self.lost) for w in ws]
-
-    def register(self) -> int:
-        workers = self.all()
-        threads = [_thread("register", w.register) for w in workers]
-        for t in threads:
-            t.join()
-        return len(workers)
-
-    def adopt(self, data: bytes) -> int:
-        """Every worker adopts quorum 1 and deletes its join key, as ``LiveGroup.join`` ends."""
-        q = Quorum.from_json(data)
-        for w in self.all():
-            w._adopt(q)
-            w.target = q.q
-            w.conn.call(lambda c, k=w._key("join/" + w.id): c.delete(k))
-        return len(self.all())
-
-    def watch(self, reports: bool, timeout: float) -> dict:
-        """Every worker starts its watcher (once every process's workers joined, as a trainer
-        starts watching after its join); the answer once each has made its first read."""
-        for w in self.all():
-            w.watch(reports)
-        deadline = time.monotonic() + timeout
-        while any(w.watcher.reads + w.watcher.loads < 1 for w in self.all()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return {"read": sum(w.watcher.reads + w.watcher.loads >= 1 for w in self.all())}
-
-    def expect(self, target: int) -> None:
-        for w in self.all():
-            w.lost_at = w.knew_at = None
-            w.target = target
-
-    def lose(self, node: str) -> float:
-        for w in self.workers[node]:
-            w.close()
-        self.lost.add(node)
-        t0 = time.monotonic()
-        self.keepers[node].close(revoke=True)
-        return t0
-
-    def collect(self, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while any(w.knew_at is None for w in self.all()) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        ws = self.all()
-        return {"lost_at": [w.lost_at for w in ws], "knew_at": [w.knew_at for w in ws], "stats": self.stats()}
-
-    def stats(self) -> dict:
-        ws = self.all(live=False)
-        return {"reads": sum(w.watcher.reads for w in ws), "applied": sum(w.watcher.applied for w in ws),
-                "lost_leases": sum(k.lost for n, k in self.keepers.items() if n not in self.lost),
-                "cpu_s": time.process_time()}
-
-    def close(self) -> None:
-        for w in self.all(live=False):
-            w.close()
-        for node, keeper in self.keepers.items():
-            if node not in self.lost:
-                keeper.close(revoke=False)
-        for conn in self.conns:
-            conn.close()
-
-
-def _serve(pipe) -> None:
-    """A simulation process: builds its ``Part`` and answers the main process's commands."""
-    threading.stack_size(512 * 1024)
-    part = None
-    while (job := pipe.recv()) is not None:
-        what, kwargs = job
-        try:
-            if what == "setup":
-                part = Part(**kwargs)
-                pipe.send(part.register())
-            else:
-                pipe.send(getattr(part, what)(**kwargs))
-        except Exception as exc:  # noqa: BLE001 - sent back to the main process, which reports it
-            pipe.send({"error": f"{what}: {type(exc).__name__}: {exc}"})
-    if part is not None:
-        part.close()
-
-
-class Pool:
-    """``processes`` spawned simulation processes (gRPC does not survive fork)."""
-
-    def __init__(self, processes: int) -> None:
-        ctx = mp.get_context("spawn")
-        self.pipes, self.procs = [], []
-        for _ in range(processes):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(child,), daemon=True)
-            proc.start()
-            self.pipes.append(parent)
-            self.procs.append(proc)
-
-    def ask(self, what: str, per_pipe: list[dict] | dict | None = None, only: int | None = None) -> list:
-        pipes = list(enumerate(self.pipes)) if only is None else [(only, self.pipes[only])]
-        for i, pipe in pipes:
-            kwargs = per_pipe[i] if isinstance(per_pipe, list) else (per_pipe or {})
-            pipe.send((what, kwargs))
-        answers = [pipe.recv() for _, pipe in pipes]
-        failed = [a["error"] for a in answers if isinstance(a, dict) and "error" in a]
-        if failed:
-            raise RuntimeError(f"a simulation process failed: {failed[0]}")
-        return answers
-
-    def close(self) -> None:
-        for pipe in self.pipes:
-            try:
-                pipe.send(None)
-            except OSError:
-                pass
-        for proc in self.procs:
-            proc.join(20)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
 
 
 def sent_bytes(endpoint: str) -> float:
@@ -334,16 +125,18 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
     procs = min(args.processes, n)
     owner = {node: i % procs for i, node in enumerate(nodes)}
     pool = Pool(procs)
-    main_conn = _connection(endpoint)
+    main_conn = connection(endpoint)
     observer = SimWorker(main_conn, "observer", 0, 1, settings, None)
     result: dict = {"nodes": n, "workers": w, "processes": procs, "channels": args.channels, "poll_s": args.poll,
-                    "watcher": "reread" if args.reread else "events", "node_watch": args.node_watch}
+                    "watcher": "reread" if args.reread else "events", "node_watch": args.node_watch,
+                    "shared_siblings": getattr(args, "shared_siblings", False)}
     try:
         t = time.monotonic()
         registered = sum(pool.ask("setup", [{"endpoint": endpoint, "nodes": [x for x in nodes if owner[x] == i],
                                              "workers": w, "channels": args.channels, "settings": settings,
                                              "reread": args.reread,
-                                             "node_dir": os.path.join(args.workdir, "nodes") if args.node_watch else None}
+                                             "node_dir": os.path.join(args.workdir, "nodes") if args.node_watch else None,
+                                             "shared_siblings": getattr(args, "shared_siblings", False)}
                                             for i in range(procs)]))
         view = observer._read()
         chosen = complete_nodes(view)
@@ -396,7 +189,7 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
                     all_reported.set()
 
             watch = KeysWatch(main_conn, [f"{observer.prefix}report/{target}/"], lambda: None, on_events=on_reports)
-            _thread("reports", watch.run)
+            daemon_thread("reports", watch.run)
             watch.established.wait(10)
             m0, b0, c0 = scrape(endpoint), sent_bytes(endpoint), etcd_cpu_s(etcd_pid)
             lost_at = pool.ask("lose", {"node": lost_node}, only=owner[lost_node])[0]
@@ -411,13 +204,25 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
             if args.no_reports:
                 view.reports = {m.id: {"step": 0} for m in q.members if m.node != lost_node}
             new = observer._propose(q, view, target, "sim: a node's lease revoked")
-            if new is None or not observer._cas_quorum(new, view.quorum_rev):
+            if new is None or not observer._cas_quorum(new, view.quorum_rev, base=q):
                 raise RuntimeError(f"quorum {target} could not be written")
             written = time.monotonic()
             parts = pool.ask("collect", {"timeout": args.timeout})
             m1, b1, c1 = scrape(endpoint), sent_bytes(endpoint), etcd_cpu_s(etcd_pid)
             lost_ts = [x - lost_at for p in parts for x in p["lost_at"] if x is not None]
             knew_ts = [x - lost_at for p in parts for x in p["knew_at"] if x is not None]
+            # the breakdown: the workers that keep an etcd watch (all, or one per node) and the
+            # siblings that learn from them
+            by_role: dict[str, dict[str, list[float]]] = {"watching": {"lost": [], "knew": []},
+                                                          "siblings": {"lost": [], "knew": []}}
+            by_role["watching"]["event"] = [x - lost_at for p in parts for x in p["event_at"]]
+            for p in parts:
+                for lost_x, knew_x, keeps in zip(p["lost_at"], p["knew_at"], p["keeps_watch"]):
+                    role = by_role["watching" if keeps else "siblings"]
+                    if lost_x is not None:
+                        role["lost"].append(lost_x - lost_at)
+                    if knew_x is not None:
+                        role["knew"].append(knew_x - lost_at)
             missing = survivors - len(knew_ts)
             loss = {"node": lost_node, "survivors": survivors, "knew": len(knew_ts),
                     "loss_seen_median_s": round(_stats(lost_ts)[0], 3) if lost_ts else None,
@@ -427,22 +232,32 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
                     "known_median_s": round(_stats(knew_ts)[0], 3) if knew_ts else None,
                     "known_worst_s": round(_stats(knew_ts)[1], 3) if knew_ts else None,
                     "requests": round(sum(requests(m0, m1).values())), "sent_bytes": round(b1 - b0),
+                    "record_bytes": len(quorum_record.encode(new, q)[0]),
                     "etcd_cpu_s": round(c1 - c0, 2),
-                    "whole_reads": sum(p["stats"]["reads"] for p in parts)}
+                    "whole_reads": sum(p["stats"]["reads"] for p in parts),
+                    "sibling_loads": sum(p["stats"]["loads"] for p in parts),
+                    "loss_seen_first_s": round(min(lost_ts), 3) if lost_ts else None,
+                    "breakdown": {role: {f"{what}_{k}_s": round(f(ts), 3) for what, ts in d.items() if ts
+                                         for k, f in (("median", statistics.median), ("worst", max))}
+                                  for role, d in by_role.items()}}
             losses.append(loss)
             q = new
-            print(f"loss {k + 1} ({lost_node}): every survivor saw it at {loss['loss_seen_worst_s']}s "
+            print(f"loss {k + 1} ({lost_node}): first saw it at {loss['loss_seen_first_s']}s, every survivor at {loss['loss_seen_worst_s']}s "
                   f"(median {loss['loss_seen_median_s']}s), reports in at {loss['reports_in_s']}s, quorum {target} "
                   f"written at {loss['quorum_written_s']}s, known by {len(knew_ts)}/{survivors} survivors: "
                   f"median {loss['known_median_s']}s, worst {loss['known_worst_s']}s "
                   f"({'met' if not missing and loss['known_worst_s'] < TARGET_S else 'NOT met'}: < {TARGET_S:g}s); "
-                  f"etcd {loss['requests']:,} requests, {loss['sent_bytes'] / 1e6:,.1f} MB sent, "
+                  f"etcd {loss['requests']:,} requests, {loss['sent_bytes'] / 1e6:,.1f} MB sent "
+                  f"(the quorum key's record {loss['record_bytes']:,} bytes), "
                   f"{loss['etcd_cpu_s']:.2f} CPU s; "
-                  f"whole reads so far {loss['whole_reads']:,}", flush=True)
+                  f"whole reads so far {loss['whole_reads']:,}; by role: "
+                  + "; ".join(f"{role} " + ", ".join(f"{k} {v}" for k, v in d.items())
+                              for role, d in loss["breakdown"].items() if d), flush=True)
             time.sleep(args.between)
         result["losses"] = losses
         stats = [p["stats"] for p in pool.ask("collect", {"timeout": 0})]
         result["lost_leases"] = sum(s["lost_leases"] for s in stats)
+        result["look_errors"] = sum(s["look_errors"] for s in stats)
         result["sim_cpu_s"] = round(sum(s["cpu_s"] for s in stats), 1)
     finally:
         pool.close()
@@ -464,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--node-watch", action="store_true",
                    help="one etcd watch per node (rendezvous/node_watch.py), as the product runs on a node's lease; "
                         "default: a watch stream per worker")
+    p.add_argument("--shared-siblings", action="store_true",
+                   help="with --node-watch: one thread per process serves every sibling (each look the product's "
+                        "Watcher.look) instead of two threads per sibling; what makes 1,000 x 8 fit this machine")
     p.add_argument("--no-reports", action="store_true",
                    help="write the next quorum as soon as the lease is revoked (no report round)")
     p.add_argument("--settle", type=float, default=5.0, help="seconds before the steady window")
@@ -489,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                 server.stop()
             shutil.rmtree(tmp, ignore_errors=True)
         print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end; simulation CPU "
-              f"{result['sim_cpu_s']}s; node leases lost by a late renewal: {result['lost_leases']}")
+              f"{result['sim_cpu_s']}s; node leases lost by a late renewal: {result['lost_leases']}; "
+              f"sibling looks that raised: {result['look_errors']}")
         print("command: " + record.command)
         provenance.write_json(args.json, result, record)
     return 0

@@ -13,11 +13,12 @@ from benchmarks import live_sim
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.mark.parametrize("node_watch", [False, True], ids=["watch-per-worker", "watch-per-node"])
-def test_a_lost_node_reaches_every_survivor_of_a_small_simulation(etcd, tmp_path, node_watch):
+@pytest.mark.parametrize("node_watch,shared", [(False, False), (True, False), (True, True)],
+                         ids=["watch-per-worker", "watch-per-node", "watch-per-node-shared-siblings"])
+def test_a_lost_node_reaches_every_survivor_of_a_small_simulation(etcd, tmp_path, node_watch, shared):
     args = argparse.Namespace(nodes=5, workers=2, processes=2, channels=1, poll=1.0, lease_ttl=3, losses=1,
                               reread=False, no_reports=False, settle=0.2, window=1.0, between=0.0, timeout=30.0,
-                              node_watch=node_watch, workdir=str(tmp_path))
+                              node_watch=node_watch, shared_siblings=shared, workdir=str(tmp_path))
     result = live_sim.run(args, etcd.endpoint)
     assert result["steady"]["requests_per_s"] < 20, "5 nodes at rest: their 5 lease renewals a second"
     loss = result["losses"][0]
@@ -25,4 +26,4 @@ def test_a_lost_node_reaches_every_survivor_of_a_small_simulation(etcd, tmp_path
     # One whole read per watch, when it was established: a watch per worker, or per node (its
     # sibling loads the view the watching worker published).
     assert loss["whole_reads"] == (5 if node_watch else 10)
-    assert result["lost_leases"] == 0
+    assert result["lost_leases"] == 0 and result["look_errors"] == 0

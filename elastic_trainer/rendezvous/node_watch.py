@@ -8,15 +8,29 @@ lease's renewal record, and through it one watch:
 
 - **The watching worker** is the one that holds ``watch.lock`` (``flock``, held for the life of the
   process: the kernel releases it when the process dies, however it dies). Its watcher keeps the
-  etcd watch and reads on each change as before, then ``publish``es the view: ``view.json``
-  written whole and renamed into place, and one datagram to each sibling's socket in the directory.
+  etcd watch and applies its changes as before, then ``publish``es them: appended to
+  ``changes.log`` (one line each, whole lines in one write), or, after it read the live keys whole
+  (or the log passed ``LOG_ROTATE``), a new epoch: a fresh log and ``view.json``, the snapshot the
+  log's changes follow (each written whole and renamed into place); then one datagram to each
+  sibling's socket in the directory.
 - **A sibling** keeps no stream. Its ``run`` thread waits on its own datagram socket: each datagram
-  calls ``on_change``, and the sibling's watcher loads the published view (``latest``) instead of reading etcd. It tries the lock at every
+  calls ``on_change``, and the sibling's watcher ``load``s what was published instead of reading
+  etcd: the log lines since its last load, applied to its own ``LiveKeys`` as the watching worker
+  applied them (a few lines per event, where a snapshot is ~0.9 MB at 1,000 nodes of 8), or, when
+  the epoch changed, the snapshot first. It tries the lock at every
   poll: when the watching worker is gone, a sibling takes the lock within a poll and ``on_promote``
   makes its watcher open the watch and read (the read after the watch is established sees every
   change, as ``live_watch.py`` explains).
-- A view published for another quorum than the sibling's, or none at all, makes the sibling read
-  etcd itself once (as every worker did before): correct, only dearer.
+- What is published is every live key the watching worker knows (the snapshot: one JSON line, then
+  the quorum record as etcd holds it, a change from the quorum before: ``quorum_record.py``; and
+  that quorum's whole record beside it, ``members-<q>.json``, for a sibling without that one), not
+  a view for its own quorum: a sibling that re-formed
+  a moment before it serves itself from it, and decodes the quorum record only when it changed. No
+  view published yet (the start), or none as new as the sibling's quorum within a second, makes the
+  sibling read etcd itself once (as every worker did before): correct, only dearer. (A view for the
+  publisher's quorum used to send every sibling of a re-form to etcd: the watching worker adopts
+  the new quorum a moment after its siblings: at 100 nodes x 8, 423 whole reads by the end of the
+  first loss, whose next quorum was known everywhere after 72 s.)
 
 A sibling never concludes from a published view that its own key is gone (the view may predate its
 key); the watching worker's own reads, the node's lease record and ``LiveGroup.check_lease`` say that.
@@ -35,26 +49,57 @@ import socket
 import threading
 from collections.abc import Callable
 
-from elastic_trainer.rendezvous.members import Quorum, View
+from collections.abc import Sequence
+
+from elastic_trainer.rendezvous.members import Change, LiveKeys
 
 logger = logging.getLogger(__name__)
 
 
-def view_to_json(view: View, q: int) -> bytes:
-    """``view``, read for quorum ``q``, as the bytes a sibling's ``view_from_json`` reads back."""
-    return json.dumps({
-        "q": q, "quorum": view.quorum.to_json().decode() if view.quorum is not None else None,
-        "quorum_rev": view.quorum_rev, "alive": sorted(view.alive),
-        "joiners": {k: [v, rev] for k, (v, rev) in view.joiners.items()},
-        "reports": view.reports, "stall": view.stall, "busy": view.busy}).encode()
+LOG_ROTATE = 4 << 20
+"""Bytes of ``changes.log`` after which the watching worker starts a new one from a new snapshot."""
 
 
-def view_from_json(data: bytes) -> tuple[View, int]:
-    d = json.loads(data)
-    quorum = Quorum.from_json(d["quorum"].encode()) if d["quorum"] is not None else None
-    view = View(quorum, d["quorum_rev"], set(d["alive"]), {k: (v, rev) for k, (v, rev) in d["joiners"].items()},
-                reports=d["reports"], stall=d["stall"], busy=d["busy"])
-    return view, d["q"]
+def keys_to_bytes(keys: LiveKeys, epoch: int) -> bytes:
+    """What the watching worker knows (``keys``), as the snapshot ``keys_from_bytes`` loads: one
+    JSON line (everything but the quorum, and the ``epoch`` of the change log that follows it),
+    then the quorum record as etcd holds it."""
+    header = json.dumps({
+        "epoch": epoch, "quorum_rev": keys.quorum_rev, "alive": sorted(keys.alive),
+        "joiners": {k: [v, rev] for k, (v, rev) in keys.joiners.items()},
+        "stalls": {str(q): v for q, v in keys.stalls.items()}, "busy": keys.busy}).encode()
+    return header + b"\n" + (keys.quorum_record or b"")
+
+
+def keys_from_bytes(keys: LiveKeys, data: bytes, epoch: int | None = None) -> bool:
+    """Make ``keys`` the snapshot ``keys_to_bytes`` wrote (the quorum record decoded only when its
+    revision is not the one ``keys`` has); False, ``keys`` untouched, when it is not of ``epoch``.
+    ``ValueError`` when the bytes are not such a snapshot."""
+    header, _, record = data.partition(b"\n")
+    try:
+        d = json.loads(header)
+        if epoch is not None and d["epoch"] != epoch:
+            return False
+        keys.restore(record or None, int(d["quorum_rev"]), set(d["alive"]),
+                     {k: (v, int(rev)) for k, (v, rev) in d["joiners"].items()},
+                     {int(q): v for q, v in d["stalls"].items()}, dict(d["busy"]))
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"the node's published view is malformed ({exc!r})") from exc
+    return True
+
+
+def change_to_line(change: Change) -> bytes:
+    """One line of ``changes.log`` (a value's bytes as latin-1 text: any bytes, back exactly)."""
+    value = None if change.value is None else change.value.decode("latin-1")
+    return json.dumps([change.key, value, change.create_revision, change.mod_revision]).encode() + b"\n"
+
+
+def change_from_line(line: bytes) -> Change:
+    try:
+        key, value, create, mod = json.loads(line)
+        return Change(key, None if value is None else value.encode("latin-1"), int(create), int(mod))
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"a line of the node's change log is malformed ({exc!r})") from exc
 
 
 class NodeWatch:
@@ -82,6 +127,12 @@ class NodeWatch:
         self._sock: socket.socket | None = None
         self._sock_path = os.path.join(directory, f"{os.getpid()}-{id(self):x}.sock")
         self.published = 0
+        self._members_q = -1  # the quorum whose whole record this worker wrote beside its views
+        self._log_fd: int | None = None  # the watching worker: its change log, open for appends
+        self._log_size = 0
+        self._epoch = 0
+        self._loaded_epoch: int | None = None  # a sibling: the epoch it loaded, and how far into its log
+        self._offset = 0
 
     def try_lead(self) -> bool:
         """Take the node's watch if nobody holds it (kept until this process ends or ``close``)."""
@@ -97,16 +148,21 @@ class NodeWatch:
         return self.leader
 
     # ---- the watching worker ------------------------------------------------------------------
-    def publish(self, view: View, q: int) -> None:
-        """Make ``view`` (read for quorum ``q``) the node's current one and wake the siblings."""
-        path = os.path.join(self.dir, "view.json")
-        tmp = f"{path}.{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, view_to_json(view, q))
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+    def publish(self, keys: LiveKeys, changes: Sequence[Change] | None) -> None:
+        """Make what ``keys`` holds the node's current view and wake the siblings: ``changes``
+        (those applied to ``keys`` since the last publish) appended to the change log, or with
+        None (``keys`` was read whole) a new snapshot and log. The quorum's whole record goes
+        beside them, once per quorum and after the wake-ups, for a sibling that does not hold the
+        quorum the record is a change from (``members``; one that looks before it is written reads
+        etcd's)."""
+        if changes is None or self._log_fd is None or self._log_size > LOG_ROTATE:
+            self._new_log(keys)
+        elif changes:
+            data = memoryview(b"".join(change_to_line(c) for c in changes))
+            while data:  # O_APPEND; a sibling reads whole lines only
+                written = os.write(self._log_fd, data)
+                self._log_size += written
+                data = data[written:]
         self.published += 1
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as out:
             out.setblocking(False)
@@ -120,23 +176,90 @@ class NodeWatch:
                         os.unlink(os.path.join(self.dir, name))
                 except BlockingIOError:  # its queue is full: it has a wake-up pending anyway
                     pass
+        if keys.quorum is not None and keys.quorum.q != self._members_q:  # after the wake-ups: off their path
+            self._write(f"members-{keys.quorum.q}.json", keys.quorum.to_json())
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.dir, f"members-{self._members_q}.json"))
+            self._members_q = keys.quorum.q
+
+    def _new_log(self, keys: LiveKeys) -> None:
+        """A new epoch: its change log (empty), then the snapshot the log's changes follow. A
+        sibling that finds a log and a snapshot of different epochs (between the two renames)
+        loads at the next wake-up, which the datagrams bring."""
+        if self._log_fd is not None:
+            os.close(self._log_fd)
+            self._log_fd = None
+        self._epoch = int.from_bytes(os.urandom(6), "big")
+        head = json.dumps({"epoch": self._epoch}).encode() + b"\n"
+        self._write("changes.log", head)
+        self._log_fd = os.open(os.path.join(self.dir, "changes.log"),
+                               os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+        self._log_size = len(head)
+        self._write("view.json", keys_to_bytes(keys, self._epoch))
+
+    def _write(self, name: str, data: bytes) -> None:
+        """``data`` as the file ``name`` in the node's directory, whole (written aside, renamed)."""
+        path = os.path.join(self.dir, name)
+        tmp = f"{path}.{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
 
     # ---- a sibling ----------------------------------------------------------------------------
-    def latest(self) -> tuple[View, int] | None:
-        """The view the watching worker published last, with the quorum it was read for."""
+    def load(self, keys: LiveKeys) -> bool:
+        """Bring ``keys`` up to what the watching worker published: the changes logged since the
+        last load, applied in order (O(changes), not O(keys)), or, in a new epoch, its snapshot and
+        then its log. False when there is nothing to load (none published yet, or caught between
+        the two renames of a new epoch: ``keys`` unchanged) or it cannot be read (a malformed
+        snapshot or line: ``keys`` may be part-way)."""
         try:
-            with open(os.path.join(self.dir, "view.json"), "rb") as f:
-                return view_from_json(f.read())
+            with open(os.path.join(self.dir, "changes.log"), "rb") as f:
+                head = f.readline()
+                epoch = int(json.loads(head)["epoch"])
+                if epoch != self._loaded_epoch:
+                    with open(os.path.join(self.dir, "view.json"), "rb") as snapshot:
+                        if not keys_from_bytes(keys, snapshot.read(), epoch):
+                            return False
+                    self._loaded_epoch, self._offset = epoch, len(head)
+                f.seek(self._offset)
+                tail = f.read()
+            whole = tail[:tail.rfind(b"\n") + 1]  # a line being appended is read at the next load
+            for line in whole.splitlines():
+                keys.apply(change_from_line(line))
+            self._offset += len(whole)
+            return True
         except (OSError, ValueError, KeyError, TypeError) as exc:
+            self._loaded_epoch = None  # start over from the snapshot
             logger.debug("live: no published view (%s)", exc)
+            return False
+
+    def members(self, q: int) -> bytes | None:
+        """Quorum ``q``'s whole record as the watching worker wrote it beside its view, or None."""
+        try:
+            with open(os.path.join(self.dir, f"members-{q}.json"), "rb") as f:
+                return f.read()
+        except OSError:
             return None
+
+    def bind(self) -> socket.socket:
+        """A sibling's datagram socket in the node's directory (``run`` binds it; a simulation
+        that serves many siblings from one thread binds each and waits on them all)."""
+        if self._sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._sock_path)
+            sock.bind(self._sock_path)
+            self._sock = sock
+        return self._sock
 
     def run(self) -> None:
         """A sibling's thread: wake the watcher on each published view; take the watch when free."""
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._sock_path)
-        self._sock.bind(self._sock_path)
+        self.bind()
         self._sock.settimeout(self._poll)
         try:
             while not self._stop.is_set():
@@ -169,8 +292,12 @@ class NodeWatch:
             if self._stop.is_set():
                 return
             self._stop.set()
+            self._close_socket()
+            if self._log_fd is not None:
+                os.close(self._log_fd)
+                self._log_fd = None
             os.close(self._lock_fd)
             self.leader = False
 
 
-__all__ = ["NodeWatch", "view_from_json", "view_to_json"]
+__all__ = ["LOG_ROTATE", "NodeWatch", "change_from_line", "change_to_line", "keys_from_bytes", "keys_to_bytes"]

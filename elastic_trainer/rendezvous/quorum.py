@@ -75,6 +75,7 @@ from elastic_trainer.env import LiveSettings, WorkerEnv
 from elastic_trainer.rendezvous.members import (LiveExcluded, LiveTimeout, Member, ProbeListener, Quorum, RunFinished,
                                                 StartThread, View, complete_nodes, json_values, probe_dead,
                                                 range_end, resolvable, start_daemon_thread)
+from elastic_trainer.rendezvous import quorum_record
 from elastic_trainer.rendezvous.node_watch import NodeWatch
 from elastic_trainer.rendezvous.progress import Progress
 from elastic_trainer.rendezvous.watcher import Watcher
@@ -130,6 +131,7 @@ class LiveGroup:
             self._lease = LeaseKeeper(conn, self._key("alive/" + self.id), settings.lease_ttl,
                                       settings.keep_alive_interval, self._on_lease_tick, self._on_lease_tick)
         self._lease_asked = 0.0
+        self._last_quorum: tuple[int, Quorum] | None = None  # (mod revision, quorum) of the last record decoded
         self._lease.ensure()
         if isinstance(self._lease, NodeLease):
             self._lease.start(start_thread)
@@ -186,7 +188,7 @@ class LiveGroup:
         quorum, rev = None, 0
         if responses[0]:
             value, meta = responses[0][0]
-            quorum, rev = Quorum.from_json(value), meta.mod_revision
+            quorum, rev = self._decode_quorum(value, meta.mod_revision), meta.mod_revision
         alive = {meta.key.decode()[len(p + "alive/"):] for _, meta in responses[1]}
         joiners = {}
         for value, meta in responses[2]:
@@ -205,13 +207,32 @@ class LiveGroup:
             view.busy = {mid: v for mid, v in json_values(rest[1], p + "busy/").items() if v.get("q") == stall_q}
         return view
 
-    def _cas_quorum(self, new: Quorum, expected_rev: int) -> bool:
+    def _decode_quorum(self, value: bytes, rev: int) -> Quorum:
+        """The quorum key's record read at mod revision ``rev`` (a change from this worker's quorum,
+        or built on ``members/<q>``: ``rendezvous/quorum_record.py``), decoded once per revision."""
+        if self._last_quorum is not None and self._last_quorum[0] == rev:
+            return self._last_quorum[1]
+        held = [x for x in (self.quorum, self._last_quorum[1] if self._last_quorum else None) if x is not None]
+        quorum = quorum_record.decode(value, lambda q: next((x for x in held if x.q == q), None), self._members_of)
+        self._last_quorum = (rev, quorum)
+        return quorum
+
+    def _members_of(self, q: int) -> bytes | None:
+        """Quorum ``q``'s whole record (``members/<q>``), or None when it is gone."""
+        got, _ = self._call(lambda c: c.get(self._key(f"{quorum_record.MEMBERS}{q}")), "quorum members read")
+        return got
+
+    def _cas_quorum(self, new: Quorum, expected_rev: int, base: Quorum | None = None) -> bool:
+        """Write ``new`` if the quorum key is still at ``expected_rev``: as the change from ``base``
+        (the quorum it replaces) with the whole record beside it, or whole (``quorum_record``)."""
         key = self._key("quorum")
+        value, whole = quorum_record.encode(new, base)
+        puts = [(key, value)] + ([(self._key(f"{quorum_record.MEMBERS}{new.q}"), whole)] if whole else [])
 
         def txn(c):
             t = c.transactions
             compare = [t.create(key) == 0] if expected_rev == 0 else [t.mod(key) == expected_rev]
-            return c.transaction(compare=compare, success=[t.put(key, new.to_json())], failure=[])
+            return c.transaction(compare=compare, success=[t.put(k, v) for k, v in puts], failure=[])
 
         ok, _ = self._call(txn, "quorum compare-and-swap")
         return bool(ok)
@@ -407,7 +428,7 @@ class LiveGroup:
                     if now > min_deadline:
                         raise LiveTimeout(f"fewer than min_nodes={self.settings.min_nodes} nodes within "
                                           f"join_timeout {self.settings.join_timeout:g}s")
-                elif self._cas_quorum(new, view.quorum_rev):
+                elif self._cas_quorum(new, view.quorum_rev, base=old):
                     logger.info("live: quorum %d formed (%s) after %.3fs: %d ranks, step %d; %s", new.q, cause,
                                 timeout - (deadline - now), new.world_size, new.step,
                                 "all reported" if not pending else f"{len(pending)} silent past {timeout:g}s")
@@ -453,7 +474,8 @@ class LiveGroup:
         q = self.quorum
         if q is None or q.rank_of(self.id) != 0 or q.q < 3:
             return
-        for sub in (f"store/{q.q - 2}/", f"report/{q.q - 1}/", f"stall/{q.q - 2}"):
+        for sub in (f"store/{q.q - 2}/", f"report/{q.q - 1}/", f"stall/{q.q - 2}",
+                    f"{quorum_record.MEMBERS}{q.q - 2}"):
             try:
                 self._call(lambda c, s=sub: c.delete_prefix(self._key(s)) if s.endswith("/")
                            else c.delete(self._key(s)), "cleanup")
@@ -501,12 +523,12 @@ class LiveGroup:
 
         try:
             _, responses = self._call(txn, "fence check")
-            current = Quorum.from_json(responses[0][0][0]) if responses[0] else None
+            current = quorum_record.record_q(responses[0][0][0]) if responses[0] else None
         except Exception as exc:  # noqa: BLE001 - cannot prove the quorum current: fail safe
             raise FencedError(f"live quorum cannot be read: {exc}") from exc
-        if q is None or current is None or current.q != q.q or not responses[1]:
+        if q is None or current is None or current != q.q or not responses[1]:
             raise FencedError(f"live quorum {q.q if q else None} is over (etcd has "
-                              f"{current.q if current else None}{'' if responses[1] else ', and this lease is gone'})")
+                              f"{current}{'' if responses[1] else ', and this lease is gone'})")
         return Guard(self.token, ((quorum_key, "mod", responses[0][0][1].mod_revision),
                                   (alive_key, "create", responses[1][0][1].create_revision)))
 
@@ -520,7 +542,7 @@ class LiveGroup:
         q = view.quorum
         if q is not None and self.quorum is not None and q.q == self.quorum.q and not q.finished:
             done = Quorum(**{**{f: getattr(q, f) for f in q.__dataclass_fields__}, "finished": True})
-            self._cas_quorum(done, view.quorum_rev)
+            self._cas_quorum(done, view.quorum_rev, base=q)
 
     def close(self) -> None:
         """Leave: the lease is revoked, so the others see at once that this worker is gone."""

@@ -49,6 +49,10 @@ WATCHED = ("quorum", "alive/", "join/", "stall/", "busy/")
 class Watcher:
     """Watches the live keys for ``group`` while its worker trains (see the module docstring)."""
 
+    BEHIND_READ = 1.0
+    """Seconds (or 10 polls, if longer) a sibling waits for a published view as new as its quorum
+    before it reads etcd itself (for the node's first view: a lease)."""
+
     reread_on_event = False
     """Read every live key again on each event, as the watcher did before it applied the events
     (``benchmarks/live_sim.py --reread``: the "before" of its numbers); never in training."""
@@ -62,6 +66,7 @@ class Watcher:
         self._excluded_since: float | None = None  # when this worker was first seen left out of a newer quorum
         self._dirty = threading.Event()  # the watch was (re-)established or lost: read everything again
         self._keys = LiveKeys(group.prefix)  # the last whole read, with the watch's changes applied
+        self._keys.fetch_members = self._fetch_members
         self._loaded = False
         self._changes: deque[Change] = deque()  # from the watch's thread, applied by the watcher's
         self._watch: KeysWatch | None = None
@@ -72,9 +77,11 @@ class Watcher:
         """Changes applied from the watch's events."""
         self.loads = 0
         """Views loaded from the node's watching worker (a sibling's, ``rendezvous/node_watch.py``)."""
-        self._sibling_view: tuple[View, int] | None = None  # a sibling's last view, and its quorum
-        self._sibling_missing: list[str] | None = None  # the members of q absent from it (None: following the watch)
-        self._published_q = -1  # the quorum of the last view this worker published for its siblings
+        self._sibling_loaded = False  # a sibling: _keys holds a published view (or its own read)
+        self._behind = False  # a sibling: the view it holds predates its quorum (it tells nothing of q's members)
+        self._behind_since: float | None = None
+        self._first_wait: float | None = None  # a sibling: since when it waits for its node's first view
+        self._unpublished: list[Change] | None = None  # changes applied since the last publish (None: read whole)
         self.on_view: Callable[[View], None] | None = None
         """Called from the watcher thread with the view after each update (a read, or changes
         applied), before it is acted on; it must not keep the view (``benchmarks/live_sim.py``)."""
@@ -107,42 +114,79 @@ class Watcher:
     def _look(self, q: Quorum) -> tuple[View, bool] | None:
         """The current view for quorum ``q``, and whether this worker knows it from etcd itself
         (None when etcd could not be read: the next wake tries again). The watching worker (or a
-        worker with a watch of its own) follows its watch and publishes each new view for its
-        siblings; a sibling loads the published one when woken (a view for another quorum, or none,
-        it reads from etcd once)."""
+        worker with a watch of its own) follows its watch and publishes what it knows, whenever
+        that changed, for its siblings (``_load_published``)."""
         node = self._node
+        self._keys.hint = q  # a quorum record that is a change from q is applied without a read
         if node is not None and not node.leader:
-            if self._dirty.is_set() or self._sibling_view is None or self._sibling_view[1] != q.q:
-                self._dirty.clear()
-                got = node.latest()
-                if got is not None and got[1] == q.q:
-                    self.loads += 1
-                else:
-                    try:
-                        self._keys.load(self._read_all())
-                    except Exception as exc:  # noqa: BLE001 - etcd out of reach: the lease decides
-                        self._dirty.set()
-                        logger.info("live: watcher could not read etcd: %s", exc)
-                        return None
-                    self.reads += 1
-                    self._keys.track(q)
-                    got = (self._keys.view(q.q), q.q)
-                self._sibling_view = got
-                self._sibling_missing = [m.id for m in q.members if m.id not in got[0].alive]
-            return self._sibling_view[0], False
-        self._sibling_missing = None
-        seen = (self.reads, self.applied)
+            return self._load_published(node, q)
+        self._behind = False
         if not self._update():
             return None
         self._keys.track(q)
-        view = self._keys.view(q.q)
-        if node is not None and node.leader and (seen != (self.reads, self.applied) or self._published_q != q.q):
+        if node is not None and node.leader and (self._unpublished is None or self._unpublished):
             try:
-                node.publish(view, q.q)
-                self._published_q = q.q
-            except OSError as exc:  # the siblings read etcd themselves when they find nothing current
+                node.publish(self._keys, self._unpublished)
+                self._unpublished = []
+            except OSError as exc:  # the siblings read etcd themselves when they find nothing
+                self._unpublished = None  # a new snapshot next time
                 logger.warning("live: could not publish the node's view to its workers: %s", exc)
-        return view, True
+        return self._keys.view(q.q), True
+
+    def _load_published(self, node: NodeWatch, q: Quorum) -> tuple[View, bool] | None:
+        """A sibling's view: what its node's watching worker published last, loaded when woken
+        by a new one (``NodeWatch.load``: the changes logged since the last). The view holds every
+        live key, so it serves whatever quorum this worker is in. Until one is published (at the
+        start: at 1,000 nodes every node's first read is in flight at once) the sibling waits up to
+        a lease, then reads etcd itself, once. A view that
+        predates this worker's quorum (the watching worker has not seen the re-form yet: it
+        publishes within moments) tells nothing about ``q``'s members: no loss is concluded from
+        it, and if no newer one comes within ``BEHIND_READ``, the sibling reads etcd itself."""
+        now = time.monotonic()
+        patience = max(self.BEHIND_READ, 10 * self.group.settings.poll)
+        if self._dirty.is_set() or not self._sibling_loaded:
+            self._dirty.clear()
+            if node.load(self._keys):
+                self.loads += 1
+                self._sibling_loaded = True
+            elif self._sibling_loaded:  # caught between a new epoch's two files: the next wake loads
+                self._dirty.set()
+            else:  # nothing published yet (the start): the watching worker's first read is on its way
+                self._first_wait = self._first_wait or now
+                if now - self._first_wait < max(patience, self.group.settings.lease_ttl) or not self._read_whole():
+                    return None
+        self._keys.track(q)
+        known = self._keys.quorum
+        self._behind = known is None or known.q < q.q
+        if not self._behind:
+            self._behind_since = None
+        elif self._behind_since is None:
+            self._behind_since = now
+        elif now - self._behind_since > patience and self._read_whole():
+            self._behind_since = None
+            self._keys.track(q)
+            self._behind = self._keys.quorum is None or self._keys.quorum.q < q.q
+        return self._keys.view(q.q), False
+
+    def _read_whole(self) -> bool:
+        """A sibling reads the live keys from etcd itself (False when it could not)."""
+        try:
+            self._keys.load(self._read_all())
+        except Exception as exc:  # noqa: BLE001 - etcd out of reach: the lease decides
+            self._dirty.set()
+            logger.info("live: watcher could not read etcd: %s", exc)
+            return False
+        self.reads += 1
+        self._sibling_loaded = True
+        return True
+
+    def _fetch_members(self, q: int) -> bytes | None:
+        """Quorum ``q``'s whole record, for a change record from a quorum this worker does not hold:
+        a sibling takes the one its watching worker wrote beside the view, else etcd's."""
+        node = self._node
+        if node is not None and not node.leader and (whole := node.members(q)) is not None:
+            return whole
+        return self.group._members_of(q)
 
     def _changed(self) -> None:
         """From the watch's thread: the watch was (re-)established or lost: read everything again."""
@@ -172,9 +216,13 @@ class Watcher:
                 self._keys.load(self._read_all())
                 self._loaded = True
                 self.reads += 1
+                self._unpublished = None
             while self._changes:
-                self._keys.apply(self._changes.popleft())
+                change = self._changes.popleft()
+                self._keys.apply(change)
                 self.applied += 1
+                if self._unpublished is not None and self._node is not None and self._node.leader:
+                    self._unpublished.append(change)
         except Exception as exc:  # noqa: BLE001 - etcd out of reach (the lease decides), or a malformed record
             self._dirty.set()
             logger.info("live: watcher could not read etcd: %s", exc)
@@ -198,57 +246,61 @@ class Watcher:
         while not self.group.stopped:
             self._wake.wait(self.group.settings.poll)
             self._wake.clear()
-            now = time.monotonic()
-            if now - self._last_look > self.group.settings.lease_ttl:  # paused: events may be on their way
-                self._dirty.set()
-            self._last_look = now
-            q = self.group.quorum
-            if q is None or self.group.stopped:
-                continue
-            self._show_busy(q)
-            got = self._look(q)
-            if got is None:
-                continue
-            view, own = got
-            if self.on_view is not None:
-                self.on_view(view)
-            self.group.on_view(view, current=self._watch is not None and self._watch.established.is_set()
-                               and not self._dirty.is_set(), authoritative=own)
-            self._check_stuck(q, view)
-            if self.group.change_pending.is_set():
-                continue
-            lost, must_move = self._lost(q, view), False
-            if not lost and view.stall is not None:
-                lost, must_move = f"{view.stall.get('by')} saw no progress for {view.stall.get('waited', 0):.1f}s", True
-            if not lost and (lasted := self.group.progress.stalled()) is not None and self._declare_stall(q, view, lasted):
-                lost, must_move = f"no progress for {lasted:.1f}s (a rank is hung)", True
-            reason = lost
-            if not lost and view.joiners and (waiting := complete_nodes(view)):  # q.nodes: O(members)
-                nodes = q.nodes
-                if len(nodes) < self.group.settings.max_nodes and any(n not in nodes for n, _ in waiting):
-                    reason = "a node asks to join"
-            if reason:
-                with self.group._adopt_lock:
-                    if self.group.quorum is not q:  # re-formed while this view was read: it is stale
-                        continue
-                    self.group.change_reason = reason
-                    self.group.change_pending.set()
-            if lost:
-                if must_move:  # the training thread must come out of its step now, or it is the hung one
-                    self._trouble = (q.q, time.monotonic(), self.group.progress.moves,
-                                     f"its training thread made no progress while its peers waited ({lost}) and "
-                                     f"did not come out of its step once the group was abandoned: it is the hung rank")
-                if self.group.on_member_lost is not None:
-                    logger.warning("live: %s in quorum %d: abandoning the process group's collectives", lost, q.q)
-                    self.group.on_member_lost(lost)
+            self.look()
+
+    def look(self) -> None:
+        """One look (what the thread does at each wake-up): the view, what it says, what to do."""
+        now = time.monotonic()
+        if now - self._last_look > self.group.settings.lease_ttl:  # paused: events may be on their way
+            self._dirty.set()
+        self._last_look = now
+        q = self.group.quorum
+        if q is None or self.group.stopped:
+            return
+        self._show_busy(q)
+        got = self._look(q)
+        if got is None:
+            return
+        view, own = got
+        if self.on_view is not None:
+            self.on_view(view)
+        self.group.on_view(view, current=self._watch is not None and self._watch.established.is_set()
+                           and not self._dirty.is_set(), authoritative=own)
+        self._check_stuck(q, view)
+        if self.group.change_pending.is_set():
+            return
+        lost, must_move = self._lost(q, view), False
+        if not lost and view.stall is not None:
+            lost, must_move = f"{view.stall.get('by')} saw no progress for {view.stall.get('waited', 0):.1f}s", True
+        if not lost and (lasted := self.group.progress.stalled()) is not None and self._declare_stall(q, view, lasted):
+            lost, must_move = f"no progress for {lasted:.1f}s (a rank is hung)", True
+        reason = lost
+        if not lost and view.joiners and (waiting := complete_nodes(view)):  # q.nodes: O(members)
+            nodes = q.nodes
+            if len(nodes) < self.group.settings.max_nodes and any(n not in nodes for n, _ in waiting):
+                reason = "a node asks to join"
+        if reason:
+            with self.group._adopt_lock:
+                if self.group.quorum is not q:  # re-formed while this view was read: it is stale
+                    return
+                self.group.change_reason = reason
+                self.group.change_pending.set()
+        if lost:
+            if must_move:  # the training thread must come out of its step now, or it is the hung one
+                self._trouble = (q.q, time.monotonic(), self.group.progress.moves,
+                                 f"its training thread made no progress while its peers waited ({lost}) and "
+                                 f"did not come out of its step once the group was abandoned: it is the hung rank")
+            if self.group.on_member_lost is not None:
+                logger.warning("live: %s in quorum %d: abandoning the process group's collectives", lost, q.q)
+                self.group.on_member_lost(lost)
 
     def _lost(self, q: Quorum, view: View) -> str:
         """Why the quorum ``q`` lost a member (moved on, a lease expired, a process gone), or ""."""
         if view.quorum is not None and view.quorum.q > q.q:
             return f"the quorum moved to {view.quorum.q}"
-        # Kept by LiveKeys for q (tracked) where this worker follows the watch: no walk over the
-        # members; a sibling's, computed once per view it loads (``_look``).
-        missing = self._keys.missing if self._sibling_missing is None else self._sibling_missing
+        # Kept by LiveKeys for q (tracked): no walk over the members (none for a sibling's view
+        # that predates q, ``_load_published``).
+        missing = {} if self._behind else self._keys.missing
         if missing:
             return f"the etcd lease of {next(iter(missing))} expired (stopped or cut off)"
         if self.group.probe_peers and (gone := self._probe_other_nodes(q)):

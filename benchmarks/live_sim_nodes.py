@@ -1,0 +1,334 @@
+"""The simulated nodes of ``benchmarks/live_sim.py``: workers that are the product's ``LiveGroup``
+and ``Watcher`` with torch left out, the nodes of one process (``Part``) and the processes
+(``Pool``). What is simulated and what runs as in the product is in ``live_sim.py``'s docstring."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import selectors
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from elastic_trainer.env import LiveSettings
+from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
+from elastic_trainer.rendezvous.lease import LeaseKeeper
+from elastic_trainer.rendezvous.members import Member, Quorum, View
+from elastic_trainer.rendezvous.node_watch import NodeWatch
+from elastic_trainer.rendezvous.progress import Progress
+from elastic_trainer.rendezvous.quorum import LiveGroup
+from elastic_trainer.rendezvous.watcher import Watcher
+
+PREFIX = "/live-sim/"
+
+
+def connection(endpoint: str) -> EtcdConnection:
+    return EtcdConnection(EtcdOptions(endpoints=parse_endpoints(endpoint), retry_timeout=60, read_timeout=60))
+
+
+def daemon_thread(name: str, target, *args, stop=None) -> threading.Thread:
+    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+class SimWorker(LiveGroup):
+    """A ``LiveGroup`` without its probe listener and with its node's lease keeper instead of one
+    of its own (the attributes the watcher and the re-form's etcd calls use; the rest is
+    ``LiveGroup``'s code)."""
+
+    def __init__(self, conn, node: str, local_rank: int, nproc: int, settings: LiveSettings,
+                 keeper: LeaseKeeper | None) -> None:
+        self.conn, self.prefix = conn, PREFIX + "live/"
+        self.node, self.local_rank, self.nproc, self.settings = node, local_rank, nproc, settings
+        self.id = f"{node}-{local_rank}-{os.getpid()}"
+        self._start_thread, self._on_lease_lost, self._probe = daemon_thread, None, None
+        self.me = Member(self.id, node, local_rank, "127.0.0.1:9")
+        self.quorum: Quorum | None = None
+        self.change_pending, self.change_reason = threading.Event(), ""
+        self.on_member_lost = self.on_hung = None
+        self.probe_peers = False
+        self.progress = Progress(settings.hang_min, settings.hang_factor)
+        self._adopt_lock = threading.Lock()
+        self._lease, self._lease_asked = keeper, 0.0
+        self._last_quorum = None
+        self._stop = threading.Event()
+        self.watcher = Watcher(self)
+        self._watcher = None
+        self.requests = 0
+        self.lost_at: float | None = None  # when its watcher first saw the loss
+        self.knew_at: float | None = None  # when its watcher first saw the target quorum
+        self.event_at: float | None = None  # when its watch stream delivered the target quorum's change
+        self.target = 0
+        self.node_dir: str | None = None  # --node-watch: the node's shared directory
+        self.reporter: ThreadPoolExecutor | None = None  # puts the reports, as the training threads would
+
+    def node_watch(self, on_change, on_promote) -> NodeWatch | None:
+        """``--node-watch``: one etcd watch per node, as the product has it on a node's lease."""
+        if self.node_dir is None:
+            return None
+        return NodeWatch(self.node_dir, self.settings.poll, on_change, on_promote)
+
+    def register(self) -> None:
+        """``alive/<id>`` and ``join/<id>`` on the node's lease, as ``LeaseKeeper.ensure`` and ``join`` write them."""
+        self._lease.put(self._key("alive/" + self.id), b'{"since": 0}')
+        self._lease.put(self._key("join/" + self.id), (
+            f'{{"node": "{self.node}", "local_rank": {self.local_rank}, "nproc": {self.nproc}, '
+            f'"probe": "{self.me.probe}"}}').encode())
+
+    def watch(self, reports: bool, thread: bool = True) -> None:
+        """Start watching: the product's watcher thread, or (``thread`` False: a sibling that
+        ``Part._serve_siblings`` serves) only its hooks."""
+        def lost(reason: str) -> None:
+            if self.lost_at is None:
+                self.lost_at = time.monotonic()
+                if reports and self.quorum is not None and self.target == self.quorum.q + 1:
+                    # the training thread reports (LiveGroup.reform), not the watcher: off its thread
+                    self.reporter.submit(self._report, self.target)
+
+        def seen(view: View) -> None:
+            q = view.quorum
+            if q is not None and self.quorum is not None and q.q > self.quorum.q and q.rank_of(self.id) is not None:
+                if q.q >= self.target and self.knew_at is None:
+                    self.knew_at = time.monotonic()
+                self._adopt(q)
+
+        events = self.watcher._events
+
+        def stream(changes) -> None:  # the watch's thread: when the new quorum's event arrived
+            if self.event_at is None and any(c.key == self._key("quorum") for c in changes):
+                self.event_at = time.monotonic()
+            events(changes)
+
+        self.on_member_lost = lost
+        self.watcher.on_view = seen
+        self.watcher._events = stream
+        if thread:
+            self.start_watching()
+
+    def _report(self, target: int) -> None:
+        for attempt in range(5):  # as reform's first put; a failure is printed, not raised
+            try:
+                self._lease.put(self._key(f"report/{target}/{self.id}"), b'{"step": 0, "cause": "sim"}')
+                return
+            except Exception as exc:  # noqa: BLE001 - reported after the last try
+                if attempt == 4:
+                    logging.getLogger("live_sim").error("report of %s failed: %s", self.id, exc)
+                time.sleep(0.1)
+
+    def close(self) -> None:
+        self._stop_watching()
+
+
+class Part:
+    """One process's nodes: their lease keepers and workers."""
+
+    def __init__(self, endpoint: str, nodes: list[str], workers: int, channels: int, settings: LiveSettings,
+                 reread: bool = False, node_dir: str | None = None, shared_siblings: bool = False) -> None:
+        logging.getLogger("elastic_trainer").setLevel(logging.ERROR)  # a warning per worker and loss
+        if reread:  # as before: every event makes the watcher read all the live keys again
+            Watcher.reread_on_event = True
+        self.conns = [connection(endpoint) for _ in range(max(1, min(channels, len(nodes))))]
+        self.keepers: dict[str, LeaseKeeper] = {}
+        self.workers: dict[str, list[SimWorker]] = {}
+        for i, node in enumerate(nodes):
+            conn = self.conns[i % len(self.conns)]
+            keeper = LeaseKeeper(conn, f"{PREFIX}node/{node}", settings.lease_ttl, settings.keep_alive_interval)
+            keeper.ensure()
+            self.keepers[node] = keeper
+            self.workers[node] = [SimWorker(conn, node, r, workers, settings, keeper) for r in range(workers)]
+            for w in self.workers[node]:
+                w.node_dir = os.path.join(node_dir, node) if node_dir is not None else None
+        self.lost: set[str] = set()
+        self.reporter = ThreadPoolExecutor(16)
+        for w in self.all():
+            w.reporter = self.reporter
+        self.shared_siblings = shared_siblings
+        self.closing = threading.Event()
+        self.look_errors = 0
+
+    def all(self, live: bool = True) -> list[SimWorker]:
+        return [w for n, ws in self.workers.items() if not (live and n in self.lost) for w in ws]
+
+    def register(self) -> int:
+        workers = self.all()
+        with ThreadPoolExecutor(32) as pool:
+            list(pool.map(lambda w: w.register(), workers))
+        return len(workers)
+
+    def adopt(self, data: bytes) -> int:
+        """Every worker adopts quorum 1 and deletes its join key, as ``LiveGroup.join`` ends."""
+        q = Quorum.from_json(data)
+
+        def adopt(w: SimWorker) -> None:
+            w._adopt(q)
+            w.target = q.q
+            w.conn.call(lambda c, k=w._key("join/" + w.id): c.delete(k))
+
+        with ThreadPoolExecutor(32) as pool:
+            list(pool.map(adopt, self.all()))
+        return len(self.all())
+
+    def watch(self, reports: bool, timeout: float) -> dict:
+        """Every worker starts its watcher (once every process's workers joined, as a trainer
+        starts watching after its join); the answer once each has made its first read. With
+        ``shared_siblings``, each node's first worker starts its watcher thread and takes the
+        node's watch, and one thread of this process serves all the siblings (``_serve_siblings``)."""
+        deadline = time.monotonic() + timeout
+        if not self.shared_siblings:
+            for w in self.all():
+                w.watch(reports)
+        else:
+            for ws in self.workers.values():
+                ws[0].watch(reports)
+            while not all(ws[0].watcher._node is not None and ws[0].watcher._node.leader
+                          for ws in self.workers.values()) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            siblings = [w for ws in self.workers.values() for w in ws[1:]]
+            for w in siblings:
+                w.watch(reports, thread=False)
+                w.watcher._node = w.node_watch(w.watcher._changed, w.watcher._open_watch)
+                if w.watcher._node.try_lead():
+                    raise RuntimeError(f"{w.id} took its node's watch: the first worker did not")
+            daemon_thread("siblings", self._serve_siblings, siblings)
+        while any(w.watcher.reads + w.watcher.loads < 1 for w in self.all()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"read": sum(w.watcher.reads + w.watcher.loads >= 1 for w in self.all())}
+
+    def expect(self, target: int) -> None:
+        for w in self.all():
+            w.lost_at = w.knew_at = w.event_at = None
+            w.target = target
+
+    def lose(self, node: str) -> float:
+        for w in self.workers[node]:
+            w.close()
+        self.lost.add(node)
+        t0 = time.monotonic()
+        self.keepers[node].close(revoke=True)
+        return t0
+
+    def collect(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while any(w.knew_at is None for w in self.all()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        ws = self.all()
+        return {"lost_at": [w.lost_at for w in ws], "knew_at": [w.knew_at for w in ws],
+                "keeps_watch": [w.watcher._watch is not None for w in ws],
+                "event_at": [w.event_at for w in ws if w.event_at is not None], "stats": self.stats()}
+
+    def stats(self) -> dict:
+        ws = self.all(live=False)
+        return {"reads": sum(w.watcher.reads for w in ws), "applied": sum(w.watcher.applied for w in ws),
+                "lost_leases": sum(k.lost for n, k in self.keepers.items() if n not in self.lost),
+                "loads": sum(w.watcher.loads for w in ws), "look_errors": self.look_errors,
+                "cpu_s": time.process_time()}
+
+    def _serve_siblings(self, siblings: list[SimWorker]) -> None:
+        """One thread for every sibling of this process (``--shared-siblings``): what each
+        sibling's two threads do in the product (``NodeWatch.run`` waits on the sibling's socket;
+        the watcher looks at each datagram and every poll), for all of them, one after the other.
+        Each look is the product's ``Watcher.look``; what is not simulated is a sibling's
+        promotion when its node's watching worker dies (no node dies here but a lost one)."""
+        selector = selectors.DefaultSelector()
+        for w in siblings:
+            sock = w.watcher._node.bind()
+            sock.setblocking(False)
+            selector.register(sock, selectors.EVENT_READ, w)
+        poll = siblings[0].settings.poll if siblings else 1.0
+        next_poll = time.monotonic() + poll
+        while not self.closing.is_set():
+            for key, _ in selector.select(max(0.0, next_poll - time.monotonic())):
+                with contextlib.suppress(OSError):
+                    while key.fileobj.recv(16):
+                        pass
+                w = key.data
+                w.watcher._changed()
+                self._look(w)
+            if time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + poll
+                for w in siblings:
+                    self._look(w)
+        selector.close()
+
+    def _look(self, w: SimWorker) -> None:
+        if w.stopped:
+            return
+        try:
+            w.watcher.look()
+        except Exception as exc:  # noqa: BLE001 - counted and printed: a product thread would have died
+            self.look_errors += 1
+            if self.look_errors <= 3:
+                logging.getLogger("live_sim").error("a sibling's look failed: %r", exc)
+
+    def close(self) -> None:
+        self.closing.set()
+        self.reporter.shutdown(wait=False)
+        for w in self.all(live=False):
+            w.close()
+        for node, keeper in self.keepers.items():
+            if node not in self.lost:
+                keeper.close(revoke=False)
+        for conn in self.conns:
+            conn.close()
+
+
+def serve(pipe) -> None:
+    """A simulation process: builds its ``Part`` and answers the main process's commands."""
+    threading.stack_size(512 * 1024)
+    part = None
+    while (job := pipe.recv()) is not None:
+        what, kwargs = job
+        try:
+            if what == "setup":
+                part = Part(**kwargs)
+                pipe.send(part.register())
+            else:
+                pipe.send(getattr(part, what)(**kwargs))
+        except Exception as exc:  # noqa: BLE001 - sent back to the main process, which reports it
+            pipe.send({"error": f"{what}: {type(exc).__name__}: {exc}"})
+    if part is not None:
+        part.close()
+
+
+class Pool:
+    """``processes`` spawned simulation processes (gRPC does not survive fork)."""
+
+    def __init__(self, processes: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.pipes, self.procs = [], []
+        for _ in range(processes):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=serve, args=(child,), daemon=True)
+            proc.start()
+            self.pipes.append(parent)
+            self.procs.append(proc)
+
+    def ask(self, what: str, per_pipe: list[dict] | dict | None = None, only: int | None = None) -> list:
+        pipes = list(enumerate(self.pipes)) if only is None else [(only, self.pipes[only])]
+        for i, pipe in pipes:
+            kwargs = per_pipe[i] if isinstance(per_pipe, list) else (per_pipe or {})
+            pipe.send((what, kwargs))
+        answers = [pipe.recv() for _, pipe in pipes]
+        failed = [a["error"] for a in answers if isinstance(a, dict) and "error" in a]
+        if failed:
+            raise RuntimeError(f"a simulation process failed: {failed[0]}")
+        return answers
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            try:
+                pipe.send(None)
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(20)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+__all__ = ["PREFIX", "Part", "Pool", "SimWorker", "connection", "daemon_thread", "serve"]
