@@ -27,7 +27,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from elastic_trainer.env import helper_environ
 
@@ -209,6 +209,39 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _setpriv_with_pdeathsig() -> str:
+    """setpriv's path when it has ``--pdeathsig``, else ``""``."""
+    binary = shutil.which("setpriv")
+    if binary is None:
+        return ""
+    try:
+        out = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return binary if "--pdeathsig" in out.stdout else ""
+
+
+_SETPRIV: str | None = None
+
+
+def dying_with_parent(cmd: list[str]) -> tuple[list[str], "Callable[[], None] | None"]:
+    """``cmd`` and the ``preexec_fn`` that make its process die with this thread (SIGKILL by
+    ``PR_SET_PDEATHSIG``), for ``subprocess.Popen``.
+
+    With util-linux's ``setpriv --pdeathsig`` on PATH (2.33+, in Debian's base image) the
+    command is wrapped in it and no ``preexec_fn`` is needed: a ``preexec_fn`` makes Python
+    fork() and run code in the child before exec, and a process with gRPC threads (an etcd
+    client, a watch) sometimes aborts there in gRPC's fork handlers (SIGABRT, "epoll_wait error:
+    Bad file descriptor": 3 of 300 starts in a stress test), so etcd "exits at start". Without
+    setpriv, the ``preexec_fn`` is the fallback."""
+    global _SETPRIV
+    if _SETPRIV is None:
+        _SETPRIV = _setpriv_with_pdeathsig()
+    if _SETPRIV:
+        return [_SETPRIV, "--pdeathsig", "KILL", "--", *cmd], None
+    return cmd, _die_with_parent
+
+
 class EtcdServer:
     """One etcd process on loopback; a context manager that starts and stops it.
 
@@ -254,8 +287,9 @@ class EtcdServer:
         log = open(self.log_path, "ab")
         try:
             # With only the basics in its environment: etcd needs none of the launcher's secrets.
+            cmd, preexec = dying_with_parent(cmd)
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=helper_environ(),
-                                         stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                         stdin=subprocess.DEVNULL, preexec_fn=preexec)
         finally:
             log.close()
         self._wait_ready(timeout)

@@ -24,9 +24,9 @@ from typing import TypeVar
 from elastic_trainer import records
 from elastic_trainer.records import EventRecord, StepRecord
 from elastic_trainer.drill.kinds import FAULTS
-from elastic_trainer.drill.nodes import Node, children, die_with_drill, start_ticks
+from elastic_trainer.drill.nodes import Node, children, start_ticks
 from elastic_trainer.drill.scenario import DEFAULT_TRAINER_ARGS, ScenarioError
-from elastic_trainer.etcd_server import EtcdServer, start_with_auth
+from elastic_trainer.etcd_server import EtcdServer, dying_with_parent, start_with_auth
 from elastic_trainer.etcd_tls import make_certs
 
 logger = logging.getLogger(__name__)
@@ -207,8 +207,9 @@ class Cluster:
         if net is not None:
             cmd = self.network.wrap(net, cmd)
         with open(log_dir / "agent.log", "ab") as log:
+            cmd, preexec = dying_with_parent(cmd)  # setpriv: no fork-time code beside the drill's gRPC threads
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env=env, preexec_fn=die_with_drill)
+                                    start_new_session=True, env=env, preexec_fn=preexec)
         node = Node(index, log_dir, proc, net)
         self.nodes.append(node)
         self.note(node.name, "node_started", pid=proc.pid, cmd=shlex.join(cmd))

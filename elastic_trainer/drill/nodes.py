@@ -51,13 +51,6 @@ def start_ticks(pid: int) -> int | None:
         return None
 
 
-def die_with_drill() -> None:  # runs in the child between fork and exec
-    """PR_SET_PDEATHSIG(SIGKILL): a node dies even when the drill itself is SIGKILLed (its
-    workers follow: the trainer sets the same on them). Nodes start from the main thread."""
-    import ctypes
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-
-
 def killpg(pgid: int, sig: int) -> None:
     """``os.killpg``; a group that is gone already is not an error."""
     try:
