@@ -355,8 +355,10 @@ class Checkpointing:
         group is alive): wait for the save in flight to commit. Its collectives run on a subgroup of
         the old group, which the re-form tears down: a save cut there is lost, and a node lost after
         the join would find no checkpoint to reload (the flaky late-join test: its survivors
-        restarted). Costs the join the rest of that save, and nothing when none is in flight."""
-        if self.manager is None:
+        restarted). Costs the join the rest of that save, and nothing when none is in flight. Only
+        sharded saves (``--fsdp``) use the group: a whole-state save in flight writes on from rank 0's
+        thread, and a join does not wait for it (a multi-GB upload would be its pause)."""
+        if self.manager is None or self._sharded_saver is None:
             return
         with self.slow("checkpoint"):  # this rank's wait: not a hang
             self.manager.wait()
