@@ -3,8 +3,9 @@
 Under ``--recovery live`` (the default) every agent's rendezvous is a world of its own node
 (``rendezvous/handler.py``, live mode): torchrun still starts, supervises and restarts the
 workers, but *which workers train together* is decided here. This module is membership only
-(``LiveGroup``: the quorum key, leases, compare-and-swap, join, re-form); what a quorum is made of
-is ``rendezvous/members.py``, what watches it while training is ``rendezvous/watcher.py``; the
+(``LiveGroup``: join, re-form, leave); its keys in etcd and the transactions on them are
+``rendezvous/live_etcd.py``, its lease ``rendezvous/live_lease.py``, what a quorum is made of
+``rendezvous/members.py``, what watches it while training ``rendezvous/watcher.py``; the
 process group built on it, the state transfer and the step agreement are the training side's
 ``Manager`` (``training/manager.py``), which is what a training loop uses.
 
@@ -73,16 +74,16 @@ from typing import Callable
 
 from elastic_trainer.env import LiveSettings, WorkerEnv
 from elastic_trainer.rendezvous.members import (LiveExcluded, LiveTimeout, Member, ProbeListener, Quorum, RunFinished,
-                                                StartThread, View, complete_nodes, json_values, probe_dead,
-                                                range_end, resolvable, start_daemon_thread)
+                                                StartThread, View, complete_nodes, probe_dead,
+                                                resolvable, start_daemon_thread)
 from elastic_trainer.rendezvous import quorum_record
-from elastic_trainer.rendezvous.node_watch import NodeWatch
+from elastic_trainer.rendezvous.live_lease import LiveLease
 from elastic_trainer.rendezvous.progress import Progress
 from elastic_trainer.rendezvous.watcher import Watcher
 
 logger = logging.getLogger(__name__)
 
-class LiveGroup:
+class LiveGroup(LiveLease):
     """This worker's membership in the live quorum of its run (see the module docstring).
 
     ``start_thread`` starts the probe listener and the watcher (default: plain daemon threads);
@@ -159,169 +160,6 @@ class LiveGroup:
         return cls(EtcdConnection(options), env.rdzv_prefix, node, env.local_rank or 0,
                    env.local_world_size or 1, host, env.live, start_thread=start_thread,
                    on_lease_lost=on_lease_lost, node_lease=env.rdzv_lease)
-
-    # ---- etcd ------------------------------------------------------------------------------
-    def _key(self, sub: str) -> str:
-        return self.prefix + sub
-
-    def _call(self, fn, what: str):
-        self.requests += 1
-        return self.conn.call(fn, f"live {what}")
-
-    def _read(self, report_q: int | None = None, stall_q: int | None = None) -> View:
-        """One transaction: the quorum, the leases, the joiners, and (when asked) the reports for
-        quorum ``report_q``, and the stall declared for quorum ``stall_q`` with the busy members."""
-        p = self.prefix
-
-        def txn(c):
-            t = c.transactions
-            ops = [t.get(p + "quorum"), t.get(p + "alive/", range_end=range_end(p + "alive/")),
-                   t.get(p + "join/", range_end=range_end(p + "join/"))]
-            if report_q is not None:
-                rp = f"{p}report/{report_q}/"
-                ops.append(t.get(rp, range_end=range_end(rp)))
-            if stall_q is not None:
-                ops += [t.get(f"{p}stall/{stall_q}"), t.get(p + "busy/", range_end=range_end(p + "busy/"))]
-            return c.transaction(compare=[], success=ops, failure=[])
-
-        _, responses = self._call(txn, "read")
-        quorum, rev = None, 0
-        if responses[0]:
-            value, meta = responses[0][0]
-            quorum, rev = self._decode_quorum(value, meta.mod_revision), meta.mod_revision
-        alive = {meta.key.decode()[len(p + "alive/"):] for _, meta in responses[1]}
-        joiners = {}
-        for value, meta in responses[2]:
-            try:
-                joiners[meta.key.decode()[len(p + "join/"):]] = (json.loads(value), meta.create_revision)
-            except ValueError:
-                continue
-        view = View(quorum, rev, alive, joiners)
-        rest = responses[3:]
-        if report_q is not None:
-            rp = f"{p}report/{report_q}/"
-            view.reports = json_values(rest[0], rp)
-            rest = rest[1:]
-        if stall_q is not None:
-            view.stall = next(iter(json_values(rest[0], f"{p}stall/").values()), None)
-            view.busy = {mid: v for mid, v in json_values(rest[1], p + "busy/").items() if v.get("q") == stall_q}
-        return view
-
-    def _decode_quorum(self, value: bytes, rev: int) -> Quorum:
-        """The quorum key's record read at mod revision ``rev`` (a change from this worker's quorum,
-        or built on ``members/<q>``: ``rendezvous/quorum_record.py``), decoded once per revision."""
-        if self._last_quorum is not None and self._last_quorum[0] == rev:
-            return self._last_quorum[1]
-        held = [x for x in (self.quorum, self._last_quorum[1] if self._last_quorum else None) if x is not None]
-        quorum = quorum_record.decode(value, lambda q: next((x for x in held if x.q == q), None), self._members_of)
-        self._last_quorum = (rev, quorum)
-        return quorum
-
-    def _members_of(self, q: int) -> bytes | None:
-        """Quorum ``q``'s whole record (``members/<q>``), or None when it is gone."""
-        got, _ = self._call(lambda c: c.get(self._key(f"{quorum_record.MEMBERS}{q}")), "quorum members read")
-        return got
-
-    def _cas_quorum(self, new: Quorum, expected_rev: int, base: Quorum | None = None) -> bool:
-        """Write ``new`` if the quorum key is still at ``expected_rev``: as the change from ``base``
-        (the quorum it replaces) with the whole record beside it, or whole (``quorum_record``)."""
-        key = self._key("quorum")
-        value, whole = quorum_record.encode(new, base)
-        puts = [(key, value)] + ([(self._key(f"{quorum_record.MEMBERS}{new.q}"), whole)] if whole else [])
-
-        def txn(c):
-            t = c.transactions
-            compare = [t.create(key) == 0] if expected_rev == 0 else [t.mod(key) == expected_rev]
-            return c.transaction(compare=compare, success=[t.put(k, v) for k, v in puts], failure=[])
-
-        ok, _ = self._call(txn, "quorum compare-and-swap")
-        return bool(ok)
-
-    def _forget_earlier_selves(self) -> None:
-        """Delete the live keys of this node's earlier workers at this local rank (one killed alone,
-        or a whole group its agent restarted): on the node's lease they would outlive the process,
-        and a stale ``join/`` key would keep the node from looking complete. One worker per node
-        and local rank lives at a time (torch's agent restarts the whole group)."""
-        mine = f"{self.node}-{self.local_rank}"
-        for sub in ("alive/", "join/", "busy/"):
-            prefix = self._key(sub + mine + "-")
-            try:
-                found = self._call(lambda c, p=prefix: list(c.get_prefix(p, keys_only=True)), "earlier keys")
-                for _, meta in found:
-                    key = meta.key.decode()
-                    if key[len(self._key(sub)):].rsplit("-", 1)[0] == mine and not key.endswith("-" + str(os.getpid())):
-                        self._call(lambda c, k=key: c.delete(k), "earlier key delete")
-            except Exception as exc:  # noqa: BLE001 - they go with the node's lease at the latest
-                logger.info("live: could not delete the keys of earlier workers at %s: %s", mine, exc)
-
-    def _on_lease_tick(self) -> None:
-        if self._lease.lost and not self._stop.is_set():
-            # etcd declared this worker dead (it was paused or cut off past its lease): the
-            # others may already train without it. It must not touch the old group again.
-            reason = ("live: this worker's etcd lease expired; it was left out of the group and exits "
-                      "(its agent starts a newcomer)")
-            if self._on_lease_lost is not None:
-                self._on_lease_lost(reason)
-            elif threading.current_thread() is threading.main_thread():
-                raise LiveExcluded(reason)
-
-    def node_watch(self, on_change: Callable[[], None], on_promote: Callable[[], None]) -> NodeWatch | None:
-        """This worker's part in its node's one etcd watch (``rendezvous/node_watch.py``), on the
-        node's lease only; None where every worker keeps its own watch."""
-        from elastic_trainer.rendezvous.node_lease import NodeLease, record_path
-
-        if not isinstance(self._lease, NodeLease):
-            return None
-        try:
-            return NodeWatch(record_path(self._lease.lease_id) + ".d", self.settings.poll, on_change, on_promote)
-        except OSError as exc:
-            logger.warning("live: this worker keeps an etcd watch of its own (no node directory: %s)", exc)
-            return None
-
-    def on_view(self, view: View, current: bool, authoritative: bool = True) -> None:
-        """The watcher's look at a view of the live keys: on the node's lease (``NodeLease``) this
-        worker's own ``alive`` key in a ``current`` view (its watch established, nothing unread)
-        proves the lease lives; its absence from a view this worker read itself (``authoritative``)
-        means the node's lease expired (the node was paused or cut off) and the worker leaves
-        (``on_lease_lost``); from a sibling's view (which may predate its key) etcd is asked first.
-        A lease of its own says so by itself."""
-        from elastic_trainer.rendezvous.node_lease import NodeLease
-
-        if not isinstance(self._lease, NodeLease) or self._stop.is_set():
-            return
-        if self.id in view.alive:
-            if current:
-                self._lease.confirm()
-            return
-        if not authoritative:  # a sibling's view: ask etcd (at most once a second)
-            now = time.monotonic()
-            if now - self._lease_asked >= 1.0:
-                self._lease_asked = now
-                if self._lease.expired_at_etcd(timeout=0.5):
-                    self._on_lease_tick()
-            return
-        self._lease.mark_lost()
-        self._on_lease_tick()
-
-    def check_lease(self) -> None:
-        """Before a step: end this worker (as ``_on_lease_tick`` does) when its lease is gone.
-
-        The renewal thread notices a lost lease at its next renewal, but a process that was
-        paused past its lease (SIGSTOP, a frozen host) resumes all its threads at once, and the
-        training thread must not start another step in the old group meanwhile. So when the last
-        accepted renewal is older than the lease's TTL, etcd is asked directly (at most once a
-        second, 0.5 s at most each: an etcd that is restarting does not end the worker, its lease
-        lives on in etcd)."""
-        if self._lease.lost:
-            self._on_lease_tick()
-        if self._lease.seconds_since_renewal() <= self.settings.lease_ttl:
-            return
-        now = time.monotonic()
-        if now - self._lease_asked < 1.0:
-            return
-        self._lease_asked = now
-        if self._lease.expired_at_etcd(timeout=0.5):
-            self._on_lease_tick()
 
     # ---- joining -------------------------------------------------------------------------------
     def join(self) -> Quorum:
@@ -499,42 +337,6 @@ class LiveGroup:
     def wake(self) -> None:
         """Make the watcher look now (a slow phase began)."""
         self.watcher.wake()
-
-    def fence_check(self) -> None:
-        """Raise ``FencedError`` unless this worker's quorum is still the current one and its lease lives."""
-        self.guard()
-
-    @property
-    def etcd(self):
-        """The ``EtcdConnection`` of the live group (for writes guarded by ``guard()``)."""
-        return self.conn
-
-    def guard(self):
-        """``fence_check()``, returning the fencing token (``rendezvous.fence.Guard``): the quorum
-        key unchanged since this read and this worker's alive key the same key (its lease lives)."""
-        from elastic_trainer.rendezvous.fence import FencedError, Guard
-
-        q = self.quorum
-        quorum_key, alive_key = self._key("quorum"), self._key("alive/" + self.id)
-
-        def txn(c):
-            t = c.transactions
-            return c.transaction(compare=[], success=[t.get(quorum_key), t.get(alive_key)], failure=[])
-
-        try:
-            _, responses = self._call(txn, "fence check")
-            current = quorum_record.record_q(responses[0][0][0]) if responses[0] else None
-        except Exception as exc:  # noqa: BLE001 - cannot prove the quorum current: fail safe
-            raise FencedError(f"live quorum cannot be read: {exc}") from exc
-        if q is None or current is None or current != q.q or not responses[1]:
-            raise FencedError(f"live quorum {q.q if q else None} is over (etcd has "
-                              f"{current}{'' if responses[1] else ', and this lease is gone'})")
-        return Guard(self.token, ((quorum_key, "mod", responses[0][0][1].mod_revision),
-                                  (alive_key, "create", responses[1][0][1].create_revision)))
-
-    @property
-    def token(self) -> str:
-        return f"quorum-{self.quorum.q if self.quorum else 0}"
 
     def finish(self) -> None:
         """Rank 0 at the end of training: mark the run finished, so that waiting newcomers exit 0."""
