@@ -256,11 +256,13 @@ def reform_event(job: recovery.Job, t0: float) -> dict | None:
 
 # ---- one trial ----------------------------------------------------------------------------------
 def _steady(job: recovery.Job, size: int, timeout: float) -> dict[int, int]:
-    """Wait for ``size`` ranks stepping at world size ``size``, then a second of steady steps."""
-    job.world_formed(size, timeout)
+    """Wait for ``size`` ranks stepping at world size ``size`` now, then a second of steady steps.
+
+    Only steps from now on count: a world that was ``size`` before a fault the job has not been
+    healed of (a kill with no join after it) is not steady at ``size``."""
+    job.world_formed(size, timeout, since=time.time())
     time.sleep(1.0)
-    job.world_formed(size, timeout)
-    return world_pids(job.steps(), size)
+    return job.world_formed(size, timeout, since=time.time())
 
 
 def _kill(job: recovery.Job, rank: int, n: int, timeout: float, live: bool, w: int = 1) -> dict:
@@ -316,6 +318,7 @@ def trial(system: str, args: argparse.Namespace, root: Path) -> dict:
     nodes, w, live, results = args.nodes, args.nproc, system in LIVE_SYSTEMS, {}
     n = nodes * w  # ranks
     job, jobs = None, 0
+    missing = 0  # nodes the job lost to a kill and has not got back by a join
     try:
         for scenario in args.scenarios:
             if scenario == "join" and not isinstance(results.get("kill-other"), dict):
@@ -339,13 +342,20 @@ def trial(system: str, args: argparse.Namespace, root: Path) -> dict:
                     except Failed as exc:
                         raise Failed(f"setup {exc}") from exc
                     results.setdefault("step_interval", step_interval(job.steps(), n))
+                    missing = 0
+                if scenario != "join":  # every other scenario starts from a world of N: give back the killed node
+                    for _ in range(missing):
+                        job.start_node()
+                    missing = 0
                 if scenario == "join":
                     results[scenario] = _join(job, n, args.timeout, live, w)
+                    missing = max(0, missing - 1)
                 elif scenario in silent.SCENARIOS:
                     results[scenario] = silent.measure(job, scenario, n, args, live,
                                                        lambda j, size: _steady(j, size, args.timeout), redone_steps)
                 else:
                     results[scenario] = _kill(job, 0 if scenario == "kill-rank0" else n - 1, n, args.timeout, live, w)
+                    missing += 1
             except Failed as exc:
                 results[scenario] = str(exc)
                 if job is not None:

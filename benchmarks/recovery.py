@@ -123,12 +123,15 @@ class Job:
             time.sleep(0.05)
         raise Failed(f"timeout ({what})")
 
-    def world_formed(self, size: int, timeout: float) -> dict[int, int]:
-        """Wait until ``size`` workers step at world size ``size``; return {rank: worker pid}."""
+    def world_formed(self, size: int, timeout: float, since: float | None = None) -> dict[int, int]:
+        """Wait until ``size`` workers step at world size ``size``; return {rank: worker pid}.
+
+        With ``since`` (a ``time.time()``) only steps after it count: a world that stepped at
+        ``size`` once and has shrunk since is not a world of ``size`` now."""
         def pred(steps):
             last = {}
             for s in steps:
-                if s["world_size"] == size:
+                if s["world_size"] == size and (since is None or s["time"] > since):
                     last[s["rank"]] = s["pid"]
             return last if len(last) == size else None
         return self.wait(f"a world of {size}", pred, timeout)
