@@ -53,6 +53,7 @@ class SimWorker(LiveGroup):
         self.probe_peers = False
         self.progress = Progress(settings.hang_min, settings.hang_factor)
         self._adopt_lock = threading.Lock()
+        self._seen_event = threading.Event()
         self._lease, self._lease_asked = keeper, 0.0
         self._last_quorum = None
         self._stop = threading.Event()
