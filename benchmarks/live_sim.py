@@ -178,7 +178,9 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
         for k in range(args.losses):
             lost_node = nodes[(k * 7919 + 1) % n]
             target = q.q + 1
-            pool.ask("expect", {"target": target})
+            # the first member of the first node not lost: its reform proposes (live_reform.py)
+            proposer = next(m.id for m in q.members if m.node != lost_node)
+            pool.ask("expect", {"target": target, "proposer": None if args.no_reports else proposer})
             reports: list[int] = []
             all_reported = threading.Event()
             survivors = (n - 1 - k) * w
@@ -199,15 +201,24 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
                 all_reported.wait(args.timeout)
                 written_from = time.monotonic()
             watch.close()
-            observer.quorum = q
-            view = observer._read(report_q=target)
-            if args.no_reports:
+            if args.no_reports:  # written by the main process, at once
+                observer.quorum = q
+                view = observer._read(report_q=target)
                 view.reports = {m.id: {"step": 0} for m in q.members if m.node != lost_node}
-            new = observer._propose(q, view, target, "sim: a node's lease revoked")
-            if new is None or not observer._cas_quorum(new, view.quorum_rev, base=q):
-                raise RuntimeError(f"quorum {target} could not be written")
-            written = time.monotonic()
+                new = observer._propose(q, view, target, "sim: a node's lease revoked")
+                if new is None or not observer._cas_quorum(new, view.quorum_rev, base=q):
+                    raise RuntimeError(f"quorum {target} could not be written")
+                written = time.monotonic()
             parts = pool.ask("collect", {"timeout": args.timeout})
+            if not args.no_reports:  # written by the proposer's LiveGroup.reform
+                stamps = [x for p in parts for x in p["written_at"]]
+                if not stamps:
+                    raise RuntimeError(f"the proposer {proposer} did not write quorum {target} within {args.timeout:g}s")
+                written = stamps[0]
+                observer.quorum = q
+                new = observer._read().quorum
+                if new is None or new.q != target:
+                    raise RuntimeError(f"etcd holds quorum {new.q if new else None}, not {target}")
             m1, b1, c1 = scrape(endpoint), sent_bytes(endpoint), etcd_cpu_s(etcd_pid)
             lost_ts = [x - lost_at for p in parts for x in p["lost_at"] if x is not None]
             knew_ts = [x - lost_at for p in parts for x in p["knew_at"] if x is not None]

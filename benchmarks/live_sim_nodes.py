@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from elastic_trainer.env import LiveSettings
 from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
 from elastic_trainer.rendezvous.lease import LeaseKeeper
-from elastic_trainer.rendezvous.members import Member, Quorum, View
+from elastic_trainer.rendezvous.members import Member, ProbeListener, Quorum, View
 from elastic_trainer.rendezvous.node_watch import NodeWatch
 from elastic_trainer.rendezvous.progress import Progress
 from elastic_trainer.rendezvous.quorum import LiveGroup
@@ -41,12 +41,12 @@ class SimWorker(LiveGroup):
     ``LiveGroup``'s code)."""
 
     def __init__(self, conn, node: str, local_rank: int, nproc: int, settings: LiveSettings,
-                 keeper: LeaseKeeper | None) -> None:
+                 keeper: LeaseKeeper | None, probe: str = "127.0.0.1:9") -> None:
         self.conn, self.prefix = conn, PREFIX + "live/"
         self.node, self.local_rank, self.nproc, self.settings = node, local_rank, nproc, settings
         self.id = f"{node}-{local_rank}-{os.getpid()}"
         self._start_thread, self._on_lease_lost, self._probe = daemon_thread, None, None
-        self.me = Member(self.id, node, local_rank, "127.0.0.1:9")
+        self.me = Member(self.id, node, local_rank, probe)
         self.quorum: Quorum | None = None
         self.change_pending, self.change_reason = threading.Event(), ""
         self.on_member_lost = self.on_hung = None
@@ -63,6 +63,8 @@ class SimWorker(LiveGroup):
         self.lost_at: float | None = None  # when its watcher first saw the loss
         self.knew_at: float | None = None  # when its watcher first saw the target quorum
         self.event_at: float | None = None  # when its watch stream delivered the target quorum's change
+        self.written_at: float | None = None  # the proposer: when its reform() wrote the target quorum
+        self.proposer = False  # this worker re-forms with the product's LiveGroup.reform (the first in line)
         self.target = 0
         self.node_dir: str | None = None  # --node-watch: the node's shared directory
         self.reporter: ThreadPoolExecutor | None = None  # puts the reports, as the training threads would
@@ -87,8 +89,9 @@ class SimWorker(LiveGroup):
             if self.lost_at is None:
                 self.lost_at = time.monotonic()
                 if reports and self.quorum is not None and self.target == self.quorum.q + 1:
-                    # the training thread reports (LiveGroup.reform), not the watcher: off its thread
-                    self.reporter.submit(self._report, self.target)
+                    # the training thread reports (LiveGroup.reform), not the watcher: off its thread;
+                    # the first in line runs the product's reform (it reports, reads, writes)
+                    self.reporter.submit(self._reform if self.proposer else self._report, self.target)
 
         def seen(view: View) -> None:
             q = view.quorum
@@ -109,6 +112,18 @@ class SimWorker(LiveGroup):
         self.watcher._events = stream
         if thread:
             self.start_watching()
+
+    def _reform(self, target: int) -> None:
+        """The proposer's round: ``LiveGroup.reform`` as a training thread calls it (its report, its
+        reads of the reports until all are in, the compare-and-swap)."""
+        try:
+            q = self.reform(0, "sim: a node's lease revoked")
+        except Exception as exc:  # noqa: BLE001 - printed; the main process times out on it
+            logging.getLogger("live_sim").error("the proposer's reform failed: %r", exc)
+            return
+        self.written_at = time.monotonic()
+        if q.q >= target and self.knew_at is None:
+            self.knew_at = self.written_at
 
     def _report(self, target: int) -> None:
         for attempt in range(5):  # as reform's first put; a failure is printed, not raised
@@ -133,6 +148,9 @@ class Part:
         if reread:  # as before: every event makes the watcher read all the live keys again
             Watcher.reread_on_event = True
         self.conns = [connection(endpoint) for _ in range(max(1, min(channels, len(nodes))))]
+        # the workers' probe port: one listener per process that accepts (a live process, for the
+        # proposer's probes of the members that have not reported yet)
+        self.probe = ProbeListener("127.0.0.1", daemon_thread)
         self.keepers: dict[str, LeaseKeeper] = {}
         self.workers: dict[str, list[SimWorker]] = {}
         for i, node in enumerate(nodes):
@@ -140,7 +158,8 @@ class Part:
             keeper = LeaseKeeper(conn, f"{PREFIX}node/{node}", settings.lease_ttl, settings.keep_alive_interval)
             keeper.ensure()
             self.keepers[node] = keeper
-            self.workers[node] = [SimWorker(conn, node, r, workers, settings, keeper) for r in range(workers)]
+            self.workers[node] = [SimWorker(conn, node, r, workers, settings, keeper, self.probe.address)
+                                  for r in range(workers)]
             for w in self.workers[node]:
                 w.node_dir = os.path.join(node_dir, node) if node_dir is not None else None
         self.lost: set[str] = set()
@@ -199,10 +218,12 @@ class Part:
             time.sleep(0.05)
         return {"read": sum(w.watcher.reads + w.watcher.loads >= 1 for w in self.all())}
 
-    def expect(self, target: int) -> None:
+    def expect(self, target: int, proposer: str | None) -> None:
+        """The next loss re-forms into ``target``; worker ``proposer`` (if it is here) runs the product's reform."""
         for w in self.all():
-            w.lost_at = w.knew_at = w.event_at = None
+            w.lost_at = w.knew_at = w.event_at = w.written_at = None
             w.target = target
+            w.proposer = w.id == proposer
 
     def lose(self, node: str) -> float:
         for w in self.workers[node]:
@@ -219,7 +240,8 @@ class Part:
         ws = self.all()
         return {"lost_at": [w.lost_at for w in ws], "knew_at": [w.knew_at for w in ws],
                 "keeps_watch": [w.watcher._watch is not None for w in ws],
-                "event_at": [w.event_at for w in ws if w.event_at is not None], "stats": self.stats()}
+                "event_at": [w.event_at for w in ws if w.event_at is not None],
+                "written_at": [w.written_at for w in ws if w.written_at is not None], "stats": self.stats()}
 
     def stats(self) -> dict:
         ws = self.all(live=False)
@@ -275,6 +297,7 @@ class Part:
                 keeper.close(revoke=False)
         for conn in self.conns:
             conn.close()
+        self.probe.close()
 
 
 def serve(pipe) -> None:

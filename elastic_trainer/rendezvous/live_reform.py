@@ -51,6 +51,8 @@ after ``report_timeout``): the first ``BACKUPS + 1`` nodes of a group lost at on
 to ``FOLLOW_GRACE``."""
 FOLLOW_GRACE = 1.0
 """Seconds past ``report_timeout`` after which every follower proposes too (a proposer alive but silent)."""
+PROBES_PER_LOOK = 64
+"""Silent members the proposer probes per look, in turn."""
 
 
 class LiveReform(LiveLease):
@@ -164,7 +166,7 @@ class LiveReform(LiveLease):
         pending = [m for m in old.members if m.id not in view.reports and m.node not in gone_nodes]
         if pending and now - rnd.last_probe > PROBE_EVERY:
             rnd.last_probe = now
-            rnd.dead |= {m.id for m in pending if probe_dead(m.probe)}
+            rnd.dead |= self._probe_some(pending, rnd)
             gone_nodes |= {m.node for m in old.members if m.id in rnd.dead}
             pending = [m for m in pending if m.node not in gone_nodes]
         if now > rnd.next_say:  # a long wait says what it waits for
@@ -184,6 +186,16 @@ class LiveReform(LiveLease):
                             "all reported" if not pending else f"{len(pending)} silent past {timeout:g}s")
                 return self._adopt_formed(new)
         return None
+
+    @staticmethod
+    def _probe_some(pending: list[Member], rnd: _Round) -> set[str]:
+        """The ids among ``pending`` whose probe port refuses: at most ``PROBES_PER_LOOK`` of them
+        a look, the next ones at the next look (all of them at a few nodes, as before; at 1,000
+        nodes of 8 a look would otherwise open 8,000 connections every 20 ms)."""
+        start = rnd.probe_turn % len(pending)
+        batch = (pending[start:] + pending[:start])[:PROBES_PER_LOOK]
+        rnd.probe_turn = start + len(batch)
+        return {m.id for m in batch if probe_dead(m.probe)}
 
     def _propose(self, old: Quorum, view: View, target: int, cause: str) -> Quorum | None:
         """The next quorum from what ``view`` shows, or None while there are too few nodes."""
@@ -218,10 +230,11 @@ class _Round:
         self.entered, self.deadline, self.min_deadline = entered, entered + timeout, min_deadline
         self.dead: set[str] = set()  # members whose probe port refused: their process is gone
         self.last_probe = self.probed_ahead = 0.0
+        self.probe_turn = 0  # where the proposer's next probes of the silent nodes start
         self.next_say = entered + 5.0
         self.by_node: dict[str, list[Member]] = {}
         for m in old.members:
             self.by_node.setdefault(m.node, []).append(m)
 
 
-__all__ = ["BACKUPS", "FOLLOW_GRACE", "LiveReform", "PROBE_EVERY"]
+__all__ = ["BACKUPS", "FOLLOW_GRACE", "LiveReform", "PROBES_PER_LOOK", "PROBE_EVERY"]
