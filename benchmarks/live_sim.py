@@ -129,7 +129,8 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
     observer = SimWorker(main_conn, "observer", 0, 1, settings, None)
     result: dict = {"nodes": n, "workers": w, "processes": procs, "channels": args.channels, "poll_s": args.poll,
                     "watcher": "reread" if args.reread else "events", "node_watch": args.node_watch,
-                    "shared_siblings": getattr(args, "shared_siblings", False)}
+                    "shared_siblings": getattr(args, "shared_siblings", False),
+                    "start_wave": getattr(args, "start_wave", 0)}
     try:
         t = time.monotonic()
         registered = sum(pool.ask("setup", [{"endpoint": endpoint, "nodes": [x for x in nodes if owner[x] == i],
@@ -147,7 +148,8 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
         result["registered_s"] = round(time.monotonic() - t, 2)
         result["quorum_bytes"] = len(q1.to_json())
         pool.ask("adopt", {"data": q1.to_json()})
-        read = sum(a["read"] for a in pool.ask("watch", {"reports": not args.no_reports, "timeout": args.timeout}))
+        read = sum(a["read"] for a in pool.ask("watch", {"reports": not args.no_reports, "timeout": args.timeout,
+                                                          "wave": getattr(args, "start_wave", 0)}))
         result["watching_s"] = round(time.monotonic() - t, 2)
         if read != n * w:
             raise RuntimeError(f"only {read} of {n * w} watchers read the live keys within {args.timeout:g}s")
@@ -293,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared-siblings", action="store_true",
                    help="with --node-watch: one thread per process serves every sibling (each look the product's "
                         "Watcher.look) instead of two threads per sibling; what makes 1,000 x 8 fit this machine")
+    p.add_argument("--start-wave", type=int, default=0,
+                   help="nodes per process that start watching at a time, each wave once the one before has read "
+                        "(default 0: all at once)")
     p.add_argument("--no-reports", action="store_true",
                    help="write the next quorum as soon as the lease is revoked (no report round)")
     p.add_argument("--settle", type=float, default=5.0, help="seconds before the steady window")

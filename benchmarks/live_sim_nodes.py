@@ -192,18 +192,24 @@ class Part:
             list(pool.map(adopt, self.all()))
         return len(self.all())
 
-    def watch(self, reports: bool, timeout: float) -> dict:
+    def watch(self, reports: bool, timeout: float, wave: int = 0) -> dict:
         """Every worker starts its watcher (once every process's workers joined, as a trainer
         starts watching after its join); the answer once each has made its first read. With
         ``shared_siblings``, each node's first worker starts its watcher thread and takes the
-        node's watch, and one thread of this process serves all the siblings (``_serve_siblings``)."""
+        node's watch, and one thread of this process serves all the siblings (``_serve_siblings``).
+        ``wave`` (> 0): the nodes of this process start ``wave`` at a time, each wave once the one
+        before has read (nodes of a real job start over a minute, not in one instant)."""
         deadline = time.monotonic() + timeout
-        if not self.shared_siblings:
-            for w in self.all():
+        nodes = list(self.workers.values())
+        step = wave if wave > 0 else len(nodes)
+        for i in range(0, len(nodes), step):
+            batch = nodes[i:i + step]
+            starting = [w for ws in batch for w in (ws if not self.shared_siblings else ws[:1])]
+            for w in starting:
                 w.watch(reports)
-        else:
-            for ws in self.workers.values():
-                ws[0].watch(reports)
+            while wave > 0 and any(w.watcher.reads < 1 for w in starting) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        if self.shared_siblings:
             while not all(ws[0].watcher._node is not None and ws[0].watcher._node.leader
                           for ws in self.workers.values()) and time.monotonic() < deadline:
                 time.sleep(0.01)

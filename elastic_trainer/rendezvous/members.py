@@ -231,8 +231,7 @@ class LiveKeys:
             self.quorum_record = value
             return
         kind, _, name = sub.partition("/")
-        parsed = _json_object(value)
-        if kind == "alive":
+        if kind == "alive":  # its presence is all (no value parsed: 8,000 of them in a first read at 1,000 x 8)
             if value is None:
                 self.alive.discard(name)
                 if name in self._ids:
@@ -240,7 +239,9 @@ class LiveKeys:
             else:
                 self.alive.add(name)
                 self.missing.pop(name, None)
-        elif kind == "join":
+            return
+        parsed = _json_object(value)
+        if kind == "join":
             if parsed is None:
                 self.joiners.pop(name, None)
             else:
