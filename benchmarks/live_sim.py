@@ -31,18 +31,21 @@ It measures, in order:
 3. **A lost node** (``--losses`` times, a different node each): its process revokes the node's
    lease (t0, the lease gone at etcd). Every survivor's watcher sees its node's alive keys go and
    reports (``report/<q+1>/<id>``, as ``LiveGroup.reform`` does first; put from a pool of 16
-   threads per process, as each worker's training thread puts it, not the watcher's); the main process, standing
-   in for the re-forming rank 0, watches the reports, reads them once when all are in, proposes
-   the next quorum with the product's ``_propose`` and writes it by compare-and-swap; every
-   survivor's watcher then sees the new quorum (``Watcher.on_view``) and adopts it. Printed: from
+   threads per process, as each worker's training thread puts it, not the watcher's). The first
+   member of the first node not lost is the re-form's proposer (``rendezvous/live_reform.py``):
+   it runs the product's ``LiveGroup.reform`` (its report, its reads of the reports until all are
+   in, ``_propose``, the compare-and-swap); every other survivor is a follower, which learns the
+   new quorum from its watcher's view (``Watcher.on_view``; the product's follower returns from
+   ``reform`` then, reading nothing), and adopts it. The main process watches the reports only
+   to time them. Printed: from
    t0, when the first and the last survivor saw the loss, when the reports were all in, when the
    quorum was written, and when the last survivor knew it (median and worst over the survivors),
    then the same by role (the workers that keep a watch, with when the new quorum's event reached
    their stream, and with ``--node-watch`` the siblings that learn from them); etcd's
    requests and bytes for the loss; whole reads the watchers made. Target: the new quorum known
-   everywhere < 1 s after the lease expires. The real re-form differs in one place: there, every
-   survivor reads the reports until they are all in (``LiveGroup.reform``), which the simulation
-   leaves to one reader (docs/rendezvous.md, "At 1,000 and 10,000 nodes").
+   everywhere < 1 s after the lease expires. What is not the product's: the followers do not
+   block in ``reform`` (8,000 waiting threads; their take-over is ``tests/test_live_reform.py``'s),
+   and the proposer's probes of the silent members reach one listener per simulation process.
 
 ``--node-watch`` runs one etcd watch per node, as the product does on a node's lease
 (``rendezvous/node_watch.py``: the node's first worker keeps it and publishes, its siblings load
@@ -51,7 +54,8 @@ thread instead of two threads each (``Part._serve_siblings``): each sibling stil
 socket, datagrams, ``NodeWatch.load`` and ``Watcher.look`` (the product's code), but the looks of
 a process run one after the other, where the product's run in parallel on their nodes' CPUs; a
 sibling's promotion (its node's watching worker gone) is not simulated. It is what makes
-1,000 x 8 fit on a small machine.
+1,000 x 8 fit on a small machine. ``--start-wave K`` starts the nodes of each process K at a time,
+each wave once the one before has made its first read (a real job's nodes start over a minute).
 
 ``--reread`` runs the watcher as it was before it applied the watch's events: every event makes
 it read all the live keys again (the "before" of docs/rendezvous.md's numbers).
