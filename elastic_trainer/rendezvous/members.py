@@ -85,7 +85,12 @@ class Quorum:
 
     def to_json(self) -> bytes:
         """The whole record (what ``from_json`` reads). Built field by field: ``dataclasses.asdict``
-        took 27 ms at 800 members, on the path from a re-form to the siblings of every node."""
+        took 27 ms at 800 members, on the path from a re-form to the siblings of every node; and
+        once per quorum (it is immutable; ~8 ms at 8,000 members, written beside every node's view)."""
+        return self._json
+
+    @functools.cached_property
+    def _json(self) -> bytes:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["members"] = [{"id": m.id, "node": m.node, "local_rank": m.local_rank, "probe": m.probe}
                         for m in self.members]
