@@ -208,7 +208,7 @@ class LiveKeys:
         self.version = 0
         """Bumped by every load and change: what was derived from an older version is stale."""
         self._tracked: Quorum | None = None
-        self._ids: frozenset[str] = frozenset()
+        self._ids: dict[str, int] | frozenset[str] = frozenset()
         self._previous: Quorum | None = None  # the quorum before the last whole read
         self.hint: Quorum | None = None
         """A quorum its owner holds (its own): a change record from it is applied without a read."""
@@ -278,7 +278,7 @@ class LiveKeys:
     def track(self, quorum: Quorum) -> None:
         """Keep ``missing`` for ``quorum``'s members (O(members) when the quorum changes, else nothing)."""
         if quorum is not self._tracked:
-            self._tracked, self._ids = quorum, frozenset(m.id for m in quorum.members)
+            self._tracked, self._ids = quorum, quorum._ranks  # its ids, built once per quorum (not per keeper)
             self._missing_again()
 
     def view(self, q: int) -> View:
