@@ -11,7 +11,7 @@ import socket
 import threading
 from dataclasses import dataclass, field, fields
 from collections.abc import Iterable
-from typing import Callable
+from typing import Callable, NamedTuple
 
 StartThread = Callable[..., threading.Thread]
 """``start_thread(name, target, *args, stop=callable) -> Thread``, as ``WorkerRuntime.start_thread``."""
@@ -170,9 +170,10 @@ class View:
     busy: dict[str, dict] = field(default_factory=dict)  # id -> {"q", "what"}: members in a slow phase
 
 
-@dataclass(frozen=True)
-class Change:
-    """One change of a key, as an etcd watch delivers it: ``value`` None when it was deleted."""
+class Change(NamedTuple):
+    """One change of a key, as an etcd watch delivers it: ``value`` None when it was deleted. A
+    named tuple (a first read at 1,000 x 8 makes 8,000 of them per node: a third of the cost of a
+    frozen dataclass's)."""
 
     key: str
     value: bytes | None
