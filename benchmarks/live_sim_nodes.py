@@ -5,6 +5,7 @@ and ``Watcher`` with torch left out, the nodes of one process (``Part``) and the
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -222,6 +223,10 @@ class Part:
             daemon_thread("siblings", self._serve_siblings, siblings)
         while any(w.watcher.reads + w.watcher.loads < 1 for w in self.all()) and time.monotonic() < deadline:
             time.sleep(0.05)
+        # What the start made lives to the end (~1,000 nodes' views): out of the collector's sweeps,
+        # which would otherwise walk it all while a loss is timed (each a product node's own heap).
+        gc.collect()
+        gc.freeze()
         return {"read": sum(w.watcher.reads + w.watcher.loads >= 1 for w in self.all())}
 
     def expect(self, target: int, proposer: str | None) -> None:
