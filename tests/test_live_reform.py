@@ -19,6 +19,21 @@ from tests.helpers.common import etcd_conn, holds_within
 pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.fixture
+def make_groups(etcd, run_id):
+    """``make_groups(**settings)``: three groups that joined one quorum and watch (``_groups``),
+    closed at the test's end."""
+    made: list[LiveGroup] = []
+
+    def make(**settings) -> list[LiveGroup]:
+        groups = _groups(etcd, run_id, **settings)
+        made.extend(groups)
+        return groups
+
+    yield make
+    _close(made)
+
+
 def _groups(etcd, run_id, n: int = 3, **settings) -> list[LiveGroup]:
     """``n`` groups of one worker each that joined one quorum and watch; in member order."""
     s = LiveSettings(min_nodes=1, max_nodes=n, last_call=10.0, join_timeout=20, **settings)
@@ -64,6 +79,14 @@ def _reform(groups: list[LiveGroup], timeout: float | None = None) -> tuple[dict
     return got, reads, took
 
 
+def _formed_without_the_first(got: dict, rest: list[LiveGroup]):
+    """The quorum the others adopted: the same for all of them, of them alone, in their order."""
+    q = got[rest[0].id]
+    assert q.q == 2 and [m.id for m in q.members] == [g.id for g in rest]
+    assert all(got[g.id] == q for g in rest), "every survivor must adopt the one quorum written"
+    return q
+
+
 def _close(groups: list[LiveGroup]) -> None:
     for g in groups:
         try:
@@ -72,62 +95,46 @@ def _close(groups: list[LiveGroup]) -> None:
             pass
 
 
-def test_one_proposer_reads_the_reports_and_the_followers_read_nothing(etcd, run_id):
-    groups = _groups(etcd, run_id)
-    try:
-        got, reads, took = _reform(groups)
-        q = got[groups[0].id]
-        assert q.q == 2 and q.world_size == 3 and q.step == 7
-        assert all(got[g.id] == q for g in groups), "every member must adopt the one quorum written"
-        assert reads[groups[0].id] >= 1, "the first member proposes"
-        assert reads[groups[1].id] == reads[groups[2].id] == 0, \
-            f"the followers must learn the quorum through their watch, not by reading etcd: {reads}"
-        assert max(took.values()) < 2.0, took
-    finally:
-        _close(groups)
+def test_one_proposer_reads_the_reports_and_the_followers_read_nothing(make_groups):
+    groups = make_groups()
+    got, reads, took = _reform(groups)
+    q = got[groups[0].id]
+    assert q.q == 2 and q.world_size == 3 and q.step == 7
+    assert all(got[g.id] == q for g in groups), "every member must adopt the one quorum written"
+    assert reads[groups[0].id] >= 1, "the first member proposes"
+    assert reads[groups[1].id] == reads[groups[2].id] == 0, \
+        f"the followers must learn the quorum through their watch, not by reading etcd: {reads}"
+    assert max(took.values()) < 2.0, took
 
 
-def test_a_killed_proposer_is_taken_over_by_the_next_in_line(etcd, run_id):
-    groups = _groups(etcd, run_id)
+def test_a_killed_proposer_is_taken_over_by_the_next_in_line(make_groups):
+    groups = make_groups()
     dead, rest = groups[0], groups[1:]
-    try:
-        dead._stop_watching()
-        dead._probe.close()  # its process is gone: the port refuses; its node's lease lives on
-        got, reads, took = _reform(rest, timeout=10.0)
-        q = got[rest[0].id]
-        assert q.q == 2 and [m.id for m in q.members] == [g.id for g in rest]
-        assert got[rest[1].id] == q
-        assert reads[rest[0].id] >= 1 and reads[rest[1].id] == 0, reads
-        assert max(took.values()) < 2.0, f"the backup must find the proposer dead by its probe: {took}"
-    finally:
-        _close(groups)
+    dead._stop_watching()
+    dead._probe.close()  # its process is gone: the port refuses; its node's lease lives on
+    got, reads, took = _reform(rest, timeout=10.0)
+    _formed_without_the_first(got, rest)
+    assert reads[rest[0].id] >= 1 and reads[rest[1].id] == 0, reads
+    assert max(took.values()) < 2.0, f"the backup must find the proposer dead by its probe: {took}"
 
 
-def test_a_proposer_whose_lease_expired_is_taken_over_through_the_watch(etcd, run_id):
-    groups = _groups(etcd, run_id, lease_ttl=2)
+def test_a_proposer_whose_lease_expired_is_taken_over_through_the_watch(make_groups):
+    groups = make_groups(lease_ttl=2)
     frozen, rest = groups[0], groups[1:]
-    try:
-        frozen._stop_watching()
-        frozen._lease._stop.set()  # frozen: it renews nothing, and its probe port still accepts
-        stopped = time.monotonic()
-        got, _, _ = _reform(rest, timeout=10.0)
-        q = got[rest[0].id]
-        assert [m.id for m in q.members] == [g.id for g in rest] and got[rest[1].id] == q
-        assert time.monotonic() - stopped < 2 + 2.5, "the next in line must propose once the lease expired"
-    finally:
-        _close(groups)
+    frozen._stop_watching()
+    frozen._lease._stop.set()  # frozen: it renews nothing, and its probe port still accepts
+    stopped = time.monotonic()
+    got, _, _ = _reform(rest, timeout=10.0)
+    _formed_without_the_first(got, rest)
+    assert time.monotonic() - stopped < 2 + 2.5, "the next in line must propose once the lease expired"
 
 
-def test_a_silent_proposer_is_overtaken_after_report_timeout(etcd, run_id):
-    groups = _groups(etcd, run_id)
+def test_a_silent_proposer_is_overtaken_after_report_timeout(make_groups):
+    groups = make_groups()
     silent, rest = groups[0], groups[1:]
-    try:
-        got, reads, took = _reform(rest, timeout=1.0)  # the proposer lives but never reports
-        q = got[rest[0].id]
-        assert [m.id for m in q.members] == [g.id for g in rest] and got[rest[1].id] == q
-        assert 1.0 <= max(took.values()) < 1.0 + FOLLOW_GRACE, \
-            f"a backup proposes at report_timeout, not after the followers' grace: {took}"
-        assert holds_within(lambda: silent.change_pending.is_set(), timeout=5), \
-            "the silent member's watcher sees the quorum move on"
-    finally:
-        _close(groups)
+    got, _, took = _reform(rest, timeout=1.0)  # the proposer lives but never reports
+    _formed_without_the_first(got, rest)
+    assert 1.0 <= max(took.values()) < 1.0 + FOLLOW_GRACE, \
+        f"a backup proposes at report_timeout, not after the followers' grace: {took}"
+    assert holds_within(lambda: silent.change_pending.is_set(), timeout=5), \
+        "the silent member's watcher sees the quorum move on"
