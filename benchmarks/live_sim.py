@@ -31,18 +31,21 @@ It measures, in order:
 3. **A lost node** (``--losses`` times, a different node each): its process revokes the node's
    lease (t0, the lease gone at etcd). Every survivor's watcher sees its node's alive keys go and
    reports (``report/<q+1>/<id>``, as ``LiveGroup.reform`` does first; put from a pool of 16
-   threads per process, as each worker's training thread puts it, not the watcher's); the main process, standing
-   in for the re-forming rank 0, watches the reports, reads them once when all are in, proposes
-   the next quorum with the product's ``_propose`` and writes it by compare-and-swap; every
-   survivor's watcher then sees the new quorum (``Watcher.on_view``) and adopts it. Printed: from
+   threads per process, as each worker's training thread puts it, not the watcher's). The first
+   member of the first node not lost is the re-form's proposer (``rendezvous/live_reform.py``):
+   it runs the product's ``LiveGroup.reform`` (its report, its reads of the reports until all are
+   in, ``_propose``, the compare-and-swap); every other survivor is a follower, which learns the
+   new quorum from its watcher's view (``Watcher.on_view``; the product's follower returns from
+   ``reform`` then, reading nothing), and adopts it. The main process watches the reports only
+   to time them. Printed: from
    t0, when the first and the last survivor saw the loss, when the reports were all in, when the
    quorum was written, and when the last survivor knew it (median and worst over the survivors),
    then the same by role (the workers that keep a watch, with when the new quorum's event reached
    their stream, and with ``--node-watch`` the siblings that learn from them); etcd's
    requests and bytes for the loss; whole reads the watchers made. Target: the new quorum known
-   everywhere < 1 s after the lease expires. The real re-form differs in one place: there, every
-   survivor reads the reports until they are all in (``LiveGroup.reform``), which the simulation
-   leaves to one reader (docs/rendezvous.md, "At 1,000 and 10,000 nodes").
+   everywhere < 1 s after the lease expires. What is not the product's: the followers do not
+   block in ``reform`` (8,000 waiting threads; their take-over is ``tests/test_live_reform.py``'s),
+   and the proposer's probes of the silent members reach one listener per simulation process.
 
 ``--node-watch`` runs one etcd watch per node, as the product does on a node's lease
 (``rendezvous/node_watch.py``: the node's first worker keeps it and publishes, its siblings load
@@ -51,7 +54,8 @@ thread instead of two threads each (``Part._serve_siblings``): each sibling stil
 socket, datagrams, ``NodeWatch.load`` and ``Watcher.look`` (the product's code), but the looks of
 a process run one after the other, where the product's run in parallel on their nodes' CPUs; a
 sibling's promotion (its node's watching worker gone) is not simulated. It is what makes
-1,000 x 8 fit on a small machine.
+1,000 x 8 fit on a small machine. ``--start-wave K`` starts the nodes of each process K at a time,
+each wave once the one before has made its first read (a real job's nodes start over a minute).
 
 ``--reread`` runs the watcher as it was before it applied the watch's events: every event makes
 it read all the live keys again (the "before" of docs/rendezvous.md's numbers).
@@ -129,7 +133,8 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
     observer = SimWorker(main_conn, "observer", 0, 1, settings, None)
     result: dict = {"nodes": n, "workers": w, "processes": procs, "channels": args.channels, "poll_s": args.poll,
                     "watcher": "reread" if args.reread else "events", "node_watch": args.node_watch,
-                    "shared_siblings": getattr(args, "shared_siblings", False)}
+                    "shared_siblings": getattr(args, "shared_siblings", False),
+                    "start_wave": getattr(args, "start_wave", 0)}
     try:
         t = time.monotonic()
         registered = sum(pool.ask("setup", [{"endpoint": endpoint, "nodes": [x for x in nodes if owner[x] == i],
@@ -147,7 +152,8 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
         result["registered_s"] = round(time.monotonic() - t, 2)
         result["quorum_bytes"] = len(q1.to_json())
         pool.ask("adopt", {"data": q1.to_json()})
-        read = sum(a["read"] for a in pool.ask("watch", {"reports": not args.no_reports, "timeout": args.timeout}))
+        read = sum(a["read"] for a in pool.ask("watch", {"reports": not args.no_reports, "timeout": args.timeout,
+                                                          "wave": getattr(args, "start_wave", 0)}))
         result["watching_s"] = round(time.monotonic() - t, 2)
         if read != n * w:
             raise RuntimeError(f"only {read} of {n * w} watchers read the live keys within {args.timeout:g}s")
@@ -178,7 +184,9 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
         for k in range(args.losses):
             lost_node = nodes[(k * 7919 + 1) % n]
             target = q.q + 1
-            pool.ask("expect", {"target": target})
+            # the first member of the first node not lost: its reform proposes (live_reform.py)
+            proposer = next(m.id for m in q.members if m.node != lost_node)
+            pool.ask("expect", {"target": target, "proposer": None if args.no_reports else proposer})
             reports: list[int] = []
             all_reported = threading.Event()
             survivors = (n - 1 - k) * w
@@ -199,15 +207,24 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
                 all_reported.wait(args.timeout)
                 written_from = time.monotonic()
             watch.close()
-            observer.quorum = q
-            view = observer._read(report_q=target)
-            if args.no_reports:
+            if args.no_reports:  # written by the main process, at once
+                observer.quorum = q
+                view = observer._read(report_q=target)
                 view.reports = {m.id: {"step": 0} for m in q.members if m.node != lost_node}
-            new = observer._propose(q, view, target, "sim: a node's lease revoked")
-            if new is None or not observer._cas_quorum(new, view.quorum_rev, base=q):
-                raise RuntimeError(f"quorum {target} could not be written")
-            written = time.monotonic()
+                new = observer._propose(q, view, target, "sim: a node's lease revoked")
+                if new is None or not observer._cas_quorum(new, view.quorum_rev, base=q):
+                    raise RuntimeError(f"quorum {target} could not be written")
+                written = time.monotonic()
             parts = pool.ask("collect", {"timeout": args.timeout})
+            if not args.no_reports:  # written by the proposer's LiveGroup.reform
+                stamps = [x for p in parts for x in p["written_at"]]
+                if not stamps:
+                    raise RuntimeError(f"the proposer {proposer} did not write quorum {target} within {args.timeout:g}s")
+                written = stamps[0]
+                observer.quorum = q
+                new = observer._read().quorum
+                if new is None or new.q != target:
+                    raise RuntimeError(f"etcd holds quorum {new.q if new else None}, not {target}")
             m1, b1, c1 = scrape(endpoint), sent_bytes(endpoint), etcd_cpu_s(etcd_pid)
             lost_ts = [x - lost_at for p in parts for x in p["lost_at"] if x is not None]
             knew_ts = [x - lost_at for p in parts for x in p["knew_at"] if x is not None]
@@ -282,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared-siblings", action="store_true",
                    help="with --node-watch: one thread per process serves every sibling (each look the product's "
                         "Watcher.look) instead of two threads per sibling; what makes 1,000 x 8 fit this machine")
+    p.add_argument("--start-wave", type=int, default=0,
+                   help="nodes per process that start watching at a time, each wave once the one before has read "
+                        "(default 0: all at once)")
     p.add_argument("--no-reports", action="store_true",
                    help="write the next quorum as soon as the lease is revoked (no report round)")
     p.add_argument("--settle", type=float, default=5.0, help="seconds before the steady window")

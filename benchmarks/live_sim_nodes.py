@@ -5,6 +5,7 @@ and ``Watcher`` with torch left out, the nodes of one process (``Part``) and the
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -16,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from elastic_trainer.env import LiveSettings
 from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
 from elastic_trainer.rendezvous.lease import LeaseKeeper
-from elastic_trainer.rendezvous.members import Member, Quorum, View
+from elastic_trainer.rendezvous.members import Member, ProbeListener, Quorum, View
 from elastic_trainer.rendezvous.node_watch import NodeWatch
 from elastic_trainer.rendezvous.progress import Progress
 from elastic_trainer.rendezvous.quorum import LiveGroup
@@ -41,18 +42,19 @@ class SimWorker(LiveGroup):
     ``LiveGroup``'s code)."""
 
     def __init__(self, conn, node: str, local_rank: int, nproc: int, settings: LiveSettings,
-                 keeper: LeaseKeeper | None) -> None:
+                 keeper: LeaseKeeper | None, probe: str = "127.0.0.1:9") -> None:
         self.conn, self.prefix = conn, PREFIX + "live/"
         self.node, self.local_rank, self.nproc, self.settings = node, local_rank, nproc, settings
         self.id = f"{node}-{local_rank}-{os.getpid()}"
         self._start_thread, self._on_lease_lost, self._probe = daemon_thread, None, None
-        self.me = Member(self.id, node, local_rank, "127.0.0.1:9")
+        self.me = Member(self.id, node, local_rank, probe)
         self.quorum: Quorum | None = None
         self.change_pending, self.change_reason = threading.Event(), ""
         self.on_member_lost = self.on_hung = None
         self.probe_peers = False
         self.progress = Progress(settings.hang_min, settings.hang_factor)
         self._adopt_lock = threading.Lock()
+        self._seen_event = threading.Event()
         self._lease, self._lease_asked = keeper, 0.0
         self._last_quorum = None
         self._stop = threading.Event()
@@ -62,6 +64,8 @@ class SimWorker(LiveGroup):
         self.lost_at: float | None = None  # when its watcher first saw the loss
         self.knew_at: float | None = None  # when its watcher first saw the target quorum
         self.event_at: float | None = None  # when its watch stream delivered the target quorum's change
+        self.written_at: float | None = None  # the proposer: when its reform() wrote the target quorum
+        self.proposer = False  # this worker re-forms with the product's LiveGroup.reform (the first in line)
         self.target = 0
         self.node_dir: str | None = None  # --node-watch: the node's shared directory
         self.reporter: ThreadPoolExecutor | None = None  # puts the reports, as the training threads would
@@ -86,8 +90,9 @@ class SimWorker(LiveGroup):
             if self.lost_at is None:
                 self.lost_at = time.monotonic()
                 if reports and self.quorum is not None and self.target == self.quorum.q + 1:
-                    # the training thread reports (LiveGroup.reform), not the watcher: off its thread
-                    self.reporter.submit(self._report, self.target)
+                    # the training thread reports (LiveGroup.reform), not the watcher: off its thread;
+                    # the first in line runs the product's reform (it reports, reads, writes)
+                    self.reporter.submit(self._reform if self.proposer else self._report, self.target)
 
         def seen(view: View) -> None:
             q = view.quorum
@@ -108,6 +113,18 @@ class SimWorker(LiveGroup):
         self.watcher._events = stream
         if thread:
             self.start_watching()
+
+    def _reform(self, target: int) -> None:
+        """The proposer's round: ``LiveGroup.reform`` as a training thread calls it (its report, its
+        reads of the reports until all are in, the compare-and-swap)."""
+        try:
+            q = self.reform(0, "sim: a node's lease revoked")
+        except Exception as exc:  # noqa: BLE001 - printed; the main process times out on it
+            logging.getLogger("live_sim").error("the proposer's reform failed: %r", exc)
+            return
+        self.written_at = time.monotonic()
+        if q.q >= target and self.knew_at is None:
+            self.knew_at = self.written_at
 
     def _report(self, target: int) -> None:
         for attempt in range(5):  # as reform's first put; a failure is printed, not raised
@@ -132,6 +149,9 @@ class Part:
         if reread:  # as before: every event makes the watcher read all the live keys again
             Watcher.reread_on_event = True
         self.conns = [connection(endpoint) for _ in range(max(1, min(channels, len(nodes))))]
+        # the workers' probe port: one listener per process that accepts (a live process, for the
+        # proposer's probes of the members that have not reported yet)
+        self.probe = ProbeListener("127.0.0.1", daemon_thread)
         self.keepers: dict[str, LeaseKeeper] = {}
         self.workers: dict[str, list[SimWorker]] = {}
         for i, node in enumerate(nodes):
@@ -139,7 +159,8 @@ class Part:
             keeper = LeaseKeeper(conn, f"{PREFIX}node/{node}", settings.lease_ttl, settings.keep_alive_interval)
             keeper.ensure()
             self.keepers[node] = keeper
-            self.workers[node] = [SimWorker(conn, node, r, workers, settings, keeper) for r in range(workers)]
+            self.workers[node] = [SimWorker(conn, node, r, workers, settings, keeper, self.probe.address)
+                                  for r in range(workers)]
             for w in self.workers[node]:
                 w.node_dir = os.path.join(node_dir, node) if node_dir is not None else None
         self.lost: set[str] = set()
@@ -172,18 +193,24 @@ class Part:
             list(pool.map(adopt, self.all()))
         return len(self.all())
 
-    def watch(self, reports: bool, timeout: float) -> dict:
+    def watch(self, reports: bool, timeout: float, wave: int = 0) -> dict:
         """Every worker starts its watcher (once every process's workers joined, as a trainer
         starts watching after its join); the answer once each has made its first read. With
         ``shared_siblings``, each node's first worker starts its watcher thread and takes the
-        node's watch, and one thread of this process serves all the siblings (``_serve_siblings``)."""
+        node's watch, and one thread of this process serves all the siblings (``_serve_siblings``).
+        ``wave`` (> 0): the nodes of this process start ``wave`` at a time, each wave once the one
+        before has read (nodes of a real job start over a minute, not in one instant)."""
         deadline = time.monotonic() + timeout
-        if not self.shared_siblings:
-            for w in self.all():
+        nodes = list(self.workers.values())
+        step = wave if wave > 0 else len(nodes)
+        for i in range(0, len(nodes), step):
+            batch = nodes[i:i + step]
+            starting = [w for ws in batch for w in (ws if not self.shared_siblings else ws[:1])]
+            for w in starting:
                 w.watch(reports)
-        else:
-            for ws in self.workers.values():
-                ws[0].watch(reports)
+            while wave > 0 and any(w.watcher.reads < 1 for w in starting) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        if self.shared_siblings:
             while not all(ws[0].watcher._node is not None and ws[0].watcher._node.leader
                           for ws in self.workers.values()) and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -196,12 +223,18 @@ class Part:
             daemon_thread("siblings", self._serve_siblings, siblings)
         while any(w.watcher.reads + w.watcher.loads < 1 for w in self.all()) and time.monotonic() < deadline:
             time.sleep(0.05)
+        # What the start made lives to the end (~1,000 nodes' views): out of the collector's sweeps,
+        # which would otherwise walk it all while a loss is timed (each a product node's own heap).
+        gc.collect()
+        gc.freeze()
         return {"read": sum(w.watcher.reads + w.watcher.loads >= 1 for w in self.all())}
 
-    def expect(self, target: int) -> None:
+    def expect(self, target: int, proposer: str | None) -> None:
+        """The next loss re-forms into ``target``; worker ``proposer`` (if it is here) runs the product's reform."""
         for w in self.all():
-            w.lost_at = w.knew_at = w.event_at = None
+            w.lost_at = w.knew_at = w.event_at = w.written_at = None
             w.target = target
+            w.proposer = w.id == proposer
 
     def lose(self, node: str) -> float:
         for w in self.workers[node]:
@@ -218,7 +251,8 @@ class Part:
         ws = self.all()
         return {"lost_at": [w.lost_at for w in ws], "knew_at": [w.knew_at for w in ws],
                 "keeps_watch": [w.watcher._watch is not None for w in ws],
-                "event_at": [w.event_at for w in ws if w.event_at is not None], "stats": self.stats()}
+                "event_at": [w.event_at for w in ws if w.event_at is not None],
+                "written_at": [w.written_at for w in ws if w.written_at is not None], "stats": self.stats()}
 
     def stats(self) -> dict:
         ws = self.all(live=False)
@@ -274,10 +308,23 @@ class Part:
                 keeper.close(revoke=False)
         for conn in self.conns:
             conn.close()
+        self.probe.close()
+
+
+GRPC_IDLE_WAIT = 2.0
+"""Seconds a thread blocked on a gRPC stream sleeps between two looks when nothing arrives (gRPC's
+own is 0.1 s, ``grpc._common.MAXIMUM_WAIT_TIMEOUT``: so that a signal handler in that thread runs
+within 0.1 s; an arriving message wakes it at once either way). A node of the product has two such
+threads (its watch stream's reader and feeder): 20 wake-ups a second on its own CPUs. The
+simulation's 1,000 nodes would wake 20,000 threads a second on 2 cores, each taking the GIL from
+the threads doing the work; ``serve`` sets this in each simulation process, not in the product."""
 
 
 def serve(pipe) -> None:
     """A simulation process: builds its ``Part`` and answers the main process's commands."""
+    import grpc._common
+
+    grpc._common.MAXIMUM_WAIT_TIMEOUT = GRPC_IDLE_WAIT  # see GRPC_IDLE_WAIT
     threading.stack_size(512 * 1024)
     part = None
     while (job := pipe.recv()) is not None:
@@ -331,4 +378,4 @@ class Pool:
                 proc.join()
 
 
-__all__ = ["PREFIX", "Part", "Pool", "SimWorker", "connection", "daemon_thread", "serve"]
+__all__ = ["GRPC_IDLE_WAIT", "PREFIX", "Part", "Pool", "SimWorker", "connection", "daemon_thread", "serve"]

@@ -23,7 +23,9 @@ so a steady run reads nothing.
   one of them writes quorum ``q+1`` with ``cold: true``; its ranks load the newest checkpoint.
 - **Node lost**: a collective fails on the survivors (a dead peer's sockets close at once; a silent
   one's are shut by the watcher, below). Each
-  survivor destroys its group and reports ``live/report/<q+1>/<id>`` with the step it completed.
+  survivor destroys its group and reports ``live/report/<q+1>/<id>`` with the step it completed;
+  one of them, the proposer, reads the reports and writes the next quorum, the others learn it
+  through their watch (``rendezvous/live_reform.py``: the take-over when the proposer is gone).
   The quorum closes when every old member reported, or is provably dead (its lease is gone, or
   its probe port refuses connections: a killed process's listening socket is closed by the
   kernel), or after ``report_timeout`` (a member alive but late). Whole nodes only: a node missing a worker is dropped
@@ -74,16 +76,15 @@ from typing import Callable
 
 from elastic_trainer.env import LiveSettings, WorkerEnv
 from elastic_trainer.rendezvous.members import (LiveExcluded, LiveTimeout, Member, ProbeListener, Quorum, RunFinished,
-                                                StartThread, View, complete_nodes, probe_dead,
-                                                resolvable, start_daemon_thread)
+                                                StartThread, complete_nodes, resolvable, start_daemon_thread)
 from elastic_trainer.rendezvous import quorum_record
-from elastic_trainer.rendezvous.live_lease import LiveLease
+from elastic_trainer.rendezvous.live_reform import LiveReform
 from elastic_trainer.rendezvous.progress import Progress
 from elastic_trainer.rendezvous.watcher import Watcher
 
 logger = logging.getLogger(__name__)
 
-class LiveGroup(LiveLease):
+class LiveGroup(LiveReform):
     """This worker's membership in the live quorum of its run (see the module docstring).
 
     ``start_thread`` starts the probe listener and the watcher (default: plain daemon threads);
@@ -122,6 +123,7 @@ class LiveGroup(LiveLease):
         self.progress = Progress(settings.hang_min, settings.hang_factor)
         """The training thread's step clock (the Manager marks it); the watcher judges hangs by it."""
         self._adopt_lock = threading.Lock()
+        self._seen_event = threading.Event()  # the watcher looked (rendezvous/live_reform.py)
         self.requests = 0
         if node_lease is not None:  # the agent's lease, shared by the node's workers (rendezvous/node_lease.py)
             self._lease: LeaseKeeper | NodeLease = NodeLease(
@@ -210,91 +212,6 @@ class LiveGroup(LiveLease):
             self.change_pending.clear()
             self.change_reason = ""
         return q
-
-    # ---- re-forming ---------------------------------------------------------------------------
-    def reform(self, step: int, cause: str, report_timeout: float | None = None) -> Quorum:
-        """After a failure (or at an agreed step, for a join): the next quorum with this worker in it.
-
-        Raises ``LiveExcluded`` when the quorum formed without this worker."""
-        old = self.quorum
-        assert old is not None
-        target = old.q + 1
-        if self.change_reason and self.change_reason not in cause:
-            cause = f"{cause}: {self.change_reason}"
-        try:
-            self._lease.put(self._key(f"report/{target}/{self.id}"),
-                            json.dumps({"step": step, "cause": cause}).encode())
-        except Exception as exc:
-            if self._lease.lost or "lease not found" in str(exc).lower():
-                raise LiveExcluded(f"this worker's etcd lease expired before it could report ({exc})") from exc
-            raise
-        timeout = self.settings.report_timeout if report_timeout is None else report_timeout
-        entered = time.monotonic()
-        deadline = entered + timeout
-        min_deadline = time.monotonic() + self.settings.join_timeout
-        dead: set[str] = set()
-        last_probe = 0.0
-        next_say = time.monotonic() + 5.0
-        while True:
-            view = self._read(report_q=target, stall_q=old.q)
-            if view.stall is not None:  # the ranks that waited come out within a poll; the hung one ends itself
-                deadline = min(deadline, entered + self.settings.poll * 3 + 1.0)
-            q = view.quorum
-            if q is not None and q.q >= target:
-                if q.rank_of(self.id) is None:
-                    raise LiveExcluded(f"quorum {q.q} formed without this worker ({q.cause})")
-                return self._adopt(q)
-            if q is None or q.q != old.q:
-                raise LiveExcluded(f"the quorum moved from {old.q} to {q.q if q else None} without this worker")
-            now = time.monotonic()
-            # a node is kept or dropped whole: once one of its members is gone, nobody waits for the others
-            gone_nodes = {m.node for m in old.members if m.id not in view.alive or m.id in dead}
-            pending = [m for m in old.members if m.id not in view.reports and m.node not in gone_nodes]
-            if pending and now - last_probe > 0.02:
-                last_probe = now
-                dead |= {m.id for m in pending if probe_dead(m.probe)}
-                gone_nodes |= {m.node for m in old.members if m.id in dead}
-                pending = [m for m in pending if m.node not in gone_nodes]
-            if now > next_say:  # a long wait says what it waits for
-                next_say = now + 5.0
-                logger.warning("live: quorum %d not formed after %.0fs: reported %s; silent %s; min_nodes %d",
-                               target, now - (deadline - timeout), sorted(view.reports),
-                               sorted(m.id for m in pending), self.settings.min_nodes)
-            if not pending or now > deadline:
-                new = self._propose(old, view, target, cause)
-                if new is None:
-                    if now > min_deadline:
-                        raise LiveTimeout(f"fewer than min_nodes={self.settings.min_nodes} nodes within "
-                                          f"join_timeout {self.settings.join_timeout:g}s")
-                elif self._cas_quorum(new, view.quorum_rev, base=old):
-                    logger.info("live: quorum %d formed (%s) after %.3fs: %d ranks, step %d; %s", new.q, cause,
-                                timeout - (deadline - now), new.world_size, new.step,
-                                "all reported" if not pending else f"{len(pending)} silent past {timeout:g}s")
-                    continue
-            time.sleep(0.003)
-
-    def _propose(self, old: Quorum, view: View, target: int, cause: str) -> Quorum | None:
-        """The next quorum from what ``view`` shows, or None while there are too few nodes."""
-        by_node: dict[str, list[Member]] = {}
-        for m in old.members:
-            by_node.setdefault(m.node, []).append(m)
-        survivors = [m for node, ms in by_node.items() for m in ms
-                     if all(x.id in view.reports for x in ms)]
-        nodes = list(dict.fromkeys(m.node for m in survivors))
-        room = self.settings.max_nodes - len(nodes)
-        joiners = [(n, ms) for n, ms in complete_nodes(view) if n not in nodes][:max(0, room)]
-        if len(nodes) + len(joiners) < self.settings.min_nodes or not survivors:
-            return None
-        members = tuple(survivors) + tuple(m for _, ms in joiners for m in ms)
-        steps = [int(view.reports[m.id].get("step", -1)) for m in survivors]
-        top = max(steps)
-        source = steps.index(top)
-        receivers = tuple(i for i, s in enumerate(steps) if s < top) + tuple(range(len(survivors), len(members)))
-        lost = sorted(set(by_node) - set(nodes))
-        why = cause + (f"; lost {', '.join(lost)}" if lost else "") + (
-            f"; added {', '.join(n for n, _ in joiners)}" if joiners else "")
-        return Quorum(q=target, members=members, step=top, source=source, receivers=receivers,
-                      cause=why, formed_at=time.time())
 
     # ---- the process group's store --------------------------------------------------------------
     def store(self):

@@ -92,6 +92,7 @@ class Watcher(WatcherView):
         view, own = got
         if self.on_view is not None:
             self.on_view(view)
+        self.group.seen(view)  # a follower of a re-form learns the new quorum from it (live_reform.py)
         self.group.on_view(view, current=self._watch is not None and self._watch.established.is_set()
                            and not self._dirty.is_set(), authoritative=own)
         self._check_stuck(q, view)

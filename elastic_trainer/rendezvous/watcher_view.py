@@ -200,17 +200,30 @@ class WatcherView:
         return not self._dirty.is_set()
 
     def _read_all(self) -> list[Change]:
-        """Every watched key, in one transaction, as changes that put them."""
+        """Every watched key, in one transaction, as changes that put them. The transaction is sent
+        as etcd's own request and its key-values read from the response as they are (python-etcd3's
+        ``transaction`` wraps each in a metadata object: half of a first read's cost at 8,000 keys)."""
+        import grpc
+        from etcd3 import etcdrpc
+
         keys = [self.group._key(k) for k in WATCHED]
+        ops = [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
+            key=k.encode(), range_end=range_end(k) if k.endswith("/") else b"")) for k in keys]
 
         def txn(c):
-            t = c.transactions
-            return c.transaction(compare=[], success=[
-                t.get(k, range_end=range_end(k)) if k.endswith("/") else t.get(k) for k in keys], failure=[])
+            try:
+                response = c.kvstub.Txn(etcdrpc.TxnRequest(success=ops), c.timeout,
+                                        credentials=c.call_credentials, metadata=c.metadata)
+            except grpc.RpcError:  # python-etcd3's own call: it marks a failed endpoint (fail-over) and raises
+                t = c.transactions
+                _, got = c.transaction(compare=[], success=[
+                    t.get(k, range_end=range_end(k)) if k.endswith("/") else t.get(k) for k in keys], failure=[])
+                return [Change(meta.key.decode(), value, meta.create_revision, meta.mod_revision)
+                        for response in got for value, meta in response]
+            return [Change(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
+                    for op in response.responses for kv in op.response_range.kvs]
 
-        _, responses = self.group._call(txn, "read")
-        return [Change(meta.key.decode(), value, meta.create_revision, meta.mod_revision)
-                for response in responses for value, meta in response]
+        return self.group._call(txn, "read")
 
 
 __all__ = ["WATCHED", "WatcherView"]

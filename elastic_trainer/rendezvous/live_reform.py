@@ -1,0 +1,244 @@
+"""The live re-form's report round: every survivor reports, ONE proposer reads and writes the next quorum.
+
+After a failure (or at an agreed step, for a join) every member of quorum ``q`` leaves its group and
+calls ``LiveGroup.reform``: it puts ``live/report/<q+1>/<id>`` with the step it completed, and
+then the next quorum must be written once (a compare-and-swap on the quorum key: one quorum at a
+time, ``rendezvous/live_etcd.py``) and learnt by all. It used to be that every survivor read every
+report and alive key every 3 ms until all were in and raced to write it: a round of N survivors
+cost etcd N reads of O(N) keys every 3 ms, O(N^2) (~1.6 MB a read at 1,000 nodes of 8).
+
+Now the round has **one proposer**, the first member (in the old quorum's order) of the first node
+not known to be gone: it alone reads the reports as before (``_propose_once``: until every member
+reported or is provably gone, or ``report_timeout`` passed) and writes the quorum. Every other
+survivor is a **follower**: it reported, and it learns the new quorum from the watch its watcher
+already keeps (``rendezvous/watcher.py``: the watcher hands each view it looks at to ``seen``), so
+it reads nothing. Only the first ``BACKUPS`` followers in line do anything more:
+
+- **take-over**: a backup probes the candidates ahead of it (their probe port,
+  ``members.probe_dead``: a killed process's port refuses at once) every ``PROBE_EVERY``; every
+  follower drops a node whose ``alive`` key its watch shows gone (a node frozen or cut off, its
+  lease expired). Either way the next in line becomes the proposer, so a dead proposer never
+  blocks a re-form;
+- **a silent proposer** (alive, but not writing: its training thread hung, or it is late to the
+  round itself): the backups also read and propose once ``report_timeout`` passed, as every
+  survivor did before, and every follower does past ``report_timeout + FOLLOW_GRACE``.
+
+A follower whose watcher does not look (none started: a ``LiveGroup`` used alone; its thread gone)
+proposes as every survivor did before. The fence is unchanged: whoever writes, the quorum key's
+mod revision is compared, so a proposer that was taken over and writes late fails its
+compare-and-swap and adopts the quorum it then reads. Design and numbers: docs/rendezvous.md,
+"At 1,000 and 10,000 nodes"; docs/trainer.md, "Live recovery".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+from elastic_trainer.rendezvous.live_lease import LiveLease
+from elastic_trainer.rendezvous.members import (LiveExcluded, LiveTimeout, Member, Quorum, View, complete_nodes,
+                                                probe_dead)
+
+logger = logging.getLogger("elastic_trainer.rendezvous.quorum")
+
+PROBE_EVERY = 0.02
+"""Seconds between two probes of the candidates ahead, by a backup (and of the silent members, by the proposer)."""
+BACKUPS = 2
+"""Followers next in line after the proposer that probe the candidates ahead of them (and propose
+after ``report_timeout``): the first ``BACKUPS + 1`` nodes of a group lost at once leave the round
+to ``FOLLOW_GRACE``."""
+FOLLOW_GRACE = 1.0
+"""Seconds past ``report_timeout`` after which every follower proposes too (a proposer alive but silent)."""
+PROBES_PER_LOOK = 64
+"""Silent members the proposer probes per look, in turn."""
+
+
+class LiveReform(LiveLease):
+    """The re-form of one live worker (a base of ``LiveGroup``, ``rendezvous/quorum.py``)."""
+
+    quorum: Quorum | None
+    change_reason: str
+    _seen: View | None = None
+    """The last view this worker's watcher looked at (set from the watcher thread, ``seen``)."""
+    _seen_event: threading.Event
+    _seen_at: float = float("-inf")
+
+    def seen(self, view: View) -> None:
+        """From the watcher thread, each view it looks at: what a follower of a re-form knows.
+
+        A follower reads ``view.quorum`` and membership in ``view.alive`` only (one lookup of a
+        set the watcher thread changes: atomic in CPython), never iterates it."""
+        self._seen, self._seen_at = view, time.monotonic()
+        self._seen_event.set()
+
+    def _following(self) -> bool:
+        """True while this worker's watcher looks (at least every poll): it will show the new quorum."""
+        return time.monotonic() - self._seen_at < max(1.0, 5 * self.settings.poll)
+
+    def reform(self, step: int, cause: str, report_timeout: float | None = None) -> Quorum:
+        """After a failure (or at an agreed step, for a join): the next quorum with this worker in it.
+
+        Raises ``LiveExcluded`` when the quorum formed without this worker."""
+        old = self.quorum
+        assert old is not None
+        target = old.q + 1
+        if self.change_reason and self.change_reason not in cause:
+            cause = f"{cause}: {self.change_reason}"
+        try:
+            self._lease.put(self._key(f"report/{target}/{self.id}"),
+                            json.dumps({"step": step, "cause": cause}).encode())
+        except Exception as exc:
+            if self._lease.lost or "lease not found" in str(exc).lower():
+                raise LiveExcluded(f"this worker's etcd lease expired before it could report ({exc})") from exc
+            raise
+        timeout = self.settings.report_timeout if report_timeout is None else report_timeout
+        entered = time.monotonic()
+        rnd = _Round(old, target, cause, timeout, entered, entered + self.settings.join_timeout)
+        firsts: dict[str, Member] = {}
+        for m in old.members:  # the candidates: each node's first member, in member order
+            firsts.setdefault(m.node, m)
+        while True:
+            now = time.monotonic()
+            place, ahead = 0, []
+            if self._following() and now < entered + timeout + FOLLOW_GRACE:
+                place, ahead = self._line(rnd, firsts)
+            if place > 0:  # a follower: the quorum comes through the watch
+                q = self._seen.quorum if self._seen is not None else None
+                if q is not None and q.q >= target:
+                    return self._adopt_formed(q)
+                if place <= BACKUPS:
+                    if now > rnd.deadline:  # the proposer is silent past report_timeout: propose too
+                        place = 0
+                    elif now - rnd.probed_ahead >= PROBE_EVERY:
+                        rnd.probed_ahead = now
+                        dead = {m.id for m in ahead if probe_dead(m.probe)}
+                        if dead:
+                            rnd.dead |= dead
+                            continue
+                if place > 0:
+                    self._seen_event.wait(PROBE_EVERY if place <= BACKUPS else self.settings.poll)
+                    self._seen_event.clear()
+                    continue
+            formed = self._propose_once(rnd)
+            if formed is not None:
+                return formed
+            # 3 ms between looks, or as long as a look took (O(N): ~0.1 s at 1,000 nodes of 8)
+            time.sleep(max(0.003, rnd.read_s))
+
+    def _line(self, rnd: _Round, firsts: dict[str, Member]) -> tuple[int, list[Member]]:
+        """This worker's place in line (0: the proposer) among the candidates its watcher's view
+        and its probes leave, with the candidates ahead of it. A worker that is no candidate (not
+        its node's first member, or its node gone) or is past the backups gets ``BACKUPS + 1``."""
+        view = self._seen
+        ahead: list[Member] = []
+        for node, m in firsts.items():
+            if m.id in rnd.dead or (view is not None and any(x.id not in view.alive for x in rnd.by_node[node])):
+                continue  # gone: a member's process refused a probe, or its lease expired
+            if node == self.node:
+                return (len(ahead), ahead) if m.id == self.id else (BACKUPS + 1, ahead)
+            ahead.append(m)
+            if len(ahead) > BACKUPS:
+                break
+        return BACKUPS + 1, ahead
+
+    def _adopt_formed(self, q: Quorum) -> Quorum:
+        if q.rank_of(self.id) is None:
+            raise LiveExcluded(f"quorum {q.q} formed without this worker ({q.cause})")
+        return self._adopt(q)
+
+    def _propose_once(self, rnd: _Round) -> Quorum | None:
+        """The proposer's look (every survivor's, before): one read of the reports and alive keys;
+        the quorum written when every member reported or is provably gone, or past the deadline.
+        The new quorum once it is formed with this worker in it; None: look again."""
+        old, target, timeout = rnd.old, rnd.target, rnd.timeout
+        began = time.monotonic()
+        view = self._read(report_q=target, stall_q=old.q)
+        rnd.read_s = time.monotonic() - began
+        if view.stall is not None:  # the ranks that waited come out within a poll; the hung one ends itself
+            rnd.deadline = min(rnd.deadline, rnd.entered + self.settings.poll * 3 + 1.0)
+        q = view.quorum
+        if q is not None and q.q >= target:
+            return self._adopt_formed(q)
+        if q is None or q.q != old.q:
+            raise LiveExcluded(f"the quorum moved from {old.q} to {q.q if q else None} without this worker")
+        now = time.monotonic()
+        # a node is kept or dropped whole: once one of its members is gone, nobody waits for the others
+        gone_nodes = {m.node for m in old.members if m.id not in view.alive or m.id in rnd.dead}
+        pending = [m for m in old.members if m.id not in view.reports and m.node not in gone_nodes]
+        if pending and now - rnd.last_probe > PROBE_EVERY:
+            rnd.last_probe = now
+            rnd.dead |= self._probe_some(pending, rnd)
+            gone_nodes |= {m.node for m in old.members if m.id in rnd.dead}
+            pending = [m for m in pending if m.node not in gone_nodes]
+        if now > rnd.next_say:  # a long wait says what it waits for
+            rnd.next_say = now + 5.0
+            logger.warning("live: quorum %d not formed after %.0fs: reported %s; silent %s; min_nodes %d",
+                           target, now - rnd.entered, sorted(view.reports),
+                           sorted(m.id for m in pending), self.settings.min_nodes)
+        if not pending or now > rnd.deadline:
+            new = self._propose(old, view, target, rnd.cause)
+            if new is None:
+                if now > rnd.min_deadline:
+                    raise LiveTimeout(f"fewer than min_nodes={self.settings.min_nodes} nodes within "
+                                      f"join_timeout {self.settings.join_timeout:g}s")
+            elif self._cas_quorum(new, view.quorum_rev, base=old):
+                logger.info("live: quorum %d formed (%s) after %.3fs: %d ranks, step %d; %s", new.q, rnd.cause,
+                            now - rnd.entered, new.world_size, new.step,
+                            "all reported" if not pending else f"{len(pending)} silent past {timeout:g}s")
+                return self._adopt_formed(new)
+        return None
+
+    @staticmethod
+    def _probe_some(pending: list[Member], rnd: _Round) -> set[str]:
+        """The ids among ``pending`` whose probe port refuses: at most ``PROBES_PER_LOOK`` of them
+        a look, the next ones at the next look (all of them at a few nodes, as before; at 1,000
+        nodes of 8 a look would otherwise open 8,000 connections every 20 ms)."""
+        start = rnd.probe_turn % len(pending)
+        batch = (pending[start:] + pending[:start])[:PROBES_PER_LOOK]
+        rnd.probe_turn = start + len(batch)
+        return {m.id for m in batch if probe_dead(m.probe)}
+
+    def _propose(self, old: Quorum, view: View, target: int, cause: str) -> Quorum | None:
+        """The next quorum from what ``view`` shows, or None while there are too few nodes."""
+        by_node: dict[str, list[Member]] = {}
+        for m in old.members:
+            by_node.setdefault(m.node, []).append(m)
+        survivors = [m for node, ms in by_node.items() for m in ms
+                     if all(x.id in view.reports for x in ms)]
+        nodes = list(dict.fromkeys(m.node for m in survivors))
+        room = self.settings.max_nodes - len(nodes)
+        joiners = [(n, ms) for n, ms in complete_nodes(view) if n not in nodes][:max(0, room)]
+        if len(nodes) + len(joiners) < self.settings.min_nodes or not survivors:
+            return None
+        members = tuple(survivors) + tuple(m for _, ms in joiners for m in ms)
+        steps = [int(view.reports[m.id].get("step", -1)) for m in survivors]
+        top = max(steps)
+        source = steps.index(top)
+        receivers = tuple(i for i, s in enumerate(steps) if s < top) + tuple(range(len(survivors), len(members)))
+        lost = sorted(set(by_node) - set(nodes))
+        why = cause + (f"; lost {', '.join(lost)}" if lost else "") + (
+            f"; added {', '.join(n for n, _ in joiners)}" if joiners else "")
+        return Quorum(q=target, members=members, step=top, source=source, receivers=receivers,
+                      cause=why, formed_at=time.time())
+
+
+class _Round:
+    """What one call of ``reform`` knows so far."""
+
+    def __init__(self, old: Quorum, target: int, cause: str, timeout: float, entered: float,
+                 min_deadline: float) -> None:
+        self.old, self.target, self.cause, self.timeout = old, target, cause, timeout
+        self.entered, self.deadline, self.min_deadline = entered, entered + timeout, min_deadline
+        self.dead: set[str] = set()  # members whose probe port refused: their process is gone
+        self.last_probe = self.probed_ahead = 0.0
+        self.probe_turn = 0  # where the proposer's next probes of the silent members start
+        self.read_s = 0.0  # how long the proposer's last read took
+        self.next_say = entered + 5.0
+        self.by_node: dict[str, list[Member]] = {}
+        for m in old.members:
+            self.by_node.setdefault(m.node, []).append(m)
+
+
+__all__ = ["BACKUPS", "FOLLOW_GRACE", "LiveReform", "PROBES_PER_LOOK", "PROBE_EVERY"]
