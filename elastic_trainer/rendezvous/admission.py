@@ -96,6 +96,7 @@ class EtcdOpExecutor(DistributedOpExecutor):
         action = None
         self._state = holder.state
         joining = isinstance(state_handler, JoinOp)
+        full_next = False  # the next sync reads the member lists (a write was due after a short light sync)
         while action != Action.FINISH:
             if joining and self.rejoin is not None:
                 self.rejoin()
@@ -106,7 +107,9 @@ class EtcdOpExecutor(DistributedOpExecutor):
             holder.exact_joining = self._is_admitter(holder) or time.monotonic() < self._bypass_gate_until
             # The others read light (no member lists; state.py): they only need the state, how
             # many nodes live and who admits. A node that finds itself the admitter reads exactly next.
-            holder.light = not holder.exact_joining
+            holder.light = not holder.exact_joining and not full_next
+            holder.tolerate_short = joining
+            full_next = False
             if holder.sync(use_cache=False) is False:
                 # Lost a compare-and-swap race: back off in proportion to the crowd, then
                 # read afresh, so that N racing agents do not retry in lockstep.
@@ -146,6 +149,9 @@ class EtcdOpExecutor(DistributedOpExecutor):
                 if self._may_wait_lightly(holder, action):
                     self._wait_lightly(holder, deadline)
                     continue
+            if holder.last_light and holder.light_short and action != Action.SYNC:
+                full_next = True  # a write after a light sync that counted a dead node: read exactly first
+                continue
             if action == Action.SYNC:
                 self._pause(fast=joining_op and self._is_admitter(holder))
                 continue
@@ -277,8 +283,11 @@ class EtcdOpExecutor(DistributedOpExecutor):
             summary = decode_summary(summary)
             if now > deadline or summary is None or summary[:3] != expected:
                 return
-            if count < alive:  # a node died (perhaps the admitter, or a participant): look closer
+            if count < alive and state.complete:  # a participant died: look closer
                 return
+            # In an open round a death is the admitter's business (it syncs exactly and removes the
+            # dead), and if the admitter died, the next smallest name finds itself first (below).
+            # Every waiting node reading the state again at each lost lease was O(N^2).
             if first == me and holder.last_light and not state.complete:  # we admit now (those before us left)
                 return
             alive, crowd = count, max(crowd, count, summary[3] + summary[4])
