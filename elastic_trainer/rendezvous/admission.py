@@ -22,6 +22,7 @@ The handler (``handler.py``) runs it for ``next_rendezvous``.
 
 from __future__ import annotations
 
+import logging
 import random
 import sys
 import time
@@ -29,6 +30,7 @@ import time
 from torch.distributed.elastic.events import NodeState, construct_and_record_rdzv_event
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
+    RendezvousError,
     RendezvousGracefulExitError,
     RendezvousTimeoutError,
 )
@@ -47,6 +49,8 @@ from elastic_trainer.rendezvous.state import (
     encode_summary,
     node_name,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def record_event(obj, node: NodeDesc, message: str, node_state: NodeState, rank: int | None = None) -> None:
@@ -75,10 +79,23 @@ def _light_poll(crowd: int) -> float:
     return min(0.05 + 0.001 * crowd, max(1.0, crowd / 2000))
 
 
+def _parse_rank(value: bytes | None) -> tuple[int, int] | None:
+    """A rank key's ``"<rank> <world size>"`` (``etcd_backend.publish_ranks``), or None."""
+    try:
+        rank, world = (int(x) for x in (value or b"").split())
+    except ValueError:
+        return None
+    return (rank, world) if 0 <= rank < world else None
+
+
 class EtcdOpExecutor(DistributedOpExecutor):
     """torch's operation loop with fresh reads, a short adaptive poll and early completion."""
 
     lost_races = 0
+    finished: tuple[int, int, int] | None = None
+    """After ``run(JoinOp())``: (round, rank, world size) when this node learnt its rank from its own
+    rank key (``etcd_backend.publish_ranks``) instead of the state; the holder's state is then older."""
+    _completing = False  # this node marked the round complete: it publishes the ranks once written
     rejoin = None
     """Called at each turn of a join (the handler's ``_rejoin``): a new lease if this one was lost."""
 
@@ -87,6 +104,7 @@ class EtcdOpExecutor(DistributedOpExecutor):
 
     def run(self, state_handler, deadline: float, update_deadline=None) -> None:
         holder: EtcdRendezvousStateHolder = self._state_holder  # type: ignore[assignment]
+        self.finished, self._completing = None, False
         try:
             self._run(holder, state_handler, deadline, update_deadline)
         finally:
@@ -110,7 +128,11 @@ class EtcdOpExecutor(DistributedOpExecutor):
             holder.light = not holder.exact_joining and not full_next
             holder.tolerate_short = joining
             full_next = False
-            if holder.sync(use_cache=False) is False:
+            written = holder.sync(use_cache=False)
+            if written and self._completing and holder.state.complete:
+                self._publish_ranks(holder)
+            self._completing = False
+            if written is False:
                 # Lost a compare-and-swap race: back off in proportion to the crowd, then
                 # read afresh, so that N racing agents do not retry in lockstep.
                 self.lost_races += 1
@@ -148,6 +170,8 @@ class EtcdOpExecutor(DistributedOpExecutor):
                         continue
                 if self._may_wait_lightly(holder, action):
                     self._wait_lightly(holder, deadline)
+                    if self.finished is not None:
+                        return  # complete, with this node's rank read from its own key
                     continue
             if holder.last_light and holder.light_short and action != Action.SYNC:
                 full_next = True  # a write after a light sync that counted a dead node: read exactly first
@@ -176,6 +200,20 @@ class EtcdOpExecutor(DistributedOpExecutor):
             elif action == Action.MARK_RENDEZVOUS_CLOSED:
                 self._mark_rendezvous_closed()
             holder.mark_dirty()
+
+    def _mark_rendezvous_complete(self) -> None:
+        super()._mark_rendezvous_complete()
+        self._completing = True
+
+    def _publish_ranks(self, holder: EtcdRendezvousStateHolder) -> None:
+        """Write each participant's rank where it reads only its own (after the write that completed
+        the round); a failure only sends the waiting nodes to the state, as before."""
+        state = holder.state
+        try:
+            holder._backend.publish_ranks(  # type: ignore[attr-defined]
+                state.round, {node_name(n): r for n, r in state.participants.items()})
+        except RendezvousError as exc:
+            logger.info("could not publish the ranks of round %d (%s); the nodes read the state", state.round, exc)
 
     def _add_to_participants(self) -> None:
         """Add this node, and with it every live node waiting to join (up to max nodes).
@@ -276,12 +314,29 @@ class EtcdOpExecutor(DistributedOpExecutor):
         crowd = max(crowd_of(state), holder.alive_count)
         started, alive, admitted = time.monotonic(), holder.alive_count, len(state.participants)
         me = node_name(self._node)
+        # Waiting for an open round: poll this node's rank key too; once the round is complete, the
+        # node that completed it writes every participant's (``_publish_ranks``), and a node that
+        # finds its own is done without reading the state of all N nodes.
+        rank_key = None if state.complete or state.closed else backend.rank_key(state.round, me)
+        complete_since = None
         while True:
-            time.sleep(_light_poll(crowd) * random.uniform(0.7, 1.3))
+            time.sleep(0.1 if complete_since is not None else _light_poll(crowd) * random.uniform(0.7, 1.3))
             now = time.monotonic()
-            summary, count, first = backend.poll_round()
+            summary, count, first, rank = backend.poll_round(rank_key)
             summary = decode_summary(summary)
-            if now > deadline or summary is None or summary[:3] != expected:
+            if now > deadline or summary is None:
+                return
+            if rank_key is not None and summary[:3] == (state.round, 1, 0):
+                mine = _parse_rank(rank)
+                if mine is not None and mine[1] == summary[3]:
+                    self.finished = (state.round, *mine)
+                    return
+                # Complete without our key: being written (the node that completed the round writes
+                # the keys right after the state), or we are not a participant: read the state.
+                complete_since = now if complete_since is None else complete_since
+                if now - complete_since < 1.0:
+                    continue
+            if summary[:3] != expected:
                 return
             if count < alive and state.complete:  # a participant died: look closer
                 return
