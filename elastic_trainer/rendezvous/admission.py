@@ -15,7 +15,13 @@ O(N^2) in all, which is what stopped 1,000 agents. ``EtcdOpExecutor`` is that lo
   died, or when they become the admitter; a node not admitted within ``_admission_patience``
   writes itself in as torch does, so a stuck admitter delays a round but never blocks it;
 - **early completion**: a round completes as soon as every node with a live lease joined it,
-  instead of always waiting ``last_call_timeout``.
+  instead of always waiting ``last_call_timeout``;
+- **rank keys**: the node that completes the round writes each participant's rank and the world
+  size where that node reads only its own (``etcd_backend.publish_ranks``), and takes rank 0 itself
+  (it publishes MASTER_ADDR at once); a waiting node polls its key with the summary, so no node but
+  the one that completes the round reads or decodes the state of all N (at 1,000 agents those N
+  decodes at the moment of completion took the CPU the lease renewals needed). A node that finds no
+  key (a spare, a failed write) reads the state as before.
 
 The handler (``handler.py``) runs it for ``next_rendezvous``.
 """
@@ -202,7 +208,17 @@ class EtcdOpExecutor(DistributedOpExecutor):
             holder.mark_dirty()
 
     def _mark_rendezvous_complete(self) -> None:
+        """torch's ranks (the participants in sorted order), except that the node that completes the
+        round takes rank 0 (it swaps with the first): rank 0 publishes the round's MASTER_ADDR and
+        MASTER_PORT, which every other node waits for, and the completing node is the one that knows
+        first. With rank 0 one of the waiting nodes, the round waited for its next poll (up to 1.3 s
+        at 1,000 nodes) before anyone could start."""
         super()._mark_rendezvous_complete()
+        participants = self._state.participants
+        mine = participants.get(self._node)
+        if mine:  # not already 0 (None: a node that completes a round it is not in)
+            first = next(n for n, r in participants.items() if r == 0)
+            participants[first], participants[self._node] = mine, 0
         self._completing = True
 
     def _publish_ranks(self, holder: EtcdRendezvousStateHolder) -> None:
