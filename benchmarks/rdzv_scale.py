@@ -21,7 +21,9 @@ lease was lost (etcd expired it: a renewal came too late) before the round forme
 others still waited. The handler runs with its own defaults (``lease_ttl`` 3 s, renewed every
 second) unless ``--rdzv-conf`` says otherwise. ``--trace`` also prints where the time goes: every
 etcd request by kind (how many, their wall time, the CPU of the thread that sent them, when they
-started) and the agents' CPU in state syncs and state decoding.
+started) and the agents' CPU in state syncs and state decoding, then a timeline per half second: the
+agents' and etcd's CPU, the renewals sent and their slowest answer, leases lost, agents ranked, and
+the requests started by kind.
 """
 
 from __future__ import annotations
@@ -86,12 +88,7 @@ def _install_trace() -> None:
     timed(EtcdConnection, "call", "")
     EtcdConnection.call._traced = True  # type: ignore[attr-defined]
     from elastic_trainer.rendezvous.lease import LeaseKeeper
-    renewed = LeaseKeeper._renewed
-
-    def traced_renewed(self, lease_id, sent, ttl, took):
-        _RENEWALS.append((sent, took, ttl <= 0))
-        return renewed(self, lease_id, sent, ttl, took)
-    LeaseKeeper._renewed = traced_renewed
+    LeaseKeeper.on_answer = staticmethod(lambda sent, took, lost: _RENEWALS.append((sent, took, lost)))
     timed(state.EtcdRendezvousStateHolder, "sync", "=state sync")
     timed(state, "decode_state", "=state decode")
     handler.decode_state = watchdog.decode_state = state.decode_state

@@ -9,7 +9,6 @@ import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
 from elastic_trainer.rendezvous import handler_creator
-from elastic_trainer.rendezvous.admission import _parse_rank
 from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
 from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions
 from elastic_trainer.rendezvous.state import decode_state, node_name
@@ -30,17 +29,17 @@ def test_ranks_are_written_in_transactions_etcd_accepts_read_one_by_one_and_old_
     names = [f"10.0.0.{i}_1_0" for i in range(250)]  # more than etcd's 128 operations per transaction
     backend.publish_ranks(3, {n: i for i, n in enumerate(names)})
     backend.publish_ranks(4, {names[0]: 0})
-    assert _parse_rank(backend.poll_round(backend.rank_key(3, names[249]))[3]) == (249, 250)
+    assert EtcdRendezvousBackend.parse_rank(backend.poll_round(backend.rank_key(3, names[249]))[3]) == (249, 250)
     assert backend.poll_round(backend.rank_key(3, "10.9.9.9_1_0"))[3] is None
     assert backend.poll_round()[3] is None  # no rank key asked
     backend.delete_ranks_before(4)
     assert backend.poll_round(backend.rank_key(3, names[0]))[3] is None
-    assert _parse_rank(backend.poll_round(backend.rank_key(4, names[0]))[3]) == (0, 1)
+    assert EtcdRendezvousBackend.parse_rank(backend.poll_round(backend.rank_key(4, names[0]))[3]) == (0, 1)
 
 
 @pytest.mark.parametrize("value", [None, b"", b"3", b"3 3", b"-1 4", b"a b", b"1 2 3"])
 def test_a_rank_key_that_is_not_a_rank_below_the_world_size_is_not_taken(value):
-    assert _parse_rank(value) is None
+    assert EtcdRendezvousBackend.parse_rank(value) is None
 
 
 def _join_all(handlers):

@@ -85,15 +85,6 @@ def _light_poll(crowd: int) -> float:
     return min(0.05 + 0.001 * crowd, max(1.0, crowd / 2000))
 
 
-def _parse_rank(value: bytes | None) -> tuple[int, int] | None:
-    """A rank key's ``"<rank> <world size>"`` (``etcd_backend.publish_ranks``), or None."""
-    try:
-        rank, world = (int(x) for x in (value or b"").split())
-    except ValueError:
-        return None
-    return (rank, world) if 0 <= rank < world else None
-
-
 class EtcdOpExecutor(DistributedOpExecutor):
     """torch's operation loop with fresh reads, a short adaptive poll and early completion."""
 
@@ -343,7 +334,7 @@ class EtcdOpExecutor(DistributedOpExecutor):
             if now > deadline or summary is None:
                 return
             if rank_key is not None and summary[:3] == (state.round, 1, 0):
-                mine = _parse_rank(rank)
+                mine = backend.parse_rank(rank)
                 if mine is not None and mine[1] == summary[3]:
                     self.finished = (state.round, *mine)
                     return

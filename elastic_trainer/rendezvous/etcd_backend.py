@@ -362,6 +362,16 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self.requests += len(requests)
         self._conn.call(send_all, "ranks write")
 
+    @staticmethod
+    def parse_rank(value: bytes | None) -> tuple[int, int] | None:
+        """A rank key's ``"<rank> <world size>"`` (``publish_ranks``) as two integers, or None when it is
+        missing or not a rank below the world size."""
+        try:
+            rank, world = (int(x) for x in (value or b"").split())
+        except ValueError:
+            return None
+        return (rank, world) if 0 <= rank < world else None
+
     def delete_ranks_before(self, round_: int) -> None:
         """Delete the ``rank_key`` of every round before ``round_``."""
         key = self.ranks_prefix.encode()

@@ -359,8 +359,14 @@ class LeaseKeeper:
                 self._renewed(lease_id, p.sent, ttl, p.answered - p.sent)
         return still
 
+    on_answer = None
+    """Tracing (``benchmarks/rdzv_scale.py --trace``): when set, called as ``on_answer(sent, took, lost)``
+    with every renewal answer, from the thread that applies it; it must be quick."""
+
     def _renewed(self, lease_id: int, sent: float, ttl: int, took: float) -> None:
         """Apply etcd's answer ``ttl`` to a renewal of ``lease_id`` sent at ``sent``."""
+        if self.on_answer is not None:
+            self.on_answer(sent, took, ttl <= 0)
         lost = False
         with self._lock:
             if self._lease_id != lease_id:  # closed, or a new lease granted meanwhile: not ours to judge
