@@ -105,7 +105,7 @@ class EtcdOpExecutor(DistributedOpExecutor):
         try:
             self._run(holder, state_handler, deadline, update_deadline)
         finally:
-            holder.exact_joining, holder.light = True, False
+            holder.exact_joining, holder.light, holder.tolerate_short = True, False, False
 
     def _run(self, holder: EtcdRendezvousStateHolder, state_handler, deadline: float, update_deadline) -> None:
         action = None
