@@ -3,7 +3,7 @@ only its own, so that N waiting nodes do not each read and decode the state of a
 
 from __future__ import annotations
 
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
@@ -42,26 +42,14 @@ def test_a_rank_key_that_is_not_a_rank_below_the_world_size_is_not_taken(value):
     assert EtcdRendezvousBackend.parse_rank(value) is None
 
 
-def _join_all(handlers):
-    infos = [None] * len(handlers)
-
-    def join(i):
-        infos[i] = handlers[i].next_rendezvous()
-    threads = [threading.Thread(target=join, args=(i,)) for i in range(len(handlers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return infos
-
-
 def test_waiting_nodes_take_their_rank_from_their_key_and_it_is_the_states(etcd, run_id, conn):
     create = handler_creator()
     params = RendezvousParameters("etcd-v3", f"127.0.0.1:{etcd.port}", run_id, 5, 5, local_addr="127.0.0.1",
                                   lease_ttl="2", keep_alive_interval="0.5")
     handlers = [create(params) for _ in range(5)]
     try:
-        infos = _join_all(handlers)
+        with ThreadPoolExecutor(len(handlers)) as pool:  # every node joins at once
+            infos = list(pool.map(lambda h: h.next_rendezvous(), handlers))
         assert sorted(i.rank for i in infos) == list(range(5)) and {i.world_size for i in infos} == {5}
         from_keys = [h for h in handlers if h._op_executor.finished is not None]
         assert from_keys, "the nodes that waited took their rank from their rank key"
