@@ -3,6 +3,7 @@ only its own, so that N waiting nodes do not each read and decode the state of a
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -10,18 +11,16 @@ from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
 from elastic_trainer.rendezvous import handler_creator
 from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
-from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions
 from elastic_trainer.rendezvous.state import decode_state, node_name
-from tests.helpers.common import wait_until
+from tests.helpers.common import etcd_conn, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
 def conn(etcd):
-    c = EtcdConnection(EtcdOptions(endpoints=(("127.0.0.1", etcd.port),)))
-    yield c
-    c.close()
+    with contextlib.closing(etcd_conn(etcd)) as c:
+        yield c
 
 
 def test_ranks_are_written_in_transactions_etcd_accepts_read_one_by_one_and_old_rounds_deleted(conn, run_id):
