@@ -4,12 +4,14 @@ only its own, so that N waiting nodes do not each read and decode the state of a
 from __future__ import annotations
 
 import contextlib
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
 from elastic_trainer.rendezvous import handler_creator
+from elastic_trainer.rendezvous.admission import parse_rank
 from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
 from elastic_trainer.rendezvous.state import decode_state, node_name
 from tests.helpers.common import etcd_conn, wait_until
@@ -28,17 +30,17 @@ def test_ranks_are_written_in_transactions_etcd_accepts_read_one_by_one_and_old_
     names = [f"10.0.0.{i}_1_0" for i in range(250)]  # more than etcd's 128 operations per transaction
     backend.publish_ranks(3, {n: i for i, n in enumerate(names)})
     backend.publish_ranks(4, {names[0]: 0})
-    assert EtcdRendezvousBackend.parse_rank(backend.poll_round(backend.rank_key(3, names[249]))[3]) == (249, 250)
+    assert parse_rank(backend.poll_round(backend.rank_key(3, names[249]))[3]) == (249, 250)
     assert backend.poll_round(backend.rank_key(3, "10.9.9.9_1_0"))[3] is None
     assert backend.poll_round()[3] is None  # no rank key asked
     backend.delete_ranks_before(4)
     assert backend.poll_round(backend.rank_key(3, names[0]))[3] is None
-    assert EtcdRendezvousBackend.parse_rank(backend.poll_round(backend.rank_key(4, names[0]))[3]) == (0, 1)
+    assert parse_rank(backend.poll_round(backend.rank_key(4, names[0]))[3]) == (0, 1)
 
 
 @pytest.mark.parametrize("value", [None, b"", b"3", b"3 3", b"-1 4", b"a b", b"1 2 3"])
 def test_a_rank_key_that_is_not_a_rank_below_the_world_size_is_not_taken(value):
-    assert EtcdRendezvousBackend.parse_rank(value) is None
+    assert parse_rank(value) is None
 
 
 def test_waiting_nodes_take_their_rank_from_their_key_and_it_is_the_states(etcd, run_id, conn):
@@ -47,8 +49,12 @@ def test_waiting_nodes_take_their_rank_from_their_key_and_it_is_the_states(etcd,
                                   lease_ttl="2", keep_alive_interval="0.5")
     handlers = [create(params) for _ in range(5)]
     try:
-        with ThreadPoolExecutor(len(handlers)) as pool:  # every node joins at once
-            infos = list(pool.map(lambda h: h.next_rendezvous(), handlers))
+        # Four wait for the fifth (a node that arrives after the round completed reads the state).
+        with ThreadPoolExecutor(len(handlers)) as pool:
+            futures = [pool.submit(h.next_rendezvous) for h in handlers[:4]]
+            time.sleep(1.0)
+            futures.append(pool.submit(handlers[4].next_rendezvous))
+            infos = [f.result(60) for f in futures]
         assert sorted(i.rank for i in infos) == list(range(5)) and {i.world_size for i in infos} == {5}
         from_keys = [h for h in handlers if h._op_executor.finished is not None]
         assert from_keys, "the nodes that waited took their rank from their rank key"

@@ -59,6 +59,16 @@ from elastic_trainer.rendezvous.state import (
 logger = logging.getLogger(__name__)
 
 
+def parse_rank(value: bytes | None) -> tuple[int, int] | None:
+    """A rank key's ``"<rank> <world size>"`` (``etcd_backend.publish_ranks``), or None when it is
+    missing or not a rank below the world size."""
+    try:
+        rank, world = (int(x) for x in (value or b"").split())
+    except ValueError:
+        return None
+    return (rank, world) if 0 <= rank < world else None
+
+
 def record_event(obj, node: NodeDesc, message: str, node_state: NodeState, rank: int | None = None) -> None:
     """torch's ``_record`` without ``inspect.stack()``.
 
@@ -334,7 +344,7 @@ class EtcdOpExecutor(DistributedOpExecutor):
             if now > deadline or summary is None:
                 return
             if rank_key is not None and summary[:3] == (state.round, 1, 0):
-                mine = backend.parse_rank(rank)
+                mine = parse_rank(rank)
                 if mine is not None and mine[1] == summary[3]:
                     self.finished = (state.round, *mine)
                     return

@@ -14,9 +14,8 @@ Keys of one run (prefix ``/elastic-trainer/<run_id>/`` by default):
                            value, {"since": unix time}, is for `elastic-train status`)
     <prefix>joining/<node> present while the node waits to join a round, on its lease (readers take
                            the node from the key's name; the value, its descriptor, is for people)
-    <prefix>ranks/<round>/<node>  "<rank> <world size>", written by the node that completed the round
-                           (``publish_ranks``), so that a waiting node reads its own rank, not the state
-                           of every node (round zero-padded to 20 digits: older rounds sort first)
+    <prefix>ranks/<round>/<node>  "<rank> <world size>", written by the node that completed the round:
+                           a waiting node reads its own, not the state (round zero-padded: in order)
     <prefix>store/<key>    the etcd-backed torch Store (``etcd_store.EtcdStore``)
 
 Every read of the state also reads the ``alive/`` and ``joining/`` keys in the same
@@ -324,9 +323,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return (kvs[0].value if kvs else None), int(resp.responses[1].response_range.count)
 
     def poll_round(self, rank_key: str | None = None) -> tuple[bytes | None, int, str | None, bytes | None]:
-        """``poll_summary``, the smallest name under joining/ (None when none) and the value of
-        ``rank_key`` (None when absent or not asked), in one request: a node that waits to be
-        admitted learns that it became the admitter, or its rank once the round is complete."""
+        """``poll_summary``, the smallest name under joining/ and ``rank_key``'s value (each None when
+        absent), in one request: a waiting node learns that it admits now, or its rank."""
         ops = [_get(self._summary_key), _count(self._alive.prefix), _first(self._joining.prefix)]
         if rank_key is not None:
             ops.append(_get(rank_key.encode()))
@@ -338,13 +336,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 first[0].key[n:].decode() if first else None, rank[0].value if rank else None)
 
     def publish_ranks(self, round_: int, ranks: dict[str, int]) -> None:
-        """Write every participant's ``rank_key`` of a round just completed: ``"<rank> <world size>"``,
-        100 keys a transaction (etcd refuses more than 128 operations in one by default). Each waiting
-        node then polls its own key instead of reading and decoding the state of all N nodes: at 1,000
-        agents those N decodes of ~53 kB, all at the moment the round completed, took the CPU that the
-        lease renewals needed. Only the node that completed the round writes them (O(N), once). The
-        transactions go out together (one round trip, not one per 100 nodes: under load each took
-        0.3 s and the last nodes waited for the tenth)."""
+        """Write every participant's ``rank_key`` of a round just completed (``"<rank> <world size>"``;
+        see ``admission.py``): 100 keys a transaction (etcd's default limit is 128 operations), all the
+        transactions sent at once (one round trip; one after the other they took 3 s under load)."""
         world = len(ranks)
         items = sorted(ranks.items())
         requests = [etcdrpc.TxnRequest(success=[etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(
@@ -353,31 +347,19 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
         def send_all(client):
             try:
-                futures = [client.kvstub.Txn.future(r, client.timeout, credentials=client.call_credentials,
-                                                    metadata=client.metadata) for r in requests]
-                for f in futures:
+                for f in [client.kvstub.Txn.future(r, client.timeout, credentials=client.call_credentials,
+                                                   metadata=client.metadata) for r in requests]:
                     f.result()
             except grpc.RpcError as exc:
                 client._manage_grpc_errors(exc)  # raises etcd3's exception; the puts are sent again
         self.requests += len(requests)
         self._conn.call(send_all, "ranks write")
 
-    @staticmethod
-    def parse_rank(value: bytes | None) -> tuple[int, int] | None:
-        """A rank key's ``"<rank> <world size>"`` (``publish_ranks``) as two integers, or None when it is
-        missing or not a rank below the world size."""
-        try:
-            rank, world = (int(x) for x in (value or b"").split())
-        except ValueError:
-            return None
-        return (rank, world) if 0 <= rank < world else None
-
     def delete_ranks_before(self, round_: int) -> None:
         """Delete the ``rank_key`` of every round before ``round_``."""
-        key = self.ranks_prefix.encode()
         end = f"{self.ranks_prefix}{round_:020d}/".encode()
-        self._txn("ranks delete", [], [etcdrpc.RequestOp(
-            request_delete_range=etcdrpc.DeleteRangeRequest(key=key, range_end=end))])
+        self._txn("ranks delete", [], [etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(
+            key=self.ranks_prefix.encode(), range_end=end))])
 
     def set_state(self, state: bytes, token: Token | None = None, *,
                   summary: bytes | None = None, exact_joining: bool = True) -> tuple[bytes, Token, bool] | None:
