@@ -21,7 +21,9 @@ lease was lost (etcd expired it: a renewal came too late) before the round forme
 others still waited. The handler runs with its own defaults (``lease_ttl`` 3 s, renewed every
 second) unless ``--rdzv-conf`` says otherwise. ``--trace`` also prints where the time goes: every
 etcd request by kind (how many, their wall time, the CPU of the thread that sent them, when they
-started) and the agents' CPU in state syncs and state decoding.
+started) and the agents' CPU in state syncs and state decoding, then a timeline per half second: the
+agents' and etcd's CPU, the renewals sent and their slowest answer, leases lost, agents ranked, and
+the requests started by kind.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ from elastic_trainer.rendezvous.handler import (  # noqa: E402
 
 
 _TRACE: list[tuple[str, float, float, float]] = []  # (what, started, wall s, thread CPU s), with --trace
+_RENEWALS: list[tuple[float, float, bool]] = []  # (sent, answered after s, lost), with --trace
+_TICK = 0.5  # seconds per row of the --trace timeline
 
 
 def _install_trace() -> None:
@@ -83,9 +87,63 @@ def _install_trace() -> None:
         return
     timed(EtcdConnection, "call", "")
     EtcdConnection.call._traced = True  # type: ignore[attr-defined]
+    from elastic_trainer.rendezvous.lease import LeaseKeeper
+    LeaseKeeper.on_answer = staticmethod(lambda sent, took, lost: _RENEWALS.append((sent, took, lost)))
     timed(state.EtcdRendezvousStateHolder, "sync", "=state sync")
     timed(state, "decode_state", "=state decode")
     handler.decode_state = watchdog.decode_state = state.decode_state
+
+
+def _timeline(start: float, samples: list, trace: list, renewals: list, ranked: list) -> dict:
+    """Per ``_TICK`` seconds from the start: this process's CPU, its requests started by kind, its
+    renewals (sent, worst answer time), leases lost, agents ranked (--trace)."""
+    rows: dict[int, dict] = {}
+
+    def row(t: float) -> dict:
+        return rows.setdefault(max(0, int((t - start) / _TICK)), {})
+    last = None
+    for t, cpu in samples:
+        if last is not None:
+            r = row(t)
+            r["cpu"] = r.get("cpu", 0.0) + cpu - last
+        last = cpu
+    for what, t0, wall, cpu in trace:
+        r = row(t0)
+        r[what] = r.get(what, 0) + 1
+        r["cpu " + what] = r.get("cpu " + what, 0.0) + cpu
+    for sent, took, gone in renewals:
+        r = row(sent)
+        r["renewals"] = r.get("renewals", 0) + 1
+        r["renewal worst s"] = max(r.get("renewal worst s", 0.0), took)
+        if gone:
+            r["lost"] = r.get("lost", 0) + 1
+    for t in ranked:
+        r = row(t)
+        r["ranked"] = r.get("ranked", 0) + 1
+    return rows
+
+
+def _timeline_table(parts: list[dict], etcd: list) -> list[str]:
+    rows: dict[int, dict] = {}
+    for p in parts:
+        for i, r in p.get("timeline", {}).items():
+            into = rows.setdefault(int(i), {})
+            for k, v in r.items():
+                into[k] = max(into.get(k, 0), v) if k == "renewal worst s" else into.get(k, 0) + v
+    for i, cpu in etcd:
+        rows.setdefault(i, {})["etcd cpu"] = cpu
+    lines = [f"{'t s':>5} {'agents CPU':>10} {'etcd CPU':>8} {'renewals':>8} {'worst s':>7} {'lost':>5} "
+             f"{'ranked':>6}  requests started (CPU s of the busiest kinds)"]
+    for i in sorted(rows):
+        if i * _TICK > 60:
+            break
+        r = rows[i]
+        kinds = sorted(((k, v) for k, v in r.items() if k.startswith("cpu ")), key=lambda kv: -kv[1])[:4]
+        what = ", ".join(f"{k[4:]} {r.get(k[4:], 0)} ({v:.2f})" for k, v in kinds)
+        lines.append(f"{i * _TICK:>5.1f} {r.get('cpu', 0):>10.2f} {r.get('etcd cpu', 0):>8.2f} "
+                     f"{r.get('renewals', 0):>8} {r.get('renewal worst s', 0):>7.2f} {r.get('lost', 0):>5} "
+                     f"{r.get('ranked', 0):>6}  {what}")
+    return lines
 
 
 def _trace_table(parts: list[dict]) -> list[str]:
@@ -139,9 +197,18 @@ def run_agents(endpoint: str, run_id: str, n: int, count: int, connections: int,
         except Exception as exc:  # noqa: BLE001 - reported in the summary
             errors.append(f"{type(exc).__name__}: {exc}"[:200])
 
+    samples: list[tuple[float, float]] = []  # (time, this process's CPU s), every _TICK with --trace
     if trace:
         _install_trace()
         _TRACE.clear()
+        _RENEWALS.clear()
+
+        def sample() -> None:
+            go.wait()
+            while not stop_sampling.wait(_TICK / 5):
+                samples.append((time.monotonic(), time.process_time()))
+        stop_sampling = threading.Event()
+        threading.Thread(target=sample, daemon=True).start()
     threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(count)]
     for t in threads:
         t.start()
@@ -169,6 +236,9 @@ def run_agents(endpoint: str, run_id: str, n: int, count: int, connections: int,
             row[2] += cpu
             row[3].append(round(t0 - start, 2))
         result["trace"] = table
+        stop_sampling.set()
+        result["timeline"] = _timeline(start, samples, list(_TRACE), list(_RENEWALS),
+                                       [d[0] for d in done if d is not None])
     for h in handlers:
         h._joined = None
         h._lease.close(revoke=False)
@@ -185,6 +255,7 @@ def _summary(n: int, parts: list[dict], start: float) -> dict:
         "ranked_at_s": {f"p{q}": round(done[min(len(done) - 1, q * len(done) // 100)], 2)
                         for q in (10, 50, 90)} if done else None,
         "trace": _trace_table(parts) if any("trace" in p for p in parts) else None,
+        "timeline": [], "start": start, "parts": parts if any("timeline" in p for p in parts) else [],
         "agents": n, "joined": len(finished), "ranks_ok": ranks == list(range(n)),
         "all_ranked_s": max(d[0] for d in finished) - start if len(finished) == n else None,
         "first_ranked_s": min(d[0] for d in finished) - start if finished else None,
@@ -271,11 +342,27 @@ def run_size(endpoint: str, n: int, connections: int, timeout: float, conf: dict
     """N agents join one round; every agent a thread of this process, or spread over ``pool``."""
     run_id = f"scale-{n}-{int(time.time())}"
     etcd0 = _cpu_s(etcd_pid)
+    etcd_samples: list[tuple[float, float | None]] = []
+    sampling = threading.Event()
+
+    def sample_etcd() -> None:
+        while not sampling.wait(_TICK / 5):
+            etcd_samples.append((time.monotonic(), _cpu_s(etcd_pid)))
+    if trace:
+        threading.Thread(target=sample_etcd, daemon=True).start()
     if pool is None:
         part = run_agents(endpoint, run_id, n, n, connections, timeout, conf, trace=trace)
         result = _summary(n, [part], part["start"])
     else:
         result = pool.run(endpoint, run_id, n, connections, timeout, conf, trace)
+    sampling.set()
+    etcd_rows: dict[int, float] = {}
+    for (t0, c0), (t1, c1) in zip(etcd_samples, etcd_samples[1:]):
+        if c0 is not None and c1 is not None and t1 >= result["start"]:
+            i = int((t1 - result["start"]) / _TICK)
+            etcd_rows[i] = etcd_rows.get(i, 0.0) + c1 - c0
+    parts = result.pop("parts")
+    result["timeline"] = _timeline_table(parts, sorted(etcd_rows.items())) if parts else []
     etcd1 = _cpu_s(etcd_pid)
     result["etcd_cpu_s"] = etcd1 - etcd0 if etcd0 is not None and etcd1 is not None else None
     conn = EtcdConnection(RendezvousOptions(RendezvousParameters("etcd-v3", endpoint, run_id, 1, 1)).etcd)
@@ -337,7 +424,7 @@ def _main(args: argparse.Namespace, run: provenance.Run) -> int:
             if r["ranked_at_s"]:
                 print(f"{'':>7} ranked by (s): p10 {r['ranked_at_s']['p10']}, p50 {r['ranked_at_s']['p50']}, "
                       f"p90 {r['ranked_at_s']['p90']}", flush=True)
-            for line in r["trace"] or []:
+            for line in (r["trace"] or []) + r["timeline"]:
                 print(f"{'':>7} {line}", flush=True)
     finally:
         if pool is not None:

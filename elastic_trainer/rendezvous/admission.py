@@ -15,13 +15,20 @@ O(N^2) in all, which is what stopped 1,000 agents. ``EtcdOpExecutor`` is that lo
   died, or when they become the admitter; a node not admitted within ``_admission_patience``
   writes itself in as torch does, so a stuck admitter delays a round but never blocks it;
 - **early completion**: a round completes as soon as every node with a live lease joined it,
-  instead of always waiting ``last_call_timeout``.
+  instead of always waiting ``last_call_timeout``;
+- **rank keys**: the node that completes the round writes each participant's rank and the world
+  size where that node reads only its own (``etcd_backend.publish_ranks``), and takes rank 0 itself
+  (it publishes MASTER_ADDR at once); a waiting node polls its key with the summary, so no node but
+  the one that completes the round reads or decodes the state of all N (at 1,000 agents those N
+  decodes at the moment of completion took the CPU the lease renewals needed). A node that finds no
+  key (a spare, a failed write) reads the state as before.
 
 The handler (``handler.py``) runs it for ``next_rendezvous``.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import sys
 import time
@@ -29,6 +36,7 @@ import time
 from torch.distributed.elastic.events import NodeState, construct_and_record_rdzv_event
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
+    RendezvousError,
     RendezvousGracefulExitError,
     RendezvousTimeoutError,
 )
@@ -47,6 +55,18 @@ from elastic_trainer.rendezvous.state import (
     encode_summary,
     node_name,
 )
+
+logger = logging.getLogger(__name__)
+
+
+def parse_rank(value: bytes | None) -> tuple[int, int] | None:
+    """A rank key's ``"<rank> <world size>"`` (``etcd_backend.publish_ranks``), or None when it is
+    missing or not a rank below the world size."""
+    try:
+        rank, world = (int(x) for x in (value or b"").split())
+    except ValueError:
+        return None
+    return (rank, world) if 0 <= rank < world else None
 
 
 def record_event(obj, node: NodeDesc, message: str, node_state: NodeState, rank: int | None = None) -> None:
@@ -79,6 +99,10 @@ class EtcdOpExecutor(DistributedOpExecutor):
     """torch's operation loop with fresh reads, a short adaptive poll and early completion."""
 
     lost_races = 0
+    finished: tuple[int, int, int] | None = None
+    """After ``run(JoinOp())``: (round, rank, world size) when this node learnt its rank from its own
+    rank key (``etcd_backend.publish_ranks``) instead of the state; the holder's state is then older."""
+    _completing = False  # this node marked the round complete: it publishes the ranks once written
     rejoin = None
     """Called at each turn of a join (the handler's ``_rejoin``): a new lease if this one was lost."""
 
@@ -87,15 +111,17 @@ class EtcdOpExecutor(DistributedOpExecutor):
 
     def run(self, state_handler, deadline: float, update_deadline=None) -> None:
         holder: EtcdRendezvousStateHolder = self._state_holder  # type: ignore[assignment]
+        self.finished, self._completing = None, False
         try:
             self._run(holder, state_handler, deadline, update_deadline)
         finally:
-            holder.exact_joining, holder.light = True, False
+            holder.exact_joining, holder.light, holder.tolerate_short = True, False, False
 
     def _run(self, holder: EtcdRendezvousStateHolder, state_handler, deadline: float, update_deadline) -> None:
         action = None
         self._state = holder.state
         joining = isinstance(state_handler, JoinOp)
+        full_next = False  # the next sync reads the member lists (a write was due after a short light sync)
         while action != Action.FINISH:
             if joining and self.rejoin is not None:
                 self.rejoin()
@@ -106,8 +132,14 @@ class EtcdOpExecutor(DistributedOpExecutor):
             holder.exact_joining = self._is_admitter(holder) or time.monotonic() < self._bypass_gate_until
             # The others read light (no member lists; state.py): they only need the state, how
             # many nodes live and who admits. A node that finds itself the admitter reads exactly next.
-            holder.light = not holder.exact_joining
-            if holder.sync(use_cache=False) is False:
+            holder.light = not holder.exact_joining and not full_next
+            holder.tolerate_short = joining
+            full_next = False
+            written = holder.sync(use_cache=False)
+            if written and self._completing and holder.state.complete:
+                self._publish_ranks(holder)
+            self._completing = False
+            if written is False:
                 # Lost a compare-and-swap race: back off in proportion to the crowd, then
                 # read afresh, so that N racing agents do not retry in lockstep.
                 self.lost_races += 1
@@ -145,7 +177,12 @@ class EtcdOpExecutor(DistributedOpExecutor):
                         continue
                 if self._may_wait_lightly(holder, action):
                     self._wait_lightly(holder, deadline)
+                    if self.finished is not None:
+                        return  # complete, with this node's rank read from its own key
                     continue
+            if holder.last_light and holder.light_short and action != Action.SYNC:
+                full_next = True  # a write after a light sync that counted a dead node: read exactly first
+                continue
             if action == Action.SYNC:
                 self._pause(fast=joining_op and self._is_admitter(holder))
                 continue
@@ -170,6 +207,30 @@ class EtcdOpExecutor(DistributedOpExecutor):
             elif action == Action.MARK_RENDEZVOUS_CLOSED:
                 self._mark_rendezvous_closed()
             holder.mark_dirty()
+
+    def _mark_rendezvous_complete(self) -> None:
+        """torch's ranks (the participants in sorted order), except that the node that completes the
+        round takes rank 0 (it swaps with the first): rank 0 publishes the round's MASTER_ADDR and
+        MASTER_PORT, which every other node waits for, and the completing node is the one that knows
+        first. With rank 0 one of the waiting nodes, the round waited for its next poll (up to 1.3 s
+        at 1,000 nodes) before anyone could start."""
+        super()._mark_rendezvous_complete()
+        participants = self._state.participants
+        mine = participants.get(self._node)
+        if mine:  # not already 0 (None: a node that completes a round it is not in)
+            first = next(n for n, r in participants.items() if r == 0)
+            participants[first], participants[self._node] = mine, 0
+        self._completing = True
+
+    def _publish_ranks(self, holder: EtcdRendezvousStateHolder) -> None:
+        """Write each participant's rank where it reads only its own (after the write that completed
+        the round); a failure only sends the waiting nodes to the state, as before."""
+        state = holder.state
+        try:
+            holder._backend.publish_ranks(  # type: ignore[attr-defined]
+                state.round, {node_name(n): r for n, r in state.participants.items()})
+        except RendezvousError as exc:
+            logger.info("could not publish the ranks of round %d (%s); the nodes read the state", state.round, exc)
 
     def _add_to_participants(self) -> None:
         """Add this node, and with it every live node waiting to join (up to max nodes).
@@ -270,15 +331,35 @@ class EtcdOpExecutor(DistributedOpExecutor):
         crowd = max(crowd_of(state), holder.alive_count)
         started, alive, admitted = time.monotonic(), holder.alive_count, len(state.participants)
         me = node_name(self._node)
+        # Waiting for an open round: poll this node's rank key too; once the round is complete, the
+        # node that completed it writes every participant's (``_publish_ranks``), and a node that
+        # finds its own is done without reading the state of all N nodes.
+        rank_key = None if state.complete or state.closed else backend.rank_key(state.round, me)
+        complete_since = None
         while True:
-            time.sleep(_light_poll(crowd) * random.uniform(0.7, 1.3))
+            time.sleep(0.1 if complete_since is not None else _light_poll(crowd) * random.uniform(0.7, 1.3))
             now = time.monotonic()
-            summary, count, first = backend.poll_round()
+            summary, count, first, rank = backend.poll_round(rank_key)
             summary = decode_summary(summary)
-            if now > deadline or summary is None or summary[:3] != expected:
+            if now > deadline or summary is None:
                 return
-            if count < alive:  # a node died (perhaps the admitter, or a participant): look closer
+            if rank_key is not None and summary[:3] == (state.round, 1, 0):
+                mine = parse_rank(rank)
+                if mine is not None and mine[1] == summary[3]:
+                    self.finished = (state.round, *mine)
+                    return
+                # Complete without our key: being written (the node that completed the round writes
+                # the keys right after the state), or we are not a participant: read the state.
+                complete_since = now if complete_since is None else complete_since
+                if now - complete_since < 1.0:
+                    continue
+            if summary[:3] != expected:
                 return
+            if count < alive and state.complete:  # a participant died: look closer
+                return
+            # In an open round a death is the admitter's business (it syncs exactly and removes the
+            # dead), and if the admitter died, the next smallest name finds itself first (below).
+            # Every waiting node reading the state again at each lost lease was O(N^2).
             if first == me and holder.last_light and not state.complete:  # we admit now (those before us left)
                 return
             alive, crowd = count, max(crowd, count, summary[3] + summary[4])

@@ -14,6 +14,8 @@ Keys of one run (prefix ``/elastic-trainer/<run_id>/`` by default):
                            value, {"since": unix time}, is for `elastic-train status`)
     <prefix>joining/<node> present while the node waits to join a round, on its lease (readers take
                            the node from the key's name; the value, its descriptor, is for people)
+    <prefix>ranks/<round>/<node>  "<rank> <world size>", written by the node that completed the round:
+                           a waiting node reads its own, not the state (round zero-padded: in order)
     <prefix>store/<key>    the etcd-backed torch Store (``etcd_store.EtcdStore``)
 
 Every read of the state also reads the ``alive/`` and ``joining/`` keys in the same
@@ -155,6 +157,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self.state_key = self.prefix + "state"
         self._state_key = self.state_key.encode()
         self._summary_key = (self.prefix + "summary").encode()
+        self.ranks_prefix = self.prefix + "ranks/"
         self.alive_prefix = self.prefix + "alive/"
         self.joining_prefix = self.prefix + "joining/"
         self._header = MAGIC + b" " + run_id.encode() + b"\n"
@@ -201,6 +204,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     def joining_key(self, node_name: str) -> str:
         return self.joining_prefix + node_name
+
+    def rank_key(self, round_: int, node_name: str) -> str:
+        return f"{self.ranks_prefix}{round_:020d}/{node_name}"
 
     # -- etcd ---------------------------------------------------------------------------
     def _txn(self, what: str, compare: list, success: list, failure: list | None = None,
@@ -316,15 +322,44 @@ class EtcdRendezvousBackend(RendezvousBackend):
         kvs = resp.responses[0].response_range.kvs
         return (kvs[0].value if kvs else None), int(resp.responses[1].response_range.count)
 
-    def poll_round(self) -> tuple[bytes | None, int, str | None]:
-        """``poll_summary`` and the smallest name under joining/ (None when none), in one
-        request: a node that waits to be admitted learns that it became the admitter."""
-        resp = self._txn("state poll", [], [_get(self._summary_key), _count(self._alive.prefix),
-                                            _first(self._joining.prefix)])
+    def poll_round(self, rank_key: str | None = None) -> tuple[bytes | None, int, str | None, bytes | None]:
+        """``poll_summary``, the smallest name under joining/ and ``rank_key``'s value (each None when
+        absent), in one request: a waiting node learns that it admits now, or its rank."""
+        ops = [_get(self._summary_key), _count(self._alive.prefix), _first(self._joining.prefix)]
+        if rank_key is not None:
+            ops.append(_get(rank_key.encode()))
+        resp = self._txn("state poll", [], ops)
         kvs, first = resp.responses[0].response_range.kvs, resp.responses[2].response_range.kvs
+        rank = resp.responses[3].response_range.kvs if rank_key is not None else None
         n = len(self._joining.prefix)
         return ((kvs[0].value if kvs else None), int(resp.responses[1].response_range.count),
-                first[0].key[n:].decode() if first else None)
+                first[0].key[n:].decode() if first else None, rank[0].value if rank else None)
+
+    def publish_ranks(self, round_: int, ranks: dict[str, int]) -> None:
+        """Write every participant's ``rank_key`` of a round just completed (``"<rank> <world size>"``;
+        see ``admission.py``): 100 keys a transaction (etcd's default limit is 128 operations), all the
+        transactions sent at once (one round trip; one after the other they took 3 s under load)."""
+        world = len(ranks)
+        items = sorted(ranks.items())
+        requests = [etcdrpc.TxnRequest(success=[etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(
+            key=self.rank_key(round_, name).encode(), value=f"{rank} {world}".encode()))
+            for name, rank in items[i:i + 100]]) for i in range(0, len(items), 100)]
+
+        def send_all(client):
+            try:
+                for f in [client.kvstub.Txn.future(r, client.timeout, credentials=client.call_credentials,
+                                                   metadata=client.metadata) for r in requests]:
+                    f.result()
+            except grpc.RpcError as exc:
+                client._manage_grpc_errors(exc)  # raises etcd3's exception; the puts are sent again
+        self.requests += len(requests)
+        self._conn.call(send_all, "ranks write")
+
+    def delete_ranks_before(self, round_: int) -> None:
+        """Delete the ``rank_key`` of every round before ``round_``."""
+        end = f"{self.ranks_prefix}{round_:020d}/".encode()
+        self._txn("ranks delete", [], [etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(
+            key=self.ranks_prefix.encode(), range_end=end))])
 
     def set_state(self, state: bytes, token: Token | None = None, *,
                   summary: bytes | None = None, exact_joining: bool = True) -> tuple[bytes, Token, bool] | None:

@@ -125,7 +125,8 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
         self._lease = LeaseKeeper(conn, backend.alive_key(self.node_name), options.lease_ttl,
                                   options.keep_alive_interval, self._watch, on_renewed=self._renewals,
                                   tick_later=True)  # the watchdog starts when this node joined a round
-        self._joined: tuple[int, frozenset[str]] | None = None
+        self._joined: tuple[int, int, frozenset[str] | None] | None = None
+        """(round, world size, participants' names: None when the rank came from the rank key)."""
         self._first_round = True
         self._revoked: str | None = None
         self._waiting = 0
@@ -180,22 +181,34 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
                 self._lease.delete(joining_key)
             except RendezvousError as exc:
                 logger.info("could not delete %s (%s); it goes with the lease", joining_key, exc)
-        state = self._state_holder.state
-        rank, world_size = self._get_world()
-        store = self._get_store()
+        finished = self._op_executor.finished
+        if finished is not None:
+            # The rank came from this node's own rank key (admission.py): the holder's state is the
+            # open round's, read before the round completed; the store prefix is torch's _wrap_store's.
+            round_, rank, world_size = finished
+            store = PrefixStore(f"torch.rendezvous.{self._settings.run_id}.{round_}", self._store)
+            self._joined = (round_, world_size, None)
+        else:
+            state = self._state_holder.state
+            round_ = state.round
+            rank, world_size = self._get_world()
+            store = self._get_store()
+            self._joined = (round_, world_size, frozenset(node_name(n) for n in state.participants))
         # Fresh every round: rank 0 publishes its address and a free port; its rank-0 worker
         # hosts the TCPStore there (use_agent_store is False).
-        bootstrap = self._bootstrap(rank, state.round)
-        self._joined = (state.round, frozenset(node_name(n) for n in state.participants))
+        bootstrap = self._bootstrap(rank, round_)
         self._lease.start_ticking()
-        self._export_env(state.round)
-        if rank == 0 and state.round >= 2:
+        self._export_env(round_)
+        if rank == 0:
             try:
-                self._store.delete_prefix(f"torch.rendezvous.{self._settings.run_id}.{state.round - 2}/")
+                if round_ >= 2:
+                    self._store.delete_prefix(f"torch.rendezvous.{self._settings.run_id}.{round_ - 2}/")
+                if round_ >= 1:
+                    self._etcd_backend.delete_ranks_before(round_)
             except RendezvousError as exc:
-                logger.info("could not delete the store keys of round %d: %s", state.round - 2, exc)
+                logger.info("could not delete the keys of rounds before %d: %s", round_, exc)
         logger.info("node %s joined round %d of rendezvous '%s' as rank %d of %d", self.node_name,
-                    state.round, self._settings.run_id, rank, world_size)
+                    round_, self._settings.run_id, rank, world_size)
         return RendezvousInfo(store, rank, world_size, bootstrap)
 
     def _bootstrap(self, rank: int, round_: int) -> RendezvousStoreInfo:
@@ -242,7 +255,7 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
         self._live_rounds += 1
         store = PrefixStore(f"live-agent/{self.node_name}/{self._live_rounds}/", self._store)
         bootstrap = RendezvousStoreInfo.build(0, store, local_addr=self._this_node.addr)
-        self._joined = (0, frozenset())  # the lease watchdog runs; the round checks do not
+        self._joined = (0, 0, frozenset())  # the lease watchdog runs; the round checks do not
         self._lease.start_ticking()
         o, s = self._options, self._settings
         self._export_env(0, LiveSettings(

@@ -218,8 +218,10 @@ class LeaseKeeper:
         ``also``: more keys to write on the lease in the same request (a node's ``joining/`` key)."""
         with self._lock:
             sent = time.monotonic()
+            granted = None
             if self._lease_id is None or self._lost:
                 self._grant()
+                granted = sent
             try:
                 self._put_alive(also)
             except grpc.RpcError as exc:
@@ -229,6 +231,7 @@ class LeaseKeeper:
                 # renewal could tell us: this is the one place that may take a new lease.
                 logger.warning("the etcd lease of %s ended while etcd was out of reach; taking a new one",
                                self._key)
+                granted = time.monotonic()
                 self._grant()
                 self._put_alive(also)
             self._last_attempt = time.monotonic()
@@ -238,7 +241,12 @@ class LeaseKeeper:
             self._on_renewed(lease_id, sent)
         if not self._started and not self._stop.is_set():
             self._started = True
-            self.due = time.monotonic() + self._interval
+            # An interval from the grant, not from now: etcd counts the lease's time from the grant,
+            # and under load the alive key's write took a second or more after it. A first renewal
+            # an interval after that write came after the 3 s lease had run out (at 1,000 simulated
+            # agents the first leases were lost this way, 2.5 s in, and each loss cost every waiting
+            # agent a full read).
+            self.due = (granted if granted is not None else sent) + self._interval
             self._loop.add(self, self.due)
             if not self._tick_later:
                 self.start_ticking()
@@ -351,8 +359,14 @@ class LeaseKeeper:
                 self._renewed(lease_id, p.sent, ttl, p.answered - p.sent)
         return still
 
+    on_answer = None
+    """Tracing (``benchmarks/rdzv_scale.py --trace``): when set, called as ``on_answer(sent, took, lost)``
+    with every renewal answer, from the thread that applies it; it must be quick."""
+
     def _renewed(self, lease_id: int, sent: float, ttl: int, took: float) -> None:
         """Apply etcd's answer ``ttl`` to a renewal of ``lease_id`` sent at ``sent``."""
+        if self.on_answer is not None:
+            self.on_answer(sent, took, ttl <= 0)
         lost = False
         with self._lock:
             if self._lease_id != lease_id:  # closed, or a new lease granted meanwhile: not ours to judge

@@ -271,6 +271,12 @@ class EtcdRendezvousStateHolder(StateHolder):
         """How many nodes held a live lease key at the last sync."""
         self.first_joining: str | None = None
         """After a light sync: the smallest name waiting to join (None when none)."""
+        self.tolerate_short = False
+        """Whether a light sync of an open round stands although fewer nodes are alive than the state
+        names (``light_short``): a node that waits to be admitted leaves the dead to the admitter,
+        which syncs exactly, and reads exactly only before it writes (``admission.py``)."""
+        self.light_short = False
+        """After a light sync: fewer nodes were alive than the state names (one of them is dead)."""
 
     @property
     def joining_exact(self) -> bool:
@@ -296,7 +302,10 @@ class EtcdRendezvousStateHolder(StateHolder):
         one of them is dead and the sync reads both lists whole, exactly as a plain sync (a dead
         node is removed where it matters: by the admitter, which always syncs exactly, and by any
         node that can count the loss). A loss hidden by a newcomer's lease in the same count is
-        left to the admitter and to the membership watchdog."""
+        left to the admitter and to the membership watchdog. With ``tolerate_short`` an open round's
+        light sync stands even then (``light_short`` says so): the node only waits to be admitted,
+        and N waiting nodes each reading both lists at every lost lease was the O(N^2) that turned
+        a few lost leases into hundreds at 1,000 agents."""
         if self.light and not self._dirty and not (
                 use_cache and self._cache_duration > 0 and
                 self._last_sync_time >= max(time.monotonic() - self._cache_duration, 0)):
@@ -348,7 +357,8 @@ class EtcdRendezvousStateHolder(StateHolder):
                 self._pristine = (token, decode_state(state_bits))
             state = self._pristine[1]
         count = self._backend.light_alive_count
-        if count < len(state.participants) + len(state.wait_list) + len(state.redundancy_list):
+        self.light_short = count < len(state.participants) + len(state.wait_list) + len(state.redundancy_list)
+        if self.light_short and not (self.tolerate_short and not state.complete and not state.closed):
             return False
         self._state = _copy(state) if response is not None else state
         self._token = token

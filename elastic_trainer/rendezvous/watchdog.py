@@ -23,7 +23,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from elastic_trainer.rendezvous.torch_private import DynamicRendezvousHandler
 
-from elastic_trainer.rendezvous.state import decode_state, decode_summary
+from elastic_trainer.rendezvous.state import decode_state, decode_summary, node_name
 
 logger = logging.getLogger(__name__)
 
@@ -85,23 +85,23 @@ class MembershipWatchdog(DynamicRendezvousHandler):
             return
         if self._options.recovery == "live":
             return  # membership is the live quorum's business (rendezvous/quorum.py)
-        round_, members = joined
+        round_, world, members = joined
         try:
             # The summary and the count of live nodes, a few bytes: the whole state and the
             # live names only when the round changed or fewer nodes are alive than last time.
             summary, count = self._etcd_backend.poll_summary(retry_timeout=self._options.keep_alive_interval)
             summary = decode_summary(summary)
-            if summary is not None and summary[:4] == (round_, 1, 0, len(members)) and \
-                    count >= max(self._alive_count, len(members)):
+            if summary is not None and summary[:4] == (round_, 1, 0, world) and \
+                    count >= max(self._alive_count, world):
                 self._waiting, self._alive_count = summary[4], count
                 return
-            if summary is not None and summary[:4] == (round_, 1, 0, len(members)) and count < len(members):
+            if summary is not None and summary[:4] == (round_, 1, 0, world) and count < world:
                 # Fewer nodes alive than the round has participants: one of them is dead, and the
                 # names would not change what this node does. (Every node reading the state and
                 # every live name here, at each lost lease, was O(N^2): at 1,000 simulated agents
                 # those reads took the CPU that the renewals needed, and more leases ran out.)
-                self._revoke(f"{len(members) - count} participant(s) of round {round_} lost their etcd lease "
-                             f"({count} of {len(members)} nodes alive)")
+                self._revoke(f"{world - count} participant(s) of round {round_} lost their etcd lease "
+                             f"({count} of {world} nodes alive)")
                 return
             data, _, alive = self._etcd_backend.read(retry_timeout=self._options.keep_alive_interval)
             self._alive_count = len(alive)
@@ -119,6 +119,12 @@ class MembershipWatchdog(DynamicRendezvousHandler):
             self._revoke(f"round {round_} is over (etcd is at round {state.round}, "
                          f"complete={state.complete})")
             return
+        if len(state.participants) < world:  # a participant was removed: it lost its lease
+            self._revoke(f"{world - len(state.participants)} participant(s) of round {round_} left it "
+                         f"(their etcd lease ended)")
+            return
+        if members is None:  # the rank came from its rank key: the names are the state's
+            members = frozenset(node_name(n) for n in state.participants)
         dead = sorted(members - alive)
         if dead:
             self._revoke(f"participant(s) {', '.join(dead)} of round {round_} lost their etcd lease")
