@@ -143,4 +143,8 @@ def main(out_path: str, kind: str = "cpu") -> None:
 
 
 if __name__ == "__main__":
+    # Once in CI (2026-11-27) rank 0 ended in "terminate called without an active exception"
+    # (SIGABRT) with nothing else said: faulthandler prints the Python stack of such an abort.
+    import faulthandler
+    faulthandler.enable()
     main(*sys.argv[1:])
