@@ -68,6 +68,7 @@ event either way). Every process, channel, lease and the private etcd end with t
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -86,7 +87,7 @@ from elastic_trainer.env import LiveSettings  # noqa: E402
 from elastic_trainer.etcd_server import EtcdServer  # noqa: E402
 from elastic_trainer.rendezvous.live_watch import KeysWatch  # noqa: E402
 from elastic_trainer.rendezvous.members import Quorum, complete_nodes  # noqa: E402
-from elastic_trainer.rendezvous import quorum_record  # noqa: E402
+from elastic_trainer.rendezvous import node_report, quorum_record  # noqa: E402
 from benchmarks.live_sim_nodes import Pool, SimWorker, connection, daemon_thread  # noqa: E402
 
 TARGET_RPS, TARGET_S = 2000.0, 1.0
@@ -192,8 +193,10 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
             survivors = (n - 1 - k) * w
 
             def on_reports(changes, reports=reports, all_reported=all_reported, survivors=survivors) -> None:
-                reports.extend(1 for c in changes if c.value is not None)
-                if len(reports) >= survivors:
+                # a node's report (report/<q>/@<node>, --node-watch) counts its members
+                reports.extend(len(node_report.expand({c.key.rsplit("/", 1)[1]: json.loads(c.value)}))
+                               for c in changes if c.value is not None)
+                if sum(reports) >= survivors:
                     all_reported.set()
 
             watch = KeysWatch(main_conn, [f"{observer.prefix}report/{target}/"], lambda: None, on_events=on_reports)
@@ -245,6 +248,7 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
                     "loss_seen_median_s": round(_stats(lost_ts)[0], 3) if lost_ts else None,
                     "loss_seen_worst_s": round(_stats(lost_ts)[1], 3) if lost_ts else None,
                     "reports_in_s": None if args.no_reports else round(written_from - lost_at, 3),
+                    "report_puts": len(reports),
                     "quorum_written_s": round(written - lost_at, 3),
                     "known_median_s": round(_stats(knew_ts)[0], 3) if knew_ts else None,
                     "known_worst_s": round(_stats(knew_ts)[1], 3) if knew_ts else None,
@@ -260,7 +264,8 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
             losses.append(loss)
             q = new
             print(f"loss {k + 1} ({lost_node}): first saw it at {loss['loss_seen_first_s']}s, every survivor at {loss['loss_seen_worst_s']}s "
-                  f"(median {loss['loss_seen_median_s']}s), reports in at {loss['reports_in_s']}s, quorum {target} "
+                  f"(median {loss['loss_seen_median_s']}s), reports in at {loss['reports_in_s']}s "
+                  f"({loss['report_puts']:,} puts), quorum {target} "
                   f"written at {loss['quorum_written_s']}s, known by {len(knew_ts)}/{survivors} survivors: "
                   f"median {loss['known_median_s']}s, worst {loss['known_worst_s']}s "
                   f"({'met' if not missing and loss['known_worst_s'] < TARGET_S else 'NOT met'}: < {TARGET_S:g}s); "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -18,6 +19,8 @@ from elastic_trainer.env import LiveSettings
 from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
 from elastic_trainer.rendezvous.lease import LeaseKeeper
 from elastic_trainer.rendezvous.members import Member, ProbeListener, Quorum, View
+from elastic_trainer.rendezvous.live_reform import NODE_REPORT_EVERY
+from elastic_trainer.rendezvous.node_report import GRACE as NODE_REPORT_GRACE, NodeReport
 from elastic_trainer.rendezvous.node_watch import NodeWatch
 from elastic_trainer.rendezvous.progress import Progress
 from elastic_trainer.rendezvous.quorum import LiveGroup
@@ -69,6 +72,7 @@ class SimWorker(LiveGroup):
         self.target = 0
         self.node_dir: str | None = None  # --node-watch: the node's shared directory
         self.reporter: ThreadPoolExecutor | None = None  # puts the reports, as the training threads would
+        self.gatherer: Gatherer | None = None  # --node-watch: the node reporters' gathering
 
     def node_watch(self, on_change, on_promote) -> NodeWatch | None:
         """``--node-watch``: one etcd watch per node, as the product has it on a node's lease."""
@@ -127,9 +131,24 @@ class SimWorker(LiveGroup):
             self.knew_at = self.written_at
 
     def _report(self, target: int) -> None:
+        """A follower's report, as ``LiveGroup.reform`` makes it: with a node directory
+        (``--node-watch``), to the node's directory, and the node's reporter puts the node's one
+        report (``rendezvous/node_report.py``; the gathering is ``Part``'s ``gatherer`` thread);
+        else its own put."""
+        record = {"step": 0, "cause": "sim"}
+        if self.node_dir is not None and self.quorum is not None:
+            mine = [m.id for m in self.quorum.members if m.node == self.node]
+            report = NodeReport(self.node_dir, target, self.node, mine, self.id)
+            report.write(record)
+            if report.reporter and self.gatherer is not None:
+                self.gatherer.add(self, report)
+            return  # (a member its reporter left out puts its own after the grace: not simulated)
+        self._put(f"report/{target}/{self.id}", json.dumps(record).encode())
+
+    def _put(self, sub: str, value: bytes) -> None:
         for attempt in range(5):  # as reform's first put; a failure is printed, not raised
             try:
-                self._lease.put(self._key(f"report/{target}/{self.id}"), b'{"step": 0, "cause": "sim"}')
+                self._lease.put(self._key(sub), value)
                 return
             except Exception as exc:  # noqa: BLE001 - reported after the last try
                 if attempt == 4:
@@ -138,6 +157,55 @@ class SimWorker(LiveGroup):
 
     def close(self) -> None:
         self._stop_watching()
+
+
+class Gatherer:
+    """The reporters of this process's nodes (``--node-watch``) gathering their nodes' reports, as
+    the product's reporter does in its ``reform`` loop (``LiveReform._send_node_report``): every
+    ``NODE_REPORT_EVERY``, each pending reporter looks at its node's files, and once all are in
+    (or ``GRACE`` passed) its one put goes to the report pool. One thread, not one per reporter:
+    125 reporters waiting in a pool of 16 threads would hold it while their siblings' reports
+    queue behind them."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self._pool = pool
+        self._pending: list[tuple[SimWorker, NodeReport, float]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        daemon_thread("gatherer", self._run)
+
+    def add(self, worker: SimWorker, report: NodeReport) -> None:
+        with self._lock:
+            self._pending.append((worker, report, time.monotonic()))
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(1.0)
+            with self._lock:
+                pending = list(self._pending)
+            if not pending:
+                self._wake.clear()
+                continue
+            now, done = time.monotonic(), []
+            for worker, report, since in pending:
+                got = report.gathered()
+                if len(got) == len(report.members) or now - since > NODE_REPORT_GRACE:
+                    done.append((worker, report, since))
+                    self._pool.submit(self._send, worker, report, got)
+            with self._lock:
+                self._pending = [p for p in self._pending if p not in done]
+            time.sleep(NODE_REPORT_EVERY)
+
+    @staticmethod
+    def _send(worker: SimWorker, report: NodeReport, got: dict) -> None:
+        worker._put(report.key, report.value(got))
+        report.mark(list(got))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
 
 
 class Part:
@@ -165,8 +233,9 @@ class Part:
                 w.node_dir = os.path.join(node_dir, node) if node_dir is not None else None
         self.lost: set[str] = set()
         self.reporter = ThreadPoolExecutor(16)
+        self.gatherer = Gatherer(self.reporter) if node_dir is not None else None
         for w in self.all():
-            w.reporter = self.reporter
+            w.reporter, w.gatherer = self.reporter, self.gatherer
         self.shared_siblings = shared_siblings
         self.closing = threading.Event()
         self.look_errors = 0
@@ -300,6 +369,8 @@ class Part:
 
     def close(self) -> None:
         self.closing.set()
+        if self.gatherer is not None:
+            self.gatherer.close()
         self.reporter.shutdown(wait=False)
         for w in self.all(live=False):
             w.close()
@@ -378,4 +449,4 @@ class Pool:
                 proc.join()
 
 
-__all__ = ["GRPC_IDLE_WAIT", "PREFIX", "Part", "Pool", "SimWorker", "connection", "daemon_thread", "serve"]
+__all__ = ["GRPC_IDLE_WAIT", "Gatherer", "PREFIX", "Part", "Pool", "SimWorker", "connection", "daemon_thread", "serve"]

@@ -26,4 +26,6 @@ def test_a_lost_node_reaches_every_survivor_of_a_small_simulation(etcd, tmp_path
     # One whole read per watch, when it was established: a watch per worker, or per node (its
     # sibling loads the view the watching worker published).
     assert loss["whole_reads"] == (5 if node_watch else 10)
+    # One report per node where its workers share a directory (rendezvous/node_report.py)
+    assert loss["report_puts"] == (4 if node_watch else 8)
     assert result["lost_leases"] == 0 and result["look_errors"] == 0

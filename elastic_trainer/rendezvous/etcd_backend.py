@@ -36,7 +36,6 @@ import logging
 import threading
 
 import etcd3.utils
-import grpc
 from etcd3 import etcdrpc
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
@@ -214,15 +213,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
         """One etcd transaction of raw protobuf operations (python3-etcd3's ``transaction`` has no
         range options and wraps every key in Python objects); errors as python3-etcd3 raises them."""
         request = etcdrpc.TxnRequest(compare=compare, success=success, failure=failure or [])
-
-        def call(client):
-            try:
-                return client.kvstub.Txn(request, client.timeout, credentials=client.call_credentials,
-                                         metadata=client.metadata)
-            except grpc.RpcError as exc:
-                client._manage_grpc_errors(exc)  # raises etcd3's exception; fails over to another endpoint
         self.requests += 1
-        return self._conn.call(call, what, retry_timeout)
+        return self._conn.call(lambda client: client.txns([request])[0], what, retry_timeout)
 
     def _members(self, ranges: list, revision: int, what: str, views: tuple[_Members, ...],
                  retry_timeout: float | None = None, lazy: tuple[_Members, ...] = ()) -> None:
@@ -344,16 +336,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
         requests = [etcdrpc.TxnRequest(success=[etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(
             key=self.rank_key(round_, name).encode(), value=f"{rank} {world}".encode()))
             for name, rank in items[i:i + 100]]) for i in range(0, len(items), 100)]
-
-        def send_all(client):
-            try:
-                for f in [client.kvstub.Txn.future(r, client.timeout, credentials=client.call_credentials,
-                                                   metadata=client.metadata) for r in requests]:
-                    f.result()
-            except grpc.RpcError as exc:
-                client._manage_grpc_errors(exc)  # raises etcd3's exception; the puts are sent again
         self.requests += len(requests)
-        self._conn.call(send_all, "ranks write")
+        self._conn.call(lambda client: client.txns(requests), "ranks write")  # a failure sends them all again
 
     def delete_ranks_before(self, round_: int) -> None:
         """Delete the ``rank_key`` of every round before ``round_``."""

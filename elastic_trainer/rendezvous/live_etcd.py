@@ -9,7 +9,8 @@ else (no process hosts a single point of failure):
   there is one quorum at a time;
 - ``alive/<id>``: a worker is alive while this key lives, on its node's lease (or its own);
 - ``join/<id>``: a worker that waits to be admitted (a newcomer, or a cold start);
-- ``report/<q>/<id>``: a member's report for the re-form into quorum ``q`` (the step it completed);
+- ``report/<q>/<id>``: a member's report for the re-form into quorum ``q`` (the step it completed),
+  or ``report/<q>/@<node>``: a node's, for all its members (``rendezvous/node_report.py``);
 - ``stall/<q>`` and ``busy/<id>``: a declared hang of quorum ``q``, and the members in a slow phase;
 - ``store/<q>/``: the torch ``Store`` of quorum ``q``'s process group.
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from elastic_trainer.rendezvous import quorum_record
+from elastic_trainer.rendezvous import node_report, quorum_record
 from elastic_trainer.rendezvous.members import Quorum, View, json_values, range_end
 
 if TYPE_CHECKING:
@@ -53,41 +54,46 @@ class LiveEtcd:
 
     def _read(self, report_q: int | None = None, stall_q: int | None = None) -> View:
         """One transaction: the quorum, the leases, the joiners, and (when asked) the reports for
-        quorum ``report_q``, and the stall declared for quorum ``stall_q`` with the busy members."""
+        quorum ``report_q``, and the stall declared for quorum ``stall_q`` with the busy members.
+        Sent as etcd's own request (``txns``): the ``alive`` keys come without their values (a
+        proposer's look at 1,000 nodes of 8 reads 8,000 of them), and no key is wrapped in a
+        Python object of python3-etcd3's."""
+        from etcd3 import etcdrpc
+
         p = self.prefix
 
-        def txn(c):
-            t = c.transactions
-            ops = [t.get(p + "quorum"), t.get(p + "alive/", range_end=range_end(p + "alive/")),
-                   t.get(p + "join/", range_end=range_end(p + "join/"))]
-            if report_q is not None:
-                rp = f"{p}report/{report_q}/"
-                ops.append(t.get(rp, range_end=range_end(rp)))
-            if stall_q is not None:
-                ops += [t.get(f"{p}stall/{stall_q}"), t.get(p + "busy/", range_end=range_end(p + "busy/"))]
-            return c.transaction(compare=[], success=ops, failure=[])
+        def get(key: str, prefix: bool = False, keys_only: bool = False):
+            return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
+                key=key.encode(), range_end=range_end(key) if prefix else b"", keys_only=keys_only))
 
-        _, responses = self._call(txn, "read")
+        ops = [get(p + "quorum"), get(p + "alive/", True, keys_only=True), get(p + "join/", True)]
+        if report_q is not None:
+            ops.append(get(f"{p}report/{report_q}/", True))
+        if stall_q is not None:
+            ops += [get(f"{p}stall/{stall_q}"), get(p + "busy/", True)]
+        request = etcdrpc.TxnRequest(success=ops)
+        response = self._call(lambda c: c.txns([request])[0], "read")
+        ranges = [op.response_range.kvs for op in response.responses]
         quorum, rev = None, 0
-        if responses[0]:
-            value, meta = responses[0][0]
-            quorum, rev = self._decode_quorum(value, meta.mod_revision), meta.mod_revision
-        alive = {meta.key.decode()[len(p + "alive/"):] for _, meta in responses[1]}
+        if ranges[0]:
+            kv = ranges[0][0]
+            quorum, rev = self._decode_quorum(kv.value, kv.mod_revision), kv.mod_revision
+        n = len(p + "alive/")
+        alive = {kv.key[n:].decode() for kv in ranges[1]}
         joiners = {}
-        for value, meta in responses[2]:
+        for kv in ranges[2]:
             try:
-                joiners[meta.key.decode()[len(p + "join/"):]] = (json.loads(value), meta.create_revision)
+                joiners[kv.key.decode()[len(p + "join/"):]] = (json.loads(kv.value), kv.create_revision)
             except ValueError:
                 continue
         view = View(quorum, rev, alive, joiners)
-        rest = responses[3:]
+        rest = ranges[3:]
         if report_q is not None:
-            rp = f"{p}report/{report_q}/"
-            view.reports = json_values(rest[0], rp)
+            view.reports = node_report.expand(_json_values(rest[0], f"{p}report/{report_q}/"))
             rest = rest[1:]
         if stall_q is not None:
-            view.stall = next(iter(json_values(rest[0], f"{p}stall/").values()), None)
-            view.busy = {mid: v for mid, v in json_values(rest[1], p + "busy/").items() if v.get("q") == stall_q}
+            view.stall = next(iter(_json_values(rest[0], f"{p}stall/").values()), None)
+            view.busy = {mid: v for mid, v in _json_values(rest[1], p + "busy/").items() if v.get("q") == stall_q}
         return view
 
     def _decode_quorum(self, value: bytes, rev: int) -> Quorum:
@@ -155,5 +161,10 @@ class LiveEtcd:
     @property
     def token(self) -> str:
         return f"quorum-{self.quorum.q if self.quorum else 0}"
+
+def _json_values(kvs, prefix: str) -> dict[str, dict]:
+    """key (less ``prefix``) -> its JSON object, for the key-values of one raw range answer (others skipped)."""
+    return json_values(((kv.value, kv) for kv in kvs), prefix)
+
 
 __all__ = ["LiveEtcd"]

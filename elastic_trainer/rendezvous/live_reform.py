@@ -24,7 +24,13 @@ it reads nothing. Only the first ``BACKUPS`` followers in line do anything more:
   survivor did before, and every follower does past ``report_timeout + FOLLOW_GRACE``.
 
 A follower whose watcher does not look (none started: a ``LiveGroup`` used alone; its thread gone)
-proposes as every survivor did before. The fence is unchanged: whoever writes, the quorum key's
+proposes as every survivor did before.
+
+**One report per node.** Where a node's workers share a directory (the node's one etcd watch),
+each writes its report there and the node's first member puts one key for them all
+(``rendezvous/node_report.py``): 1,000 puts per loss at 1,000 nodes of 8, not 8,000, and the
+proposer's looks read 1,000 report keys back. A member its node's report did not cover within
+``node_report.GRACE`` puts its own. The fence is unchanged: whoever writes, the quorum key's
 mod revision is compared, so a proposer that was taken over and writes late fails its
 compare-and-swap and adopts the quorum it then reads. Design and numbers: docs/rendezvous.md,
 "At 1,000 and 10,000 nodes"; docs/trainer.md, "Live recovery".
@@ -38,6 +44,7 @@ import threading
 import time
 
 from elastic_trainer.rendezvous.live_lease import LiveLease
+from elastic_trainer.rendezvous.node_report import GRACE as NODE_REPORT_GRACE, NodeReport
 from elastic_trainer.rendezvous.members import (LiveExcluded, LiveTimeout, Member, Quorum, View, complete_nodes,
                                                 probe_dead)
 
@@ -52,6 +59,8 @@ to ``FOLLOW_GRACE``."""
 FOLLOW_GRACE = 1.0
 """Seconds past ``report_timeout`` after which every follower proposes too (a proposer alive but silent)."""
 PROBES_PER_LOOK = 64
+NODE_REPORT_EVERY = 0.002
+"""Seconds between two looks of a node's reporter at the reports its node's members wrote."""
 """Silent members the proposer probes per look, in turn."""
 
 
@@ -86,20 +95,22 @@ class LiveReform(LiveLease):
         target = old.q + 1
         if self.change_reason and self.change_reason not in cause:
             cause = f"{cause}: {self.change_reason}"
-        try:
-            self._lease.put(self._key(f"report/{target}/{self.id}"),
-                            json.dumps({"step": step, "cause": cause}).encode())
-        except Exception as exc:
-            if self._lease.lost or "lease not found" in str(exc).lower():
-                raise LiveExcluded(f"this worker's etcd lease expired before it could report ({exc})") from exc
-            raise
+        record = {"step": step, "cause": cause}
         timeout = self.settings.report_timeout if report_timeout is None else report_timeout
         entered = time.monotonic()
         rnd = _Round(old, target, cause, timeout, entered, entered + self.settings.join_timeout)
+        rnd.node_report = self._node_report(rnd)
+        if rnd.node_report is None:
+            self._put_report(f"report/{target}/{self.id}", json.dumps(record).encode())
+        else:  # to the node's directory; the node's reporter puts one for all (rendezvous/node_report.py)
+            rnd.node_report.write(record)
+            rnd.own_report = json.dumps(record).encode()
         firsts: dict[str, Member] = {}
         for m in old.members:  # the candidates: each node's first member, in member order
             firsts.setdefault(m.node, m)
         while True:
+            if rnd.node_report is not None and not rnd.node_report.done:
+                self._send_node_report(rnd)
             now = time.monotonic()
             place, ahead = 0, []
             if self._following() and now < entered + timeout + FOLLOW_GRACE:
@@ -118,14 +129,53 @@ class LiveReform(LiveLease):
                             rnd.dead |= dead
                             continue
                 if place > 0:
-                    self._seen_event.wait(PROBE_EVERY if place <= BACKUPS else self.settings.poll)
+                    wait = PROBE_EVERY if place <= BACKUPS else self.settings.poll
+                    if rnd.node_report is not None and not rnd.node_report.done:  # its node's report is due
+                        wait = min(wait, NODE_REPORT_EVERY if rnd.node_report.reporter else PROBE_EVERY)
+                    self._seen_event.wait(wait)
                     self._seen_event.clear()
                     continue
+            if rnd.node_report is not None and not rnd.node_report.done:
+                time.sleep(NODE_REPORT_EVERY)  # its own node's report first: the look would wait for it
+                continue
             formed = self._propose_once(rnd)
             if formed is not None:
                 return formed
             # 3 ms between looks, or as long as a look took (O(N): ~0.1 s at 1,000 nodes of 8)
             time.sleep(max(0.003, rnd.read_s))
+
+    def _put_report(self, sub: str, value: bytes) -> None:
+        try:
+            self._lease.put(self._key(sub), value)
+        except Exception as exc:
+            if self._lease.lost or "lease not found" in str(exc).lower():
+                raise LiveExcluded(f"this worker's etcd lease expired before it could report ({exc})") from exc
+            raise
+
+    def _node_report(self, rnd: _Round) -> NodeReport | None:
+        """This worker's part in its node's one report (``rendezvous/node_report.py``), where its
+        node has several members in the old quorum and a directory (the node's one watch); None:
+        it puts its own report."""
+        node_watch = getattr(getattr(self, "watcher", None), "_node", None)
+        mine = [m.id for m in rnd.by_node.get(self.node, ())]
+        if node_watch is None or len(mine) < 2 or self.id not in mine:
+            return None
+        return NodeReport(node_watch.dir, rnd.target, self.node, mine, self.id)
+
+    def _send_node_report(self, rnd: _Round) -> None:
+        """The reporter: its node's report, once every member of the node wrote its own or
+        ``node_report.GRACE`` passed; another member: its own report, if the node's did not
+        cover it within ``GRACE``."""
+        nr = rnd.node_report
+        late = time.monotonic() - rnd.entered > NODE_REPORT_GRACE
+        if nr.reporter:
+            got = nr.gathered()
+            if len(got) == len(nr.members) or late:
+                self._put_report(nr.key, nr.value(got))
+                nr.mark(list(got))
+        elif not nr.covered() and late:
+            self._put_report(f"report/{rnd.target}/{self.id}", rnd.own_report)
+            nr.done = True
 
     def _line(self, rnd: _Round, firsts: dict[str, Member]) -> tuple[int, list[Member]]:
         """This worker's place in line (0: the proposer) among the candidates its watcher's view
@@ -239,6 +289,8 @@ class _Round:
         self.by_node: dict[str, list[Member]] = {}
         for m in old.members:
             self.by_node.setdefault(m.node, []).append(m)
+        self.node_report: NodeReport | None = None  # this worker's part in its node's one report
+        self.own_report = b""
 
 
 __all__ = ["BACKUPS", "FOLLOW_GRACE", "LiveReform", "PROBES_PER_LOOK", "PROBE_EVERY"]

@@ -203,7 +203,6 @@ class WatcherView:
         """Every watched key, in one transaction, as changes that put them. The transaction is sent
         as etcd's own request and its key-values read from the response as they are (python-etcd3's
         ``transaction`` wraps each in a metadata object: half of a first read's cost at 8,000 keys)."""
-        import grpc
         from etcd3 import etcdrpc
 
         keys = [self.group._key(k) for k in WATCHED]
@@ -211,15 +210,7 @@ class WatcherView:
             key=k.encode(), range_end=range_end(k) if k.endswith("/") else b"")) for k in keys]
 
         def txn(c):
-            try:
-                response = c.kvstub.Txn(etcdrpc.TxnRequest(success=ops), c.timeout,
-                                        credentials=c.call_credentials, metadata=c.metadata)
-            except grpc.RpcError:  # python-etcd3's own call: it marks a failed endpoint (fail-over) and raises
-                t = c.transactions
-                _, got = c.transaction(compare=[], success=[
-                    t.get(k, range_end=range_end(k)) if k.endswith("/") else t.get(k) for k in keys], failure=[])
-                return [Change(meta.key.decode(), value, meta.create_revision, meta.mod_revision)
-                        for response in got for value, meta in response]
+            response = c.txns([etcdrpc.TxnRequest(success=ops)])[0]
             return [Change(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
                     for op in response.responses for kv in op.response_range.kvs]
 

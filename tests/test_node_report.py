@@ -1,0 +1,138 @@
+"""One report per node for a live re-form (``rendezvous/node_report.py``) on a real etcd: the
+workers of a node on the node's lease write their reports to the node's directory and its
+reporter puts one key for them all, the proposer reads each member's step from it, and a member
+whose node's reporter never reports (hung) puts its own after the grace. Two nodes of two
+in-process workers each, on their agents' leases, as ``test_node_watch.py`` builds them."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from contextlib import ExitStack
+
+import pytest
+
+from elastic_trainer.env import LiveSettings
+from elastic_trainer.rendezvous import node_report
+from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
+from elastic_trainer.rendezvous.lease import LeaseKeeper
+from elastic_trainer.rendezvous.node_lease import AgentRecord
+from elastic_trainer.rendezvous.quorum import LiveExcluded, LiveGroup
+from tests.helpers.common import wait_until
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def nodes(etcd, run_id):
+    """Two nodes of two workers on their agents' leases, joined into one quorum and watching; in
+    member order. Everything is closed at the test's end."""
+    with ExitStack() as stack:
+        settings = LiveSettings(min_nodes=2, max_nodes=2, last_call=0.0, join_timeout=20, lease_ttl=5,
+                                keep_alive_interval=1.0, report_timeout=2.0)
+        workers: list[LiveGroup] = []
+        for n in range(2):
+            agent_conn = _conn(etcd, stack)
+            record = AgentRecord()
+            stack.callback(record.close)
+            agent = LeaseKeeper(agent_conn, f"/{run_id}/alive/node{n}", ttl=5, interval=1.0, on_renewed=record)
+            agent.ensure()
+            stack.callback(agent.close, revoke=True)
+            for r in range(2):
+                w = LiveGroup(_conn(etcd, stack), f"/{run_id}/", f"node{n}", r, 2, "127.0.0.1", settings,
+                              node_lease=agent.lease_id)
+                stack.callback(w.close)
+                workers.append(w)
+        threads = [threading.Thread(target=w.join, daemon=True) for w in workers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert all(w.quorum is not None and w.quorum.world_size == 4 for w in workers)
+        for w in workers:
+            w.start_watching()
+        wait_until(lambda: all(w.watcher.reads + w.watcher.loads >= 1 for w in workers), 10, "every first view",
+                   interval=0.02)
+        order = [m.id for m in workers[0].quorum.members]
+        yield sorted(workers, key=lambda w: order.index(w.id))
+
+
+def _conn(etcd, stack: ExitStack) -> EtcdConnection:
+    conn = EtcdConnection(EtcdOptions(endpoints=parse_endpoints(etcd.endpoint), retry_timeout=10))
+    stack.callback(conn.close)
+    return conn
+
+
+def _reform(workers: list[LiveGroup], steps: dict[str, int]) -> dict:
+    """The given workers re-form at once, each with its step: id -> the quorum, or the error."""
+    got: dict = {}
+
+    def one(w: LiveGroup) -> None:
+        try:
+            got[w.id] = w.reform(steps[w.id], "test")
+        except LiveExcluded as exc:
+            got[w.id] = exc
+
+    threads = [threading.Thread(target=one, args=(w,), daemon=True) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return got
+
+
+def _report_keys(w: LiveGroup, target: int) -> dict[str, bytes]:
+    prefix = w._key(f"report/{target}/")
+    return {meta.key.decode()[len(prefix):]: value
+            for value, meta in w.conn.call(lambda c: list(c.get_prefix(prefix)), "test read")}
+
+
+def test_each_node_puts_one_report_and_the_proposer_reads_every_members_step(nodes):
+    steps = {w.id: 7 for w in nodes}
+    behind = nodes[3]  # one worker completed one step less: it must receive the state
+    steps[behind.id] = 6
+    got = _reform(nodes, steps)
+    q = got[nodes[0].id]
+    assert all(got[w.id] == q for w in nodes), got
+    assert q.world_size == 4 and q.step == 7
+    assert q.receivers == (q.rank_of(behind.id),), "the step read from the node's report decides who receives"
+    keys = _report_keys(nodes[0], q.q)
+    assert sorted(keys) == ["@node0", "@node1"], f"one report per node, no worker's own: {sorted(keys)}"
+    node_dir = nodes[0].watcher._node.dir
+    assert f"report-{q.q}.done" in os.listdir(node_dir)
+    again = _reform(nodes, {w.id: 8 for w in nodes})
+    assert again[nodes[0].id].q == q.q + 1 and again[nodes[0].id].receivers == ()
+    left = [n for n in os.listdir(node_dir) if n.startswith("report-")]
+    assert left and all(n.startswith(f"report-{q.q + 1}") for n in left), f"the older re-form's files stay: {left}"
+
+
+def test_a_member_whose_reporter_never_reports_puts_its_own_after_the_grace(nodes):
+    """node1's reporter (its first member) is hung: it never re-forms. Its sibling's report is in
+    etcd after the grace, under its own id; node1 is dropped whole at report_timeout and the
+    sibling learns that it was left out."""
+    first_of_node1 = next(m.id for m in nodes[0].quorum.members if m.node == "node1")
+    hung = next(w for w in nodes if w.id == first_of_node1)
+    sibling = next(w for w in nodes if w.node == "node1" and w is not hung)
+    others = [w for w in nodes if w is not hung]
+    for w in others:  # node0 alone may go on
+        w.settings = dataclasses.replace(w.settings, min_nodes=1)
+    target = nodes[0].quorum.q + 1
+    seen: list[float] = []
+    began = time.monotonic()
+
+    def watch_own() -> None:
+        while time.monotonic() - began < 10 and not seen:
+            if sibling.id in _report_keys(nodes[0], target):
+                seen.append(time.monotonic() - began)
+            time.sleep(0.02)
+
+    t = threading.Thread(target=watch_own, daemon=True)
+    t.start()
+    got = _reform(others, {w.id: 7 for w in others})
+    t.join(10)
+    assert seen and node_report.GRACE <= seen[0] < node_report.GRACE + 1.0, seen
+    assert isinstance(got[sibling.id], LiveExcluded), got
+    q = got[nodes[0].id]
+    assert q.nodes == ["node0"], "node1 is dropped whole: its reporter never reported"
