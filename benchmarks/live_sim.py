@@ -116,6 +116,18 @@ def etcd_cpu_s(pid: int | None) -> float:
         return 0.0
 
 
+def full_names(nodes: list[str], lost: list[str], count: int) -> list[str]:
+    """The ``--full-nodes``: every node a loss's proposer may come from (the first ones in the
+    quorum's order, one more than the losses), the lost ones, then nodes spread evenly over the
+    rest, ``count`` in all (or more, where the first two need it)."""
+    chosen = dict.fromkeys(nodes[:len(lost) + 1] + lost)
+    rest = [x for x in nodes if x not in chosen]
+    extra = max(0, count - len(chosen))
+    if extra and rest:
+        chosen.update(dict.fromkeys(rest[int(i * len(rest) / extra)] for i in range(min(extra, len(rest)))))
+    return list(chosen)
+
+
 def _stats(ts: list[float]) -> tuple[float, float]:
     return statistics.median(ts), max(ts)
 
@@ -129,13 +141,17 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
     nodes = [f"node{i:05d}" for i in range(n)]
     procs = min(args.processes, n)
     owner = {node: i % procs for i, node in enumerate(nodes)}
+    full_nodes = getattr(args, "full_nodes", None)
+    if full_nodes is not None and not 1 <= full_nodes <= n:
+        raise ValueError(f"--full-nodes must be between 1 and --nodes ({n})")
+    lost_nodes = [nodes[(k * 7919 + 1) % n] for k in range(args.losses)]
     pool = Pool(procs)
     main_conn = connection(endpoint)
     observer = SimWorker(main_conn, "observer", 0, 1, settings, None)
     result: dict = {"nodes": n, "workers": w, "processes": procs, "channels": args.channels, "poll_s": args.poll,
                     "watcher": "reread" if args.reread else "events", "node_watch": args.node_watch,
                     "shared_siblings": getattr(args, "shared_siblings", False),
-                    "start_wave": getattr(args, "start_wave", 0)}
+                    "start_wave": getattr(args, "start_wave", 0), "full_nodes": full_nodes}
     try:
         t = time.monotonic()
         registered = sum(pool.ask("setup", [{"endpoint": endpoint, "nodes": [x for x in nodes if owner[x] == i],
@@ -152,6 +168,8 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
             raise RuntimeError(f"{registered} workers registered, {len(members)} in whole nodes: not {n * w}")
         result["registered_s"] = round(time.monotonic() - t, 2)
         result["quorum_bytes"] = len(q1.to_json())
+        if full_nodes is not None:  # the proposers (the first nodes in the quorum's order) and the lost ones are full
+            result["full_nodes"] = sum(pool.ask("thin_out", {"full": full_names(q1.nodes, lost_nodes, full_nodes)}))
         pool.ask("adopt", {"data": q1.to_json()})
         read = sum(a["read"] for a in pool.ask("watch", {"reports": not args.no_reports, "timeout": args.timeout,
                                                           "wave": getattr(args, "start_wave", 0)}))
@@ -183,7 +201,7 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
 
         losses, q = [], q1
         for k in range(args.losses):
-            lost_node = nodes[(k * 7919 + 1) % n]
+            lost_node = lost_nodes[k]
             target = q.q + 1
             # the first member of the first node not lost: its reform proposes (live_reform.py)
             proposer = next(m.id for m in q.members if m.node != lost_node)
@@ -229,13 +247,19 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
                 if new is None or new.q != target:
                     raise RuntimeError(f"etcd holds quorum {new.q if new else None}, not {target}")
             m1, b1, c1 = scrape(endpoint), sent_bytes(endpoint), etcd_cpu_s(etcd_pid)
-            lost_ts = [x - lost_at for p in parts for x in p["lost_at"] if x is not None]
+            lost_ts = [x - lost_at for p in parts for x in p["lost_at"] + p["thin_lost_at"] if x is not None]
+            # a thin node knows the quorum when its stream delivered it (its in-node work is the full nodes')
             knew_ts = [x - lost_at for p in parts for x in p["knew_at"] if x is not None]
+            knew_ts += [x - lost_at for p in parts for x in p["thin_event_at"] if x is not None for _ in range(w)]
+            thin_survivors = sum(p["thin_workers"] for p in parts)
             # the breakdown: the workers that keep an etcd watch (all, or one per node) and the
             # siblings that learn from them
             by_role: dict[str, dict[str, list[float]]] = {"watching": {"lost": [], "knew": []},
                                                           "siblings": {"lost": [], "knew": []}}
             by_role["watching"]["event"] = [x - lost_at for p in parts for x in p["event_at"]]
+            if thin_survivors:
+                by_role["thin"] = {"lost": [x - lost_at for p in parts for x in p["thin_lost_at"] if x is not None],
+                                   "event": [x - lost_at for p in parts for x in p["thin_event_at"] if x is not None]}
             for p in parts:
                 for lost_x, knew_x, keeps in zip(p["lost_at"], p["knew_at"], p["keeps_watch"]):
                     role = by_role["watching" if keeps else "siblings"]
@@ -243,8 +267,9 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
                         role["lost"].append(lost_x - lost_at)
                     if knew_x is not None:
                         role["knew"].append(knew_x - lost_at)
-            missing = survivors - len(knew_ts)
-            loss = {"node": lost_node, "survivors": survivors, "knew": len(knew_ts),
+            knew = len(knew_ts)  # a thin node's workers count when its stream delivered the quorum
+            missing = survivors - knew
+            loss = {"node": lost_node, "survivors": survivors, "knew": knew,
                     "loss_seen_median_s": round(_stats(lost_ts)[0], 3) if lost_ts else None,
                     "loss_seen_worst_s": round(_stats(lost_ts)[1], 3) if lost_ts else None,
                     "reports_in_s": None if args.no_reports else round(written_from - lost_at, 3),
@@ -266,7 +291,7 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
             print(f"loss {k + 1} ({lost_node}): first saw it at {loss['loss_seen_first_s']}s, every survivor at {loss['loss_seen_worst_s']}s "
                   f"(median {loss['loss_seen_median_s']}s), reports in at {loss['reports_in_s']}s "
                   f"({loss['report_puts']:,} puts), quorum {target} "
-                  f"written at {loss['quorum_written_s']}s, known by {len(knew_ts)}/{survivors} survivors: "
+                  f"written at {loss['quorum_written_s']}s, known by {knew}/{survivors} survivors: "
                   f"median {loss['known_median_s']}s, worst {loss['known_worst_s']}s "
                   f"({'met' if not missing and loss['known_worst_s'] < TARGET_S else 'NOT met'}: < {TARGET_S:g}s); "
                   f"etcd {loss['requests']:,} requests, {loss['sent_bytes'] / 1e6:,.1f} MB sent "
@@ -307,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-wave", type=int, default=0,
                    help="nodes per process that start watching at a time, each wave once the one before has read "
                         "(default 0: all at once)")
+    p.add_argument("--full-nodes", type=int, default=None,
+                   help="only this many nodes (spread over the processes; the proposer's and the lost node among "
+                        "them) run the product's code whole; the others are thin: their etcd side only (lease, keys, "
+                        "one watch stream, one report put per loss), their in-node work left out (default: all full)")
     p.add_argument("--no-reports", action="store_true",
                    help="write the next quorum as soon as the lease is revoked (no report round)")
     p.add_argument("--settle", type=float, default=5.0, help="seconds before the steady window")

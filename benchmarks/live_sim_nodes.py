@@ -20,7 +20,10 @@ from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, 
 from elastic_trainer.rendezvous.lease import LeaseKeeper
 from elastic_trainer.rendezvous.members import Member, ProbeListener, Quorum, View
 from elastic_trainer.rendezvous.live_reform import NODE_REPORT_EVERY
-from elastic_trainer.rendezvous.node_report import GRACE as NODE_REPORT_GRACE, NodeReport
+from elastic_trainer.rendezvous.live_watch import KeysWatch
+from elastic_trainer.rendezvous.node_report import GRACE as NODE_REPORT_GRACE, NODE_MARK, NodeReport
+from elastic_trainer.rendezvous.quorum_record import record_q
+from elastic_trainer.rendezvous.watcher_view import WATCHED
 from elastic_trainer.rendezvous.node_watch import NodeWatch
 from elastic_trainer.rendezvous.progress import Progress
 from elastic_trainer.rendezvous.quorum import LiveGroup
@@ -95,8 +98,14 @@ class SimWorker(LiveGroup):
                 self.lost_at = time.monotonic()
                 if reports and self.quorum is not None and self.target == self.quorum.q + 1:
                     # the training thread reports (LiveGroup.reform), not the watcher: off its thread;
-                    # the first in line runs the product's reform (it reports, reads, writes)
-                    self.reporter.submit(self._reform if self.proposer else self._report, self.target)
+                    # the first in line runs the product's reform (it reports, reads, writes). A
+                    # report to the node's directory is a local file: written at once, as each
+                    # worker of a real node writes its own (queued behind 1,000 puts, the node's
+                    # reporter would gather before its siblings are in)
+                    if self.proposer:
+                        self.reporter.submit(self._reform, self.target)
+                    elif not self._report_to_node(self.target):
+                        self.reporter.submit(self._report, self.target)
 
         def seen(view: View) -> None:
             q = view.quorum
@@ -135,15 +144,21 @@ class SimWorker(LiveGroup):
         (``--node-watch``), to the node's directory, and the node's reporter puts the node's one
         report (``rendezvous/node_report.py``; the gathering is ``Part``'s ``gatherer`` thread);
         else its own put."""
-        record = {"step": 0, "cause": "sim"}
-        if self.node_dir is not None and self.quorum is not None:
-            mine = [m.id for m in self.quorum.members if m.node == self.node]
-            report = NodeReport(self.node_dir, target, self.node, mine, self.id)
-            report.write(record)
-            if report.reporter and self.gatherer is not None:
-                self.gatherer.add(self, report)
-            return  # (a member its reporter left out puts its own after the grace: not simulated)
-        self._put(f"report/{target}/{self.id}", json.dumps(record).encode())
+        self._put(f"report/{target}/{self.id}", json.dumps({"step": 0, "cause": "sim"}).encode())
+
+    def _report_to_node(self, target: int) -> bool:
+        """``--node-watch``: this worker's report to its node's directory (its node's reporter hands
+        the node to the ``Gatherer``, which puts the node's report and, as the product's members do
+        past the grace, the reports of those it did not cover). False: none (it puts its own)."""
+        if self.node_dir is None or self.quorum is None or self.gatherer is None:
+            return False
+        mine = [m.id for m in self.quorum.members if m.node == self.node]
+        if len(mine) < 2:
+            return False
+        report = NodeReport(self.node_dir, target, self.node, mine, self.id)
+        report.write({"step": 0, "cause": "sim"})
+        self.gatherer.add(self, report)
+        return True
 
     def _put(self, sub: str, value: bytes) -> None:
         for attempt in range(5):  # as reform's first put; a failure is printed, not raised
@@ -159,17 +174,64 @@ class SimWorker(LiveGroup):
         self._stop_watching()
 
 
+class ThinNode:
+    """A node of ``--full-nodes``' load (every node not among the full ones): its etcd side as the
+    product's, its in-node work left out. It keeps its lease (renewed every second), its workers'
+    ``alive`` and ``join`` keys, and ONE etcd watch stream on the live keys, as a node's watching
+    worker does; when its stream shows a loss it puts its node's one report (as the node's
+    reporter would once its workers wrote theirs), and it times when the stream delivered the next
+    quorum. What it does not do is what a real node does on its own CPUs: the watcher's looks, the
+    publish to the node's directory, its siblings' loads and looks. The full nodes run all of that
+    (the product's code), and their numbers say what it adds (from the watching worker's event to
+    the last sibling's knowing)."""
+
+    def __init__(self, conn, node: str, keeper: LeaseKeeper, workers: list[SimWorker], pool: ThreadPoolExecutor) -> None:
+        self.conn, self.node, self.keeper, self.workers, self.pool = conn, node, keeper, workers, pool
+        self.prefix = workers[0].prefix
+        self.target = 0
+        self.lost_at: float | None = None
+        self.event_at: float | None = None
+        self.watch: KeysWatch | None = None
+
+    def start(self) -> None:
+        self.watch = KeysWatch(self.conn, [self.prefix + k for k in WATCHED], lambda: None, on_events=self._events)
+        daemon_thread("thin-watch", self.watch.run)
+
+    def _events(self, changes) -> None:
+        now = time.monotonic()
+        for c in changes:
+            if c.key == self.prefix + "quorum":
+                if c.value is not None and self.event_at is None and record_q(c.value) >= self.target > 0:
+                    self.event_at = now
+            elif c.value is None and self.lost_at is None and self.target > 0 and c.key.startswith(self.prefix + "alive/"):
+                self.lost_at = now
+                self.pool.submit(self._report, self.target)
+
+    def _report(self, target: int) -> None:
+        record = {"step": 0, "cause": "sim"}
+        self.workers[0]._put(f"report/{target}/{NODE_MARK}{self.node}",
+                             json.dumps({"members": {w.id: record for w in self.workers}}).encode())
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
+
+
 class Gatherer:
-    """The reporters of this process's nodes (``--node-watch``) gathering their nodes' reports, as
-    the product's reporter does in its ``reform`` loop (``LiveReform._send_node_report``): every
-    ``NODE_REPORT_EVERY``, each pending reporter looks at its node's files, and once all are in
-    (or ``GRACE`` passed) its one put goes to the report pool. One thread, not one per reporter:
-    125 reporters waiting in a pool of 16 threads would hold it while their siblings' reports
-    queue behind them."""
+    """The node reports of this process's nodes (``--node-watch``), as the product makes them in
+    each worker's ``reform`` loop (``LiveReform._send_node_report``), from one thread: a node's
+    reporter puts the node's report once every member's file is in (looked at again whenever a
+    member of its node wrote one, where the product's reporter looks every ``NODE_REPORT_EVERY``)
+    or ``GRACE`` passed; a member that its node's report did not cover ``GRACE`` after it wrote
+    its own puts its own (the product's member looks at each loop). The puts go to the report pool.
+    One thread, not one per reporter: 125 reporters waiting in a pool of 16 threads would hold it
+    while their siblings' reports queue behind them."""
 
     def __init__(self, pool: ThreadPoolExecutor) -> None:
         self._pool = pool
-        self._pending: list[tuple[SimWorker, NodeReport, float]] = []
+        self._reporters: dict[str, tuple[SimWorker, NodeReport, float]] = {}  # node -> its pending reporter
+        self._members: list[tuple[SimWorker, NodeReport, float]] = []  # the others, until GRACE
+        self._dirty: set[str] = set()  # nodes a member of which wrote its file since the last look
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -177,26 +239,35 @@ class Gatherer:
 
     def add(self, worker: SimWorker, report: NodeReport) -> None:
         with self._lock:
-            self._pending.append((worker, report, time.monotonic()))
+            if report.reporter:
+                self._reporters[worker.node] = (worker, report, time.monotonic())
+            else:
+                self._members.append((worker, report, time.monotonic()))
+            self._dirty.add(worker.node)
         self._wake.set()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(1.0)
+            self._wake.wait(NODE_REPORT_EVERY if self._reporters or self._members else 1.0)
+            self._wake.clear()
+            now = time.monotonic()
             with self._lock:
-                pending = list(self._pending)
-            if not pending:
-                self._wake.clear()
-                continue
-            now, done = time.monotonic(), []
-            for worker, report, since in pending:
+                dirty, self._dirty = self._dirty, set()
+                due = [n for n, (_, _, since) in self._reporters.items() if n in dirty or now - since > NODE_REPORT_GRACE]
+                late = [m for m in self._members if now - m[2] > NODE_REPORT_GRACE]
+            for node in due:
+                worker, report, since = self._reporters[node]
                 got = report.gathered()
                 if len(got) == len(report.members) or now - since > NODE_REPORT_GRACE:
-                    done.append((worker, report, since))
+                    with self._lock:
+                        del self._reporters[node]
                     self._pool.submit(self._send, worker, report, got)
-            with self._lock:
-                self._pending = [p for p in self._pending if p not in done]
-            time.sleep(NODE_REPORT_EVERY)
+            for worker, report, _ in late:
+                if not report.covered():
+                    self._pool.submit(worker._report, report.target)
+            if late:
+                with self._lock:
+                    self._members = [m for m in self._members if m not in late]
 
     @staticmethod
     def _send(worker: SimWorker, report: NodeReport, got: dict) -> None:
@@ -236,12 +307,24 @@ class Part:
         self.gatherer = Gatherer(self.reporter) if node_dir is not None else None
         for w in self.all():
             w.reporter, w.gatherer = self.reporter, self.gatherer
+        self.thin: dict[str, ThinNode] = {}  # --full-nodes: the nodes that are not full (thin_out)
         self.shared_siblings = shared_siblings
         self.closing = threading.Event()
         self.look_errors = 0
 
     def all(self, live: bool = True) -> list[SimWorker]:
         return [w for n, ws in self.workers.items() if not (live and n in self.lost) for w in ws]
+
+    def thin_out(self, full: list[str]) -> int:
+        """``--full-nodes``: the nodes of this process not in ``full`` become ``ThinNode``s (before ``watch``)."""
+        self.thin = {node: ThinNode(ws[0].conn, node, self.keepers[node], ws, self.reporter)
+                     for node, ws in self.workers.items() if node not in full}
+        return len(self.workers) - len(self.thin)
+
+    def full(self, live: bool = True) -> list[SimWorker]:
+        """The workers of the nodes that run the product's code whole (all, without ``--full-nodes``)."""
+        return [w for n, ws in self.workers.items() if not (live and n in self.lost) and n not in self.thin
+                for w in ws]
 
     def register(self) -> int:
         workers = self.all()
@@ -270,7 +353,9 @@ class Part:
         ``wave`` (> 0): the nodes of this process start ``wave`` at a time, each wave once the one
         before has read (nodes of a real job start over a minute, not in one instant)."""
         deadline = time.monotonic() + timeout
-        nodes = list(self.workers.values())
+        for thin in self.thin.values():
+            thin.start()
+        nodes = [ws for n, ws in self.workers.items() if n not in self.thin]
         step = wave if wave > 0 else len(nodes)
         for i in range(0, len(nodes), step):
             batch = nodes[i:i + step]
@@ -281,22 +366,24 @@ class Part:
                 time.sleep(0.02)
         if self.shared_siblings:
             while not all(ws[0].watcher._node is not None and ws[0].watcher._node.leader
-                          for ws in self.workers.values()) and time.monotonic() < deadline:
+                          for ws in nodes) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            siblings = [w for ws in self.workers.values() for w in ws[1:]]
+            siblings = [w for ws in nodes for w in ws[1:]]
             for w in siblings:
                 w.watch(reports, thread=False)
                 w.watcher._node = w.node_watch(w.watcher._changed, w.watcher._open_watch)
                 if w.watcher._node.try_lead():
                     raise RuntimeError(f"{w.id} took its node's watch: the first worker did not")
             daemon_thread("siblings", self._serve_siblings, siblings)
-        while any(w.watcher.reads + w.watcher.loads < 1 for w in self.all()) and time.monotonic() < deadline:
+        while (any(w.watcher.reads + w.watcher.loads < 1 for w in self.full())
+               or any(not t.watch.established.is_set() for t in self.thin.values())) and time.monotonic() < deadline:
             time.sleep(0.05)
         # What the start made lives to the end (~1,000 nodes' views): out of the collector's sweeps,
         # which would otherwise walk it all while a loss is timed (each a product node's own heap).
         gc.collect()
         gc.freeze()
-        return {"read": sum(w.watcher.reads + w.watcher.loads >= 1 for w in self.all())}
+        return {"read": sum(w.watcher.reads + w.watcher.loads >= 1 for w in self.full())
+                + sum(len(t.workers) for t in self.thin.values() if t.watch.established.is_set())}
 
     def expect(self, target: int, proposer: str | None) -> None:
         """The next loss re-forms into ``target``; worker ``proposer`` (if it is here) runs the product's reform."""
@@ -304,10 +391,16 @@ class Part:
             w.lost_at = w.knew_at = w.event_at = w.written_at = None
             w.target = target
             w.proposer = w.id == proposer
+        for thin in self.thin.values():
+            if thin.node not in self.lost:
+                thin.lost_at = thin.event_at = None
+                thin.target = target
 
     def lose(self, node: str) -> float:
         for w in self.workers[node]:
             w.close()
+        if node in self.thin:
+            self.thin[node].close()
         self.lost.add(node)
         t0 = time.monotonic()
         self.keepers[node].close(revoke=True)
@@ -315,13 +408,17 @@ class Part:
 
     def collect(self, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
-        while any(w.knew_at is None for w in self.all()) and time.monotonic() < deadline:
+        thin = [t for n, t in self.thin.items() if n not in self.lost]
+        while (any(w.knew_at is None for w in self.full()) or any(t.event_at is None for t in thin)) \
+                and time.monotonic() < deadline:
             time.sleep(0.02)
-        ws = self.all()
+        ws = self.full()
         return {"lost_at": [w.lost_at for w in ws], "knew_at": [w.knew_at for w in ws],
                 "keeps_watch": [w.watcher._watch is not None for w in ws],
                 "event_at": [w.event_at for w in ws if w.event_at is not None],
-                "written_at": [w.written_at for w in ws if w.written_at is not None], "stats": self.stats()}
+                "written_at": [w.written_at for w in self.all() if w.written_at is not None],
+                "thin_lost_at": [t.lost_at for t in thin], "thin_event_at": [t.event_at for t in thin],
+                "thin_workers": sum(len(t.workers) for t in thin), "stats": self.stats()}
 
     def stats(self) -> dict:
         ws = self.all(live=False)
@@ -369,6 +466,8 @@ class Part:
 
     def close(self) -> None:
         self.closing.set()
+        for thin in self.thin.values():
+            thin.close()
         if self.gatherer is not None:
             self.gatherer.close()
         self.reporter.shutdown(wait=False)
@@ -449,4 +548,4 @@ class Pool:
                 proc.join()
 
 
-__all__ = ["GRPC_IDLE_WAIT", "Gatherer", "PREFIX", "Part", "Pool", "SimWorker", "connection", "daemon_thread", "serve"]
+__all__ = ["GRPC_IDLE_WAIT", "Gatherer", "PREFIX", "Part", "Pool", "SimWorker", "ThinNode", "connection", "daemon_thread", "serve"]
