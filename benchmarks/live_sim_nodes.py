@@ -4,6 +4,7 @@ and ``Watcher`` with torch left out, the nodes of one process (``Part``) and the
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import json
@@ -230,7 +231,8 @@ class Gatherer:
     def __init__(self, pool: ThreadPoolExecutor) -> None:
         self._pool = pool
         self._reporters: dict[str, tuple[SimWorker, NodeReport, float]] = {}  # node -> its pending reporter
-        self._members: list[tuple[SimWorker, NodeReport, float]] = []  # the others, until GRACE
+        self._members: collections.deque[tuple[SimWorker, NodeReport, float]] = collections.deque()
+        """The other members, in the order they wrote their files, until ``GRACE`` after it."""
         self._dirty: set[str] = set()  # nodes a member of which wrote its file since the last look
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -254,7 +256,9 @@ class Gatherer:
             with self._lock:
                 dirty, self._dirty = self._dirty, set()
                 due = [n for n, (_, _, since) in self._reporters.items() if n in dirty or now - since > NODE_REPORT_GRACE]
-                late = [m for m in self._members if now - m[2] > NODE_REPORT_GRACE]
+                late = []
+                while self._members and now - self._members[0][2] > NODE_REPORT_GRACE:
+                    late.append(self._members.popleft())
             for node in due:
                 worker, report, since = self._reporters[node]
                 got = report.gathered()
@@ -265,9 +269,6 @@ class Gatherer:
             for worker, report, _ in late:
                 if not report.covered():
                     self._pool.submit(worker._report, report.target)
-            if late:
-                with self._lock:
-                    self._members = [m for m in self._members if m not in late]
 
     @staticmethod
     def _send(worker: SimWorker, report: NodeReport, got: dict) -> None:
