@@ -73,6 +73,7 @@ class SimWorker(LiveGroup):
         self.event_at: float | None = None  # when its watch stream delivered the target quorum's change
         self.written_at: float | None = None  # the proposer: when its reform() wrote the target quorum
         self.proposer = False  # this worker re-forms with the product's LiveGroup.reform (the first in line)
+        self.proposer_node = False  # a worker of the proposer's node
         self.target = 0
         self.node_dir: str | None = None  # --node-watch: the node's shared directory
         self.reporter: ThreadPoolExecutor | None = None  # puts the reports, as the training threads would
@@ -219,21 +220,33 @@ class ThinNode:
             self.watch.close()
 
 
+SIM_GRACE = 10.0
+"""The simulation's grace for a node's report, where the product's is ``node_report.GRACE`` (0.5 s).
+A real node's workers come out of the failed collective together and write their reports within
+milliseconds; the simulation's siblings are served one after the other by one thread per process
+and write theirs seconds apart, so with the product's grace nearly every node's report was partial
+and nearly every sibling put its own (7,652 puts in a loss at 1,000 x 8, 13.5 s to the last
+survivor's knowing). The product's grace only matters when a node's reporter is gone or hung,
+which the simulation does not do (``tests/test_node_report.py`` does)."""
+
+
 class Gatherer:
     """The node reports of this process's nodes (``--node-watch``), as the product makes them in
     each worker's ``reform`` loop (``LiveReform._send_node_report``), from one thread: a node's
     reporter puts the node's report once every member's file is in (looked at again whenever a
     member of its node wrote one, where the product's reporter looks every ``NODE_REPORT_EVERY``)
-    or ``GRACE`` passed; a member that its node's report did not cover ``GRACE`` after it wrote
-    its own puts its own (the product's member looks at each loop). The puts go to the report pool.
-    One thread, not one per reporter: 125 reporters waiting in a pool of 16 threads would hold it
-    while their siblings' reports queue behind them."""
+    or ``SIM_GRACE`` passed; a member that its node's report did not cover ``SIM_GRACE`` after it
+    wrote its own puts its own (the product's member looks at each loop). The puts go to the report
+    pool. One thread, not one per reporter: 125 reporters waiting in a pool of 16 threads would hold
+    it while their siblings' reports queue behind them. The proposer's node is the product's
+    ``reform``, with the product's grace."""
 
     def __init__(self, pool: ThreadPoolExecutor) -> None:
         self._pool = pool
         self._reporters: dict[str, tuple[SimWorker, NodeReport, float]] = {}  # node -> its pending reporter
         self._members: collections.deque[tuple[SimWorker, NodeReport, float]] = collections.deque()
-        """The other members, in the order they wrote their files, until ``GRACE`` after it."""
+        """The other members, in the order they wrote their files, until ``SIM_GRACE`` after it."""
+        self._proposers: list[tuple[SimWorker, NodeReport, float]] = []  # the proposer's node's, until GRACE
         self._dirty: set[str] = set()  # nodes a member of which wrote its file since the last look
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -244,6 +257,8 @@ class Gatherer:
         with self._lock:
             if report.reporter:
                 self._reporters[worker.node] = (worker, report, time.monotonic())
+            elif worker.proposer_node:  # its reporter is the product's reform, with the product's grace
+                self._proposers.append((worker, report, time.monotonic()))
             else:
                 self._members.append((worker, report, time.monotonic()))
             self._dirty.add(worker.node)
@@ -251,19 +266,21 @@ class Gatherer:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(NODE_REPORT_EVERY if self._reporters or self._members else 1.0)
+            self._wake.wait(NODE_REPORT_EVERY if self._reporters or self._members or self._proposers else 1.0)
             self._wake.clear()
             now = time.monotonic()
             with self._lock:
                 dirty, self._dirty = self._dirty, set()
-                due = [n for n, (_, _, since) in self._reporters.items() if n in dirty or now - since > NODE_REPORT_GRACE]
+                due = [n for n, (_, _, since) in self._reporters.items() if n in dirty or now - since > SIM_GRACE]
                 late = []
-                while self._members and now - self._members[0][2] > NODE_REPORT_GRACE:
+                while self._members and now - self._members[0][2] > SIM_GRACE:
                     late.append(self._members.popleft())
+                late += [m for m in self._proposers if now - m[2] > NODE_REPORT_GRACE]
+                self._proposers = [m for m in self._proposers if now - m[2] <= NODE_REPORT_GRACE]
             for node in due:
                 worker, report, since = self._reporters[node]
                 got = report.gathered()
-                if len(got) == len(report.members) or now - since > NODE_REPORT_GRACE:
+                if len(got) == len(report.members) or now - since > SIM_GRACE:
                     with self._lock:
                         del self._reporters[node]
                     self._pool.submit(self._send, worker, report, got)
@@ -394,6 +411,7 @@ class Part:
             w.lost_at = w.knew_at = w.event_at = w.written_at = None
             w.target = target
             w.proposer = w.id == proposer
+            w.proposer_node = proposer is not None and w.node == proposer.split("-", 1)[0]
         for thin in self.thin.values():
             if thin.node not in self.lost:
                 thin.lost_at = thin.event_at = None
@@ -551,4 +569,4 @@ class Pool:
                 proc.join()
 
 
-__all__ = ["GRPC_IDLE_WAIT", "Gatherer", "PREFIX", "Part", "Pool", "SimWorker", "ThinNode", "connection", "daemon_thread", "serve"]
+__all__ = ["GRPC_IDLE_WAIT", "Gatherer", "PREFIX", "SIM_GRACE", "Part", "Pool", "SimWorker", "ThinNode", "connection", "daemon_thread", "serve"]
