@@ -154,7 +154,8 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
     result: dict = {"nodes": n, "workers": w, "processes": procs, "channels": args.channels, "poll_s": args.poll,
                     "watcher": "reread" if args.reread else "events", "node_watch": args.node_watch,
                     "shared_siblings": getattr(args, "shared_siblings", False),
-                    "start_wave": getattr(args, "start_wave", 0), "full_nodes": full_nodes}
+                    "start_wave": getattr(args, "start_wave", 0), "full_nodes": full_nodes,
+                    "loss": "expiry" if getattr(args, "expire", False) else "revoke"}
     try:
         t = time.monotonic()
         registered = sum(pool.ask("setup", [{"endpoint": endpoint, "nodes": [x for x in nodes if owner[x] == i],
@@ -224,7 +225,8 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
             daemon_thread("reports", watch.run)
             watch.established.wait(10)
             m0, b0, c0 = scrape(endpoint), sent_bytes(endpoint), etcd_cpu_s(etcd_pid)
-            lost_at = pool.ask("lose", {"node": lost_node}, only=owner[lost_node])[0]
+            lost_at = pool.ask("lose", {"node": lost_node, "expire": getattr(args, "expire", False)},
+                               only=owner[lost_node])[0]
             if args.no_reports:
                 written_from = lost_at
             else:
@@ -339,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="only this many nodes (spread over the processes; the proposer's and the lost node among "
                         "them) run the product's code whole; the others are thin: their etcd side only (lease, keys, "
                         "one watch stream, one report put per loss), their in-node work left out (default: all full)")
+    p.add_argument("--expire", action="store_true",
+                   help="a lost node's lease expires (its renewals stop; times from the expiry, its last accepted "
+                        "renewal + --lease-ttl) instead of being revoked (times from the revoke)")
     p.add_argument("--no-reports", action="store_true",
                    help="write the next quorum as soon as the lease is revoked (no report round)")
     p.add_argument("--settle", type=float, default=5.0, help="seconds before the steady window")

@@ -417,14 +417,21 @@ class Part:
                 thin.lost_at = thin.event_at = None
                 thin.target = target
 
-    def lose(self, node: str) -> float:
+    def lose(self, node: str, expire: bool = False) -> float:
+        """The node is lost: its lease revoked (t0: now), or with ``expire`` left to expire (its
+        renewals stop; t0: when etcd expires it at the earliest, the last accepted renewal's
+        sending plus the TTL: a renewal still in flight only makes t0 early, the times long)."""
         for w in self.workers[node]:
             w.close()
         if node in self.thin:
             self.thin[node].close()
         self.lost.add(node)
+        keeper = self.keepers[node]
+        if expire:
+            keeper.close(revoke=False)
+            return keeper._last_renewed + keeper._ttl
         t0 = time.monotonic()
-        self.keepers[node].close(revoke=True)
+        keeper.close(revoke=True)
         return t0
 
     def collect(self, timeout: float) -> dict:
