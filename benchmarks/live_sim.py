@@ -57,6 +57,21 @@ sibling's promotion (its node's watching worker gone) is not simulated. It is wh
 1,000 x 8 fit on a small machine. ``--start-wave K`` starts the nodes of each process K at a time,
 each wave once the one before has made its first read (a real job's nodes start over a minute).
 
+With ``--node-watch`` each node also sends ONE report per loss, as the product does where a node's
+workers share a directory (``rendezvous/node_report.py``): each worker writes its report to the
+node's directory and the node's reporter puts the node's (``live_sim_nodes.Gatherer``; the
+simulation's reporters wait up to ``SIM_GRACE`` for their siblings, served one after the other
+here, where the product's wait 0.5 s).
+
+``--full-nodes K`` runs the product's code whole on K nodes only (the proposers' nodes, the lost
+ones, and others spread over the rest); every other node is a ``ThinNode``: its lease, its workers'
+alive and join keys, ONE watch stream, and its one report put when the stream shows the loss, but
+not the in-node work a real node does on its own CPUs (the watcher's looks, the publish, the
+siblings' loads). The etcd load is the whole job's; a thin node knows the next quorum when its
+stream delivers it, and the full nodes say what the in-node work adds. ``--expire`` lets the lost
+node's lease expire (its renewals stop) instead of revoking it, and times from the expiry (its last
+accepted renewal's sending plus the TTL: etcd acts on it at its next 500 ms check).
+
 ``--reread`` runs the watcher as it was before it applied the watch's events: every event makes
 it read all the live keys again (the "before" of docs/rendezvous.md's numbers).
 

@@ -23,7 +23,8 @@ so a steady run reads nothing.
   one of them writes quorum ``q+1`` with ``cold: true``; its ranks load the newest checkpoint.
 - **Node lost**: a collective fails on the survivors (a dead peer's sockets close at once; a silent
   one's are shut by the watcher, below). Each
-  survivor destroys its group and reports ``live/report/<q+1>/<id>`` with the step it completed;
+  survivor destroys its group and reports ``live/report/<q+1>/<id>`` with the step it completed
+  (a node's workers sharing a directory send one report for the node, ``rendezvous/node_report.py``);
   one of them, the proposer, reads the reports and writes the next quorum, the others learn it
   through their watch (``rendezvous/live_reform.py``: the take-over when the proposer is gone).
   The quorum closes when every old member reported, or is provably dead (its lease is gone, or
