@@ -74,3 +74,22 @@ def test_waiting_nodes_take_their_rank_from_their_key_and_it_is_the_states(etcd,
     finally:
         for h in handlers:
             h.shutdown()
+
+
+def test_the_last_rounds_rank_keys_are_deleted_when_the_run_closes(etcd, run_id, conn):
+    """The rank keys of a round are deleted by rank 0 of a later round; those of the last round
+    by its rank 0 when the run closes, so a finished run leaves none behind."""
+    create = handler_creator()
+    params = RendezvousParameters("etcd-v3", f"127.0.0.1:{etcd.port}", run_id, 2, 2, local_addr="127.0.0.1",
+                                  lease_ttl="2", keep_alive_interval="0.5")
+    handlers = [create(params) for _ in range(2)]
+    backend = EtcdRendezvousBackend(conn, run_id)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            infos = [f.result(60) for f in [pool.submit(h.next_rendezvous) for h in handlers]]
+        assert sorted(i.rank for i in infos) == [0, 1]
+        assert conn.call(lambda c: list(c.get_prefix(backend.ranks_prefix))), "the round wrote its rank keys"
+    finally:
+        for h in handlers:
+            h.shutdown()
+    assert not conn.call(lambda c: list(c.get_prefix(backend.ranks_prefix))), "rank keys left after the run closed"

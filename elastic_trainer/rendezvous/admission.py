@@ -21,7 +21,8 @@ O(N^2) in all, which is what stopped 1,000 agents. ``EtcdOpExecutor`` is that lo
   (it publishes MASTER_ADDR at once); a waiting node polls its key with the summary, so no node but
   the one that completes the round reads or decodes the state of all N (at 1,000 agents those N
   decodes at the moment of completion took the CPU the lease renewals needed). A node that finds no
-  key (a spare, a failed write) reads the state as before.
+  key (a spare, a failed write) reads the state as before. Rank 0 deletes the older rounds' keys,
+  and the last round's when the run closes (``handler.py``, ``shutdown``).
 
 The handler (``handler.py``) runs it for ``next_rendezvous``.
 """

@@ -339,9 +339,10 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self.requests += len(requests)
         self._conn.call(lambda client: client.txns(requests), "ranks write")  # a failure sends them all again
 
-    def delete_ranks_before(self, round_: int) -> None:
-        """Delete the ``rank_key`` of every round before ``round_``."""
-        end = f"{self.ranks_prefix}{round_:020d}/".encode()
+    def delete_ranks_before(self, round_: int | None = None) -> None:
+        """Delete the ``rank_key`` of every round before ``round_`` (None: of every round)."""
+        end = f"{self.ranks_prefix}{round_:020d}/".encode() if round_ is not None else \
+            etcd3.utils.prefix_range_end(self.ranks_prefix.encode())
         self._txn("ranks delete", [], [etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(
             key=self.ranks_prefix.encode(), range_end=end))])
 

@@ -127,6 +127,7 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
                                   tick_later=True)  # the watchdog starts when this node joined a round
         self._joined: tuple[int, int, frozenset[str] | None] | None = None
         """(round, world size, participants' names: None when the rank came from the rank key)."""
+        self._rank0 = False  # rank 0 of the last round it joined: it deletes the rank keys at shutdown
         self._first_round = True
         self._revoked: str | None = None
         self._waiting = 0
@@ -199,6 +200,7 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
         bootstrap = self._bootstrap(rank, round_)
         self._lease.start_ticking()
         self._export_env(round_)
+        self._rank0 = rank == 0
         if rank == 0:
             try:
                 if round_ >= 2:
@@ -307,7 +309,13 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
     def shutdown(self) -> bool:
         self._joined = None
         try:
-            return super().shutdown()
+            closed = super().shutdown()
+            if closed and self._rank0:  # the last round's rank keys: nobody reads them any more
+                try:
+                    self._etcd_backend.delete_ranks_before(None)
+                except RendezvousError as exc:
+                    logger.info("could not delete the rank keys at shutdown: %s", exc)
+            return closed
         finally:
             self._lease.close(revoke=True)
             if self._renewals is not None:
