@@ -427,6 +427,8 @@ class Part:
             self.thin[node].close()
         self.lost.add(node)
         keeper = self.keepers[node]
+        if keeper.lost:  # expired already (renewed too late under load): the times would not be this loss's
+            raise RuntimeError(f"the lease of {node} expired before it was to be lost (the machine is too loaded)")
         if expire:
             keeper.close(revoke=False)
             return keeper._last_renewed + keeper._ttl

@@ -99,12 +99,16 @@ class LiveReform(LiveLease):
         timeout = self.settings.report_timeout if report_timeout is None else report_timeout
         entered = time.monotonic()
         rnd = _Round(old, target, cause, timeout, entered, entered + self.settings.join_timeout)
+        rnd.own_report = json.dumps(record).encode()
         rnd.node_report = self._node_report(rnd)
+        if rnd.node_report is not None:  # to the node's directory; its reporter puts one for all
+            try:
+                rnd.node_report.write(record)
+            except OSError as exc:  # the directory is gone or full: report as a worker of its own
+                logger.warning("live: could not write the report to the node's directory (%s); putting it", exc)
+                rnd.node_report = None
         if rnd.node_report is None:
-            self._put_report(f"report/{target}/{self.id}", json.dumps(record).encode())
-        else:  # to the node's directory; the node's reporter puts one for all (rendezvous/node_report.py)
-            rnd.node_report.write(record)
-            rnd.own_report = json.dumps(record).encode()
+            self._put_report(f"report/{target}/{self.id}", rnd.own_report)
         firsts: dict[str, Member] = {}
         for m in old.members:  # the candidates: each node's first member, in member order
             firsts.setdefault(m.node, m)

@@ -86,11 +86,14 @@ class NodeReport:
     def mark(self, ids: Sequence[str]) -> None:
         """The reporter, once its put succeeded: the ids it covered (for the others to see), and
         the files of older re-forms removed."""
-        path = self._path(f"report-{self.target}.done")
-        with open(f"{path}.tmp", "w") as f:
-            json.dump(sorted(ids), f)
-        os.replace(f"{path}.tmp", path)
         self.done = True
+        path = self._path(f"report-{self.target}.done")
+        try:
+            with open(f"{path}.tmp", "w") as f:
+                json.dump(sorted(ids), f)
+            os.replace(f"{path}.tmp", path)
+        except OSError:  # the others put their own after the grace
+            return
         with contextlib.suppress(OSError):
             for name in os.listdir(self.dir):
                 if name.startswith("report-") and _target_of(name) < self.target:
