@@ -265,11 +265,14 @@ class LiveGroup(LiveReform):
             self._cas_quorum(done, view.quorum_rev, base=q)
 
     def close(self) -> None:
-        """Leave: the lease is revoked, so the others see at once that this worker is gone."""
-        if self._stop.is_set():
+        """Leave: the lease is revoked, so the others see at once that this worker is gone (also
+        when the watcher was stopped first: a runtime that stops its threads before the group
+        closes used to leave the lease to expire, and its keeper renewing)."""
+        if getattr(self, "_closed", False):
             return
+        self._closed = True
         self._stop_watching()
-        if self._watcher is not None:
+        if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=2)
         self._probe.close()
         self._lease.close(revoke=True)
