@@ -285,7 +285,7 @@ class Gatherer:
                         del self._reporters[node]
                     self._pool.submit(self._send, worker, report, got)
             for worker, report, _ in late:
-                if not report.covered():
+                if not report.covered():  # None (no node report yet) or False (it went without this one)
                     self._pool.submit(worker._report, report.target)
 
     @staticmethod

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.timeout(90)
 @pytest.fixture
 def nodes(etcd, run_id):
     """Two nodes of two workers on their agents' leases, joined into one quorum and watching; in
-    member order. Everything is closed at the test's end."""
+    member order (a node's workers together, its first member first). Everything is closed at the
+    test's end."""
     with ExitStack() as stack:
         settings = LiveSettings(min_nodes=2, max_nodes=2, last_call=0.0, join_timeout=20, lease_ttl=5,
                                 keep_alive_interval=1.0, report_timeout=2.0)
@@ -109,14 +110,13 @@ def test_each_node_puts_one_report_and_the_proposer_reads_every_members_step(nod
 
 
 def test_a_member_whose_reporter_never_reports_puts_its_own_after_the_grace(nodes):
-    """node1's reporter (its first member) is hung: it never re-forms. Its sibling's report is in
-    etcd after the grace, under its own id; node1 is dropped whole at report_timeout and the
-    sibling learns that it was left out."""
-    first_of_node1 = next(m.id for m in nodes[0].quorum.members if m.node == "node1")
-    hung = next(w for w in nodes if w.id == first_of_node1)
-    sibling = next(w for w in nodes if w.node == "node1" and w is not hung)
+    """The second node's reporter (its first member) is hung: it never re-forms. Its sibling's
+    report is in etcd after the grace, under its own id; the node is dropped whole at
+    report_timeout and the sibling learns that it was left out."""
+    first_node, second = nodes[0].node, nodes[2].node  # in the quorum's order (the order they joined)
+    hung, sibling = nodes[2], nodes[3]
     others = [w for w in nodes if w is not hung]
-    for w in others:  # node0 alone may go on
+    for w in others:  # the first node alone may go on
         w.settings = dataclasses.replace(w.settings, min_nodes=1)
     target = nodes[0].quorum.q + 1
     seen: list[float] = []
@@ -135,4 +135,26 @@ def test_a_member_whose_reporter_never_reports_puts_its_own_after_the_grace(node
     assert seen and node_report.GRACE <= seen[0] < node_report.GRACE + 1.0, seen
     assert isinstance(got[sibling.id], LiveExcluded), got
     q = got[nodes[0].id]
-    assert q.nodes == ["node0"], "node1 is dropped whole: its reporter never reported"
+    assert q.nodes == [first_node] and second != first_node, "the second node is dropped whole"
+
+
+def test_a_member_that_comes_after_its_nodes_report_puts_its_own_at_once(nodes):
+    """The second node's second worker enters the re-form a second late, after its node's reporter
+    put the node's report without it (past the grace): it puts its own at once, not a grace later,
+    and the node stays in whole."""
+    late = nodes[3]  # the quorum's order: node, node, other node's reporter, this one
+    others = [w for w in nodes if w is not late]
+    target = nodes[0].quorum.q + 1
+    got: dict = {}
+    first = threading.Thread(target=lambda: got.update(_reform(others, {w.id: 7 for w in others})), daemon=True)
+    first.start()
+    time.sleep(node_report.GRACE + 0.5)
+    assert f"@{late.node}" in _report_keys(nodes[0], target), "its reporter put the node's report without it"
+    entered = time.monotonic()
+    got[late.id] = late.reform(7, "test")
+    put_within = [time.monotonic() - entered]
+    first.join(30)
+    assert late.id in _report_keys(nodes[0], target)
+    assert put_within[0] < node_report.GRACE, f"the late member must not wait a grace: {put_within[0]:.2f}s"
+    q = got[nodes[0].id]
+    assert q.world_size == 4 and all(got[w.id] == q for w in nodes), got

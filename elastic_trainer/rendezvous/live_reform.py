@@ -59,9 +59,9 @@ to ``FOLLOW_GRACE``."""
 FOLLOW_GRACE = 1.0
 """Seconds past ``report_timeout`` after which every follower proposes too (a proposer alive but silent)."""
 PROBES_PER_LOOK = 64
+"""Silent members the proposer probes per look, in turn."""
 NODE_REPORT_EVERY = 0.002
 """Seconds between two looks of a node's reporter at the reports its node's members wrote."""
-"""Silent members the proposer probes per look, in turn."""
 
 
 class LiveReform(LiveLease):
@@ -168,8 +168,8 @@ class LiveReform(LiveLease):
 
     def _send_node_report(self, rnd: _Round) -> None:
         """The reporter: its node's report, once every member of the node wrote its own or
-        ``node_report.GRACE`` passed; another member: its own report, if the node's did not
-        cover it within ``GRACE``."""
+        ``node_report.GRACE`` passed; another member: its own report, at once if the node's went
+        without it (it came late), or when the node's is not in ``GRACE`` after it reported."""
         nr = rnd.node_report
         late = time.monotonic() - rnd.entered > NODE_REPORT_GRACE
         if nr.reporter:
@@ -177,9 +177,11 @@ class LiveReform(LiveLease):
             if len(got) == len(nr.members) or late:
                 self._put_report(nr.key, nr.value(got))
                 nr.mark(list(got))
-        elif not nr.covered() and late:
-            self._put_report(f"report/{rnd.target}/{self.id}", rnd.own_report)
-            nr.done = True
+        else:
+            covered = nr.covered()  # None: the node's report is not in yet
+            if covered is False or (covered is None and late):  # False: it went without this one
+                self._put_report(f"report/{rnd.target}/{self.id}", rnd.own_report)
+                nr.done = True
 
     def _line(self, rnd: _Round, firsts: dict[str, Member]) -> tuple[int, list[Member]]:
         """This worker's place in line (0: the proposer) among the candidates its watcher's view
@@ -297,4 +299,4 @@ class _Round:
         self.own_report = b""
 
 
-__all__ = ["BACKUPS", "FOLLOW_GRACE", "LiveReform", "PROBES_PER_LOOK", "PROBE_EVERY"]
+__all__ = ["BACKUPS", "FOLLOW_GRACE", "LiveReform", "NODE_REPORT_EVERY", "PROBES_PER_LOOK", "PROBE_EVERY"]

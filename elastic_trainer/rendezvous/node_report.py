@@ -12,8 +12,9 @@ the proposer's looks read 8,000 report keys back. Where the workers of a node sh
   every member of the node is in (they come out of the failed collective together: a few
   milliseconds) or ``GRACE`` passed, puts ``report/<q>/@<node>`` = ``{"members": {id: report}}``
   (one put), then writes ``report-<q>.done`` with the ids that put covered;
-- any other worker whose id is not in the done file ``GRACE`` after it reported puts its own
-  ``report/<q>/<id>`` as before (the reporter is hung, killed, or gathered before it was in).
+- any other worker puts its own ``report/<q>/<id>`` as before when the done file does not hold its
+  id (the reporter gathered before it was in: at once), or there is none ``GRACE`` after it
+  reported (the reporter is hung or killed).
 
 A reader of the reports (``LiveEtcd._read``) expands a node's report into its members' (``expand``),
 so the proposer sees what it saw before; a member in both counts once. Nodes are kept or dropped
@@ -100,13 +101,14 @@ class NodeReport:
                     with contextlib.suppress(OSError):
                         os.unlink(os.path.join(self.dir, name))
 
-    def covered(self) -> bool:
-        """True once the node's report (put by its reporter) holds this worker's."""
+    def covered(self) -> bool | None:
+        """Whether the node's report (put by its reporter) holds this worker's: None while it is
+        not in (no done file yet), False when it went without it."""
         try:
             with open(self._path(f"report-{self.target}.done")) as f:
                 self.done = self.me in json.load(f)
         except (OSError, ValueError, TypeError):
-            return False
+            return None
         return self.done
 
     def _path(self, name: str) -> str:
