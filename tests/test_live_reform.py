@@ -14,7 +14,7 @@ import pytest
 from elastic_trainer.env import LiveSettings
 from elastic_trainer.rendezvous.live_reform import FOLLOW_GRACE
 from elastic_trainer.rendezvous.quorum import LiveExcluded, LiveGroup
-from tests.helpers.common import etcd_conn, holds_within
+from tests.helpers.common import etcd_conn, holds_within, join_and_watch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,18 +37,8 @@ def make_groups(etcd, run_id):
 def _groups(etcd, run_id, n: int = 3, **settings) -> list[LiveGroup]:
     """``n`` groups of one worker each that joined one quorum and watch; in member order."""
     s = LiveSettings(min_nodes=1, max_nodes=n, last_call=10.0, join_timeout=20, **settings)
-    groups = [LiveGroup(etcd_conn(etcd), f"/{run_id}/", f"node{i}", 0, 1, "127.0.0.1", s) for i in range(n)]
-    threads = [threading.Thread(target=g.join, daemon=True) for g in groups]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    assert all(g.quorum is not None and g.quorum.world_size == n for g in groups)
-    for g in groups:
-        g.start_watching()
-    assert holds_within(lambda: all(g.watcher.reads >= 1 for g in groups), timeout=10)
-    order = [m.id for m in groups[0].quorum.members]
-    return sorted(groups, key=lambda g: order.index(g.id))
+    return join_and_watch([LiveGroup(etcd_conn(etcd), f"/{run_id}/", f"node{i}", 0, 1, "127.0.0.1", s)
+                           for i in range(n)])
 
 
 def _reform(groups: list[LiveGroup], timeout: float | None = None) -> tuple[dict, dict, dict]:

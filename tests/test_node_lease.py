@@ -6,7 +6,6 @@ self's keys. The request rate per node is measured by ``benchmarks/etcd_load.py`
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -16,7 +15,7 @@ from elastic_trainer.rendezvous.etcd_client import EtcdConnection
 from elastic_trainer.rendezvous.lease import LeaseKeeper
 from elastic_trainer.rendezvous.node_lease import AgentRecord, RenewalRecord
 from elastic_trainer.rendezvous.quorum import LiveGroup
-from tests.helpers.common import etcd_conn, holds_within
+from tests.helpers.common import etcd_conn, holds_within, join_and_watch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -52,15 +51,7 @@ def node(etcd, run_id):
     workers = [LiveGroup(etcd_conn(etcd), f"/{run_id}/", "node0", i, 2, "127.0.0.1", settings,
                          node_lease=agent.lease_id, on_lease_lost=left.append) for i in range(2)]
     try:
-        threads = [threading.Thread(target=w.join, daemon=True) for w in workers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(20)
-        assert all(w.quorum is not None and w.quorum.world_size == 2 for w in workers)
-        for w in workers:
-            w.start_watching()
-        assert holds_within(lambda: all(w.watcher.reads + w.watcher.loads >= 1 for w in workers), timeout=5)
+        join_and_watch(workers, timeout=5)
         yield agent, workers, left
     finally:
         for w in workers:

@@ -20,7 +20,7 @@ from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, 
 from elastic_trainer.rendezvous.lease import LeaseKeeper
 from elastic_trainer.rendezvous.node_lease import AgentRecord
 from elastic_trainer.rendezvous.quorum import LiveExcluded, LiveGroup
-from tests.helpers.common import wait_until
+from tests.helpers.common import join_and_watch
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -46,18 +46,7 @@ def nodes(etcd, run_id):
                               node_lease=agent.lease_id)
                 stack.callback(w.close)
                 workers.append(w)
-        threads = [threading.Thread(target=w.join, daemon=True) for w in workers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        assert all(w.quorum is not None and w.quorum.world_size == 4 for w in workers)
-        for w in workers:
-            w.start_watching()
-        wait_until(lambda: all(w.watcher.reads + w.watcher.loads >= 1 for w in workers), 10, "every first view",
-                   interval=0.02)
-        order = [m.id for m in workers[0].quorum.members]
-        yield sorted(workers, key=lambda w: order.index(w.id))
+        yield join_and_watch(workers)
 
 
 def _conn(etcd, stack: ExitStack) -> EtcdConnection:

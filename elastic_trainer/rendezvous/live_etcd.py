@@ -28,7 +28,7 @@ import json
 from typing import TYPE_CHECKING
 
 from elastic_trainer.rendezvous import node_report, quorum_record
-from elastic_trainer.rendezvous.members import Quorum, View, json_values, range_end
+from elastic_trainer.rendezvous.members import Quorum, View, json_values, range_op
 
 if TYPE_CHECKING:
     from elastic_trainer.rendezvous.etcd_client import EtcdConnection
@@ -61,16 +61,11 @@ class LiveEtcd:
         from etcd3 import etcdrpc
 
         p = self.prefix
-
-        def get(key: str, prefix: bool = False, keys_only: bool = False):
-            return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
-                key=key.encode(), range_end=range_end(key) if prefix else b"", keys_only=keys_only))
-
-        ops = [get(p + "quorum"), get(p + "alive/", True, keys_only=True), get(p + "join/", True)]
+        ops = [range_op(p + "quorum"), range_op(p + "alive/", keys_only=True), range_op(p + "join/")]
         if report_q is not None:
-            ops.append(get(f"{p}report/{report_q}/", True))
+            ops.append(range_op(f"{p}report/{report_q}/"))
         if stall_q is not None:
-            ops += [get(f"{p}stall/{stall_q}"), get(p + "busy/", True)]
+            ops += [range_op(f"{p}stall/{stall_q}"), range_op(p + "busy/")]
         request = etcdrpc.TxnRequest(success=ops)
         response = self._call(lambda c: c.txns([request])[0], "read")
         ranges = [op.response_range.kvs for op in response.responses]

@@ -109,16 +109,13 @@ class LiveReform(LiveLease):
                 rnd.node_report = None
         if rnd.node_report is None:
             self._put_report(f"report/{target}/{self.id}", rnd.own_report)
-        firsts: dict[str, Member] = {}
-        for m in old.members:  # the candidates: each node's first member, in member order
-            firsts.setdefault(m.node, m)
         while True:
             if rnd.node_report is not None and not rnd.node_report.done:
                 self._send_node_report(rnd)
             now = time.monotonic()
             place, ahead = 0, []
             if self._following() and now < entered + timeout + FOLLOW_GRACE:
-                place, ahead = self._line(rnd, firsts)
+                place, ahead = self._line(rnd)
             if place > 0:  # a follower: the quorum comes through the watch
                 q = self._seen.quorum if self._seen is not None else None
                 if q is not None and q.q >= target:
@@ -183,14 +180,15 @@ class LiveReform(LiveLease):
                 self._put_report(f"report/{rnd.target}/{self.id}", rnd.own_report)
                 nr.done = True
 
-    def _line(self, rnd: _Round, firsts: dict[str, Member]) -> tuple[int, list[Member]]:
+    def _line(self, rnd: _Round) -> tuple[int, list[Member]]:
         """This worker's place in line (0: the proposer) among the candidates its watcher's view
         and its probes leave, with the candidates ahead of it. A worker that is no candidate (not
         its node's first member, or its node gone) or is past the backups gets ``BACKUPS + 1``."""
         view = self._seen
         ahead: list[Member] = []
-        for node, m in firsts.items():
-            if m.id in rnd.dead or (view is not None and any(x.id not in view.alive for x in rnd.by_node[node])):
+        for node, members in rnd.by_node.items():  # the candidates: each node's first member, in member order
+            m = members[0]
+            if m.id in rnd.dead or (view is not None and any(x.id not in view.alive for x in members)):
                 continue  # gone: a member's process refused a probe, or its lease expired
             if node == self.node:
                 return (len(ahead), ahead) if m.id == self.id else (BACKUPS + 1, ahead)
@@ -234,7 +232,7 @@ class LiveReform(LiveLease):
                            target, now - rnd.entered, sorted(view.reports),
                            sorted(m.id for m in pending), self.settings.min_nodes)
         if not pending or now > rnd.deadline:
-            new = self._propose(old, view, target, rnd.cause)
+            new = self._propose(old, view, target, rnd.cause, rnd.by_node)
             if new is None:
                 if now > rnd.min_deadline:
                     raise LiveTimeout(f"fewer than min_nodes={self.settings.min_nodes} nodes within "
@@ -256,11 +254,10 @@ class LiveReform(LiveLease):
         rnd.probe_turn = start + len(batch)
         return {m.id for m in batch if probe_dead(m.probe)}
 
-    def _propose(self, old: Quorum, view: View, target: int, cause: str) -> Quorum | None:
+    def _propose(self, old: Quorum, view: View, target: int, cause: str,
+                 by_node: dict[str, list[Member]] | None = None) -> Quorum | None:
         """The next quorum from what ``view`` shows, or None while there are too few nodes."""
-        by_node: dict[str, list[Member]] = {}
-        for m in old.members:
-            by_node.setdefault(m.node, []).append(m)
+        by_node = by_node if by_node is not None else _by_node(old)
         survivors = [m for node, ms in by_node.items() for m in ms
                      if all(x.id in view.reports for x in ms)]
         nodes = list(dict.fromkeys(m.node for m in survivors))
@@ -292,11 +289,17 @@ class _Round:
         self.probe_turn = 0  # where the proposer's next probes of the silent members start
         self.read_s = 0.0  # how long the proposer's last read took
         self.next_say = entered + 5.0
-        self.by_node: dict[str, list[Member]] = {}
-        for m in old.members:
-            self.by_node.setdefault(m.node, []).append(m)
+        self.by_node = _by_node(old)
         self.node_report: NodeReport | None = None  # this worker's part in its node's one report
         self.own_report = b""
+
+
+def _by_node(q: Quorum) -> dict[str, list[Member]]:
+    """``q``'s members by node, the nodes in member order."""
+    by_node: dict[str, list[Member]] = {}
+    for m in q.members:
+        by_node.setdefault(m.node, []).append(m)
+    return by_node
 
 
 __all__ = ["BACKUPS", "FOLLOW_GRACE", "LiveReform", "NODE_REPORT_EVERY", "PROBES_PER_LOOK", "PROBE_EVERY"]

@@ -323,6 +323,15 @@ def range_end(prefix: str) -> bytes:
     return etcd3.utils.prefix_range_end(prefix.encode())
 
 
+def range_op(key: str, keys_only: bool = False):
+    """etcd's own range request for ``key``, a prefix when it ends with "/" (for ``txns``, which
+    sends it as it is: python3-etcd3's ``transaction`` has no ``keys_only``)."""
+    from etcd3 import etcdrpc
+
+    return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
+        key=key.encode(), range_end=range_end(key) if key.endswith("/") else b"", keys_only=keys_only))
+
+
 def json_values(responses, prefix: str) -> dict[str, dict]:
     """key (less ``prefix``) -> its JSON object, for the values of one range read (others skipped)."""
     out = {}

@@ -28,7 +28,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from elastic_trainer.rendezvous.live_watch import KeysWatch
-from elastic_trainer.rendezvous.members import Change, LiveKeys, Quorum, View, range_end
+from elastic_trainer.rendezvous.members import Change, LiveKeys, Quorum, View, range_op
 from elastic_trainer.rendezvous.node_watch import NodeWatch
 
 if TYPE_CHECKING:
@@ -205,9 +205,7 @@ class WatcherView:
         ``transaction`` wraps each in a metadata object: half of a first read's cost at 8,000 keys)."""
         from etcd3 import etcdrpc
 
-        keys = [self.group._key(k) for k in WATCHED]
-        ops = [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
-            key=k.encode(), range_end=range_end(k) if k.endswith("/") else b"")) for k in keys]
+        ops = [range_op(self.group._key(k)) for k in WATCHED]
 
         def txn(c):
             response = c.txns([etcdrpc.TxnRequest(success=ops)])[0]
