@@ -41,11 +41,14 @@ def _groups(etcd, run_id, n: int = 3, **settings) -> list[LiveGroup]:
                            for i in range(n)])
 
 
-def _reform(groups: list[LiveGroup], timeout: float | None = None) -> tuple[dict, dict, dict]:
-    """Every group in ``groups`` re-forms at once: (id -> quorum or the error, id -> reads, id -> seconds)."""
+def _reform(groups: list[LiveGroup], timeout: float | None = None,
+            late: dict[str, float] | None = None) -> tuple[dict, dict, dict]:
+    """Every group in ``groups`` re-forms at once (those in ``late``: that many seconds later):
+    (id -> quorum or the error, id -> reads, id -> seconds from its own start)."""
     got, reads, took = {}, {}, {}
 
     def one(g: LiveGroup) -> None:
+        time.sleep((late or {}).get(g.id, 0.0))
         calls = [0]
         read = g._read
 
@@ -95,6 +98,18 @@ def test_one_proposer_reads_the_reports_and_the_followers_read_nothing(make_grou
     assert reads[groups[1].id] == reads[groups[2].id] == 0, \
         f"the followers must learn the quorum through their watch, not by reading etcd: {reads}"
     assert max(took.values()) < 2.0, took
+
+
+def test_the_proposer_follows_a_late_report_through_its_watch_and_writes_at_once(make_groups):
+    groups = make_groups()
+    late = groups[2]
+    got, reads, took = _reform(groups, late={late.id: 1.5})
+    q = got[groups[0].id]
+    assert q.q == 2 and q.world_size == 3 and all(got[g.id] == q for g in groups)
+    assert reads[groups[0].id] <= 3, \
+        f"the proposer must wait for the late report on its watch, not read every 3 ms: {reads}"
+    assert 1.5 <= took[groups[0].id] < 1.5 + 0.5, took
+    assert took[late.id] < 0.5, f"the quorum must be written as soon as the last report is put: {took}"
 
 
 def test_a_killed_proposer_is_taken_over_by_the_next_in_line(make_groups):

@@ -84,7 +84,8 @@ class LiveEtcd:
         view = View(quorum, rev, alive, joiners)
         rest = ranges[3:]
         if report_q is not None:
-            view.reports = node_report.expand(_json_values(rest[0], f"{p}report/{report_q}/"))
+            view.report_keys = _json_values(rest[0], f"{p}report/{report_q}/")
+            view.reports = node_report.expand(view.report_keys)
             rest = rest[1:]
         if stall_q is not None:
             view.stall = next(iter(_json_values(rest[0], f"{p}stall/").values()), None)

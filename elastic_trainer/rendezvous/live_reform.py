@@ -8,8 +8,10 @@ report and alive key every 3 ms until all were in and raced to write it: a round
 cost etcd N reads of O(N) keys every 3 ms, O(N^2) (~1.6 MB a read at 1,000 nodes of 8).
 
 Now the round has **one proposer**, the first member (in the old quorum's order) of the first node
-not known to be gone: it alone reads the reports as before (``_propose_once``: until every member
-reported or is provably gone, or ``report_timeout`` passed) and writes the quorum. Every other
+not known to be gone: it alone reads the reports (``_propose_once``: until every member
+reported or is provably gone, or ``report_timeout`` passed) and writes the quorum. Where its
+watcher looks, it reads them once and then follows them with a watch on ``report/<q>/``
+(``rendezvous/report_watch.py``): the last report wakes it, and the quorum is written at once. Every other
 survivor is a **follower**: it reported, and it learns the new quorum from the watch its watcher
 already keeps (``rendezvous/watcher.py``: the watcher hands each view it looks at to ``seen``), so
 it reads nothing. Only the first ``BACKUPS`` followers in line do anything more:
@@ -43,10 +45,12 @@ import logging
 import threading
 import time
 
+from elastic_trainer.rendezvous import node_report
 from elastic_trainer.rendezvous.live_lease import LiveLease
 from elastic_trainer.rendezvous.node_report import GRACE as NODE_REPORT_GRACE, NodeReport
-from elastic_trainer.rendezvous.members import (LiveExcluded, LiveTimeout, Member, Quorum, View, complete_nodes,
-                                                probe_dead)
+from elastic_trainer.rendezvous.report_watch import ReportsWatch
+from elastic_trainer.rendezvous.members import (LiveExcluded, LiveTimeout, Member, Quorum, View,
+                                                complete_nodes, probe_dead)
 
 logger = logging.getLogger("elastic_trainer.rendezvous.quorum")
 
@@ -109,6 +113,15 @@ class LiveReform(LiveLease):
                 rnd.node_report = None
         if rnd.node_report is None:
             self._put_report(f"report/{target}/{self.id}", rnd.own_report)
+        try:
+            return self._round(rnd)
+        finally:
+            if rnd.watch is not None:
+                rnd.watch.close()
+
+    def _round(self, rnd: _Round) -> Quorum:
+        """``reform``'s loop, until the new quorum is known (or this worker is out of it)."""
+        target, timeout, entered = rnd.target, rnd.timeout, rnd.entered
         while True:
             if rnd.node_report is not None and not rnd.node_report.done:
                 self._send_node_report(rnd)
@@ -138,6 +151,16 @@ class LiveReform(LiveLease):
                     continue
             if rnd.node_report is not None and not rnd.node_report.done:
                 time.sleep(NODE_REPORT_EVERY)  # its own node's report first: the look would wait for it
+                continue
+            following = self._following()
+            if rnd.watch is None and following:  # the proposer: the reports come through a watch
+                rnd.watch = ReportsWatch(self, target)
+            if rnd.watch is not None and rnd.watch.ready and following:
+                self._seen_event.clear()
+                formed = self._propose_watched(rnd)
+                if formed is not None:
+                    return formed
+                self._seen_event.wait(PROBE_EVERY)  # a report, or a change its watcher saw
                 continue
             formed = self._propose_once(rnd)
             if formed is not None:
@@ -206,10 +229,28 @@ class LiveReform(LiveLease):
         """The proposer's look (every survivor's, before): one read of the reports and alive keys;
         the quorum written when every member reported or is provably gone, or past the deadline.
         The new quorum once it is formed with this worker in it; None: look again."""
-        old, target, timeout = rnd.old, rnd.target, rnd.timeout
         began = time.monotonic()
-        view = self._read(report_q=target, stall_q=old.q)
+        watched = rnd.watch.begin_read() if rnd.watch is not None else False
+        view = self._read(report_q=rnd.target, stall_q=rnd.old.q)
         rnd.read_s = time.monotonic() - began
+        if rnd.watch is not None:  # the reports read: the watch adds what is put from now on
+            rnd.watch.read(view.report_keys, watched)
+        return self._decide(rnd, view)
+
+    def _propose_watched(self, rnd: _Round) -> Quorum | None:
+        """The proposer's look while its report watch is established and was read once: the
+        reports from the watch, the quorum, leases, joiners and stall from its watcher's view (no
+        read). A compare-and-swap that fails (the quorum moved since that view) reads again."""
+        seen = self._seen
+        if seen is None or seen.quorum is None or seen.quorum.q < rnd.old.q:  # its watcher lags: read
+            return self._propose_once(rnd)
+        view = View(seen.quorum, seen.quorum_rev, set(seen.alive), dict(seen.joiners),
+                    reports=node_report.expand(rnd.watch.reports()), stall=seen.stall)
+        return self._decide(rnd, view)
+
+    def _decide(self, rnd: _Round, view: View) -> Quorum | None:
+        """One look's decision on ``view`` (see ``_propose_once``)."""
+        old, target, timeout = rnd.old, rnd.target, rnd.timeout
         if view.stall is not None:  # the ranks that waited come out within a poll; the hung one ends itself
             rnd.deadline = min(rnd.deadline, rnd.entered + self.settings.poll * 3 + 1.0)
         q = view.quorum
@@ -242,6 +283,8 @@ class LiveReform(LiveLease):
                             now - rnd.entered, new.world_size, new.step,
                             "all reported" if not pending else f"{len(pending)} silent past {timeout:g}s")
                 return self._adopt_formed(new)
+            elif rnd.watch is not None:  # the quorum moved since this view: read it
+                rnd.watch.stale = True
         return None
 
     @staticmethod
@@ -291,6 +334,7 @@ class _Round:
         self.next_say = entered + 5.0
         self.by_node = _by_node(old)
         self.node_report: NodeReport | None = None  # this worker's part in its node's one report
+        self.watch: ReportsWatch | None = None  # the proposer's watch on the reports
         self.own_report = b""
 
 

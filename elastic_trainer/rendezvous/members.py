@@ -168,6 +168,7 @@ class View:
     reports: dict[str, dict] = field(default_factory=dict)
     stall: dict | None = None  # the stall declared for the quorum asked about, if any
     busy: dict[str, dict] = field(default_factory=dict)  # id -> {"q", "what"}: members in a slow phase
+    report_keys: dict[str, dict] = field(default_factory=dict)  # the report keys as read (``reports``: expanded)
 
 
 class Change(NamedTuple):
