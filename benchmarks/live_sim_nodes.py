@@ -105,8 +105,10 @@ class SimWorker(LiveGroup):
                     # report to the node's directory is a local file: written at once, as each
                     # worker of a real node writes its own (queued behind 1,000 puts, the node's
                     # reporter would gather before its siblings are in)
-                    if self.proposer:
-                        self.reporter.submit(self._reform, self.target)
+                    if self.proposer:  # on a thread of its own, as a training thread: not queued
+                        # behind the 125 thin nodes' report puts of the process's pool
+                        threading.Thread(target=self._reform, args=(self.target,), name="sim-proposer",
+                                         daemon=True).start()
                     elif not self._report_to_node(self.target):
                         self.reporter.submit(self._report, self.target)
 
