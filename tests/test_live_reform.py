@@ -50,13 +50,14 @@ def _reform(groups: list[LiveGroup], timeout: float | None = None,
     def one(g: LiveGroup) -> None:
         time.sleep((late or {}).get(g.id, 0.0))
         calls = [0]
-        read = g._read
 
-        def counted(*args, **kwargs):
-            calls[0] += 1
-            return read(*args, **kwargs)
+        def counted(read):
+            def call(*args, **kwargs):
+                calls[0] += 1
+                return read(*args, **kwargs)
+            return call
 
-        g._read = counted
+        g._read, g._read_reports = counted(g._read), counted(g._read_reports)  # every read of etcd's
         t = time.monotonic()
         try:
             got[g.id] = g.reform(7, "test", report_timeout=timeout)

@@ -92,6 +92,15 @@ class LiveEtcd:
             view.busy = {mid: v for mid, v in _json_values(rest[1], p + "busy/").items() if v.get("q") == stall_q}
         return view
 
+    def _read_reports(self, q: int) -> dict[str, dict]:
+        """The report keys for quorum ``q`` (less their prefix) alone, as read (not expanded)."""
+        from etcd3 import etcdrpc
+
+        prefix = f"{self.prefix}report/{q}/"
+        request = etcdrpc.TxnRequest(success=[range_op(prefix)])
+        response = self._call(lambda c: c.txns([request])[0], "report read")
+        return _json_values(response.responses[0].response_range.kvs, prefix)
+
     def _decode_quorum(self, value: bytes, rev: int) -> Quorum:
         """The quorum key's record read at mod revision ``rev`` (a change from this worker's quorum,
         or built on ``members/<q>``: ``rendezvous/quorum_record.py``), decoded once per revision."""

@@ -62,6 +62,9 @@ after ``report_timeout``): the first ``BACKUPS + 1`` nodes of a group lost at on
 to ``FOLLOW_GRACE``."""
 FOLLOW_GRACE = 1.0
 """Seconds past ``report_timeout`` after which every follower proposes too (a proposer alive but silent)."""
+WATCH_WAIT = 1.0
+"""Seconds after its report watch was opened that the proposer waits for it to be established
+(one round trip) before it reads everything instead, as without a watch."""
 PROBES_PER_LOOK = 64
 """Silent members the proposer probes per look, in turn."""
 NODE_REPORT_EVERY = 0.002
@@ -111,6 +114,8 @@ class LiveReform(LiveLease):
             except OSError as exc:  # the directory is gone or full: report as a worker of its own
                 logger.warning("live: could not write the report to the node's directory (%s); putting it", exc)
                 rnd.node_report = None
+        if self._following() and self._line(rnd)[0] == 0:  # the proposer: its watch opens meanwhile
+            rnd.watch = ReportsWatch(self, target)
         if rnd.node_report is None:
             self._put_report(f"report/{target}/{self.id}", rnd.own_report)
         try:
@@ -155,6 +160,8 @@ class LiveReform(LiveLease):
             following = self._following()
             if rnd.watch is None and following:  # the proposer: the reports come through a watch
                 rnd.watch = ReportsWatch(self, target)
+            if rnd.watch is not None and following and not rnd.watch.ready:
+                rnd.watch.catch_up(rnd.watch.opened + WATCH_WAIT - time.monotonic())  # the reports put before it
             if rnd.watch is not None and rnd.watch.ready and following:
                 self._seen_event.clear()
                 formed = self._propose_watched(rnd)
@@ -244,9 +251,18 @@ class LiveReform(LiveLease):
         seen = self._seen
         if seen is None or seen.quorum is None or seen.quorum.q < rnd.old.q:  # its watcher lags: read
             return self._propose_once(rnd)
+        began = time.monotonic()
+        changed = (seen.quorum_rev, len(seen.alive), len(seen.joiners), seen.stall is None)
+        if (changed == rnd.looked_at and rnd.watch.members < len(rnd.old.members) - rnd.gone
+                and began - rnd.look_began < max(PROBE_EVERY, 10 * rnd.look_s)):
+            return None  # reports missing, nobody lost or added since the last look, no probe due: wait
+        rnd.looked_at, rnd.look_began = changed, began
         view = View(seen.quorum, seen.quorum_rev, set(seen.alive), dict(seen.joiners),
                     reports=node_report.expand(rnd.watch.reports()), stall=seen.stall)
-        return self._decide(rnd, view)
+        try:
+            return self._decide(rnd, view)
+        finally:  # ~5 ms at 1,000 nodes of 8 (the alive set copied, the reports expanded, the members walked)
+            rnd.look_s = time.monotonic() - began
 
     def _decide(self, rnd: _Round, view: View) -> Quorum | None:
         """One look's decision on ``view`` (see ``_propose_once``)."""
@@ -267,6 +283,7 @@ class LiveReform(LiveLease):
             rnd.dead |= self._probe_some(pending, rnd)
             gone_nodes |= {m.node for m in old.members if m.id in rnd.dead}
             pending = [m for m in pending if m.node not in gone_nodes]
+        rnd.gone = sum(len(rnd.by_node.get(node, ())) for node in gone_nodes)
         if now > rnd.next_say:  # a long wait says what it waits for
             rnd.next_say = now + 5.0
             logger.warning("live: quorum %d not formed after %.0fs: reported %s; silent %s; min_nodes %d",
@@ -335,6 +352,9 @@ class _Round:
         self.by_node = _by_node(old)
         self.node_report: NodeReport | None = None  # this worker's part in its node's one report
         self.watch: ReportsWatch | None = None  # the proposer's watch on the reports
+        self.looked_at: tuple = ()  # the quorum, leases, joiners and stall the proposer's last look saw
+        self.gone = 0  # the members of nodes its last look found gone
+        self.look_began = self.look_s = 0.0  # when that look began, and how long it took
         self.own_report = b""
 
 
@@ -346,4 +366,4 @@ def _by_node(q: Quorum) -> dict[str, list[Member]]:
     return by_node
 
 
-__all__ = ["BACKUPS", "FOLLOW_GRACE", "LiveReform", "NODE_REPORT_EVERY", "PROBES_PER_LOOK", "PROBE_EVERY"]
+__all__ = ["BACKUPS", "FOLLOW_GRACE", "LiveReform", "NODE_REPORT_EVERY", "PROBES_PER_LOOK", "PROBE_EVERY", "WATCH_WAIT"]

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from elastic_trainer.rendezvous.live_watch import KeysWatch
 from elastic_trainer.rendezvous.members import Change
+from elastic_trainer.rendezvous.node_report import NODE_MARK
 
 if TYPE_CHECKING:
     from elastic_trainer.rendezvous.live_reform import LiveReform
@@ -34,6 +36,10 @@ class ReportsWatch:
     event; reports are only put during a round, so their union is exact)."""
 
     def __init__(self, group: LiveReform, target: int) -> None:
+        self._group, self._target = group, target
+        self.opened = time.monotonic()
+        self.members = 0
+        """The members the reports so far stand for (a member in its node's report and its own counts twice)."""
         prefix = group._key(f"report/{target}/")
         self._n = len(prefix)
         self._keys: dict[str, dict] = {}
@@ -53,15 +59,24 @@ class ReportsWatch:
             for change in changes:
                 sub = change.key[self._n:]
                 if change.value is None:
-                    self._keys.pop(sub, None)
+                    self._set(sub, None)
                     continue
                 try:
                     value = json.loads(change.value)
                 except ValueError:
                     continue
                 if isinstance(value, dict):
-                    self._keys[sub] = value
+                    self._set(sub, value)
         self._wake.set()
+
+    def _set(self, sub: str, value: dict | None) -> None:
+        """Key ``sub`` is ``value`` now (None: deleted); ``members`` follows. Under ``_lock``."""
+        old = self._keys.pop(sub, None)
+        if old is not None:
+            self.members -= _covers(sub, old)
+        if value is not None:
+            self._keys[sub] = value
+            self.members += _covers(sub, value)
 
     def begin_read(self) -> bool:
         """Before a whole read: whether the stream is established (then the read completes it)."""
@@ -72,7 +87,8 @@ class ReportsWatch:
         """The report keys of the whole read begun with ``begin_read()`` (which returned ``watched``)."""
         with self._lock:
             for sub, value in keys.items():
-                self._keys.setdefault(sub, value)
+                if sub not in self._keys:
+                    self._set(sub, value)
         self._read = watched and not self.stale
 
     @property
@@ -80,12 +96,29 @@ class ReportsWatch:
         """Established, read since, and no read due: the reports are all here."""
         return self._read and not self.stale
 
+    def catch_up(self, wait: float) -> None:
+        """Once the stream is established (waiting ``wait`` seconds at most for it), read the
+        reports put before it (``ready`` after); a stream not established yet: nothing (the
+        proposer reads everything, as without a watch)."""
+        if not self._watch.established.wait(max(0.0, wait)):
+            return
+        watched = self.begin_read()
+        self.read(self._group._read_reports(self._target), watched)
+
     def reports(self) -> dict[str, dict]:
         with self._lock:
             return dict(self._keys)
 
     def close(self) -> None:
         self._watch.close()
+
+
+def _covers(sub: str, value: dict) -> int:
+    """How many members's reports key ``sub`` holds: a node's (``node_report``) all of its members'."""
+    if sub.startswith(NODE_MARK):
+        members = value.get("members")
+        return len(members) if isinstance(members, dict) else 0
+    return 1
 
 
 __all__ = ["ReportsWatch"]
