@@ -12,6 +12,7 @@ import time
 import pytest
 
 from elastic_trainer.env import LiveSettings
+from elastic_trainer.rendezvous import live_reform
 from elastic_trainer.rendezvous.live_reform import FOLLOW_GRACE
 from elastic_trainer.rendezvous.quorum import LiveExcluded, LiveGroup
 from tests.helpers.common import etcd_conn, holds_within, join_and_watch
@@ -101,7 +102,8 @@ def test_one_proposer_reads_the_reports_and_the_followers_read_nothing(make_grou
     assert max(took.values()) < 2.0, took
 
 
-def test_the_proposer_follows_a_late_report_through_its_watch_and_writes_at_once(make_groups):
+def test_the_proposer_follows_a_late_report_through_its_watch_and_writes_at_once(make_groups, monkeypatch):
+    monkeypatch.setattr(live_reform, "WATCH_FROM", 1)  # three members stand for a large group
     groups = make_groups()
     late = groups[2]
     got, reads, took = _reform(groups, late={late.id: 1.5})
@@ -111,6 +113,16 @@ def test_the_proposer_follows_a_late_report_through_its_watch_and_writes_at_once
         f"the proposer must wait for the late report on its watch, not read every 3 ms: {reads}"
     assert 1.5 <= took[groups[0].id] < 1.5 + 0.5, took
     assert took[late.id] < 0.5, f"the quorum must be written as soon as the last report is put: {took}"
+
+
+def test_a_small_groups_proposer_reads_without_a_watch(make_groups, monkeypatch):
+    groups = make_groups()
+    opened = []
+    real = live_reform.ReportsWatch
+    monkeypatch.setattr(live_reform, "ReportsWatch", lambda *a: opened.append(a) or real(*a))
+    got, reads, _ = _reform(groups)
+    assert got[groups[0].id].q == 2 and reads[groups[0].id] >= 1
+    assert not opened, "below WATCH_FROM members a whole read costs less than opening a watch"
 
 
 def test_a_killed_proposer_is_taken_over_by_the_next_in_line(make_groups):

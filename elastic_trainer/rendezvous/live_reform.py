@@ -9,8 +9,9 @@ cost etcd N reads of O(N) keys every 3 ms, O(N^2) (~1.6 MB a read at 1,000 nodes
 
 Now the round has **one proposer**, the first member (in the old quorum's order) of the first node
 not known to be gone: it alone reads the reports (``_propose_once``: until every member
-reported or is provably gone, or ``report_timeout`` passed) and writes the quorum. Where its
-watcher looks, it reads them once and then follows them with a watch on ``report/<q>/``
+reported or is provably gone, or ``report_timeout`` passed) and writes the quorum. In a group of
+``WATCH_FROM`` members or more, where its watcher looks, it reads them once and then follows them
+with a watch on ``report/<q>/``
 (``rendezvous/report_watch.py``): the last report wakes it, and the quorum is written at once. Every other
 survivor is a **follower**: it reported, and it learns the new quorum from the watch its watcher
 already keeps (``rendezvous/watcher.py``: the watcher hands each view it looks at to ``seen``), so
@@ -62,6 +63,9 @@ after ``report_timeout``): the first ``BACKUPS + 1`` nodes of a group lost at on
 to ``FOLLOW_GRACE``."""
 FOLLOW_GRACE = 1.0
 """Seconds past ``report_timeout`` after which every follower proposes too (a proposer alive but silent)."""
+WATCH_FROM = 64
+"""Members in the old quorum from which the proposer follows the reports with a watch; below, a
+whole read takes a millisecond or two and opening the watch (a thread, a stream) costs as much."""
 WATCH_WAIT = 1.0
 """Seconds after its report watch was opened that the proposer waits for it to be established
 (one round trip) before it reads everything instead, as without a watch."""
@@ -114,8 +118,8 @@ class LiveReform(LiveLease):
             except OSError as exc:  # the directory is gone or full: report as a worker of its own
                 logger.warning("live: could not write the report to the node's directory (%s); putting it", exc)
                 rnd.node_report = None
-        if self._following() and self._line(rnd)[0] == 0:  # the proposer: its watch opens meanwhile
-            rnd.watch = ReportsWatch(self, target)
+        if len(old.members) >= WATCH_FROM and self._following() and self._line(rnd)[0] == 0:
+            rnd.watch = ReportsWatch(self, target)  # the proposer: its watch opens meanwhile
         if rnd.node_report is None:
             self._put_report(f"report/{target}/{self.id}", rnd.own_report)
         try:
@@ -158,7 +162,7 @@ class LiveReform(LiveLease):
                 time.sleep(NODE_REPORT_EVERY)  # its own node's report first: the look would wait for it
                 continue
             following = self._following()
-            if rnd.watch is None and following:  # the proposer: the reports come through a watch
+            if rnd.watch is None and following and len(rnd.old.members) >= WATCH_FROM:  # through a watch
                 rnd.watch = ReportsWatch(self, target)
             if rnd.watch is not None and following and not rnd.watch.ready:
                 rnd.watch.catch_up(rnd.watch.opened + WATCH_WAIT - time.monotonic())  # the reports put before it
@@ -366,4 +370,4 @@ def _by_node(q: Quorum) -> dict[str, list[Member]]:
     return by_node
 
 
-__all__ = ["BACKUPS", "FOLLOW_GRACE", "LiveReform", "NODE_REPORT_EVERY", "PROBES_PER_LOOK", "PROBE_EVERY", "WATCH_WAIT"]
+__all__ = ["BACKUPS", "FOLLOW_GRACE", "LiveReform", "NODE_REPORT_EVERY", "PROBES_PER_LOOK", "PROBE_EVERY", "WATCH_FROM", "WATCH_WAIT"]
