@@ -115,6 +115,25 @@ def test_the_proposer_follows_a_late_report_through_its_watch_and_writes_at_once
     assert took[late.id] < 0.5, f"the quorum must be written as soon as the last report is put: {took}"
 
 
+def test_a_proposer_whose_report_watch_never_opens_reads_everything_as_before(make_groups, monkeypatch):
+    from elastic_trainer.rendezvous import report_watch
+
+    monkeypatch.setattr(live_reform, "WATCH_FROM", 1)
+    monkeypatch.setattr(live_reform, "WATCH_WAIT", 0.2)
+    class NeverOpens(report_watch.KeysWatch):
+        def run(self) -> None:  # its stream is never established
+            return None
+
+    monkeypatch.setattr(report_watch, "KeysWatch", NeverOpens)
+    groups = make_groups()
+    late = groups[2]
+    got, reads, took = _reform(groups, late={late.id: 0.5})
+    q = got[groups[0].id]
+    assert q.q == 2 and q.world_size == 3 and all(got[g.id] == q for g in groups)
+    assert reads[groups[0].id] > 3, f"without its watch the proposer must keep reading: {reads}"
+    assert took[late.id] < 0.5, took
+
+
 def test_a_small_groups_proposer_reads_without_a_watch(make_groups, monkeypatch):
     groups = make_groups()
     opened = []
