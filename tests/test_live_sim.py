@@ -31,14 +31,16 @@ def test_a_lost_node_reaches_every_survivor_of_a_small_simulation(etcd, tmp_path
     assert result["lost_leases"] == 0 and result["look_errors"] == 0
 
 
-def test_thin_nodes_carry_the_etcd_load_and_the_full_ones_run_the_product(etcd, tmp_path):
+@pytest.mark.parametrize("thin_aio", [False, True], ids=["thin-threads", "thin-aio"])
+def test_thin_nodes_carry_the_etcd_load_and_the_full_ones_run_the_product(etcd, tmp_path, thin_aio):
     """``--full-nodes``: the proposers' and the lost nodes run the product's code whole, the others
-    only their etcd side (one watch stream, one report put per loss): every survivor, thin or
-    full, is counted, and only the full nodes read the live keys whole. The losses are expiries."""
+    only their etcd side (one watch stream, one report put per loss; ``--thin-aio``: all of a
+    process's on one asyncio loop): every survivor, thin or full, is counted, and only the full
+    nodes read the live keys whole. The losses are expiries."""
     args = argparse.Namespace(nodes=8, workers=2, processes=2, channels=1, poll=1.0, lease_ttl=3, losses=2,
                               reread=False, no_reports=False, settle=0.2, window=1.0, between=0.0, timeout=30.0,
                               node_watch=True, shared_siblings=True, full_nodes=2, expire=True,
-                              workdir=str(tmp_path))
+                              thin_aio=thin_aio, workdir=str(tmp_path))
     result = live_sim.run(args, etcd.endpoint)
     first, second = result["losses"]
     # --expire: the lost node's lease expires (3 s after its last renewal), timed from that expiry
