@@ -11,11 +11,11 @@ Now the round has **one proposer**, the first member (in the old quorum's order)
 not known to be gone: it alone reads the reports (``_propose_once``: until every member
 reported or is provably gone, or ``report_timeout`` passed) and writes the quorum. In a group of
 ``WATCH_FROM`` members or more, where its watcher looks, it reads them once and then follows them
-with a watch on ``report/<q>/``
-(``rendezvous/report_watch.py``): the last report wakes it, and the quorum is written at once. Every other
-survivor is a **follower**: it reported, and it learns the new quorum from the watch its watcher
-already keeps (``rendezvous/watcher.py``: the watcher hands each view it looks at to ``seen``), so
-it reads nothing. Only the first ``BACKUPS`` followers in line do anything more:
+with a watch on ``report/<q>/`` (``rendezvous/report_watch.py``): the last report wakes it, and
+the quorum is written at once. Every other survivor is a **follower**: it reported, and it learns
+the new quorum from the watch its watcher already keeps (``rendezvous/watcher.py``: the watcher
+hands each view it looks at to ``seen``), so it reads nothing. Only the first ``BACKUPS`` followers
+in line do anything more:
 
 - **take-over**: a backup probes the candidates ahead of it (their probe port,
   ``members.probe_dead``: a killed process's port refuses at once) every ``PROBE_EVERY``; every
@@ -264,9 +264,12 @@ class LiveReform(LiveLease):
         view = View(seen.quorum, seen.quorum_rev, set(seen.alive), dict(seen.joiners),
                     reports=node_report.expand(rnd.watch.reports()), stall=seen.stall)
         try:
-            return self._decide(rnd, view)
+            formed = self._decide(rnd, view)
         finally:  # ~5 ms at 1,000 nodes of 8 (the alive set copied, the reports expanded, the members walked)
             rnd.look_s = time.monotonic() - began
+        if formed is None and rnd.watch.stale:  # its compare-and-swap failed: read the quorum that won
+            return self._propose_once(rnd)
+        return formed
 
     def _decide(self, rnd: _Round, view: View) -> Quorum | None:
         """One look's decision on ``view`` (see ``_propose_once``)."""

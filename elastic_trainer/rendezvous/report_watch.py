@@ -2,7 +2,7 @@
 
 The proposer of a live re-form (``rendezvous/live_reform.py``) used to read every report and
 alive key again and again until every survivor had reported: at 1,000 nodes of 8 a read took
-0.03-0.1 s, and the quorum was written 0.11-0.26 s after the last report (a look every read's
+0.03 s quiet and up to 0.3 s under load, and the quorum was written 0.11-0.26 s after the last report (a look every read's
 time, ``benchmarks/results/live_sim_thin_1000x8.txt``). Now it reads once, then follows the
 reports with a watch on ``report/<q>/`` and the quorum, the leases, the joiners and a declared stall
 with its own watcher's view: the last report wakes it, and the compare-and-swap follows at once.
@@ -114,7 +114,7 @@ class ReportsWatch:
 
 
 def _covers(sub: str, value: dict) -> int:
-    """How many members's reports key ``sub`` holds: a node's (``node_report``) all of its members'."""
+    """How many members' reports key ``sub`` holds: a node's (``node_report``) all of its members'."""
     if sub.startswith(NODE_MARK):
         members = value.get("members")
         return len(members) if isinstance(members, dict) else 0
