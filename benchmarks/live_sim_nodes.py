@@ -21,7 +21,7 @@ from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, 
 from elastic_trainer.rendezvous.lease import LeaseKeeper
 from elastic_trainer.rendezvous.members import Member, ProbeListener, Quorum, View
 from elastic_trainer.rendezvous.live_reform import NODE_REPORT_EVERY
-from elastic_trainer.rendezvous.live_watch import KeysWatch
+from elastic_trainer.rendezvous.live_watch import KeysWatch, watch_request
 from elastic_trainer.rendezvous.node_report import GRACE as NODE_REPORT_GRACE, NODE_MARK, NodeReport
 from elastic_trainer.rendezvous.quorum_record import record_q
 from elastic_trainer.rendezvous.watcher_view import WATCHED
@@ -220,10 +220,14 @@ class ThinNode:
                 self.lost_at = now
                 self.pool.submit(self._report, self.target)
 
-    def _report(self, target: int) -> None:
+    def report(self, target: int) -> tuple[str, bytes]:
+        """Its node's report for quorum ``target``: the key under the live prefix, and the value."""
         record = {"step": 0, "cause": "sim"}
-        self.workers[0]._put(f"report/{target}/{NODE_MARK}{self.node}",
-                             json.dumps({"members": {w.id: record for w in self.workers}}).encode())
+        return (f"report/{target}/{NODE_MARK}{self.node}",
+                json.dumps({"members": {w.id: record for w in self.workers}}).encode())
+
+    def _report(self, target: int) -> None:
+        self.workers[0]._put(*self.report(target))
 
     def close(self) -> None:
         if getattr(self, "aio", None) is not None:
@@ -271,16 +275,9 @@ class AioThin:
     async def _watch(self, thin: "ThinNode") -> None:
         from etcd3 import etcdrpc
 
-        from elastic_trainer.rendezvous.members import range_end
-
         stub = etcdrpc.WatchStub(self.channel)
         kv = etcdrpc.KVStub(self.channel)
-        requests = []
-        for key in (thin.prefix + k for k in WATCHED):
-            create = etcdrpc.WatchCreateRequest(key=key.encode())
-            if key.endswith("/"):
-                create.range_end = range_end(key)
-            requests.append(etcdrpc.WatchRequest(create_request=create))
+        requests = [watch_request(thin.prefix + k) for k in WATCHED]  # the product's watch, as ThinNode's
 
         async def feed():
             for r in requests:
@@ -315,9 +312,8 @@ class AioThin:
     async def _report(self, kv, thin: "ThinNode", target: int) -> None:
         from etcd3 import etcdrpc
 
-        record = {"step": 0, "cause": "sim"}
-        value = json.dumps({"members": {w.id: record for w in thin.workers}}).encode()
-        key = thin.prefix + f"report/{target}/{NODE_MARK}{thin.node}"
+        sub, value = thin.report(target)
+        key = thin.prefix + sub
         for attempt in range(5):
             try:
                 await kv.Put(etcdrpc.PutRequest(key=key.encode(), value=value, lease=thin.keeper.lease_id))

@@ -53,7 +53,7 @@ from elastic_trainer.rendezvous.members import Change, range_end
 logger = logging.getLogger(__name__)
 
 
-def _create_request(key: str) -> etcdrpc.WatchRequest:
+def watch_request(key: str) -> etcdrpc.WatchRequest:
     """A watch on ``key``, or on every key under it when it ends with ``/``."""
     create = etcdrpc.WatchCreateRequest(key=key.encode())
     if key.endswith("/"):
@@ -112,7 +112,7 @@ class KeysWatch:
         """One stream, until it ends; True when it was established."""
         requests: queue.SimpleQueue = queue.SimpleQueue()
         for key in self._keys:
-            requests.put(_create_request(key))
+            requests.put(watch_request(key))
 
         def feed() -> Iterator[etcdrpc.WatchRequest]:
             while (request := requests.get()) is not None:
@@ -160,4 +160,4 @@ class KeysWatch:
             call.cancel()
 
 
-__all__ = ["KeysWatch"]
+__all__ = ["KeysWatch", "watch_request"]
