@@ -160,7 +160,7 @@ def bench(url: str, d_model: int, layers: int, steps: int, saves: int) -> dict:
 
 def start_moto_server() -> tuple[subprocess.Popen, int]:
     """moto's S3 server in its own process on a free loopback port (a separate S3 machine, in small)."""
-    from elastic_trainer.etcd_server import free_port
+    from elastic_trainer.etcd.server import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", "import sys; from moto.server import main; main(sys.argv[1:])",

@@ -103,7 +103,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks import provenance  # noqa: E402
 from elastic_trainer.env import LiveSettings  # noqa: E402
-from elastic_trainer.etcd_server import EtcdServer  # noqa: E402
+from elastic_trainer.etcd.server import EtcdServer  # noqa: E402
 from elastic_trainer.rendezvous.live_watch import KeysWatch  # noqa: E402
 from elastic_trainer.rendezvous.members import Quorum, complete_nodes  # noqa: E402
 from elastic_trainer.rendezvous import node_report, quorum_record  # noqa: E402

@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from elastic_trainer.env import LiveSettings
-from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
+from elastic_trainer.etcd.client import EtcdConnection, EtcdOptions, parse_endpoints
 from elastic_trainer.rendezvous.lease import LeaseKeeper
 from elastic_trainer.rendezvous.members import Member, ProbeListener, Quorum, View
 from elastic_trainer.rendezvous.live_reform import NODE_REPORT_EVERY

@@ -46,16 +46,16 @@ sys.path.insert(0, str(REPO))
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters  # noqa: E402
 
 from benchmarks import provenance  # noqa: E402  (the results' header: date, commit, machine, command)
-from elastic_trainer.rendezvous.torch_private import (  # noqa: E402
+from elastic_trainer.torch_private import (  # noqa: E402
     RendezvousSettings,
     RendezvousTimeout,
     generate_node_desc,
 )
 
-from elastic_trainer.etcd_server import EtcdServer  # noqa: E402
-from elastic_trainer.rendezvous.etcd_client import EtcdConnection  # noqa: E402
+from elastic_trainer.etcd.server import EtcdServer  # noqa: E402
+from elastic_trainer.etcd.client import EtcdConnection  # noqa: E402
 from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend  # noqa: E402
-from elastic_trainer.rendezvous.etcd_store import EtcdStore  # noqa: E402
+from elastic_trainer.etcd.store import EtcdStore  # noqa: E402
 from elastic_trainer.rendezvous.handler import (  # noqa: E402
     NO_STATE_HEARTBEATS,
     EtcdRendezvousHandler,

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     fence = None
     if args.fence:
-        from elastic_trainer.rendezvous.fence import RoundFence
+        from elastic_trainer.rendezvous.round_fence import RoundFence
         fence = RoundFence.from_env()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"rank-{rank}-{os.getpid()}.jsonl")

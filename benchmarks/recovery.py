@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks import provenance  # noqa: E402  (the results' header: date, commit, machine, command)
 from benchmarks.rdzv_worker import agent_cmd, read_steps, signal_tree  # noqa: E402
 from elastic_trainer.drill.nodes import descendants  # noqa: E402
-from elastic_trainer.etcd_server import EtcdServer, free_port  # noqa: E402
+from elastic_trainer.etcd.server import EtcdServer, free_port  # noqa: E402
 
 SCENARIOS = ("kill-other", "kill-rank0", "join")
 BACKENDS = {

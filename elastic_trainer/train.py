@@ -25,7 +25,7 @@ from typing import NoReturn
 
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.flags import parse_train_config  # the flags: generated from TrainConfig
-from elastic_trainer.training.runtime import die_with_parent
+from elastic_trainer.runtime import die_with_parent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("ELASTIC_TRAINER_LOG_LEVEL", "INFO"),
                         format=f"[%(asctime)s] rank{rank} %(levelname)s %(name)s: %(message)s")
     config = parse_train_config(argv)
-    from elastic_trainer.training.runtime import runtime
+    from elastic_trainer.runtime import runtime
 
     code = _train(config)
     runtime().close()
@@ -81,7 +81,7 @@ def exit_without_teardown(code: int) -> NoReturn:
     ("terminate called without an active exception", SIGABRT; seen once in the CI of two
     sessions, on rank 1 right after a clean finish), which torchrun reports as a failed job.
     """
-    from elastic_trainer.training.runtime import runtime
+    from elastic_trainer.runtime import runtime
 
     runtime().exit(code, run_hooks=False)
 

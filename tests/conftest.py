@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from elastic_trainer.etcd_server import EtcdServer, free_port
+from elastic_trainer.etcd.server import EtcdServer, free_port
 from tests.helpers.common import DIST_ENV, Processes
 
 

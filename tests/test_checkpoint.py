@@ -28,10 +28,10 @@ from elastic_trainer.checkpoint import CheckpointManager, capture_rng_state, res
 from tests.helpers.common import assert_same_state, etcd_conn, mounted_tmpfs
 
 try:
-    from elastic_trainer.rendezvous.fence import FencedError
+    from elastic_trainer.fence import FencedError
 except ImportError:  # the rendezvous engineer's module may not have landed yet
     class FencedError(RuntimeError):
-        """Stand-in with the contract's name until elastic_trainer.rendezvous.fence exists."""
+        """Stand-in with the contract's name until elastic_trainer.rendezvous.round_fence exists."""
 
 WRITER = str(Path(__file__).resolve().parent / "helpers" / "ckpt_writer.py")
 pytestmark = pytest.mark.timeout(180)
@@ -676,10 +676,10 @@ def test_resumed_run_continues_exactly_like_an_uninterrupted_one(tmp_path):
 
 
 def test_round_fence_on_real_etcd_lets_only_the_current_round_commit(etcd, run_id, tmp_path, monkeypatch):
-    from elastic_trainer.rendezvous.torch_private import RendezvousState
+    from elastic_trainer.torch_private import RendezvousState
 
     from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
-    from elastic_trainer.rendezvous.fence import RoundFence
+    from elastic_trainer.rendezvous.round_fence import RoundFence
     from elastic_trainer.rendezvous.state import encode_state
 
     conn = etcd_conn(etcd)

@@ -17,9 +17,9 @@ import torch
 from elastic_trainer.checkpoint import CheckpointManager, storage
 from elastic_trainer.checkpoint.record import CommitRecord
 from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
-from elastic_trainer.rendezvous.fence import RoundFence
+from elastic_trainer.rendezvous.round_fence import RoundFence
 from elastic_trainer.rendezvous.state import encode_state
-from elastic_trainer.rendezvous.torch_private import RendezvousState
+from elastic_trainer.torch_private import RendezvousState
 from tests.helpers.common import etcd_conn, wait_until
 
 pytestmark = pytest.mark.timeout(180)

@@ -247,6 +247,6 @@ def test_files_are_hashed_as_dcp_writes_them_and_a_seek_leaves_a_file_to_be_read
     with writer.fs.create_stream(tmp_path / ".metadata", "rb") as f:  # reading passes through
         assert f.read() == b"metadata"
     # the object-store writer has the same file system to wrap (else saves would read back)
-    from elastic_trainer.rendezvous.torch_private import dcp_fsspec_storage
+    from elastic_trainer.torch_private import dcp_fsspec_storage
 
     assert HashingFiles.wraps(dcp_fsspec_storage()[0](f"file://{tmp_path}/fsspec")) is not None

@@ -167,7 +167,7 @@ def test_script_and_its_arguments_are_passed_like_torchrun(tmp_path):
 @pytest.fixture(scope="module")
 def tls_etcd(tmp_path_factory):
     """An etcd on loopback that serves client TLS and requires a client certificate: (server, certs)."""
-    from elastic_trainer.etcd_server import EtcdServer
+    from elastic_trainer.etcd.server import EtcdServer
     from tests.helpers.tls_certs import make_certs
 
     certs = make_certs(tmp_path_factory.mktemp("certs"))

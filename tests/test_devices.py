@@ -207,7 +207,7 @@ def test_the_device_is_checked_before_etcd_so_a_gpu_node_that_cannot_reach_etcd_
         tmp_path, capsys, nothing_launched):
     """A GPU pod whose GPUs torch cannot use and whose etcd does not answer (a closed loopback
     port here): the one line names the device, the cause that a restart would not fix."""
-    from elastic_trainer.etcd_server import free_port
+    from elastic_trainer.etcd.server import free_port
 
     argv = ["--rdzv-endpoint", f"127.0.0.1:{free_port('127.0.0.1')}", "--checkpoint-dir", str(tmp_path / "ck"),
             "--log-dir", str(tmp_path / "l"), "--", "--device", "cuda"]

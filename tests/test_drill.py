@@ -391,7 +391,7 @@ def test_the_drills_own_etcd_admits_only_holders_of_its_password_and_on_the_brid
     from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
     from elastic_trainer.drill.cluster import Cluster
-    from elastic_trainer.rendezvous.etcd_client import EtcdConnection
+    from elastic_trainer.etcd.client import EtcdConnection
     from elastic_trainer.rendezvous.options import RendezvousOptions
 
     if netns and (os.geteuid() != 0 or shutil.which("ip") is None):

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from elastic_trainer.etcd_server import free_port
-from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions
+from elastic_trainer.etcd.server import free_port
+from elastic_trainer.etcd.client import EtcdConnection, EtcdOptions
 from tests.helpers.common import wait_until
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed")

@@ -1,4 +1,4 @@
-"""The etcd StatefulSet's member start-up (elastic_trainer/etcd_member.py) and its probes, on real etcds.
+"""The etcd StatefulSet's member start-up (elastic_trainer/etcd/member.py) and its probes, on real etcds.
 
 The whole story (three members from the rendered manifests, one that loses its volume and rejoins)
 is tests/test_k8s_run.py; here: the flags-to-config translation, the NOSPACE liveness rule against a
@@ -22,8 +22,8 @@ import etcd3
 import pytest
 import yaml
 
-from elastic_trainer import etcd_member
-from elastic_trainer.etcd_server import free_port
+from elastic_trainer.etcd import member as etcd_member
+from elastic_trainer.etcd.server import free_port
 from tests.helpers.common import REPO, wait_until
 
 kubectl = shutil.which("kubectl")
@@ -130,7 +130,7 @@ def test_a_member_serves_on_an_ipv6_only_pod_network(tmp_path, procs):
         (hosts / "hosts").write_text(f"{address} {name}\n::1 localhost\n")
         env = {"POD_NAME": "etcd-0", "POD_NAMESPACE": "elastic-trainer"}
         # The Secret etcd-server-tls as mounted (the members serve client TLS).
-        from elastic_trainer.etcd_tls import make_certs
+        from elastic_trainer.etcd.tls import make_certs
         files = make_certs(tmp_path / "pki", [name])
         tls = tmp_path / "tls"
         tls.mkdir()
@@ -138,7 +138,7 @@ def test_a_member_serves_on_an_ipv6_only_pod_network(tmp_path, procs):
             (tls / dst).write_bytes(src.read_bytes())
         mounts = {"/var/lib/etcd": tmp_path, "/etc/etcd/tls": tls}
         argv = [localize(expand(t, env), mounts) for t in [*init["command"], *init["args"]]]
-        assert argv[:3] == ["python", "-m", "elastic_trainer.etcd_member"]
+        assert argv[:3] == ["python", "-m", "elastic_trainer.etcd.member"]
         inner = ["ip", "netns", "exec", ns]
         pyenv = {**os.environ, "PYTHONPATH": str(REPO)}
         # The image's python is this interpreter; no other member exists: do not wait 10 s for one.

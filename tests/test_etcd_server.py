@@ -18,7 +18,7 @@ import threading
 
 import pytest
 
-from elastic_trainer.etcd_server import EtcdServer, dying_with_parent
+from elastic_trainer.etcd.server import EtcdServer, dying_with_parent
 from tests.helpers.common import etcd_conn, holds_within
 
 pytestmark = pytest.mark.timeout(120)
@@ -55,7 +55,7 @@ def test_the_embedded_etcd_dies_with_the_process_that_started_it(tmp_path):
     """SIGKILL the process that started etcd: etcd follows (nothing is left behind)."""
     script = textwrap.dedent(f"""
         import sys, time
-        from elastic_trainer.etcd_server import EtcdServer
+        from elastic_trainer.etcd.server import EtcdServer
         server = EtcdServer(data_dir={str(tmp_path / 'data')!r}).start()
         print(server.proc.pid, flush=True)
         time.sleep(600)

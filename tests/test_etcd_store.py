@@ -9,8 +9,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions
-from elastic_trainer.rendezvous.etcd_store import EtcdStore
+from elastic_trainer.etcd.client import EtcdConnection, EtcdOptions
+from elastic_trainer.etcd.store import EtcdStore
 
 pytestmark = pytest.mark.timeout(120)
 

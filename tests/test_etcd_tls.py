@@ -11,7 +11,7 @@ import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousParameters
 
 from elastic_trainer import cli
-from elastic_trainer.etcd_server import EtcdServer, free_port
+from elastic_trainer.etcd.server import EtcdServer, free_port
 from elastic_trainer.rendezvous import handler_creator
 from tests.helpers.common import cli_cmd, wait_until
 

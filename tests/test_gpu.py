@@ -33,7 +33,7 @@ from elastic_trainer.checkpoint import CheckpointManager
 from elastic_trainer.checkpoint.host_memory import cuda_devices
 from elastic_trainer.checkpoint.snapshot import Snapshotter
 from elastic_trainer.config import TrainConfig
-from elastic_trainer.etcd_server import free_port
+from elastic_trainer.etcd.server import free_port
 from elastic_trainer.flags import parse_train_config
 from elastic_trainer.training.trainer import Trainer
 from elastic_trainer.training.worker import setup_distributed
@@ -131,7 +131,7 @@ def test_launcher_refuses_more_workers_than_gpus(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.slow
 def test_elastic_train_nproc_gpu_runs_one_worker_per_gpu(tmp_path):
-    from elastic_trainer.etcd_server import EtcdError, find_etcd_binary
+    from elastic_trainer.etcd.server import EtcdError, find_etcd_binary
 
     try:
         find_etcd_binary()
@@ -337,7 +337,7 @@ def test_a_worker_under_elastic_train_sees_nccl_clean_up_only(tmp_path):
     """torchrun's agent puts TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (tear the process down) into every
     worker's environment unless its own has a value; under elastic-train (live recovery, the
     default) the worker must see 2, clean up only, so that an NCCL error leaves its process alive."""
-    from elastic_trainer.etcd_server import EtcdError, find_etcd_binary
+    from elastic_trainer.etcd.server import EtcdError, find_etcd_binary
 
     try:
         find_etcd_binary()
@@ -436,7 +436,7 @@ def test_live_recovery_over_nccl_keeps_the_survivor_and_sends_the_newcomer_the_s
     """elastic-train on two GPUs (live recovery, the default): one worker SIGKILLed mid-run; the
     survivor keeps its process (one step log across the re-form), the restarted worker gets the
     state from it over NCCL, and the run finishes."""
-    from elastic_trainer.etcd_server import EtcdError, find_etcd_binary
+    from elastic_trainer.etcd.server import EtcdError, find_etcd_binary
 
     try:
         find_etcd_binary()

@@ -20,7 +20,7 @@ from elastic_trainer.checkpoint import CheckpointManager, host_memory
 from elastic_trainer.checkpoint.host_memory import HostBuffer
 from elastic_trainer.checkpoint.sharded import Staging, prepare_saves
 from elastic_trainer.checkpoint.snapshot import Snapshotter
-from elastic_trainer.etcd_server import free_port
+from elastic_trainer.etcd.server import free_port
 from elastic_trainer.flags import parse_train_config
 from elastic_trainer.training.trainer import Trainer
 

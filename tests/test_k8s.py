@@ -577,7 +577,7 @@ def _etcd_flags(sts: dict) -> dict[str, str]:
     spec = sts["spec"]["template"]["spec"]
     [member] = [c for c in spec["initContainers"] if c["name"] == "member"]
     [etcd] = [c for c in spec["containers"] if c["name"] == "etcd"]
-    assert member["command"][:3] == ["python", "-m", "elastic_trainer.etcd_member"]
+    assert member["command"][:3] == ["python", "-m", "elastic_trainer.etcd.member"]
     out = next(a.split("=", 1)[1] for a in member["command"] if a.startswith("--config-out="))
     assert etcd["command"][1:] == [f"--config-file={out}"] and not etcd.get("args")
     data = {m["mountPath"] for m in etcd["volumeMounts"] if m["name"] == "data"}

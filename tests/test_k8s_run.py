@@ -348,7 +348,7 @@ def moto_on(tmp_path):
     servers = []
 
     def start(address: str) -> str:
-        from elastic_trainer.etcd_server import free_port
+        from elastic_trainer.etcd.server import free_port
         port = free_port(address)
         server = ThreadedMotoServer(ip_address=address, port=port)
         server.start()

@@ -167,7 +167,7 @@ def test_a_rank_leaving_a_broken_group_frees_it_so_a_peer_blocked_on_it_fails_at
     import subprocess
     import sys
 
-    from elastic_trainer.etcd_server import free_port
+    from elastic_trainer.etcd.server import free_port
 
     port, out = free_port(), tmp_path / "times"
     script = REPO / "tests" / "helpers" / "blocked_peer.py"
@@ -184,7 +184,7 @@ def test_a_short_etcd_outage_costs_a_live_run_no_restart(procs, run_id, tmp_path
     """etcd killed and started again 2 s later (same data): under live recovery the workers keep
     their processes and train on (on the restart path every agent's cut-off watchdog stops its
     workers after lease_ttl - keep_alive_interval without a renewal, and they restart)."""
-    from elastic_trainer.etcd_server import EtcdServer
+    from elastic_trainer.etcd.server import EtcdServer
 
     server = EtcdServer(data_dir=tmp_path / "etcd", log_path=tmp_path / "etcd.log").start()
     try:

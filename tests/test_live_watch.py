@@ -14,7 +14,7 @@ import time
 import pytest
 
 from elastic_trainer.env import LiveSettings
-from elastic_trainer.etcd_server import EtcdServer
+from elastic_trainer.etcd.server import EtcdServer
 from elastic_trainer.rendezvous.live_watch import KeysWatch
 from elastic_trainer.rendezvous.members import Change, LiveKeys, Member, Quorum
 from elastic_trainer.rendezvous.quorum import LiveGroup

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from elastic_trainer.env import LiveSettings
-from elastic_trainer.rendezvous.etcd_client import EtcdConnection
+from elastic_trainer.etcd.client import EtcdConnection
 from elastic_trainer.rendezvous.lease import LeaseKeeper
 from elastic_trainer.rendezvous.node_lease import AgentRecord, RenewalRecord
 from elastic_trainer.rendezvous.quorum import LiveGroup

@@ -16,7 +16,7 @@ import pytest
 
 from elastic_trainer.env import LiveSettings
 from elastic_trainer.rendezvous import node_report
-from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
+from elastic_trainer.etcd.client import EtcdConnection, EtcdOptions, parse_endpoints
 from elastic_trainer.rendezvous.lease import LeaseKeeper
 from elastic_trainer.rendezvous.node_lease import AgentRecord
 from elastic_trainer.rendezvous.quorum import LiveExcluded, LiveGroup

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from elastic_trainer.training.preemption import PEER_STOPPED, Preemption
-from elastic_trainer.training.runtime import runtime
+from elastic_trainer.runtime import runtime
 from elastic_trainer.training.worker import DistInfo
 
 pytestmark = pytest.mark.timeout(60)

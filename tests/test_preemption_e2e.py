@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from elastic_trainer import records
-from elastic_trainer.etcd_server import free_port
+from elastic_trainer.etcd.server import free_port
 from elastic_trainer.records import Event
 from tests.helpers.common import REPO, wait_until
 from tests.helpers.runs import SEEDS_MSE, agent, latest, wait_for_steps

@@ -10,8 +10,8 @@ import pytest
 
 from elastic_trainer.env import LiveSettings
 from elastic_trainer.rendezvous import quorum_record
-from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
-from elastic_trainer.rendezvous.fence import FencedError
+from elastic_trainer.etcd.client import EtcdConnection, EtcdOptions, parse_endpoints
+from elastic_trainer.fence import FencedError
 from elastic_trainer.rendezvous.members import Change, LiveKeys, Member, Quorum
 from elastic_trainer.rendezvous.quorum import LiveGroup
 

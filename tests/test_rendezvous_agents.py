@@ -109,7 +109,7 @@ def test_paused_node_past_its_lease_never_trains_in_a_second_world(nodes):
 
 
 def test_etcd_restart_during_training_does_not_stop_the_job(procs, run_id, tmp_path):
-    from elastic_trainer.etcd_server import EtcdServer
+    from elastic_trainer.etcd.server import EtcdServer
 
     server = EtcdServer(data_dir=tmp_path / "etcd-data", log_path=tmp_path / "etcd-server.log")
     server.start()

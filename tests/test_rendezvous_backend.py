@@ -23,18 +23,19 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousParameters,
     RendezvousStateError,
 )
-from elastic_trainer.rendezvous.torch_private import (
+from elastic_trainer.torch_private import (
     NodeDesc,
     RendezvousSettings,
     RendezvousState,
     RendezvousTimeout,
 )
 
-from elastic_trainer.etcd_server import EtcdServer, free_port
+from elastic_trainer.etcd.server import EtcdServer, free_port
 from elastic_trainer.rendezvous import handler_creator
-from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions
+from elastic_trainer.etcd.client import EtcdConnection, EtcdOptions
 from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
-from elastic_trainer.rendezvous.fence import FencedError, RoundFence
+from elastic_trainer.fence import FencedError
+from elastic_trainer.rendezvous.round_fence import RoundFence
 from elastic_trainer.rendezvous.handler import RendezvousOptions
 from elastic_trainer.rendezvous.lease import LeaseKeeper
 from elastic_trainer.rendezvous.state import (

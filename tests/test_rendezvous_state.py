@@ -20,7 +20,7 @@ from elastic_trainer.rendezvous.state import (
     encode_state,
     parse_node_name,
 )
-from elastic_trainer.rendezvous.torch_private import NodeDesc, RendezvousState
+from elastic_trainer.torch_private import NodeDesc, RendezvousState
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

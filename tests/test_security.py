@@ -20,11 +20,12 @@ import grpc
 import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
-from elastic_trainer import cli, etcd_server
+from elastic_trainer import cli
+from elastic_trainer.etcd import server as etcd_server
 from elastic_trainer.cli import launch, secrets
 from elastic_trainer.drill.nodes import descendants
 from elastic_trainer.env import HELPER_ENV
-from elastic_trainer.etcd_server import EtcdServer
+from elastic_trainer.etcd.server import EtcdServer
 from elastic_trainer.rendezvous.options import RendezvousOptions
 from tests.helpers.common import REPO, cli_cmd, wait_until
 from tests.helpers.runs import TINY
@@ -234,7 +235,7 @@ def test_embedded_etcd_and_the_runs_files_are_private_to_its_user(tmp_path, proc
     # The printed join command works for this user: its start check and the rendezvous's own client.
     run = launch.parse_run_config([*join, "--checkpoint-dir", str(tmp_path / "ck2"), "--log-dir", str(tmp_path / "l2")])
     launch.check_environment(run)
-    from elastic_trainer.rendezvous.etcd_client import EtcdConnection
+    from elastic_trainer.etcd.client import EtcdConnection
     options = RendezvousOptions(RendezvousParameters("etcd-v3", endpoint, "private", 1, 1, **run.rdzv_conf))
     conn = EtcdConnection(options.etcd)
     try:

@@ -296,7 +296,7 @@ def test_a_node_cut_off_the_network_is_out_at_its_lease_and_rejoins_when_it_is_b
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
     from elastic_trainer.drill import netns
-    from elastic_trainer.etcd_server import EtcdServer
+    from elastic_trainer.etcd.server import EtcdServer
     from tests.helpers.runs import SEEDS_MSE
 
     ck, logs = tmp_path / "ck", tmp_path / "logs"

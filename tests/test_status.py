@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from elastic_trainer.etcd_server import free_port
+from elastic_trainer.etcd.server import free_port
 from elastic_trainer.rendezvous.etcd_backend import run_prefix
-from elastic_trainer.rendezvous.etcd_client import EtcdConnection
+from elastic_trainer.etcd.client import EtcdConnection
 from elastic_trainer.cli.status import format_status, read_status
 from elastic_trainer.training.status import MAX_EVENTS, StatusPublisher
 from tests.helpers.common import cli_cmd, etcd_conn, wait_until

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from elastic_trainer.checkpoint import storage
-from elastic_trainer.etcd_server import free_port
+from elastic_trainer.etcd.server import free_port
 from tests.helpers.common import mounted_tmpfs
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,7 +1,7 @@
 """torch's private rendezvous API that the etcd-v3 handler relies on is still what we expect.
 
 A torch upgrade that renames or re-signs any of it fails here, by name, instead of deep in a
-recovery (``elastic_trainer/rendezvous/torch_private.py``). The handler's subclasses touch torch's
+recovery (``elastic_trainer/torch_private.py``). The handler's subclasses touch torch's
 private names by overriding and reading them, which no import shows; the second test reads
 ``handler.py`` and ``state.py`` and fails when one of those names is not in ``torch_private``'s
 lists, and the third makes, from torch's own source, a torch that renamed each listed name and
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_trainer.rendezvous import torch_private
+from elastic_trainer import torch_private
 
 # (handler.py's operation loop moved to admission.py and its watchdog to watchdog.py: both subclass torch's classes.)
 SUBCLASS_FILES = [Path(torch_private.__file__).with_name(name)

@@ -24,7 +24,7 @@ from elastic_trainer.records import Event, StepRecord
 from elastic_trainer.flags import parse_train_config
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.training.trainer import Trainer
-from elastic_trainer.etcd_server import free_port
+from elastic_trainer.etcd.server import free_port
 from tests.helpers.common import REPO, assert_same_state, wait_until
 from tests.helpers.runs import FIXTURE, TINY, latest, param_drift
 from tests.helpers.wandb_records import exit_code, record_kinds

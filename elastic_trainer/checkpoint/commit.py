@@ -8,7 +8,7 @@ save thread:
    for a state holding a tensor without a raw layout, format 2 (one ``torch.save`` file);
 2. on a filesystem, the file's size on storage is checked (an object store's PUT either stored
    every byte or failed);
-3. the fence: with a ``Fence`` (``rendezvous/fence.py``) the commit is the etcd commit record
+3. the fence: with a ``Fence`` (``rendezvous/round_fence.py``) the commit is the etcd commit record
    (``record.py``), one transaction fenced by the fence's token, and ``manifest.json`` follows
    in storage; with a plain check function, it is called (raising ``FencedError`` stops the
    commit) and the manifest is created with an atomic create-if-absent, so that of two writers
@@ -32,7 +32,7 @@ from elastic_trainer.checkpoint import format as checkpoint_format, storage
 from elastic_trainer.checkpoint.manifest import DATA_FILE, DATA_FILE_V2, HASH, HASHES, StepFolders, encode
 from elastic_trainer.checkpoint.record import CommitRecord, Conflict
 from elastic_trainer.checkpoint.snapshot import Snapshot
-from elastic_trainer.rendezvous.fence import round_token
+from elastic_trainer.fence import round_token
 
 log = logging.getLogger(__name__)
 

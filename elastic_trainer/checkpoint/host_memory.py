@@ -15,7 +15,7 @@ keep every save as short as the steady ones:
    rounds every block up to a power of two and keeps freed blocks.
 2. **Made ready early.** ``HostBuffer.prepare(nbytes, pinned)`` allocates and page-locks (on the
    CPU: touches every page) on a background thread owned by the worker runtime
-   (``training/runtime.py``); a trainer calls it, through ``CheckpointManager.prepare`` or
+   (``runtime.py``); a trainer calls it, through ``CheckpointManager.prepare`` or
    ``ShardedSaver.prepare``, once the state exists (after the first step, when the optimizer
    has made its state) and long before the first save. ``get`` adopts the prepared buffer,
    waiting for it only if it is not ready yet (``waited_s``).
@@ -79,7 +79,7 @@ class HostBuffer:
         self.wait()
         if nbytes <= 0 or self.fits(nbytes, pinned):
             return False
-        from elastic_trainer.training.runtime import runtime
+        from elastic_trainer.runtime import runtime
 
         self._preparing = runtime().start_thread("checkpoint-host-buffer", self._make, nbytes + slack(nbytes), pinned)
         return True

@@ -15,7 +15,7 @@ committed with an atomic create-if-absent (``storage.create_exclusive``) right a
 rendezvous fence is checked: if two processes both think they are rank 0 (a zombie from an old
 round), the fenced one never commits, and if both pass the fence only one manifest wins, and it
 lists exactly the winner's files, so the checkpoint always verifies. Given a ``Fence``
-(``rendezvous/fence.py``: ``RoundFence``, the live group) the commit is instead the etcd commit
+(``rendezvous/round_fence.py``: ``RoundFence``, the live group) the commit is instead the etcd commit
 record (``record.py``), written in one transaction with the fence's token, so a writer paused
 after its check cannot commit either; loads and retention then follow that record.
 
@@ -59,7 +59,7 @@ from elastic_trainer.checkpoint.reader import CheckpointReader
 from elastic_trainer.checkpoint.record import CommitRecord
 from elastic_trainer.checkpoint.retention import Retention
 from elastic_trainer.checkpoint.writer import CheckpointWriter
-from elastic_trainer.rendezvous.fence import Fence
+from elastic_trainer.fence import Fence
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 

@@ -36,7 +36,7 @@ import json
 import logging
 
 from elastic_trainer.checkpoint import storage
-from elastic_trainer.rendezvous.fence import Fence, FencedError
+from elastic_trainer.fence import Fence, FencedError
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ import queue
 import threading
 from typing import Callable
 
-from elastic_trainer.training.runtime import runtime
+from elastic_trainer.runtime import runtime
 
 log = logging.getLogger(__name__)
 

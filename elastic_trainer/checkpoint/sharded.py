@@ -36,7 +36,7 @@ then its last save blocking).
 
 Stores: local and NFS paths through DCP's ``FileSystemWriter``/``FileSystemReader`` (files
 fsynced), every other fsspec store (``s3://``) through DCP's ``FsspecWriter``/``FsspecReader``
-(imported where torch's private modules are, ``rendezvous/torch_private.py``) with the storage
+(imported where torch's private modules are, ``torch_private.py``) with the storage
 options of ``storage.storage_options``; an object store's files are not fsynced (closed is
 uploaded).
 """
@@ -60,7 +60,7 @@ import xxhash
 
 from elastic_trainer.checkpoint import storage
 from elastic_trainer.checkpoint.host_memory import HostBuffer, cuda_devices
-from elastic_trainer.rendezvous.torch_private import dtensor_like, foreach_copy
+from elastic_trainer.torch_private import dtensor_like, foreach_copy
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def _writer(ckpt, path: str):
 
     if storage.is_local(ckpt.fs):
         return dcp.FileSystemWriter(path)
-    from elastic_trainer.rendezvous.torch_private import dcp_fsspec_storage
+    from elastic_trainer.torch_private import dcp_fsspec_storage
 
     FsspecWriter = dcp_fsspec_storage()[0]
     # an object store's file is durable once closed; DCP's fsync fallback would sync the machine
@@ -93,7 +93,7 @@ def _reader(ckpt, path: str):
 
     if storage.is_local(ckpt.fs):
         return dcp.FileSystemReader(path)
-    from elastic_trainer.rendezvous.torch_private import dcp_fsspec_storage
+    from elastic_trainer.torch_private import dcp_fsspec_storage
 
     return dcp_fsspec_storage()[1](_url(ckpt, path), **storage.storage_options(ckpt.url))
 

@@ -25,7 +25,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from elastic_trainer.checkpoint import format as checkpoint_format
 from elastic_trainer.checkpoint.format import Arena
 from elastic_trainer.checkpoint.host_memory import HostBuffer, cuda_devices
-from elastic_trainer.rendezvous.torch_private import foreach_copy
+from elastic_trainer.torch_private import foreach_copy
 
 if TYPE_CHECKING:
     from elastic_trainer.checkpoint.writer import CheckpointWriter

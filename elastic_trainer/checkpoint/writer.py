@@ -33,7 +33,7 @@ from elastic_trainer.checkpoint.commit import Abandon, Committer
 from elastic_trainer.checkpoint.retention import Retention
 from elastic_trainer.checkpoint.save_thread import SaveThread
 from elastic_trainer.checkpoint.snapshot import DeferredCopy, OptimizerWatch, Snapshot, Snapshotter, where
-from elastic_trainer.rendezvous.fence import FencedError
+from elastic_trainer.fence import FencedError
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@
 
 ``etcd`` refuses to listen beyond loopback without TLS (``--insecure`` overrides it on a network
 you trust); with ``--password-file`` it also turns on etcd's user authentication (user root).
-The server itself is ``etcd_server.EtcdServer``, the certificates ``etcd_tls``; see docs/security.md.
+The server itself is ``etcd/server.EtcdServer``, the certificates ``etcd/tls``; see docs/security.md.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from elastic_trainer.config import positive_int
 
 def certs_main(argv: list[str]) -> int:
     """``elastic-train etcd certs``: write a CA and certificates, print the flags each side needs."""
-    from elastic_trainer.etcd_tls import make_certs
+    from elastic_trainer.etcd.tls import make_certs
 
     p = Parser(prog="elastic-train etcd certs",
                 description="Create a CA, etcd's server certificate and the nodes' client certificates, and print "
@@ -50,9 +50,9 @@ def certs_main(argv: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     """``elastic-train etcd``: serve a standalone etcd until Ctrl-C or SIGTERM."""
-    from elastic_trainer.etcd_server import ROOT_USER, EtcdError, EtcdServer, enable_auth
-    from elastic_trainer.etcd_tls import TlsFiles
-    from elastic_trainer.rendezvous.options import is_loopback, read_password_file
+    from elastic_trainer.etcd.server import ROOT_USER, EtcdError, EtcdServer, enable_auth
+    from elastic_trainer.etcd.tls import TlsFiles
+    from elastic_trainer.etcd.client import is_loopback, read_password_file
 
     if argv[:1] == ["certs"]:
         return certs_main(argv[1:])

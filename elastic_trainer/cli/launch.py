@@ -39,7 +39,7 @@ from elastic_trainer.env import (
 )
 
 if TYPE_CHECKING:
-    from elastic_trainer.rendezvous.etcd_client import EtcdOptions
+    from elastic_trainer.etcd.client import EtcdOptions
 
 logger = logging.getLogger("elastic_trainer")
 
@@ -189,7 +189,7 @@ def rendezvous_etcd_options(run: RunConfig) -> EtcdOptions:
 
 def check_environment(run: RunConfig) -> None:
     """Checks that need the outside world: the etcd binary or endpoint, the checkpoint dir."""
-    from elastic_trainer import etcd_server
+    from elastic_trainer.etcd import server as etcd_server
     from elastic_trainer.checkpoint import storage
 
     if run.embedded_etcd:
@@ -243,7 +243,7 @@ def run_node(run: RunConfig) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from elastic_trainer.cli.status import ENDPOINT_FILE
-    from elastic_trainer.etcd_server import PASSWORD_FILE, EtcdError, EtcdServer, start_with_auth
+    from elastic_trainer.etcd.server import PASSWORD_FILE, EtcdError, EtcdServer, start_with_auth
 
     log_dir = Path(run.log_dir).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -196,8 +196,8 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
     from elastic_trainer.rendezvous.etcd_backend import run_prefix
-    from elastic_trainer.rendezvous.etcd_client import EtcdConnection
-    from elastic_trainer.etcd_server import PASSWORD_FILE, ROOT_USER
+    from elastic_trainer.etcd.client import EtcdConnection
+    from elastic_trainer.etcd.server import PASSWORD_FILE, ROOT_USER
     from elastic_trainer.rendezvous.options import RendezvousOptions
 
     p = build_parser()

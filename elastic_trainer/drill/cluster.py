@@ -26,8 +26,8 @@ from elastic_trainer.records import EventRecord, StepRecord
 from elastic_trainer.drill.kinds import FAULTS
 from elastic_trainer.drill.nodes import Node, children, start_ticks
 from elastic_trainer.drill.scenario import DEFAULT_TRAINER_ARGS, ScenarioError
-from elastic_trainer.etcd_server import EtcdServer, dying_with_parent, start_with_auth
-from elastic_trainer.etcd_tls import make_certs
+from elastic_trainer.etcd.server import EtcdServer, dying_with_parent, start_with_auth
+from elastic_trainer.etcd.tls import make_certs
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=records.Record)
@@ -119,7 +119,7 @@ class Cluster:
         if self.args.rdzv_endpoint:
             self.endpoint = self.args.rdzv_endpoint
         elif self.args.rdzv_backend == "c10d":
-            from elastic_trainer.etcd_server import free_port
+            from elastic_trainer.etcd.server import free_port
             self.endpoint = f"{host}:{free_port(host)}"
         else:
             # As the embedded etcd: authentication on (any user of this machine reaches the port),

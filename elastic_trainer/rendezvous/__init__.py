@@ -7,7 +7,7 @@ Registered under the entry-point group ``torchrun.handlers`` as ``etcd-v3``, so 
 
 Modules: ``handler`` (torch's dynamic rendezvous with leases and a membership
 watchdog), ``options`` (``--rdzv-conf``), ``lease`` (a node's etcd lease), ``etcd_backend`` (state key, compare-and-swap), ``state`` (JSON state,
-lease-based liveness), ``etcd_store`` (torch Store on etcd), ``fence`` (round fence for
+lease-based liveness), ``round_fence`` (round fence for
 workers), ``quorum`` (the live quorum: which workers train together under live recovery; the
 handler's live mode starts the workers that join it). Options and measured numbers: docs/rendezvous.md.
 

@@ -41,7 +41,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousGracefulExitError,
     RendezvousTimeoutError,
 )
-from elastic_trainer.rendezvous.torch_private import (
+from elastic_trainer.torch_private import (
     Action,
     DistributedOpExecutor,
     JoinOp,

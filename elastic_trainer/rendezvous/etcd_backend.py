@@ -40,7 +40,7 @@ from etcd3 import etcdrpc
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
-from elastic_trainer.rendezvous.etcd_client import EtcdConnection
+from elastic_trainer.etcd.client import EtcdConnection
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +185,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def _wrap(self, state: bytes) -> bytes:
         return self._header + state
 
-    def _unwrap(self, value: bytes) -> bytes:
+    def unwrap(self, value: bytes) -> bytes:
+        """The rendezvous state in a value of the state key (its header checked: this run's, this format)."""
         if not value.startswith(self._header):
             first = value.split(b"\n", 1)[0][:60]
             if first.startswith(MAGIC + b" "):
@@ -240,7 +241,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def _state_value(self, kvs) -> tuple[bytes, int] | None:
         if not kvs:
             return None
-        return self._unwrap(kvs[0].value), kvs[0].mod_revision
+        return self.unwrap(kvs[0].value), kvs[0].mod_revision
 
     # -- the contract -------------------------------------------------------------------
     def read(self, retry_timeout: float | None = None) -> tuple[bytes | None, int | None, frozenset[str]]:

@@ -66,7 +66,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousParameters,
     RendezvousStoreInfo,
 )
-from elastic_trainer.rendezvous.torch_private import (
+from elastic_trainer.torch_private import (
     DynamicRendezvousHandler,
     ExitOp,
     JoinOp,
@@ -78,9 +78,9 @@ from elastic_trainer.rendezvous.torch_private import (
 )
 
 from elastic_trainer.rendezvous.admission import EtcdOpExecutor, record_event
-from elastic_trainer.rendezvous.etcd_client import EtcdConnection, export_options
+from elastic_trainer.etcd.client import EtcdConnection, export_options
 from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
-from elastic_trainer.rendezvous.etcd_store import EtcdStore
+from elastic_trainer.etcd.store import EtcdStore
 from elastic_trainer.rendezvous.lease import LeaseKeeper
 from elastic_trainer.rendezvous.node_lease import AgentRecord
 from elastic_trainer.rendezvous.options import RendezvousOptions, launcher_password

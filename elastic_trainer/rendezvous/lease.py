@@ -24,7 +24,7 @@ import weakref
 
 import grpc
 
-from elastic_trainer.rendezvous.etcd_client import EtcdConnection
+from elastic_trainer.etcd.client import EtcdConnection
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from elastic_trainer.rendezvous import node_report, quorum_record
 from elastic_trainer.rendezvous.members import Quorum, View, json_values, range_op
 
 if TYPE_CHECKING:
-    from elastic_trainer.rendezvous.etcd_client import EtcdConnection
+    from elastic_trainer.etcd.client import EtcdConnection
 
 
 class LiveEtcd:
@@ -143,7 +143,7 @@ class LiveEtcd:
     def guard(self):
         """``fence_check()``, returning the fencing token (``rendezvous.fence.Guard``): the quorum
         key unchanged since this read and this worker's alive key the same key (its lease lives)."""
-        from elastic_trainer.rendezvous.fence import FencedError, Guard
+        from elastic_trainer.fence import FencedError, Guard
 
         q = self.quorum
         quorum_key, alive_key = self._key("quorum"), self._key("alive/" + self.id)

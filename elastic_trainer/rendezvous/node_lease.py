@@ -42,7 +42,7 @@ from collections.abc import Callable
 
 import grpc
 
-from elastic_trainer.rendezvous.etcd_client import EtcdConnection
+from elastic_trainer.etcd.client import EtcdConnection
 from elastic_trainer.rendezvous.members import LiveExcluded, StartThread
 
 logger = logging.getLogger(__name__)

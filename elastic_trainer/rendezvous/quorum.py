@@ -153,7 +153,7 @@ class LiveGroup(LiveReform):
         if not (env.rdzv_conn and env.rdzv_node and env.rdzv_prefix):
             raise ValueError("the live settings are in the environment but not the rendezvous's etcd connection, "
                              "node and prefix; start workers through `elastic-train` (the etcd-v3 handler sets them)")
-        from elastic_trainer.rendezvous.etcd_client import EtcdConnection, options_from_export
+        from elastic_trainer.etcd.client import EtcdConnection, options_from_export
 
         # The password is not in the environment: the export names the 0600 file that holds it.
         options = options_from_export(env.rdzv_conn, retry_timeout=15.0)
@@ -217,7 +217,7 @@ class LiveGroup(LiveReform):
     # ---- the process group's store --------------------------------------------------------------
     def store(self):
         """A fresh torch ``Store`` in etcd for the current quorum's process group (no process hosts it)."""
-        from elastic_trainer.rendezvous.etcd_store import EtcdStore
+        from elastic_trainer.etcd.store import EtcdStore
 
         q = self.quorum
         assert q is not None

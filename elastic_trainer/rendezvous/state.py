@@ -30,7 +30,7 @@ import time
 from datetime import datetime, timezone
 
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
-from elastic_trainer.rendezvous.torch_private import (
+from elastic_trainer.torch_private import (
     NodeDesc,
     RendezvousSettings,
     RendezvousState,

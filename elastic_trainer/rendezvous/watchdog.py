@@ -21,7 +21,7 @@ import logging
 
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-from elastic_trainer.rendezvous.torch_private import DynamicRendezvousHandler
+from elastic_trainer.torch_private import DynamicRendezvousHandler
 
 from elastic_trainer.rendezvous.state import decode_state, decode_summary, node_name
 

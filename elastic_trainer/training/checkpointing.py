@@ -41,7 +41,7 @@ from elastic_trainer.checkpoint import storage
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.training.parallel import Parallel
 from elastic_trainer.training.reporting import Reporter
-from elastic_trainer.training.runtime import runtime
+from elastic_trainer.runtime import runtime
 from elastic_trainer.training.worker import DistInfo, broadcast_object, round_fence
 
 logger = logging.getLogger(__name__)

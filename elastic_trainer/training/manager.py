@@ -80,7 +80,7 @@ from elastic_trainer.training.agreement import Agreement, Cadence, agree_interva
 from elastic_trainer.training.process_group import (collective_failed, etcd_addresses, host_step_is_device_state,
                                                     init_from_env, install_debug_hang, leave_process_group,
                                                     nccl_error_handling, run_or_failed_collective, warm_up_ddp)
-from elastic_trainer.training.runtime import die_with_parent, runtime
+from elastic_trainer.runtime import die_with_parent, runtime
 from elastic_trainer.training.state_transfer import send_state, send_states, transfer
 from elastic_trainer.training.uses_manager import script_uses_manager
 

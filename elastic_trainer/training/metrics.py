@@ -180,7 +180,7 @@ class WandbLogger:
 
     def finish_within(self, exit_code: int, seconds: float) -> None:
         """``finish`` from a forced exit: give it at most ``seconds``, the process ends after this."""
-        from elastic_trainer.training.runtime import runtime
+        from elastic_trainer.runtime import runtime
 
         runtime().start_thread("wandb-finish", self.finish, exit_code).join(seconds)
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from elastic_trainer.training.hsdp import Shards
 from elastic_trainer.training.reshard import Held
-from elastic_trainer.training.runtime import runtime
+from elastic_trainer.runtime import runtime
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ SIGTERM and ``--grace-seconds`` before SIGKILL. ``Preemption`` turns that into a
    under way (that one has the whole grace period).
 
 Threads: the watcher thread and both timers are started through the worker runtime
-(``training/runtime.py``), which also ends the process (its ``before_exit`` hooks flush W&B
+(``runtime.py``), which also ends the process (its ``before_exit`` hooks flush W&B
 first). ``close()`` stops and joins the watcher and restores the previous handler; ``disarm()``
 cancels the timers once training has ended normally.
 
@@ -40,7 +40,7 @@ import threading
 from typing import Any, Callable
 
 from elastic_trainer.env import EXIT_PREEMPTED
-from elastic_trainer.training.runtime import runtime
+from elastic_trainer.runtime import runtime
 from elastic_trainer.training.worker import DistInfo
 
 logger = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ from elastic_trainer.env import EXIT_PEER_STOPPED, EXIT_PREEMPTED
 from elastic_trainer.records import Event, EventRecord, JsonLines, LedgerRecord, StepRecord
 from elastic_trainer.training import metrics
 from elastic_trainer.training.preemption import PEER_STOPPED
-from elastic_trainer.training.runtime import runtime
+from elastic_trainer.runtime import runtime
 from elastic_trainer.training.worker import DistInfo
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from typing import Any
 
 from elastic_trainer.checkpoint import storage
 from elastic_trainer.env import WorkerEnv
-from elastic_trainer.training.runtime import runtime
+from elastic_trainer.runtime import runtime
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class StatusPublisher:
         text, prefix = env.rdzv_conn, env.rdzv_prefix
         if not text or not prefix:
             return None
-        from elastic_trainer.rendezvous.etcd_client import EtcdConnection, options_from_export
+        from elastic_trainer.etcd.client import EtcdConnection, options_from_export
 
         return cls(EtcdConnection(options_from_export(text, retry_timeout=5.0)), prefix)
 

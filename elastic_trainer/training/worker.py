@@ -137,12 +137,12 @@ def round_fence() -> Any:
     """The rendezvous round fence (``RoundFence``) when running under the etcd-v3 rendezvous, else
     None. Given to ``CheckpointManager`` as its fence, its ``guard()`` fences the commit record."""
     try:
-        present = importlib.util.find_spec("elastic_trainer.rendezvous.fence") is not None
+        present = importlib.util.find_spec("elastic_trainer.rendezvous.round_fence") is not None
     except ModuleNotFoundError:
         present = False
     if not present:
         return None
-    from elastic_trainer.rendezvous.fence import RoundFence
+    from elastic_trainer.rendezvous.round_fence import RoundFence
 
     return RoundFence.from_env()
 

@@ -27,7 +27,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from elastic_trainer.checkpoint import CheckpointManager
-from elastic_trainer.rendezvous.fence import RoundFence
+from elastic_trainer.rendezvous.round_fence import RoundFence
 
 
 class StallingFence(RoundFence):

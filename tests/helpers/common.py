@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from elastic_trainer.env import ENV_CHECKPOINT_DIR, ENV_LOG_DIR, ENV_RDZV_ROUND
-from elastic_trainer.etcd_server import EtcdServer
-from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions, parse_endpoints
+from elastic_trainer.etcd.server import EtcdServer
+from elastic_trainer.etcd.client import EtcdConnection, EtcdOptions, parse_endpoints
 
 REPO = Path(__file__).resolve().parent.parent.parent
 

@@ -53,7 +53,8 @@ def job_cmdlines(test_pid: int) -> list[str]:
 
 
 def main() -> int:
-    from elastic_trainer.rendezvous.fence import FencedError, RoundFence
+    from elastic_trainer.fence import FencedError
+    from elastic_trainer.rendezvous.round_fence import RoundFence
 
     out = Path(os.environ["PROBE_OUT"])
     fence, fence_error = RoundFence.from_env(), None

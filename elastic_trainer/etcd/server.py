@@ -9,7 +9,7 @@ started it, even when that process is killed with SIGKILL: nothing is left behin
 ``env.helper_environ()`` in its environment, so that none of the launcher's secrets reach it.
 :func:`start_with_auth` starts one with etcd's authentication on (the embedded etcd, the drill's).
 
-    from elastic_trainer.etcd_server import EtcdServer
+    from elastic_trainer.etcd.server import EtcdServer
     with EtcdServer(data_dir="/tmp/etcd-data") as server:
         print(server.endpoint)          # "127.0.0.1:PORT"
 """
@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Callable
 from elastic_trainer.env import helper_environ
 
 if TYPE_CHECKING:
-    from elastic_trainer.etcd_tls import TlsFiles
-    from elastic_trainer.rendezvous.etcd_client import EtcdOptions
+    from elastic_trainer.etcd.tls import TlsFiles
+    from elastic_trainer.etcd.client import EtcdOptions
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def probe_endpoint(endpoints: str, timeout: float = 3.0, options: EtcdOptions | 
     from dataclasses import replace
 
     # imported late: the CLI's parser must not pay for grpc and torch
-    from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions
+    from elastic_trainer.etcd.client import EtcdConnection, EtcdOptions
 
     base = options or EtcdOptions(endpoints=())
     errors = []
@@ -125,7 +125,7 @@ def run_password(path: str | Path) -> str:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        from elastic_trainer.rendezvous.options import read_password_file
+        from elastic_trainer.etcd.client import read_password_file
         try:
             return read_password_file(str(path))
         except ValueError as exc:

@@ -16,7 +16,7 @@ Keys are stored as ``<prefix><key>`` with the value as given (bytes). Note that 
 ``PrefixStore`` does not forward ``delete_key``/``num_keys`` to a store written in Python
 (a torch limitation); call them on the ``EtcdStore`` itself.
 
-    from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions
+    from elastic_trainer.etcd.client import EtcdConnection, EtcdOptions
     store = EtcdStore(EtcdConnection(EtcdOptions(endpoints=(("127.0.0.1", 2379),))), "/demo/store/")
     store.set("a", b"1"); store.get("a")  # b"1"
 """
@@ -30,7 +30,7 @@ from datetime import timedelta
 import etcd3.utils
 from torch.distributed import Store
 
-from elastic_trainer.rendezvous.etcd_client import EtcdConnection
+from elastic_trainer.etcd.client import EtcdConnection
 
 _POLL_MIN = 0.01
 _POLL_MAX = 0.25

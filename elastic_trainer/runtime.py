@@ -7,7 +7,7 @@ status publisher, W&B's bounded finish) is started through ``runtime().start_thr
 ``runtime().start_timer``: the runtime knows its name, how to ask it to stop, and joins it at
 ``close()``. Two library threads keep their own owner, which the runtime's threads own in turn:
 a lease's renewal and watchdog threads (``rendezvous/lease.LeaseKeeper``, closed by the live
-quorum's ``close()``) and the etcd client's keep-alive stream reader (``rendezvous/etcd_client``). A forced exit (a lost lease, a grace
+quorum's ``close()``) and the etcd client's keep-alive stream reader (``etcd/client.py``). A forced exit (a lost lease, a grace
 period over, a hung step after a signal) goes through ``runtime().exit``: it runs the registered
 ``before_exit`` hooks (bounded: a W&B flush, say), flushes stdout and stderr, shuts logging down
 and calls ``os._exit``, which appears in no other module. The exit codes are ``elastic_trainer.env``'s.
@@ -20,7 +20,7 @@ collective.
 
 Usage::
 
-    from elastic_trainer.training.runtime import runtime
+    from elastic_trainer.runtime import runtime
 
     rt = runtime()
     rt.start_thread("live-watch", watch, stop=stop_event.set)

@@ -24,14 +24,15 @@ A write put in one transaction with them (the checkpoint commit record,
 writer was paused in between. The live quorum (``rendezvous/quorum.py``) gives the same kind of
 ``Guard`` for its quorum key and member lease.
 
-What a writer needs of either is the ``Fence`` protocol: ``prefix`` (the etcd key prefix its
+What a writer needs of either is the ``Fence`` protocol (``elastic_trainer/fence.py``): ``prefix`` (the etcd key prefix its
 keys live under), ``token`` (its round's or quorum's short name), ``etcd`` (the connection a
 fenced write goes through) and ``guard()``. ``RoundFence`` and the live group both provide it;
 the checkpoint commit record (``checkpoint/record.py``) and ``CheckpointManager`` take any
 ``Fence``. A plain ``check`` function can fence a commit too (check-then-act, no record):
 ``round_token()`` is then the token recorded beside it.
 
-    from elastic_trainer.rendezvous.fence import RoundFence, FencedError
+    from elastic_trainer.fence import FencedError
+    from elastic_trainer.rendezvous.round_fence import RoundFence
     fence = RoundFence.from_env()          # None when not started by the etcd-v3 rendezvous
     if fence is not None:
         fence.check()                      # raises FencedError when this round is over
@@ -42,68 +43,11 @@ the checkpoint commit record (``checkpoint/record.py``) and ``CheckpointManager`
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
 
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from elastic_trainer.env import WorkerEnv
-
-if TYPE_CHECKING:
-    from elastic_trainer.rendezvous.etcd_client import EtcdConnection
-
-
-class FencedError(RuntimeError):
-    """This worker's rendezvous round is over (or cannot be proven current)."""
-
-
-@dataclass(frozen=True)
-class Guard:
-    """A fencing token: what a write must compare in its etcd transaction to be fenced.
-
-    ``compares`` are ``(key, target, value)`` with target ``"mod"`` (the key's mod revision) or
-    ``"create"`` (its create revision; 0 means absent): all of them hold while the round (or the
-    live quorum) that was checked is current and the writer's lease lives.
-    """
-
-    token: str
-    compares: tuple[tuple[str, str, int], ...]
-
-
-class Fence(Protocol):
-    """What a fenced writer needs of a fence: ``RoundFence``, or the live group of ``--recovery live``.
-
-    Members:
-        prefix: the etcd key prefix of the run (``RoundFence``: ``/elastic-trainer/<run_id>/``;
-            the live group: ``<run prefix>live/``); the commit record's key is made from it.
-        token: a short name of what is fenced (``"round-7"``, ``"quorum-3"``), recorded beside
-            what was written.
-        etcd: the ``EtcdConnection`` (``rendezvous.etcd_client``) that a write fenced by
-            ``guard()`` goes through (its ``call(fn, what)``).
-        guard(): check that the round (or quorum) is current, raising ``FencedError`` if not, and
-            return the ``Guard`` whose comparisons keep holding exactly while it stays current.
-
-    A fence is an object, not a function: ``CheckpointManager`` takes either a ``Fence`` (the
-    commit is then the etcd record) or a plain callable (check-then-act before the manifest).
-    Structural: a class provides it by having these members; it need not inherit from it.
-    """
-
-    prefix: str
-
-    @property
-    def token(self) -> str: ...
-
-    @property
-    def etcd(self) -> EtcdConnection: ...
-
-    def guard(self) -> Guard: ...
-
-
-def round_token() -> str | None:
-    """The token of this worker's rendezvous round from its environment (``"round-7"``, as
-    ``RoundFence.token``), None when it was not started by the etcd-v3 rendezvous."""
-    rnd = WorkerEnv.from_environ().rdzv_round
-    return f"round-{rnd}" if rnd is not None else None
+from elastic_trainer.fence import FencedError, Guard
 
 
 class RoundFence:
@@ -148,7 +92,7 @@ class RoundFence:
 
     def _connect(self):
         if self._backend is None:
-            from elastic_trainer.rendezvous.etcd_client import EtcdConnection, options_from_export
+            from elastic_trainer.etcd.client import EtcdConnection, options_from_export
             from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
 
             options = options_from_export(self._conn_export, self._retry_timeout, endpoints=self.endpoints)
@@ -181,7 +125,7 @@ class RoundFence:
             def txn(c):
                 return c.transaction(compare=[], success=[c.transactions.get(k) for k in keys], failure=[])
             _, responses = self._conn.call(txn, "fence check")
-            state = decode_state(backend._unwrap(responses[0][0][0])) if responses[0] else None
+            state = decode_state(backend.unwrap(responses[0][0][0])) if responses[0] else None
             lease_alive = bool(responses[1]) if self.node else True
             compares = [(backend.state_key, "mod", responses[0][0][1].mod_revision if responses[0] else 0)]
             if self.node and responses[1]:
@@ -204,3 +148,6 @@ class RoundFence:
         if self._conn is not None:
             self._conn.close()
             self._conn = self._backend = None
+
+
+__all__ = ["RoundFence"]

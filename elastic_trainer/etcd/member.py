@@ -6,7 +6,7 @@ disk) and that starts again with ``new`` has the identity the cluster remembers 
 log, and crash-loops (``tocommit(N) is out of range [lastIndex(0)]``). The etcd image has no
 shell to decide this at start, so an init container runs this module with etcd's own flags:
 
-    python -m elastic_trainer.etcd_member --config-out /var/lib/etcd/etcd.conf.yml -- \\
+    python -m elastic_trainer.etcd.member --config-out /var/lib/etcd/etcd.conf.yml -- \\
         --name=etcd-1 --data-dir=/var/lib/etcd/data --initial-cluster=etcd-0=http://...,... ...
 
 and writes them as etcd's configuration file (``etcd --config-file``; JSON, which is YAML), deciding three things:
@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
-logger = logging.getLogger("elastic_trainer.etcd_member")
+logger = logging.getLogger("elastic_trainer.etcd.member")
 
 # etcd's flags that this module writes to the config file, by YAML type; a flag not listed is
 # refused (a silently dropped flag would change etcd's behaviour without a word).
@@ -104,7 +104,7 @@ def to_config(flags: dict[str, str]) -> dict:
                 _bool(key, value) if key == "peer-client-cert-auth" else value)
         else:
             raise MemberError(f"etcd flag --{key} is not one etcd_member knows how to write to etcd's config "
-                              "file; add it to the tables in elastic_trainer/etcd_member.py")
+                              "file; add it to the tables in elastic_trainer/etcd/member.py")
     return config
 
 
@@ -141,7 +141,7 @@ def _client_endpoints(flags: dict[str, str], port: int) -> list[tuple[str, int]]
 
 def _connect(flags: dict[str, str], port: int, timeout: float):
     """A client of the other members, or None when none of them answers within ``timeout``."""
-    from elastic_trainer.rendezvous.etcd_client import EtcdConnection, EtcdOptions
+    from elastic_trainer.etcd.client import EtcdConnection, EtcdOptions
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
     secure = flags.get("client-cert-auth", "false").lower() == "true" or "cert-file" in flags
@@ -198,11 +198,11 @@ def decide(flags: dict[str, str], client_port: int = 2379, timeout: float = 10.0
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv:
-        print("etcd_member: usage: python -m elastic_trainer.etcd_member --config-out FILE -- ETCD_FLAGS...",
+        print("etcd_member: usage: python -m elastic_trainer.etcd.member --config-out FILE -- ETCD_FLAGS...",
               file=sys.stderr)
         return 2
     split = argv.index("--")
-    p = argparse.ArgumentParser(prog="python -m elastic_trainer.etcd_member")
+    p = argparse.ArgumentParser(prog="python -m elastic_trainer.etcd.member")
     p.add_argument("--config-out", required=True, help="where to write etcd's configuration file")
     p.add_argument("--client-port", type=int, default=2379, help="the other members' client port (default 2379)")
     p.add_argument("--discovery-timeout", type=float, default=10.0,
