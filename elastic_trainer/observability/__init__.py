@@ -1,7 +1,7 @@
 """Running a long job as a service: what it tells a monitoring system, and what it does about slow,
 broken or crash-looping nodes.
 
-Modules (one idea each; none imports torch at import time, none talks to etcd per step):
+Modules (one idea each; only ``step_clock`` imports torch when imported; none talks to etcd per step):
 
 - ``metrics``: the run's Prometheus metrics (``SPECS``) and the small API that records them
   (``world``, ``step_done``, ``recovered``, ``checkpoint_committed``, ...): a no-op unless the launcher

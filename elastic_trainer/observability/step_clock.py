@@ -40,7 +40,7 @@ Usage::
         clock.start()
         batch = next(batches); clock.data_ready()
         loss = ddp(batch).sum(); loss.backward(); opt.step()
-        for t in clock.stop():        # StepTime(own=..., data=...), possibly of an earlier step on CUDA
+        for t in clock.stop():        # OwnTime(own=..., data=...), possibly of an earlier step on CUDA
             own_times.add(t.own)
 """
 
@@ -48,13 +48,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from elastic_trainer import devices
+
 
 @dataclass(frozen=True)
-class StepTime:
+class OwnTime:
     """One step of this rank: ``own`` seconds to its last gradient bucket (data, host, device), of
     which ``data`` seconds fetching its batch (host clock)."""
 
@@ -62,24 +63,18 @@ class StepTime:
     data: float
 
 
-@dataclass
-class _Pending:
-    start: Any
-    ready: Any
-    data: float
-
-
 class StepClock:
-    """Times this rank's own part of each step (see the module docstring)."""
+    """Times this rank's own part of each step (see the module docstring), with ``devices``' step
+    timer: the host clock on the CPU, CUDA events on the device's stream on a GPU."""
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.device = device if device is not None else torch.device("cpu")
-        self.cuda = self.device.type == "cuda"
-        self._start: Any = None
-        self._ready: Any = None
+        self._timer = devices.step_timer(self.device)
+        self._started = False
+        self._ready: devices.StepTime | None = None
         self._data_at: float | None = None
         self._host_start = 0.0
-        self._pending: list[_Pending] = []
+        self._pending: list[tuple[devices.StepTime, float]] = []
 
     def attach(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """Register the timing hook on ``ddp`` (DDP allows one hook per wrapper: call it once)."""
@@ -93,19 +88,13 @@ class StepClock:
 
         ddp.register_comm_hook(ddp.process_group, hook)
 
-    def _now(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(torch.cuda.current_stream(self.device))
-            return event
-        return time.perf_counter()
-
     def start(self) -> None:
         """The step begins (call it before fetching the step's batch)."""
         self._host_start = time.perf_counter()
         self._data_at = None
         self._ready = None
-        self._start = self._now()
+        self._started = True
+        self._timer.start()
 
     def data_ready(self) -> None:
         """The step's batch is here (optional: without it the data time is 0)."""
@@ -113,23 +102,22 @@ class StepClock:
 
     def compute_done(self) -> None:
         """This rank's own work of the step is done: only the reduction is left (the hook calls it)."""
-        self._ready = self._now()
+        self._ready = self._timer.stop()
 
-    def stop(self) -> list[StepTime]:
+    def stop(self) -> list[OwnTime]:
         """The step ended: the own times that are known now (this step's on the CPU; on CUDA those of
-        the steps whose events the device has passed, in order)."""
-        if self._start is None:
+        the steps whose end the device has passed, in order, without waiting for it)."""
+        if not self._started:
             return []
-        ready = self._ready if self._ready is not None else self._now()
+        self._started = False
+        own = self._ready if self._ready is not None else self._timer.stop()
         data = 0.0 if self._data_at is None else self._data_at - self._host_start
-        self._pending.append(_Pending(self._start, ready, data))
-        self._start = None
-        done: list[StepTime] = []
-        while self._pending and (not self.cuda or self._pending[0].ready.query()):
-            p = self._pending.pop(0)
-            own = p.start.elapsed_time(p.ready) / 1000.0 if self.cuda else p.ready - p.start
-            done.append(StepTime(own=own, data=p.data))
+        self._pending.append((own, data))
+        done: list[OwnTime] = []
+        while self._pending and self._pending[0][0].ready():
+            took, data = self._pending.pop(0)
+            done.append(OwnTime(own=took.seconds(), data=data))
         return done
 
 
-__all__ = ["StepClock", "StepTime"]
+__all__ = ["OwnTime", "StepClock"]
