@@ -63,6 +63,10 @@ ENV_METRICS_DIR = "PROMETHEUS_MULTIPROC_DIR"
 node's folder of Prometheus figures, inherited by its workers, which write theirs there
 (``observability/metrics.py``) and never open a socket for them. The name is prometheus_client's own
 (its multiprocess mode reads it when it is first imported); unset, recording is a no-op."""
+ENV_PROGRESS_DIR = "ELASTIC_TRAINER_PROGRESS_DIR"
+"""Set by ``elastic-train`` for its workers: a node-local folder where a worker creates ``<pid>`` once it
+completed its first step, so that the agent's crash-loop policy knows whether a worker that failed
+had made progress (``observability/crash_loop.py``)."""
 ENV_DEBUG_HANG = "ELASTIC_TRAINER_DEBUG_HANG"
 """Drills and tests: ``1`` makes a live worker's training thread hang for good on SIGUSR2
 (``training/manager.py``, ``install_debug_hang``), to prove the hang detection."""
