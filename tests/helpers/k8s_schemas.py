@@ -25,6 +25,8 @@ CUSTOM_KINDS: dict[tuple[str, str], str] = {
     ("trainer.kubeflow.org/v1alpha1", "TrainingRuntime"): "trainingruntime-trainer-v1alpha1.json",
     ("chaos-mesh.org/v1alpha1", "PodChaos"): "podchaos-chaos-mesh-v1alpha1.json",
     ("chaos-mesh.org/v1alpha1", "NetworkChaos"): "networkchaos-chaos-mesh-v1alpha1.json",
+    ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor-monitoring-v1.json",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule-monitoring-v1.json",
 }
 CUSTOM_GROUPS = {api.split("/")[0] for api, _ in CUSTOM_KINDS}
 
