@@ -67,7 +67,8 @@ def worker(procs, calls: list, then: str) -> subprocess.Popen:
 def test_a_scrape_shows_what_separate_workers_recorded_and_forgets_a_dead_workers_live_gauges(server, procs):
     stays = worker(procs, [["world", 4, 2], ["step_done", 0.12, 32], ["step_done", 0.3, 32],
                            ["checkpoint_committed", 0.004, 1_700_000_000.0], ["straggler_score", 1.0]], "stay")
-    dies = worker(procs, [["world", 3, 1], ["step_done", 0.2, 32], ["recovered", "kill", 0.4],
+    dies = worker(procs, [["world", 3, 1], ["step_done", 0.2, 32], ["checkpoint_loaded", 1_600_000_000.0],
+                          ["recovered", "kill", 0.4],
                           ["recovered", "straggler", 1.5], ["straggler_score", 5.0]], "exit")
     dies.wait(timeout=30)
 
@@ -78,6 +79,7 @@ def test_a_scrape_shows_what_separate_workers_recorded_and_forgets_a_dead_worker
     assert value(s, "elastic_trainer_step_seconds_bucket", le="0.25") == 2
     assert value(s, "elastic_trainer_recoveries_total", kind="kill") == 1
     assert value(s, "elastic_trainer_recovery_seconds_sum", kind="straggler") == pytest.approx(1.5)
+    # the newest commit, whoever recorded it (a resumed worker the commit time it loaded), dead or alive
     assert value(s, "elastic_trainer_checkpoint_last_commit_timestamp_seconds") == 1_700_000_000.0
     # the dead worker recorded its world last, but a live gauge shows live processes only
     assert value(s, "elastic_trainer_world_size") == 4 and value(s, "elastic_trainer_world_nodes") == 2

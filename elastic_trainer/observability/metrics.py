@@ -19,6 +19,7 @@ process (metrics off: ``--metrics-port 0``, plain torchrun, a test), so the call
     metrics.step_done(seconds=0.21, samples=256)     # global rank 0: each step
     metrics.recovered("kill", seconds=0.4)           # global rank 0: after a re-form or a resume
     metrics.checkpoint_committed(blocked_seconds=0.012)   # global rank 0: at each commit
+    metrics.checkpoint_loaded(committed_at=1.7e9)    # global rank 0: after resuming from a checkpoint
     metrics.etcd_request("txn", seconds=0.003)       # whoever timed an etcd request
     metrics.lease_renewed(lag_seconds=0.02)          # whoever keeps the node's lease
     metrics.straggler_score(1.02)                    # each rank, its own (stragglers.py)
@@ -233,12 +234,18 @@ def recovered(kind: str, seconds: float) -> None:
 
 def checkpoint_committed(blocked_seconds: float, when: float | None = None) -> None:
     """A checkpoint was committed at Unix time ``when`` (default: now); its save held training for
-    ``blocked_seconds``. Global rank 0, at the commit (and once after a resume, with the commit
-    time of the checkpoint it loaded, so a restarted node does not look as if it never saved)."""
+    ``blocked_seconds``. Global rank 0, at each commit."""
     if (m := _metrics()) is not None:
         m["checkpoint_last_commit_timestamp_seconds"].set(time.time() if when is None else when)
         m["checkpoint_last_blocked_seconds"].set(blocked_seconds)
         m["checkpoint_blocked_seconds"].observe(blocked_seconds)
+
+
+def checkpoint_loaded(committed_at: float) -> None:
+    """Training resumed from a checkpoint committed at Unix time ``committed_at`` (global rank 0, after
+    a resume): a restarted node's endpoint shows how old the newest commit is, not "never"."""
+    if (m := _metrics()) is not None:
+        m["checkpoint_last_commit_timestamp_seconds"].set(committed_at)
 
 
 def etcd_request(op: str, seconds: float) -> None:
@@ -274,6 +281,6 @@ def health_check_failed(check: str) -> None:
         m["health_check_failures"].labels(check).inc()
 
 
-__all__ = ["ETCD_OPS", "HEALTH_CHECKS", "PREFIX", "RECOVERY_KINDS", "checkpoint_committed", "enabled",
-           "etcd_request", "health_check_failed", "lease_renewed", "node_started", "recovered", "series_names",
-           "SPECS", "Spec", "step_done", "straggler_score", "world"]
+__all__ = ["ETCD_OPS", "HEALTH_CHECKS", "PREFIX", "RECOVERY_KINDS", "SPECS", "Spec", "checkpoint_committed",
+           "checkpoint_loaded", "enabled", "etcd_request", "health_check_failed", "lease_renewed", "node_started",
+           "recovered", "series_names", "step_done", "straggler_score", "world"]
