@@ -23,6 +23,14 @@ Exit codes of a worker (what its agent, torchrun, and the drills read):
 ``EXIT_EXCLUDED``       76     left out of the live quorum; the agent restarts it as a newcomer
 ``EXIT_PREEMPTED``      143    128 + SIGTERM: this worker was stopped by a signal
 ======================  =====  ==========================================================
+
+And of the launcher (``elastic-train``), besides 0, 1, 2 and 128 + a signal:
+
+======================  =====  ==========================================================
+``EXIT_CRASH_LOOP``     79     the crash-loop policy stopped this node: its workers failed again
+                               and again without progress (``observability/crash_loop.py``);
+                               restarting the pod will not help, its one line says why
+======================  =====  ==========================================================
 """
 
 from __future__ import annotations
@@ -50,6 +58,15 @@ the workers attach their live keys instead of keeping leases of their own (``ren
 ENV_LIVE = "ELASTIC_TRAINER_LIVE"
 """Set by the etcd-v3 handler in live mode: JSON of the live quorum's settings."""
 ENV_WANDB_KEY_FILE = "ELASTIC_TRAINER_WANDB_KEY_FILE"
+ENV_METRICS_DIR = "PROMETHEUS_MULTIPROC_DIR"
+"""Set by ``elastic-train`` while it serves ``/metrics`` (``observability/metrics_server.py``): the
+node's folder of Prometheus figures, inherited by its workers, which write theirs there
+(``observability/metrics.py``) and never open a socket for them. The name is prometheus_client's own
+(its multiprocess mode reads it when it is first imported); unset, recording is a no-op."""
+ENV_PROGRESS_DIR = "ELASTIC_TRAINER_PROGRESS_DIR"
+"""Set by ``elastic-train`` for its workers: a node-local folder where a worker creates ``<pid>`` once it
+completed its first step, so that the agent's crash-loop policy knows whether a worker that failed
+had made progress (``observability/crash_loop.py``)."""
 ENV_DEBUG_HANG = "ELASTIC_TRAINER_DEBUG_HANG"
 """Drills and tests: ``1`` makes a live worker's training thread hang for good on SIGUSR2
 (``training/manager.py``, ``install_debug_hang``), to prove the hang detection."""
@@ -81,6 +98,10 @@ EXIT_EXCLUDED = 76
 """A worker left out of the quorum exits with this; its agent restarts it as a newcomer."""
 EXIT_PREEMPTED = 128 + int(signal.SIGTERM)
 """The usual exit code after a SIGTERM: W&B's "not a success"."""
+EXIT_CRASH_LOOP = 79
+"""The launcher's, when the crash-loop policy stops the node (``observability/crash_loop.py``): outside
+sysexits' 64-78 and the signals' 128+, so a Kubernetes ``podFailurePolicy`` can tell it from the rest
+(``FailJob`` or ``FailIndex``: a new pod on the same image and data would fail the same way)."""
 
 # ---- torch's variables that we set --------------------------------------------------------------
 ENV_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"

@@ -26,6 +26,9 @@ import yaml
 
 from elastic_trainer.cli import launch
 from tests.helpers import k8s_pod, k8s_schemas
+from tests.helpers.k8s_network import DEFAULT_DENY
+from tests.helpers.k8s_network import allowed as _allowed
+from tests.helpers.k8s_network import selects as _selects
 from tests.helpers.common import REPO
 
 K8S = REPO / "k8s"
@@ -203,25 +206,14 @@ def _pytorchjob_validator(version: str):
 @needs_kubectl
 @pytest.mark.parametrize("version", [K8S_VERSION, "latest"])
 def test_every_rendered_object_validates_offline(rendered, version):
-    import kubernetes_validate
     from kubernetes_validate import utils
 
     version = utils.major_minor(utils.latest_version()) if version == "latest" else version
     failures, checked = [], 0
     for path, objs in rendered.items():
         for obj in objs:
-            checked += 1
-            crd = k8s_schemas.validator_for(obj, version)  # the PyTorchJob's and Trainer v2's schemas
-            if crd is not None:
-                failures += [f"k8s/{path} {_name(obj)}: {'.'.join(map(str, e.path))}: {e.message[:200]}"
-                             for e in crd.iter_errors(obj)]
-                continue
-            try:
-                kubernetes_validate.validate(obj, version, strict=True)
-            except kubernetes_validate.ValidationError as exc:
-                failures.append(f"k8s/{path} {_name(obj)}: {'.'.join(map(str, exc.path))}: {exc.message}")
-            except kubernetes_validate.SchemaNotFoundError as exc:
-                failures.append(f"k8s/{path} {_name(obj)}: {exc.message}")
+            checked += 1  # the PyTorchJob's and Trainer v2's against their schemas, the rest by kubernetes-validate
+            failures += [f"k8s/{path} {_name(obj)}: {e}" for e in k8s_schemas.errors_of(obj, version)]
     assert checked > 0 and not failures, "\n".join(failures)
 
 
@@ -665,11 +657,6 @@ def test_etcd_serves_only_tls_by_default_and_trainers_present_a_client_certifica
                 assert etcd_mounts[folder]["secret"]["secretName"] == "etcd-server-tls", f"{c['name']}: {prefix}{flag}"
 
 
-def _selects(selector: dict, labels: dict) -> bool:
-    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items()) and \
-        not selector.get("matchExpressions")
-
-
 @needs_kubectl
 def test_only_trainer_pods_and_peers_reach_etcd(rendered):
     for path, objs in rendered.items():
@@ -697,51 +684,6 @@ def test_only_trainer_pods_and_peers_reach_etcd(rendered):
 
 
 # ------------------------------------------------------------------------------- trainer network
-
-# A namespace whose default is deny, as many clusters set it up; the test adds it to the rendered ones.
-DEFAULT_DENY = {"kind": "NetworkPolicy", "metadata": {"name": "default-deny", "namespace": "elastic-trainer"},
-                "spec": {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}}
-
-
-def _peer_matches(peer: dict, policy_ns: str, end: dict) -> bool:
-    """Does a NetworkPolicy peer (podSelector / namespaceSelector / ipBlock) match ``end``
-    (``{"ns", "labels"}`` for a pod, ``{"ip"}`` for an address outside the cluster)?"""
-    import ipaddress
-
-    if "ipBlock" in peer:
-        block = peer["ipBlock"]
-        return "ip" in end and ipaddress.ip_address(end["ip"]) in ipaddress.ip_network(block["cidr"]) and \
-            not any(ipaddress.ip_address(end["ip"]) in ipaddress.ip_network(c) for c in block.get("except", []))
-    if "ip" in end:
-        return False
-    if "namespaceSelector" in peer:
-        ns_ok = _selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": end["ns"]})
-    else:
-        ns_ok = end["ns"] == policy_ns
-    return ns_ok and _selects(peer.get("podSelector", {}), end["labels"])
-
-
-def _rule_matches(rule: dict, peers_key: str, policy_ns: str, other: dict, port: int, proto: str) -> bool:
-    peers = rule.get(peers_key)
-    ports = rule.get("ports")
-    peer_ok = not peers or any(_peer_matches(p, policy_ns, other) for p in peers)
-    port_ok = not ports or any(p.get("protocol", "TCP") == proto and
-                               (p.get("port") is None or p["port"] <= port <= p.get("endPort", p["port"]))
-                               for p in ports)
-    return peer_ok and port_ok
-
-
-def _allowed(policies: list[dict], src: dict, dst: dict, port: int, proto: str = "TCP") -> bool:
-    """Whether Kubernetes NetworkPolicy semantics let ``src`` open ``dst``:``port``."""
-    def side(end, kind, rules_key, peers_key, other):
-        if "ip" in end:
-            return True  # outside the cluster: no policy of ours applies
-        selecting = [p for p in policies if p["metadata"]["namespace"] == end["ns"]
-                     and _selects(p["spec"]["podSelector"], end["labels"]) and kind in p["spec"]["policyTypes"]]
-        return not selecting or any(_rule_matches(r, peers_key, p["metadata"]["namespace"], other, port, proto)
-                                    for p in selecting for r in p["spec"].get(rules_key, []))
-    return side(src, "Egress", "egress", "to", dst) and side(dst, "Ingress", "ingress", "from", src)
-
 
 def test_the_network_policy_model_denies_by_default_and_allows_what_a_rule_names():
     pod = lambda **labels: {"ns": "elastic-trainer", "labels": labels}  # noqa: E731

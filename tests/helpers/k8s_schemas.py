@@ -7,6 +7,7 @@ definitions kubernetes-validate bundles for the pinned Kubernetes version::
 
     check = validator_for(obj, "1.31")      # None: a built-in kind, for kubernetes-validate
     errors = [e.message for e in check.iter_errors(obj)] if check else []
+    problems = errors_of(obj, "1.31")       # either way: "path: message" of each error
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ CUSTOM_KINDS: dict[tuple[str, str], str] = {
     ("trainer.kubeflow.org/v1alpha1", "TrainingRuntime"): "trainingruntime-trainer-v1alpha1.json",
     ("chaos-mesh.org/v1alpha1", "PodChaos"): "podchaos-chaos-mesh-v1alpha1.json",
     ("chaos-mesh.org/v1alpha1", "NetworkChaos"): "networkchaos-chaos-mesh-v1alpha1.json",
+    ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor-monitoring-v1.json",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule-monitoring-v1.json",
 }
 CUSTOM_GROUPS = {api.split("/")[0] for api, _ in CUSTOM_KINDS}
 
@@ -67,3 +70,20 @@ def validator_for(obj: dict, version: str):
     if api.split("/")[0] in CUSTOM_GROUPS:
         raise KeyError(f"no schema in k8s/schemas/ for {kind} ({api}): write one from the published CRD")
     return None
+
+
+def errors_of(obj: dict, version: str) -> list[str]:
+    """``path: message`` of each error of ``obj``: against our schema for a custom resource,
+    kubernetes-validate (strict: unknown fields fail) for a built-in kind."""
+    import kubernetes_validate
+
+    crd = validator_for(obj, version)
+    if crd is not None:
+        return [f"{'.'.join(map(str, e.path))}: {e.message[:200]}" for e in crd.iter_errors(obj)]
+    try:
+        kubernetes_validate.validate(obj, version, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        return [f"{'.'.join(map(str, exc.path))}: {exc.message}"]
+    except kubernetes_validate.SchemaNotFoundError as exc:
+        return [exc.message]
+    return []
