@@ -12,9 +12,15 @@ import os
 import uuid
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from elastic_trainer.etcd.server import EtcdServer, free_port
 from tests.helpers.common import DIST_ENV, Processes
+
+# Property tests run on 2 shared cores beside multi-process tests: a case's wall time says nothing about
+# the property, so no deadline and no too-slow health check (a test's own @settings still applies).
+settings.register_profile("shared-cores", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("shared-cores")
 
 
 _HANDLER_EXPORTS = "ELASTIC_TRAINER_RDZV_"
