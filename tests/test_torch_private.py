@@ -22,7 +22,7 @@ import torch
 from elastic_trainer import torch_private
 
 # (handler.py's operation loop moved to admission.py and its watchdog to watchdog.py: both subclass torch's classes.)
-SUBCLASS_FILES = [Path(torch_private.__file__).with_name(name)
+SUBCLASS_FILES = [Path(torch_private.__file__).parent / "rendezvous" / name
                   for name in ("handler.py", "admission.py", "watchdog.py", "state.py")]
 
 
