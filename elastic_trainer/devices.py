@@ -36,6 +36,8 @@ from typing import Callable, Mapping
 
 import torch
 
+from elastic_trainer.env import ENV_CUDA_VISIBLE_DEVICES
+
 AMP_CHOICES = ("off", "bf16", "fp16")
 DOCS = "docs/gpu.md"
 
@@ -56,7 +58,7 @@ def nvidia_hint(dev: Path = Path("/dev"), environ: Mapping[str, str] | None = No
     ``nvidia-smi``, which the CUDA base images carry also when they run on a CPU node.
     ``CUDA_VISIBLE_DEVICES`` set to "" or "-1" hides every GPU on purpose: no evidence."""
     environ = os.environ if environ is None else environ
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    visible = environ.get(ENV_CUDA_VISIBLE_DEVICES)
     if visible is not None and visible.strip() in ("", "-1"):
         return None
     if (dev / "nvidia0").exists():
@@ -116,7 +118,7 @@ def pick_device(requested: str, local_rank: int, view: CudaView) -> torch.device
         return torch.device("cpu")
     if local_rank >= view.device_count:
         raise DeviceError(f"local rank {local_rank} has no GPU of its own: torch sees {view.device_count} "
-                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); run at most "
+                          f"({ENV_CUDA_VISIBLE_DEVICES}={os.environ.get(ENV_CUDA_VISIBLE_DEVICES, 'unset')}); run at most "
                           f"{view.device_count} workers on this node (--nproc-per-node {view.device_count} or gpu), "
                           "never two ranks on one GPU")
     return torch.device("cuda", local_rank)
@@ -125,7 +127,7 @@ def pick_device(requested: str, local_rank: int, view: CudaView) -> torch.device
 def check_local_ranks(nproc_per_node: int, device_count: int) -> None:
     """One GPU per worker: ``nproc_per_node`` workers need that many visible GPUs."""
     if nproc_per_node > device_count:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        visible = os.environ.get(ENV_CUDA_VISIBLE_DEVICES)
         shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
         raise DeviceError(f"{nproc_per_node} workers on this node need {nproc_per_node} GPUs, one each, but torch "
                           f"sees {device_count}{shown}; use --nproc-per-node {max(1, device_count)} (or gpu), "

@@ -6,6 +6,10 @@ Names: the launcher (``elastic-train``) sets ``ENV_RDZV_ENDPOINT``, ``ENV_RUN_ID
 (``rendezvous/handler.py``) sets the ``ENV_RDZV_*`` of its round and, in live mode, ``ENV_LIVE``
 (the live quorum's settings) in the agent's environment, which torchrun passes to the workers.
 
+Every other variable we read or set is named here too: the knobs a person sets for one process
+(``ENV_LOG_LEVEL``, ...) and other programs' variables (AWS's, W&B's, ``CUDA_VISIBLE_DEVICES``, ...);
+tests/test_architecture.py fails on a variable name written anywhere else.
+
 A worker reads what it is told through one typed object, ``WorkerEnv.from_environ()``: torchrun's
 ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``LOCAL_WORLD_SIZE``/``TORCHELASTIC_RESTART_COUNT``, the
 handler's round, prefix, node and etcd connection, and the live settings (``LiveSettings``, one
@@ -85,6 +89,41 @@ def helper_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     (``os.environ`` when None), nothing else."""
     env = os.environ if environ is None else environ
     return {k: v for k, v in env.items() if k in HELPER_ENV or k.startswith("LC_")}
+
+
+# ---- knobs a person sets for one process ----------------------------------------------------------
+ENV_LOG_LEVEL = "ELASTIC_TRAINER_LOG_LEVEL"
+"""The logging level of ``elastic-train`` and of the built-in trainer's workers (default ``INFO``)."""
+ENV_RDZV_LOG = "ELASTIC_TRAINER_RDZV_LOG"
+"""The etcd-v3 rendezvous's own logging level in the agent (``INFO``: show what the rendezvous does)."""
+ENV_ETCD_BINARY = "ELASTIC_TRAINER_ETCD_BINARY"
+"""The etcd program the embedded etcd runs (default: ``etcd`` on the ``PATH``)."""
+ENV_S3_ENDPOINT_URL = "ELASTIC_TRAINER_S3_ENDPOINT_URL"
+"""The endpoint of ``s3://`` checkpoint URLs (a MinIO, say); else ``ENV_AWS_ENDPOINT_URL``, else AWS's."""
+
+# ---- other programs' variables that we read or set ------------------------------------------------
+ENV_AWS_ACCESS_KEY_ID = "AWS_ACCESS_KEY_ID"
+ENV_AWS_SECRET_ACCESS_KEY = "AWS_SECRET_ACCESS_KEY"
+ENV_AWS_SESSION_TOKEN = "AWS_SESSION_TOKEN"
+ENV_AWS_SHARED_CREDENTIALS_FILE = "AWS_SHARED_CREDENTIALS_FILE"
+ENV_AWS_PROFILE = "AWS_PROFILE"
+ENV_AWS_ENDPOINT_URL = "AWS_ENDPOINT_URL"
+"""boto3's, which s3fs reads: the launcher moves the keys out of its workers' environment into a 0600
+credentials file that ``ENV_AWS_SHARED_CREDENTIALS_FILE`` names (``cli/secrets.py``)."""
+ENV_WANDB_API_KEY = "WANDB_API_KEY"
+ENV_WANDB_MODE = "WANDB_MODE"
+ENV_WANDB_DIR = "WANDB_DIR"
+ENV_WANDB_SILENT = "WANDB_SILENT"
+"""W&B's (``training/metrics.py``); the key reaches a worker in the file ``ENV_WANDB_KEY_FILE`` names."""
+ENV_CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+"""The GPUs a process may see (``devices.py`` reads it to explain a node's GPU count)."""
+ENV_OMP_NUM_THREADS = "OMP_NUM_THREADS"
+"""The launcher sets it for its workers from the node's CPUs (``cpus.py``) unless it is set."""
+ENV_PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
+"""The drill sets it for the nodes it starts, so that their lines reach its logs as they are printed."""
+ENV_GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
+ENV_TP_SOCKET_IFNAME = "TP_SOCKET_IFNAME"
+"""gloo's and TensorPipe's network interface: the drill's nodes in network namespaces (``drill/netns.py``) use theirs."""
 
 
 # ---- exit codes -------------------------------------------------------------------------------

@@ -1,16 +1,24 @@
-"""The worker runtime: the one object in a worker process that owns its background threads and
-the one place that ends the process.
+"""The worker runtime: the one object in a process that owns its background threads, and the one
+place that ends a worker.
 
-Every thread a worker starts for its own purposes (the live quorum's watcher and probe, the
-SIGTERM watcher, grace and hang timers, the checkpoint save thread and host-buffer maker, the
-status publisher, W&B's bounded finish) is started through ``runtime().start_thread`` or
-``runtime().start_timer``: the runtime knows its name, how to ask it to stop, and joins it at
-``close()``. Two library threads keep their own owner, which the runtime's threads own in turn:
-a lease's renewal and watchdog threads (``rendezvous/lease.LeaseKeeper``, closed by the live
-quorum's ``close()``) and the etcd client's keep-alive stream reader (``etcd/client.py``). A forced exit (a lost lease, a grace
-period over, a hung step after a signal) goes through ``runtime().exit``: it runs the registered
-``before_exit`` hooks (bounded: a W&B flush, say), flushes stdout and stderr, shuts logging down
-and calls ``os._exit``, which appears in no other module. The exit codes are ``elastic_trainer.env``'s.
+Every thread our code starts (the live quorum's watchers and probe, the SIGTERM watcher, grace and
+hang timers, the checkpoint save thread and host-buffer maker, the status publisher, W&B's bounded
+finish, an etcd lease's renewal loop and watchdog, the etcd client's keep-alive stream reader) is
+started through ``runtime().start_thread`` or ``runtime().start_timer``: the runtime knows its name,
+how to ask it to stop, and joins it at ``close()``. No other module makes a thread
+(``tests/test_architecture.py`` checks it; docs/architecture.md's thread tables name each one).
+
+The runtime is per process, and the agent (``elastic-train``, torch's elastic agent with our
+rendezvous handler) has one too: the threads our code starts there (a lease's renewal loop and
+watchdog, the keep-alive stream reader) go through it like a worker's. The agent never calls
+``close()`` or ``exit()``: its threads stop with their owners (the handler's shutdown closes its
+lease), and it ends when ``elastic-train``'s ``main`` returns. A worker calls ``close()`` at the end
+of ``train.main``, after every owner closed its own.
+
+A forced exit of a worker (a lost lease, a grace period over, a hung step after a signal) goes
+through ``runtime().exit``: it runs the registered ``before_exit`` hooks (bounded: a W&B flush,
+say), flushes stdout and stderr, shuts logging down and calls ``os._exit``, which appears in no
+other module. The exit codes are ``elastic_trainer.env``'s.
 
 Why ``os._exit`` and not ``sys.exit``: torch's process groups still referenced by DDP/FSDP die
 during interpreter finalization, where gloo can abort a worker whose run succeeded
@@ -54,7 +62,8 @@ class _Owned:
 
 
 class WorkerRuntime:
-    """Owns a worker's background threads and timers, and its exit (see the module docstring)."""
+    """Owns a process's background threads and timers (a worker's or the agent's), and a worker's exit (see the
+    module docstring)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -11,8 +11,9 @@ Subclassing reaches further than imports: the handler overrides private methods 
 (``_this_node``, ``_store``, ``_settings``, ``_state_holder``). ``METHODS`` and ``ATTRIBUTES``
 list every such name, ``check_compatible()`` checks each (a torch that renamed
 ``_start_heartbeats`` would otherwise silently bring its heartbeat writes back), and the test
-reads ``handler.py`` and ``state.py`` to make sure the lists miss none. ``Tensor._version``,
-which ``checkpoint/snapshot.py`` compares to skip unchanged tensors, is checked here too.
+reads ``handler.py`` and ``state.py`` to make sure the lists miss none. ``Tensor._version``
+(``version_counter``), which ``checkpoint/snapshot.py`` compares to skip unchanged tensors, is read
+and checked here too.
 One more pair lives here for the same reason: DCP's ``FsspecWriter``/``FsspecReader``
 (``dcp_fsspec_storage``), public classes of a private torch module, which sharded checkpoints on
 object stores use (``checkpoint/sharded.py``); and ``torch._foreach_copy_`` (``foreach_copy``),
@@ -78,6 +79,13 @@ def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor], non_blocking:
     """Copy every ``src[i]`` into ``dst[i]`` in one dispatch (``torch._foreach_copy_``, private:
     one call instead of one per tensor, what a snapshot of many small tensors needs)."""
     torch._foreach_copy_(dst, src, non_blocking=non_blocking)
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """How many in-place changes ``tensor`` went through (its private ``_version``, which autograd
+    keeps): a snapshot taken before the optimizer step compares it after the copy, to tell the
+    tensors that changed under it (``checkpoint/snapshot.py``)."""
+    return tensor._version
 
 
 def dtensor_like(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -231,4 +239,4 @@ __all__ = ["ATTRIBUTES", "METHODS", "TESTED_TORCH", "Action", "DistributedOpExec
            "ExitOp", "JoinOp", "NodeDesc", "RendezvousContext", "RendezvousSettings", "RendezvousState",
            "RendezvousTimeout", "StateHolder", "check_compatible", "dcp_fsspec_storage", "dtensor_like", "foreach_copy",
            "generate_node_desc",
-           "instance_attributes", "remove_participant_epilogue", "torch_classes"]
+           "instance_attributes", "remove_participant_epilogue", "torch_classes", "version_counter"]

@@ -24,7 +24,8 @@ import sys
 from typing import NoReturn
 
 from elastic_trainer.config import TrainConfig
-from elastic_trainer.flags import parse_train_config  # the flags: generated from TrainConfig
+from elastic_trainer.env import ENV_LOG_LEVEL, WorkerEnv
+from elastic_trainer.flags import build_train_parser, parse_train_config  # generated from TrainConfig
 from elastic_trainer.runtime import die_with_parent
 
 
@@ -33,10 +34,10 @@ def main(argv: list[str] | None = None) -> int:
 
     The worker runtime's threads are stopped and joined before it returns (``runtime().close()``)."""
     die_with_parent()
-    rank = os.environ.get("RANK", "0")
-    logging.basicConfig(level=os.environ.get("ELASTIC_TRAINER_LOG_LEVEL", "INFO"),
+    rank = WorkerEnv.from_environ().rank or 0
+    logging.basicConfig(level=os.environ.get(ENV_LOG_LEVEL, "INFO"),
                         format=f"[%(asctime)s] rank{rank} %(levelname)s %(name)s: %(message)s")
-    config = parse_train_config(argv)
+    config = parse_train_config(argv, build_train_parser(doc=__doc__))  # this docstring is --help's text
     from elastic_trainer.runtime import runtime
 
     code = _train(config)

@@ -12,7 +12,7 @@ import inspect
 
 import pytest
 
-from elastic_trainer import config, flags
+from elastic_trainer import config, flag_tables, flags
 from elastic_trainer.cli import launch
 from elastic_trainer.checkpoint import CheckpointManager
 from elastic_trainer.config import SECTIONS, TrainConfig, flag_name, train_field, train_flag_fields
@@ -117,7 +117,7 @@ def test_the_launchers_storage_flags_are_the_trainers_declarations():
         (action,) = launcher[name]
         assert action.option_strings == [flag_name(name)]
         default_text = config.RunConfig.__dataclass_fields__[name].metadata["default_text"]
-        assert flags.split_default(action.help) == (train_field(name).metadata["help"], default_text)
+        assert flag_tables.split_default(action.help) == (train_field(name).metadata["help"], default_text)
         assert action.default is None  # "not given here"; the run's default is RunConfig's, which the help names
     trainer_flags = {flag_name(f.name) for f in train_flag_fields()}
     others = {s for a in launch.build_parser()._actions if a.dest not in launch.SHARED_TRAINER_FLAGS

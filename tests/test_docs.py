@@ -1,6 +1,6 @@
 """The README and docs say what the code does and where each number comes from.
 
-- The flag tables in README.md and docs/*.md are the parsers' own (``python -m elastic_trainer.flags
+- The flag tables in README.md and docs/*.md are the parsers' own (``python -m elastic_trainer.flag_tables
   --update FILE`` rewrites them); every flag of the smaller commands is named in docs/usage.md.
 - A number quoted from a benchmark is the text of a link to its file in benchmarks/results/; the
   file exists and holds that number (rounded as quoted). In the README's "Numbers" every number of
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_trainer import flags
+from elastic_trainer import flag_tables, flags
 from elastic_trainer.cli import launch
 from tests.helpers.common import REPO
 
@@ -73,13 +73,13 @@ def _results_links(path: Path) -> list[tuple[str, Path]]:
 
 @pytest.mark.parametrize("path", DOCS, ids=_doc_id)
 def test_every_flag_table_is_what_the_parser_says(path):
-    for spec, written, now in flags.generated_tables(path.read_text()):
+    for spec, written, now in flag_tables.generated_tables(path.read_text()):
         assert written == now, (f"{_doc_id(path)}: the '{spec}' flag table differs from the parser; run "
-                                f"python -m elastic_trainer.flags --update {_doc_id(path)}")
+                                f"python -m elastic_trainer.flag_tables --update {_doc_id(path)}")
 
 
 def test_the_launcher_trainer_and_drill_tables_are_there():
-    specs = {doc.name: [spec for spec, _, _ in flags.generated_tables(doc.read_text())] for doc in DOCS}
+    specs = {doc.name: [spec for spec, _, _ in flag_tables.generated_tables(doc.read_text())] for doc in DOCS}
     assert specs["usage.md"] == ["launcher"] and specs["trainer.md"] == ["trainer"] and specs["drills.md"] == ["drill"]
 
 
@@ -87,14 +87,14 @@ def test_a_stale_table_is_found_and_rewritten():
     text = (REPO / "docs" / "usage.md").read_text()
     stale = text.replace("| `--min-nodes N` | 1 |", "| `--min-nodes N` | 2 |")
     assert stale != text
-    assert any(written != now for _, written, now in flags.generated_tables(stale))
-    assert flags.update_tables(stale) == text
+    assert any(written != now for _, written, now in flag_tables.generated_tables(stale))
+    assert flag_tables.update_tables(stale) == text
 
 
 def test_the_table_takes_the_default_from_the_help():
-    assert flags.split_default("workers (default 1)") == ("workers", "1")
-    assert flags.split_default("address (default: looked up (by name))") == ("address", "looked up (by name)")
-    assert flags.split_default("options (see docs)") == ("options (see docs)", None)
+    assert flag_tables.split_default("workers (default 1)") == ("workers", "1")
+    assert flag_tables.split_default("address (default: looked up (by name))") == ("address", "looked up (by name)")
+    assert flag_tables.split_default("options (see docs)") == ("options (see docs)", None)
 
 
 def _help_flags(capsys, *argv: str) -> set[str]:

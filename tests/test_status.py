@@ -18,6 +18,7 @@ from elastic_trainer.rendezvous.etcd_backend import run_prefix
 from elastic_trainer.etcd.client import EtcdConnection
 from elastic_trainer.cli.status import format_status, read_status
 from elastic_trainer.training.status import MAX_EVENTS, StatusPublisher
+from tests.helpers.architecture import unnamed
 from tests.helpers.common import cli_cmd, etcd_conn, wait_until
 from tests.helpers.runs import TINY
 
@@ -102,7 +103,10 @@ def test_status_of_an_endpoint_that_does_not_answer_is_one_line(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_status_shows_a_live_two_node_job_found_through_its_embedded_etcd(tmp_path, procs):
+def test_status_shows_a_live_two_node_job_and_docs_architecture_names_every_thread_it_runs(tmp_path, procs):
+    """`elastic-train status` of a live 2-node job, found through its embedded etcd; and every thread
+    rank 0's worker ran while we looked (the status's ``threads``: its ``threading.enumerate()``) is
+    in docs/architecture.md's thread table."""
     common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--run-id", "job", "--rdzv-conf", "last_call_timeout=1"]
     trainer = ["--", *TINY, "--global-batch-size", "8", "--no-wandb", "--no-progress", "--max-steps", "100000",
                "--sleep-per-step", "0.05", "--checkpoint-every", "10"]
@@ -115,10 +119,14 @@ def test_status_shows_a_live_two_node_job_found_through_its_embedded_etcd(tmp_pa
     auth = f"last_call_timeout=1,user=root,password_file={tmp_path / 'runs' / 'job' / 'etcd-password'}"
     b_args = [a if a != "last_call_timeout=1" else auth for a in common]
 
+    threads: set[str] = set()  # every thread name rank 0 published, over the whole run
+
     def status_json() -> dict:
         proc = subprocess.run(cli_cmd("status", "--json"), cwd=tmp_path, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        return json.loads(proc.stdout)
+        doc = json.loads(proc.stdout)
+        threads.update((doc["training"] or {}).get("threads") or [])
+        return doc
 
     # B joins a world of 1 that trains (started together, a slow machine may form one world of 2 at once,
     # and there is then no change of world size to show)
@@ -145,3 +153,6 @@ def test_status_shows_a_live_two_node_job_found_through_its_embedded_etcd(tmp_pa
     out = proc.stdout
     assert "world size 2" in out and "checkpoint: step-" in out and "events:" in out
     assert all(n["name"] in out for n in doc["nodes"])
+    assert "threads (rank 0): " in out and "MainThread" in threads and "live-watch" in threads
+    assert unnamed(sorted(threads)) == [], (f"threads a live worker runs that docs/architecture.md's thread table "
+                                            f"does not name (it ran {sorted(threads)})")

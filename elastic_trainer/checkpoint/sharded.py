@@ -197,6 +197,18 @@ class HashingFiles:
         return getattr(self._fs, name)
 
 
+def _leaves(tree: Any, path: tuple = ()):
+    """(path, value) of every leaf: dict values, list and tuple items."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _leaves(v, (*path, k))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _leaves(v, (*path, i))
+    else:
+        yield path, tree
+
+
 class Staging:
     """This rank's shards of a state dict copied into one CPU buffer that is kept between saves.
 
@@ -220,18 +232,6 @@ class Staging:
         self._layout: list[tuple[tuple, tuple]] | None = None
 
     @staticmethod
-    def _leaves(tree: Any, path: tuple = ()):
-        """(path, value) of every leaf: dict values, list and tuple items."""
-        if isinstance(tree, dict):
-            for k, v in tree.items():
-                yield from Staging._leaves(v, (*path, k))
-        elif isinstance(tree, (list, tuple)):
-            for i, v in enumerate(tree):
-                yield from Staging._leaves(v, (*path, i))
-        else:
-            yield path, tree
-
-    @staticmethod
     def _local(tensor: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
@@ -245,7 +245,7 @@ class Staging:
         return type(tensor), tensor.dtype, tuple(tensor.shape), tuple(local.shape), local.device.type, spec
 
     def _tensors(self, state: dict) -> list[tuple[tuple, torch.Tensor, torch.Tensor]]:
-        return [(path, v, self._local(v)) for path, v in self._leaves(state) if isinstance(v, torch.Tensor)]
+        return [(path, v, self._local(v)) for path, v in _leaves(state) if isinstance(v, torch.Tensor)]
 
     def prepare(self, state: dict) -> bool:
         """Start making the buffer for ``state``'s shards on a background thread (nothing is

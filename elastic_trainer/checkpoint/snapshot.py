@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -25,10 +25,14 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from elastic_trainer.checkpoint import format as checkpoint_format
 from elastic_trainer.checkpoint.format import Arena
 from elastic_trainer.checkpoint.host_memory import HostBuffer, cuda_devices
-from elastic_trainer.torch_private import foreach_copy
+from elastic_trainer.torch_private import foreach_copy, version_counter
 
-if TYPE_CHECKING:
-    from elastic_trainer.checkpoint.writer import CheckpointWriter
+
+class SettlesCopy(Protocol):
+    """What waits on ``OptimizerWatch`` (a ``writer.CheckpointWriter``, which imports this module):
+    a copy beside training to judge before the optimizer changes the tensors."""
+
+    def settle_copy(self) -> None: ...
 
 
 _PLAIN = frozenset({str, bool, int, float, type(None)})
@@ -74,7 +78,7 @@ class DeferredCopy:
             start = time.perf_counter()
             self.copied.wait()
             waited = time.perf_counter() - start
-            self.changed = [key for key, _, src, version in self.items if src._version != version]
+            self.changed = [key for key, _, src, version in self.items if version_counter(src) != version]
             self.items = []  # drop the references to the live tensors
             self.settled.set()
             return waited
@@ -187,7 +191,7 @@ class Snapshotter:
                 return None
             walk.hits += 1
             if walk.defer and not t.is_cuda and t.data_ptr() in walk.defer and key not in self.sync_keys:
-                walk.later.append((key, buf, t, t._version))
+                walk.later.append((key, buf, t, version_counter(t)))
             else:
                 walk.dst.append(buf)
                 walk.src.append(t)
@@ -220,7 +224,7 @@ class OptimizerWatch:
 
     def __init__(self) -> None:
         self.optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-        self.waiting: "weakref.WeakSet[CheckpointWriter]" = weakref.WeakSet()
+        self.waiting: "weakref.WeakSet[SettlesCopy]" = weakref.WeakSet()
         register_optimizer_step_pre_hook(self._before_step)
 
     @classmethod

@@ -56,6 +56,8 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
+from elastic_trainer.env import ENV_AWS_ENDPOINT_URL, ENV_S3_ENDPOINT_URL
+
 
 class StorageError(RuntimeError):
     """Storage cannot be used: unreachable, unwritable, or a write failed."""
@@ -143,7 +145,7 @@ def storage_options(url: str) -> dict:
     protocol = url.split("://", 1)[0] if "://" in url else "file"
     options: dict = {}
     if protocol in ("s3", "s3a"):
-        endpoint = os.environ.get("ELASTIC_TRAINER_S3_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL")
+        endpoint = os.environ.get(ENV_S3_ENDPOINT_URL) or os.environ.get(ENV_AWS_ENDPOINT_URL)
         if endpoint:
             options["client_kwargs"] = {"endpoint_url": endpoint}
         credentials = split_credentials(url)[1]

@@ -50,7 +50,7 @@ import os
 import sys
 
 from elastic_trainer.cli.usage import UsageError
-from elastic_trainer.env import EXIT_USAGE
+from elastic_trainer.env import ENV_LOG_LEVEL, EXIT_USAGE
 
 __all__ = ["UsageError", "main"]
 
@@ -58,7 +58,7 @@ __all__ = ["UsageError", "main"]
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run: a node of a job, ``etcd``, ``status``, ``export`` or ``drill``. Return the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=os.environ.get("ELASTIC_TRAINER_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=os.environ.get(ENV_LOG_LEVEL, "INFO"),
                         format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
     command, rest = (argv[0], argv[1:]) if argv[:1] in (["etcd"], ["export"], ["status"], ["drill"]) else (None, argv)
     try:

@@ -33,6 +33,7 @@ from elastic_trainer.env import (
     ENV_CHECKPOINT_DIR,
     ENV_LOG_DIR,
     ENV_NCCL_ERROR_HANDLING,
+    ENV_OMP_NUM_THREADS,
     ENV_RDZV_ENDPOINT,
     ENV_RUN_ID,
     NCCL_CLEAN_UP_ONLY,
@@ -270,12 +271,12 @@ def run_node(run: RunConfig) -> int:
               file=sys.stderr, flush=True)
     elif endpoint is None:
         endpoint = "127.0.0.1:29400"  # torch's c10d default, for side-by-side runs
-    if "OMP_NUM_THREADS" not in os.environ:
+    if ENV_OMP_NUM_THREADS not in os.environ:
         # torchrun sets 1 for several workers; we give each worker its share of the CPUs this node
         # may use (the affinity mask capped by the cgroup's CPU quota: a pod's limits.cpu), so that
         # N workers do not each start a thread per core (measured: 30x slower on 2 cores).
         threads = cpus.threads_per_worker(run.nproc_per_node)
-        os.environ["OMP_NUM_THREADS"] = str(threads)
+        os.environ[ENV_OMP_NUM_THREADS] = str(threads)
         logger.info("OMP_NUM_THREADS=%d for each of %d worker(s) (set it to override)", threads, run.nproc_per_node)
     nccl_before = keep_nccl_errors_in_process(run)
     try:

@@ -27,7 +27,17 @@ import tempfile
 from collections.abc import Iterator
 
 from elastic_trainer.cli.usage import UsageError
-from elastic_trainer.env import ENV_CHECKPOINT_DIR, ENV_RDZV_PASSWORD, ENV_WANDB_KEY_FILE
+from elastic_trainer.env import (
+    ENV_AWS_ACCESS_KEY_ID,
+    ENV_AWS_PROFILE,
+    ENV_AWS_SECRET_ACCESS_KEY,
+    ENV_AWS_SESSION_TOKEN,
+    ENV_AWS_SHARED_CREDENTIALS_FILE,
+    ENV_CHECKPOINT_DIR,
+    ENV_RDZV_PASSWORD,
+    ENV_WANDB_API_KEY,
+    ENV_WANDB_KEY_FILE,
+)
 
 
 def refuse_command_line_secrets(argv: list[str]) -> None:
@@ -70,7 +80,7 @@ def handed_over(checkpoint_url: str) -> Iterator[str]:
     finally:
         shutil.rmtree(secrets_dir, ignore_errors=True)
         if taken_keys:
-            os.environ.pop("AWS_SHARED_CREDENTIALS_FILE", None)
+            os.environ.pop(ENV_AWS_SHARED_CREDENTIALS_FILE, None)
             os.environ.update(taken_keys)
         if taken_wandb:
             os.environ.pop(ENV_WANDB_KEY_FILE, None)
@@ -90,7 +100,7 @@ def hand_over_storage_keys(url: str, secrets_dir: str) -> tuple[str, dict[str, s
     # AWS_* keys move for every checkpoint URL: a run with checkpoints on a path may still read its
     # data from S3 (boto3 and s3fs read the credentials file as well).
     clean, keys = split_credentials(url)  # StorageError for credentials in another protocol's URL
-    names = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SHARED_CREDENTIALS_FILE")
+    names = (ENV_AWS_ACCESS_KEY_ID, ENV_AWS_SECRET_ACCESS_KEY, ENV_AWS_SESSION_TOKEN, ENV_AWS_SHARED_CREDENTIALS_FILE)
     taken = {name: os.environ[name] for name in names if name in os.environ}
     from_env = [os.environ.pop(name, None) for name in names[:3]]
     if keys is None and from_env[0] and from_env[1]:
@@ -98,7 +108,7 @@ def hand_over_storage_keys(url: str, secrets_dir: str) -> tuple[str, dict[str, s
     if keys is None:
         os.environ.update(taken)  # keys from a credentials file or an instance role: nothing to move
         return clean, {}
-    lines = [f"[{os.environ.get('AWS_PROFILE', 'default')}]", f"aws_access_key_id = {keys[0]}",
+    lines = [f"[{os.environ.get(ENV_AWS_PROFILE, 'default')}]", f"aws_access_key_id = {keys[0]}",
              f"aws_secret_access_key = {keys[1]}"]
     if from_env[2] and keys == (from_env[0], from_env[1]):
         lines.append(f"aws_session_token = {from_env[2]}")
@@ -106,7 +116,7 @@ def hand_over_storage_keys(url: str, secrets_dir: str) -> tuple[str, dict[str, s
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write("\n".join(lines) + "\n")
-    os.environ["AWS_SHARED_CREDENTIALS_FILE"] = path
+    os.environ[ENV_AWS_SHARED_CREDENTIALS_FILE] = path
     return clean, taken
 
 
@@ -114,14 +124,14 @@ def hand_over_wandb_key(secrets_dir: str) -> dict[str, str]:
     """Move ``WANDB_API_KEY`` out of the environment the workers inherit (and so every DataLoader
     worker and subprocess) into a 0600 file named by ``env.ENV_WANDB_KEY_FILE``; rank 0 reads it
     when it starts W&B (``metrics.init_wandb``). Returns what it took from ``os.environ``, to put back."""
-    key = os.environ.pop("WANDB_API_KEY", None)
+    key = os.environ.pop(ENV_WANDB_API_KEY, None)
     if not key:
         return {}
     path = os.path.join(secrets_dir, "wandb-api-key")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(key)
-    taken = {"WANDB_API_KEY": key}
+    taken = {ENV_WANDB_API_KEY: key}
     if ENV_WANDB_KEY_FILE in os.environ:
         taken[ENV_WANDB_KEY_FILE] = os.environ[ENV_WANDB_KEY_FILE]
     os.environ[ENV_WANDB_KEY_FILE] = path

@@ -11,8 +11,8 @@ Run it from any terminal or machine that reaches the job's etcd::
 It shows the nodes (name, address, since when, lease time left; from the rendezvous's
 ``alive/<node>`` keys and the state), the current round, its nodes' ranks, and what global rank 0
 publishes: world size, step, epoch, samples/s and loss of the last steps, the newest committed
-checkpoint (step, age, URL with credentials redacted) and the last events (world size changes and
-why, resumes, restarts, stops).
+checkpoint (step, age, URL with credentials redacted), the last events (world size changes and
+why, resumes, restarts, stops) and the names of rank 0's threads.
 
 What rank 0 publishes is ``training/status.py``'s ``StatusPublisher``; this module only reads.
 The embedded etcd's endpoint is in ``<log dir>/etcd-endpoint`` (``ENDPOINT_FILE``) while the
@@ -22,6 +22,7 @@ launcher runs.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import sys
@@ -141,6 +142,9 @@ def format_status(run_id: str, endpoint: str, status: dict[str, Any], now: float
     ck = t.get("checkpoint")
     lines.append(f"checkpoint: step-{ck['step']}, {_ago(now - ck['time'])} ago, {ck['url']}" if ck else
                  "checkpoint: none committed yet")
+    if t.get("threads"):
+        counts = collections.Counter(t["threads"])
+        lines.append("threads (rank 0): " + ", ".join(n if c == 1 else f"{n} x{c}" for n, c in counts.items()))
     if t.get("events"):
         lines.append("events:")
         for e in t["events"][-8:]:

@@ -28,6 +28,7 @@ from elastic_trainer.drill.nodes import Node, children, start_ticks
 from elastic_trainer.drill.scenario import DEFAULT_TRAINER_ARGS, ScenarioError
 from elastic_trainer.etcd.server import EtcdServer, dying_with_parent, start_with_auth
 from elastic_trainer.etcd.tls import make_certs
+from elastic_trainer.env import ENV_GLOO_SOCKET_IFNAME, ENV_PYTHONUNBUFFERED, ENV_TP_SOCKET_IFNAME
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=records.Record)
@@ -192,7 +193,7 @@ class Cluster:
         rdzv_conf = ",".join(c for c in (self.etcd_conf, self.args.rdzv_conf) if c)
         if rdzv_conf:
             cmd += ["--rdzv-conf", rdzv_conf]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = {**os.environ, ENV_PYTHONUNBUFFERED: "1"}
         for kind in sorted({f.kind for f in self.args.faults}):  # e.g. hang's debug hook, on every node
             env.update(FAULTS[kind].node_env)
         net = None
@@ -200,7 +201,7 @@ class Cluster:
             from elastic_trainer.drill import netns
             net = self.network.add_node(index)
             cmd += ["--local-addr", net.address]
-            env.update(GLOO_SOCKET_IFNAME=netns.INSIDE_IFNAME, TP_SOCKET_IFNAME=netns.INSIDE_IFNAME)
+            env.update({ENV_GLOO_SOCKET_IFNAME: netns.INSIDE_IFNAME, ENV_TP_SOCKET_IFNAME: netns.INSIDE_IFNAME})
         if self.args.script:
             cmd.append(str(Path(self.args.script).resolve()))
         cmd += ["--", *self.trainer_args]

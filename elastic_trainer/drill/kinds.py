@@ -28,14 +28,30 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Protocol
 
-from elastic_trainer.drill.nodes import children, killpg
+from elastic_trainer.drill.nodes import Node, children, killpg
 from elastic_trainer.env import ENV_DEBUG_HANG
 
-if TYPE_CHECKING:
-    from elastic_trainer.drill.faults import FaultDriver
-    from elastic_trainer.drill.nodes import Node
+
+class Driver(Protocol):
+    """What a kind's ``fire``, ``heal`` and ``prepare`` use of the driver (``faults.FaultDriver``).
+
+    This registry sits below the driver, the cluster and the scenario, which all read it; it names
+    what it needs here instead of importing them (that closed an import cycle)."""
+
+    cluster: Any
+    """The drill's ``cluster.Cluster``: its nodes, etcd, network and notes."""
+    args: argparse.Namespace
+    """The drill's parsed flags."""
+
+    def watch_checkpoints(self) -> None: ...
+
+    def corrupt_newest_checkpoint(self) -> tuple[int, str] | None: ...
+
+    def fill_disk(self) -> int: ...
+
+    def free_disk(self) -> None: ...
 
 
 class Target(enum.Enum):
@@ -53,14 +69,14 @@ class FaultKind:
     name: str
     help: str
     target: Target
-    fire: Callable[["FaultDriver", dict, "Node | None", int, float], None]
-    heal: Callable[["FaultDriver", dict, "Node | None"], None] | None = None
+    fire: Callable[[Driver, dict, Node | None, int, float], None]
+    heal: Callable[[Driver, dict, Node | None], None] | None = None
     duration: float | None = None  # the default for:SECONDS; None: takes no for:
     default_target: str | None = None  # Target.OPTIONAL: the target when none is given
     victim: str | None = None  # the node it strikes: "target" (the fault's), "rank0", or None
     changes_world: bool = False  # the run goes on at another world size, in a new round
     arms: bool = False  # fire only arms it; FaultDriver.progress strikes later
-    prepare: Callable[["FaultDriver", dict], str | None] | None = None  # before firing; a reason to skip
+    prepare: Callable[[Driver, dict], str | None] | None = None  # before firing; a reason to skip
     refuse: Callable[[argparse.Namespace], str | None] | None = None  # why the drill cannot run it
     node_env: tuple[tuple[str, str], ...] = ()  # set on every node when the scenario holds this kind
 
@@ -79,24 +95,24 @@ def ranks(args, nodes: int) -> int:
     return nodes * args.nproc_per_node
 
 
-def _expect(rec: dict, world: int, driver: FaultDriver, *, final: bool = True) -> None:
+def _expect(rec: dict, world: int, driver: Driver, *, final: bool = True) -> None:
     rec["expected_world"] = ranks(driver.args, min(world, driver.cluster.max_nodes) if final else world)
     if final:
         rec["final_world"] = rec["expected_world"]
 
 
-def _kill(driver: FaultDriver, rec: dict, node: Node | None, size: int, now: float) -> None:
+def _kill(driver: Driver, rec: dict, node: Node | None, size: int, now: float) -> None:
     driver.cluster.kill(node)
     _expect(rec, size - 1, driver)
 
 
-def _arm_kill_during_checkpoint(driver: FaultDriver, rec: dict, node: Node | None, size: int, now: float) -> None:
+def _arm_kill_during_checkpoint(driver: Driver, rec: dict, node: Node | None, size: int, now: float) -> None:
     rec["armed_at"] = time.time()
     rec["status"] = "armed"
     driver.watch_checkpoints()
 
 
-def _corrupt(driver: FaultDriver, rec: dict) -> str | None:
+def _corrupt(driver: Driver, rec: dict) -> str | None:
     corrupted = driver.corrupt_newest_checkpoint()
     if corrupted is None:
         return "skipped: no checkpoint to corrupt (local checkpoint dir only)"
@@ -106,7 +122,7 @@ def _corrupt(driver: FaultDriver, rec: dict) -> str | None:
     return None
 
 
-def _term(driver: FaultDriver, rec: dict, node: Node | None, size: int, now: float) -> None:
+def _term(driver: Driver, rec: dict, node: Node | None, size: int, now: float) -> None:
     node.signal(signal.SIGTERM)
     node.state = "terminated"
     node.term_deadline = now + driver.args.term_grace
@@ -114,7 +130,7 @@ def _term(driver: FaultDriver, rec: dict, node: Node | None, size: int, now: flo
     _expect(rec, size - 1, driver)
 
 
-def _away(driver: FaultDriver, rec: dict, size: int) -> None:
+def _away(driver: Driver, rec: dict, size: int) -> None:
     """stop/cut: N-1 while the node is away when that outlasts its lease, N after (module docstring)."""
     longer = rec.get("duration") is not None and rec["duration"] >= driver.args.lease_ttl + EVICT_MARGIN
     rec["away_world"] = ranks(driver.args, size - 1)
@@ -122,14 +138,14 @@ def _away(driver: FaultDriver, rec: dict, size: int) -> None:
     rec["expected_world"] = ranks(driver.args, size - 1 if rec["expect_dip"] else size)
 
 
-def _stop(driver: FaultDriver, rec: dict, node: Node | None, size: int, now: float) -> None:
+def _stop(driver: Driver, rec: dict, node: Node | None, size: int, now: float) -> None:
     node.paused_pgids = node.signal(signal.SIGSTOP)
     node.state = "stopped"
     driver.cluster.note(node.name, "node_stopped", pgids=sorted(node.paused_pgids))
     _away(driver, rec, size)
 
 
-def _cont(driver: FaultDriver, rec: dict, node: Node | None) -> None:
+def _cont(driver: Driver, rec: dict, node: Node | None) -> None:
     if node is None:
         return
     for pgid in node.paused_pgids:
@@ -139,14 +155,14 @@ def _cont(driver: FaultDriver, rec: dict, node: Node | None) -> None:
     driver.cluster.note(node.name, "node_continued")
 
 
-def _cut(driver: FaultDriver, rec: dict, node: Node | None, size: int, now: float) -> None:
+def _cut(driver: Driver, rec: dict, node: Node | None, size: int, now: float) -> None:
     driver.cluster.network.cut(node.net)
     node.state = "cut"
     driver.cluster.note(node.name, "node_cut")
     _away(driver, rec, size)
 
 
-def _reconnect(driver: FaultDriver, rec: dict, node: Node | None) -> None:
+def _reconnect(driver: Driver, rec: dict, node: Node | None) -> None:
     if node is None:
         return
     driver.cluster.network.restore(node.net)
@@ -155,7 +171,7 @@ def _reconnect(driver: FaultDriver, rec: dict, node: Node | None) -> None:
     driver.cluster.note(node.name, "node_restored")
 
 
-def _pick_worker(driver: FaultDriver, rec: dict) -> str | None:
+def _pick_worker(driver: Driver, rec: dict) -> str | None:
     """hang: choose the worker process to hang (a child of the node's agent), or say why not."""
     node = driver.cluster.node(rec["node"])
     workers = sorted(children(node.proc.pid)) if node is not None else []
@@ -165,7 +181,7 @@ def _pick_worker(driver: FaultDriver, rec: dict) -> str | None:
     return None
 
 
-def _hang(driver: FaultDriver, rec: dict, node: Node | None, size: int, now: float) -> None:
+def _hang(driver: Driver, rec: dict, node: Node | None, size: int, now: float) -> None:
     """One worker stops making progress while its process lives. Live path: SIGUSR2, which the
     trainer's debug hook (``ENV_DEBUG_HANG``) turns into an endless sleep of the training thread,
     its lease and watcher threads still running; the others must leave it out (N-1), its agent
@@ -184,28 +200,28 @@ def _hang(driver: FaultDriver, rec: dict, node: Node | None, size: int, now: flo
     rec["expected_world"] = ranks(driver.args, size - 1 if live else size)
 
 
-def _add_node(driver: FaultDriver, rec: dict, node: Node | None, size: int, now: float) -> None:
+def _add_node(driver: Driver, rec: dict, node: Node | None, size: int, now: float) -> None:
     new = driver.cluster.start_node()
     rec["node"] = new.name
     _expect(rec, size + 1, driver)
 
 
-def _kill_etcd(driver: FaultDriver, rec: dict, node: Node | None, size: int, now: float) -> None:
+def _kill_etcd(driver: Driver, rec: dict, node: Node | None, size: int, now: float) -> None:
     driver.cluster.etcd.kill()
     driver.cluster.note(None, "etcd_killed")
 
 
-def _start_etcd(driver: FaultDriver, rec: dict, node: Node | None) -> None:
+def _start_etcd(driver: Driver, rec: dict, node: Node | None) -> None:
     driver.cluster.etcd.start()
     driver.cluster.note(None, "etcd_started")
 
 
-def _fill_disk(driver: FaultDriver, rec: dict, node: Node | None, size: int, now: float) -> None:
+def _fill_disk(driver: Driver, rec: dict, node: Node | None, size: int, now: float) -> None:
     rec["filled_bytes"] = driver.fill_disk()
     driver.cluster.note(None, "disk_filled", bytes=rec["filled_bytes"])
 
 
-def _free_disk(driver: FaultDriver, rec: dict, node: Node | None) -> None:
+def _free_disk(driver: Driver, rec: dict, node: Node | None) -> None:
     driver.free_disk()
     driver.cluster.note(None, "disk_freed")
 

@@ -38,6 +38,8 @@ import grpc
 from etcd3 import etcdrpc
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
+from elastic_trainer.runtime import runtime
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -95,6 +97,17 @@ class _FailoverClient(etcd3.MultiEndpointEtcd3Client):
     def sending_to(self, label: str | None) -> None:
         """Say, for this thread, which endpoint the requests it sends now go to (None: forget)."""
         self._sent.label = label
+
+    def error_of(self, exc: grpc.RpcError, sent_to: str | None) -> BaseException:
+        """python3-etcd3's exception for ``exc``, the failure of a request sent to ``sent_to``, with
+        its fail-over applied (as its own calls do: the endpoint marked failed); call it while
+        handling ``exc`` (an ``except`` block: the library re-raises what it does not translate)."""
+        self.sending_to(sent_to)
+        try:
+            self._manage_grpc_errors(exc)
+        except Exception as translated:  # noqa: BLE001 - the translation is the answer
+            return translated
+        return exc
 
     def give_up_endpoint(self, label: str | None = None) -> None:
         """Mark ``label`` (default: the endpoint in use) failed: a request of ours timed out there.
@@ -234,10 +247,8 @@ class _Pending:
         """Have ``callback(self)`` called with etcd's answer as soon as it arrives, by the stream's
         reader thread (at once, here, if it already came); it returns True when it applied the
         answer (``applied``). It must be quick: the stream's other answers wait behind it."""
-        with self.stream._lock:
-            if self.answered is None and self.error is None:
-                self.callback = callback
-                return
+        if self.stream.hold_for_answer(self, callback):
+            return
         if self.error is None and callback(self):
             self.applied = True
 
@@ -265,7 +276,8 @@ class _KeepAliveStream:
         self.endpoint = client.next_endpoint()  # where this stream's renewals go
         self._call = client.leasestub.LeaseKeepAlive(self._feed(), credentials=client.call_credentials,
                                                      metadata=client.metadata)
-        threading.Thread(target=self._read, name="etcd-lease-keepalive", daemon=True).start()
+        # This process's runtime owns the reader (the agent's, or a worker's); it ends with the stream.
+        runtime().start_thread("etcd-lease-keepalive", self._read, stop=self.close)
 
     @property
     def closed(self) -> bool:
@@ -297,11 +309,7 @@ class _KeepAliveStream:
         except grpc.RpcError as exc:
             error = exc
             if not self.closed:  # not our own cancel: python3-etcd3's exception, and its failover
-                try:
-                    self.client.sending_to(self.endpoint)
-                    self.client._manage_grpc_errors(exc)
-                except Exception as translated:  # noqa: BLE001 - kept as the stream's error
-                    error = translated
+                error = self.client.error_of(exc, self.endpoint)
         self._fail(error)
 
     def _fail(self, error: BaseException) -> None:
@@ -315,6 +323,15 @@ class _KeepAliveStream:
             for p in waiting:
                 p.error = self._error
                 p.done.set()
+
+    def hold_for_answer(self, p: _Pending, callback: Callable[[_Pending], bool]) -> bool:
+        """Keep ``callback`` on ``p`` for the reader thread to call with etcd's answer; False when
+        the answer (or the stream's error) came already, and the caller applies it itself."""
+        with self._lock:
+            if p.answered is None and p.error is None:
+                p.callback = callback
+                return True
+        return False
 
     def send(self, lease_id: int) -> _Pending:
         """Send one renewal of ``lease_id``; its answer comes in the returned ``_Pending``."""

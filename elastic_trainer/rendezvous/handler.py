@@ -97,7 +97,7 @@ from elastic_trainer.rendezvous.watchdog import MembershipWatchdog
 
 logger = logging.getLogger(__name__)
 
-from elastic_trainer.env import LiveSettings, WorkerEnv  # noqa: E402 - what workers read, defined in env.py
+from elastic_trainer.env import ENV_RDZV_LOG, LiveSettings, WorkerEnv  # noqa: E402 - what workers read, defined in env.py
 
 # torch writes heartbeat timestamps into the state whenever the last one is older than
 # the settings' keep-alive interval; with leases those writes are pure load, so the
@@ -357,13 +357,13 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
 
 def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     """Build the etcd-v3 handler from torchrun's ``RendezvousParameters``."""
-    if os.environ.get("ELASTIC_TRAINER_RDZV_LOG"):  # e.g. INFO: show what the rendezvous does
+    if os.environ.get(ENV_RDZV_LOG):  # e.g. INFO: show what the rendezvous does
         log = logging.getLogger("elastic_trainer.rendezvous")
         if not log.handlers:
             h = logging.StreamHandler()
             h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
             log.addHandler(h)
-        log.setLevel(os.environ["ELASTIC_TRAINER_RDZV_LOG"].upper())
+        log.setLevel(os.environ[ENV_RDZV_LOG].upper())
     options = RendezvousOptions(params)
     # Also without a user: the launcher's password env var must not reach the workers.
     launcher_password()

@@ -25,6 +25,7 @@ import weakref
 import grpc
 
 from elastic_trainer.etcd.client import EtcdConnection
+from elastic_trainer.runtime import runtime
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +61,19 @@ class RenewalLoop:
         with self._cond:
             self._keepers.add(keeper)
             self._push(first, keeper, True)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="etcd-lease-renewals", daemon=True)
-                self._thread.start()
+            if self._thread is None:  # this process's runtime owns it (the agent's, or a worker's)
+                self._thread = runtime().start_thread("etcd-lease-renewals", self._run, stop=self.stop)
 
     def remove(self, keeper: LeaseKeeper) -> None:
         with self._cond:
             self._keepers.discard(keeper)
+            self._cond.notify()
+
+    def stop(self) -> None:
+        """Renew nothing more: the thread ends (the runtime's ``close()``, when the process ends);
+        a keeper added later starts it again."""
+        with self._cond:
+            self._keepers.clear()
             self._cond.notify()
 
     def look_at(self, keeper: LeaseKeeper, when: float | None = None) -> None:
@@ -258,8 +265,7 @@ class LeaseKeeper:
         with self._lock:
             if self._on_tick is None or self._thread is not None or self._stop.is_set():
                 return
-            self._thread = threading.Thread(target=self._tick, name=f"etcd-watchdog {self._key}", daemon=True)
-        self._thread.start()
+            self._thread = runtime().start_thread(f"etcd-watchdog {self._key}", self._tick, stop=self._stop.set)
 
     def put(self, key: str, value: bytes) -> None:
         """Write ``key`` attached to the lease (it vanishes with the lease)."""

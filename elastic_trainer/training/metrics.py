@@ -186,6 +186,7 @@ class WandbLogger:
 
 
 from elastic_trainer.env import ENV_WANDB_KEY_FILE as WANDB_KEY_FILE  # noqa: E402
+from elastic_trainer.env import ENV_WANDB_API_KEY, ENV_WANDB_DIR, ENV_WANDB_MODE, ENV_WANDB_SILENT  # noqa: E402
 """The path of a file holding the W&B API key: what the launcher hands its workers instead of
 ``WANDB_API_KEY``; set it yourself to give the key as a file (a mounted Kubernetes Secret)."""
 
@@ -195,7 +196,7 @@ def wandb_api_key() -> str | None:
     (what the launcher hands its workers, or a mounted secret). An absent file is no key (an
     optional Kubernetes Secret that was not created: W&B runs offline, with a warning); a file that
     exists but cannot be read is an error naming the file, not a silent offline run."""
-    key = os.environ.get("WANDB_API_KEY")
+    key = os.environ.get(ENV_WANDB_API_KEY)
     if key:
         return key
     path = os.environ.get(WANDB_KEY_FILE)
@@ -226,17 +227,17 @@ def init_wandb(*, enabled: bool, run_id: str | None, log_dir: str, project: str,
     import wandb
 
     key = wandb_api_key()
-    if not key and not os.environ.get("WANDB_MODE"):
-        os.environ["WANDB_MODE"] = "offline"
-    os.environ.setdefault("WANDB_DIR", log_dir)
-    os.environ.setdefault("WANDB_SILENT", "true")
-    os.makedirs(os.environ["WANDB_DIR"], exist_ok=True)
+    if not key and not os.environ.get(ENV_WANDB_MODE):
+        os.environ[ENV_WANDB_MODE] = "offline"
+    os.environ.setdefault(ENV_WANDB_DIR, log_dir)
+    os.environ.setdefault(ENV_WANDB_SILENT, "true")
+    os.makedirs(os.environ[ENV_WANDB_DIR], exist_ok=True)
     # the key goes to W&B in its settings, never into this process's environment (inherited by
     # DataLoader workers and subprocesses)
     settings = wandb.Settings(api_key=key) if key else None
     run = wandb.init(project=project, id=run_id, resume="allow", group=group, config=config,
-                     dir=os.environ["WANDB_DIR"], settings=settings)
+                     dir=os.environ[ENV_WANDB_DIR], settings=settings)
     run.define_metric("global_step")
     run.define_metric("*", step_metric="global_step")
-    (say or logger.info)(f"W&B run {run.id} ({os.environ.get('WANDB_MODE', 'online')}) in {os.environ['WANDB_DIR']}")
+    (say or logger.info)(f"W&B run {run.id} ({os.environ.get(ENV_WANDB_MODE, 'online')}) in {os.environ[ENV_WANDB_DIR]}")
     return WandbLogger(run)

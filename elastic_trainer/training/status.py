@@ -4,7 +4,12 @@ What rank 0 publishes, ``<key_prefix>/<run_id>/status`` (one JSON document)::
 
     {"time": ..., "node": ..., "step": ..., "epoch": ..., "world_size": ..., "round": ...,
      "loss": ..., "samples_per_s": ..., "checkpoint": {"step": ..., "time": ..., "url": ...} | null,
-     "state": "training" | "finished" | "stopped", "events": [{"time": ..., "event": ..., ...}, ...]}
+     "state": "training" | "finished" | "stopped", "events": [{"time": ..., "event": ..., ...}, ...],
+     "threads": ["MainThread", "checkpoint-save", "live-watch", ...]}
+
+``threads`` names every thread of rank 0's process (``threading.enumerate()``) as of the write:
+what it is running now, for a person asking why a run stalls (docs/architecture.md's thread table
+says who owns each; tests/test_status.py checks that the table names every one a live worker runs).
 
 ``StatusPublisher`` writes it from a background thread at most once a second (``INTERVAL_S``),
 only when something changed, so the training loop never waits for etcd: a step only updates a dict.
@@ -86,6 +91,7 @@ class StatusPublisher:
             if not self._dirty:
                 return
             self._doc["time"] = time.time()
+            self._doc["threads"] = sorted(t.name for t in threading.enumerate())
             # Whatever a field or an event holds, no URL's credentials reach etcd or `status`.
             data = storage.redact(json.dumps(self._doc, separators=(",", ":"), default=str))
             self._dirty = False
