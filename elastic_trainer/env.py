@@ -50,6 +50,15 @@ the workers attach their live keys instead of keeping leases of their own (``ren
 ENV_LIVE = "ELASTIC_TRAINER_LIVE"
 """Set by the etcd-v3 handler in live mode: JSON of the live quorum's settings."""
 ENV_WANDB_KEY_FILE = "ELASTIC_TRAINER_WANDB_KEY_FILE"
+ENV_REFUSAL_FILE = "ELASTIC_TRAINER_REFUSAL_FILE"
+"""Set by ``elastic-train`` for a user's script: where a worker that cannot run as launched (a script
+under live recovery that forms its process group without the Manager: ``script.py``) writes why, in
+one line, before it stops its node (SIGTERM to its agent); the launcher then prints that line and
+exits with ``EXIT_USAGE`` instead of restarting the worker."""
+ENV_PROGRAM = "ELASTIC_TRAINER_PROGRAM"
+"""Set by ``elastic-train`` in its agent's environment: JSON of what this node runs
+(``rendezvous/program.py``'s ``Program``), which the etcd-v3 handler records in etcd and checks a
+joining node against. Names and digests only, never a secret (secrets are refused on command lines)."""
 ENV_DEBUG_HANG = "ELASTIC_TRAINER_DEBUG_HANG"
 """Drills and tests: ``1`` makes a live worker's training thread hang for good on SIGUSR2
 (``training/manager.py``, ``install_debug_hang``), to prove the hang detection."""

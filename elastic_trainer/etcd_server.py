@@ -1,8 +1,9 @@
 """The embedded etcd: a private etcd v3 server for one run on one machine.
 
-With no ``--rdzv-endpoint``, ``elastic-train`` starts one of these on a free loopback
-port with its data under the run's log dir, waits until it answers, and stops it when the
-run ends. ``elastic-train etcd`` runs one in the foreground for several machines to share.
+With no ``--rdzv-endpoint``, ``elastic-train`` has one of these started on a free loopback
+port with its data under the run's log dir, by a keeper in a session of its own that stops it
+once no node of the run is left (``etcd_keeper.py``): the run's etcd outlives the node that
+started it. ``elastic-train etcd`` runs one in the foreground for several machines to share.
 
 The server is started with ``PR_SET_PDEATHSIG`` so that it dies with the process that
 started it, even when that process is killed with SIGKILL: nothing is left behind; and with only
@@ -42,6 +43,9 @@ _PR_SET_PDEATHSIG = 1
 ROOT_USER = "root"  # etcd's auth needs its root user; the embedded etcd's nodes use it
 PASSWORD_FILE = "etcd-password"
 """The embedded etcd's root password, a 0600 file in the run's log dir (``elastic-train status`` reads it)."""
+ENDPOINT_FILE = "etcd-endpoint"
+"""The embedded etcd's ``host:port``, in the run's log dir while it runs (``etcd_keeper`` keeps it;
+``elastic-train status`` and a restarted first node find the running etcd there)."""
 
 
 class EtcdError(RuntimeError):
@@ -116,6 +120,26 @@ def probe_endpoint(endpoints: str, timeout: float = 3.0, options: EtcdOptions | 
                     f"the TLS options ({tls}) and user/password in --rdzv-conf")
 
 
+def read_password_file(path: str) -> str:
+    """The etcd password in ``path`` (one line; a trailing newline is dropped).
+
+    Raises ``ValueError`` naming the option when the file cannot be read, is empty, or can be read
+    by other users (a password that others can read protects nothing)."""
+    try:
+        mode = os.stat(path).st_mode
+        with open(path) as f:
+            password = f.read().rstrip("\r\n")
+    except OSError as exc:
+        raise ValueError(f"the rendezvous option password_file={path!r} cannot be read "
+                         f"({exc.strerror}); give a file that holds the etcd password") from exc
+    if mode & 0o077:
+        raise ValueError(f"the rendezvous option password_file={path!r} can be read by other users "
+                         f"(mode {mode & 0o777:o}); run `chmod 600 {path}`")
+    if not password:
+        raise ValueError(f"the rendezvous option password_file={path!r} is empty; put the etcd password in it")
+    return password
+
+
 def run_password(path: str | Path) -> str:
     """The embedded etcd's root password in ``path``: read it, or generate one into a new 0600 file.
 
@@ -125,7 +149,6 @@ def run_password(path: str | Path) -> str:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        from elastic_trainer.rendezvous.options import read_password_file
         try:
             return read_password_file(str(path))
         except ValueError as exc:

@@ -52,7 +52,8 @@ def main(argv: list[str]) -> int:
     """``elastic-train etcd``: serve a standalone etcd until Ctrl-C or SIGTERM."""
     from elastic_trainer.etcd_server import ROOT_USER, EtcdError, EtcdServer, enable_auth
     from elastic_trainer.etcd_tls import TlsFiles
-    from elastic_trainer.rendezvous.options import is_loopback, read_password_file
+    from elastic_trainer.etcd_server import read_password_file
+    from elastic_trainer.rendezvous.options import is_loopback
 
     if argv[:1] == ["certs"]:
         return certs_main(argv[1:])

@@ -11,6 +11,7 @@ import os
 
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
+from elastic_trainer.etcd_server import read_password_file
 from elastic_trainer.rendezvous.etcd_client import EtcdOptions, parse_endpoints
 
 # The etcd password as an environment variable of the launcher (never of the workers: it is
@@ -57,26 +58,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False  # a host name other than localhost: another machine, as far as we know
-
-
-def read_password_file(path: str) -> str:
-    """The etcd password in ``path`` (one line; a trailing newline is dropped).
-
-    Raises ``ValueError`` naming the option when the file cannot be read, is empty, or can be read
-    by other users (a password that others can read protects nothing)."""
-    try:
-        mode = os.stat(path).st_mode
-        with open(path) as f:
-            password = f.read().rstrip("\r\n")
-    except OSError as exc:
-        raise ValueError(f"the rendezvous option password_file={path!r} cannot be read "
-                         f"({exc.strerror}); give a file that holds the etcd password") from exc
-    if mode & 0o077:
-        raise ValueError(f"the rendezvous option password_file={path!r} can be read by other users "
-                         f"(mode {mode & 0o777:o}); run `chmod 600 {path}`")
-    if not password:
-        raise ValueError(f"the rendezvous option password_file={path!r} is empty; put the etcd password in it")
-    return password
 
 
 class RendezvousOptions:

@@ -17,7 +17,8 @@ One more pair lives here for the same reason: DCP's ``FsspecWriter``/``FsspecRea
 (``dcp_fsspec_storage``), public classes of a private torch module, which sharded checkpoints on
 object stores use (``checkpoint/sharded.py``); and ``torch._foreach_copy_`` (``foreach_copy``),
 with which checkpoint snapshots copy many tensors in one call (``checkpoint/snapshot.py``,
-``checkpoint/sharded.py``).
+``checkpoint/sharded.py``); and torch's table of ``init_process_group`` rendezvous handlers
+(``replace_rendezvous_handler``), where ``script.py`` refuses ``env://`` under live recovery.
 
 Checked against torch 2.11 (2.11.0+cu130, on a GPU machine: ``launch/gpu-check``), 2.12 (2.12.1),
 2.13 (2.13.0, what CI installs) and 2.14 (2.14.1); ``pyproject.toml`` bounds torch to ``>=2.11,<2.15``. To admit a new torch: ``bash launch/torch-versions VERSION``
@@ -28,6 +29,7 @@ venv of its own; then widen the bound and ``TESTED_TORCH``.
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import textwrap
 
@@ -78,6 +80,14 @@ def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor], non_blocking:
     """Copy every ``src[i]`` into ``dst[i]`` in one dispatch (``torch._foreach_copy_``, private:
     one call instead of one per tensor, what a snapshot of many small tensors needs)."""
     torch._foreach_copy_(dst, src, non_blocking=non_blocking)
+
+
+def replace_rendezvous_handler(scheme: str, handler) -> None:
+    """Make ``handler`` what ``init_process_group`` calls for an ``init_method`` of ``scheme://`` (``env``:
+    the default) in this process: torch's private ``_rendezvous_handlers`` table, whose public
+    ``register_rendezvous_handler`` refuses a scheme that has a handler already. ``script.py`` puts
+    its refusal of ``env://`` there for a script under live recovery."""
+    importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers[scheme] = handler
 
 
 def dtensor_like(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -214,6 +224,11 @@ def check_compatible() -> list[str]:
     if params is not None and (params[:3] != ["cls", "local_tensor", "spec"] or "requires_grad" not in params):
         problems.append(f"DTensor.__new__ takes {params}, expected cls, local_tensor, spec, requires_grad "
                         "(dtensor_like: sharded checkpoints' staging)")
+    # (the module: `from torch.distributed import rendezvous` is the function of that name)
+    handlers = getattr(importlib.import_module("torch.distributed.rendezvous"), "_rendezvous_handlers", None)
+    if not isinstance(handlers, dict) or "env" not in handlers:
+        problems.append("torch.distributed.rendezvous._rendezvous_handlers (the env:// handler's table) is gone "
+                        "(replace_rendezvous_handler: script.py's refusal of env:// under live recovery)")
     try:
         writer, reader = dcp_fsspec_storage()
     except ImportError as exc:
@@ -231,4 +246,4 @@ __all__ = ["ATTRIBUTES", "METHODS", "TESTED_TORCH", "Action", "DistributedOpExec
            "ExitOp", "JoinOp", "NodeDesc", "RendezvousContext", "RendezvousSettings", "RendezvousState",
            "RendezvousTimeout", "StateHolder", "check_compatible", "dcp_fsspec_storage", "dtensor_like", "foreach_copy",
            "generate_node_desc",
-           "instance_attributes", "remove_participant_epilogue", "torch_classes"]
+           "instance_attributes", "remove_participant_epilogue", "replace_rendezvous_handler", "torch_classes"]
