@@ -21,7 +21,8 @@ with which checkpoint snapshots copy many tensors in one call (``checkpoint/snap
 (``replace_rendezvous_handler``), where ``script.py`` refuses ``env://`` under live recovery.
 
 Checked against torch 2.11 (2.11.0+cu130, on a GPU machine: ``launch/gpu-check``), 2.12 (2.12.1),
-2.13 (2.13.0, what CI installs) and 2.14 (2.14.1); ``pyproject.toml`` bounds torch to ``>=2.11,<2.15``. To admit a new torch: ``bash launch/torch-versions VERSION``
+2.13 (2.13.0, what CI installs), 2.14 (2.14.1) and 2.15 (2.15.0, its CUDA build on a CPU machine);
+``pyproject.toml`` bounds torch to ``>=2.11,<2.16``. To admit a new torch: ``bash launch/torch-versions VERSION``
 runs ``check_compatible()``, ``tests/test_torch_private.py`` and the rendezvous tests on it in a
 venv of its own; then widen the bound and ``TESTED_TORCH``.
 """
@@ -41,7 +42,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: F
     RendezvousTimeout,
 )
 
-TESTED_TORCH = ("2.11", "2.12", "2.13", "2.14")
+TESTED_TORCH = ("2.11", "2.12", "2.13", "2.14", "2.15")
 """The torch minor versions this module was checked against."""
 
 Action = _dr._Action
@@ -69,9 +70,12 @@ def generate_node_desc(local_addr: str | None) -> NodeDesc:
 
 def dcp_fsspec_storage() -> tuple[type, type]:
     """DCP's ``FsspecWriter`` and ``FsspecReader`` (public classes of its private
-    ``_fsspec_filesystem`` module), with which ``checkpoint/sharded.py`` writes and reads sharded
+    ``_fsspec_filesystem`` module up to torch 2.14, of the public ``fsspec_filesystem`` from 2.15), with which ``checkpoint/sharded.py`` writes and reads sharded
     checkpoints on object stores; imported on first use (they need fsspec)."""
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+    try:  # public from torch 2.15 on (the private module then warns that it is deprecated)
+        from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader, FsspecWriter
+    except ImportError:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
     return FsspecWriter, FsspecReader
 
