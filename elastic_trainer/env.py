@@ -59,6 +59,9 @@ ENV_PROGRAM = "ELASTIC_TRAINER_PROGRAM"
 """Set by ``elastic-train`` in its agent's environment: JSON of what this node runs
 (``rendezvous/program.py``'s ``Program``), which the etcd-v3 handler records in etcd and checks a
 joining node against. Names and digests only, never a secret (secrets are refused on command lines)."""
+ENV_ETCD_BINARY = "ELASTIC_TRAINER_ETCD_BINARY"
+"""The etcd binary the embedded etcd runs (default: ``etcd`` on PATH); the launcher passes it to
+the embedded etcd's keeper."""
 ENV_DEBUG_HANG = "ELASTIC_TRAINER_DEBUG_HANG"
 """Drills and tests: ``1`` makes a live worker's training thread hang for good on SIGUSR2
 (``training/manager.py``, ``install_debug_hang``), to prove the hang detection."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -42,7 +43,7 @@ import threading
 import time
 from pathlib import Path
 
-from elastic_trainer.env import helper_environ
+from elastic_trainer.env import ENV_ETCD_BINARY, helper_environ
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ FAILING = 30.0
 CLAIM_TTL = 15
 """Seconds a launcher's claim on a running embedded etcd lasts (:func:`claim`): the time from its look
 to its node's first ``alive/`` key (the agent's start, a few seconds), with a margin."""
-PASS_ON = ("PYTHONPATH", "ELASTIC_TRAINER_ETCD_BINARY")
+PASS_ON = ("PYTHONPATH", ENV_ETCD_BINARY)
 """What the keeper needs beyond ``env.helper_environ()``: where this package is, and which etcd to run."""
 
 
@@ -75,11 +76,9 @@ def start_keeper(log_dir: Path, prefix: str, timeout: float = 60.0) -> tuple[sub
     with open(log_dir / "etcd-keeper.log", "ab") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True, text=True)
-    answer: list[str] = []
-    reader = threading.Thread(target=lambda: answer.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout)
-    line = answer[0].strip() if answer else ""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)  # its one line, or its end (EOF)
+    line = proc.stdout.readline().strip() if ready else ""
+    proc.stdout.close()
     if line.startswith("ready "):
         return proc, line.split(" ", 1)[1]
     proc.kill()

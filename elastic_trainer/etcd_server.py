@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from elastic_trainer.env import helper_environ
+from elastic_trainer.env import ENV_ETCD_BINARY, helper_environ
 
 if TYPE_CHECKING:
     from elastic_trainer.etcd_tls import TlsFiles
@@ -54,7 +54,7 @@ class EtcdError(RuntimeError):
 
 def find_etcd_binary() -> str:
     """Return the path of the ``etcd`` binary or raise ``EtcdError`` saying how to install it."""
-    path = os.environ.get("ELASTIC_TRAINER_ETCD_BINARY") or shutil.which("etcd")
+    path = os.environ.get(ENV_ETCD_BINARY) or shutil.which("etcd")
     if not path or not os.access(path, os.X_OK):
         raise EtcdError(f"the etcd binary was not found on PATH: {INSTALL_HINT}")
     return path

@@ -123,11 +123,11 @@ def parse_run_config(argv: list[str]) -> RunConfig:
         if backend != "etcd-v3":
             raise UsageError(f"--recovery live needs the etcd-v3 rendezvous (--rdzv-backend {backend} has no live "
                              "quorum); leave --rdzv-backend out, or use --recovery restart")
-        if builtin and "--scale-lr" in trainer_args:
+        if builtin and "--scale-lr" in program[2:]:
             raise UsageError("--recovery live keeps the global batch of the built-in trainer across world sizes, and "
                              "--scale-lr changes it with the world; leave --scale-lr out, or use --recovery restart")
     if backend == "etcd-v3":
-        rdzv_conf["recovery"] = recovery or default_recovery(args.training_script, args.module, trainer_args)
+        rdzv_conf["recovery"] = recovery or default_recovery(program)
     if "checkpoint_dir" not in given:  # "" given: no checkpoints
         # The launcher's env var: where a URL with keys may come from (never a command line).
         given["checkpoint_dir"] = os.environ.get(ENV_CHECKPOINT_DIR) or None
@@ -140,15 +140,15 @@ def parse_run_config(argv: list[str]) -> RunConfig:
     return run
 
 
-def default_recovery(script: str | None, module: bool, trainer_args: list[str]) -> str:
+def default_recovery(program: list[str]) -> str:
     """The recovery mode when ``--recovery`` is not given: live for the built-in trainer (unless
     ``--scale-lr``) and for a script or module that uses elastic_trainer.Manager, in its own text or
     in a module of its own that it imports (``training/uses_manager.py``); restart for any other."""
     from elastic_trainer.training.uses_manager import script_uses_manager
 
-    if script is None or (module and script == BUILTIN_TRAINER[1]):
-        return "restart" if "--scale-lr" in trainer_args else "live"
-    return "live" if script_uses_manager(script, module=module) else "restart"
+    if program[:2] == BUILTIN_TRAINER:
+        return "restart" if "--scale-lr" in program[2:] else "live"
+    return "live" if script_uses_manager(program[1], module=program[0] == "-m") else "restart"
 
 
 def trainer_config(run: RunConfig, given_here: dict[str, str | None]) -> TrainConfig:
