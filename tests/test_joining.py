@@ -78,6 +78,37 @@ def test_the_join_command_runs_the_same_program_and_carries_no_secret(tmp_path):
     assert pasted.checkpoint_dir == str(Path(builtin.checkpoint_dir).resolve())  # from any folder
 
 
+def test_on_the_restart_path_a_wrong_joiner_writes_nothing_into_the_run_and_leaves_it_open(etcd, run_id, monkeypatch):
+    """Two real handlers on a real etcd (restart path): the first node's round completes; a node
+    with another program is refused at its first rendezvous without an alive or joining key (the
+    running node would otherwise stop its workers for it), and its shutdown leaves the run open."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+
+    from elastic_trainer.env import ENV_PROGRAM
+    from elastic_trainer.rendezvous.handler import create_handler
+    from tests.helpers.common import etcd_conn
+
+    def handler(program: Program):
+        monkeypatch.setenv(ENV_PROGRAM, program.to_json())
+        return create_handler(RendezvousParameters("etcd-v3", etcd.endpoint, run_id, 1, 2, local_addr="127.0.0.1",
+                                                   last_call_timeout="0.5"))
+
+    first = handler(Program("the script a.py", "1" * 64))
+    wrong = handler(Program("the script a.py", "1" * 64, ("--lr", "1")))
+    conn = etcd_conn(etcd)
+    try:
+        assert first.next_rendezvous().world_size == 1
+        before = sorted(kv[1].key for kv in conn.client.get_prefix(f"/elastic-trainer/{run_id}/", keys_only=True))
+        with pytest.raises(ProgramMismatch, match=r"the arguments '--lr 1' here, '\(none\)' in the run"):
+            wrong.next_rendezvous()
+        after = sorted(kv[1].key for kv in conn.client.get_prefix(f"/elastic-trainer/{run_id}/", keys_only=True))
+        assert after == before and first.num_nodes_waiting() == 0
+        assert wrong.shutdown() is False and not first.is_closed()
+    finally:
+        first.shutdown()
+        conn.close()
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
