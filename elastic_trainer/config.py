@@ -159,7 +159,8 @@ class RunConfig:
         "gets the state from a live rank; restart: every fault restarts the workers, which resume from the "
         "newest checkpoint", choices=RECOVERY_MODES,
         default_text="live for the built-in trainer (DDP or --fsdp) and for scripts that use "
-        "elastic_trainer.Manager; restart for other scripts and --scale-lr"))
+        "elastic_trainer.Manager (also through a module of their own); restart for other scripts and "
+        "--scale-lr. Given, it always wins"))
     # The trainer's --checkpoint-dir and --log-dir; when None, the launcher's defaults (defined here
     # only): checkpoints/<run id> (empty = no checkpoints) and runs/<run id> (also the embedded
     # etcd's data and the agents' logs).

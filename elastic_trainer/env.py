@@ -71,6 +71,18 @@ ENV_PROGRESS_DIR = "ELASTIC_TRAINER_PROGRESS_DIR"
 """Set by ``elastic-train`` for its workers: a node-local folder where a worker creates ``<pid>`` once it
 completed its first step, so that the agent's crash-loop policy knows whether a worker that failed
 had made progress (``observability/crash_loop.py``)."""
+ENV_REFUSAL_FILE = "ELASTIC_TRAINER_REFUSAL_FILE"
+"""Set by ``elastic-train`` for a user's script: where a worker that cannot run as launched (a script
+under live recovery that forms its process group without the Manager: ``script.py``) writes why, in
+one line, before it stops its node (SIGTERM to its agent); the launcher then prints that line and
+exits with ``EXIT_USAGE`` instead of restarting the worker."""
+ENV_PROGRAM = "ELASTIC_TRAINER_PROGRAM"
+"""Set by ``elastic-train`` in its agent's environment: JSON of what this node runs
+(``rendezvous/program.py``'s ``Program``), which the etcd-v3 handler records in etcd and checks a
+joining node against. Names and digests only, never a secret (secrets are refused on command lines)."""
+ENV_ETCD_BINARY = "ELASTIC_TRAINER_ETCD_BINARY"
+"""The etcd binary the embedded etcd runs (default: ``etcd`` on PATH); the launcher passes it to
+the embedded etcd's keeper."""
 ENV_DEBUG_HANG = "ELASTIC_TRAINER_DEBUG_HANG"
 """Drills and tests: ``1`` makes a live worker's training thread hang for good on SIGUSR2
 (``training/manager.py``, ``install_debug_hang``), to prove the hang detection."""

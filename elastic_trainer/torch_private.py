@@ -18,10 +18,12 @@ One more pair lives here for the same reason: DCP's ``FsspecWriter``/``FsspecRea
 (``dcp_fsspec_storage``), public classes of a private torch module, which sharded checkpoints on
 object stores use (``checkpoint/sharded.py``); and ``torch._foreach_copy_`` (``foreach_copy``),
 with which checkpoint snapshots copy many tensors in one call (``checkpoint/snapshot.py``,
-``checkpoint/sharded.py``).
+``checkpoint/sharded.py``); and torch's table of ``init_process_group`` rendezvous handlers
+(``replace_rendezvous_handler``), where ``script.py`` refuses ``env://`` under live recovery.
 
 Checked against torch 2.11 (2.11.0+cu130, on a GPU machine: ``launch/gpu-check``), 2.12 (2.12.1),
-2.13 (2.13.0, what CI installs) and 2.14 (2.14.1); ``pyproject.toml`` bounds torch to ``>=2.11,<2.15``. To admit a new torch: ``bash launch/torch-versions VERSION``
+2.13 (2.13.0, what CI installs), 2.14 (2.14.1) and 2.15 (2.15.0, its CUDA build on a CPU machine);
+``pyproject.toml`` bounds torch to ``>=2.11,<2.16``. To admit a new torch: ``bash launch/torch-versions VERSION``
 runs ``check_compatible()``, ``tests/test_torch_private.py`` and the rendezvous tests on it in a
 venv of its own; then widen the bound and ``TESTED_TORCH``.
 """
@@ -29,6 +31,7 @@ venv of its own; then widen the bound and ``TESTED_TORCH``.
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import textwrap
 
@@ -40,7 +43,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: F
     RendezvousTimeout,
 )
 
-TESTED_TORCH = ("2.11", "2.12", "2.13", "2.14")
+TESTED_TORCH = ("2.11", "2.12", "2.13", "2.14", "2.15")
 """The torch minor versions this module was checked against."""
 
 Action = _dr._Action
@@ -68,9 +71,12 @@ def generate_node_desc(local_addr: str | None) -> NodeDesc:
 
 def dcp_fsspec_storage() -> tuple[type, type]:
     """DCP's ``FsspecWriter`` and ``FsspecReader`` (public classes of its private
-    ``_fsspec_filesystem`` module), with which ``checkpoint/sharded.py`` writes and reads sharded
+    ``_fsspec_filesystem`` module up to torch 2.14, of the public ``fsspec_filesystem`` from 2.15), with which ``checkpoint/sharded.py`` writes and reads sharded
     checkpoints on object stores; imported on first use (they need fsspec)."""
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+    try:  # public from torch 2.15 on (the private module then warns that it is deprecated)
+        from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader, FsspecWriter
+    except ImportError:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
     return FsspecWriter, FsspecReader
 
@@ -86,6 +92,14 @@ def version_counter(tensor: torch.Tensor) -> int:
     keeps): a snapshot taken before the optimizer step compares it after the copy, to tell the
     tensors that changed under it (``checkpoint/snapshot.py``)."""
     return tensor._version
+
+
+def replace_rendezvous_handler(scheme: str, handler) -> None:
+    """Make ``handler`` what ``init_process_group`` calls for an ``init_method`` of ``scheme://`` (``env``:
+    the default) in this process: torch's private ``_rendezvous_handlers`` table, whose public
+    ``register_rendezvous_handler`` refuses a scheme that has a handler already. ``script.py`` puts
+    its refusal of ``env://`` there for a script under live recovery."""
+    importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers[scheme] = handler
 
 
 def dtensor_like(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -222,6 +236,11 @@ def check_compatible() -> list[str]:
     if params is not None and (params[:3] != ["cls", "local_tensor", "spec"] or "requires_grad" not in params):
         problems.append(f"DTensor.__new__ takes {params}, expected cls, local_tensor, spec, requires_grad "
                         "(dtensor_like: sharded checkpoints' staging)")
+    # (the module: `from torch.distributed import rendezvous` is the function of that name)
+    handlers = getattr(importlib.import_module("torch.distributed.rendezvous"), "_rendezvous_handlers", None)
+    if not isinstance(handlers, dict) or "env" not in handlers:
+        problems.append("torch.distributed.rendezvous._rendezvous_handlers (the env:// handler's table) is gone "
+                        "(replace_rendezvous_handler: script.py's refusal of env:// under live recovery)")
     try:
         writer, reader = dcp_fsspec_storage()
     except ImportError as exc:
@@ -239,4 +258,5 @@ __all__ = ["ATTRIBUTES", "METHODS", "TESTED_TORCH", "Action", "DistributedOpExec
            "ExitOp", "JoinOp", "NodeDesc", "RendezvousContext", "RendezvousSettings", "RendezvousState",
            "RendezvousTimeout", "StateHolder", "check_compatible", "dcp_fsspec_storage", "dtensor_like", "foreach_copy",
            "generate_node_desc",
-           "instance_attributes", "remove_participant_epilogue", "torch_classes", "version_counter"]
+           "instance_attributes", "remove_participant_epilogue", "replace_rendezvous_handler", "torch_classes",
+           "version_counter"]

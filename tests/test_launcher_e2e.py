@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,34 @@ def test_two_live_nodes_at_default_settings_train_on_through_0_5_then_1_5_s_of_e
         mine = [s for s in steps if s.rank == rank]
         assert sorted(s.step for s in mine) == list(range(1, total + 1))
     assert len(records.step_files(log_dir)) == 2, "a worker was replaced"
+
+
+PLAIN_LOOP = """\
+import os, sys, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+while True:                                  # a plain script: no Manager, nothing of ours
+    with open(sys.argv[1], "a") as f:
+        f.write(f"{os.getpid()} {time.time()}\\n")
+    time.sleep(0.02)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_plain_scripts_worker_dies_within_a_second_of_its_killed_node(tmp_path, procs):
+    """torch's agent starts each worker in a session of its own, so a SIGKILL of the node's process
+    group used to leave a plain script's worker training (for a whole lease: 114 steps in 3.2 s).
+    Every worker the launcher starts now dies with its agent (``elastic_trainer/script.py``:
+    PR_SET_PDEATHSIG, which the kernel delivers at once; 1 s is the issue's bound, with margin)."""
+    script, steps = tmp_path / "plain_loop.py", tmp_path / "steps"
+    script.write_text(PLAIN_LOOP)
+    cli = procs.start(cli_cmd("--nnodes", "1", "--run-id", "orphan", "--log-dir", str(tmp_path / "logs"),
+                              "--checkpoint-dir", "", str(script), str(steps)),
+                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_until(lambda: steps.exists() and len(steps.read_text().splitlines()) >= 5, 120, "the worker's steps")
+    worker = int(steps.read_text().split()[0])
+    assert worker in descendants(cli.pid) and os.getsid(worker) != os.getsid(cli.pid)  # a session of its own
+    os.killpg(cli.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    wait_until(lambda: not alive(worker), 5, "the worker to end with its node", interval=0.02)
+    assert time.monotonic() - killed < 1.0

@@ -1,16 +1,14 @@
-"""The Manager's public API outside a live run, the typed worker environment, and how the
-launcher chooses live recovery for a user's own script (the live path itself, with real agents,
-etcd and SIGKILLs, is tests/test_live_recovery.py)."""
+"""The Manager's public API outside a live run and the typed worker environment (the live path
+itself, with real agents, etcd and SIGKILLs, is tests/test_live_recovery.py; how the launcher
+chooses live recovery for a user's own script is tests/test_recovery_mode.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from elastic_trainer.cli import launch
 from elastic_trainer.env import ENV_LIVE, LiveSettings, WorkerEnv
 from elastic_trainer.rendezvous.options import RendezvousOptions
-from elastic_trainer.training.manager import Manager, script_uses_manager
-from tests.helpers.common import REPO
+from elastic_trainer.training.manager import Manager
 
 
 def test_worker_env_round_trips_through_the_environment_and_ignores_what_is_not_a_number():
@@ -54,26 +52,3 @@ def test_a_manager_outside_a_live_run_is_plain_agrees_alone_and_never_reforms():
         manager.reform(0, "test")
     manager.close()
 
-
-def test_the_launcher_runs_a_script_live_only_when_it_uses_the_manager(tmp_path):
-    """A script that uses ``elastic_trainer.Manager`` runs live by default; another one gets the
-    restart path, and ``--recovery live`` for it is refused with a sentence that says why (under
-    live mode torchrun would give it a process group of its own node only)."""
-    own_loop = REPO / "examples" / "own_loop.py"
-    plain = tmp_path / "plain.py"
-    plain.write_text("import torch.distributed as dist\ndist.init_process_group()\n")
-    assert script_uses_manager(str(own_loop)) and not script_uses_manager(str(plain))
-    assert not script_uses_manager(str(tmp_path / "missing.py"))
-    mentions = tmp_path / "mentions.py"
-    mentions.write_text('"""Not elastic_trainer\'s Manager: a CheckpointManager."""\nimport elastic_trainer\n')
-    assert not script_uses_manager(str(mentions)), "a mention is not a use"
-    for use in ("from elastic_trainer import (\n    Manager,\n    records,\n)\n",
-                "import elastic_trainer\nm = elastic_trainer.Manager()\n",
-                "from elastic_trainer.training.manager import Agreement, Manager\n"):
-        (tmp_path / "use.py").write_text(use)
-        assert script_uses_manager(str(tmp_path / "use.py")), use
-    assert script_uses_manager("elastic_trainer.train", module=False) is False
-    assert launch.parse_run_config([str(own_loop)]).rdzv_conf["recovery"] == "live"
-    assert launch.parse_run_config([str(plain)]).rdzv_conf["recovery"] == "restart"
-    with pytest.raises(launch.UsageError, match="process group of its own node"):
-        launch.parse_run_config(["--recovery", "live", str(plain)])

@@ -7,12 +7,18 @@ are torchrun's own. In order:
 1. :func:`parse_run_config`: the launcher's flags (generated from ``RunConfig``'s fields by
    ``flags.add_run_flags``, plus ``--nnodes``, ``-m`` and the program), and the built-in trainer's
    flags after ``--``, parsed once with the trainer's own generated parser, as every worker will
-   (a bad one ends the launcher with one line and status 2). The recovery mode is chosen here.
+   (a bad one ends the launcher with one line and status 2). The recovery mode is chosen here:
+   ``--recovery`` when given, else live for the built-in trainer and for a script that uses the
+   Manager (``training/uses_manager.py``), restart for any other.
 2. :func:`check_devices` and :func:`check_environment`: what this node can run (``--device``,
    ``--amp``, GPUs per worker), the etcd binary or endpoint, a writable checkpoint dir.
-3. :func:`run_node`: the embedded etcd when no endpoint is given, the workers' environment
-   (``OMP_NUM_THREADS``, the run's folders, secrets moved out by ``cli.secrets``, NCCL's error
-   handling in live mode), then torch's ``elastic_launch``.
+3. :func:`run_node`: the embedded etcd when no endpoint is given (:func:`embedded_etcd`: kept by
+   ``etcd_keeper`` for as long as any node of the run uses it) and the join command
+   (``cli/join.py``), the workers' environment (``OMP_NUM_THREADS``, the run's folders, secrets
+   moved out by ``cli.secrets``, NCCL's error handling in live mode, what this node runs for the
+   joiner check), then torch's ``elastic_launch``. A user's script runs through
+   ``elastic_trainer.script`` (:func:`worker_command`): its workers die with this node, and under
+   live recovery one that forms its group without the Manager stops the node with one line.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import argparse
 import logging
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,8 +41,11 @@ from elastic_trainer.env import (
     ENV_LOG_DIR,
     ENV_NCCL_ERROR_HANDLING,
     ENV_OMP_NUM_THREADS,
+    ENV_PROGRAM,
     ENV_RDZV_ENDPOINT,
+    ENV_REFUSAL_FILE,
     ENV_RUN_ID,
+    EXIT_USAGE,
     NCCL_CLEAN_UP_ONLY,
 )
 
@@ -45,6 +55,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("elastic_trainer")
 
 BUILTIN_TRAINER = ["-m", "elastic_trainer.train"]
+SCRIPT_ENTRY = ["-u", "-m", "elastic_trainer.script"]
+"""How a worker runs a user's script or module: ``elastic_trainer/script.py`` around it."""
 SHARED_TRAINER_FLAGS = tuple(f.name for f in run_flag_fields() if f.metadata["trainer"])
 """Trainer flags the launcher takes too: it checks the checkpoint dir and keeps its own logs in the log dir."""
 
@@ -107,20 +119,16 @@ def parse_run_config(argv: list[str]) -> RunConfig:
     secrets.refuse_rdzv_password(rdzv_conf)
     backend = given.get("rdzv_backend", RunConfig.rdzv_backend)
     recovery = given.pop("recovery", None) or rdzv_conf.get("recovery")
-    # Live recovery: the built-in trainer, or a script that uses elastic_trainer.Manager (it imports
-    # it: training/manager.py's script_uses_manager); any other script gets torchrun's restarts.
-    from elastic_trainer.training.manager import script_uses_manager
-
-    builtin = args.training_script is None
-    managed = builtin or script_uses_manager(args.training_script, module=args.module)
-    live_ok = managed and backend == "etcd-v3" and "--scale-lr" not in trainer_args
-    if recovery == "live" and not live_ok:
-        raise UsageError("--recovery live needs the built-in trainer (DDP or --fsdp) with a constant global batch, or a "
-                         "script that uses elastic_trainer.Manager (see examples/own_loop.py; a script without it "
-                         "would get a process group of its own node only), on the etcd-v3 rendezvous (not "
-                         "--scale-lr or c10d); use --recovery restart")
+    builtin = program[:2] == BUILTIN_TRAINER
+    if recovery == "live":
+        if backend != "etcd-v3":
+            raise UsageError(f"--recovery live needs the etcd-v3 rendezvous (--rdzv-backend {backend} has no live "
+                             "quorum); leave --rdzv-backend out, or use --recovery restart")
+        if builtin and "--scale-lr" in program[2:]:
+            raise UsageError("--recovery live keeps the global batch of the built-in trainer across world sizes, and "
+                             "--scale-lr changes it with the world; leave --scale-lr out, or use --recovery restart")
     if backend == "etcd-v3":
-        rdzv_conf["recovery"] = recovery or ("live" if live_ok else "restart")
+        rdzv_conf["recovery"] = recovery or default_recovery(program)
     if "checkpoint_dir" not in given:  # "" given: no checkpoints
         # The launcher's env var: where a URL with keys may come from (never a command line).
         given["checkpoint_dir"] = os.environ.get(ENV_CHECKPOINT_DIR) or None
@@ -131,6 +139,17 @@ def parse_run_config(argv: list[str]) -> RunConfig:
     if program[:2] == BUILTIN_TRAINER:  # `-m elastic_trainer.train` too
         run.trainer = trainer_config(run, given_here={name: getattr(args, name) for name in SHARED_TRAINER_FLAGS})
     return run
+
+
+def default_recovery(program: list[str]) -> str:
+    """The recovery mode when ``--recovery`` is not given: live for the built-in trainer (unless
+    ``--scale-lr``) and for a script or module that uses elastic_trainer.Manager, in its own text or
+    in a module of its own that it imports (``training/uses_manager.py``); restart for any other."""
+    from elastic_trainer.training.uses_manager import script_uses_manager
+
+    if program[:2] == BUILTIN_TRAINER:
+        return "restart" if "--scale-lr" in program[2:] else "live"
+    return "live" if script_uses_manager(program[1], module=program[0] == "-m") else "restart"
 
 
 def trainer_config(run: RunConfig, given_here: dict[str, str | None]) -> TrainConfig:
@@ -235,40 +254,61 @@ def keep_nccl_errors_in_process(run: RunConfig) -> str | None:
     return before
 
 
+def embedded_etcd(run: RunConfig, log_dir: Path) -> tuple[str, subprocess.Popen | None]:
+    """The run's embedded etcd: the one a keeper of this log dir runs already (this first node started
+    again while the others train on: its endpoint file names an etcd that answers), else a new one
+    under a keeper of its own (``etcd/keeper.py``), which stops it once no node of the run is left.
+    Returns its endpoint and the keeper this node started (None: it reuses one).
+
+    Authentication is on: any other user of this machine reaches the loopback port too, and could
+    otherwise register a node or rewrite the run's state. The password is in a 0600 file of the
+    log dir, so the join command works for this user only."""
+    from elastic_trainer.etcd.keeper import KeeperError, running_etcd, start_keeper
+    from elastic_trainer.rendezvous.etcd_backend import DEFAULT_KEY_PREFIX, run_prefix
+
+    root = (run.rdzv_conf.get("key_prefix") or DEFAULT_KEY_PREFIX).rstrip("/") + "/"
+    endpoint = running_etcd(log_dir, run_prefix(root, run.run_id))
+    if endpoint is not None:
+        logger.info("using the embedded etcd at %s that a keeper of run %s runs already", endpoint, run.run_id)
+        return endpoint, None
+    try:
+        keeper, endpoint = start_keeper(log_dir, root)
+    except KeeperError as exc:
+        raise UsageError(str(exc)) from exc
+    return endpoint, keeper
+
+
+def worker_command(run: RunConfig) -> list[str]:
+    """What each worker runs after the interpreter: the built-in trainer as it is (it dies with its
+    agent and uses the Manager by itself), a user's script or module through ``elastic_trainer.script``."""
+    if run.trainer is not None:
+        return run.program
+    return [*SCRIPT_ENTRY, *(run.program[1:] if run.program[0] == "-u" else run.program)]
+
+
 def run_node(run: RunConfig) -> int:
-    """Start the embedded etcd if needed, run torchrun's agent, stop etcd. Return an exit status."""
+    """Reach the embedded etcd if needed, run torchrun's agent, let etcd go. Return an exit status."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from elastic_trainer.cli.status import ENDPOINT_FILE
-    from elastic_trainer.etcd.server import PASSWORD_FILE, EtcdError, EtcdServer, start_with_auth
+    from elastic_trainer.cli.join import join_command, program_of
+    from elastic_trainer.etcd.keeper import release_keeper
+    from elastic_trainer.etcd.server import PASSWORD_FILE, ROOT_USER
+    from elastic_trainer.rendezvous.program import ProgramMismatch
 
     log_dir = Path(run.log_dir).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
-    server = None
+    keeper = None
     endpoint = run.rdzv_endpoint
     if run.embedded_etcd:
-        server = EtcdServer(data_dir=log_dir / "etcd", log_path=log_dir / "etcd.log")
-        try:
-            # Authentication on: any other user of this machine reaches the loopback port too, and
-            # could otherwise register a node or rewrite the run's state. The password is in a
-            # 0600 file, so the join command below works for this user only.
-            conf = start_with_auth(server, log_dir / PASSWORD_FILE)
-        except EtcdError as exc:
-            raise UsageError(str(exc)) from exc
-        endpoint = server.endpoint
-        endpoint_file = log_dir / ENDPOINT_FILE  # where `elastic-train status` finds it
-        endpoint_file.write_text(endpoint + "\n")
-        auth = ",".join(f"{k}={v}" for k, v in conf.items())
+        endpoint, keeper = embedded_etcd(run, log_dir)
+        conf = {"user": ROOT_USER, "password_file": str(log_dir / PASSWORD_FILE)}
         run.rdzv_conf.update(conf)
-        print(f"elastic-train: embedded etcd at {endpoint} (run {run.run_id}); join from another "
-              f"terminal with: elastic-train --nnodes {run.min_nodes}:{run.max_nodes} "
-              f"--nproc-per-node {run.nproc_per_node} --run-id {run.run_id} --rdzv-endpoint {endpoint} "
-              f"--rdzv-conf {auth}",
-              file=sys.stderr, flush=True)
+        print(f"elastic-train: embedded etcd at {endpoint} (run {run.run_id}); join from another terminal with: "
+              f"{join_command(run, endpoint, conf)}", file=sys.stderr, flush=True)
     elif endpoint is None:
         endpoint = "127.0.0.1:29400"  # torch's c10d default, for side-by-side runs
     if ENV_OMP_NUM_THREADS not in os.environ:
@@ -279,10 +319,16 @@ def run_node(run: RunConfig) -> int:
         os.environ[ENV_OMP_NUM_THREADS] = str(threads)
         logger.info("OMP_NUM_THREADS=%d for each of %d worker(s) (set it to override)", threads, run.nproc_per_node)
     nccl_before = keep_nccl_errors_in_process(run)
+    # A worker that cannot run as launched says why here and stops this node (elastic_trainer/script.py).
+    refusal = log_dir / f"refusal-{os.getpid()}"
+    refusal.unlink(missing_ok=True)
+    ours = {ENV_REFUSAL_FILE: str(refusal)}
+    if run.rdzv_backend == "etcd-v3":
+        ours[ENV_PROGRAM] = program_of(run).to_json()  # the joiner check (rendezvous/program.py)
     try:
         with secrets.handed_over(run.checkpoint_dir or "") as workers_url:
             os.environ.update({ENV_RDZV_ENDPOINT: endpoint, ENV_RUN_ID: run.run_id,
-                               ENV_CHECKPOINT_DIR: workers_url, ENV_LOG_DIR: str(log_dir)})
+                               ENV_CHECKPOINT_DIR: workers_url, ENV_LOG_DIR: str(log_dir), **ours})
             config = LaunchConfig(
                 min_nodes=run.min_nodes, max_nodes=run.max_nodes, nproc_per_node=run.nproc_per_node,
                 run_id=run.run_id, rdzv_backend=run.rdzv_backend, rdzv_endpoint=endpoint,
@@ -290,8 +336,10 @@ def run_node(run: RunConfig) -> int:
                 monitor_interval=run.monitor_interval, local_addr=run.local_addr, start_method="spawn",
                 logs_specs=DefaultLogsSpecs(log_dir=str(log_dir / "torchelastic")),
             )
-            elastic_launch(config, sys.executable)(*run.program)
+            elastic_launch(config, sys.executable)(*worker_command(run))
             return 0
+    except ProgramMismatch as exc:
+        raise UsageError(str(exc)) from exc
     except ChildFailedError as exc:
         first = next(iter(exc.failures.values()), None)
         print(f"elastic-train: training failed: {exc.name} "
@@ -304,15 +352,20 @@ def run_node(run: RunConfig) -> int:
         print(f"elastic-train: nothing to do: {exc}", file=sys.stderr)
         return 0
     except SignalException as exc:
+        if refusal.exists():  # a worker stopped this node: it cannot run as launched
+            print(f"elastic-train: error: {refusal.read_text().strip()}", file=sys.stderr)
+            return EXIT_USAGE
         print(f"elastic-train: stopped by {signal.Signals(exc.sigval).name}; workers ended", file=sys.stderr)
         return 128 + int(exc.sigval)
     except KeyboardInterrupt:
         return 130
     finally:
-        if server is not None:
-            (log_dir / ENDPOINT_FILE).unlink(missing_ok=True)
-            server.stop()
-        if nccl_before is None:  # for callers that run main() in-process
+        refusal.unlink(missing_ok=True)
+        for name in ours:  # for callers that run main() in-process
+            os.environ.pop(name, None)
+        if keeper is not None:
+            release_keeper(keeper)  # etcd stops now if no other node uses it, else when the last one left
+        if nccl_before is None:
             os.environ.pop(ENV_NCCL_ERROR_HANDLING, None)
 
 

@@ -15,8 +15,8 @@ checkpoint (step, age, URL with credentials redacted), the last events (world si
 why, resumes, restarts, stops) and the names of rank 0's threads.
 
 What rank 0 publishes is ``training/status.py``'s ``StatusPublisher``; this module only reads.
-The embedded etcd's endpoint is in ``<log dir>/etcd-endpoint`` (``ENDPOINT_FILE``) while the
-launcher runs.
+The embedded etcd's endpoint is in ``<log dir>/etcd-endpoint`` (``etcd_server.ENDPOINT_FILE``) while
+it runs.
 """
 
 from __future__ import annotations
@@ -31,10 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from elastic_trainer.cli.usage import Parser
+from elastic_trainer.etcd.server import ENDPOINT_FILE
 from elastic_trainer.training.status import STATUS_KEY
-
-ENDPOINT_FILE = "etcd-endpoint"
-"""In the launcher's log dir while its embedded etcd runs: ``host:port``."""
 
 
 # ------------------------------------------------------------------------------- reading

@@ -1,8 +1,9 @@
 """The embedded etcd: a private etcd v3 server for one run on one machine.
 
-With no ``--rdzv-endpoint``, ``elastic-train`` starts one of these on a free loopback
-port with its data under the run's log dir, waits until it answers, and stops it when the
-run ends. ``elastic-train etcd`` runs one in the foreground for several machines to share.
+With no ``--rdzv-endpoint``, ``elastic-train`` has one of these started on a free loopback
+port with its data under the run's log dir, by a keeper in a session of its own that stops it
+once no node of the run is left (``etcd/keeper.py``): the run's etcd outlives the node that
+started it. ``elastic-train etcd`` runs one in the foreground for several machines to share.
 
 The server is started with ``PR_SET_PDEATHSIG`` so that it dies with the process that
 started it, even when that process is killed with SIGKILL: nothing is left behind; and with only
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from elastic_trainer.env import ENV_ETCD_BINARY, helper_environ
+from elastic_trainer.etcd.client import read_password_file
 
 if TYPE_CHECKING:
     from elastic_trainer.etcd.tls import TlsFiles
@@ -42,6 +44,9 @@ _PR_SET_PDEATHSIG = 1
 ROOT_USER = "root"  # etcd's auth needs its root user; the embedded etcd's nodes use it
 PASSWORD_FILE = "etcd-password"
 """The embedded etcd's root password, a 0600 file in the run's log dir (``elastic-train status`` reads it)."""
+ENDPOINT_FILE = "etcd-endpoint"
+"""The embedded etcd's ``host:port``, in the run's log dir while it runs (``etcd_keeper`` keeps it;
+``elastic-train status`` and a restarted first node find the running etcd there)."""
 
 
 class EtcdError(RuntimeError):
@@ -125,7 +130,6 @@ def run_password(path: str | Path) -> str:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        from elastic_trainer.etcd.client import read_password_file
         try:
             return read_password_file(str(path))
         except ValueError as exc:

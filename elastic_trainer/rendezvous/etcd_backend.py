@@ -17,6 +17,7 @@ Keys of one run (prefix ``/elastic-trainer/<run_id>/`` by default):
     <prefix>ranks/<round>/<node>  "<rank> <world size>", written by the node that completed the round:
                            a waiting node reads its own, not the state (round zero-padded: in order)
     <prefix>store/<key>    the etcd-backed torch Store (``etcd_store.EtcdStore``)
+    <prefix>program/<node> what the node runs, on its lease (``program.py``: the joiner check)
 
 Every read of the state also reads the ``alive/`` and ``joining/`` keys in the same
 transaction (so at the same revision): the state holder treats a node as dead only when
@@ -159,6 +160,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self.ranks_prefix = self.prefix + "ranks/"
         self.alive_prefix = self.prefix + "alive/"
         self.joining_prefix = self.prefix + "joining/"
+        self.program_prefix = self.prefix + "program/"
         self._header = MAGIC + b" " + run_id.encode() + b"\n"
         self.requests = 0
         """etcd requests this backend sent (for the scale benchmark)."""
@@ -204,6 +206,16 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     def joining_key(self, node_name: str) -> str:
         return self.joining_prefix + node_name
+
+    def program_key(self, node_name: str) -> str:
+        return self.program_prefix + node_name
+
+    def programs(self) -> dict[str, bytes]:
+        """What each live node of the run runs: its ``program/`` record, by node name."""
+        prefix = self.program_prefix.encode()
+        resp = self._txn("program read", [], [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
+            key=prefix, range_end=etcd3.utils.prefix_range_end(prefix)))])
+        return {kv.key[len(prefix):].decode(): kv.value for kv in resp.responses[0].response_range.kvs}
 
     def rank_key(self, round_: int, node_name: str) -> str:
         return f"{self.ranks_prefix}{round_:020d}/{node_name}"

@@ -43,6 +43,10 @@ node (the *admitter*) admits everyone waiting in one write while the others wait
    ``ELASTIC_TRAINER_RDZV_LEASE``), so a node costs etcd one lease renewal per interval however
    many workers it runs; when that lease is lost, the workers see their keys gone and exit, and
    come back as newcomers.
+
+6. **The joiner check** (``program.py``): at its first rendezvous a node compares what it runs
+   (``ELASTIC_TRAINER_PROGRAM``, from ``elastic-train``) with the records of the run's live nodes,
+   and one that differs is refused (``ProgramMismatch``) before it writes anything into the run.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ from elastic_trainer.etcd.store import EtcdStore
 from elastic_trainer.rendezvous.lease import LeaseKeeper
 from elastic_trainer.rendezvous.node_lease import AgentRecord
 from elastic_trainer.rendezvous.options import RendezvousOptions, launcher_password
+from elastic_trainer.rendezvous.program import Program, ProgramMismatch, check as check_program
 from elastic_trainer.rendezvous.state import (
     EtcdRendezvousStateHolder,
     decode_state,
@@ -97,7 +102,7 @@ from elastic_trainer.rendezvous.watchdog import MembershipWatchdog
 
 logger = logging.getLogger(__name__)
 
-from elastic_trainer.env import ENV_RDZV_LOG, LiveSettings, WorkerEnv  # noqa: E402 - what workers read, defined in env.py
+from elastic_trainer.env import ENV_PROGRAM, ENV_RDZV_LOG, LiveSettings, WorkerEnv  # noqa: E402 - what workers read, defined in env.py
 
 # torch writes heartbeat timestamps into the state whenever the last one is older than
 # the settings' keep-alive interval; with leases those writes are pure load, so the
@@ -111,7 +116,8 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
     check of torch's private names, ``tests/test_torch_private.py``, reads each file's own bases.)"""
 
     def __init__(self, node: NodeDesc, settings: RendezvousSettings, store: EtcdStore,
-                 backend: EtcdRendezvousBackend, conn: EtcdConnection, options: RendezvousOptions) -> None:
+                 backend: EtcdRendezvousBackend, conn: EtcdConnection, options: RendezvousOptions,
+                 program: Program | None = None) -> None:
         holder = EtcdRendezvousStateHolder(backend, settings)
         super().__init__(node, settings, backend.name, store, holder)
         self._op_executor = EtcdOpExecutor(node, holder, settings)
@@ -128,6 +134,8 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
         self._joined: tuple[int, int, frozenset[str] | None] | None = None
         """(round, world size, participants' names: None when the rank came from the rank key)."""
         self._rank0 = False  # rank 0 of the last round it joined: it deletes the rank keys at shutdown
+        self._program = program  # what this node runs, checked against the run's (program.py); None: unchecked
+        self._program_state = "unchecked"  # "checked", or "refused": then nothing of it is in the run
         self._first_round = True
         self._revoked: str | None = None
         self._waiting = 0
@@ -147,8 +155,9 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         self._joined, self._revoked, self._waiting, self._alive_count = None, None, 0, 0
+        mine = self._check_program()
         if self._options.recovery == "live":
-            return self._live_rendezvous()
+            return self._live_rendezvous(mine)
         logger.info("node %s joins the next round of rendezvous '%s'", self.node_name, self._settings.run_id)
         joining_key = self._etcd_backend.joining_key(self.node_name)
         joining_value = json.dumps(node_json(self._this_node)).encode()
@@ -157,11 +166,11 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
             # This node's descriptor (address, pid, local id) is new: it cannot be in a round
             # yet, so there is nothing to leave (torch reads the whole state to find out), and
             # its joining key goes out with its alive key, in one request.
-            self._lease.ensure({joining_key: joining_value})
+            self._lease.ensure({joining_key: joining_value, **mine})
             deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
             time.sleep(random.uniform(0, 0.1))
         else:
-            self._lease.ensure()
+            self._lease.ensure(mine)
             deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
             self._op_executor.run(ExitOp(), deadline)
             # Only after leaving the last round may others admit this node to the next one.
@@ -213,6 +222,20 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
                     round_, self._settings.run_id, rank, world_size)
         return RendezvousInfo(store, rank, world_size, bootstrap)
 
+    def _check_program(self) -> dict[str, bytes]:
+        """The joiner check (``program.py``) at the first rendezvous, before this node writes anything
+        into the run; returns this node's program record, written on its lease with its alive key."""
+        if self._program is None:
+            return {}
+        if self._program_state == "unchecked":
+            try:
+                check_program(self._program, self._etcd_backend.programs(), self._settings.run_id)
+            except ProgramMismatch:
+                self._program_state = "refused"
+                raise
+            self._program_state = "checked"
+        return {self._etcd_backend.program_key(self.node_name): self._program.to_json().encode()}
+
     def _bootstrap(self, rank: int, round_: int) -> RendezvousStoreInfo:
         """torch's ``RendezvousStoreInfo.build`` (the round's MASTER_ADDR and MASTER_PORT, the same keys
         under the round's store prefix) in one etcd request per node: rank 0 writes its address and a
@@ -243,7 +266,7 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
         except RendezvousError as exc:
             logger.warning("node %s: could not take a new etcd lease yet: %s", self.node_name, exc)
 
-    def _live_rendezvous(self) -> RendezvousInfo:
+    def _live_rendezvous(self, mine: dict[str, bytes]) -> RendezvousInfo:
         """Live recovery (``recovery=live``): a world of this node alone, for torch's agent.
 
         torch's agent starts, watches and restarts this node's workers as usual, but which workers
@@ -253,7 +276,7 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
         a cut from etcd) ``num_nodes_waiting`` makes the agent stop them, and they come back as
         newcomers.
         """
-        self._lease.ensure()
+        self._lease.ensure(mine)
         self._live_rounds += 1
         store = PrefixStore(f"live-agent/{self.node_name}/{self._live_rounds}/", self._store)
         bootstrap = RendezvousStoreInfo.build(0, store, local_addr=self._this_node.addr)
@@ -308,6 +331,9 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
 
     def shutdown(self) -> bool:
         self._joined = None
+        if self._program_state == "refused":  # nothing of it is in the run: keep the run's rendezvous open
+            self._lease.close(revoke=True)
+            return False
         try:
             closed = super().shutdown()
             if closed and self._rank0:  # the last round's rank keys: nobody reads them any more
@@ -378,4 +404,6 @@ def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
                           heartbeat=timedelta(seconds=options.heartbeat_timeout)),
         keep_alive_interval=NO_STATE_HEARTBEATS, keep_alive_max_attempt=3)
     node = generate_node_desc(params.local_addr)
-    return EtcdRendezvousHandler(node, settings, store, backend, conn, options)
+    program = os.environ.get(ENV_PROGRAM)  # set by elastic-train; plain torchrun runs unchecked
+    return EtcdRendezvousHandler(node, settings, store, backend, conn, options,
+                                 Program.from_json(program) if program else None)

@@ -1,0 +1,100 @@
+"""The worker entry that torchrun runs for a user's script under ``elastic-train``.
+
+    python -u -m elastic_trainer.script PROGRAM.py [ARGS...]      # what the launcher runs for `elastic-train PROGRAM.py ARGS`
+    python -u -m elastic_trainer.script -m PKG.MODULE [ARGS...]   # for `elastic-train -m PKG.MODULE ARGS`
+
+It runs the program as ``python -u PROGRAM.py ARGS`` would (as ``__main__``, with that ``sys.argv`` and
+the script's folder first on ``sys.path``), after two things a plain ``python`` cannot do:
+
+1. **The worker dies with its agent.** torch's agent starts each worker in a session of its own,
+   so a node killed with its process group (a crashed launcher, ``kill -9 -PGID``) would leave the
+   worker training, for a whole lease in a world that has moved on. ``die_with_parent`` sets
+   ``PR_SET_PDEATHSIG(SIGKILL)`` before anything else: Linux kills the worker the moment the thread
+   that forked it ends. That thread is the agent's main thread (torch's ``LocalElasticAgent`` starts
+   and restarts workers from its monitoring loop, ``SubprocessHandler``'s ``Popen``), which lives as
+   long as the agent. The built-in trainer (``train.py``) and the Manager do the same.
+2. **Under live recovery, ``env://`` is refused.** The etcd-v3 handler gives torch's agent a world
+   of its own node (``handler.py``, ``_live_rendezvous``), so torchrun's environment here describes
+   this node's workers only: ``RANK`` the local rank, ``WORLD_SIZE`` this node's worker count,
+   ``GROUP_WORLD_SIZE`` 1, ``MASTER_ADDR``/``MASTER_PORT`` on this node. A plain
+   ``init_process_group()`` (``env://``, also through ``init_device_mesh``) would form a group of
+   this node alone and train apart from the others, silently. The Manager forms its group on a
+   store in etcd (``init_process_group(store=...)``), never through ``env://``, so only a script
+   that skips it gets there: it is stopped with one line naming the fix (use the Manager, or
+   ``--recovery restart``), and its node with it (:func:`refuse`): the worker writes the line to
+   the launcher's refusal file (``ENV_REFUSAL_FILE``) and sends its agent SIGTERM, and the
+   launcher prints the line and exits 2. Exiting alone would make torch's agent restart the worker
+   ``--max-restarts`` times. The other nodes of the run are not touched (a SIGTERM leaves the
+   rendezvous open).
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import sys
+from pathlib import Path
+
+from elastic_trainer.env import ENV_REFUSAL_FILE, EXIT_USAGE, WorkerEnv
+from elastic_trainer.runtime import die_with_parent, runtime
+
+USAGE = "usage: python -m elastic_trainer.script [-m MODULE | SCRIPT.py] [ARGS...]"
+
+
+def refuse(reason: str) -> None:
+    """End this worker and its node because it cannot run as launched: ``reason`` (one line) goes to
+    the launcher's refusal file, written once per node (the first worker's), and that worker sends
+    its agent SIGTERM; without the launcher's file it is printed here. Never returns."""
+    path = os.environ.get(ENV_REFUSAL_FILE)
+    if not path:
+        print(f"elastic_trainer.script: error: {reason}", file=sys.stderr, flush=True)
+    else:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            fd = None  # another worker of this node said it first, and stopped the node
+        if fd is not None:
+            with os.fdopen(fd, "w") as f:
+                f.write(reason + "\n")
+            os.kill(os.getppid(), signal.SIGTERM)
+    runtime().exit(EXIT_USAGE, run_hooks=False)
+
+
+def refuse_env_rendezvous(program: str) -> None:
+    """Under live recovery: make ``env://`` (``init_process_group``'s default) refuse, with the fix."""
+    from elastic_trainer.torch_private import replace_rendezvous_handler
+
+    def refused(url: str, rank: int = -1, world_size: int = -1, **kwargs):
+        refuse(f"{program} runs under live recovery but forms its process group with init_process_group's "
+               f"env:// rendezvous, which under live recovery would hold this node's workers only and train apart "
+               f"from the other nodes; use elastic_trainer.Manager for the group (examples/own_loop.py), or run it "
+               f"with --recovery restart")
+        yield  # never reached: refuse() ends the process
+
+    replace_rendezvous_handler("env", refused)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the program in ``argv`` (``[-m] PROGRAM ARGS...``) as ``__main__``, as the module docstring says."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    module = argv[:1] == ["-m"]
+    if module:
+        argv = argv[1:]
+    if not argv:
+        sys.exit(USAGE)
+    die_with_parent()
+    program, args = argv[0], argv[1:]
+    if WorkerEnv.from_environ().live is not None:
+        refuse_env_rendezvous(("module " if module else "") + program)
+    if module:
+        sys.argv = [program, *args]  # run_module puts the module's file in argv[0], as python -m does
+        runpy.run_module(program, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [program, *args]
+        sys.path[0] = str(Path(program).resolve().parent)  # where `python PROGRAM` finds the script's own modules
+        runpy.run_path(program, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
