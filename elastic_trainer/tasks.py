@@ -196,8 +196,8 @@ def add_example_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tgt-len", type=int, default=20, metavar="T",
                    help="seeds: target sequence length, as in the seed scripts (default: 20)")
     g.add_argument("--dataset-size", type=int, default=2048, metavar="N",
-                   help="synthetic samples, as many as the seed scripts' (default: 2048; a streamed --data has "
-                        "the rows of its shards)")
+                   help="synthetic samples, as many as the seed scripts'; a streamed --data has its shards' rows "
+                        "(default: 2048)")
     g.add_argument("--data-seed", type=int, default=0, metavar="N", help="seed of the synthetic data (default: 0)")
     g.add_argument("--data", default="synthetic", metavar="synthetic|h5:PATH|parquet:URL-GLOB|tokens:URL-GLOB",
                    help="where samples come from: generated in memory; seeds: an HDF5 file with datasets 'src' and "
