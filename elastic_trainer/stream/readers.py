@@ -132,7 +132,7 @@ class ParquetReader:
         pq = _pyarrow()
         fs, path = storage.get_fs(url)
         f = fs.open(path, "rb")
-        pf = pq.ParquetFile(f, pre_buffer=True)
+        pf = pq.ParquetFile(f, pre_buffer=False)  # pre-buffering would fetch every row group after the first at once
         starts = [0]
         for i in range(pf.metadata.num_row_groups):
             starts.append(starts[-1] + pf.metadata.row_group(i).num_rows)
