@@ -10,12 +10,13 @@ copy). Shards are fsspec URLs opened through ``checkpoint.storage`` (local paths
 ``s3://`` with the same options and environment as checkpoints). Two readers ship here:
 
 - ``ParquetReader``: Parquet through pyarrow. It reads only the footer to count rows, and only the
-  row groups a read needs, streamed in record batches of ``batch_rows`` rows (``iter_batches``), so
-  memory holds one batch and the column chunks being decoded, never a shard. A row group is the
+  row groups a read needs, one at a time (its column chunks fetched in one coalesced read, then
+  decoded in record batches of ``batch_rows`` rows), so memory holds one row group's chunks and one
+  batch, never a shard (``tests/test_stream_readers.py`` counts the bytes read). A row group is the
   smallest unit Parquet can seek to: a read that starts inside one decodes it from its start. The
   reader keeps a cursor, so reads that go on where the last one stopped (a rank's stream reads its
   shards front to back) decode every row once. Keep row groups moderate (the example writes 256-row
-  groups; tens of MB is a good size).
+  groups; a few MB to tens of MB is a good size).
 - ``TokenFileReader``: raw token files, a flat array of ``dtype`` tokens (nanoGPT's ``train.bin``);
   row ``i`` is the ``seq_len`` tokens from ``i * seq_len`` (a shorter remainder at the end is never
   read). A read is one ranged read of exactly its bytes.
@@ -88,9 +89,9 @@ class _Cursor:
     """Where a Parquet reader's batch iterator is: the next row it yields, in one shard."""
 
     url: str
-    row_group: int  # the row group the iterator started at
+    row_group: int  # the row group being read
     row: int  # the shard row of the first row of ``pending`` (or of the next batch)
-    batches: Any  # the iterator over record batches
+    batches: Any  # the iterator over the row group's record batches
     pending: Any = None  # the rest of a batch a read stopped inside
 
 
@@ -132,7 +133,7 @@ class ParquetReader:
         pq = _pyarrow()
         fs, path = storage.get_fs(url)
         f = fs.open(path, "rb")
-        pf = pq.ParquetFile(f, pre_buffer=False)  # pre-buffering would fetch every row group after the first at once
+        pf = pq.ParquetFile(f, pre_buffer=True)  # one row group's column chunks in one coalesced read
         starts = [0]
         for i in range(pf.metadata.num_row_groups):
             starts.append(starts[-1] + pf.metadata.row_group(i).num_rows)
@@ -142,6 +143,10 @@ class ParquetReader:
             old.close()
         return self._files[url]
 
+    def _batches(self, pf: Any, group: int) -> Any:
+        """Record batches of one row group: a batch never spans two, so a read decodes only the groups it needs."""
+        return pf.iter_batches(batch_size=self.batch_rows, row_groups=[group], columns=self.columns, use_threads=False)
+
     def _seek(self, url: str, start: int) -> _Cursor:
         """A cursor at or before row ``start``: the current one when it can go on, else one at start's row group."""
         _, pf, starts = self._open(url)
@@ -149,23 +154,26 @@ class ParquetReader:
             raise ValueError(f"row {start} is outside Parquet shard {storage.redact(url)} of {starts[-1]} rows.")
         group = bisect.bisect_right(starts, start) - 1
         cur = self._cursor
-        if cur is not None and cur.url == url and cur.row <= start and bisect.bisect_right(starts, cur.row) - 1 == group:
+        if cur is not None and cur.url == url and cur.row <= start and cur.row_group == group:
             return cur
-        batches = pf.iter_batches(batch_size=self.batch_rows, row_groups=list(range(group, len(starts) - 1)),
-                                  columns=self.columns, use_threads=False)
-        self._cursor = _Cursor(url, group, starts[group], batches)
+        self._cursor = _Cursor(url, group, starts[group], self._batches(pf, group))
         return self._cursor
 
     def read(self, url: str, start: int, stop: int) -> list[dict[str, Any]]:
         if stop <= start:
             return []
         cur = self._seek(url, start)
+        _, pf, starts = self._open(url)
         rows: list[dict[str, Any]] = []
         while cur.row < stop:
             batch = cur.pending if cur.pending is not None else next(cur.batches, None)
-            if batch is None:
-                raise ValueError(f"Parquet shard {storage.redact(url)} ended at row {cur.row}, before row {stop}; "
-                                 "was it rewritten while training read it?")
+            if batch is None:  # the row group is done: on to the next one
+                if cur.row != starts[cur.row_group + 1] or cur.row_group + 2 >= len(starts):
+                    raise ValueError(f"Parquet shard {storage.redact(url)} ended at row {cur.row}, before row {stop}; "
+                                     "was it rewritten while training read it?")
+                cur.row_group += 1
+                cur.batches = self._batches(pf, cur.row_group)
+                continue
             n = batch.num_rows
             lo, hi = max(start - cur.row, 0), min(stop - cur.row, n)
             if lo < hi:
