@@ -33,9 +33,12 @@ size and number of DataLoader workers (docs/sampler.md, "Streaming mode")::
 
     from elastic_trainer.stream import ParquetReader, ShardedSource
 
+    def to_sample(row):  # {column: value}; a list column comes as a numpy array
+        return torch.from_numpy(row["tokens"][:1024].astype("int64"))
+
     def build(args):
         source = ShardedSource.from_glob("s3://bucket/corpus/*.parquet", ParquetReader(["tokens"]),
-                                         transform=lambda row: torch.from_numpy(row["tokens"][:1024].astype("int64")))
+                                         transform=to_sample, shuffle_buffer=4096)
         return Task(model=..., dataset=source, loss_fn=...)
 
 The built-in example (``--example``, default ``reverse``) trains a ``torch.nn.Transformer``

@@ -55,7 +55,7 @@ class TrainingState(Protocol):
     optimizer: torch.optim.Optimizer
     scheduler: Any  # an LR scheduler, or None
     scaler: torch.amp.GradScaler | None
-    sampler: Any  # the ElasticSampler
+    sampler: Any  # the ElasticSampler, or a stream's StreamSampler (feed.make_feed)
     step: int  # optimizer steps done (restore sets it)
     run_id: str | None  # the W&B run id (restore sets it)
     gbs: int  # samples per step
