@@ -22,6 +22,7 @@ from elastic_trainer.drill.ledger import stream_order
 from elastic_trainer.sampler import ElasticSampler
 from elastic_trainer.stream.order import EpochOrder, seeded_permutation
 from elastic_trainer.stream.position import Segment, StreamSampler, merge, span
+from tests.helpers.world_changes import world_segments
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -147,13 +148,7 @@ def stream_runs(draw, vary_batch=False):
     b0 = draw(st.integers(1, min(n, 24)))
     seed, buffer = draw(st.integers(0, 2**31)), draw(st.integers(1, 40))
     micro = draw(st.none() | st.integers(1, 8))
-    segments = []
-    for _ in range(draw(st.integers(0, 5))):
-        b = draw(st.integers(1, min(n, 24))) if vary_batch else b0
-        w = draw(st.integers(1, min(b, 6)))
-        steps = draw(st.integers(0, 2 * (n // b) + 1))
-        segments.append((w, b, steps, draw(st.integers(0, steps))))
-    segments.append((draw(st.integers(1, min(b0, 6))), b0, 10**6, 0))  # the survivors finish the run
+    segments = draw(world_segments(n, b0, vary_batch))
     return sizes, b0, seed, buffer, micro, segments
 
 

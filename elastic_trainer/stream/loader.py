@@ -12,8 +12,8 @@ calls ``next(first_of_step)`` and gets ``(epoch, sample ids, batch on the device
    workers' items round robin, in worker order, so the units arrive in their order whatever ``N``.
 3. The main process cuts the units' samples into micro-batches of the sampler's sizes
    (``micro_sizes``) and collates each with the task's ``collate_fn``. With workers it reads the
-   first step's units itself while the workers start, and samples cross from a worker stacked, one
-   tensor per field (``pack``).
+   first step's units itself before the workers start, and samples cross from a worker stacked,
+   one tensor per field (``pack``).
 
 The position stays exact because only the sampler's ``commit_step`` moves it: units that workers
 have read ahead (prefetched, never trained) are not counted, and after a re-form or a resume a new
@@ -25,7 +25,6 @@ micro-batches with any number of workers (``tests/test_stream_loader.py``), so a
 from __future__ import annotations
 
 import collections
-import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -141,10 +140,10 @@ class StreamBatches:
     def _start(self) -> None:
         """A new stream from the sampler's committed position to the end of its epoch.
 
-        With workers, the read units of the first step are read here, in this process, while the
-        workers start (a fork each) and read the units after them: the first step after a world
-        change waits for one read, not for a worker's start-up and first read as well
-        (``benchmarks/stream_read.py``, "reposition")."""
+        With workers, the read units of the first step are read here first, in this process, and
+        only then do the workers start (a fork each) and read the units after them, while the
+        first step trains: a rank waits for one read after a world change, not for the workers'
+        start-up and a read that competes with theirs (``benchmarks/stream_read.py``, "reposition")."""
         s = self.sampler
         rest = s.rest()
         units = list(read_units(rest, s.buffer))
@@ -154,13 +153,15 @@ class StreamBatches:
             head += 1
         stream = RankStream(self.source, s.sizes, units[head:], seed=s.seed, epoch=s.epoch, buffer=s.buffer,
                             shuffle=s.shuffle)
-        loader = DataLoader(stream, batch_size=None, num_workers=self.num_workers, collate_fn=_as_is)
-        workers = iter(loader)  # starts the workers now: they read ahead while this process reads the head
-        order = s.order()
-        inline = ((ids, ("list", samples)) for ids, samples in (stream.read(order, lo, hi) for lo, hi in units[:head]))
-        self._units, self._left = itertools.chain(inline, workers), sum(b - a for a, b in rest)
         self._ids.clear()
         self._samples.clear()
+        order = s.order()
+        for lo, hi in units[:head]:
+            ids, samples = stream.read(order, lo, hi)
+            self._ids.extend(ids)
+            self._samples.extend(samples)
+        self._units = iter(DataLoader(stream, batch_size=None, num_workers=self.num_workers, collate_fn=_as_is))
+        self._left = sum(b - a for a, b in rest)
 
     def next(self, first_of_step: bool) -> tuple[int, list[int], Any]:
         """``(epoch, sample ids, batch on the device)`` of this rank's next micro-batch."""
