@@ -108,3 +108,37 @@ def test_the_example_transform_refuses_short_rows_and_tokens_outside_the_vocabul
         TokenRows(4, VOCAB)({"tokens": np.array([1, 2, 3, VOCAB])})
     with pytest.raises(ValueError, match="--vocab-size"):
         TokenRows(2, VOCAB)({"tokens": np.array([0, 5])})
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "tokens"])
+def test_the_example_streams_what_write_shards_wrote_sequence_i_as_sample_id_i(tmp_path, fmt):
+    from elastic_trainer.flags import parse_train_config
+    from elastic_trainer.tasks import build_example, main
+    from elastic_trainer.training.data import token_dataset
+
+    flags = ["--dataset-size", "50", "--src-len", "6", "--vocab-size", "11", "--data-seed", "3"]
+    assert main([f"write-{fmt}", str(tmp_path / "d"), "--shards", "3", "--row-group-size", "7", *flags]) == 0
+    pattern = "*.parquet" if fmt == "parquet" else "*.bin"
+    config = parse_train_config(["--data", f"{fmt}:{tmp_path / 'd'}/{pattern}", "--shuffle-buffer", "8", *flags])
+    task = build_example(config.task_args)
+    assert task.dataset.row_counts() == [17, 17, 16]
+    sampler, batches = make_feed(task, global_batch_size=10, rank=1, world_size=2, seed=0, micro_batch_size=None,
+                                 num_workers=0, device=CPU)
+    memory = token_dataset(50, 6, 11, "reverse", 3)
+    _, ids, (src, tgt) = batches.next(first_of_step=True)
+    assert ids == sampler.batch_ids()[0]
+    assert src.tolist() == [memory[i][0].tolist() for i in ids] and tgt.tolist() == [memory[i][1].tolist() for i in ids]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--example", "seeds", "--data", "parquet:x/*.parquet"], "streams token sequences, for --example reverse or copy"),
+    (["--data", "csv:x/*.csv"], "must be 'synthetic', 'h5:PATH'"),
+    (["--data", "parquet:x/*.parquet", "--shuffle-buffer", "0"], "--shuffle-buffer 0 must be at least 1"),
+])
+def test_stream_flags_that_do_not_fit_the_example_are_refused_in_one_line(flags, message, capsys):
+    from elastic_trainer.flags import parse_train_config
+
+    with pytest.raises(SystemExit):
+        parse_train_config(flags)
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,8 +30,8 @@ from elastic_trainer import records
 from elastic_trainer.drill.ledger import check_exactly_once, stream_order
 from elastic_trainer.drill.logs import load_logs
 from elastic_trainer.stream.order import EpochOrder
-from tests.helpers.common import REPO
-from tests.helpers.runs import TINY_MODEL, agent, final_batches, wait_for_steps
+from tests.helpers.common import REPO, wait_until
+from tests.helpers.runs import TINY_MODEL, agent, final_batches
 from tests.helpers.stream_data import write_parquet_shards
 
 pytestmark = [pytest.mark.slow]
@@ -69,23 +70,27 @@ def test_restart_path_3_then_2_killed_in_the_last_shard_then_3_with_other_worker
     out = tmp_path / "second.log"
     second = agent(procs, etcd, run_id, 2, ck, logs, "--max-steps", "1000", "--num-workers", "2",
                    "--checkpoint-every", "4", "--sleep-per-step", "0.5", workload=run, out=out, recovery="restart")
-    wait_for_steps("the 2-worker world in the epoch's last steps",
-                   lambda st: any(s.world_size == 2 and s.step >= 13 for s in st), logs, 240, [second], [out])
+    # step 13 begun (its ledger line is written before its all-reduce) and not checkpointed (the next save is at 16)
+    wait_until(lambda: records.read_ledger(logs), 240, "the 2-worker world at step 13 of the 15 in the epoch",
+               until=lambda led: any(r.step >= 13 and len(r.indices) == GBS // 2 for r in led),
+               details=lambda: out.read_text()[-2000:] if out.exists() else "")
     os.killpg(second.pid, signal.SIGKILL)  # the workers follow through PR_SET_PDEATHSIG
     second.wait(timeout=30)
-    killed = [r for r in records.read_ledger(logs) if r.step > 12 and len(r.indices) == GBS // 2]
-    last_shard = int(EpochOrder(ROWS, 0, 0, BUFFER).shard_order[-1])
-    first_id = sum(ROWS[:last_shard])
-    assert killed and all(r.epoch == 0 for r in killed), "the kill must land in the epoch's last steps"
-    assert any(first_id <= i < first_id + ROWS[last_shard] for r in killed for i in r.indices), \
-        "the steps lost to the kill read the last shard of the epoch"
 
     third = agent(procs, etcd, run_id, 3, ck, logs, "--epochs", "2", "--num-workers", "1", workload=run,
                   recovery="restart")
     _, err = third.communicate(timeout=240)
     assert third.returncode == 0, err[-3000:]
-    assert "resumed from checkpoint step-12" in err and "world size changed: 2 -> 3" in err
+    resumed = int(re.search(r"resumed from checkpoint step-(\d+)", err)[1])
+    assert "world size changed: 2 -> 3" in err
     assert [(e.old, e.new) for e in records.read_events(logs) if e.event == "world_size_changed"] == [(3, 2), (2, 3)]
+    # the steps the kill lost (trained by the 2-worker world after the checkpoint resumed from) read the epoch's last shard
+    lost = [r for r in records.read_ledger(logs) if r.step > resumed and len(r.indices) == GBS // 2]
+    last_shard = int(EpochOrder(ROWS, 0, 0, BUFFER).shard_order[-1])
+    first_id = sum(ROWS[:last_shard])
+    assert lost and all(r.epoch == 0 for r in lost), f"the kill must land in epoch 0's last steps: {lost}"
+    assert any(first_id <= i < first_id + ROWS[last_shard] for r in lost for i in r.indices), \
+        "the steps lost to the kill read the last shard of the epoch"
     epochs_trained(logs, 2)
 
 

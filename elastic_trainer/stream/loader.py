@@ -11,9 +11,9 @@ calls ``next(first_of_step)`` and gets ``(epoch, sample ids, batch on the device
    part, and no two read the same block. A DataLoader over an ``IterableDataset`` hands out its
    workers' items round robin, in worker order, so the units arrive in their order whatever ``N``.
 3. The main process cuts the units' samples into micro-batches of the sampler's sizes
-   (``micro_sizes``) and collates each with the task's ``collate_fn``. With workers it reads the
-   first step's units itself before the workers start, and samples cross from a worker stacked,
-   one tensor per field (``pack``).
+   (``micro_sizes``) and collates each with the task's ``collate_fn``. It reads the first step's
+   samples itself before any worker starts, and samples cross from a worker stacked, one tensor
+   per field (``pack``).
 
 The position stays exact because only the sampler's ``commit_step`` moves it: units that workers
 have read ahead (prefetched, never trained) are not counted, and after a re-form or a resume a new
@@ -144,15 +144,19 @@ class StreamBatches:
     def _start(self) -> None:
         """A new stream from the sampler's committed position to the end of its epoch.
 
-        With workers, the read units of the first step are read here first, in this process, and
-        only then do the workers start (a fork each) and read the units after them, while the
-        first step trains: a rank waits for one read after a world change, not for the workers'
-        start-up and a read that competes with theirs (``benchmarks/stream_read.py``, "reposition")."""
+        The first step's samples are read here first, in this process (cut out of their read unit:
+        the rest of its block is the next unit), and only then do the workers start (a fork each)
+        and read the units after them, while the first step trains: after a world change a rank
+        waits for one step's samples, not for a whole block, the workers' start-up and a read that
+        competes with theirs (``benchmarks/stream_read.py``, "reposition")."""
         s = self.sampler
         rest = s.rest()
         units = list(read_units(rest, s.buffer))
-        head, need = 0, sum(s.micro_sizes) if self.num_workers > 0 else 0
-        while head < len(units) and need > 0:
+        head, need = 0, sum(s.micro_sizes)
+        while head < len(units) and need > 0:  # the first step's samples, and not one more
+            lo, hi = units[head]
+            if hi - lo > need:
+                units[head:head + 1] = [(lo, lo + need), (lo + need, hi)]
             need -= units[head][1] - units[head][0]
             head += 1
         stream = RankStream(self.source, s.sizes, units[head:], seed=s.seed, epoch=s.epoch, buffer=s.buffer,
