@@ -44,6 +44,7 @@ def check_exactly_once(logs: RunLogs, global_batch: int | None = None, expected=
         return result
     sizes: dict[int, int] = {}
     per_epoch: dict[int, Counter] = {}
+    worlds: dict[str, dict[int, int]] = {}  # attempt -> step -> world size, from its rank-0 step log
     for step in range(1, final + 1):
         attempt = lineage.get(step)
         if attempt is None:
@@ -55,7 +56,8 @@ def check_exactly_once(logs: RunLogs, global_batch: int | None = None, expected=
         indices = [i for row in rows for i in row.indices]
         sizes[step] = len(indices)
         if expected is not None:
-            world = next((s.world_size for s in attempt.rank0 if s.step == step), None) or len(rows)
+            world_of = worlds.setdefault(attempt.key, {s.step: s.world_size for s in attempt.rank0})
+            world = world_of.get(step) or len(rows)
             missed = set(expected(step, world)) - set(indices)
             if missed:
                 result.setdefault("order_mismatch_steps", []).append(step)

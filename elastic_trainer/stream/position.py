@@ -47,10 +47,11 @@ Usage (``stream.loader.StreamBatches`` feeds the trainer from it)::
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -92,10 +93,11 @@ class Segment:
     world_size: int
     global_batch_size: int
     steps_done: int = 0
-    _ends: list[int] = field(default=None, init=False, repr=False, compare=False)  # type: ignore[assignment]
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_ends", list(itertools.accumulate(b - a for a, b in self.remaining)))
+    @functools.cached_property
+    def _ends(self) -> list[int]:
+        """Where each interval of ``V`` ends, ``V`` laid end to end."""
+        return list(itertools.accumulate(b - a for a, b in self.remaining))
 
     @property
     def size(self) -> int:

@@ -2,6 +2,7 @@
 
 The trainer asks one function for both and never asks which mode it got::
 
+    feed.prepare(task)                                       # once, while building (a stream's row counts)
     sampler, batches = feed.make_feed(task, global_batch_size=gbs, rank=r, world_size=w, seed=seed,
                                       micro_batch_size=m, num_workers=n, device=device)
     epoch, ids, batch = batches.next(first_of_step=True)    # this rank's next micro-batch
@@ -37,6 +38,14 @@ def is_stream(dataset: Any) -> bool:
     from elastic_trainer.stream.source import ShardedSource
 
     return isinstance(dataset, ShardedSource)
+
+
+def prepare(task: Task) -> None:
+    """What the data needs before training starts: a stream's row counts (its Parquet footers, its
+    token files' sizes), read once. The trainer calls it while it builds, before a live newcomer asks
+    to be admitted, so that the members never wait for it (they pause for a join until it trains)."""
+    if is_stream(task.dataset):
+        task.dataset.digest()  # reads and keeps the row counts
 
 
 def make_feed(task: Task, *, global_batch_size: int, rank: int, world_size: int, seed: int,

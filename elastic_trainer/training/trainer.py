@@ -44,7 +44,7 @@ from elastic_trainer.config import TrainConfig
 from elastic_trainer.tasks import Task, as_task, load_builder
 from elastic_trainer.training import hsdp, metrics
 from elastic_trainer.training.checkpointing import Checkpointing, checkpoint_manager
-from elastic_trainer.training.feed import make_feed
+from elastic_trainer.training.feed import make_feed, prepare as prepare_data
 from elastic_trainer.env import WorkerEnv
 from elastic_trainer.training.manager import (
     LiveExcluded,
@@ -114,6 +114,7 @@ class Trainer:
                 self.manager.start()  # plain: the group setup_distributed joined; never re-formed
             seed_everything(c.seed)
             self.task = as_task(task if task is not None else load_builder(c.task)(c.task_args))
+            prepare_data(self.task)  # a stream's row counts, read before a live newcomer asks to be admitted
             # under FSDP fully_shard moves the model to the device block by block, already sharded
             self.module = self.task.model if c.fsdp and d.distributed else self.task.model.to(d.device)
             self.log_dir = Path(c.log_dir)
