@@ -46,6 +46,19 @@ def read_units(intervals: Sequence[Interval], buffer: int) -> Iterator[Interval]
             a = end
 
 
+def split_at(intervals: Sequence[Interval], n: int) -> tuple[list[Interval], list[Interval]]:
+    """``intervals`` laid end to end, cut after ``n`` positions: ``(the first n, the rest)``."""
+    first: list[Interval] = []
+    for i, (a, b) in enumerate(intervals):
+        if n <= 0:
+            return first, list(intervals[i:])
+        if b - a > n:
+            return first + [(a, a + n)], [(a + n, b), *intervals[i + 1:]]
+        first.append((a, b))
+        n -= b - a
+    return first, []
+
+
 class RankStream(IterableDataset):
     """One rank's samples over ``intervals`` of epoch ``epoch``'s order, as ``(ids, samples)`` read units.
 
@@ -151,20 +164,12 @@ class StreamBatches:
         competes with theirs (``benchmarks/stream_read.py``, "reposition")."""
         s = self.sampler
         rest = s.rest()
-        units = list(read_units(rest, s.buffer))
-        head, need = 0, sum(s.micro_sizes)
-        while head < len(units) and need > 0:  # the first step's samples, and not one more
-            lo, hi = units[head]
-            if hi - lo > need:
-                units[head:head + 1] = [(lo, lo + need), (lo + need, hi)]
-            need -= units[head][1] - units[head][0]
-            head += 1
-        stream = RankStream(self.source, s.sizes, units[head:], seed=s.seed, epoch=s.epoch, buffer=s.buffer,
-                            shuffle=s.shuffle)
+        head, tail = split_at(rest, sum(s.micro_sizes))  # the first step's samples, and the rest
+        stream = RankStream(self.source, s.sizes, tail, seed=s.seed, epoch=s.epoch, buffer=s.buffer, shuffle=s.shuffle)
         self._ids.clear()
         self._samples.clear()
         order = s.order()
-        for lo, hi in units[:head]:
+        for lo, hi in read_units(head, s.buffer):
             ids, samples = stream.read(order, lo, hi)
             self._ids.extend(ids)
             self._samples.extend(samples)
