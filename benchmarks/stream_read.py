@@ -29,6 +29,7 @@ with ``--shuffle-buffer`` rows a block. For each format and each ``--workers`` c
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paced-steps", type=int, default=100, help="steps at the trainer's rate (default: 100)")
     p.add_argument("--repositions", type=int, default=5, help="world changes measured, each two ways (default: 5)")
     p.add_argument("--workers", default="0,2", help="--num-workers counts, comma-separated (default: 0,2)")
+    p.add_argument("--note", default="", help="what else ran on the machine meanwhile (printed and kept in the JSON)")
     p.add_argument("--json", default=None, metavar="PATH", help="write every number to PATH")
     provenance.add_arguments(p)
     args = p.parse_args(argv)
@@ -170,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="stream-read-"))
     with provenance.record(args.txt) as run:
         print(f"command: {run.command}")
+        print(f"machine: {run.cores} cores, load average at the start {' '.join(map(str, os.getloadavg()))}"
+              + (f"; meanwhile: {args.note}" if args.note else ""))
         try:
             t0 = time.perf_counter()
             shards = write_data(root, args.gb, args.seq_len, args.shard_mb, args.row_group)
@@ -197,10 +201,10 @@ def main(argv: list[str] | None = None) -> int:
                           f"{args.step_seconds * 1e3:.0f} ms")
             worst = max(v["max_ms"] for row in rows for v in row["reposition"].values())
             print(f"\nworst reposition {worst} ms: {'within' if worst <= args.step_seconds * 1e3 else 'OVER'} one "
-                  f"step ({args.step_seconds * 1e3:.0f} ms)")
-            settings = {k: v for k, v in vars(args).items() if k not in ("txt", "json", "dir")}
-            provenance.write_json(args.json, {"settings": settings, "needed_rows_per_s": need, "rows": rows,
-                                              "worst_reposition_ms": worst}, run)
+                  f"step ({args.step_seconds * 1e3:.0f} ms); load average at the end {' '.join(map(str, os.getloadavg()))}")
+            settings = {k: v for k, v in vars(args).items() if k not in ("txt", "json", "dir", "note")}
+            provenance.write_json(args.json, {"settings": settings, "meanwhile": args.note, "needed_rows_per_s": need,
+                                              "rows": rows, "worst_reposition_ms": worst}, run)
         finally:
             if not args.dir:
                 shutil.rmtree(root, ignore_errors=True)
