@@ -21,9 +21,10 @@ with ``--shuffle-buffer`` rows a block. For each format and each ``--workers`` c
    per step (median, p99, max). Reading stalls the step when the wait is not ~0.
 3. **Reposition**: a world of ``--world`` ranks after some steps changes to ``world - 1`` and back
    (a node lost, a node added): for the first and the last rank of the new world, the time from the
-   saved position to its first micro-batch (``load_state_dict`` into a new sampler, a new feed,
-   DataLoader workers started, the first read), median and worst over ``--repositions`` changes,
-   against one step's time (the target: at most one step).
+   saved position to its first step's micro-batches (``load_state_dict`` into a new sampler, a new
+   feed, the first step's samples read, DataLoader workers started), median and worst over
+   ``--repositions`` changes, against one step's time (the target: at most one step); and, after a
+   step's compute, the wait for the second step's (what is left of the workers' start-up).
 """
 
 from __future__ import annotations
@@ -130,18 +131,25 @@ def paced(task: Task, args, workers: int) -> dict:
 
 
 def reposition(task: Task, args, workers: int) -> dict:
+    """For the first and the last rank of the new world: the wait for the first step's micro-batches (the
+    reposition) and, after one step of compute, for the second step's (what the workers' start-up leaves)."""
     base, _ = feed(task, 0, args.world, args, workers)
-    times: dict[str, list[float]] = {"first rank": [], "last rank": []}
+    times: dict[str, list[float]] = {f"{who} {which}": [] for who in ("first rank", "last rank")
+                                     for which in ("step 1", "step 2")}
     for trial in range(args.repositions):
-        for _ in range(min(7, base.remaining_steps - 2)):
+        for _ in range(min(7, base.remaining_steps - 3)):
             base.commit_step()  # the old world's steps (their reading is not what is measured)
         state = base.state_dict()
         for world in (args.world - 1, args.world):
-            for name, rank in (("first rank", 0), ("last rank", world - 1)):
+            for who, rank in (("first rank", 0), ("last rank", world - 1)):
                 t0 = time.perf_counter()
                 sampler, batches = feed(task, rank, world, args, workers, state)
-                batches.next(first_of_step=True)
-                times[name].append(time.perf_counter() - t0)
+                step(sampler, batches)
+                times[f"{who} step 1"].append(time.perf_counter() - t0)
+                time.sleep(args.step_seconds)
+                t0 = time.perf_counter()
+                step(sampler, batches)
+                times[f"{who} step 2"].append(time.perf_counter() - t0)
                 del sampler, batches  # its DataLoader workers end with it
             probe, _ = feed(task, 0, world, args, 0, state)
             state = probe.state_dict()
@@ -195,11 +203,13 @@ def main(argv: list[str] | None = None) -> int:
                     r, pc, rp = row["read"], row["paced"], row["reposition"]
                     print(f"{fmt:8s} workers {w}: read {r['mb_per_s']:7.1f} MB/s {r['rows_per_s']:9.0f} rows/s "
                           f"({r['rows_per_s'] / need:5.1f}x the need) | wait a step: median {pc['median_ms']} ms, "
-                          f"p99 {pc['p99_ms']} ms, max {pc['max_ms']} ms (first {pc['first_ms']} ms) | reposition: "
-                          f"first rank {rp['first rank']['median_ms']} ms (max {rp['first rank']['max_ms']}), last rank "
-                          f"{rp['last rank']['median_ms']} ms (max {rp['last rank']['max_ms']}) vs a step of "
-                          f"{args.step_seconds * 1e3:.0f} ms")
-            worst = max(v["max_ms"] for row in rows for v in row["reposition"].values())
+                          f"p99 {pc['p99_ms']} ms, max {pc['max_ms']} ms (first {pc['first_ms']} ms)")
+                    print("         reposition, the first step's data (median / max ms): " + ", ".join(
+                          f"{who} {rp[f'{who} step 1']['median_ms']} / {rp[f'{who} step 1']['max_ms']}"
+                          for who in ("first rank", "last rank")) + "; the second step's: " + ", ".join(
+                          f"{who} {rp[f'{who} step 2']['median_ms']} / {rp[f'{who} step 2']['max_ms']}"
+                          for who in ("first rank", "last rank")) + f" (a step: {args.step_seconds * 1e3:.0f} ms)")
+            worst = max(v["max_ms"] for row in rows for k, v in row["reposition"].items() if k.endswith("step 1"))
             print(f"\nworst reposition {worst} ms: {'within' if worst <= args.step_seconds * 1e3 else 'OVER'} one "
                   f"step ({args.step_seconds * 1e3:.0f} ms); load average at the end {' '.join(map(str, os.getloadavg()))}")
             settings = {k: v for k, v in vars(args).items() if k not in ("txt", "json", "dir", "note")}
