@@ -61,7 +61,7 @@ WORKDIR /opt/elastic-trainer
 COPY pyproject.toml README.md ./
 COPY elastic_trainer ./elastic_trainer
 # torch is already there and satisfies the package's requirement, so pip keeps this build of it.
-RUN pip install ".[s3,hdf5]" \
+RUN pip install ".[s3,hdf5,stream]" \
  && python -c "import torch, elastic_trainer; print('torch', torch.__version__, 'CUDA', torch.version.cuda)" \
  && rm -rf /opt/elastic-trainer/build
 

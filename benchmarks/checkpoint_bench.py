@@ -49,7 +49,7 @@ import uuid
 import torch
 
 import provenance  # benchmarks/provenance.py: the results' header (date, commit, machine, command)
-from elastic_trainer.checkpoint import storage
+from elastic_trainer import storage
 from elastic_trainer.checkpoint import CheckpointManager, capture_rng_state
 
 

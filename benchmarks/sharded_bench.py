@@ -88,7 +88,8 @@ def bench(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    from elastic_trainer.checkpoint import CheckpointManager, storage
+    from elastic_trainer.checkpoint import CheckpointManager
+    from elastic_trainer import storage
     from elastic_trainer.checkpoint.sharded import ShardedSaver
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -176,7 +177,7 @@ def _share_bytes(ckpt, rank: int, world: int, sharded: bool) -> list[int]:
     """Bytes of the newest checkpoint's files that each rank wrote (full: rank 0 all of them)."""
     import json as _json
 
-    from elastic_trainer.checkpoint import storage
+    from elastic_trainer import storage
 
     step = max(int(n.split("-")[1]) for n in storage.list_dir(ckpt.fs, ckpt.root) if n.startswith("step-"))
     files = _json.loads(storage.read_bytes(ckpt.fs, storage.join(ckpt.root, f"step-{step}", "manifest.json")))["files"]

@@ -9,6 +9,7 @@ is the one place that asks torch and the node. The rule: never train on the CPU 
     devices.backend_for(device)                            # "nccl" or "gloo"
     plan = devices.amp_plan("bf16", device, bf16_supported=True)
     timer = devices.step_timer(device); timer.start(); ...; took = timer.stop()  # took.seconds()
+    batch = devices.to_device(batch, device)                # a micro-batch's tensors, nested or not
 
 - ``--device auto`` trains on ``cuda:<local rank>`` when torch sees CUDA and on the CPU otherwise,
   *except* on a node that shows NVIDIA GPUs (``/dev/nvidia0``, GPUs in the driver's
@@ -187,6 +188,17 @@ def scaler_skipped_step(scale_before: float, scale_after: float) -> bool:
     """Whether a GradScaler skipped the optimizer step: ``update()`` lowers the scale exactly when
     the step found inf/nan gradients (and skipped it), and keeps or raises it otherwise."""
     return scale_after < scale_before
+
+
+def to_device(batch, device: torch.device):
+    """``batch`` (a tensor, or lists, tuples and dicts of tensors) on ``device``; other values as they are."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
 
 
 def set_tf32(device: torch.device, enabled: bool) -> None:

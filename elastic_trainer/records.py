@@ -231,7 +231,8 @@ class EventRecord(Record):
 
 @dataclass(kw_only=True)
 class LedgerRecord(Record):
-    """The dataset indices one rank consumed at one step (``ledger/rank-<r>-<pid>.jsonl``)."""
+    """The dataset indices one rank consumed at one step (``ledger/rank-<r>-<pid>.jsonl``); for a streamed
+    source, the stable sample ids of ``stream.order``."""
 
     KIND: ClassVar[str] = "ledger"
     NUMBERS: ClassVar[tuple[str, ...]] = ("step",)

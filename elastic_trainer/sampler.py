@@ -325,6 +325,9 @@ class ElasticSampler(torch.utils.data.Sampler[list[int]]):
           global batch follows the world size): the epoch continues from the saved *sample* offset
           in steps of the new size, and its dropped tail is whatever is left, fewer than one batch.
         """
+        if state.get("kind") == "stream":
+            raise ValueError("the saved data position is a stream's (StreamSampler) but this task has a map-style "
+                             "dataset; resume with the task's streamed source, or start over with --no-resume.")
         missing = [k for k in ("epoch", "offset", "seed", "dataset_len", "global_batch_size") if k not in state]
         if missing:
             raise ValueError(f"sampler state lacks {missing}; it was not written by ElasticSampler.state_dict().")

@@ -25,11 +25,30 @@ The loss must be the **mean over the samples of the micro-batch** (as ``reductio
 losses are): the trainer weights each micro-batch by its share of the global batch so that
 the gradient is the mean over the global batch whatever the world size.
 
+Data too large to index (token shards in object storage, Parquet read as a stream) comes as a
+``stream.ShardedSource`` in ``dataset``'s place: a list of shards read front to back by a reader
+(``ParquetReader``, ``TokenFileReader`` or your own), each row turned into a sample by ``transform``
+where it is read. The position is then the rest of the epoch's shard ranges, exact at any world
+size and number of DataLoader workers (docs/sampler.md, "Streaming mode")::
+
+    from elastic_trainer.stream import ParquetReader, ShardedSource
+
+    def to_sample(row):  # {column: value}; a list column comes as a numpy array
+        return torch.from_numpy(row["tokens"][:1024].astype("int64"))
+
+    def build(args):
+        source = ShardedSource.from_glob("s3://bucket/corpus/*.parquet", ParquetReader(["tokens"]),
+                                         transform=to_sample, shuffle_buffer=4096)
+        return Task(model=..., dataset=source, loss_fn=...)
+
 The built-in example (``--example``, default ``reverse``) trains a ``torch.nn.Transformer``
 with Adam to reverse (or ``copy``) random token sequences generated in memory from a seed: its
-loss falls from ln(vocab) towards 0 within a minute on two CPU workers. ``--example seeds`` is
-the seed scripts' workload instead: the same Transformer on random float source and target
-tensors (nothing to learn), in memory or read from an HDF5 file (``--data h5:PATH``).
+loss falls from ln(vocab) towards 0 within a minute on two CPU workers; ``--data parquet:URL-GLOB``
+streams its sequences from Parquet shards (a ``tokens`` column of int lists) and ``--data
+tokens:URL-GLOB`` from flat token files instead (``python -m elastic_trainer.tasks write-parquet
+DIR`` writes the in-memory data as shards). ``--example seeds`` is the seed scripts' workload
+instead: the same Transformer on random float source and target tensors (nothing to learn), in
+memory or read from an HDF5 file (``--data h5:PATH``).
 """
 
 from __future__ import annotations
@@ -66,7 +85,8 @@ class Task:
     model: torch.nn.Module
     """The model, on the CPU, freshly initialised (the trainer seeds the RNG before ``build``)."""
     dataset: Any
-    """A map-style dataset (``__len__`` and ``__getitem__``); the elastic sampler picks indices."""
+    """A map-style dataset (``__len__`` and ``__getitem__``), whose indices the elastic sampler picks;
+    or a ``stream.ShardedSource``, whose shards are read front to back in ranges dealt out to the ranks."""
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
     """``loss_fn(output, batch) -> loss`` where ``output = model(*forward_inputs(batch))``."""
     training_step: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None
@@ -87,9 +107,12 @@ class Task:
     def __post_init__(self) -> None:
         if not isinstance(self.model, torch.nn.Module):
             raise ValueError(f"Task.model must be a torch.nn.Module, got {type(self.model).__name__}")
-        if not (hasattr(self.dataset, "__len__") and hasattr(self.dataset, "__getitem__")):
-            raise ValueError("Task.dataset must be map-style (define __len__ and __getitem__); "
-                             f"got {type(self.dataset).__name__}")
+        from elastic_trainer.stream.source import ShardedSource
+
+        if not isinstance(self.dataset, ShardedSource) and \
+                not (hasattr(self.dataset, "__len__") and hasattr(self.dataset, "__getitem__")):
+            raise ValueError("Task.dataset must be map-style (define __len__ and __getitem__) or an "
+                             f"elastic_trainer.stream.ShardedSource; got {type(self.dataset).__name__}")
         if (self.loss_fn is None) == (self.training_step is None):
             raise ValueError("give the Task exactly one of loss_fn(output, batch) or training_step(model, batch)")
 
@@ -147,6 +170,8 @@ def load_builder(spec: str | None) -> Callable[[argparse.Namespace], Any]:
 # seed scripts' synthetic workload one flag away (``--example seeds``).
 
 EXAMPLES = ("reverse", "copy", "seeds")
+H5_DATA = ("h5",)
+STREAM_DATA = ("parquet", "tokens")
 
 
 def add_example_arguments(parser: argparse.ArgumentParser) -> None:
@@ -174,12 +199,22 @@ def add_example_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tgt-len", type=int, default=20, metavar="T",
                    help="seeds: target sequence length, as in the seed scripts (default: 20)")
     g.add_argument("--dataset-size", type=int, default=2048, metavar="N",
-                   help="synthetic samples, as many as the seed scripts' (default: 2048)")
+                   help="synthetic samples, as many as the seed scripts'; a streamed --data has its shards' rows "
+                        "(default: 2048)")
     g.add_argument("--data-seed", type=int, default=0, metavar="N", help="seed of the synthetic data (default: 0)")
-    g.add_argument("--data", default="synthetic", metavar="synthetic|h5:PATH",
-                   help="seeds: where samples come from: generated in memory, or an HDF5 file with datasets "
-                        "'src' and 'tgt' (write one with `python -m elastic_trainer.tasks write-h5 PATH`) "
-                        "(default: synthetic)")
+    g.add_argument("--data", default="synthetic", metavar="synthetic|h5:PATH|parquet:URL-GLOB|tokens:URL-GLOB",
+                   help="where samples come from: generated in memory; seeds: an HDF5 file with datasets 'src' and "
+                        "'tgt' (`python -m elastic_trainer.tasks write-h5 PATH` writes one); reverse, copy: streamed "
+                        "from the Parquet files matching URL-GLOB (a path or fsspec URL; a 'tokens' column of int "
+                        "lists, the first --src-len tokens of each row are a sequence; `python -m "
+                        "elastic_trainer.tasks write-parquet DIR` writes some) or from flat token files of "
+                        "--token-dtype, --src-len tokens a row (write-tokens) (default: synthetic)")
+    g.add_argument("--shuffle-buffer", type=int, default=256, metavar="N",
+                   help="parquet:, tokens: rows in one shuffle block of the stream: a reader holds this many and "
+                        "visits them in a seeded order; 1 = no shuffle within the shards (default: 256)")
+    g.add_argument("--token-dtype", default="uint16", metavar="DTYPE",
+                   help="tokens: the numpy dtype of the token files, and of the files write-tokens writes "
+                        "(default: uint16)")
     g.add_argument("--loss", choices=("ce", "mse"), default=None,
                    help="seeds: ce, the seeds' CrossEntropyLoss(output, target) with the random targets read "
                         "as class probabilities over dim 1, or mse, mean squared error (default: ce)")
@@ -188,17 +223,26 @@ def add_example_arguments(parser: argparse.ArgumentParser) -> None:
 def check_example_args(args: argparse.Namespace) -> None:
     """Raise ``ValueError`` (one line naming the flag) for example flags that do not fit ``--example``."""
     a = example_args(args)
+    kind = str(a.data).split(":", 1)[0] if ":" in str(a.data) else a.data
+    if kind not in ("synthetic", *H5_DATA, *STREAM_DATA):
+        raise ValueError(f"--data {a.data!r} must be 'synthetic', 'h5:PATH' (--example seeds), 'parquet:URL-GLOB' "
+                         "or 'tokens:URL-GLOB' (--example reverse or copy)")
     if a.example != "seeds":
         if a.loss is not None:
             raise ValueError(f"--loss applies to --example seeds only; --example {a.example} is scored with "
                              "cross-entropy over its tokens (drop --loss, or add --example seeds)")
-        if a.data != "synthetic":
-            raise ValueError(f"--data {a.data} applies to --example seeds only; --example {a.example} "
-                             "generates its tokens in memory (drop --data, or add --example seeds)")
+        if kind in H5_DATA:
+            raise ValueError(f"--data {a.data} applies to --example seeds only; --example {a.example} reads token "
+                             "sequences (give --data parquet:URL-GLOB or tokens:URL-GLOB, or add --example seeds)")
         if a.vocab_size < 3:
             raise ValueError(f"--vocab-size {a.vocab_size} is too small; give 3 or more (BOS and two tokens)")
+    elif kind in STREAM_DATA:
+        raise ValueError(f"--data {a.data} streams token sequences, for --example reverse or copy; --example seeds "
+                         "reads 'synthetic' or 'h5:PATH' (drop --example seeds, or give --data h5:PATH)")
     if a.src_len < 1:
         raise ValueError(f"--src-len {a.src_len} must be a positive number")
+    if a.shuffle_buffer < 1:
+        raise ValueError(f"--shuffle-buffer {a.shuffle_buffer} must be at least 1 (1 = no shuffle within the shards)")
 
 
 class SequenceTransformer(torch.nn.Module):
@@ -256,11 +300,29 @@ def example_args(args: argparse.Namespace | None = None) -> argparse.Namespace:
     return merged
 
 
+def example_source(args: argparse.Namespace | None = None):
+    """The ``stream.ShardedSource`` of a streamed ``--data`` (``parquet:`` or ``tokens:``), else None.
+
+    Each row's first ``--src-len`` tokens are a source sequence, its target the reversal (or copy):
+    ``data.TokenRows``. The drill builds it too, to replay the order the trainer must follow."""
+    a = example_args(args)
+    kind, _, url = str(a.data).partition(":")
+    if kind not in STREAM_DATA:
+        return None
+    from elastic_trainer.stream import ParquetReader, ShardedSource, TokenFileReader
+    from elastic_trainer.training.data import TokenRows
+
+    reader = ParquetReader(["tokens"]) if kind == "parquet" else TokenFileReader(a.src_len, a.token_dtype)
+    return ShardedSource.from_glob(url, reader, transform=TokenRows(a.src_len, a.vocab_size, a.example),
+                                   shuffle_buffer=a.shuffle_buffer)
+
+
 def build_example(args: argparse.Namespace | None = None) -> Task:
     """The built-in example (``--example``): reverse or copy token sequences, or the seeds' workload.
 
     Every variant trains the same ``torch.nn.Transformer`` (sizes from the flags) with Adam at
-    the trainer's ``--lr``; its data are generated in memory from ``--data-seed``.
+    the trainer's ``--lr``; its data are generated in memory from ``--data-seed``, read from an
+    HDF5 file (seeds) or streamed from shards (reverse, copy: ``example_source``).
     """
     a = example_args(args)
     check_example_args(a)
@@ -271,34 +333,48 @@ def build_example(args: argparse.Namespace | None = None) -> Task:
         num_decoder_layers=a.layers or a.num_decoder_layers, dim_feedforward=a.dim_feedforward,
         dropout=a.dropout, batch_first=True)
     if a.example != "seeds":
-        dataset = data.token_dataset(a.dataset_size, a.src_len, a.vocab_size, a.example, a.data_seed)
+        dataset = example_source(a) or data.token_dataset(a.dataset_size, a.src_len, a.vocab_size, a.example,
+                                                          a.data_seed)
         model = SequenceTransformer(transformer, a.vocab_size, a.src_len)
         return Task(model=model, dataset=dataset, loss_fn=_token_loss,
                     forward_inputs=lambda batch: (batch[0], batch[1]))
     if a.data == "synthetic":
         dataset = data.synthetic_dataset(a.dataset_size, (a.src_len, a.d_model), (a.tgt_len, a.d_model), a.data_seed)
-    elif str(a.data).startswith("h5:"):
-        dataset = data.H5Dataset(a.data[3:])  # opened lazily in each process
     else:
-        raise ValueError(f"--data {a.data!r} must be 'synthetic' or 'h5:PATH'")
+        dataset = data.H5Dataset(a.data[3:])  # opened lazily in each process
     # As in the seeds, the model sees the source and the target (no causal mask) and is scored on the target.
     return Task(model=transformer, dataset=dataset, loss_fn=_example_loss(a.loss),
                 forward_inputs=lambda batch: (batch[0], batch[1]))
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m elastic_trainer.tasks write-h5 PATH [--dataset-size N ...]``: write the example's HDF5 file."""
+    """``python -m elastic_trainer.tasks write-h5 PATH | write-parquet DIR | write-tokens DIR [flags]``:
+    write the example's data (the seeds' tensors to HDF5; the token sequences as stream shards)."""
     p = argparse.ArgumentParser(prog="python -m elastic_trainer.tasks",
-                                description="Write the example task's synthetic data to an HDF5 file.")
-    p.add_argument("command", choices=["write-h5"])
-    p.add_argument("path")
+                                description="Write the example task's data: the seeds' tensors to an HDF5 file "
+                                            "(write-h5 PATH), or the token sequences of --example reverse/copy as "
+                                            "Parquet shards (write-parquet DIR) or flat token files (write-tokens DIR) "
+                                            "for --data parquet:DIR/*.parquet or tokens:DIR/*.bin.")
+    p.add_argument("command", choices=["write-h5", "write-parquet", "write-tokens"])
+    p.add_argument("path", help="the HDF5 file, or the folder (a path or fsspec URL) the shards go to")
+    p.add_argument("--shards", type=int, default=4, help="write-parquet, write-tokens: files (default: 4)")
+    p.add_argument("--row-group-size", type=int, default=256, help="write-parquet: rows per row group (default: 256)")
     add_example_arguments(p)
-    args = p.parse_args(argv)  # the file holds the seeds' workload (--example seeds)
-    from elastic_trainer.training.data import write_synthetic_h5
+    args = p.parse_args(argv)
+    from elastic_trainer.training import data
 
-    out = write_synthetic_h5(args.path, args.dataset_size, (args.src_len, args.d_model),
-                             (args.tgt_len, args.d_model), args.data_seed)
-    print(f"wrote {args.dataset_size} samples to {out}")
+    if args.command == "write-h5":  # the file holds the seeds' workload (--example seeds)
+        out = data.write_synthetic_h5(args.path, args.dataset_size, (args.src_len, args.d_model),
+                                      (args.tgt_len, args.d_model), args.data_seed)
+        print(f"wrote {args.dataset_size} samples to {out}")
+        return 0
+    fmt = "parquet" if args.command == "write-parquet" else "tokens"
+    urls = data.write_token_shards(args.path, args.dataset_size, args.src_len, args.vocab_size, args.data_seed,
+                                   shards=args.shards, fmt=fmt, row_group_size=args.row_group_size,
+                                   dtype=args.token_dtype)
+    pattern = "*.parquet" if fmt == "parquet" else "*.bin"
+    print(f"wrote {args.dataset_size} sequences of {args.src_len} tokens to {len(urls)} files: "
+          f"--data {fmt}:{args.path.rstrip('/')}/{pattern}")
     return 0
 
 

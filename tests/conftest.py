@@ -113,7 +113,7 @@ def s3_endpoint():
 @pytest.fixture
 def s3_url(s3_endpoint) -> str:
     """``s3://<new bucket>/run`` on the real S3 endpoint, the bucket created."""
-    from elastic_trainer.checkpoint import storage
+    from elastic_trainer import storage
 
     bucket = f"t-{uuid.uuid4().hex[:12]}"
     fs, _ = storage.get_fs(f"s3://{bucket}")

@@ -14,6 +14,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -77,6 +78,19 @@ def test_sharded_bench_small_measures_full_and_sharded_saves_and_loads(procs, tm
     assert all(r["save_s"][0] > 0 and r["copy_s"][0] > 0 and r["blocked_s"][0] > 0 and r["bytes"] > 0 for r in saves)
     assert all(r["seconds"] > 0 for r in rows if r["mode"].startswith("load"))
     assert len([line for line in out.splitlines() if line.startswith("  128 |")]) == 6
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_stream_read_small_reads_both_formats_and_repositions(procs, tmp_path):
+    out = run_script(procs, "stream_read.py", "--gb", "0.01", "--seq-len", "256", "--paced-steps", "5",
+                     "--repositions", "1", "--step-seconds", "0.05", "--json", str(tmp_path / "s.json"), timeout=280)
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert sorted((r["format"], r["workers"]) for r in rows) == [("parquet", 0), ("parquet", 2), ("tokens", 0), ("tokens", 2)]
+    assert all(r["read"]["rows"] == r["rows_in_all"] // 16 * 16 and r["read"]["mb_per_s"] > 0 for r in rows)
+    assert all(v["n"] == 2 and v["max_ms"] > 0 for r in rows for v in r["reposition"].values())
+    data = re.search(r" under (\S+) in ", out)
+    assert "worst reposition" in out and data and not Path(data[1]).exists(), "the data it wrote stays behind"
 
 
 @pytest.mark.slow

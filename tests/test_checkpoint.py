@@ -23,7 +23,7 @@ import pytest
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from elastic_trainer.checkpoint import storage
+from elastic_trainer import storage
 from elastic_trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from tests.helpers.common import assert_same_state, etcd_conn, mounted_tmpfs
 

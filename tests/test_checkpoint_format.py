@@ -22,7 +22,8 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic_trainer.checkpoint import format as checkpoint_format, storage
+from elastic_trainer.checkpoint import format as checkpoint_format
+from elastic_trainer import storage
 from elastic_trainer.checkpoint import CheckpointManager, capture_rng_state
 from elastic_trainer.checkpoint.format import Arena
 from elastic_trainer.checkpoint.host_memory import whole_pages

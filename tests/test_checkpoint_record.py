@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_trainer.checkpoint import CheckpointManager, storage
+from elastic_trainer.checkpoint import CheckpointManager
+from elastic_trainer import storage
 from elastic_trainer.checkpoint.record import CommitRecord
 from elastic_trainer.rendezvous.etcd_backend import EtcdRendezvousBackend
 from elastic_trainer.rendezvous.round_fence import RoundFence

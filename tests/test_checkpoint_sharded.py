@@ -86,7 +86,7 @@ def test_a_rank_that_exits_mid_save_leaves_that_step_uncommitted_and_the_previou
 
 
 def test_sharded_save_on_s3_at_4_ranks_loads_resharded_at_2(s3_url, tmp_path, procs):
-    from elastic_trainer.checkpoint import storage
+    from elastic_trainer import storage
 
     _run(procs, 4, "save", "--url", s3_url, "--out", str(tmp_path / "saved.pt"))
     fs, root = storage.get_fs(s3_url)
@@ -130,7 +130,7 @@ def test_fsdp_training_saves_sharded_in_the_background_to_s3_and_resumes_at_one_
                      (5, True, True, 1)]
     step, state = CheckpointManager(s3_url).load()
     assert step == 5 and is_sharded(state) and state["meta"]["world_size"] == 1
-    from elastic_trainer.checkpoint import storage
+    from elastic_trainer import storage
 
     fs, root = storage.get_fs(s3_url)
     steps = sorted(n for n in storage.list_dir(fs, root) if n.startswith("step-"))

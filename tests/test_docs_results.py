@@ -18,7 +18,7 @@ from tests.helpers.common import REPO
 
 RESULTS = REPO / "benchmarks" / "results"
 WRITERS = ("overhead", "checkpoint_bench", "sharded_bench", "recovery", "live_recovery", "rdzv_scale",
-           "gpu_overhead", "gpu_first_save")
+           "gpu_overhead", "gpu_first_save", "stream_read")
 """The benchmarks that write results files (the others are their workers, their task, and plots.py)."""
 
 

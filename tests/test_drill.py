@@ -270,7 +270,7 @@ def test_a_sampler_that_jumps_ahead_skips_samples_and_fails(tmp_path):
     assert not ledger["ok"] and ledger["skipped"] == 2 * GBS and ledger["offset_gaps"][0]["step"] == 11
 
 
-def in_order(step):
+def in_order(step, world_size=None):
     return list(range((step - 1) * GBS, step * GBS))
 
 

@@ -31,7 +31,7 @@ def one_line(result: health.CheckResult) -> str:
 # ------------------------------------------------------------------------------------------- storage
 
 def test_storage_that_takes_a_write_read_and_delete_passes_on_every_store(any_url):
-    from elastic_trainer.checkpoint import storage
+    from elastic_trainer import storage
 
     result = health.check_storage(any_url)
     assert result.ok and one_line(result).startswith("storage: ") and "written, read and deleted" in result.line

@@ -144,7 +144,7 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
     #    the fence protocol, torch's private names, devices and CPUs, the records' contract, etcd.
     #    observability/'s metrics (every process records into them, the etcd client and the lease too),
     #    the straggler arithmetic, the step clock, the crash-loop policy and the back-off.
-    {"base": ("env", "config", "runtime", "fence", "torch_private", "cpus", "devices", "records", "etcd",
+    {"base": ("env", "config", "runtime", "fence", "torch_private", "cpus", "devices", "records", "etcd", "storage",
               "observability", "observability.metrics", "observability.metrics_server", "observability.backoff",
               "observability.stragglers", "observability.step_clock", "observability.crash_loop")},
     # 1. the parts, each its own group: one may not import another of the same layer.

@@ -24,6 +24,7 @@ from elastic_trainer.sampler import (
     micro_batch_count,
     share_of_batch,
 )
+from tests.helpers.world_changes import world_segments
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -175,15 +176,7 @@ def elastic_runs(draw, vary_batch=False):
     b0 = draw(st.integers(1, min(n, 24)))
     seed = draw(st.integers(0, 2**31))
     micro = draw(st.none() | st.integers(1, 8))
-    segments = []
-    for _ in range(draw(st.integers(0, 5))):
-        b = draw(st.integers(1, min(n, 24))) if vary_batch else b0
-        w = draw(st.integers(1, min(b, 6)))
-        steps = draw(st.integers(0, 2 * (n // b) + 1))
-        lost = draw(st.integers(0, steps))
-        segments.append((w, b, steps, lost))
-    w_last = draw(st.integers(1, min(b0, 6)))
-    segments.append((w_last, b0, 10**6, 0))  # the survivors finish the run
+    segments = draw(world_segments(n, b0, vary_batch))
     return n, b0, seed, micro, segments
 
 

@@ -195,7 +195,7 @@ def test_workers_get_files_for_the_etcd_password_and_the_storage_keys_never_the_
     wandb_file = Path(report["environ"]["ELASTIC_TRAINER_WANDB_KEY_FILE"])
     assert stat.S_IMODE(wandb_file.stat().st_mode) == 0o600 and wandb_file.read_text() == WANDB_CANARY
     output = _finish(proc, out, tmp_path)
-    from elastic_trainer.checkpoint import storage
+    from elastic_trainer import storage
     fs, root = storage.get_fs(s3_url)
     assert [p for p in fs.find(root) if p.endswith("manifest.json")], "the worker saved no checkpoint"
     assert CANARY not in output and STORAGE_CANARY not in output and not _files_holding(tmp_path / "logs", CANARY)
@@ -290,7 +290,7 @@ def test_no_canary_reaches_a_process_the_launcher_starts_a_file_or_the_output(s3
     output = _finish(proc, out, tmp_path)
     assert list((logs / "wandb").glob("offline-run-*")), "W&B wrote no offline run"
     assert list((logs / "etcd").rglob("*.wal")), "no etcd data under the log dir"
-    from elastic_trainer.checkpoint import storage
+    from elastic_trainer import storage
     fs, root = storage.get_fs(s3_url)
     objects = fs.find(root)
     assert [p for p in objects if p.endswith("manifest.json")], "the worker saved no checkpoint"
@@ -353,7 +353,7 @@ def test_aws_keys_leave_the_workers_environment_whatever_the_checkpoint_urls_pro
 # -- redaction: a canary secret in the etcd password and the storage URL shows up nowhere ---------------
 
 def test_storage_url_credentials_are_used_and_redacted(s3_url):
-    from elastic_trainer.checkpoint import storage
+    from elastic_trainer import storage
 
     bucket_path = s3_url.split("://", 1)[1]
     url = f"s3://testing:{STORAGE_CANARY}@{bucket_path}"
@@ -369,7 +369,7 @@ def test_a_canary_secret_shows_up_in_no_output_log_wandb_file_or_checkpoint(auth
     """A job with the canary as etcd password (launcher env var) and as S3 secret (in the storage URL),
     W&B on (offline), run twice (the second resumes): stdout, stderr, every file under the log dir
     (agent logs, step and event logs, W&B offline files) and every checkpoint object hold neither."""
-    from elastic_trainer.checkpoint import storage
+    from elastic_trainer import storage
 
     bucket_path = s3_url.split("://", 1)[1]
     url = f"s3://testing:{STORAGE_CANARY}@{bucket_path}"

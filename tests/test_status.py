@@ -75,7 +75,7 @@ def test_the_publisher_writes_no_urls_credentials_into_etcd_whatever_a_field_hol
 
 def test_status_text_shows_a_redacted_checkpoint_url_without_its_password():
     """The trainer publishes the URL through storage.redact; the text a person reads keeps it so."""
-    from elastic_trainer.checkpoint import storage
+    from elastic_trainer import storage
 
     status = {"round": None, "complete": None, "closed": None, "live": None, "nodes": [], "waiting": [],
               "training": {"state": "training", "step": 3, "epoch": 0, "world_size": 1, "loss": 0.5,

@@ -8,7 +8,7 @@ import uuid
 import pytest
 import torch
 
-from elastic_trainer.checkpoint import storage
+from elastic_trainer import storage
 from elastic_trainer.etcd.server import free_port
 from tests.helpers.common import mounted_tmpfs
 

@@ -18,10 +18,11 @@ Modules:
   manager's internal API: ``Snapshotter``, ``DeferredCopy``, ``OptimizerWatch``);
 - ``host_memory``: the reused CPU buffer snapshots and sharded staging copy into, page-locked
   for GPU states and made ready on a background thread before the first save;
-- ``storage``: every byte to and from storage, through fsspec (file, memory, s3, ...).
+Every byte goes to and from storage through ``elastic_trainer/storage.py`` (fsspec: file, memory,
+s3, ...), the layer the streamed datasets read through too.
 
 Exports ``CheckpointManager``, ``capture_rng_state``, ``restore_rng_state``; importing this
-package is cheap (``storage`` alone needs no torch), the manager is imported on first use.
+package is cheap, the manager is imported on first use.
 Design and numbers: docs/checkpoints.md.
 """
 

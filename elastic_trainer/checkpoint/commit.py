@@ -28,7 +28,8 @@ from typing import Any, Callable
 
 import torch
 
-from elastic_trainer.checkpoint import format as checkpoint_format, storage
+from elastic_trainer.checkpoint import format as checkpoint_format
+from elastic_trainer import storage
 from elastic_trainer.checkpoint.manifest import DATA_FILE, DATA_FILE_V2, HASH, HASHES, StepFolders, encode
 from elastic_trainer.checkpoint.record import CommitRecord, Conflict
 from elastic_trainer.checkpoint.snapshot import Snapshot

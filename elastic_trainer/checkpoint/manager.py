@@ -52,7 +52,7 @@ import socket
 import uuid
 from typing import Any, Callable
 
-from elastic_trainer.checkpoint import storage
+from elastic_trainer import storage
 from elastic_trainer.checkpoint.commit import Committer
 from elastic_trainer.checkpoint.manifest import StepFolders
 from elastic_trainer.checkpoint.reader import CheckpointReader

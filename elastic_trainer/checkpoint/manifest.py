@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 import xxhash
 
-from elastic_trainer.checkpoint import format as checkpoint_format, storage
+from elastic_trainer.checkpoint import format as checkpoint_format
+from elastic_trainer import storage
 
 FORMAT_VERSION = checkpoint_format.FORMAT
 """What new manifests record: 3, one ``checkpoint_format`` file (2 when the state holds a tensor

@@ -27,7 +27,8 @@ import logging
 
 import torch
 
-from elastic_trainer.checkpoint import format as checkpoint_format, storage
+from elastic_trainer.checkpoint import format as checkpoint_format
+from elastic_trainer import storage
 from elastic_trainer.checkpoint.manifest import DATA_FILE, DATA_FILE_V2, HASHES, StepFolders, expected_digest
 from elastic_trainer.checkpoint.record import CommitRecord
 

@@ -35,7 +35,7 @@ import hashlib
 import json
 import logging
 
-from elastic_trainer.checkpoint import storage
+from elastic_trainer import storage
 from elastic_trainer.fence import Fence, FencedError
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 
-from elastic_trainer.checkpoint import storage
+from elastic_trainer import storage
 from elastic_trainer.checkpoint.manifest import MANIFEST, StepFolders
 from elastic_trainer.checkpoint.record import CommitRecord
 

@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from elastic_trainer.checkpoint import storage
+from elastic_trainer import storage
 from elastic_trainer.checkpoint.host_memory import HostBuffer, cuda_devices
 from elastic_trainer.torch_private import dtensor_like, foreach_copy
 

@@ -50,7 +50,8 @@ def export_weights(url: str, to: str, step: int | None = None) -> int:
     """Write the model weights of ``url``'s newest (or ``step``'s) checkpoint to ``to``; returns the step."""
     from safetensors.torch import save_file
 
-    from elastic_trainer.checkpoint import CheckpointManager, storage
+    from elastic_trainer.checkpoint import CheckpointManager
+    from elastic_trainer import storage
 
     found = CheckpointManager(url).load(step)
     if found is None:

@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Callable
 
-from elastic_trainer.checkpoint import storage
+from elastic_trainer import storage
 from elastic_trainer.checkpoint.commit import Abandon, Committer
 from elastic_trainer.checkpoint.retention import Retention
 from elastic_trainer.checkpoint.save_thread import SaveThread

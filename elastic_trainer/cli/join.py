@@ -76,7 +76,7 @@ def program_of(run: RunConfig) -> Program:
 def join_command(run: RunConfig, endpoint: str, conf: dict[str, str]) -> str:
     """The command another terminal of this machine joins this node's run with (see the module
     docstring); ``conf``: the ``--rdzv-conf`` options that reach the embedded etcd."""
-    from elastic_trainer.checkpoint.storage import has_credentials
+    from elastic_trainer.storage import has_credentials
 
     options = {k: v for k, v in run.rdzv_conf.items() if k != "recovery"} | conf
     cmd = ["elastic-train", "--nnodes", f"{run.min_nodes}:{run.max_nodes}", "--nproc-per-node",

@@ -210,7 +210,7 @@ def rendezvous_etcd_options(run: RunConfig) -> EtcdOptions:
 def check_environment(run: RunConfig) -> None:
     """Checks that need the outside world: the etcd binary or endpoint, the checkpoint dir."""
     from elastic_trainer.etcd import server as etcd_server
-    from elastic_trainer.checkpoint import storage
+    from elastic_trainer import storage
 
     if run.embedded_etcd:
         try:

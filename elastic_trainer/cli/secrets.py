@@ -42,7 +42,7 @@ from elastic_trainer.env import (
 
 def refuse_command_line_secrets(argv: list[str]) -> None:
     """``UsageError`` (with the value redacted) when an argument holds storage credentials."""
-    from elastic_trainer.checkpoint.storage import has_credentials, redact
+    from elastic_trainer.storage import has_credentials, redact
 
     leaked = next((a for a in argv if has_credentials(a)), None)
     if leaked is not None:
@@ -95,7 +95,7 @@ def hand_over_storage_keys(url: str, secrets_dir: str) -> tuple[str, dict[str, s
     Returns the URL for them and the variables it took out of ``os.environ`` (to put back when the
     run ends). A URL on another protocol with credentials in it was refused at start
     (``storage.check_credentials``); here it would raise ``StorageError``."""
-    from elastic_trainer.checkpoint.storage import split_credentials
+    from elastic_trainer.storage import split_credentials
 
     # AWS_* keys move for every checkpoint URL: a run with checkpoints on a path may still read its
     # data from S3 (boto3 and s3fs read the credentials file as well).

@@ -194,12 +194,26 @@ class Drill:
         expected = None
         trainer_args = self.cluster.trainer_args
         size, seed = _last_int(trainer_args, "--dataset-size"), _last_int(trainer_args, "--seed") or 0
-        if not self.args.script and "--task" not in trainer_args and size and self.global_batch:
-            expected = drill_report.sampler_order(size, self.global_batch, seed)  # the built-in task's order
+        if not self.args.script and "--task" not in trainer_args and self.global_batch:
+            source = _example_source(trainer_args)  # a streamed --data (parquet:, tokens:), else None
+            if source is not None:  # the stream sampler's order, replayed over the lineage's world sizes
+                expected = drill_report.stream_order(source.row_counts(), self.global_batch, seed,
+                                                     source.shuffle_buffer, source.shuffle)
+            elif size:
+                expected = drill_report.sampler_order(size, self.global_batch, seed)  # the built-in task's order
         report = drill_report.build_report(meta, self.records, self.cluster.timeline, node_dirs, self.global_batch,
                                            self.args.recovery_timeout, self.cluster.commits, expected)
         drill_report.write_report(report, self.out)
         return report
+
+
+def _example_source(trainer_args: list[str]):
+    """The built-in example's streamed source for these trainer flags (``tasks.example_source``), or None."""
+    from elastic_trainer.flags import build_train_parser
+    from elastic_trainer.tasks import example_source
+
+    given, _ = build_train_parser().parse_known_args(trainer_args)
+    return example_source(given)
 
 
 def _last_int(args: list[str], flag: str) -> int | None:

@@ -7,7 +7,13 @@ writes with ``--sample-ledger`` (the dataset indices each rank consumed at each 
 * **repeated**: a dataset index consumed more than once in one epoch;
 * **skipped**: a step missing from the lineage, a step with less than a full global batch, the
   sampler offset jumping forward between two steps, or (with the built-in sampler's order,
-  :func:`sampler_order`) an index the sampler should have yielded at a step but did not.
+  :func:`sampler_order`, or a stream's, :func:`stream_order`) an index the sampler should have
+  yielded at a step but did not.
+
+With a streamed source (``--data parquet:...``) the ledger holds stable sample ids
+(``stream.order``) instead of dataset indices. Which ids a step trains there depends on the world
+sizes of the steps before it in the epoch (``stream.position``, invariant 3), so
+:func:`stream_order` replays the stream sampler over the lineage's world sizes, step by step.
 
 :func:`find_overlapping_worlds` finds two worlds training at the same time (a split brain).
 """
@@ -22,9 +28,10 @@ from elastic_trainer.drill.logs import Attempt, RunLogs, final_lineage
 def check_exactly_once(logs: RunLogs, global_batch: int | None = None, expected=None) -> dict:
     """Judge exactly-once sample consumption over the final lineage (see the module docstring).
 
-    ``expected(step) -> list[int]``, when given, is the global batch the sampler must yield at
-    that step (the drill builds it from the trainer's dataset size and seed); every index it
-    lists that the step did not consume counts as skipped.
+    ``expected(step, world_size) -> list[int]``, when given, is the global batch the sampler must
+    yield at that step, at the world size that trained it (the drill builds it from the trainer's
+    dataset size or shards, and seed); it is called for the lineage's steps in increasing order.
+    Every index it lists that the step did not consume counts as skipped.
     """
     lineage, missing, final = final_lineage(logs.attempts)
     have_ledger = any(w.ledger for w in logs.workers)
@@ -37,6 +44,7 @@ def check_exactly_once(logs: RunLogs, global_batch: int | None = None, expected=
         return result
     sizes: dict[int, int] = {}
     per_epoch: dict[int, Counter] = {}
+    worlds: dict[str, dict[int, int]] = {}  # attempt -> step -> world size, from its rank-0 step log
     for step in range(1, final + 1):
         attempt = lineage.get(step)
         if attempt is None:
@@ -48,7 +56,9 @@ def check_exactly_once(logs: RunLogs, global_batch: int | None = None, expected=
         indices = [i for row in rows for i in row.indices]
         sizes[step] = len(indices)
         if expected is not None:
-            missed = set(expected(step)) - set(indices)
+            world_of = worlds.setdefault(attempt.key, {s.step: s.world_size for s in attempt.rank0})
+            world = world_of.get(step) or len(rows)
+            missed = set(expected(step, world)) - set(indices)
             if missed:
                 result.setdefault("order_mismatch_steps", []).append(step)
                 result["skipped"] += len(missed)
@@ -99,16 +109,51 @@ def find_overlapping_worlds(attempts: list[Attempt], slack: float = 0.0) -> list
 
 
 def sampler_order(dataset_len: int, global_batch: int, seed: int):
-    """``step -> global batch`` of the built-in ElasticSampler (shuffle on, constant global batch)."""
+    """``(step, world_size) -> global batch`` of the built-in ElasticSampler (shuffle on, constant
+    global batch; the world size does not matter)."""
     from elastic_trainer.sampler import epoch_permutation
 
     per_epoch = dataset_len // global_batch
     cache: dict[int, list[int]] = {}
 
-    def expected(step: int) -> list[int]:
+    def expected(step: int, world_size: int | None = None) -> list[int]:
         epoch, k = divmod(step - 1, per_epoch)
         if epoch not in cache:
             cache.clear()
             cache[epoch] = epoch_permutation(dataset_len, seed, epoch).tolist()
         return cache[epoch][k * global_batch:(k + 1) * global_batch]
+    return expected
+
+
+def stream_order(sizes: list[int], global_batch: int, seed: int, buffer: int, shuffle: bool = True):
+    """``(step, world_size) -> global batch`` of the stream sampler over shards of ``sizes`` rows
+    (constant global batch), replayed over the world sizes it is given.
+
+    Steps must come in increasing order; a step skipped in between (missing from the lineage) is
+    assumed to have run at the last world size. A world size that differs from the last one
+    starts a new segment, exactly as the trainer's ``load_state_dict`` does after a re-form or a
+    resume (and one that does not leaves the assignment as it is: ``stream.position``, invariant 3).
+    """
+    from elastic_trainer.stream.position import StreamSampler
+
+    def sampler(world_size: int, state: dict | None = None) -> StreamSampler:
+        made = StreamSampler(sizes, global_batch, 0, world_size, seed=seed, buffer=buffer, shuffle=shuffle)
+        if state is not None:
+            made.load_state_dict(state)
+        return made
+
+    replay = {"sampler": None, "step": 0}
+
+    def expected(step: int, world_size: int) -> list[int]:
+        if step <= replay["step"]:
+            raise ValueError(f"stream_order replays steps in increasing order; step {step} came after {replay['step']}.")
+        s = replay["sampler"] or sampler(world_size)
+        for _ in range(step - 1 - replay["step"]):
+            s.commit_step()
+        if s.world_size != world_size:
+            s = sampler(world_size, s.state_dict())
+        batch = s.global_batch()
+        s.commit_step()
+        replay["sampler"], replay["step"] = s, step
+        return batch
     return expected

@@ -25,14 +25,14 @@ import re
 from pathlib import Path
 
 from elastic_trainer.drill.kinds import FAULTS
-from elastic_trainer.drill.ledger import check_exactly_once, find_overlapping_worlds, sampler_order
+from elastic_trainer.drill.ledger import check_exactly_once, find_overlapping_worlds, sampler_order, stream_order
 from elastic_trainer.drill.logs import (Attempt, RunLogs, Worker, final_lineage, group_attempts, load_logs,
                                         read_agent_log)
 from elastic_trainer.records import CHECKPOINT_START_EVENTS, Event
 
 __all__ = ["CKPT_START_EVENTS", "DETECT_RE", "JOINED_RE", "WORLD_CHANGING", "Attempt", "RunLogs", "Worker",
            "build_report", "check_exactly_once", "final_lineage", "find_overlapping_worlds", "group_attempts",
-           "load_logs", "measure_fault", "plot_timeline", "read_agent_log", "sampler_order",
+           "load_logs", "measure_fault", "plot_timeline", "read_agent_log", "sampler_order", "stream_order",
            "summary_table", "write_report"]
 
 

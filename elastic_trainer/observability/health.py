@@ -6,7 +6,7 @@ Each check is bounded in time and gives one ``CheckResult`` whose ``line`` says,
 was checked, what failed and what to do about it:
 
 - ``check_storage(url)``: write, read back and delete a small object at the checkpoint URL
-  (``checkpoint/storage.check_writable``: the same probe the launcher makes at start, on every
+  (``storage.check_writable``: the same probe the launcher makes at start, on every
   store fsspec reaches);
 - ``check_etcd(endpoints, options)``: one etcd of the run answers a status request within the
   bound, as the rendezvous connects (``etcd/server.probe_endpoint``: TLS and user included);
@@ -160,7 +160,7 @@ def _late(check: str, what: str, timeout: float, outcome: str, fix: str, took: f
 # ---- the checks ---------------------------------------------------------------------------------------
 def check_storage(url: str, timeout: float = HealthConfig.storage_timeout_s) -> CheckResult:
     """Write, read back and delete a small object under the checkpoint URL ``url``."""
-    from elastic_trainer.checkpoint import storage
+    from elastic_trainer import storage
 
     where = storage.redact(url)
     fix = f"check that {where} is mounted or reachable, writable by this user, and its credentials"

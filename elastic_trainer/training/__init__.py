@@ -14,11 +14,13 @@ Modules:
 - ``preemption``: ``Preemption``, SIGTERM (a save at the next step boundary, the grace period,
   the hung-step watchdog, the watcher that sees a signal while blocked in a collective);
 - ``runtime``: the worker runtime that owns every background thread and the one exit;
-- ``worker``: the process around the loop (device, plain process group, seeding, micro-batch
-  feed, the round fence);
+- ``worker``: the process around the loop (device, plain process group, seeding, the map-style
+  micro-batch feed, the round fence);
+- ``feed``: the sampler and the micro-batch feed of either data mode, map-style or a stream
+  (``elastic_trainer.stream``);
 - ``parallel``: DDP or FSDP2 wrapping, ``no_sync`` and full state dicts (``Parallel``);
 - ``rng``: every rank's own RNG state gathered into a checkpoint, and which one a rank restores;
-- ``data``: the example task's synthetic and HDF5 datasets;
+- ``data``: the example task's datasets (token sequences, synthetic and HDF5), its stream shards and transform;
 - ``metrics``: rank-0 printing, the progress bar and the W&B logger (a no-op when off);
 - ``status``: what rank 0 publishes into etcd for ``elastic-train status`` (``StatusPublisher``).
 

@@ -37,7 +37,7 @@ from typing import Any, ContextManager, Protocol
 import torch
 import torch.distributed as dist
 
-from elastic_trainer.checkpoint import storage
+from elastic_trainer import storage
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.training.parallel import Parallel
 from elastic_trainer.training.reporting import Reporter
@@ -55,7 +55,7 @@ class TrainingState(Protocol):
     optimizer: torch.optim.Optimizer
     scheduler: Any  # an LR scheduler, or None
     scaler: torch.amp.GradScaler | None
-    sampler: Any  # the ElasticSampler
+    sampler: Any  # the ElasticSampler, or a stream's StreamSampler (feed.make_feed)
     step: int  # optimizer steps done (restore sets it)
     run_id: str | None  # the W&B run id (restore sets it)
     gbs: int  # samples per step

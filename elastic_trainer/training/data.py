@@ -1,8 +1,10 @@
-"""Map-style datasets for the example tasks: token sequences, and the seeds' synthetic tensors
-in memory or in an HDF5 file.
+"""Datasets for the example tasks: token sequences (in memory, or written as stream shards), and the
+seeds' synthetic tensors in memory or in an HDF5 file.
 
 ``token_dataset`` is the default example's data: random token sequences and their reversal (or
 copy), generated in memory from a seed; a model can learn it, so its loss falls.
+``write_token_shards`` writes the same sequences as Parquet shards or flat token files, and
+``TokenRows`` turns a streamed row back into the example's ``(src, tgt)`` (``--data parquet:...``).
 
 The seed scripts train ``torch.nn.Transformer`` on ``src = rand(2048, 1, 512)`` and
 ``tgt = rand(2048, 20, 512)``, first from memory and then from an HDF5 file read with h5py.
@@ -109,6 +111,64 @@ def write_synthetic_h5(
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def write_token_shards(url: str, n: int, length: int, vocab_size: int, seed: int = 0, *, shards: int = 4,
+                       fmt: str = "parquet", row_group_size: int = 256, dtype: str = "uint16") -> list[str]:
+    """Write ``token_dataset(n, length, vocab_size, seed=seed)``'s source sequences as ``shards`` files in ``url``.
+
+    ``fmt="parquet"``: ``shard-00000.parquet``... with one column ``tokens`` (lists of int32), in row
+    groups of ``row_group_size`` rows; ``"tokens"``: ``shard-00000.bin``... flat arrays of ``dtype``.
+    ``url`` is a folder path or fsspec URL (the checkpoint storage layer). Sequence ``i`` of the
+    in-memory dataset is sample id ``i`` of the stream (files in name order). Returns the files' URLs.
+    """
+    from elastic_trainer import storage
+
+    if fmt not in ("parquet", "tokens") or shards < 1 or n < shards:
+        raise ValueError(f"write {n} sequences into {shards} parquet or tokens files (got fmt={fmt!r}); "
+                         "give at least one sequence per shard.")
+    src = token_dataset(n, length, vocab_size, "copy", seed).tensors[0].numpy()
+    fs, root = storage.get_fs(url)
+    storage.makedirs(fs, root)
+    out = []
+    for i, part in enumerate(np.array_split(src, shards)):
+        path = storage.join(root, f"shard-{i:05d}.{'parquet' if fmt == 'parquet' else 'bin'}")
+        with fs.open(path, "wb") as f:
+            if fmt == "parquet":
+                import pyarrow as pa
+                import pyarrow.parquet as pq
+
+                tokens = pa.array(list(part.astype(np.int32)), type=pa.list_(pa.int32()))
+                pq.write_table(pa.table({"tokens": tokens}), f, row_group_size=row_group_size)
+            else:
+                if part.max(initial=0) > np.iinfo(np.dtype(dtype)).max:
+                    raise ValueError(f"tokens up to {vocab_size - 1} do not fit {dtype}; give --token-dtype uint32.")
+                f.write(part.astype(dtype).tobytes())
+        out.append(path if "://" not in url else fs.unstrip_protocol(path))
+    return out
+
+
+class TokenRows:
+    """The example's stream transform: a row's first ``length`` tokens -> ``(src, tgt)``, as ``token_dataset`` gives.
+
+    ``tgt`` is ``src`` reversed (``task="reverse"``) or copied. Tokens must lie in ``1..vocab_size-1``
+    (0 is ``BOS``); a row outside that, or shorter than ``length``, is an error naming the flag."""
+
+    def __init__(self, length: int, vocab_size: int, task: str = "reverse") -> None:
+        if task not in TOKEN_TASKS:
+            raise ValueError(f"the token task must be one of {', '.join(TOKEN_TASKS)}; got {task!r}")
+        self.length, self.vocab_size, self.task = length, vocab_size, task
+
+    def __call__(self, row: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = np.asarray(row["tokens"])
+        if len(tokens) < self.length:
+            raise ValueError(f"a row of --data has {len(tokens)} tokens, fewer than --src-len {self.length}; give a "
+                             "--src-len no longer than the shortest row.")
+        src = torch.from_numpy(tokens[:self.length].astype(np.int64))
+        if int(src.min()) <= BOS or int(src.max()) >= self.vocab_size:
+            raise ValueError(f"a row of --data has tokens in [{int(src.min())}, {int(src.max())}], outside "
+                             f"1..{self.vocab_size - 1} (0 is BOS); raise --vocab-size above the largest token.")
+        return src, (src.flip(0) if self.task == "reverse" else src.clone())
 
 
 class H5Dataset(Dataset):

@@ -116,7 +116,7 @@ def fixed_run_id(root: str, *, fresh: bool = False) -> str:
     included), later starts read it, so every start of the training (on any node, before or after
     the first checkpoint) logs into one W&B run. ``fresh`` (``--no-resume``) replaces it.
     """
-    from elastic_trainer.checkpoint import storage
+    from elastic_trainer import storage
 
     fs, base = storage.get_fs(root)
     path = storage.join(base, RUN_ID_FILE)

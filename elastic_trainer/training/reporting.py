@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from elastic_trainer import config as cfgmod
 from elastic_trainer import devices, records
-from elastic_trainer.checkpoint import storage
+from elastic_trainer import storage
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.env import EXIT_PEER_STOPPED, EXIT_PREEMPTED
 from elastic_trainer.records import Event, EventRecord, JsonLines, LedgerRecord, StepRecord

@@ -28,7 +28,7 @@ def send_state(state: dict | None, src: int, receivers: Sequence[int], device: t
 
     Peak extra memory: one serialized copy on the sender; on a receiver, the received bytes and
     the decoded state (``torch.load`` reads the buffer in place, through a zero-copy reader)."""
-    from elastic_trainer.checkpoint.storage import PartsReader
+    from elastic_trainer.storage import PartsReader
 
     rank = dist.get_rank()
     if rank == src:

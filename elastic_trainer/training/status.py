@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any
 
-from elastic_trainer.checkpoint import storage
+from elastic_trainer import storage
 from elastic_trainer.env import WorkerEnv
 from elastic_trainer.runtime import runtime
 

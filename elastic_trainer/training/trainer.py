@@ -5,8 +5,9 @@
 builds; ``train()`` resumes, loops and saves:
 
 1. **Build**: join the process group (gloo on CPU, NCCL on GPU), seed every RNG, build the task
-   (model, dataset, loss), wrap the model (DDP or FSDP), make the optimizer and an
-   ``ElasticSampler`` whose position is a global sample offset; and the trainer's three helpers:
+   (model, dataset, loss), wrap the model (DDP or FSDP), make the optimizer and the data feed
+   (``feed.make_feed``: an ``ElasticSampler`` whose position is a global sample offset, or for a
+   streamed task a ``StreamSampler`` over shard ranges); and the trainer's three helpers:
    ``Checkpointing`` (``training/checkpointing.py``), ``Reporter`` (``training/reporting.py``:
    lines, bar, W&B, status, records) and ``Preemption`` (``training/preemption.py``: SIGTERM).
 2. **Resume**: rank 0 finds the newest checkpoint that verifies and every rank loads that step:
@@ -43,6 +44,7 @@ from elastic_trainer.config import TrainConfig
 from elastic_trainer.tasks import Task, as_task, load_builder
 from elastic_trainer.training import hsdp, metrics
 from elastic_trainer.training.checkpointing import Checkpointing, checkpoint_manager
+from elastic_trainer.training.feed import make_feed, prepare as prepare_data
 from elastic_trainer.env import WorkerEnv
 from elastic_trainer.training.manager import (
     LiveExcluded,
@@ -55,11 +57,7 @@ from elastic_trainer.training.parallel import Parallel
 from elastic_trainer.training.preemption import Preemption
 from elastic_trainer.training.reporting import Reporter, start_profiler
 from elastic_trainer.training.sharded_live import ShardedLive
-from elastic_trainer.training.worker import (
-    MicroBatches,
-    seed_everything,
-    setup_distributed,
-)
+from elastic_trainer.training.worker import seed_everything, setup_distributed
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +114,7 @@ class Trainer:
                 self.manager.start()  # plain: the group setup_distributed joined; never re-formed
             seed_everything(c.seed)
             self.task = as_task(task if task is not None else load_builder(c.task)(c.task_args))
+            prepare_data(self.task)  # a stream's row counts, read before a live newcomer asks to be admitted
             # under FSDP fully_shard moves the model to the device block by block, already sharded
             self.module = self.task.model if c.fsdp and d.distributed else self.task.model.to(d.device)
             self.log_dir = Path(c.log_dir)
@@ -155,7 +154,7 @@ class Trainer:
                 else:  # live --fsdp: no live replica holds this rank's shards (ShardedLive.recover, in _resume)
                     logger.info("live: no live replica holds this rank's shards; rebuilding them in _resume")
             self.peer_state = loaded  # restored by train()
-            self.sampler = self._new_sampler()
+            self.sampler, self.batches = self._new_feed()  # map-style or a stream; reads from the loaded position
             blocks = self.task.fsdp_blocks(self.module) if self.task.fsdp_blocks is not None else None
             with (self.manager.subgroups(lambda: hsdp.mesh_groups(self.module)) if c.fsdp  # the mesh's groups
                   else contextlib.nullcontext()):
@@ -165,7 +164,6 @@ class Trainer:
             if loaded is not None and sharded_live:  # a live peer's shards, into this rank's (same shard index)
                 hsdp.Shards.from_state(loaded[1]["shards"]).load_into(self.module, self.optimizer)
             self.scaler = torch.amp.GradScaler("cuda") if self.amp.scaler else None
-            self.batches = MicroBatches(self.task, self.sampler, c.num_workers, c.seed, d.device)
             self.step = 0
             self.run_id: str | None = None
             self.last_loss: float = float("nan")
@@ -346,12 +344,11 @@ class Trainer:
         return torch.autocast(self.dinfo.device.type, dtype=self.amp.dtype)
 
     # ---- live recovery (training/manager.py) and the step ------------------------------------
-    def _new_sampler(self):
-        from elastic_trainer.sampler import ElasticSampler
-
+    def _new_feed(self):
+        """``(sampler, batches)`` at the current world size (``feed.make_feed``: map-style or a stream)."""
         d, c = self.dinfo, self.config
-        return ElasticSampler(len(self.task.dataset), self.gbs, d.rank, d.world_size, seed=c.seed,
-                              micro_batch_size=c.micro_batch_size)
+        return make_feed(self.task, global_batch_size=self.gbs, rank=d.rank, world_size=d.world_size, seed=c.seed,
+                         micro_batch_size=c.micro_batch_size, num_workers=c.num_workers, device=d.device)
 
     def _live_reform(self, cause: str) -> None:
         """Re-form the group in place (``Manager.reform``): same process, same state; a new group
@@ -391,7 +388,7 @@ class Trainer:
         self.model = self.par.model
         self.model.train()
         position = self.sampler.state_dict()
-        self.sampler = self._new_sampler()
+        self.sampler, self.batches = self._new_feed()
         self.sampler.load_state_dict(position)
         if kept is not None and reformed.missing:  # no live replica holds some shard: live shards, copies, checkpoint
             self.sharded.recover(kept, (old_round, old_rank, old_world))
@@ -403,7 +400,6 @@ class Trainer:
             with self.manager.subgroups():
                 self.checkpoints.prepare()  # the saver's group, made now by every rank (a newcomer: in _resume)
         state = kept = None  # the lambdas above refer to kept: free it, do not unbind it
-        self.batches = MicroBatches(self.task, self.sampler, c.num_workers, c.seed, d.device)
         timings = reformed.timings(t0, time.perf_counter())
         logger.info("live: rank %d -> %d of %d in quorum %d (%s) in %.3fs", old_rank, d.rank, d.world_size,
                     quorum.q, quorum.cause, timings["total_s"])
@@ -423,7 +419,7 @@ class Trainer:
         c = self.config
         return self.step >= total or (c.epochs is not None and self.sampler.epoch >= c.epochs)
 
-    def _train_step(self, batches: "MicroBatches") -> torch.Tensor:
+    def _train_step(self, batches) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches; returns the sum of its sample losses.
 
         The step's ledger line is written once its last micro-batch is fetched, before the backward

@@ -76,16 +76,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    return batch
-
-
 class _RecordingBatchSampler:
     """Wraps the sampler and remembers the indices of micro-batches not yet consumed (FIFO)."""
 
@@ -130,7 +120,7 @@ class MicroBatches:
                 raise RuntimeError("the sampler's epoch ended in the middle of a step; this is a bug") from None
             self.iterator = iter(self.loader)  # the sampler rolled to the next epoch at the last commit
             batch = next(self.iterator)
-        return self.sampler.epoch, self.recorder.pending.popleft(), _to_device(batch, self.device)
+        return self.sampler.epoch, self.recorder.pending.popleft(), devices.to_device(batch, self.device)
 
 
 def round_fence() -> Any:

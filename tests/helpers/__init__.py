@@ -12,6 +12,8 @@
 - ``tls_certs``: a throw-away CA, server and client certificates (``cryptography``) for TLS etcd.
 - ``k8s_pod``: a rendered pod's env and volumes resolved as the kubelet would (the k8s tests).
 - ``wandb_records``: the records of a W&B offline run file (``preempting``, ``exit`` and its code).
+- ``stream_data``: Parquet shards and token files whose rows say which sample they are (the stream tests).
+- ``world_changes``: a hypothesis strategy for runs whose world size changes (the two sampler tests).
 
 No test module imports another (``tests/test_layout.py`` checks it): what two of them share lives
 here or in ``tests/conftest.py``. The rendezvous tests' torchrun worker is ``benchmarks/rdzv_worker.py``,
