@@ -112,3 +112,109 @@ def test_the_check_catches_a_test_importing_a_test_and_a_benchmark_importing_tes
     finally:
         for probe in probes:
             probe.unlink(missing_ok=True)
+
+
+# ---- objects and modules of elastic_trainer/live/ (the lead widens these to the whole package) ----------
+LIVE = REPO / "elastic_trainer" / "live"
+
+
+def attribute_reach_ins(path: Path) -> list[str]:
+    """Every ``x._name`` in one file where ``x`` is not ``self`` or ``cls``: an object that reaches
+    into another's private members (``module._name`` on a module is ``private_reach_ins``'s)."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and not (
+                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            found.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(paths: list[Path]) -> dict[str, set[str]]:
+    """module -> the modules among ``paths`` it imports anywhere in its text (at the top, in a
+    function, under ``TYPE_CHECKING``; ``from a import b`` counts as ``a.b`` when that is one of
+    them, else as ``a``; relative imports resolved)."""
+    names = {module_name(p): p for p in paths}
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in names else base for alias in node.names]
+            else:
+                continue
+            edges |= {t for t in targets if t in names and t != name}
+        graph[name] = edges
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The cycles of ``graph``: each strongly connected set of more than one module (Tarjan's), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
+def test_no_object_in_live_reaches_into_another_objects_private_members():
+    files = sorted(LIVE.rglob("*.py"))
+    assert len(files) > 10
+    problems = [line for p in files for line in attribute_reach_ins(p)]
+    assert problems == [], "\n".join(problems)
+
+
+def test_the_modules_of_live_import_each_other_without_a_cycle():
+    graph = import_graph(sorted(LIVE.rglob("*.py")))
+    assert len(graph) > 10 and any(graph.values())
+    assert import_cycles(graph) == []
+
+
+def test_the_live_checks_catch_a_reach_in_and_a_cycle_hidden_in_a_function(tmp_path, monkeypatch):
+    probe = tmp_path / "probe.py"
+    probe.write_text("class A:\n    def f(self, other):\n        return self._a, other._b, self._c._d, super()._e\n")
+    monkeypatch.setattr("tests.test_layout.REPO", tmp_path)
+    assert [line.split(": ", 1)[1] for line in attribute_reach_ins(probe)] == ["other._b", "self._c._d", "super()._e"]
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b import B\n")
+    (pkg / "b.py").write_text("def f():\n    from . import c\n")
+    (pkg / "c.py").write_text("import pkg.a\n")
+    (pkg / "d.py").write_text("from pkg import a\n")
+    graph = import_graph(sorted(pkg.glob("*.py")))
+    assert import_cycles(graph) == [["pkg.a", "pkg.b", "pkg.c"]]
