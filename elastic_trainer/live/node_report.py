@@ -122,15 +122,6 @@ def _target_of(name: str) -> int:
     return int(head) if head.isdigit() else -1
 
 
-def covers(key: str, value: dict) -> int:
-    """How many members' reports the report key ``key`` (less ``report/<q>/``) holds: a node's
-    (``@<node>``) all of its members', a member's its own."""
-    if key.startswith(NODE_MARK):
-        members = value.get("members")
-        return len(members) if isinstance(members, dict) else 0
-    return 1
-
-
 def expand(reports: dict[str, dict]) -> dict[str, dict]:
     """Reports by member id: a node's report (key ``@<node>``) stands for each of its members'."""
     out: dict[str, dict] = {}
@@ -146,4 +137,4 @@ def expand(reports: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
-__all__ = ["GRACE", "NODE_MARK", "NodeReport", "covers", "expand"]
+__all__ = ["GRACE", "NODE_MARK", "NodeReport", "expand"]

@@ -263,7 +263,8 @@ class Reform:
         feed = self._feed if self._feed is not None and self._feed.ready else None
         if feed is not None and not read:
             seen = (view.quorum_rev, len(view.alive), len(view.joiners), view.stall is None)
-            if (seen == rnd.looked_at and feed.covered(rnd.target) < len(rnd.old.members) - rnd.gone
+            have = feed.covered(rnd.target) + (0 if feed.holds(rnd.target, self._membership.id) else 1)
+            if (seen == rnd.looked_at and have < len(rnd.old.members) - rnd.gone
                     and began - rnd.look_began < max(PROBE_EVERY, 10 * rnd.look_s)):
                 return None  # reports missing, nobody lost or added since the last look, no probe due
             rnd.looked_at = seen

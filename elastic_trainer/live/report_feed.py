@@ -28,10 +28,11 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable
 
 from elastic_trainer.live.keys import Change, LiveKeys
-from elastic_trainer.live.node_report import covers, expand
+from elastic_trainer.live.node_report import NODE_MARK, expand
 from elastic_trainer.live.stream import StreamFactory, WatchStream
 from elastic_trainer.live.threads import StartThread
 
@@ -49,7 +50,7 @@ class ReportFeed:
         self._prefix = keys.key("report/")
         self._lock = threading.Lock()
         self._reports: dict[str, dict] = {}  # "<q>/<id or @node>" -> the report
-        self._covered: dict[int, int] = {}  # q -> the members its reports stand for
+        self._covered: dict[int, Counter[str]] = {}  # q -> the members its reports stand for (a member in two: 2)
         self._ready = False
         self._stream = stream_factory(keys.conn, [self._prefix], self._changed, on_events=self._events)
         start_thread("live-report-watch", self._stream.run, stop=self._stream.close)
@@ -67,8 +68,12 @@ class ReportFeed:
         return expand(mine)
 
     def covered(self, q: int) -> int:
-        """The members the reports for quorum ``q`` stand for (one in its node's and its own counts twice)."""
-        return self._covered.get(q, 0)
+        """How many members the reports for quorum ``q`` stand for."""
+        return len(self._covered.get(q, ()))
+
+    def holds(self, q: int, member_id: str) -> bool:
+        """Whether a report for quorum ``q`` stands for ``member_id`` (its own, or its node's)."""
+        return member_id in self._covered.get(q, ())
 
     def close(self) -> None:
         self._ready = False
@@ -112,14 +117,27 @@ class ReportFeed:
         if not q_text.isdigit():
             return
         q = int(q_text)
+        counts = self._covered.setdefault(q, Counter())
         old = self._reports.pop(sub, None)
         if old is not None:
-            self._covered[q] = self._covered.get(q, 0) - covers(key, old)
+            for member in _members(key, old):
+                counts[member] -= 1
+                if counts[member] <= 0:
+                    del counts[member]
         if value is not None:
             self._reports[sub] = value
-            self._covered[q] = self._covered.get(q, 0) + covers(key, value)
-        if not self._covered.get(q):
-            self._covered.pop(q, None)
+            counts.update(_members(key, value))
+        if not counts:
+            del self._covered[q]
+
+
+def _members(key: str, value: dict) -> list[str]:
+    """The members report ``key`` (less ``report/<q>/``) stands for: a node's (``@<node>``) all of
+    its members, a member's report itself."""
+    if not key.startswith(NODE_MARK):
+        return [key]
+    members = value.get("members")
+    return [str(m) for m in members] if isinstance(members, dict) else []
 
 
 __all__ = ["ReportFeed"]

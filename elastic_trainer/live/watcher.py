@@ -90,16 +90,16 @@ class Watcher:
 
     # ---- the thread ----------------------------------------------------------------------------
     def start(self) -> None:
-        """Start watching (once): the node's watch or a stream of its own, and the ``live-watch`` thread."""
-        if self._thread is not None:
-            return
-        share = self.keeper.open()
-        if share is not None:  # a sibling: woken by each view its node's watching worker publishes
-            self._start_thread("live-node-watch", share.run, stop=share.close)
-        self._thread = self._start_thread("live-watch", self._run, stop=self.close)
+        """Start watching (once): the ``live-watch`` thread, which takes its part in the node's
+        watch (or a stream of its own) first, off its starter's way (a newcomer's group forms meanwhile)."""
+        if self._thread is None:
+            self._thread = self._start_thread("live-watch", self._run, stop=self.close)
 
     def _run(self) -> None:
         try:
+            share = self.keeper.open()
+            if share is not None:  # a sibling: woken by each view its node's watching worker publishes
+                self._start_thread("live-node-watch", share.run, stop=share.close)
             while not self._stop.is_set():
                 self._wake.wait(self._settings.poll)
                 self._wake.clear()
