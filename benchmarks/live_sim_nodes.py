@@ -36,7 +36,7 @@ from elastic_trainer.live.node_share import NodeShare
 from elastic_trainer.live.node_report import GRACE as NODE_REPORT_GRACE, NODE_MARK, NodeReport
 from elastic_trainer.live.probe import ProbeListener
 from elastic_trainer.live.progress import Progress
-from elastic_trainer.live.quorum import Member, Quorum, record_q
+from elastic_trainer.live.quorum import Member, Quorum, decode, record_q
 from elastic_trainer.live.reform import NODE_REPORT_EVERY
 from elastic_trainer.live.stream import WatchStream, watch_request
 from elastic_trainer.live.threads import start_daemon_thread as daemon_thread
@@ -52,11 +52,33 @@ def connection(endpoint: str) -> EtcdConnection:
     return EtcdConnection(EtcdOptions(endpoints=parse_endpoints(endpoint), retry_timeout=60, read_timeout=60))
 
 
+class SharedDecoder:
+    """One process's quorum decoding for all its workers (``Mirror.decode``): a record that arrives
+    again, the same bytes, is the quorum decoded the first time (a quorum number names one member
+    list). A real node decodes it once per worker on its own CPUs, in parallel; the simulation's
+    siblings look one after the other on one thread, and each decode of 8,000 members (and its
+    member index) would delay the next sibling's."""
+
+    def __init__(self) -> None:
+        self._last: tuple[bytes, Quorum] | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, value: bytes, known, fetch) -> Quorum:
+        with self._lock:
+            last = self._last
+        if last is not None and last[0] == value:
+            return last[1]
+        quorum = decode(value, known, fetch)
+        with self._lock:
+            self._last = (value, quorum)
+        return quorum
+
+
 class SimWorker:
     """One simulated worker (see the module docstring): ``group`` is the product's ``LiveGroup``."""
 
     def __init__(self, conn, node: str, local_rank: int, nproc: int, settings: LiveSettings,
-                 keeper: LeaseKeeper, probe: str, reread: bool = False) -> None:
+                 keeper: LeaseKeeper, probe: str, decoder: SharedDecoder, reread: bool = False) -> None:
         self.node, self.settings, self.reread = node, settings, reread
         keys = LiveKeys(conn, PREFIX)
         me = Member(f"{node}-{local_rank}-{os.getpid()}", node, local_rank, probe)
@@ -65,6 +87,7 @@ class SimWorker:
                                Progress(settings.hang_min, settings.hang_factor), start_thread=daemon_thread,
                                on_member_lost=self._lost, stream_factory=self._stream)
         self.group.watcher.subscribe(self._seen)
+        self.group.watcher.keeper.mirror.decode = decoder
         self.id = me.id
         self.reports = False  # report on a loss (the product's training thread does, in reform)
         self.lost_at: float | None = None  # when its watcher first saw the loss
@@ -361,7 +384,7 @@ which the simulation does not do (``tests/test_node_report.py`` does)."""
 
 
 class Gatherer:
-    """The node reports of this process's nodes (``--node-watch``), as the product makes them in
+    """The node reports of this process's nodes, as the product makes them in
     each worker's ``reform`` loop (``live/reform.py``), from one thread: a node's
     reporter puts the node's report once every member's file is in (looked at again whenever a
     member of its node wrote one, where the product's reporter looks every ``NODE_REPORT_EVERY``)
@@ -444,12 +467,13 @@ class Part:
         self.probe = ProbeListener("127.0.0.1", daemon_thread)
         self.keepers: dict[str, LeaseKeeper] = {}
         self.workers: dict[str, list[SimWorker]] = {}
+        decoder = SharedDecoder()
         for i, node in enumerate(nodes):
             conn = self.conns[i % len(self.conns)]
             keeper = LeaseKeeper(conn, f"{PREFIX}node/{node}", settings.lease_ttl, settings.keep_alive_interval)
             keeper.ensure()
             self.keepers[node] = keeper
-            self.workers[node] = [SimWorker(conn, node, r, workers, settings, keeper, self.probe.address, reread)
+            self.workers[node] = [SimWorker(conn, node, r, workers, settings, keeper, self.probe.address, decoder, reread)
                                   for r in range(workers)]
             for w in self.workers[node]:
                 w.node_ids = [x.id for x in self.workers[node]]
@@ -696,4 +720,4 @@ class Pool:
                 proc.join()
 
 
-__all__ = ["Gatherer", "PREFIX", "SIM_GRACE", "Part", "Pool", "SimWorker", "ThinNode", "connection", "daemon_thread", "serve"]
+__all__ = ["Gatherer", "PREFIX", "SIM_GRACE", "Part", "Pool", "SharedDecoder", "SimWorker", "ThinNode", "connection", "daemon_thread", "serve"]

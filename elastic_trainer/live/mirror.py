@@ -30,6 +30,10 @@ class Mirror:
     def __init__(self, prefix: str, fetch_members: Callable[[int], bytes | None] | None = None) -> None:
         self.prefix = prefix
         self.fetch_members = fetch_members
+        self.decode: Callable[[bytes, Callable[[int], Quorum | None], Callable[[int], bytes | None] | None],
+                              Quorum] = decode
+        """How a quorum record is decoded (``live/quorum.decode``): a process that mirrors the keys
+        for many workers (``benchmarks/live_sim.py``) may give them one that shares what it decoded."""
         self.quorum: Quorum | None = None
         self.quorum_rev = 0
         self.quorum_record: bytes | None = None
@@ -120,7 +124,7 @@ class Mirror:
     def _decode(self, value: bytes) -> Quorum:
         """The quorum record ``value``: whole, or a change from a quorum this mirror holds, else
         built on ``fetch_members`` (``live/quorum.py``)."""
-        return decode(value, held_by(self.quorum, self._previous, self.hint), self.fetch_members)
+        return self.decode(value, held_by(self.quorum, self._previous, self.hint), self.fetch_members)
 
 
 def _set(d: dict, key, value) -> None:
