@@ -2,26 +2,30 @@
 
 Run (from the repository root):
 
-    .venv/bin/python benchmarks/live_sim.py --nodes 100 --workers 8           # 800 watchers
-    .venv/bin/python benchmarks/live_sim.py --nodes 1000 --workers 8 --processes 16 \\
-        --txt benchmarks/results/live_sim.txt --json benchmarks/results/live_sim.json
+    .venv/bin/python benchmarks/live_sim.py --nodes 100 --workers 8 --shared-siblings   # 800 watchers
+    .venv/bin/python benchmarks/live_sim.py --nodes 1000 --workers 8 --processes 8 --timeout 180 \
+        --shared-siblings --full-nodes 16 --losses 3 --settle 3 --window 5 --between 2 --start-wave 8 \
+        --thin-aio --expire --lease-ttl 3 --txt benchmarks/results/live_sim.txt
     .venv/bin/python benchmarks/live_sim.py --nodes 5 --workers 2 --processes 2 --losses 1 --window 2  # smoke
 
-What runs is the product's etcd code with the process groups and torch left out. Each simulated
-worker is a ``LiveGroup`` (its key layout, its join key, its quorum compare-and-swap, its
-``_propose``) whose watcher is the real ``rendezvous/watcher.py`` thread with its real
-``KeysWatch`` stream (``rendezvous/live_watch.py``): a whole read when the watch is established,
-then the watch's events. Each node has ONE etcd lease, kept by one ``LeaseKeeper`` (renewed every
-``keep_alive_interval``, 1 s), and its workers' ``live/alive/<id>`` keys are on that lease, as
-the per-node lease has it: a lost node deletes its W alive keys at once. The nodes are spread over
-``--processes`` processes (real workers are separate processes; a thousand threads under one GIL
-measure Python's scheduler), the workers of a process sharing ``--channels`` gRPC channels (many
-watch streams per channel).
+What runs is the product's etcd code with the process groups and torch left out, driven through
+its public parts (``live_sim_nodes.SimWorker``): each simulated worker is a ``LiveGroup``
+(``elastic_trainer/live/group.py``) composed as ``LiveGroup.make`` composes it (its key layout,
+its membership, its watcher thread with its real ``WatchStream``, a whole read when the stream is
+established, then its events; its re-form with its report feed), except that the workers of a
+process share one probe listener and each node's ``LeaseKeeper`` renews the node's lease for its
+workers (no stand-in renewal thread per worker). Each node has ONE etcd lease (renewed every
+``keep_alive_interval``, 1 s) with its workers' ``live/alive/<id>`` keys on it, as the product has
+it: a lost node deletes its W alive keys at once. Each node also keeps ONE etcd watch, as the
+product does on a node's lease (``live/node_share.py``: the node's first worker keeps the stream
+and publishes, its siblings load what it published). The nodes are spread over ``--processes``
+processes (real workers are separate processes; a thousand threads under one GIL measure Python's
+scheduler), the workers of a process sharing ``--channels`` gRPC channels (many streams per channel).
 
 It measures, in order:
 
 1. **Start**: the workers register (``join/<id>`` and ``alive/<id>`` on their node's lease), the
-   main process forms quorum 1 from what it reads (``complete_nodes``, a cold quorum,
+   main process forms quorum 1 from what it reads (the complete nodes, a cold quorum,
    compare-and-swap), every worker adopts it and deletes its join key, then starts its watcher;
    seconds until every watcher has read.
 2. **Steady state**: after ``--settle`` seconds, etcd's own ``/metrics`` read twice ``--window``
@@ -29,39 +33,34 @@ It measures, in order:
    etcd sent (``etcd_network_client_grpc_sent_bytes_total``). Target (issue 32): < 2,000
    requests/s at 1,000 x 8.
 3. **A lost node** (``--losses`` times, a different node each): its process revokes the node's
-   lease (t0, the lease gone at etcd). Every survivor's watcher sees its node's alive keys go and
-   reports (``report/<q+1>/<id>``, as ``LiveGroup.reform`` does first; put from a pool of 16
-   threads per process, as each worker's training thread puts it, not the watcher's). The first
-   member of the first node not lost is the re-form's proposer (``rendezvous/live_reform.py``):
-   it runs the product's ``LiveGroup.reform`` (its report, its reads of the reports until all are
-   in, ``_propose``, the compare-and-swap); every other survivor is a follower, which learns the
-   new quorum from its watcher's view (``Watcher.on_view``; the product's follower returns from
-   ``reform`` then, reading nothing), and adopts it. The main process watches the reports only
-   to time them. Printed: from
-   t0, when the first and the last survivor saw the loss, when the reports were all in, when the
-   quorum was written, and when the last survivor knew it (median and worst over the survivors),
-   then the same by role (the workers that keep a watch, with when the new quorum's event reached
-   their stream, and with ``--node-watch`` the siblings that learn from them); etcd's
-   requests and bytes for the loss; whole reads the watchers made. Target: the new quorum known
-   everywhere < 1 s after the lease expires. What is not the product's: the followers do not
-   block in ``reform`` (8,000 waiting threads; their take-over is ``tests/test_live_reform.py``'s),
-   and the proposer's probes of the silent members reach one listener per simulation process.
+   lease (t0, the lease gone at etcd). Every survivor's watcher sees its node's alive keys go
+   (the ``on_member_lost`` its group was made with) and reports, as ``LiveGroup.reform`` does
+   first: each worker to its node's directory, and its node's reporter puts the node's one report
+   (``live/node_report.py``; ``live_sim_nodes.Gatherer`` gathers for the nodes of a process, its
+   reporters waiting up to ``SIM_GRACE`` for their siblings, served one after the other here,
+   where the product's wait 0.5 s; the puts from a pool of 16 threads per process, as each node's
+   training thread puts it). The first member of the first node not lost is the re-form's
+   proposer (``live/reform.py``): it runs the product's ``LiveGroup.reform`` (its report, the
+   reports its standing report feed follows, the compare-and-swap); every other survivor is a
+   follower, which learns the new quorum from its watcher's views (``Watcher.subscribe``; the
+   product's follower returns from ``reform`` then, reading nothing), and adopts it. The main
+   process watches the reports only to time them. Printed: from t0, when the first and the last
+   survivor saw the loss, when the reports were all in, when the quorum was written, and when the
+   last survivor knew it (median and worst over the survivors), then the same by role (the workers
+   that keep a stream, with when the new quorum's event reached it, and the siblings that learn
+   from them); etcd's requests and bytes for the loss; whole reads the watchers made. Target: the
+   new quorum known everywhere < 1 s after the lease expires. What is not the product's: the
+   followers do not block in ``reform`` (8,000 waiting threads; their take-over is
+   ``tests/test_live_reform.py``'s), and the proposer's probes of the silent members reach one
+   listener per simulation process.
 
-``--node-watch`` runs one etcd watch per node, as the product does on a node's lease
-(``rendezvous/node_watch.py``: the node's first worker keeps it and publishes, its siblings load
-what it published). ``--shared-siblings`` (with it) serves every sibling of a process from one
-thread instead of two threads each (``Part._serve_siblings``): each sibling still has its own
-socket, datagrams, ``NodeWatch.load`` and ``Watcher.look`` (the product's code), but the looks of
-a process run one after the other, where the product's run in parallel on their nodes' CPUs; a
-sibling's promotion (its node's watching worker gone) is not simulated. It is what makes
-1,000 x 8 fit on a small machine. ``--start-wave K`` starts the nodes of each process K at a time,
-each wave once the one before has made its first read (a real job's nodes start over a minute).
-
-With ``--node-watch`` each node also sends ONE report per loss, as the product does where a node's
-workers share a directory (``rendezvous/node_report.py``): each worker writes its report to the
-node's directory and the node's reporter puts the node's (``live_sim_nodes.Gatherer``; the
-simulation's reporters wait up to ``SIM_GRACE`` for their siblings, served one after the other
-here, where the product's wait 0.5 s).
+``--shared-siblings`` serves every sibling of a process from one thread instead of two threads
+each (``Part._serve_siblings``): each sibling still has its own socket, datagrams, ``NodeShare.load``
+and ``Watcher.look`` (the product's code), but the looks of a process run one after the other,
+where the product's run in parallel on their nodes' CPUs; a sibling's promotion (its node's
+watching worker gone) is not simulated. It is what makes 1,000 x 8 fit on a small machine.
+``--start-wave K`` starts the nodes of each process K at a time, each wave once the one before has
+made its first read (a real job's nodes start over a minute).
 
 ``--full-nodes K`` runs the product's code whole on K nodes only (the proposers' nodes, the lost
 ones, and others spread over the rest); every other node is a ``ThinNode``: its lease, its workers'
@@ -76,12 +75,13 @@ time vary 0.5-1.6 s between losses; a real node has its own CPUs. ``--expire`` l
 node's lease expire (its renewals stop) instead of revoking it, and times from the expiry (its last
 accepted renewal's sending plus the TTL: etcd acts on it at its next 500 ms check).
 
-``--reread`` runs the watcher as it was before it applied the watch's events: every event makes
-it read all the live keys again (the "before" of docs/rendezvous.md's numbers).
+``--reread`` runs the watcher as it was before it applied the stream's events: every event makes
+it read all the live keys again (the "before" of docs/rendezvous.md's numbers; through the
+``stream_factory`` the groups are made with: a stream that only says "changed").
 
 The watchers check what needs no etcd every ``--poll`` seconds (default 1; the product's 0.1 s
 only costs CPU here, 80,000 wake-ups a second at 1,000 x 8, and a watcher is woken at once by an
-event either way). Every process, channel, lease and the private etcd end with the run.
+event either way). Every process, channel, lease, file and the private etcd end with the run.
 """
 
 from __future__ import annotations
@@ -104,10 +104,12 @@ sys.path.insert(0, str(REPO))
 from benchmarks import provenance  # noqa: E402
 from elastic_trainer.env import LiveSettings  # noqa: E402
 from elastic_trainer.etcd.server import EtcdServer  # noqa: E402
-from elastic_trainer.rendezvous.live_watch import KeysWatch  # noqa: E402
-from elastic_trainer.rendezvous.members import Quorum, complete_nodes  # noqa: E402
-from elastic_trainer.rendezvous import node_report, quorum_record  # noqa: E402
-from benchmarks.live_sim_nodes import Pool, SimWorker, connection, daemon_thread  # noqa: E402
+from elastic_trainer.live import node_report  # noqa: E402
+from elastic_trainer.live.keys import LiveKeys  # noqa: E402
+from elastic_trainer.live.quorum import Quorum, encode  # noqa: E402
+from elastic_trainer.live.reform import propose  # noqa: E402
+from elastic_trainer.live.stream import WatchStream  # noqa: E402
+from benchmarks.live_sim_nodes import PREFIX, Pool, connection, daemon_thread  # noqa: E402
 
 TARGET_RPS, TARGET_S = 2000.0, 1.0
 
@@ -169,9 +171,9 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
     lost_nodes = [nodes[(k * 7919 + 1) % n] for k in range(args.losses)]
     pool = Pool(procs)
     main_conn = connection(endpoint)
-    observer = SimWorker(main_conn, "observer", 0, 1, settings, None)
+    observer = LiveKeys(main_conn, PREFIX)  # the main process's reads and writes of the live keys
     result: dict = {"nodes": n, "workers": w, "processes": procs, "channels": args.channels, "poll_s": args.poll,
-                    "watcher": "reread" if args.reread else "events", "node_watch": args.node_watch,
+                    "watcher": "reread" if args.reread else "events",
                     "shared_siblings": getattr(args, "shared_siblings", False),
                     "start_wave": getattr(args, "start_wave", 0), "full_nodes": full_nodes,
                     "loss": "expiry" if getattr(args, "expire", False) else "revoke",
@@ -180,16 +182,15 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
         t = time.monotonic()
         registered = sum(pool.ask("setup", [{"endpoint": endpoint, "nodes": [x for x in nodes if owner[x] == i],
                                              "workers": w, "channels": args.channels, "settings": settings,
-                                             "reread": args.reread,
-                                             "node_dir": os.path.join(args.workdir, "nodes") if args.node_watch else None,
+                                             "reread": args.reread, "tmpdir": args.workdir,
                                              "shared_siblings": getattr(args, "shared_siblings", False),
                                              "thin_aio": getattr(args, "thin_aio", False)}
                                             for i in range(procs)]))
-        view = observer._read()
-        chosen = complete_nodes(view)
+        view = observer.read()
+        chosen = view.complete_nodes()
         members = tuple(m for _, ms in chosen for m in ms)
         q1 = Quorum(q=1, members=members, cold=True, cause="cold start", formed_at=time.time())
-        if registered != n * w or len(members) != n * w or not observer._cas_quorum(q1, view.quorum_rev):
+        if registered != n * w or len(members) != n * w or not observer.cas_quorum(q1, view.quorum_rev):
             raise RuntimeError(f"{registered} workers registered, {len(members)} in whole nodes: not {n * w}")
         result["registered_s"] = round(time.monotonic() - t, 2)
         result["quorum_bytes"] = len(q1.to_json())
@@ -236,13 +237,13 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
             survivors = (n - 1 - k) * w
 
             def on_reports(changes, reports=reports, all_reported=all_reported, survivors=survivors) -> None:
-                # a node's report (report/<q>/@<node>, --node-watch) counts its members
+                # a node's report (report/<q>/@<node>) counts its members
                 reports.extend(len(node_report.expand({c.key.rsplit("/", 1)[1]: json.loads(c.value)}))
                                for c in changes if c.value is not None)
                 if sum(reports) >= survivors:
                     all_reported.set()
 
-            watch = KeysWatch(main_conn, [f"{observer.prefix}report/{target}/"], lambda: None, on_events=on_reports)
+            watch = WatchStream(main_conn, [f"{observer.prefix}report/{target}/"], lambda: None, on_events=on_reports)
             daemon_thread("reports", watch.run)
             watch.established.wait(10)
             m0, b0, c0 = scrape(endpoint), sent_bytes(endpoint), etcd_cpu_s(etcd_pid)
@@ -255,11 +256,10 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
                 written_from = time.monotonic()
             watch.close()
             if args.no_reports:  # written by the main process, at once
-                observer.quorum = q
-                view = observer._read(report_q=target)
+                view = observer.read(report_q=target, held=q)
                 view.reports = {m.id: {"step": 0} for m in q.members if m.node != lost_node}
-                new = observer._propose(q, view, target, "sim: a node's lease revoked")
-                if new is None or not observer._cas_quorum(new, view.quorum_rev, base=q):
+                new = propose(q, view, target, "sim: a node's lease revoked", settings)
+                if new is None or not observer.cas_quorum(new, view.quorum_rev, base=q):
                     raise RuntimeError(f"quorum {target} could not be written")
                 written = time.monotonic()
             parts = pool.ask("collect", {"timeout": args.timeout})
@@ -268,8 +268,7 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
                 if not stamps:
                     raise RuntimeError(f"the proposer {proposer} did not write quorum {target} within {args.timeout:g}s")
                 written = stamps[0]
-                observer.quorum = q
-                new = observer._read().quorum
+                new = observer.read(held=q).quorum
                 if new is None or new.q != target:
                     raise RuntimeError(f"etcd holds quorum {new.q if new else None}, not {target}")
             m1, b1, c1 = scrape(endpoint), sent_bytes(endpoint), etcd_cpu_s(etcd_pid)
@@ -304,7 +303,7 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
                     "known_median_s": round(_stats(knew_ts)[0], 3) if knew_ts else None,
                     "known_worst_s": round(_stats(knew_ts)[1], 3) if knew_ts else None,
                     "requests": round(sum(requests(m0, m1).values())), "sent_bytes": round(b1 - b0),
-                    "record_bytes": len(quorum_record.encode(new, q)[0]),
+                    "record_bytes": len(encode(new, q)[0]),
                     "etcd_cpu_s": round(c1 - c0, 2),
                     "whole_reads": sum(p["stats"]["reads"] for p in parts),
                     "sibling_loads": sum(p["stats"]["loads"] for p in parts),
@@ -349,12 +348,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the node leases' TTL (renewed every second whatever it is; a loss is a revoke)")
     p.add_argument("--losses", type=int, default=3, help="nodes lost one after the other")
     p.add_argument("--reread", action="store_true", help="the watcher as before: a whole read on every event")
-    p.add_argument("--node-watch", action="store_true",
-                   help="one etcd watch per node (rendezvous/node_watch.py), as the product runs on a node's lease; "
-                        "default: a watch stream per worker")
     p.add_argument("--shared-siblings", action="store_true",
-                   help="with --node-watch: one thread per process serves every sibling (each look the product's "
-                        "Watcher.look) instead of two threads per sibling; what makes 1,000 x 8 fit this machine")
+                   help="one thread per process serves every sibling (each look the product's Watcher.look) "
+                        "instead of two threads per sibling; what makes 1,000 x 8 fit this machine")
     p.add_argument("--start-wave", type=int, default=0,
                    help="nodes per process that start watching at a time, each wave once the one before has read "
                         "(default 0: all at once)")

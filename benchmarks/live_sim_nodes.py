@@ -1,6 +1,17 @@
 """The simulated nodes of ``benchmarks/live_sim.py``: workers that are the product's ``LiveGroup``
-and ``Watcher`` with torch left out, the nodes of one process (``Part``) and the processes
-(``Pool``). What is simulated and what runs as in the product is in ``live_sim.py``'s docstring."""
+with torch left out, the nodes of one process (``Part``) and the processes (``Pool``). What is
+simulated and what runs as in the product is in ``live_sim.py``'s docstring.
+
+A ``SimWorker`` composes the product's parts as ``LiveGroup.make`` does (``live/group.py``), through
+their public constructors, with three differences that are the simulation's: the process's one
+probe listener for all its workers (a live process's port: the proposer's probes of the silent
+members find it alive), its node's ``LeaseKeeper`` renewing the lease for it (no stand-in renewal
+thread per worker: the keepers renew every node's lease of a process from one loop), and a
+``stream_factory`` that times when the new quorum's event reached the worker's stream (the seam
+the product's watcher and report feed make their streams through). It learns of a loss through
+the ``on_member_lost`` the group is made with, and of the next quorum through the views its
+watcher hands its subscribers (``Watcher.subscribe``), as the product's re-form does.
+"""
 
 from __future__ import annotations
 
@@ -12,23 +23,27 @@ import logging
 import multiprocessing as mp
 import os
 import selectors
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from elastic_trainer.env import LiveSettings
+from elastic_trainer.live.group import LiveGroup
+from elastic_trainer.live.keys import WATCHED, LiveKeys, View
+from elastic_trainer.live.membership import Membership
+from elastic_trainer.live.node_share import NodeShare
+from elastic_trainer.live.node_report import GRACE as NODE_REPORT_GRACE, NODE_MARK, NodeReport
+from elastic_trainer.live.probe import ProbeListener
+from elastic_trainer.live.progress import Progress
+from elastic_trainer.live.quorum import Member, Quorum, decode, record_q
+from elastic_trainer.live.reform import NODE_REPORT_EVERY
+from elastic_trainer.live.stream import WatchStream, watch_request
+from elastic_trainer.live.threads import start_in_runtime as daemon_thread
+from elastic_trainer.live.view_keeper import ViewKeeper
+from elastic_trainer.live.worker_lease import WorkerLease
 from elastic_trainer.etcd.client import EtcdConnection, EtcdOptions, parse_endpoints
 from elastic_trainer.rendezvous.lease import LeaseKeeper
-from elastic_trainer.rendezvous.members import Member, ProbeListener, Quorum, View
-from elastic_trainer.rendezvous.live_reform import NODE_REPORT_EVERY
-from elastic_trainer.rendezvous.live_watch import KeysWatch, watch_request
-from elastic_trainer.rendezvous.node_report import GRACE as NODE_REPORT_GRACE, NODE_MARK, NodeReport
-from elastic_trainer.rendezvous.quorum_record import record_q
-from elastic_trainer.rendezvous.watcher_view import WATCHED
-from elastic_trainer.rendezvous.node_watch import NodeWatch
-from elastic_trainer.rendezvous.progress import Progress
-from elastic_trainer.rendezvous.quorum import LiveGroup
-from elastic_trainer.rendezvous.watcher import Watcher
 
 PREFIX = "/live-sim/"
 
@@ -37,37 +52,44 @@ def connection(endpoint: str) -> EtcdConnection:
     return EtcdConnection(EtcdOptions(endpoints=parse_endpoints(endpoint), retry_timeout=60, read_timeout=60))
 
 
-def daemon_thread(name: str, target, *args, stop=None) -> threading.Thread:
-    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-    thread.start()
-    return thread
+class SharedDecoder:
+    """One process's quorum decoding for all its workers (``Mirror.decode``): a record that arrives
+    again, the same bytes, is the quorum decoded the first time (a quorum number names one member
+    list). A real node decodes it once per worker on its own CPUs, in parallel; the simulation's
+    siblings look one after the other on one thread, and each decode of 8,000 members (and its
+    member index) would delay the next sibling's."""
+
+    def __init__(self) -> None:
+        self._last: tuple[bytes, Quorum] | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, value: bytes, known, fetch) -> Quorum:
+        with self._lock:
+            last = self._last
+        if last is not None and last[0] == value:
+            return last[1]
+        quorum = decode(value, known, fetch)
+        with self._lock:
+            self._last = (value, quorum)
+        return quorum
 
 
-class SimWorker(LiveGroup):
-    """A ``LiveGroup`` without its probe listener and with its node's lease keeper instead of one
-    of its own (the attributes the watcher and the re-form's etcd calls use; the rest is
-    ``LiveGroup``'s code)."""
+class SimWorker:
+    """One simulated worker (see the module docstring): ``group`` is the product's ``LiveGroup``."""
 
     def __init__(self, conn, node: str, local_rank: int, nproc: int, settings: LiveSettings,
-                 keeper: LeaseKeeper | None, probe: str = "127.0.0.1:9") -> None:
-        self.conn, self.prefix = conn, PREFIX + "live/"
-        self.node, self.local_rank, self.nproc, self.settings = node, local_rank, nproc, settings
-        self.id = f"{node}-{local_rank}-{os.getpid()}"
-        self._start_thread, self._on_lease_lost, self._probe = daemon_thread, None, None
-        self.me = Member(self.id, node, local_rank, probe)
-        self.quorum: Quorum | None = None
-        self.change_pending, self.change_reason = threading.Event(), ""
-        self.on_member_lost = self.on_hung = None
-        self.probe_peers = False
-        self.progress = Progress(settings.hang_min, settings.hang_factor)
-        self._adopt_lock = threading.Lock()
-        self._seen_event = threading.Event()
-        self._lease, self._lease_asked = keeper, 0.0
-        self._last_quorum = None
-        self._stop = threading.Event()
-        self.watcher = Watcher(self)
-        self._watcher = None
-        self.requests = 0
+                 keeper: LeaseKeeper, probe: str, decoder: SharedDecoder, reread: bool = False) -> None:
+        self.node, self.settings, self.reread = node, settings, reread
+        keys = LiveKeys(conn, PREFIX)
+        me = Member(f"{node}-{local_rank}-{os.getpid()}", node, local_rank, probe)
+        lease = WorkerLease(keys, me.id, keeper.lease_id, settings.lease_ttl, settings.keep_alive_interval)
+        self.group = LiveGroup(keys, Membership(keys, lease, me, nproc, settings),
+                               Progress(settings.hang_min, settings.hang_factor), start_thread=daemon_thread,
+                               on_member_lost=self._lost, stream_factory=self._stream)
+        self.group.watcher.subscribe(self._seen)
+        self.group.watcher.keeper.mirror.decode = decoder
+        self.id = me.id
+        self.reports = False  # report on a loss (the product's training thread does, in reform)
         self.lost_at: float | None = None  # when its watcher first saw the loss
         self.knew_at: float | None = None  # when its watcher first saw the target quorum
         self.event_at: float | None = None  # when its watch stream delivered the target quorum's change
@@ -75,68 +97,88 @@ class SimWorker(LiveGroup):
         self.proposer = False  # this worker re-forms with the product's LiveGroup.reform (the first in line)
         self.proposer_node = False  # a worker of the proposer's node
         self.target = 0
-        self.node_dir: str | None = None  # --node-watch: the node's shared directory
         self.reporter: ThreadPoolExecutor | None = None  # puts the reports, as the training threads would
-        self.gatherer: Gatherer | None = None  # --node-watch: the node reporters' gathering
+        self.gatherer: Gatherer | None = None  # the node reporters' gathering
         self.node_ids: list[str] = []  # its node's workers, in the quorum's order (by local rank)
 
-    def node_watch(self, on_change, on_promote) -> NodeWatch | None:
-        """``--node-watch``: one etcd watch per node, as the product has it on a node's lease."""
-        if self.node_dir is None:
-            return None
-        return NodeWatch(self.node_dir, self.settings.poll, on_change, on_promote)
+    @property
+    def keys(self) -> LiveKeys:
+        return self.group.keys
+
+    @property
+    def views(self) -> ViewKeeper:
+        """Where its watcher's view comes from (its counters: ``reads``, ``applied``, ``loads``)."""
+        return self.group.watcher.keeper
+
+    def _stream(self, conn, keys, on_change, on_events=None) -> WatchStream:
+        """The product's stream, timing the new quorum's event (``--reread``: every event makes the
+        watcher read all the live keys again, as it did before it applied the events)."""
+        quorum_key = self.keys.key("quorum")
+
+        def events(changes) -> None:
+            if self.event_at is None and self.target and any(c.key == quorum_key and c.value is not None
+                                                             and record_q(c.value) >= self.target for c in changes):
+                self.event_at = time.monotonic()
+            if self.reread or on_events is None:
+                on_change()
+            else:
+                on_events(changes)
+
+        return WatchStream(conn, keys, on_change, on_events=events)
 
     def register(self) -> None:
-        """``alive/<id>`` and ``join/<id>`` on the node's lease, as ``LeaseKeeper.ensure`` and ``join`` write them."""
-        self._lease.put(self._key("alive/" + self.id), b'{"since": 0}')
-        self._lease.put(self._key("join/" + self.id), (
-            f'{{"node": "{self.node}", "local_rank": {self.local_rank}, "nproc": {self.nproc}, '
-            f'"probe": "{self.me.probe}"}}').encode())
+        """``alive/<id>`` and ``join/<id>`` on the node's lease, as ``WorkerLease.ensure`` and ``join`` write them."""
+        lease, me = self.group.lease, self.group.me
+        lease.put(lease.key, b'{"since": 0}')
+        lease.put(self.keys.key("join/" + self.id), json.dumps(
+            {"node": me.node, "local_rank": me.local_rank, "nproc": self.group.membership.nproc,
+             "probe": me.probe}).encode())
 
-    def watch(self, reports: bool, thread: bool = True) -> None:
+    def adopt(self, q: Quorum) -> None:
+        """``q`` is the quorum it trains in now, as the end of ``join`` or ``reform`` makes it."""
+        self.group.membership.adopt(q)
+        self.group.reformer.prepare(q)
+
+    def watch(self, thread: bool = True):
         """Start watching: the product's watcher thread, or (``thread`` False: a sibling that
-        ``Part._serve_siblings`` serves) only its hooks."""
-        def lost(reason: str) -> None:
-            if self.lost_at is None:
-                self.lost_at = time.monotonic()
-                if reports and self.quorum is not None and self.target == self.quorum.q + 1:
-                    # the training thread reports (LiveGroup.reform), not the watcher: off its thread;
-                    # the first in line runs the product's reform (it reports, reads, writes). A
-                    # report to the node's directory is a local file: written at once, as each
-                    # worker of a real node writes its own (queued behind 1,000 puts, the node's
-                    # reporter would gather before its siblings are in)
-                    if self.proposer:  # on a thread of its own, as a training thread: not queued
-                        # behind the 125 thin nodes' report puts of the process's pool
-                        threading.Thread(target=self._reform, args=(self.target,), name="sim-proposer",
-                                         daemon=True).start()
-                    elif not self._report_to_node(self.target):
-                        self.reporter.submit(self._report, self.target)
-
-        def seen(view: View) -> None:
-            q = view.quorum
-            if q is not None and self.quorum is not None and q.q > self.quorum.q and q.rank_of(self.id) is not None:
-                if q.q >= self.target and self.knew_at is None:
-                    self.knew_at = time.monotonic()
-                self._adopt(q)
-
-        events = self.watcher._events
-
-        def stream(changes) -> None:  # the watch's thread: when the new quorum's event arrived
-            if self.event_at is None and any(c.key == self._key("quorum") for c in changes):
-                self.event_at = time.monotonic()
-            events(changes)
-
-        self.on_member_lost = lost
-        self.watcher.on_view = seen
-        self.watcher._events = stream
+        ``Part._serve_siblings`` serves) only its part in the node's watch, whose ``NodeShare`` is
+        returned (its socket to serve)."""
         if thread:
-            self.start_watching()
+            self.group.watcher.start()
+            return None
+        return self.group.watcher.keeper.open()
+
+    def _lost(self, reason: str) -> None:
+        if self.lost_at is not None:
+            return
+        self.lost_at = time.monotonic()
+        q = self.group.quorum
+        if self.reports and q is not None and self.target == q.q + 1:
+            # the training thread reports (LiveGroup.reform), not the watcher: off its thread; the
+            # first in line runs the product's reform (it reports, follows the reports, writes). A
+            # report to the node's directory is a local file: written at once, as each worker of a
+            # real node writes its own (queued behind 1,000 puts, the node's reporter would gather
+            # before its siblings are in)
+            if self.proposer:  # on a thread of its own, as a training thread: not queued behind the
+                # 125 thin nodes' report puts of the process's pool
+                threading.Thread(target=self._reform, args=(self.target,), name="sim-proposer", daemon=True).start()
+            elif not self._report_to_node(self.target):
+                self.reporter.submit(self.report, self.target)
+
+    def _seen(self, view: View) -> None:
+        """Each view its watcher looks at: a follower learns the next quorum (the product's follower
+        returns from ``reform`` then)."""
+        q, held = view.quorum, self.group.quorum
+        if q is not None and held is not None and q.q > held.q and q.rank_of(self.id) is not None:
+            if q.q >= self.target and self.knew_at is None:
+                self.knew_at = time.monotonic()
+            self.adopt(q)
 
     def _reform(self, target: int) -> None:
         """The proposer's round: ``LiveGroup.reform`` as a training thread calls it (its report, its
-        reads of the reports until all are in, the compare-and-swap)."""
+        look at the reports its feed follows, the compare-and-swap)."""
         try:
-            q = self.reform(0, "sim: a node's lease revoked")
+            q = self.group.reform(0, "sim: a node's lease lost")
         except Exception as exc:  # noqa: BLE001 - printed; the main process times out on it
             logging.getLogger("live_sim").error("the proposer's reform failed: %r", exc)
             return
@@ -144,31 +186,30 @@ class SimWorker(LiveGroup):
         if q.q >= target and self.knew_at is None:
             self.knew_at = self.written_at
 
-    def _report(self, target: int) -> None:
-        """A follower's report, as ``LiveGroup.reform`` makes it: with a node directory
-        (``--node-watch``), to the node's directory, and the node's reporter puts the node's one
-        report (``rendezvous/node_report.py``; the gathering is ``Part``'s ``gatherer`` thread);
-        else its own put."""
-        self._put(f"report/{target}/{self.id}", json.dumps({"step": 0, "cause": "sim"}).encode())
+    def report(self, target: int) -> None:
+        """A follower's own report, as ``LiveGroup.reform`` puts it where it has no node report."""
+        self.put(f"report/{target}/{self.id}", json.dumps({"step": 0, "cause": "sim"}).encode())
 
     def _report_to_node(self, target: int) -> bool:
-        """``--node-watch``: this worker's report to its node's directory (its node's reporter hands
-        the node to the ``Gatherer``, which puts the node's report and, as the product's members do
-        past the grace, the reports of those it did not cover). False: none (it puts its own)."""
-        if self.node_dir is None or self.quorum is None or self.gatherer is None:
+        """This worker's report to its node's directory (its node's reporter hands the node to the
+        ``Gatherer``, which puts the node's report and, as the product's members do past the grace,
+        the reports of those it did not cover). False: none (it puts its own)."""
+        share = self.group.watcher.keeper.share
+        if share is None or self.group.quorum is None or self.gatherer is None:
             return False
-        mine = self.node_ids  # the product takes them from the old quorum (_Round.by_node), built once per
+        mine = self.node_ids  # the product takes them from the old quorum (Round.by_node), built once per
         if len(mine) < 2:     # re-form on each worker's own CPU: 8,000 members x 875 siblings here
             return False
-        report = NodeReport(self.node_dir, target, self.node, mine, self.id)
+        report = NodeReport(share.dir, target, self.node, mine, self.id)
         report.write({"step": 0, "cause": "sim"})
         self.gatherer.add(self, report)
         return True
 
-    def _put(self, sub: str, value: bytes) -> None:
-        for attempt in range(5):  # as reform's first put; a failure is printed, not raised
+    def put(self, sub: str, value: bytes) -> None:
+        """``sub`` on the node's lease, tried five times (a failure is printed, not raised)."""
+        for attempt in range(5):
             try:
-                self._lease.put(self._key(sub), value)
+                self.group.lease.put(self.keys.key(sub), value)
                 return
             except Exception as exc:  # noqa: BLE001 - reported after the last try
                 if attempt == 4:
@@ -176,7 +217,9 @@ class SimWorker(LiveGroup):
                 time.sleep(0.1)
 
     def close(self) -> None:
-        self._stop_watching()
+        """Stop watching (its keys stay: a lost node's go with its lease, the others' at the end)."""
+        self.group.watcher.close()
+        self.group.reformer.close()
 
 
 class ThinNode:
@@ -192,11 +235,11 @@ class ThinNode:
 
     def __init__(self, conn, node: str, keeper: LeaseKeeper, workers: list[SimWorker], pool: ThreadPoolExecutor) -> None:
         self.conn, self.node, self.keeper, self.workers, self.pool = conn, node, keeper, workers, pool
-        self.prefix = workers[0].prefix
+        self.prefix = workers[0].keys.prefix
         self.target = 0
         self.lost_at: float | None = None
         self.event_at: float | None = None
-        self.watch: KeysWatch | None = None
+        self.watch: WatchStream | _Established | None = None
 
     def start(self, aio: AioThin | None = None) -> None:
         if aio is not None:  # --thin-aio: a task on the process's one loop
@@ -207,7 +250,7 @@ class ThinNode:
             self.aio_closed = asyncio.Event()
             aio.start(self)
             return
-        self.watch = KeysWatch(self.conn, [self.prefix + k for k in WATCHED], lambda: None, on_events=self._events)
+        self.watch = WatchStream(self.conn, [self.prefix + k for k in WATCHED], lambda: None, on_events=self._events)
         daemon_thread("thin-watch", self.watch.run)
 
     def _events(self, changes) -> None:
@@ -218,7 +261,7 @@ class ThinNode:
                     self.event_at = now
             elif c.value is None and self.lost_at is None and self.target > 0 and c.key.startswith(self.prefix + "alive/"):
                 self.lost_at = now
-                self.pool.submit(self._report, self.target)
+                self.pool.submit(self.put_report, self.target)
 
     def report(self, target: int) -> tuple[str, bytes]:
         """Its node's report for quorum ``target``: the key under the live prefix, and the value."""
@@ -226,8 +269,8 @@ class ThinNode:
         return (f"report/{target}/{NODE_MARK}{self.node}",
                 json.dumps({"members": {w.id: record for w in self.workers}}).encode())
 
-    def _report(self, target: int) -> None:
-        self.workers[0]._put(*self.report(target))
+    def put_report(self, target: int) -> None:
+        self.workers[0].put(*self.report(target))
 
     def close(self) -> None:
         if getattr(self, "aio", None) is not None:
@@ -341,8 +384,8 @@ which the simulation does not do (``tests/test_node_report.py`` does)."""
 
 
 class Gatherer:
-    """The node reports of this process's nodes (``--node-watch``), as the product makes them in
-    each worker's ``reform`` loop (``LiveReform._send_node_report``), from one thread: a node's
+    """The node reports of this process's nodes, as the product makes them in
+    each worker's ``reform`` loop (``live/reform.py``), from one thread: a node's
     reporter puts the node's report once every member's file is in (looked at again whenever a
     member of its node wrote one, where the product's reporter looks every ``NODE_REPORT_EVERY``)
     or ``SIM_GRACE`` passed; a member that its node's report did not cover ``SIM_GRACE`` after it
@@ -396,11 +439,11 @@ class Gatherer:
                     self._pool.submit(self._send, worker, report, got)
             for worker, report, _ in late:
                 if not report.covered():  # None (no node report yet) or False (it went without this one)
-                    self._pool.submit(worker._report, report.target)
+                    self._pool.submit(worker.report, report.target)
 
     @staticmethod
     def _send(worker: SimWorker, report: NodeReport, got: dict) -> None:
-        worker._put(report.key, report.value(got))
+        worker.put(report.key, report.value(got))
         report.mark(list(got))
 
     def close(self) -> None:
@@ -412,30 +455,31 @@ class Part:
     """One process's nodes: their lease keepers and workers."""
 
     def __init__(self, endpoint: str, nodes: list[str], workers: int, channels: int, settings: LiveSettings,
-                 reread: bool = False, node_dir: str | None = None, shared_siblings: bool = False,
-                 thin_aio: bool = False) -> None:
+                 reread: bool = False, shared_siblings: bool = False, thin_aio: bool = False,
+                 tmpdir: str | None = None) -> None:
         logging.getLogger("elastic_trainer").setLevel(logging.ERROR)  # a warning per worker and loss
-        if reread:  # as before: every event makes the watcher read all the live keys again
-            Watcher.reread_on_event = True
+        if tmpdir is not None:  # the nodes' lease records and shared directories (rendezvous/node_lease.py)
+            tempfile.tempdir = tmpdir
+        self.settings = settings
         self.conns = [connection(endpoint) for _ in range(max(1, min(channels, len(nodes))))]
         # the workers' probe port: one listener per process that accepts (a live process, for the
         # proposer's probes of the members that have not reported yet)
         self.probe = ProbeListener("127.0.0.1", daemon_thread)
         self.keepers: dict[str, LeaseKeeper] = {}
         self.workers: dict[str, list[SimWorker]] = {}
+        decoder = SharedDecoder()
         for i, node in enumerate(nodes):
             conn = self.conns[i % len(self.conns)]
             keeper = LeaseKeeper(conn, f"{PREFIX}node/{node}", settings.lease_ttl, settings.keep_alive_interval)
             keeper.ensure()
             self.keepers[node] = keeper
-            self.workers[node] = [SimWorker(conn, node, r, workers, settings, keeper, self.probe.address)
+            self.workers[node] = [SimWorker(conn, node, r, workers, settings, keeper, self.probe.address, decoder, reread)
                                   for r in range(workers)]
             for w in self.workers[node]:
-                w.node_dir = os.path.join(node_dir, node) if node_dir is not None else None
                 w.node_ids = [x.id for x in self.workers[node]]
         self.lost: set[str] = set()
         self.reporter = ThreadPoolExecutor(16)
-        self.gatherer = Gatherer(self.reporter) if node_dir is not None else None
+        self.gatherer = Gatherer(self.reporter)
         for w in self.all():
             w.reporter, w.gatherer = self.reporter, self.gatherer
         self.thin: dict[str, ThinNode] = {}  # --full-nodes: the nodes that are not full (thin_out)
@@ -449,7 +493,7 @@ class Part:
 
     def thin_out(self, full: list[str]) -> int:
         """``--full-nodes``: the nodes of this process not in ``full`` become ``ThinNode``s (before ``watch``)."""
-        self.thin = {node: ThinNode(ws[0].conn, node, self.keepers[node], ws, self.reporter)
+        self.thin = {node: ThinNode(ws[0].keys.conn, node, self.keepers[node], ws, self.reporter)
                      for node, ws in self.workers.items() if node not in full}
         return len(self.workers) - len(self.thin)
 
@@ -469,9 +513,9 @@ class Part:
         q = Quorum.from_json(data)
 
         def adopt(w: SimWorker) -> None:
-            w._adopt(q)
+            w.adopt(q)
             w.target = q.q
-            w.conn.call(lambda c, k=w._key("join/" + w.id): c.delete(k))
+            w.group.lease.delete(w.keys.key("join/" + w.id))
 
         with ThreadPoolExecutor(32) as pool:
             list(pool.map(adopt, self.all()))
@@ -489,32 +533,31 @@ class Part:
             thin.start(self.aio)
         nodes = [ws for n, ws in self.workers.items() if n not in self.thin]
         step = wave if wave > 0 else len(nodes)
+        for w in self.all():
+            w.reports = reports
         for i in range(0, len(nodes), step):
             batch = nodes[i:i + step]
             starting = [w for ws in batch for w in (ws if not self.shared_siblings else ws[:1])]
             for w in starting:
-                w.watch(reports)
-            while wave > 0 and any(w.watcher.reads < 1 for w in starting) and time.monotonic() < deadline:
+                w.watch()
+            while wave > 0 and any(w.views.reads < 1 for w in starting) and time.monotonic() < deadline:
                 time.sleep(0.02)
         if self.shared_siblings:
-            while not all(ws[0].watcher._node is not None and ws[0].watcher._node.leader
+            while not all(ws[0].views.share is not None and ws[0].views.share.leader
                           for ws in nodes) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            siblings = [w for ws in nodes for w in ws[1:]]
-            for w in siblings:
-                w.watch(reports, thread=False)
-                w.watcher._node = w.node_watch(w.watcher._changed, w.watcher._open_watch)
-                if w.watcher._node.try_lead():
-                    raise RuntimeError(f"{w.id} took its node's watch: the first worker did not")
+            siblings = [(w, w.watch(thread=False)) for ws in nodes for w in ws[1:]]
+            if any(share is None for _, share in siblings):
+                raise RuntimeError("a sibling took its node's watch: the first worker did not")
             daemon_thread("siblings", self._serve_siblings, siblings)
-        while (any(w.watcher.reads + w.watcher.loads < 1 for w in self.full())
+        while (any(w.views.reads + w.views.loads < 1 for w in self.full())
                or any(not t.watch.established.is_set() for t in self.thin.values())) and time.monotonic() < deadline:
             time.sleep(0.05)
         # What the start made lives to the end (~1,000 nodes' views): out of the collector's sweeps,
         # which would otherwise walk it all while a loss is timed (each a product node's own heap).
         gc.collect()
         gc.freeze()
-        return {"read": sum(w.watcher.reads + w.watcher.loads >= 1 for w in self.full())
+        return {"read": sum(w.views.reads + w.views.loads >= 1 for w in self.full())
                 + sum(len(t.workers) for t in self.thin.values() if t.watch.established.is_set())}
 
     def expect(self, target: int, proposer: str | None) -> None:
@@ -543,7 +586,7 @@ class Part:
             raise RuntimeError(f"the lease of {node} expired before it was to be lost (the machine is too loaded)")
         if expire:
             keeper.close(revoke=False)
-            return keeper._last_renewed + keeper._ttl
+            return time.monotonic() - keeper.seconds_since_renewal() + self.settings.lease_ttl
         t0 = time.monotonic()
         keeper.close(revoke=True)
         return t0
@@ -556,7 +599,7 @@ class Part:
             time.sleep(0.02)
         ws = self.full()
         return {"lost_at": [w.lost_at for w in ws], "knew_at": [w.knew_at for w in ws],
-                "keeps_watch": [w.watcher._watch is not None for w in ws],
+                "keeps_watch": [w.views.stream is not None for w in ws],
                 "event_at": [w.event_at for w in ws if w.event_at is not None],
                 "written_at": [w.written_at for w in self.all() if w.written_at is not None],
                 "thin_lost_at": [t.lost_at for t in thin], "thin_event_at": [t.event_at for t in thin],
@@ -564,23 +607,23 @@ class Part:
 
     def stats(self) -> dict:
         ws = self.all(live=False)
-        return {"reads": sum(w.watcher.reads for w in ws), "applied": sum(w.watcher.applied for w in ws),
+        return {"reads": sum(w.views.reads for w in ws), "applied": sum(w.views.applied for w in ws),
                 "lost_leases": sum(k.lost for n, k in self.keepers.items() if n not in self.lost),
-                "loads": sum(w.watcher.loads for w in ws), "look_errors": self.look_errors,
+                "loads": sum(w.views.loads for w in ws), "look_errors": self.look_errors,
                 "cpu_s": time.process_time()}
 
-    def _serve_siblings(self, siblings: list[SimWorker]) -> None:
+    def _serve_siblings(self, siblings: list[tuple[SimWorker, NodeShare]]) -> None:
         """One thread for every sibling of this process (``--shared-siblings``): what each
-        sibling's two threads do in the product (``NodeWatch.run`` waits on the sibling's socket;
+        sibling's two threads do in the product (``NodeShare.run`` waits on the sibling's socket;
         the watcher looks at each datagram and every poll), for all of them, one after the other.
         Each look is the product's ``Watcher.look``; what is not simulated is a sibling's
         promotion when its node's watching worker dies (no node dies here but a lost one)."""
         selector = selectors.DefaultSelector()
-        for w in siblings:
-            sock = w.watcher._node.bind()
+        for w, share in siblings:
+            sock = share.bind()
             sock.setblocking(False)
             selector.register(sock, selectors.EVENT_READ, w)
-        poll = siblings[0].settings.poll if siblings else 1.0
+        poll = siblings[0][0].settings.poll if siblings else 1.0
         next_poll = time.monotonic() + poll
         while not self.closing.is_set():
             for key, _ in selector.select(max(0.0, next_poll - time.monotonic())):
@@ -588,19 +631,19 @@ class Part:
                     while key.fileobj.recv(16):
                         pass
                 w = key.data
-                w.watcher._changed()
+                w.views.stale()  # what the product's NodeShare.run calls on a datagram
                 self._look(w)
             if time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + poll
-                for w in siblings:
+                for w, _ in siblings:
                     self._look(w)
         selector.close()
 
     def _look(self, w: SimWorker) -> None:
-        if w.stopped:
+        if w.group.watcher.stopped:
             return
         try:
-            w.watcher.look()
+            w.group.watcher.look()
         except Exception as exc:  # noqa: BLE001 - counted and printed: a product thread would have died
             self.look_errors += 1
             if self.look_errors <= 3:
@@ -610,8 +653,7 @@ class Part:
         self.closing.set()
         for thin in self.thin.values():
             thin.close()
-        if self.gatherer is not None:
-            self.gatherer.close()
+        self.gatherer.close()
         self.reporter.shutdown(wait=False)
         for w in self.all(live=False):
             w.close()
@@ -623,20 +665,8 @@ class Part:
         self.probe.close()
 
 
-GRPC_IDLE_WAIT = 2.0
-"""Seconds a thread blocked on a gRPC stream sleeps between two looks when nothing arrives (gRPC's
-own is 0.1 s, ``grpc._common.MAXIMUM_WAIT_TIMEOUT``: so that a signal handler in that thread runs
-within 0.1 s; an arriving message wakes it at once either way). A node of the product has two such
-threads (its watch stream's reader and feeder): 20 wake-ups a second on its own CPUs. The
-simulation's 1,000 nodes would wake 20,000 threads a second on 2 cores, each taking the GIL from
-the threads doing the work; ``serve`` sets this in each simulation process, not in the product."""
-
-
 def serve(pipe) -> None:
     """A simulation process: builds its ``Part`` and answers the main process's commands."""
-    import grpc._common
-
-    grpc._common.MAXIMUM_WAIT_TIMEOUT = GRPC_IDLE_WAIT  # see GRPC_IDLE_WAIT
     threading.stack_size(512 * 1024)
     part = None
     while (job := pipe.recv()) is not None:
@@ -690,4 +720,4 @@ class Pool:
                 proc.join()
 
 
-__all__ = ["GRPC_IDLE_WAIT", "Gatherer", "PREFIX", "SIM_GRACE", "Part", "Pool", "SimWorker", "ThinNode", "connection", "daemon_thread", "serve"]
+__all__ = ["Gatherer", "PREFIX", "SIM_GRACE", "Part", "Pool", "SharedDecoder", "SimWorker", "ThinNode", "connection", "daemon_thread", "serve"]

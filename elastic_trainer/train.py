@@ -49,7 +49,7 @@ def _train(config: TrainConfig) -> int:
     """``Trainer(config).train()``, and the exit status that says how it ended."""
     from elastic_trainer.devices import DeviceError
     from elastic_trainer.env import EXIT_EXCLUDED, EXIT_PEER_STOPPED, EXIT_USAGE
-    from elastic_trainer.rendezvous.quorum import LiveExcluded, RunFinished
+    from elastic_trainer.live.quorum import LiveExcluded, RunFinished
     from elastic_trainer.training.preemption import PEER_STOPPED
     from elastic_trainer.training.trainer import Trainer
 

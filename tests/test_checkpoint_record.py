@@ -197,8 +197,9 @@ def test_commit_recorded_in_etcd_loads_when_its_storage_manifest_never_landed(re
 
 def test_live_quorum_change_between_fence_check_and_commit_fences_the_commit(etcd, run_id, tmp_path):
     """The live path's token: the quorum number and the member's lease, compared in the commit."""
-    from elastic_trainer.env import LiveSettings
-    from elastic_trainer.rendezvous.quorum import LiveGroup, Quorum
+    from elastic_trainer.live.group import LiveGroup
+    from elastic_trainer.live.quorum import Quorum
+    from tests.helpers.live_nodes import NodeAgent, settings
 
     prefix = f"/elastic-trainer/{run_id}/"
     conn = etcd_conn(etcd)
@@ -218,10 +219,11 @@ def test_live_quorum_change_between_fence_check_and_commit_fences_the_commit(etc
                 put_quorum(self.quorum.q + 1, ())
             return guard
 
-    group = PausedAfterCheck(conn, prefix, "node-a", 0, 1, "127.0.0.1", LiveSettings())
+    agent = NodeAgent(etcd, run_id, "node-a")
+    group = PausedAfterCheck.make(conn, prefix, "node-a", 0, 1, "127.0.0.1", settings(), agent.lease_id)
     try:
         put_quorum(3, (group.me,))
-        group.quorum = Quorum(q=3, members=(group.me,))
+        group.membership.adopt(Quorum(q=3, members=(group.me,)))
         url = str(tmp_path / "ckpt")
         mgr = CheckpointManager(url, async_checkpoint=False, fence=group, writer_id="live-rank0")
         mgr.save(1, _state(1, 1.0))
@@ -234,4 +236,5 @@ def test_live_quorum_change_between_fence_check_and_commit_fences_the_commit(etc
         assert [(e["step"], e["fence_token"]) for e in entries] == [(1, "quorum-3")]
     finally:
         group.close()
+        agent.close()
         conn.close()

@@ -174,14 +174,7 @@ LAYER_EXCEPTIONS: dict[str, str] = {
 }
 
 CYCLE_EXCEPTIONS: dict[tuple[str, ...], str] = {
-    # Known import cycles (their modules, sorted), all among rendezvous/'s live modules, which are
-    # being rebuilt as elastic_trainer/live/ (issue 42); the lead empties this list at merge.
-    ("rendezvous.quorum", "rendezvous.watcher", "rendezvous.watcher_view"):
-        "quorum.py:84 imports watcher; watcher.py:37 and watcher_view.py:35 import quorum under TYPE_CHECKING",
-    ("rendezvous.live_reform", "rendezvous.report_watch"):
-        "live_reform.py:52 imports report_watch; report_watch.py:23 imports live_reform under TYPE_CHECKING",
-    ("rendezvous.members", "rendezvous.quorum_record"):
-        "quorum_record.py:36 imports members; members.py:298 imports quorum_record in a function",
+    # Known import cycles (their modules, sorted), for the lead to empty at merge; none left.
 }
 
 
@@ -402,28 +395,6 @@ REACH_IN_EXCEPTIONS: dict[str, str] = {
     "elastic_trainer/rendezvous/admission.py:82: obj._settings": "torch's handler: read it through torch_private.py",
     "elastic_trainer/rendezvous/admission.py:231: holder._backend": "torch's holder: keep our own backend reference",
     "elastic_trainer/rendezvous/admission.py:326: holder._backend": "as above",
-    # -- rendezvous/'s live modules (becoming elastic_trainer/live/): the LiveGroup's parts share its state
-    "elastic_trainer/rendezvous/live_reform.py:194: getattr(getattr(self, 'watcher', None), '_node', None)": "live",
-    "elastic_trainer/rendezvous/members.py:283: quorum._ranks": "live",
-    "elastic_trainer/rendezvous/members.py:300: LiveKeys._decoded": "live (the simulation's decode cache)",
-    "elastic_trainer/rendezvous/members.py:305: LiveKeys._decoded": "live (the simulation's decode cache)",
-    "elastic_trainer/rendezvous/report_watch.py:43: group._key": "live",
-    "elastic_trainer/rendezvous/report_watch.py:47: group._seen_event": "live",
-    "elastic_trainer/rendezvous/report_watch.py:51: group._start_thread": "live",
-    "elastic_trainer/rendezvous/report_watch.py:106: self._group._read_reports": "live",
-    "elastic_trainer/rendezvous/watcher.py:64: self.group._start_thread": "live",
-    "elastic_trainer/rendezvous/watcher.py:112: self.group._adopt_lock": "live",
-    "elastic_trainer/rendezvous/watcher.py:157: self.group._key": "live",
-    "elastic_trainer/rendezvous/watcher.py:166: self.group._call": "live",
-    "elastic_trainer/rendezvous/watcher.py:187: self.group._lease": "live",
-    "elastic_trainer/rendezvous/watcher.py:187: self.group._key": "live",
-    "elastic_trainer/rendezvous/watcher.py:189: self.group._lease": "live",
-    "elastic_trainer/rendezvous/watcher.py:189: self.group._key": "live",
-    "elastic_trainer/rendezvous/watcher_view.py:79: self.group._key": "live",
-    "elastic_trainer/rendezvous/watcher_view.py:81: self.group._start_thread": "live",
-    "elastic_trainer/rendezvous/watcher_view.py:159: self.group._members_of": "live",
-    "elastic_trainer/rendezvous/watcher_view.py:208: self.group._key": "live",
-    "elastic_trainer/rendezvous/watcher_view.py:215: self.group._call": "live",
 }
 
 

@@ -131,7 +131,7 @@ def test_the_watcher_tells_a_lost_process_within_a_poll_and_calls_the_abort_hook
         a.start_watching()
         time.sleep(0.5)
         assert calls == [] and not a.change_pending.is_set(), "no loss while both members live"
-        b._probe.close()  # noqa: SLF001 - what the kernel does to a killed process's listening socket
+        b.probe.close()  # what the kernel does to a killed process's listening socket
         t_gone = time.monotonic()
         end = t_gone + 2.0
         while not calls and time.monotonic() < end:

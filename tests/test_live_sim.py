@@ -5,6 +5,8 @@ next quorum from its watcher. The numbers at scale are the benchmark's (benchmar
 from __future__ import annotations
 
 import argparse
+import shutil
+import tempfile
 
 import pytest
 
@@ -13,40 +15,45 @@ from benchmarks import live_sim
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.mark.parametrize("node_watch,shared", [(False, False), (True, False), (True, True)],
-                         ids=["watch-per-worker", "watch-per-node", "watch-per-node-shared-siblings"])
-def test_a_lost_node_reaches_every_survivor_of_a_small_simulation(etcd, tmp_path, node_watch, shared):
+@pytest.fixture
+def workdir():
+    """The simulation's files (its nodes' lease records and shared directories, with their
+    sockets): under the system's temp dir, whose short path a socket's name fits in (pytest's
+    ``tmp_path`` is too long for AF_UNIX's 108 bytes)."""
+    path = tempfile.mkdtemp(prefix="live-sim-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["sibling-threads", "shared-siblings"])
+def test_a_lost_node_reaches_every_survivor_of_a_small_simulation(etcd, workdir, shared):
     args = argparse.Namespace(nodes=5, workers=2, processes=2, channels=1, poll=1.0, lease_ttl=3, losses=1,
                               reread=False, no_reports=False, settle=0.2, window=1.0, between=0.0, timeout=30.0,
-                              node_watch=node_watch, shared_siblings=shared, workdir=str(tmp_path))
+                              shared_siblings=shared, workdir=workdir)
     result = live_sim.run(args, etcd.endpoint)
     assert result["steady"]["requests_per_s"] < 20, "5 nodes at rest: their 5 lease renewals a second"
     loss = result["losses"][0]
     assert loss["knew"] == loss["survivors"] == 8, "every survivor must see the next quorum"
-    # One whole read per watch, when it was established: a watch per worker, or per node (its
-    # sibling loads the view the watching worker published).
-    assert loss["whole_reads"] == (5 if node_watch else 10)
-    # One report per node where its workers share a directory (rendezvous/node_report.py)
-    assert loss["report_puts"] == (4 if node_watch else 8)
+    # One whole read per node's stream, when it was established (its sibling loads the view the
+    # watching worker published), and one report per node (live/node_report.py)
+    assert loss["whole_reads"] == 5
+    assert loss["report_puts"] == 4
     assert result["lost_leases"] == 0 and result["look_errors"] == 0
 
 
 @pytest.mark.parametrize("thin_aio", [False, True], ids=["thin-threads", "thin-aio"])
-def test_thin_nodes_carry_the_etcd_load_and_the_full_ones_run_the_product(etcd, tmp_path, thin_aio):
+def test_thin_nodes_carry_the_etcd_load_and_the_full_ones_run_the_product(etcd, workdir, thin_aio):
     """``--full-nodes``: the proposers' and the lost nodes run the product's code whole, the others
     only their etcd side (one watch stream, one report put per loss; ``--thin-aio``: all of a
     process's on one asyncio loop): every survivor, thin or full, is counted, and only the full
     nodes read the live keys whole. The losses are expiries."""
     args = argparse.Namespace(nodes=8, workers=2, processes=2, channels=1, poll=1.0, lease_ttl=3, losses=2,
                               reread=False, no_reports=False, settle=0.2, window=1.0, between=0.0, timeout=30.0,
-                              node_watch=True, shared_siblings=True, full_nodes=2, expire=True,
-                              thin_aio=thin_aio, workdir=str(tmp_path))
+                              shared_siblings=True, full_nodes=2, expire=True,
+                              thin_aio=thin_aio, workdir=workdir)
     result = live_sim.run(args, etcd.endpoint)
     first, second = result["losses"]
-    # --expire: the lost node's lease expires (3 s after its last renewal), timed from that expiry
-    # (etcd acts on it at its next 500 ms check; once in ~10 runs under the suite's load a survivor
-    # saw it 2.6 s before the computed expiry, not understood: the bound below is the one that holds)
-    assert result["loss"] == "expiry" and first["loss_seen_first_s"] < 3
+    assert result["loss"] == "expiry"  # the lost node's lease expires (3 s after its last renewal)
     assert first["knew"] == first["survivors"] == 14 and second["knew"] == second["survivors"] == 12
     assert first["report_puts"] == 7 and second["report_puts"] == 6, "one report per surviving node"
     assert 3 <= result["full_nodes"] <= 5, "the first 3 nodes in the quorum's order and the 2 lost ones"

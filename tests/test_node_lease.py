@@ -1,8 +1,9 @@
-"""One etcd lease per node under live recovery (``rendezvous/node_lease.py``), on a real etcd: the
-workers' keys ride on the agent's lease and send no renewal while the agent renews it; an agent
-paused alone costs nothing (one worker at a time renews for it); a node frozen whole loses the lease
-and every worker leaves; a worker that leaves keeps the lease and a new one clears its earlier
-self's keys. The request rate per node is measured by ``benchmarks/etcd_load.py``, not here."""
+"""One etcd lease per node under live recovery (``rendezvous/node_lease.py``, ``live/worker_lease.py``),
+on a real etcd: the workers' keys ride on the agent's lease and send no renewal while the agent
+renews it; an agent paused alone costs nothing (one worker at a time renews for it); a node frozen
+whole loses the lease and every worker leaves; a worker that leaves keeps the lease and a new one
+clears its earlier self's keys. The request rate per node is measured by ``benchmarks/etcd_load.py``,
+not here."""
 
 from __future__ import annotations
 
@@ -10,53 +11,24 @@ import time
 
 import pytest
 
-from elastic_trainer.env import LiveSettings
 from elastic_trainer.etcd.client import EtcdConnection
-from elastic_trainer.rendezvous.lease import LeaseKeeper
-from elastic_trainer.rendezvous.node_lease import AgentRecord, RenewalRecord
-from elastic_trainer.rendezvous.quorum import LiveGroup
-from tests.helpers.common import etcd_conn, holds_within, join_and_watch
+from elastic_trainer.rendezvous.node_lease import RenewalRecord
+from tests.helpers.common import etcd_conn, holds_within
+from tests.helpers.live_nodes import NodeAgent, group, live_nodes, settings
 
 pytestmark = pytest.mark.timeout(120)
 
 TTL, INTERVAL = 2, 0.5
 
 
-class _Agent:
-    """The agent's side as the handler builds it: a ``LeaseKeeper`` that records its renewals."""
-
-    def __init__(self, etcd, run_id) -> None:
-        self.record = AgentRecord()
-        self.keeper = LeaseKeeper(etcd_conn(etcd), f"/{run_id}/alive/node0", ttl=TTL, interval=INTERVAL,
-                                  on_renewed=self.record)
-        self.keeper.ensure()
-        self.lease_id = self.keeper.lease_id
-
-    def pause(self) -> None:
-        """What SIGSTOP does to its renewals (the lease is left to expire, not revoked)."""
-        self.keeper._stop.set()
-
-    def close(self) -> None:
-        self.keeper.close(revoke=True)
-        self.record.close()
-
-
 @pytest.fixture
 def node(etcd, run_id):
-    """An agent and its two workers on its lease, joined into a world of 2 and watching."""
-    agent = _Agent(etcd, run_id)
+    """An agent and its two workers on its lease, joined into a world of 2 and watching; what the
+    workers' ``on_lease_lost`` was called with."""
     left: list[str] = []
-    settings = LiveSettings(min_nodes=1, max_nodes=2, last_call=0.0, join_timeout=20, lease_ttl=TTL,
-                            keep_alive_interval=INTERVAL)
-    workers = [LiveGroup(etcd_conn(etcd), f"/{run_id}/", "node0", i, 2, "127.0.0.1", settings,
-                         node_lease=agent.lease_id, on_lease_lost=left.append) for i in range(2)]
-    try:
-        join_and_watch(workers, timeout=5)
-        yield agent, workers, left
-    finally:
-        for w in workers:
-            w.close()
-        agent.close()
+    with live_nodes(etcd, run_id, nodes=1, workers=2, lease_ttl=TTL, keep_alive_interval=INTERVAL,
+                    callbacks={"on_lease_lost": left.append}) as nodes:
+        yield nodes, left
 
 
 def _lease_ttl(conn: EtcdConnection, lease_id: int) -> int:
@@ -64,15 +36,17 @@ def _lease_ttl(conn: EtcdConnection, lease_id: int) -> int:
 
 
 def test_workers_on_the_nodes_lease_renew_nothing_while_their_agent_renews_it(node):
-    agent, workers, left = node
+    nodes, left = node
+    agent, workers = nodes.agents["node0"], nodes.groups
     time.sleep(4 * INTERVAL)  # four of the agent's renewals
     assert not left
-    assert [w._lease.renewals for w in workers] == [0, 0], "a worker renewed the node's lease beside its agent"
+    assert [w.lease.renewals for w in workers] == [0, 0], "a worker renewed the node's lease beside its agent"
     assert RenewalRecord(agent.lease_id).last() > time.monotonic() - 2 * INTERVAL, "the agent records its renewals"
 
 
 def test_an_agent_paused_alone_costs_nothing_its_workers_renew_the_nodes_lease_one_at_a_time(node, etcd):
-    agent, workers, left = node
+    nodes, left = node
+    agent, workers = nodes.agents["node0"], nodes.groups
     agent.pause()
     paused = time.monotonic()
     time.sleep(3 * TTL)  # three leases: the lease would be gone twice over
@@ -80,47 +54,43 @@ def test_an_agent_paused_alone_costs_nothing_its_workers_renew_the_nodes_lease_o
     conn = etcd_conn(etcd)
     try:
         assert _lease_ttl(conn, agent.lease_id) > 0, "the node's lease expired while its workers lived"
-        assert not left and not any(w._lease.lost for w in workers)
-        renewals = sum(w._lease.renewals for w in workers)
+        assert not left and not any(w.lease.lost for w in workers)
+        renewals = sum(w.lease.renewals for w in workers)
         # One renewal per 1.5 intervals at most (a quarter interval of lateness each): the siblings
         # take turns through the record's lock instead of both renewing.
         assert 1 <= renewals <= elapsed / (1.5 * INTERVAL) + 1, renewals
         for w in workers:
-            assert conn.call(lambda c, w=w: c.get(w._key("alive/" + w.id)))[0] is not None
+            assert conn.call(lambda c, w=w: c.get(w.lease.key))[0] is not None
     finally:
         conn.close()
 
 
 def test_a_node_frozen_whole_loses_its_lease_and_every_worker_leaves(node):
-    agent, workers, left = node
-    agent.pause()
-    for w in workers:
-        w._lease._stop.set()  # the workers' stand-in renewals freeze with the node
-    frozen = time.monotonic()
+    nodes, left = node
+    nodes.agents["node0"].pause()
+    for w in nodes.groups:
+        nodes.threads[w.id].stop("node-lease")  # the workers' stand-in renewals freeze with the node
     assert holds_within(lambda: len(left) >= 2, timeout=TTL + 4), "every worker of the node must leave with its lease"
-    assert time.monotonic() - frozen < TTL + 1.5 * INTERVAL + 1.0
-    assert all(w._lease.lost for w in workers)
+    assert all(w.lease.lost for w in nodes.groups)
 
 
 def test_a_worker_on_the_nodes_lease_leaves_it_alive_and_clears_its_earlier_selves(etcd, run_id):
-    agent = _Agent(etcd, run_id)
+    agent = NodeAgent(etcd, run_id, "node0", ttl=TTL, interval=INTERVAL)
     conn = etcd_conn(etcd)
-    settings = LiveSettings(min_nodes=1, max_nodes=1, last_call=0.0, join_timeout=20, lease_ttl=TTL,
-                            keep_alive_interval=INTERVAL)
     try:
         stale = f"/{run_id}/live/join/node0-0-999999"  # a worker killed alone left its join key behind
         conn.call(lambda c: c.put(stale, b"{}", lease=agent.lease_id))
         conn.call(lambda c: c.put(f"/{run_id}/live/alive/node0-0-999999", b"{}", lease=agent.lease_id))
         keep = f"/{run_id}/live/alive/node0-1-999999"  # another local rank's key is not its business
         conn.call(lambda c: c.put(keep, b"{}", lease=agent.lease_id))
-        w = LiveGroup(etcd_conn(etcd), f"/{run_id}/", "node0", 0, 2, "127.0.0.1", settings, node_lease=agent.lease_id)
+        w = group(etcd, run_id, agent, "node0", 0, 2, settings(lease_ttl=TTL, keep_alive_interval=INTERVAL))
         assert conn.call(lambda c: c.get(stale))[0] is None
         assert conn.call(lambda c: c.get(f"/{run_id}/live/alive/node0-0-999999"))[0] is None
         assert conn.call(lambda c: c.get(keep))[0] is not None
-        own = w._key("alive/" + w.id)
-        assert conn.call(lambda c: c.get(own))[0] is not None
+        assert conn.call(lambda c: c.get(w.lease.key))[0] is not None
         w.close()
-        assert conn.call(lambda c: c.get(own))[0] is None, "a worker that leaves deletes its key"
+        w.conn.close()
+        assert conn.call(lambda c: c.get(w.lease.key))[0] is None, "a worker that leaves deletes its key"
         assert _lease_ttl(conn, agent.lease_id) > 0, "a worker that leaves must not revoke its node's lease"
     finally:
         agent.close()
@@ -146,27 +116,32 @@ def test_the_renewal_record_lets_one_process_claim_a_late_renewal(tmp_path, monk
         b.close()
 
 
-def test_a_node_keeps_one_etcd_watch_its_sibling_sees_a_joiner_through_it_and_takes_it_over(node, etcd, run_id):
-    """One watch stream per node (``rendezvous/node_watch.py``): one worker keeps it, the other loads
+def test_a_node_keeps_one_etcd_watch_its_sibling_sees_a_joiner_through_it_and_takes_it_over(etcd, run_id):
+    """One watch stream per node (``live/node_share.py``): one worker keeps it, the other loads
     its published views, sees a node asking to join as fast, and keeps the watch once the first is gone."""
-    agent, workers, left = node
-    keeping = [w for w in workers if w.watcher._watch is not None]
-    assert len(keeping) == 1, "exactly one of the node's workers keeps an etcd watch"
-    keeper, sibling = keeping[0], next(w for w in workers if w is not keeping[0])
-    reads = sibling.watcher.reads
-    conn = etcd_conn(etcd)
-    try:
-        # A whole node asks to join (its one worker's join key): a planned re-form for both.
-        joiner, alive = f"/{run_id}/live/join/node9-0-4242", f"/{run_id}/live/alive/node9-0-4242"
-        conn.call(lambda c: c.put(alive, b"{}"))
-        conn.call(lambda c: c.put(joiner, b'{"node": "node9", "local_rank": 0, "nproc": 1, "probe": "127.0.0.1:1"}'))
-        assert holds_within(lambda: all(w.change_pending.is_set() for w in workers), timeout=3), \
-            [w.change_reason for w in workers]
-        assert sibling.watcher.loads >= 2 and sibling.watcher.reads == reads, "the sibling read etcd itself"
-        conn.call(lambda c: c.delete(joiner))
-        conn.call(lambda c: c.delete(alive))
-        keeper.close()  # the keeping worker leaves: its lock goes with it
-        assert holds_within(lambda: sibling.watcher._watch is not None, timeout=2), "the sibling must take the watch"
-        assert not left
-    finally:
-        conn.close()
+    left: list[str] = []
+    with live_nodes(etcd, run_id, nodes=1, workers=2, max_nodes=2, last_call=0.0, lease_ttl=TTL,
+                    keep_alive_interval=INTERVAL, callbacks={"on_lease_lost": left.append}) as nodes:
+        workers = nodes.groups
+        keeping = [w for w in workers if w.watcher.keeper.stream is not None]
+        assert len(keeping) == 1, "exactly one of the node's workers keeps an etcd watch"
+        keeper, sibling = keeping[0], next(w for w in workers if w is not keeping[0])
+        reads = sibling.watcher.keeper.reads
+        conn = etcd_conn(etcd)
+        try:
+            # A whole node asks to join (its one worker's join key): a planned re-form for both.
+            joiner, alive = f"/{run_id}/live/join/node9-0-4242", f"/{run_id}/live/alive/node9-0-4242"
+            conn.call(lambda c: c.put(alive, b"{}"))
+            conn.call(lambda c: c.put(joiner, b'{"node": "node9", "local_rank": 0, "nproc": 1, "probe": "127.0.0.1:1"}'))
+            assert holds_within(lambda: all(w.change_pending.is_set() for w in workers), timeout=3), \
+                [w.change_reason for w in workers]
+            assert sibling.watcher.keeper.loads >= 2 and sibling.watcher.keeper.reads == reads, \
+                "the sibling read etcd itself"
+            conn.call(lambda c: c.delete(joiner))
+            conn.call(lambda c: c.delete(alive))
+            keeper.close()  # the keeping worker leaves: its lock goes with it
+            assert holds_within(lambda: sibling.watcher.keeper.stream is not None, timeout=2), \
+                "the sibling must take the watch"
+            assert not left
+        finally:
+            conn.close()

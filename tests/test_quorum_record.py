@@ -1,4 +1,4 @@
-"""The quorum key's record (``rendezvous/quorum_record.py``): a re-form writes the change from the
+"""The quorum key's record (``live/quorum.py``): a re-form writes the change from the
 quorum it replaces (a few hundred bytes however large the group) and the whole record beside it; a
 reader that holds the base rebuilds the member list exactly, one that does not reads the whole
 record, and one that can do neither fails instead of guessing. On a real etcd: the
@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_trainer.env import LiveSettings
-from elastic_trainer.rendezvous import quorum_record
-from elastic_trainer.etcd.client import EtcdConnection, EtcdOptions, parse_endpoints
-from elastic_trainer.fence import FencedError
-from elastic_trainer.rendezvous.members import Change, LiveKeys, Member, Quorum
-from elastic_trainer.rendezvous.quorum import LiveGroup
+from elastic_trainer.live import quorum as quorum_record
+from elastic_trainer.live.keys import Change
+from elastic_trainer.live.mirror import Mirror
+from elastic_trainer.live.quorum import Member, Quorum
+from elastic_trainer.rendezvous.round_fence import FencedError
+from tests.helpers.live_nodes import NodeAgent, group, live_nodes, settings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,44 +57,39 @@ def test_a_record_that_is_not_a_change_is_written_whole():
     assert quorum_record.decode(value, lambda q: old if q == 2 else None, _never) == finished
 
 
-def test_live_keys_apply_a_change_record_from_the_quorum_they_hold():
+def test_a_mirror_applies_a_change_record_from_the_quorum_it_holds():
     p = "/r/live/"
     old = Quorum(q=1, members=_members(range(4), workers=2))
     new = Quorum(q=2, members=old.members[2:])
     value, whole = quorum_record.encode(new, old)
-    keys = LiveKeys(p)
-    keys.fetch_members = _never
+    keys = Mirror(p, fetch_members=_never)
     keys.load([Change(p + "quorum", old.to_json(), 3, 3)])
     keys.apply(Change(p + "quorum", value, 3, 9))
     assert keys.quorum == new and keys.quorum_record == value
     later = Quorum(q=2, members=new.members, formed_at=1.0)  # other bytes: not the decoded one again
     value, whole = quorum_record.encode(later, old)
-    fresh = LiveKeys(p)
-    fresh.fetch_members = lambda q: whole if q == 2 else None
+    fresh = Mirror(p, fetch_members=lambda q: whole if q == 2 else None)
     fresh.load([Change(p + "quorum", value, 3, 9)])
     assert fresh.quorum == later, "a watcher that missed quorum 1 reads quorum 2's whole record"
 
 
 def test_a_compare_and_swap_writes_the_change_and_the_whole_record_and_readers_resolve_it(etcd, run_id):
-    settings = LiveSettings(min_nodes=1, max_nodes=4, last_call=0.0, join_timeout=20)
-    conn = EtcdConnection(EtcdOptions(endpoints=parse_endpoints(etcd.endpoint), retry_timeout=10))
-    group = LiveGroup(conn, f"/{run_id}/", "node0", 0, 1, "127.0.0.1", settings)
-    newcomer = LiveGroup(conn, f"/{run_id}/", "node9", 0, 1, "127.0.0.1", settings)
-    try:
-        q1 = group.join()
+    with live_nodes(etcd, run_id, nodes=1, max_nodes=4) as nodes:
+        g = nodes.groups[0]
+        agent = nodes.agents["node9"] = NodeAgent(etcd, run_id, "node9")  # closed with the others
+        newcomer = group(etcd, run_id, agent, "node9", live=settings(max_nodes=4))
+        nodes.groups.append(newcomer)
+        conn, keys = g.conn, g.keys
+        q1 = g.quorum
         q2 = Quorum(q=2, members=q1.members + _members(range(5, 7), workers=2), step=3)
-        assert group._cas_quorum(q2, group._read().quorum_rev, base=q1)
+        assert keys.cas_quorum(q2, keys.read().quorum_rev, base=q1)
         value = conn.call(lambda c: c.get(f"/{run_id}/live/quorum"))[0]
         assert b'"base": 1' in value and b'"members"' not in value
         assert conn.call(lambda c: c.get(f"/{run_id}/live/members/2"))[0] == q2.to_json()
-        assert newcomer._read().quorum == q2, "a reader without quorum 1 reads the whole record"
-        group._adopt(q2)
-        assert group._read().quorum == q2
-        group.guard()  # the fence check reads the quorum's number from the change
-        group._adopt(q1)
+        assert newcomer.keys.read().quorum == q2, "a reader without quorum 1 reads the whole record"
+        g.membership.adopt(q2)
+        assert keys.read(held=q2).quorum == q2
+        g.guard()  # the fence check reads the quorum's number from the change
+        g.membership.adopt(q1)
         with pytest.raises(FencedError):
-            group.guard()
-    finally:
-        newcomer.close()
-        group.close()
-        conn.close()
+            g.guard()

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from elastic_trainer.env import ENV_DEBUG_HANG, EXIT_EXCLUDED, LiveSettings
-from elastic_trainer.rendezvous.progress import Progress
+from elastic_trainer.live.progress import Progress
 from tests.helpers.common import REPO, cli_cmd
 from tests.helpers.live import agent_of, current_ranks, live_agent, two_members, wait_steps
 from tests.helpers.runs import CONF

@@ -69,7 +69,7 @@ def read_status(conn, prefix: str) -> dict[str, Any]:
         node_rank = {node_name(n): r for n, r in state.participants.items()}
     workers: dict[str, list[int]] = {}
     if quorum_value:  # --recovery live: the live group's quorum (rendezvous/quorum.py), rank i = members[i]
-        from elastic_trainer.rendezvous.quorum_record import MEMBERS, decode
+        from elastic_trainer.live.quorum import MEMBERS, decode
 
         quorum = decode(quorum_value, lambda q: None,  # a change record: its whole record is beside it
                         lambda q: conn.call(lambda c: c.get(f"{prefix}live/{MEMBERS}{q}")[0], "status read"))

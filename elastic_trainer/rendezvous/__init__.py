@@ -6,22 +6,19 @@ Registered under the entry-point group ``torchrun.handlers`` as ``etcd-v3``, so 
     torchrun --rdzv-backend etcd-v3 --rdzv-endpoint 127.0.0.1:2379 --nnodes 1:4 train.py
 
 Modules: ``handler`` (torch's dynamic rendezvous with leases and a membership
-watchdog), ``options`` (``--rdzv-conf``), ``lease`` (a node's etcd lease), ``etcd_backend`` (state key, compare-and-swap), ``state`` (JSON state,
-lease-based liveness), ``round_fence`` (round fence for
-workers), ``quorum`` (the live quorum: which workers train together under live recovery; the
-handler's live mode starts the workers that join it). Options and measured numbers: docs/rendezvous.md.
+watchdog), ``options`` (``--rdzv-conf``), ``lease`` (a node's etcd lease), ``node_lease`` (that
+lease shared with the node's workers under live recovery), ``etcd_backend`` (state key,
+compare-and-swap), ``state`` (JSON state, lease-based liveness), ``etcd_store`` (torch Store on
+etcd), ``fence`` (round fence for workers). The handler's live mode starts workers that join the
+live quorum (``elastic_trainer/live/``). Options and measured numbers: docs/rendezvous.md.
 
-Exports ``handler_creator`` (torchrun's entry point) and, imported on first use (this package is
-imported by torch's own rendezvous registry, so it stays light), ``LiveGroup``, ``Quorum``,
-``LiveExcluded``, ``RunFinished`` and ``LiveTimeout`` of ``quorum``.
+Exports ``handler_creator`` (torchrun's entry point; this package is imported by torch's own
+rendezvous registry, so it stays light).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
-
-_QUORUM_NAMES = ("LiveExcluded", "LiveGroup", "LiveTimeout", "Quorum", "RunFinished")
 
 
 def handler_creator() -> Callable:
@@ -38,12 +35,4 @@ def handler_creator() -> Callable:
     return create
 
 
-def __getattr__(name: str) -> Any:
-    if name in _QUORUM_NAMES:
-        from elastic_trainer.rendezvous import quorum
-
-        return getattr(quorum, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = ["handler_creator", *_QUORUM_NAMES]
+__all__ = ["handler_creator"]

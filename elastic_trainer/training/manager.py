@@ -74,7 +74,8 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer.env import EXIT_EXCLUDED, EXIT_OK, WorkerEnv
-from elastic_trainer.rendezvous.quorum import LiveExcluded, LiveGroup, Quorum, RunFinished
+from elastic_trainer.live.group import LiveGroup
+from elastic_trainer.live.quorum import LiveExcluded, Quorum, RunFinished
 from elastic_trainer.training.abandon import GroupAbandon
 from elastic_trainer.training.agreement import Agreement, Cadence, agree_interval, shared_values
 from elastic_trainer.training.process_group import (collective_failed, etcd_addresses, host_step_is_device_state,

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer.env import ENV_DEBUG_HANG, ENV_NCCL_ERROR_HANDLING, NCCL_CLEAN_UP_ONLY, WorkerEnv
-from elastic_trainer.rendezvous.quorum import LiveGroup
+from elastic_trainer.live.group import LiveGroup
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from elastic_trainer.rendezvous.quorum import Quorum
+from elastic_trainer.live.quorum import Quorum
 
 
 def send_state(state: dict | None, src: int, receivers: Sequence[int], device: torch.device) -> dict | None:

@@ -78,26 +78,6 @@ def holds_within(check: Callable[[], object], timeout: float, interval: float = 
     return True
 
 
-def join_and_watch(groups: list, timeout: float = 10.0) -> list:
-    """Live groups (``LiveGroup``) that join one quorum of them all at once, then watch: returned
-    in member order once every watcher has its first view (read, or loaded from its node's)."""
-    import threading
-
-    threads = [threading.Thread(target=g.join, daemon=True) for g in groups]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert all(g.quorum is not None and g.quorum.world_size == len(groups) for g in groups), \
-        "every group must join one quorum of them all"
-    for g in groups:
-        g.start_watching()
-    assert holds_within(lambda: all(g.watcher.reads + g.watcher.loads >= 1 for g in groups), timeout), \
-        "every watcher's first view"
-    order = [m.id for m in groups[0].quorum.members]
-    return sorted(groups, key=lambda g: order.index(g.id))
-
-
 def etcd_conn(etcd: EtcdServer | str, retry_timeout: float = 10) -> EtcdConnection:
     """A client connection to a test's etcd (the server, or its endpoint ``host:port[,...]``)."""
     endpoint = etcd if isinstance(etcd, str) else etcd.endpoint

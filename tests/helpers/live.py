@@ -5,13 +5,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from elastic_trainer import records
-from tests.helpers.common import REPO, cli_cmd, etcd_conn, wait_until
+from tests.helpers.common import REPO, cli_cmd, wait_until
 from tests.helpers.runs import CONF, SEEDS_MSE
 
 
@@ -62,23 +61,22 @@ def current_ranks(st: list[dict]) -> dict[int, int]:
 
 @contextlib.contextmanager
 def two_members(etcd, run_id: str, **settings) -> Iterator[list]:
-    """Two ``LiveGroup``s of two nodes ("node-a", "node-b") in this process, joined into one
-    quorum on the real ``etcd``; closed after. ``settings`` override ``LiveSettings``' (2 nodes)."""
-    from elastic_trainer.env import LiveSettings
-    from elastic_trainer.rendezvous.quorum import LiveGroup
+    """Two ``LiveGroup``s of two nodes ("node-a", "node-b") in this process, each on its node's
+    lease (an agent's, as ``elastic-train`` runs them), joined into one quorum on the real ``etcd``
+    and watching; closed after. ``settings`` override ``LiveSettings``' (2 nodes)."""
+    from tests.helpers.live_nodes import NodeAgent, group, join_and_watch
+    from tests.helpers.live_nodes import settings as live_settings
 
-    live = LiveSettings(**{"min_nodes": 2, "max_nodes": 2, "last_call": 0.1, "join_timeout": 20, "lease_ttl": 3,
-                           **settings})
-    conn = etcd_conn(etcd)
-    groups = [LiveGroup(conn, f"/t/{run_id}", node, 0, 1, "127.0.0.1", live) for node in ("node-a", "node-b")]
+    live = live_settings(**{"min_nodes": 2, "max_nodes": 2, "last_call": 0.1, "lease_ttl": 3, **settings})
+    agents = [NodeAgent(etcd, f"t/{run_id}", node, ttl=int(live.lease_ttl)) for node in ("node-a", "node-b")]
+    groups = []
     try:
-        joined = [threading.Thread(target=g.join) for g in groups]
-        for t in joined:
-            t.start()
-        for t in joined:
-            t.join(timeout=30)
-        assert all(g.quorum is not None and g.quorum.world_size == 2 for g in groups)
+        groups = [group(etcd, f"t/{run_id}", agent, node, live=live) for agent, node in zip(agents, ("node-a", "node-b"))]
+        join_and_watch(groups)
         yield groups
     finally:
         for g in groups:
             g.close()
+            g.conn.close()
+        for agent in agents:
+            agent.close()

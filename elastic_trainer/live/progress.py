@@ -18,7 +18,7 @@ A stalled rank is not the hung one (every rank that waits for the hung one is st
 same step); the watcher then asks its peers whether one of them is busy, and if none is,
 declares the stall in etcd: every rank abandons its collectives, the ranks that wait re-form,
 and the one whose training thread does not move (``moves`` unchanged) within half a second is
-the hung one: its watcher ends its process (``rendezvous/quorum.py``, ``LiveGroup._check_stuck``). NVIDIA's resiliency extension's in-process
+the hung one: its watcher ends its process (``live/watcher.py``, ``Watcher``'s stuck check). NVIDIA's resiliency extension's in-process
 restart works the same way (a progress timeout, then the ranks that cannot restart are ended);
 its "soft timeout" is our bound and its monitor process our watcher thread.
 

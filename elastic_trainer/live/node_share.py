@@ -1,41 +1,40 @@
 """One etcd watch per node: the first worker of a node to lock it keeps the watch, its siblings read its views.
 
-Each worker's live watcher (``rendezvous/watcher.py``) needs a current view of the live keys (the
+Each worker's live watcher (``live/watcher.py``) needs a current view of the live keys (the
 quorum, who is alive, who waits to join, a declared stall, who is busy). With a watch stream per
-worker, a node of 8 GPUs held 8 streams and, after every change, made 8 identical reads. Under one
-lease per node (``rendezvous/node_lease.py``) the node's workers also share a directory beside the
+worker, a node of 8 GPUs held 8 streams and, after every change, made 8 identical reads. On a
+node's lease (``rendezvous/node_lease.py``) the node's workers share a directory beside the
 lease's renewal record, and through it one watch:
 
 - **The watching worker** is the one that holds ``watch.lock`` (``flock``, held for the life of the
   process: the kernel releases it when the process dies, however it dies). Its watcher keeps the
-  etcd watch and applies its changes as before, then ``publish``es them: appended to
-  ``changes.log`` (one line each, whole lines in one write), or, after it read the live keys whole
-  (or the log passed ``LOG_ROTATE``), a new epoch: a fresh log and ``view.json``, the snapshot the
-  log's changes follow (each written whole and renamed into place); then one datagram to each
-  sibling's socket in the directory.
+  etcd watch and applies its changes to its ``Mirror`` (``live/mirror.py``), then ``publish``es
+  them: appended to ``changes.log`` (one line each, whole lines in one write), or, after it read
+  the live keys whole (or the log passed ``LOG_ROTATE``), a new epoch: a fresh log and
+  ``view.json``, the snapshot the log's changes follow (each written whole and renamed into
+  place); then one datagram to each sibling's socket in the directory.
 - **A sibling** keeps no stream. Its ``run`` thread waits on its own datagram socket: each datagram
   calls ``on_change``, and the sibling's watcher ``load``s what was published instead of reading
-  etcd: the log lines since its last load, applied to its own ``LiveKeys`` as the watching worker
+  etcd: the log lines since its last load, applied to its own ``Mirror`` as the watching worker
   applied them (a few lines per event, where a snapshot is ~0.9 MB at 1,000 nodes of 8), or, when
-  the epoch changed, the snapshot first. It tries the lock at every
-  poll: when the watching worker is gone, a sibling takes the lock within a poll and ``on_promote``
-  makes its watcher open the watch and read (the read after the watch is established sees every
-  change, as ``live_watch.py`` explains).
+  the epoch changed, the snapshot first. It tries the lock at every poll: when the watching
+  worker is gone, a sibling takes the lock within a poll and ``on_promote`` makes its watcher open
+  the watch and read (the read after the watch is established sees every change,
+  ``live/stream.py``).
 - What is published is every live key the watching worker knows (the snapshot: one JSON line, then
-  the quorum record as etcd holds it, a change from the quorum before: ``quorum_record.py``; and
-  that quorum's whole record beside it, ``members-<q>.json``, for a sibling without that one), not
-  a view for its own quorum: a sibling that re-formed
-  a moment before it serves itself from it, and decodes the quorum record only when it changed. No
-  view published yet (the start), or none as new as the sibling's quorum within a second, makes the
-  sibling read etcd itself once (as every worker did before): correct, only dearer. (A view for the
-  publisher's quorum used to send every sibling of a re-form to etcd: the watching worker adopts
-  the new quorum a moment after its siblings: at 100 nodes x 8, 423 whole reads by the end of the
-  first loss, whose next quorum was known everywhere after 72 s.)
+  the quorum record as etcd holds it, a change from the quorum before: ``live/quorum.py``; and that
+  quorum's whole record beside it, ``members-<q>.json``, for a sibling without that one), not a
+  view for its own quorum: a sibling that re-formed a moment before it serves itself from it, and
+  decodes the quorum record only when it changed. No view published yet (the start), or none as
+  new as the sibling's quorum within a second, makes the sibling read etcd itself once: correct,
+  only dearer. (A view for the publisher's quorum used to send every sibling of a re-form to etcd:
+  at 100 nodes x 8, 423 whole reads by the end of the first loss, whose next quorum was known
+  everywhere after 72 s.)
 
 A sibling never concludes from a published view that its own key is gone (the view may predate its
-key); the watching worker's own reads, the node's lease record and ``LiveGroup.check_lease`` say that.
-The directory is the user's own (mode 0700, owner checked); where it cannot be made, every worker
-keeps its own watch.
+key); the watching worker's own reads, the node's lease record and the lease check say that
+(``live/worker_lease.py``). The directory is the user's own (mode 0700, owner checked); where it
+cannot be made, every worker keeps its own watch.
 """
 
 from __future__ import annotations
@@ -47,11 +46,10 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from collections.abc import Sequence
-
-from elastic_trainer.rendezvous.members import Change, LiveKeys
+from elastic_trainer.live.keys import Change
+from elastic_trainer.live.mirror import Mirror
 
 logger = logging.getLogger(__name__)
 
@@ -60,18 +58,18 @@ LOG_ROTATE = 4 << 20
 """Bytes of ``changes.log`` after which the watching worker starts a new one from a new snapshot."""
 
 
-def keys_to_bytes(keys: LiveKeys, epoch: int) -> bytes:
+def keys_to_bytes(keys: Mirror, epoch: int) -> bytes:
     """What the watching worker knows (``keys``), as the snapshot ``keys_from_bytes`` loads: one
     JSON line (everything but the quorum, and the ``epoch`` of the change log that follows it),
     then the quorum record as etcd holds it."""
     header = json.dumps({
-        "epoch": epoch, "quorum_rev": keys.quorum_rev, "alive": sorted(keys.alive),
+        "epoch": epoch, "quorum_rev": keys.quorum_rev, "alive": sorted(keys.alive), "left": sorted(keys.left),
         "joiners": {k: [v, rev] for k, (v, rev) in keys.joiners.items()},
         "stalls": {str(q): v for q, v in keys.stalls.items()}, "busy": keys.busy}).encode()
     return header + b"\n" + (keys.quorum_record or b"")
 
 
-def keys_from_bytes(keys: LiveKeys, data: bytes, epoch: int | None = None) -> bool:
+def keys_from_bytes(keys: Mirror, data: bytes, epoch: int | None = None) -> bool:
     """Make ``keys`` the snapshot ``keys_to_bytes`` wrote (the quorum record decoded only when its
     revision is not the one ``keys`` has); False, ``keys`` untouched, when it is not of ``epoch``.
     ``ValueError`` when the bytes are not such a snapshot."""
@@ -80,7 +78,7 @@ def keys_from_bytes(keys: LiveKeys, data: bytes, epoch: int | None = None) -> bo
         d = json.loads(header)
         if epoch is not None and d["epoch"] != epoch:
             return False
-        keys.restore(record or None, int(d["quorum_rev"]), set(d["alive"]),
+        keys.restore(record or None, int(d["quorum_rev"]), set(d["alive"]), set(d.get("left", ())),
                      {k: (v, int(rev)) for k, (v, rev) in d["joiners"].items()},
                      {int(q): v for q, v in d["stalls"].items()}, dict(d["busy"]))
     except (KeyError, TypeError, AttributeError) as exc:
@@ -102,7 +100,7 @@ def change_from_line(line: bytes) -> Change:
         raise ValueError(f"a line of the node's change log is malformed ({exc!r})") from exc
 
 
-class NodeWatch:
+class NodeShare:
     """This worker's part in its node's one watch (see the module docstring).
 
     ``on_change()`` is called from ``run``'s thread when the watching worker published a view;
@@ -148,7 +146,7 @@ class NodeWatch:
         return self.leader
 
     # ---- the watching worker ------------------------------------------------------------------
-    def publish(self, keys: LiveKeys, changes: Sequence[Change] | None) -> None:
+    def publish(self, keys: Mirror, changes: Sequence[Change] | None) -> None:
         """Make what ``keys`` holds the node's current view and wake the siblings: ``changes``
         (those applied to ``keys`` since the last publish) appended to the change log, or with
         None (``keys`` was read whole) a new snapshot and log. The quorum's whole record goes
@@ -182,7 +180,7 @@ class NodeWatch:
                 os.unlink(os.path.join(self.dir, f"members-{self._members_q}.json"))
             self._members_q = keys.quorum.q
 
-    def _new_log(self, keys: LiveKeys) -> None:
+    def _new_log(self, keys: Mirror) -> None:
         """A new epoch: its change log (empty), then the snapshot the log's changes follow. A
         sibling that finds a log and a snapshot of different epochs (between the two renames)
         loads at the next wake-up, which the datagrams bring."""
@@ -211,7 +209,7 @@ class NodeWatch:
         os.replace(tmp, path)
 
     # ---- a sibling ----------------------------------------------------------------------------
-    def load(self, keys: LiveKeys) -> bool:
+    def load(self, keys: Mirror) -> bool:
         """Bring ``keys`` up to what the watching worker published: the changes logged since the
         last load, applied in order (O(changes), not O(keys)), or, in a new epoch, its snapshot and
         then its log. False when there is nothing to load (none published yet, or caught between
@@ -247,8 +245,9 @@ class NodeWatch:
             return None
 
     def bind(self) -> socket.socket:
-        """A sibling's datagram socket in the node's directory (``run`` binds it; a simulation
-        that serves many siblings from one thread binds each and waits on them all)."""
+        """A sibling's datagram socket in the node's directory, where each publish sends a datagram
+        (``run`` binds it and waits on it; an owner that serves several siblings from one thread
+        binds each and waits on them all)."""
         if self._sock is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             with contextlib.suppress(FileNotFoundError):
@@ -259,12 +258,13 @@ class NodeWatch:
 
     def run(self) -> None:
         """A sibling's thread: wake the watcher on each published view; take the watch when free."""
-        self.bind()
-        self._sock.settimeout(self._poll)
+        sock = self.bind()
+        sock.settimeout(self._poll)
         try:
             while not self._stop.is_set():
                 try:
-                    self._sock.recv(16)
+                    if not sock.recv(16) and self._stop.is_set():  # shut down by ``close``
+                        return
                 except TimeoutError:
                     if self.try_lead():
                         logger.info("live: this worker keeps its node's etcd watch now (the last one's is gone)")
@@ -282,6 +282,8 @@ class NodeWatch:
     def _close_socket(self) -> None:
         sock, self._sock = self._sock, None
         if sock is not None:
+            with contextlib.suppress(OSError):  # a recv blocked in ``run`` returns at once
+                sock.shutdown(socket.SHUT_RDWR)
             sock.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._sock_path)
@@ -300,4 +302,4 @@ class NodeWatch:
             self.leader = False
 
 
-__all__ = ["LOG_ROTATE", "NodeWatch", "change_from_line", "change_to_line", "keys_from_bytes", "keys_to_bytes"]
+__all__ = ["LOG_ROTATE", "NodeShare", "change_from_line", "change_to_line", "keys_from_bytes", "keys_to_bytes"]

@@ -1,14 +1,15 @@
-"""An etcd watch on the live keys: it tells the live watcher what changed, and when to read again.
+"""An etcd watch stream on some of the live keys: it tells its owner what changed, and when to read again.
 
-The live watcher (``rendezvous/watcher.py``) used to read the live keys in one transaction every
+The live watcher (``live/watcher.py``) used to read the live keys in one transaction every
 ``poll`` (0.1 s): ten requests a second per worker, whatever happened. Then it read them whole
-each time this watch said that one of them changed: at 1,000 nodes of 8 workers, one lost node
-made 8,000 workers read ~8,000 keys each. Now it reads them whole only when this watch is
-(re-)established, and otherwise applies the changes the watch delivers (``on_events``: the key,
-its new value or its deletion), so a lost node costs etcd one message per watcher
-(docs/rendezvous.md, "At 1,000 and 10,000 nodes").
+each time a watch said that one of them changed: at 1,000 nodes of 8 workers, one lost node
+made 8,000 workers read ~8,000 keys each. Now it reads them whole only when its stream is
+(re-)established, and otherwise applies the changes the stream delivers (``on_events``: the key,
+its new value or its deletion), so a lost node costs etcd one message per stream
+(docs/rendezvous.md, "At 1,000 and 10,000 nodes"). The re-form's candidates keep one on the
+reports the same way (``live/report_feed.py``).
 
-``KeysWatch`` keeps one gRPC ``Watch`` stream to etcd, on the connection the worker already has
+``WatchStream`` keeps one gRPC ``Watch`` stream to etcd, on the connection the worker already has
 (the same HTTP/2 connection as its lease renewals), carrying one watch per key or prefix. It
 calls ``on_events(changes)`` with each response's changes in revision order (without
 ``on_events``: ``on_change()``), and ``on_change()`` when the watcher must read everything
@@ -33,9 +34,11 @@ stream opens, and nothing in steady state. A stream that dies without a word (a 
 connection) would also stall the lease renewals, which travel on the same connection: the
 lease, not this watch, says whether this worker is alive.
 
-**Threads.** ``run()`` is the stream's thread body; its owner starts it (the live watcher, through
-the worker runtime's ``start_thread``) and ends it with ``close()``, which cancels the stream.
-``on_change`` and ``on_events`` are called from that thread: they hand over and return.
+**Threads.** ``run()`` is the stream's thread body; its owner starts it (the live watcher or the
+report feed, through the worker runtime's ``start_thread``) and ends it with ``close()``, which
+cancels the stream. ``on_change`` and ``on_events`` are called from that thread: they hand over
+and return. Its owners make it through a ``StreamFactory`` (``WatchStream`` itself by default), the
+seam through which a simulation watches the product's watcher's stream (``benchmarks/live_sim.py``).
 """
 
 from __future__ import annotations
@@ -45,10 +48,11 @@ import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
+import etcd3.utils
 import grpc
 from etcd3 import etcdrpc
 
-from elastic_trainer.rendezvous.members import Change, range_end
+from elastic_trainer.live.keys import Change
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +61,12 @@ def watch_request(key: str) -> etcdrpc.WatchRequest:
     """A watch on ``key``, or on every key under it when it ends with ``/``."""
     create = etcdrpc.WatchCreateRequest(key=key.encode())
     if key.endswith("/"):
-        create.range_end = range_end(key)
+        create.range_end = etcd3.utils.prefix_range_end(key.encode())
     return etcdrpc.WatchRequest(create_request=create)
+
+
+StreamFactory = Callable[..., "WatchStream"]
+"""``factory(conn, keys, on_change, on_events=...) -> WatchStream``: how a stream's owner makes it."""
 
 
 def _changes(events) -> list[Change]:
@@ -67,7 +75,7 @@ def _changes(events) -> list[Change]:
                    e.kv.mod_revision) for e in events]
 
 
-class KeysWatch:
+class WatchStream:
     """One watch stream on ``keys`` (see the module docstring): ``on_events(changes)`` for every
     response's changes (without ``on_events``: ``on_change()``), and ``on_change()`` every time
     the stream is (re-)established or lost (read everything again)."""
@@ -160,4 +168,4 @@ class KeysWatch:
             call.cancel()
 
 
-__all__ = ["KeysWatch", "watch_request"]
+__all__ = ["StreamFactory", "WatchStream", "watch_request"]

@@ -1,10 +1,11 @@
 """One report per node for a live re-form, gathered through the node's directory.
 
 Every survivor of a live re-form reports the step it completed (``report/<q>/<id>``,
-``rendezvous/live_reform.py``), and the re-form's proposer reads the reports until every member
-is in. At 1,000 nodes of 8 workers that was 8,000 puts to etcd per loss, all at once, and each of
-the proposer's looks read 8,000 report keys back. Where the workers of a node share a directory
-(the node's one etcd watch, ``rendezvous/node_watch.py``), they now send one:
+``live/reform.py``), and the re-form's proposer follows the reports until every member is in. At
+1,000 nodes of 8 workers that was 8,000 puts to etcd per loss, all at once, and the proposer took
+8,000 report keys back. Where the workers of a node share a directory (the node's lease's,
+``rendezvous/node_lease.py``: its one etcd watch lives there too, ``live/node_share.py``), they
+send one:
 
 - each worker writes its report to the directory (``report-<q>-<id>.json``, written whole and
   renamed into place: a file of the user's own 0700 directory, no request);
@@ -16,7 +17,7 @@ the proposer's looks read 8,000 report keys back. Where the workers of a node sh
   id (the reporter gathered before it was in: at once), or there is none ``GRACE`` after it
   reported (the reporter is hung or killed).
 
-A reader of the reports (``LiveEtcd._read``) expands a node's report into its members' (``expand``),
+A reader of the reports (``LiveKeys.read``, ``live/report_feed.py``) expands a node's report into its members' (``expand``),
 so the proposer sees what it saw before; a member in both counts once. Nodes are kept or dropped
 whole anyway, so a node's report loses nothing the proposer used. A single-worker node, or a
 worker without a node directory, reports as before.
