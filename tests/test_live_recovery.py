@@ -221,8 +221,8 @@ def test_own_loop_through_the_manager_recovers_a_killed_node_live(etcd, run_id, 
         with open(out, "a") as log:
             return procs.start(cli_cmd("--nnodes", "1:3", "--rdzv-endpoint", etcd.endpoint, "--run-id", run_id,
                                        "--rdzv-conf", CONF, "--log-dir", str(logs),
-                                       str(REPO / "examples" / "own_loop.py"), "--max-steps", "100000",
-                                       "--sleep-per-step", "0.05", "--max-seconds", "60"),
+                                       str(REPO / "examples" / "own_loop.py"), "--epochs", "1000",
+                                       "--sleep-per-step", "0.05", "--checkpoint", str(tmp_path / "ck.pt")),
                                cwd=REPO, stdout=log, stderr=log)
 
     agents = [agent(outs[i]) for i in range(3)]

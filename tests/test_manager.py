@@ -43,11 +43,15 @@ def test_a_manager_outside_a_live_run_is_plain_agrees_alone_and_never_reforms():
     assert not manager.live and not manager.distributed and not manager.newcomer
     assert manager.receive_state() is None and manager.fence is None
     manager.before_step()
-    assert manager.agree_due()  # the first step agrees
+    assert manager.run(lambda: 7) == (7, None)  # run counts the step
+    assert manager.agree_due() and manager.agree_due()  # the first step agrees; asking twice changes nothing
     agreed = manager.agree([1.5, 2.0], interval=3)
     assert agreed.values == [1.5, 2.0] and not agreed.reform and agreed.next_in == 3
-    assert [manager.agree_due() for _ in range(3)] == [False, False, True]
-    assert manager.run(lambda: 7) == (7, None)
+    due = []
+    for _ in range(3):
+        manager.run(lambda: None)
+        due.append(manager.agree_due())
+    assert due == [False, False, True]
     with pytest.raises(RuntimeError, match="gloo"):
         manager.run(lambda: (_ for _ in ()).throw(RuntimeError("gloo: connection closed by peer")))
     with pytest.raises(RuntimeError, match="needs live recovery"):
