@@ -88,7 +88,7 @@ class Rewrapped(torch.nn.Module):
 
 class ElasticLoader:
     """A ``DataLoader`` whose ``batch_sampler`` is an ``ElasticSampler``, iterated across re-forms
-    (see the module docstring). ``stopped()``: the ranks agreed to stop (the iteration ends)."""
+    (see the module docstring). ``stopped()``: the ranks agreed to stop (an iteration ends)."""
 
     def __init__(self, loader: torch.utils.data.DataLoader, stopped: Callable[[], bool]) -> None:
         sampler = getattr(loader, "batch_sampler", None)
@@ -98,43 +98,58 @@ class ElasticLoader:
         if sampler.micro_batches_per_step != 1:
             raise ValueError(f"Manager.loader yields one batch per step; the sampler splits a step into "
                              f"{sampler.micro_batches_per_step} micro-batches: make it with micro_batch_size=None")
-        self.loader, self.sampler, self._stopped = loader, sampler, stopped
-        self._epoch: int | None = None
-        self._inner: Iterator | None = None
-        self._generation = self._seen = 0
+        self.loader, self.sampler, self.stopped = loader, sampler, stopped
+        self.generation = 0
+        """Counts the process groups the sampler was split for (``regrouped``)."""
+        self._current: EpochIteration | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
 
-    def __iter__(self) -> ElasticLoader:
-        self._epoch, self._seen = self.sampler.epoch, self._generation
-        self._inner = iter(self.loader)
-        return self
-
-    def __next__(self) -> Any:
-        if self._inner is None or self._stopped():
-            self._inner = None
-            raise StopIteration
-        if self._seen != self._generation:
-            self._fresh()
-        return next(self._inner)
+    def __iter__(self) -> EpochIteration:
+        self._current = EpochIteration(self)
+        return self._current
 
     def regrouped(self) -> None:
         """A re-form resharded the sampler: the next batch comes from a fresh iterator."""
-        self._generation += 1
+        self.generation += 1
 
     def redo(self) -> Any | None:
         """The batch that replaces a step lost to a re-form, from the committed position and cut for
         the new world; None when there is none (no iteration, or the epoch is over)."""
-        if self._inner is None:
+        return self._current.redo() if self._current is not None else None
+
+
+class EpochIteration:
+    """One ``for batch in loader``: this rank's batches of the sampler's epoch from its committed
+    position; after a re-form (``loader.generation`` moved on) from a fresh ``DataLoader`` iterator."""
+
+    def __init__(self, owner: ElasticLoader) -> None:
+        self.owner, self.epoch, self.seen = owner, owner.sampler.epoch, owner.generation
+        self.inner: Iterator | None = iter(owner.loader)
+
+    def __iter__(self) -> EpochIteration:
+        return self
+
+    def __next__(self) -> Any:
+        if self.inner is None or self.owner.stopped():
+            self.inner = None  # a DataLoader iterator's workers go with it
+            raise StopIteration
+        if self.seen != self.owner.generation:
+            self._fresh()
+        return next(self.inner)
+
+    def redo(self) -> Any | None:
+        if self.inner is None:
             return None
         self._fresh()
-        return next(self._inner, None)
+        return next(self.inner, None)
 
     def _fresh(self) -> None:
-        self._seen = self._generation
-        self._inner = None  # a DataLoader iterator's workers go with it
-        self._inner = iter(self.loader) if self.sampler.epoch == self._epoch else iter(())
+        self.seen = self.owner.generation
+        self.inner = None
+        same_epoch = self.owner.sampler.epoch == self.epoch
+        self.inner = iter(self.owner.loader) if same_epoch else iter(())
 
 
 class LoopRecovery:
@@ -219,4 +234,4 @@ class LoopRecovery:
         return self.loaders[0].redo() if self.loaders else None
 
 
-__all__ = ["ElasticLoader", "LoopRecovery", "Rewrapped"]
+__all__ = ["ElasticLoader", "EpochIteration", "LoopRecovery", "Rewrapped"]
