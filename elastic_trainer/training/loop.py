@@ -28,6 +28,7 @@ three pieces here, and ``Manager.step`` drives them; the loop itself stays plain
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -178,6 +179,24 @@ class LoopRecovery:
             loader.sampler.load_state_dict(self._positions[len(self.loaders)])
         self.loaders.append(loader)
         loader.sampler.reshard(self.seat.rank, self.seat.world_size)
+
+    def joined(self, receive: Callable[[], dict | None] | None, source: int | None) -> None:
+        """The first group is up (``Manager.start``): a newcomer (``receive``: what gives it a live
+        peer's state, from ``source``) loads it when it has something to load it into; then the
+        model is wrapped and the data split for the group."""
+        self.records.open()
+        seat = self.seat
+        if receive is not None and (self.model is not None or self.optimizer is not None or self.extra is not None):
+            t0 = time.perf_counter()
+            got = receive()
+            if got is not None:
+                self.load_state_dict(got)
+                self.records.event(Event.PEER_STATE_LOADED, step=self.steps, world_size=seat.world_size,
+                                   source=source, seconds=time.perf_counter() - t0, round=seat.round)
+        else:
+            self.records.event(Event.START, world_size=seat.world_size, restart=self.records.restart,
+                               round=seat.round)
+        self.regrouped()
 
     # ---- the Recovery --------------------------------------------------------------------------
     def step_done(self, result: Any) -> None:

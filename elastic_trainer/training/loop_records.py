@@ -19,7 +19,6 @@ under the launcher's ``--log-dir`` (``ELASTIC_TRAINER_LOG_DIR``; nothing without
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import time
@@ -28,9 +27,6 @@ from typing import Any, Protocol
 from elastic_trainer import records
 from elastic_trainer.env import ENV_LOG_DIR
 from elastic_trainer.records import Event, EventRecord, JsonLines, StepRecord
-
-logger = logging.getLogger(__name__)
-
 
 class Seat(Protocol):
     """Where this worker sits now (the Manager): it changes at every re-form."""
@@ -99,10 +95,7 @@ class LoopRecords:
             self._status_tried = True
             from elastic_trainer.training.status import StatusPublisher
 
-            try:
-                self._status = StatusPublisher.from_env()
-            except Exception as exc:  # noqa: BLE001 - the status is for people; training goes on without it
-                logger.warning("status: not publishing to etcd (%s)", exc)
+            self._status = StatusPublisher.from_env_or_none()
         return self._status
 
 

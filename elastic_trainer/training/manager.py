@@ -18,30 +18,23 @@ reference)::
             loss = manager.step(train_step, x, y)    # train_step(x, y) uses ddp and opt as usual
     manager.finish()
 
-``step`` runs the step and every few steps the step agreement (one small all-reduce: a node waits
-to join, a stop); when a collective failed in it, or at an agreed step, it re-forms the group in
-place (``recover``): DDP is dropped, the group left and formed again at the new world size, the
-state moved to the ranks that need it (from the rank that completed the quorum's step, point to
-point, never from storage), DDP made again and the sampler split over the new world; a step lost
-to the failure runs again on the new world's batch before ``step`` returns. What a re-form asks of
-the loop is a ``Recovery`` (``training/recovery.py``): ``start(model, wrap, optimizer=...)`` and
-``loader`` build it for a plain loop (``training/loop.py``); the built-in trainer and HSDP bring
-their own (``start(recovery=...)``). The Manager writes the loop's records under ``--log-dir``
-(``training/loop_records.py``).
+``step`` runs the step and, every few steps, the agreement (one small all-reduce: a node waits to
+join, a stop). When a collective failed in it, or at an agreed step, it re-forms the group in place
+(``recover``): DDP dropped, the group formed again at the new world size, the state sent point to
+point to the ranks that need it (never from storage), DDP made again, the sampler split over the
+new world; a step lost to the failure runs again on the new world's batch before ``step`` returns.
+What a re-form asks of the loop is a ``Recovery`` (``recovery.py``): ``start`` and ``loader`` build
+it for a plain loop (``loop.py``, records in ``loop_records.py``); the built-in trainer brings its
+own (``trainer_live.py``). The process group is ``worker_group.py``'s; the low-level calls
+(``run``, ``agree``, ``reform``, ``receive_state``) stay public for loops that drive the re-form.
+Outside live recovery (plain torchrun) the same loop runs on torchrun's group and nothing re-forms.
+TorchFT's Manager is the model; this one re-forms once per fault, not per step.
 
-Outside live recovery (plain torchrun, ``--recovery restart``) the same loop runs on torchrun's
-group: nothing re-forms, a failure propagates and torchrun restarts the workers. TorchFT's Manager
-is the model (and torchtitan's use of it); this one re-forms once per fault, not per step.
-
-The parts beside it: ``process_group.py`` (join, leave, tell a failed collective),
-``state_transfer.py`` (the state from a peer), ``agreement.py`` (the agreement's layout and cadence),
-``abandon.py`` (a silent loss ends the collectives in flight). The low-level calls (``run``,
-``agree``, ``reform``, ``receive_state``) stay public for loops that drive the re-form themselves.
-
-The Manager never ends the process: a worker the quorum formed without (``LiveExcluded``) or a
-spare the run never needed (``RunFinished``) is raised; leaving the program uncaught, they end it
-with ``EXIT_EXCLUDED`` (its agent starts a newcomer) or 0 (``WorkerRuntime.exit_on_uncaught``).
-Only a lost lease or a hung training thread, noticed on another thread, exits through the runtime.
+The Manager never ends the process: ``LiveExcluded`` (the quorum formed without this worker) and
+``RunFinished`` (a spare the run never needed) are raised; once they leave the program uncaught
+they end it with ``EXIT_EXCLUDED`` (its agent starts a newcomer) or 0
+(``WorkerRuntime.exit_on_uncaught``). Only a lost lease or a hung training thread, noticed on
+another thread, exits through the runtime at once.
 """
 
 from __future__ import annotations
@@ -174,18 +167,7 @@ class Manager:
         self._started_at = time.monotonic()
         if self._recovery is not loop:
             return None
-        loop.records.open()
-        if self.newcomer and (model is not None or optimizer is not None or state is not None):
-            t0 = time.perf_counter()
-            got = self.receive_state()
-            if got is not None:
-                loop.load_state_dict(got)
-                loop.records.event(Event.PEER_STATE_LOADED, step=loop.steps, world_size=self.world_size,
-                                   source=self.quorum.source, seconds=time.perf_counter() - t0, round=self.round)
-        else:
-            loop.records.event(Event.START, world_size=self.world_size, restart=self.env.restart_count or 0,
-                               round=self.round)
-        loop.regrouped()
+        loop.joined(self.receive_state if self.newcomer else None, self.quorum.source if self.newcomer else None)
         return loop.model
 
     def loader(self, dataloader: torch.utils.data.DataLoader) -> ElasticLoader:
@@ -337,10 +319,9 @@ class Manager:
             yield
 
     def commit_point(self) -> None:
-        """Between a step's gradient reduction and its optimizer step when the ranks hold different
-        parts of the state (HSDP): one all-reduce of one number, so that a collective that failed
-        anywhere in the step fails here on every rank, before any optimizer step (TorchFT's
-        ``should_commit``); a loss during it is covered by ``hsdp.shard_donors``."""
+        """HSDP, between the gradient reductions and the optimizer step: one all-reduce, so that a
+        collective that failed anywhere in the step fails here on every rank (TorchFT's
+        ``should_commit``; a loss during it is ``hsdp.shard_donors``'s)."""
         if self.distributed and self.world_size > 1:
             dist.all_reduce(torch.zeros(1, device=self.device))
 
@@ -390,22 +371,20 @@ class Manager:
     def reform(self, step: int, cause: str, state_dict: Callable[[], dict] | None = None, *,
                step_seconds: float | None = None, donors: Donors | None = None,
                started: tuple[float, float] | None = None) -> Reform:
-        """Re-form the group in place: same process, same state, a new group at the new world size.
-
-        Call it after ``run`` returned a failure, or at an agreed step whose ``Agreement.reform``
-        is set, with nothing referring to the old group any more (drop DDP first). ``step`` is the
-        last step this rank completed; the quorum continues at the highest step any survivor
-        reported, and the ranks behind it and the newcomers receive ``state_dict()`` of a rank
-        that completed it (``Reform.state``). Raises ``LiveExcluded`` when the quorum formed
-        without this worker. ``step_seconds`` (default: the measured cycle) stretches the wait for
-        a slow member's report to three steps. ``donors(quorum)`` (sharded states): who sends to
-        whom; when a receiver has no donor nothing is sent and ``Reform.missing`` names it.
-        ``started``: when the caller's teardown began (perf counter, unix time)."""
+        """Re-form the group in place (after ``run`` returned a failure, or at an agreed step whose
+        ``Agreement.reform`` is set; nothing may refer to the old group: drop DDP first). ``step``:
+        the last step this rank completed; the quorum goes on from the highest any survivor
+        reported, and the ranks behind it and the newcomers receive ``state_dict()`` of a rank that
+        completed it (``Reform.state``). Raises ``LiveExcluded`` when the quorum formed without
+        this worker. ``step_seconds`` (default: the measured cycle) stretches the wait for a slow
+        member's report to three steps; ``donors(quorum)`` (sharded states): who sends to whom
+        (``Reform.missing``: receivers without one); ``started``: (perf counter, unix time)."""
         cycle = self._cadence.cycle_s if step_seconds is None else step_seconds
         reformed = self._pg.reform(step, cause, state_dict, cycle_s=cycle, donors=donors,
                                    started=started or (time.perf_counter(), time.time()))
         self._cadence.next_in = 1
         return reformed
+
 
 __all__ = ["Agreement", "ElasticLoader", "LiveExcluded", "Manager", "Recovery", "Reform", "Rewrapped", "RunFinished",
            "agree_interval", "collective_failed", "host_step_is_device_state", "leave_process_group",
