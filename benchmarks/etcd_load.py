@@ -63,8 +63,14 @@ class OwnLoopJob(recovery.Job):
         return ["env", "-C", str(self.tree), sys.executable, "-m", "elastic_trainer.cli", "--nnodes", f"{self.max_nodes}:{self.max_nodes}",
                 "--nproc-per-node", str(self.workers), "--rdzv-endpoint", self.endpoint, "--run-id", "bench",
                 "--rdzv-conf", RDZV_CONF, "--local-addr", "127.0.0.1", "--log-dir", str(self.dir),
-                str(self.tree / "examples" / "own_loop.py"), "--max-steps", "1000000",
+                str(self.tree / "examples" / "own_loop.py"), *self.run_flags(),
                 "--sleep-per-step", str(self.sleep_per_step)]
+
+    def run_flags(self) -> list[str]:
+        """Run until stopped: own_loop.py's flags for that in this tree (epochs since issue 42, steps before)."""
+        if "--epochs" in (self.tree / "examples" / "own_loop.py").read_text():
+            return ["--epochs", "1000000", "--checkpoint", str(self.dir / "own_loop.pt")]
+        return ["--max-steps", "1000000"]
 
     def steps(self) -> list[dict]:
         from live_recovery import read_steps

@@ -25,8 +25,9 @@ lost node's shards rebuilt from copies in a peer's host memory instead):
 Four systems, ``--nodes`` nodes of one worker each on loopback, the same small model (``TINY``):
 
   live        ``elastic-train --recovery live``: survivors keep their processes and re-form the group;
-  own-loop    ``elastic-train examples/own_loop.py``: a plain DDP loop of its own through
-              ``elastic_trainer.Manager``, live by default (no checkpoints; the same kills and join);
+  own-loop    ``elastic-train examples/own_loop.py``: a plain DDP script of its own (DataLoader,
+              ElasticSampler, rank-0 checkpoints after each epoch) through ``elastic_trainer.Manager``,
+              live by default (the same kills and join; its steps logged by the Manager);
   restart     ``elastic-train --recovery restart``: every change restarts the workers, which resume
               from the newest checkpoint (the same ``--checkpoint-every`` on both of ours);
   c10d-tuned  ``torchrun`` + ``benchmarks/plain_ddp.py`` (DDP, no checkpoints) on c10d as
@@ -151,7 +152,8 @@ class OwnLoopJob(TrainerJob):
         return [sys.executable, "-m", "elastic_trainer.cli", "--nnodes", f"{s.min_nodes}:{self.max_nodes}",
                 "--rdzv-endpoint", self.endpoint, "--run-id", "bench", "--rdzv-conf", RDZV_CONF,
                 "--local-addr", "127.0.0.1", "--log-dir", str(self.dir), str(REPO / "examples" / "own_loop.py"),
-                "--max-steps", "1000000", "--sleep-per-step", str(s.sleep_per_step)]
+                "--epochs", "1000000", "--checkpoint", str(self.dir / "own_loop.pt"),
+                "--sleep-per-step", str(s.sleep_per_step)]
 
 
 class PlainJob(recovery.Job):

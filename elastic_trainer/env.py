@@ -173,7 +173,7 @@ ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
 @dataclass(frozen=True)
 class LiveSettings:
-    """What the live quorum (``rendezvous/quorum.py``) needs from the launcher: the handler exports
+    """What the live quorum (``live/group.py``) needs from the launcher: the handler exports
     them as ``ENV_LIVE`` (JSON). The defaults here are the ``--rdzv-conf`` defaults too."""
 
     min_nodes: int = 1

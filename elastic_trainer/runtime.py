@@ -19,6 +19,10 @@ A forced exit of a worker (a lost lease, a grace period over, a hung step after 
 through ``runtime().exit``: it runs the registered ``before_exit`` hooks (bounded: a W&B flush,
 say), flushes stdout and stderr, shuts logging down and calls ``os._exit``, which appears in no
 other module. The exit codes are ``elastic_trainer.env``'s.
+A library object never ends the process itself: what must end a worker with a particular code (a
+live worker left out of the quorum, a spare the run never needed) is raised, and
+``exit_on_uncaught`` maps it to its code once it leaves the program uncaught (``sys.excepthook``:
+after the program's own ``finally`` blocks ran).
 
 Why ``os._exit`` and not ``sys.exit``: torch's process groups still referenced by DDP/FSDP die
 during interpreter finalization, where gloo can abort a worker whose run succeeded
@@ -36,6 +40,7 @@ Usage::
     ...
     rt.close()                 # stops and joins what is still running
     rt.exit(EXIT_EXCLUDED, "this worker's lease expired")   # never returns
+    rt.exit_on_uncaught(LiveExcluded, EXIT_EXCLUDED)        # when it leaves the program uncaught
 """
 
 from __future__ import annotations
@@ -70,6 +75,8 @@ class WorkerRuntime:
         self._owned: list[_Owned] = []
         self._hooks: list[Callable[[], None]] = []
         self._exiting = False
+        self._exit_codes: dict[type[BaseException], int] = {}
+        self._previous_hook: Callable[..., object] | None = None
 
     # ---- threads ---------------------------------------------------------------------------------
     def start_thread(self, name: str, target: Callable[..., object], *args: object,
@@ -127,6 +134,27 @@ class WorkerRuntime:
                     self._hooks.remove(hook)
 
         return remove
+
+    def exit_on_uncaught(self, kind: type[BaseException], code: int) -> None:
+        """An exception of ``kind`` that leaves the main thread uncaught ends the process with
+        ``code`` (one line, no traceback), after every ``finally`` and ``with`` block of the
+        program has run: ``sys.excepthook`` is where Python reports it. So a library call may
+        raise what must end a worker in a particular way (a live worker left out of the quorum:
+        its agent must start a newcomer) and still never end the process itself. Other
+        exceptions go to the hook that was there before."""
+        with self._lock:
+            self._exit_codes[kind] = code
+            if self._previous_hook is None:
+                self._previous_hook = sys.excepthook
+                sys.excepthook = self._excepthook
+
+    def _excepthook(self, kind: type[BaseException], exc: BaseException, tb: object) -> None:
+        code = next((c for k, c in self._exit_codes.items() if issubclass(kind, k)), None)
+        if code is None:
+            assert self._previous_hook is not None
+            self._previous_hook(kind, exc, tb)
+            return
+        self.exit(code, f"{kind.__name__}: {exc}")
 
     def exit(self, code: int, reason: str = "", *, run_hooks: bool = True) -> NoReturn:
         """End this process now with ``code``: hooks, flushed output, ``os._exit``. From any thread."""

@@ -207,6 +207,15 @@ class ElasticSampler(torch.utils.data.Sampler[list[int]]):
                 global_batch_size, world_size, self.lockstep_micro_batches, self.lockstep_micro_batches - 1,
             )
 
+    def reshard(self, rank: int, world_size: int) -> None:
+        """Split the rest of the epoch over a new world (a live re-form): the same object, with this
+        rank's share of every global batch from the committed position on. An iterator made before
+        keeps its old share; the next one (a new ``iter(loader)``) starts with the new one."""
+        position = self.state_dict()
+        self.__init__(self.dataset_len, self.global_batch_size, rank, world_size, seed=self.seed,  # type: ignore[misc]
+                      shuffle=self.shuffle, micro_batch_size=self.micro_batch_size)
+        self.load_state_dict(position)
+
     # ---- position -------------------------------------------------------------------------
     @property
     def steps_per_epoch(self) -> int:

@@ -9,12 +9,16 @@ sample ledger.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from elastic_trainer import records
 from elastic_trainer.records import Event
@@ -209,20 +213,26 @@ def test_a_short_etcd_outage_costs_a_live_run_no_restart(procs, run_id, tmp_path
         server.stop()
 
 
-def test_own_loop_through_the_manager_recovers_a_killed_node_live(etcd, run_id, procs, tmp_path):
-    """``examples/own_loop.py`` (a plain DDP loop, no built-in trainer) under ``elastic-train``: the
-    launcher runs it live by default (it uses ``elastic_trainer.Manager``); a SIGKILLed node costs
-    the survivors no restart (same worker processes) and they step on at N-1 within a second; a
-    node started again joins with the state of a live peer (its first step continues the count)."""
-    logs = tmp_path / "logs"
+def test_own_loop_recovers_live_trains_every_sample_once_and_ends_where_an_uninterrupted_run_ends(
+        etcd, run_id, procs, tmp_path):
+    """``examples/own_loop.py`` (``plain_ddp.py`` made live: a DataLoader over the ElasticSampler,
+    no built-in trainer) under ``elastic-train``. A SIGKILLed node costs the survivors no restart
+    (same worker processes; they step at N-1 within a second); a node started again joins with a
+    live peer's state (its first step continues the count). Every step's samples are trained once:
+    the step log the Manager writes holds each step once, at the sampler position that step
+    committed, whatever the world; and the run ends equal to an uninterrupted one-process run. The
+    Manager wrote the events, and ``elastic-train status`` shows the finished run."""
+    logs, ck = tmp_path / "logs", tmp_path / "ck.pt"
     outs = [tmp_path / f"agent{i}.log" for i in range(4)]
+    epochs, per_epoch, batch = 20, 30, 48  # 600 steps: the join lands well before the end (under load too)
+    run = ("--epochs", str(epochs), "--samples", str(per_epoch * batch), "--batch-size", str(batch))
 
     def agent(out: Path):
         with open(out, "a") as log:
             return procs.start(cli_cmd("--nnodes", "1:3", "--rdzv-endpoint", etcd.endpoint, "--run-id", run_id,
                                        "--rdzv-conf", CONF, "--log-dir", str(logs),
-                                       str(REPO / "examples" / "own_loop.py"), "--max-steps", "100000",
-                                       "--sleep-per-step", "0.05", "--max-seconds", "60"),
+                                       str(REPO / "examples" / "own_loop.py"), *run, "--checkpoint", str(ck),
+                                       "--sleep-per-step", "0.04"),
                                cwd=REPO, stdout=log, stderr=log)
 
     agents = [agent(outs[i]) for i in range(3)]
@@ -247,7 +257,27 @@ def test_own_loop_through_the_manager_recovers_a_killed_node_live(etcd, run_id, 
     assert joined["step"] > before, "the newcomer continued the count: it received a live peer's state"
     for a in agents:
         if a is not victim:
-            a.send_signal(signal.SIGTERM)
-    for a in agents:
-        if a is not victim:
-            a.wait(timeout=60)
+            assert a.wait(timeout=240) == 0, [o.read_text()[-3000:] for o in outs]
+
+    total = epochs * per_epoch
+    by_step: dict[int, set] = {}
+    for s in steps_of(logs):
+        by_step.setdefault(s["step"], set()).add((s["epoch"], s["offset"]))
+    assert sorted(by_step) == list(range(1, total + 1)), "every step ran, none twice apart"
+    assert all(by_step[k] == {(k // per_epoch, k % per_epoch * batch)} for k in by_step), \
+        "each step committed the next global batch of its epoch, whatever the world"
+    events = [e.event for e in records.read_events(logs)]
+    assert events[0] == Event.START and events[-1] == Event.FINISHED, events  # rank 0's
+    assert events.count(Event.LIVE_REFORM) >= 2 and Event.WORLD_SIZE_CHANGED in events, events  # the kill, the join
+    status = subprocess.run(cli_cmd("status", "--rdzv-endpoint", etcd.endpoint, "--run-id", run_id, "--json"),
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    training = json.loads(status.stdout)["training"]
+    assert training["state"] == "finished" and training["step"] == total, training
+
+    base = tmp_path / "base.pt"  # the same run in one process, never interrupted (plain torchrun)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                    str(REPO / "examples" / "own_loop.py"), *run, "--checkpoint", str(base)],
+                   cwd=tmp_path, check=True, capture_output=True, timeout=300)
+    got, want = torch.load(ck)["model"], torch.load(base)["model"]
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert worst < 1e-4, f"the live run ended {worst:.2e} from the uninterrupted one"

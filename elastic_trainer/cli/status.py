@@ -68,7 +68,7 @@ def read_status(conn, prefix: str) -> dict[str, Any]:
         out.update(round=state.round, complete=state.complete, closed=state.closed)
         node_rank = {node_name(n): r for n, r in state.participants.items()}
     workers: dict[str, list[int]] = {}
-    if quorum_value:  # --recovery live: the live group's quorum (rendezvous/quorum.py), rank i = members[i]
+    if quorum_value:  # --recovery live: the live group's quorum (live/group.py), rank i = members[i]
         from elastic_trainer.live.quorum import MEMBERS, decode
 
         quorum = decode(quorum_value, lambda q: None,  # a change record: its whole record is beside it

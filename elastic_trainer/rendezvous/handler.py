@@ -38,7 +38,7 @@ node (the *admitter*) admits everyone waiting in one write while the others wait
 5. **Live recovery** (``recovery=live``, what ``elastic-train`` sets for its DDP trainer): each
    agent's rendezvous is a world of its own node (``_live_rendezvous``), so torch's agent never
    stops healthy workers for a lost or added node; the workers agree on who trains together in
-   the live quorum (``rendezvous/quorum.py``). torch's agent still starts, supervises and restarts
+   the live quorum (``live/group.py``). torch's agent still starts, supervises and restarts
    them. The workers attach their live keys to this agent's lease (its id exported as
    ``ELASTIC_TRAINER_RDZV_LEASE``), so a node costs etcd one lease renewal per interval however
    many workers it runs; when that lease is lost, the workers see their keys gone and exit, and
@@ -271,7 +271,7 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
 
         torch's agent starts, watches and restarts this node's workers as usual, but which workers
         train together is agreed by the workers themselves, in the live quorum in etcd
-        (``rendezvous/quorum.py``), so a node lost or added never stops the others' workers. The
+        (``live/group.py``), so a node lost or added never stops the others' workers. The
         node's lease still tells whether this node may run workers at all: if it is lost (a pause,
         a cut from etcd) ``num_nodes_waiting`` makes the agent stop them, and they come back as
         newcomers.

@@ -21,7 +21,7 @@ returns a ``Guard``, the *fencing token*: etcd comparisons (the state key's mod 
 node's lease key's create revision) that hold exactly as long as what was checked still holds.
 A write put in one transaction with them (the checkpoint commit record,
 ``checkpoint/record.py``) fails once the round changes or the lease ends, however long the
-writer was paused in between. The live quorum (``rendezvous/quorum.py``) gives the same kind of
+writer was paused in between. The live quorum (``live/group.py``) gives the same kind of
 ``Guard`` for its quorum key and member lease.
 
 What a writer needs of either is the ``Fence`` protocol (``elastic_trainer/fence.py``): ``prefix`` (the etcd key prefix its

@@ -84,7 +84,7 @@ class MembershipWatchdog(DynamicRendezvousHandler):
             self._revoke("its etcd lease expired")
             return
         if self._options.recovery == "live":
-            return  # membership is the live quorum's business (rendezvous/quorum.py)
+            return  # membership is the live quorum's business (live/group.py)
         round_, world, members = joined
         try:
             # The summary and the count of live nodes, a few bytes: the whole state and the

@@ -2,11 +2,15 @@
 
 Modules:
 
-- ``manager``: ``Manager`` (public: ``elastic_trainer.Manager``), the worker's process group under
-  live recovery: join, re-form, state transfer, the step agreement; a plain manager otherwise;
-  its parts: ``process_group`` (join, leave, a failed collective), ``state_transfer`` (the state
-  from a peer), ``agreement`` (the step agreement) and ``uses_manager`` (whether a script runs live);
+- ``manager``: ``Manager`` (public: ``elastic_trainer.Manager``), a training loop under live
+  recovery: each step (``step``), the step agreement, the re-form, the state to newcomers; a plain
+  manager otherwise. Its parts: ``worker_group`` (the process group: join, form, re-form),
+  ``process_group`` (leave, a failed collective), ``state_transfer`` (the state from a peer),
+  ``agreement`` (the step agreement), ``recovery`` (what a re-form asks of a loop), ``loop`` (a
+  plain loop's model, loader and state), ``loop_records`` (its step log, events and status) and
+  ``uses_manager`` (whether a script runs live);
 - ``trainer``: ``Trainer``, the loop (build, resume, step, agree, save), one client of the Manager;
+  ``trainer_live``: its part of a live re-form (with HSDP's in ``sharded_live``);
 - ``checkpointing``: ``Checkpointing``, the trainer's checkpoints (capture, save, load, resume,
   the save after a failure) over ``elastic_trainer.checkpoint``;
 - ``reporting``: ``Reporter``, what a worker tells people and tools (rank-0 lines, bar, W&B,

@@ -65,21 +65,27 @@ def agree_interval(host_cycle_s: float, device_step_s: float | None = None) -> i
 
 class Cadence:
     """When the next agreement is due: a countdown of steps (``next_in``, set from each
-    ``Agreement``; the first step agrees), and the measured cycle from one step's end to the next
-    (``cycle_s``, None until two steps ended), which sets the default interval."""
+    ``Agreement``; the first step agrees), and the measured cycle from one step's start to the
+    next (``cycle_s``, None until two steps started), which sets the default interval.
+
+    ``count()`` is the command (a step starts: ``Manager.run`` calls it); ``due`` only asks."""
 
     def __init__(self) -> None:
         self.next_in = 1
         self.cycle_s: float | None = None
         self._last: float | None = None
 
-    def due(self) -> bool:
-        """Count a step's end; True when the ranks agree after it."""
+    def count(self) -> None:
+        """A step starts: one step fewer to the next agreement, and the cycle since the last start."""
         now = time.perf_counter()
         if self._last is not None:
             self.cycle_s = now - self._last
         self._last = now
         self.next_in -= 1
+
+    @property
+    def due(self) -> bool:
+        """Whether the ranks agree at the end of the step counted last."""
         return self.next_in <= 0
 
 

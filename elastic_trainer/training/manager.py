@@ -1,262 +1,303 @@
-"""The Manager: a worker's process group under live recovery, for any data-parallel training loop.
+"""The Manager: a data-parallel training loop under live recovery, in a few lines of that loop.
 
-Under ``elastic-train`` (live recovery, the default) a lost or added node does not restart the
-workers: the survivors keep their processes and their state, re-form the process group at the
-new world size, and a newcomer receives the training state from a live peer. Which workers
-train together is the live quorum's business (``rendezvous/quorum.py``: membership in etcd); the
-Manager is what a training loop sees of it, and it owns:
+Under ``elastic-train`` (live recovery, the default for a script that uses it) a lost or added
+node does not restart the workers: the survivors keep their processes and their state, re-form the
+process group at the new world size, and a newcomer receives the training state from a live peer.
+Which workers train together is the live quorum's business (``live/group.py``: membership
+in etcd); the Manager is what a training loop sees of it. A loop hands it what it needs once and
+calls it once per step (``examples/own_loop.py`` is the whole program; docs/manager.md the
+reference)::
 
-- the **process group**: ``start()`` joins the quorum and builds the group on the quorum's store
-  in etcd (no process hosts it); ``reform()`` leaves (aborts, destroys) it and builds the next;
-- the **re-form**: after a failed collective (``run()`` tells it from other errors) or, planned,
-  at an agreed step when a node asks to join;
-- the **state transfer**: the ranks behind the quorum's step and the newcomers get the state of
-  one rank that completed it, point to point (``send_state``), never from storage;
-- the **step agreement**: ``agree(values)``, one small all-reduce of the loop's own values plus
-  the "re-form pending" flag, every few steps (``agree_due()``: about 0.2 s of steps).
+    manager = Manager()
+    sampler = ElasticSampler(len(data), global_batch, manager.rank, manager.world_size, seed=0)
+    loader = manager.loader(DataLoader(data, batch_sampler=sampler))  # re-split at each new world
+    ddp = manager.start(model, DDP, optimizer=opt)   # join; a newcomer loads a live peer's state
+    for epoch in range(sampler.epoch, epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = manager.step(train_step, x, y)    # train_step(x, y) uses ddp and opt as usual
+    manager.finish()
 
-Outside live recovery (plain torchrun, ``--recovery restart``) it is a plain manager:
-``start()`` joins the group torchrun's environment describes, nothing re-forms, ``run()``
-re-raises every error, and a lost node restarts the workers as torchrun does. So a loop written
-against it runs unchanged in both modes (TorchFT's Manager and torchtitan's no-op FT manager are
-the models; this one is simpler: one quorum per re-form, not per step). Sharded states (HSDP:
-``training/hsdp.py``) pass ``donors`` to ``reform``/``receive_state``: each rank then gets its
-part from the rank that holds the same part (``send_states``).
+``step`` runs the step and, every few steps, the agreement (one small all-reduce: a node waits to
+join, a stop). When a collective failed in it, or at an agreed step, it re-forms the group in place
+(``recover``): DDP dropped, the group formed again at the new world size, the state sent point to
+point to the ranks that need it (never from storage), DDP made again, the sampler split over the
+new world; a step lost to the failure runs again on the new world's batch before ``step`` returns.
+What a re-form asks of the loop is a ``Recovery`` (``recovery.py``): ``start`` and ``loader`` build
+it for a plain loop (``loop.py``, records in ``loop_records.py``); the built-in trainer brings its
+own (``trainer_live.py``). The process group is ``worker_group.py``'s; the low-level calls
+(``run``, ``agree``, ``reform``, ``receive_state``) stay public for loops that drive the re-form.
+Outside live recovery (plain torchrun) the same loop runs on torchrun's group and nothing re-forms.
+TorchFT's Manager is the model; this one re-forms once per fault, not per step.
 
-This module is the Manager itself; its parts live beside it, one idea each, and their public
-names are importable from here as before: ``training/process_group.py`` (join, leave, tell a
-failed collective), ``training/state_transfer.py`` (``send_state``, ``send_states``: the state
-from a peer), ``training/agreement.py`` (``Agreement``, the step agreement's layout and cadence)
-and ``training/uses_manager.py`` (``script_uses_manager``: the launcher's test for a script).
-
-Usage (``examples/own_loop.py`` is the whole program)::
-
-    from elastic_trainer import Manager
-
-    def state() -> dict:                                # what a newcomer must receive
-        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
-
-    with Manager(device) as manager:                    # joins the quorum and its process group
-        got = manager.receive_state()                   # a newcomer: the state of a live peer
-        ...load got...
-        ddp = DDP(model)
-        while step < max_steps:
-            manager.before_step()                       # a worker paused past its lease ends here
-            out, failed = manager.run(lambda: train_step(ddp))   # (result, None) or (None, cause)
-            if failed is None and manager.agree_due():
-                agreed = manager.agree([loss, stop])    # summed over ranks, + the re-form flag
-            if failed is not None or agreed.reform:
-                ddp = None                              # nothing may hold the old group
-                got = manager.reform(step, failed or "planned", state).state
-                ...load got (ranks behind, newcomers)...; ddp = DDP(model)
-
-The NCCL group is made with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (clean up only: an error or a
-timeout aborts the communicators and reaches the training thread instead of ending the process)
-unless the user set it, bound to its device so that its communicators are made during the
-re-form. A collective blocked on a peer that stopped answering (frozen, cut off, hung) is ended
-by the quorum's watcher, which abandons the group (``on_member_lost``: ``training/abandon.py``)
-when the peer's lease expires or the ranks agree it is hung (``slow()`` marks what is not a hang). Anything the Manager cannot handle (an error while re-forming, a
-worker left out of the quorum: ``LiveExcluded``) ends the worker; its agent restarts it, and it
-joins as a newcomer. Design and numbers: docs/trainer.md, "Live recovery".
+The Manager never ends the process: ``LiveExcluded`` (the quorum formed without this worker) and
+``RunFinished`` (a spare the run never needed) are raised; once they leave the program uncaught
+they end it with ``EXIT_EXCLUDED`` (its agent starts a newcomer) or 0
+(``WorkerRuntime.exit_on_uncaught``). Only a lost lease or a hung training thread, noticed on
+another thread, exits through the runtime at once.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from elastic_trainer.env import EXIT_EXCLUDED, EXIT_OK, WorkerEnv
+from elastic_trainer.env import WorkerEnv
+from elastic_trainer.records import Event
 from elastic_trainer.live.group import LiveGroup
 from elastic_trainer.live.quorum import LiveExcluded, Quorum, RunFinished
-from elastic_trainer.training.abandon import GroupAbandon
 from elastic_trainer.training.agreement import Agreement, Cadence, agree_interval, shared_values
-from elastic_trainer.training.process_group import (collective_failed, etcd_addresses, host_step_is_device_state,
-                                                    init_from_env, install_debug_hang, leave_process_group,
+from elastic_trainer.training.loop import ElasticLoader, LoopRecovery, Rewrapped
+from elastic_trainer.training.loop_records import LoopRecords
+from elastic_trainer.training.process_group import (collective_failed, host_step_is_device_state, leave_process_group,
                                                     nccl_error_handling, run_or_failed_collective, warm_up_ddp)
-from elastic_trainer.runtime import die_with_parent, runtime
-from elastic_trainer.training.state_transfer import send_state, send_states, transfer
+from elastic_trainer.training.recovery import Donors, Recovery, Reform
+from elastic_trainer.training.state_transfer import send_state, send_states
 from elastic_trainer.training.uses_manager import script_uses_manager
+from elastic_trainer.training.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class Reform:
-    """A re-form's outcome: the new quorum, the state this rank received (None unless it was behind
-    or new) and when each phase ended (``time.perf_counter``)."""
-
-    quorum: Quorum
-    state: dict | None
-    old_rank: int
-    old_world_size: int
-    torn: float
-    agreed: float
-    grouped: float
-    missing: tuple[int, ...] = ()
-    """Ranks whose state no live rank holds (``reform(donors=...)``): every rank loads a checkpoint."""
-
-    def timings(self, started: float, done: float) -> dict[str, float]:
-        """Seconds of each phase from ``started`` (the caller's teardown began) to ``done``."""
-        return {"teardown_s": self.torn - started, "agree_s": self.agreed - self.torn,
-                "group_s": self.grouped - self.agreed, "state_s": done - self.grouped, "total_s": done - started}
-
-
 class Manager:
-    """A worker's process group, its re-form, the state transfer and the step agreement (see the
-    module docstring). ``device``: this rank's device (gloo on the CPU, NCCL on CUDA)."""
+    """A worker's training loop under live recovery (see the module docstring). ``device``: this
+    rank's device (gloo on the CPU, NCCL on CUDA); ``max_seconds``: a time budget on rank 0's clock,
+    after which every rank stops at the same step (``stopped``); ``log_dir``: where the loop's
+    records go (default: the launcher's ``--log-dir``)."""
 
     def __init__(self, device: torch.device | None = None, *, collective_timeout: float = 300.0,
-                 env: WorkerEnv | None = None) -> None:
+                 max_seconds: float | None = None, log_dir: str | None = None, env: WorkerEnv | None = None) -> None:
         self.env = WorkerEnv.from_environ() if env is None else env
-        if self.env.restart_count is not None:  # started by torchrun's agent, which gives each worker a
-            die_with_parent()                   # session of its own: go when the agent goes (a killed node)
         self.device = device if device is not None else torch.device("cpu")
-        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self.collective_timeout = collective_timeout
-        rt = runtime()
-        self.group: LiveGroup | None = LiveGroup.from_env(self.env, start_thread=rt.start_thread,
-                                                          on_lease_lost=self._lease_lost)
-        """The live quorum's membership (None in plain mode); also the checkpoint commit's fence."""
-        self.abandon = GroupAbandon(self.backend, etcd_addresses(self.group))
-        """Makes the group's collectives in flight fail now (the watcher calls it on a silent loss)."""
-        if self.group is not None:
-            self.group.on_member_lost = self.abandon.abandon
-            self.group.probe_peers = self.device.type == "cuda"  # an NCCL collective may hang on a dead peer
-            self.group.on_hung = lambda reason: runtime().exit(EXIT_EXCLUDED, reason, run_hooks=False)
-            install_debug_hang(self.env)
-        self.rank, self.world_size = self.env.rank or 0, self.env.world_size or 1
-        self.round = self.env.rdzv_round
-        """The quorum number under live recovery (the rendezvous round otherwise)."""
-        self.distributed = False
+        self.max_seconds = max_seconds
+        self._pg = WorkerGroup(self.env, self.device, collective_timeout)  # the process group and membership
+        self._live = self._pg.live
+        self._loop = LoopRecovery(self, LoopRecords(self, self.env.restart_count or 0, log_dir))
+        self._recovery: Recovery = self._loop  # what a re-form asks of the loop (start(recovery=...))
         self._cadence = Cadence()  # when the next agreement is due, and the measured step cycle
-        self._subgroups = False  # groups beside the default one were made (subgroups())
+        self._agreed = False  # the current step agreed already (agree())
+        self._requested: str | None = None  # a re-form the loop asked for at this step's end
+        self._stop_vote = False
+        self._stopped = False
+        self._started_at: float | None = None
+
+    # ---- where this worker sits (it changes at every re-form) ----------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._pg.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._pg.world_size
+
+    @property
+    def round(self) -> int | None:
+        """The quorum number under live recovery (the rendezvous round otherwise)."""
+        return self._pg.round
+
+    @property
+    def distributed(self) -> bool:
+        """Whether a process group is up (False when not launched, or after ``finish``)."""
+        return self._pg.distributed
 
     @property
     def live(self) -> bool:
         """Whether this worker is under live recovery (else: plain mode, nothing re-forms)."""
-        return self.group is not None
+        return self._live is not None
 
     @property
     def quorum(self) -> Quorum | None:
-        return self.group.quorum if self.group is not None else None
+        return self._pg.quorum
 
     @property
     def fence(self) -> LiveGroup | None:
         """What fences a checkpoint commit under live recovery (``CheckpointManager(fence=...)``):
         the quorum number and this worker's lease; None in plain mode."""
-        return self.group
+        return self._live
 
     @property
     def newcomer(self) -> bool:
         """Joined a group that was already training: ``receive_state()`` gives its state."""
-        return self.group is not None and self.group.quorum is not None and not self.group.quorum.cold
+        return self._pg.newcomer
 
-    # ---- start and stop ----------------------------------------------------------------------------
-    def start(self) -> None:
-        """Join the process group: the live quorum's (waiting until it admits this worker; call it
-        once the model is built, so that the others never wait for this worker's start-up), or in
-        plain mode torchrun's. Raises ``RunFinished`` for a spare the run never needed."""
-        if self.group is None:
-            self.distributed = init_from_env(self.env, self.device, self.collective_timeout)
-            if self.distributed:
-                self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-            return
-        warm_up_ddp()
-        t0 = time.perf_counter()
-        quorum = self.group.join()
-        t1 = time.perf_counter()
-        self._init_group()
-        logger.info("live: admitted to quorum %d as rank %d of %d after %.3fs (%s); group in %.3fs", quorum.q,
-                    self.rank, quorum.world_size, t1 - t0, "cold start" if quorum.cold else "newcomer",
-                    time.perf_counter() - t1)
-        self.group.start_watching()
+    @property
+    def host(self) -> str | None:
+        """The address this worker's peers reach it at (live recovery, once started), else None."""
+        return self._pg.host
 
-    def _init_group(self) -> None:
-        """The default group of the current quorum, on a fresh store in etcd."""
-        q = self.group.quorum
-        extra: dict[str, Any] = {}
-        if self.backend == "nccl":
-            nccl_error_handling()
-            extra["device_id"] = self.device
-        # kept: the store is a Python subclass of torch's Store, and the groups made later from the
-        # default one (new_group: a DeviceMesh, the checkpoint's group) call it through C++, which finds
-        # no Python half once the object is gone ("Not implemented.")
-        self._store = self.group.store()
-        with self.abandon.recording():  # gloo: the connections it opens are the ones to shut on a silent loss
-            dist.init_process_group(self.backend, store=self._store, rank=q.rank_of(self.group.id),
-                                    world_size=q.world_size,
-                                    timeout=datetime.timedelta(seconds=self.collective_timeout), **extra)
-        self.group.forget_old()
-        self.rank, self.world_size, self.round, self.distributed = dist.get_rank(), q.world_size, q.q, True
+    @property
+    def steps(self) -> int:
+        """Steps this rank completed (a newcomer's count goes on from the state it received)."""
+        return self._recovery.step
 
-    def receive_state(self, donors: Callable[[Quorum], dict[int, int | None]] | None = None) -> dict | None:
-        """A newcomer's training state, sent by a live rank (call it once, right after ``start()``:
-        that rank waits for it); None on a cold start and in plain mode (load a checkpoint then).
-        ``donors``: as in ``reform`` (None: no live rank holds this rank's state either)."""
-        if not self.newcomer:
+    @property
+    def stopped(self) -> bool:
+        """The ranks agreed to stop (``stop()``, ``max_seconds``): a ``loader`` yields no more batches."""
+        return self._stopped
+
+    # ---- the loop --------------------------------------------------------------------------------------
+    def start(self, model: torch.nn.Module | None = None, wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+              *, optimizer: torch.optim.Optimizer | None = None, state: Callable[[], dict] | None = None,
+              load_state: Callable[[dict], None] | None = None, recovery: Recovery | None = None) -> Rewrapped | None:
+        """Join the process group (live: wait until the quorum admits this worker; call it once the
+        model is built, so that the others never wait for this worker's start-up). A newcomer then
+        loads the state a live peer sends (``model``'s, ``optimizer``'s, ``state()`` of the loop's
+        own extras through ``load_state``, and each ``loader``'s position). Returns ``model`` wrapped
+        for the group (``wrap(model)``, e.g. DDP; made again after every re-form), None without one.
+
+        ``recovery``: a loop that re-forms its own way (the built-in trainer, HSDP) instead; it then
+        takes a newcomer's state itself (``receive_state``), as does a loop that passes nothing.
+        Raises ``RunFinished`` for a spare the run never needed."""
+        if (state is None) != (load_state is None):
+            raise ValueError("Manager.start: pass state and load_state together (what a newcomer receives "
+                             "from the loop, and how the loop loads it)")
+        loop = self._loop
+        if recovery is not None:
+            self._recovery = recovery
+        else:
+            loop.model = Rewrapped(model, wrap) if model is not None else None
+            loop.optimizer, loop.extra = optimizer, (state, load_state) if state is not None else None
+        self._pg.join()
+        self._started_at = time.monotonic()
+        if self._recovery is not loop:
             return None
-        q = self.group.quorum
-        if donors is not None:
-            plan = donors(q)
-            if any(d is None for d in plan.values()):
+        loop.joined(self.receive_state if self.newcomer else None, self.quorum.source if self.newcomer else None)
+        return loop.model
+
+    def loader(self, dataloader: torch.utils.data.DataLoader) -> ElasticLoader:
+        """``dataloader`` (its ``batch_sampler`` an ``ElasticSampler``, one batch per step) as the loop
+        iterates it: its sampler is split over each new world, its position goes with the state and
+        its steps are committed by ``step``; after a re-form the batches not yet trained come again,
+        cut for the new world (``training/loop.py``). Call it before or after ``start``."""
+        loader = ElasticLoader(dataloader, lambda: self._stopped)
+        self._loop.add_loader(loader)
+        return loader
+
+    def step(self, fn: Callable[..., T], *batch: Any) -> T | None:
+        """Run one training step, ``fn(*batch)``, and what comes with it: the agreement every few
+        steps (``stop``, ``max_seconds``, a node that waits to join) and, when a collective failed
+        in it or at an agreed step, the re-form (``recover``). Returns ``fn``'s result; when the
+        step was lost to a re-form, the result of the step run again on the batch the new world
+        gives this rank (``batch`` from a ``loader``), or None when there is none (no loader, or
+        the epoch is over: the loop goes on with its next batch). Errors other than a failed
+        collective propagate (plain mode: every error)."""
+        while True:
+            self.before_step()
+            out, failed = self.run(lambda: self._one_step(fn, batch))
+            if failed is None and self._requested is None:
+                return out
+            cause, self._requested = failed or self._requested, None
+            self.recover(cause, planned=failed is None)
+            if failed is None:
+                return out
+            batch = self._loop.redo() if batch and self._recovery is self._loop else None
+            if batch is None:
                 return None
-            return send_states(None, plan, self.device)
-        return send_state(None, q.source, q.receivers, self.device)
+
+    def _one_step(self, fn: Callable[..., T], batch: tuple) -> T:
+        result = fn(*batch)
+        self._recovery.step_done(result)
+        if not self._agreed and self._cadence.due:  # unless the loop agreed in this step itself
+            out_of_time = (self.rank == 0 and self.max_seconds is not None and self._started_at is not None
+                           and time.monotonic() - self._started_at >= self.max_seconds)
+            agreed = self.agree([float(self._stop_vote), float(out_of_time)])
+            self._stopped = self._stopped or agreed.values[0] > 0 or agreed.values[1] > 0
+            if agreed.reform and not self._stopped:
+                self.request_reform(f"planned: {self.reform_reason or 'a member asked'}")
+        return result
+
+    def stop(self) -> None:
+        """Vote to stop: at the next agreement every rank stops at the same step (``stopped``)."""
+        self._stop_vote = True
+
+    def request_reform(self, cause: str) -> None:
+        """Re-form at the end of this step (``step`` does it); every rank must ask at the same step,
+        so ask from agreed values (the built-in trainer: a peer was preempted, a member asked)."""
+        self._requested = cause
+
+    def recover(self, cause: str, *, planned: bool = False) -> Reform:
+        """Re-form in place with the loop's ``Recovery``: release (drop DDP), ``reform``, then
+        ``reformed`` (load the state that came, wrap again, split the data). ``step`` calls it;
+        ``planned``: at an agreed step, every rank of the old group alive."""
+        rec = self._recovery
+        started, failed_at = time.perf_counter(), time.time()
+        rec.release(cause, planned)
+        try:
+            reformed = self.reform(rec.step, cause, rec.state_dict, donors=rec.donors, started=(started, failed_at))
+        except LiveExcluded as exc:
+            logger.error("live: %s; this worker ends, and its agent starts it again as a newcomer", exc)
+            if rec is self._loop:
+                self._loop.records.event(Event.LIVE_EXCLUDED, step=rec.step, reason=str(exc))
+            raise
+        rec.reformed(reformed)
+        logger.info("live: rank %d -> %d of %d in quorum %d (%s) in %.3fs", reformed.old_rank, self.rank,
+                    self.world_size, self.round, cause, time.perf_counter() - started)
+        return reformed
+
+    def finish(self, *, done: bool = True) -> None:
+        """The loop is over: the last record, this worker leaves the quorum and the process group
+        is destroyed. ``done`` (its last step, or ``stopped``): rank 0 first marks the run finished,
+        so that waiting spares exit 0 instead of starting it again; False: this worker stops but
+        the run is not over (a preempted node). The process goes on (its ``finally`` blocks, its exit)."""
+        if self._recovery is self._loop:
+            self._loop.records.close("stopped" if self._stopped or not done else "finished", self._loop.steps)
+            self._loop.release("finished", planned=True)
+        self.close(finished=done)
+        self._pg.destroy()
 
     def close(self, *, finished: bool = False) -> None:
         """Leave the quorum (its lease is revoked, so the others see at once that this worker is
-        gone); with ``finished`` rank 0 marks the run finished first, so that waiting spares exit 0.
-        The process group stays (destroy it when done with it)."""
-        if self.group is not None:
-            if finished and self.rank == 0:
-                self.group.finish()
-            self.group.close()
+        gone); with ``finished`` rank 0 marks the run finished first. The process group stays."""
+        self._pg.close(finished=finished)
 
     def __enter__(self) -> Manager:
         self.start()
         return self
 
     def __exit__(self, kind, exc, tb) -> bool:
-        """The loop's end: leave the quorum and the group. A spare that was not needed exits 0, a
-        worker left out of the quorum exits ``EXIT_EXCLUDED`` (its agent starts a newcomer); other
-        errors propagate (the agent restarts the worker)."""
+        """Leave the quorum, and the group after a clean end; an exception goes on up (the process
+        never ends here: see the module docstring)."""
         self.close()
-        if isinstance(exc, RunFinished):
-            runtime().exit(EXIT_OK, "live: the run finished before this worker was admitted")
-        if isinstance(exc, LiveExcluded):
-            runtime().exit(EXIT_EXCLUDED, f"live: {exc}; its agent starts this worker again as a newcomer")
-        if exc is None and self.distributed and dist.is_initialized():
-            dist.destroy_process_group()
+        if exc is None:
+            self._pg.destroy()
         return False
 
-    def _lease_lost(self, reason: str) -> None:
-        runtime().exit(EXIT_EXCLUDED, reason, run_hooks=False)
+    # ---- the low-level calls (``step`` and ``recover`` are made of them) ---------------------------------
+    def receive_state(self, donors: Donors | None = None) -> dict | None:
+        """A newcomer's training state, sent by a live rank (call it once, right after ``start()``:
+        that rank waits for it); None on a cold start and in plain mode (load a checkpoint then).
+        ``donors``: as in ``reform`` (None: no live rank holds this rank's state either)."""
+        return self._pg.receive_state(donors)
 
-    # ---- while training ----------------------------------------------------------------------------
+    def peer_lost(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is a failed collective that ends this worker: in plain mode (torchrun
+        restarts the workers; rank 0 may save the last completed step first), never under live
+        recovery (the survivors re-form instead)."""
+        return self._live is None and collective_failed(exc)
+
     def before_step(self) -> None:
-        """Call before each step: a worker paused past its lease never starts a step in the old group."""
-        if self.group is not None:
-            self.group.check_lease()
+        """Before each step: a worker paused past its lease never starts a step in the old group."""
+        if self._live is not None:
+            self._live.check_lease()
 
     def run(self, step: Callable[[], T]) -> tuple[T | None, str | None]:
-        """``(step(), None)``, or under live recovery ``(None, cause)`` when a collective failed in it
-        (then ``reform``); other errors, and every error in plain mode, propagate.
-
-        Under live recovery its duration is the step time the hang detection measures: a rank
-        whose ``run`` lasts past ``max(hang_min, hang_factor x median)`` while no peer is busy
-        declares the group stalled (docs/trainer.md, "Silent failures")."""
-        if self.group is None:
+        """Count a step and run it: ``(step(), None)``, or under live recovery ``(None, cause)`` when
+        a collective failed in it (then ``reform``); other errors, and every error in plain mode,
+        propagate. Its duration is the step time the hang detection measures: a rank whose ``run``
+        lasts past ``max(hang_min, hang_factor x median)`` while no peer is busy declares the group
+        stalled (docs/trainer.md, "Silent failures")."""
+        self._cadence.count()
+        self._agreed = False
+        if self._live is None:
             return run_or_failed_collective(step, recover=False)
-        progress = self.group.progress
+        progress = self._live.progress
         progress.enter()
         out: tuple[T | None, str | None] = (None, "the step raised")
         try:
@@ -268,119 +309,85 @@ class Manager:
     @contextlib.contextmanager
     def slow(self, what: str, limit: float | None = None) -> Iterator[None]:
         """A phase that may take far longer than a step (a checkpoint save, a compile, an
-        evaluation): while in it, the peers that wait for this rank do not take it for a hung one
-        (its ``busy/`` key in etcd says so). With ``limit`` it counts as busy for that many seconds
-        at most (a hang inside it is then found); without, a hang inside it waits for the
-        collective timeout. Outside live recovery it does nothing."""
-        if self.group is None:
+        evaluation): while in it, the peers that wait for this rank do not take it for a hung one.
+        With ``limit`` it counts as busy for that many seconds at most. Outside live recovery it
+        does nothing."""
+        if self._live is None:
             yield
             return
-        with self.group.progress.slow(what, limit):
-            self.group.wake()
+        with self._live.progress.slow(what, limit):
+            self._live.wake()
             yield
 
     def commit_point(self) -> None:
-        """Call between a step's gradient reduction and its optimizer step when the ranks hold
-        different parts of the state (HSDP): one all-reduce of one number over the whole group, so
-        that a collective that failed anywhere in the step (the gradient reductions of the
-        shard indices are separate collectives) fails here on every rank, before any optimizer
-        step, and the survivors re-form at one step (TorchFT's ``should_commit`` is the model).
-        A node lost during this very all-reduce may still leave them a step apart: then the
-        shards come from the ranks that hold the step every shard index has (``hsdp.shard_donors``)."""
+        """HSDP, between the gradient reductions and the optimizer step: one all-reduce, so that a
+        collective that failed anywhere in the step fails here on every rank (TorchFT's
+        ``should_commit``; a loss during it is ``hsdp.shard_donors``'s)."""
         if self.distributed and self.world_size > 1:
             dist.all_reduce(torch.zeros(1, device=self.device))
 
     @contextlib.contextmanager
     def subgroups(self, groups: Callable[[], Sequence] | None = None) -> Iterator[None]:
-        """Wrap the making of process groups beside the default one (a DeviceMesh's for HSDP, a
-        checkpoint's): a silent loss abandons their collectives too, and ``reform`` shuts their
-        connections (NCCL: aborts ``groups()``, called once they are made) before it leaves, so that
-        a peer blocked on this rank in one of them fails at once (an FSDP module holds its groups
-        in reference cycles: they outlive the default group)."""
-        if self.group is None:
+        """Wrap the making of process groups beside the default one (a DeviceMesh's, a checkpoint's):
+        a silent loss abandons their collectives too, and ``reform`` shuts their connections (NCCL:
+        aborts ``groups()``, called once they are made) before it leaves."""
+        with self._pg.subgroups(groups):
             yield
-            return
-        self._subgroups = True
-        with self.abandon.recording(add=True):
-            yield
-        if groups is not None and self.backend != "gloo":
-            self.abandon.groups += list(groups())
 
     @property
     def reform_pending(self) -> bool:
         """This rank's quorum asks to re-form (shared with the others by the next ``agree``)."""
-        return self.group is not None and self.group.change_pending.is_set()
+        return self._live is not None and self._live.change_pending.is_set()
 
     @property
     def reform_reason(self) -> str:
-        return self.group.change_reason if self.group is not None else ""
+        return self._live.change_reason if self._live is not None else ""
 
     def agree_due(self) -> bool:
-        """Count a step's end; True when the ranks agree after it (every ``Agreement.next_in`` steps)."""
-        return self._cadence.due()
+        """Whether the ranks agree at the end of this step (every ``Agreement.next_in`` steps; ``run``
+        counts them). A question: it changes nothing."""
+        return self._cadence.due
 
     def agree(self, values: Sequence[float] | torch.Tensor, *, interval: int | None = None) -> Agreement:
-        """One small all-reduce: ``values`` summed over the ranks, and whether to re-form now.
-
-        ``interval`` (rank 0's is used): steps until the next agreement; by default about 0.2 s of
-        steps at the cycle ``agree_due`` measured. Every rank must call it at the same steps."""
+        """A collective: one small all-reduce of ``values`` (summed over the ranks) and of whether
+        any rank's quorum asks to re-form now. ``interval`` (rank 0's is used): steps until the next
+        agreement; by default about 0.2 s of steps. Every rank must call it at the same steps."""
         if interval is None:
             interval = agree_interval(self._cadence.cycle_s or 0.0)
         shared = shared_values(values, self.reform_pending, interval, self.rank, self.device)
         if self.distributed and self.world_size > 1:
-            if self.group is not None:  # a wait for a hung peer here is a stalled step too
-                self.group.progress.enter()
+            if self._live is not None:  # a wait for a hung peer here is a stalled step too
+                self._live.progress.enter()
                 try:
                     dist.all_reduce(shared)
                 finally:
-                    self.group.progress.leave(measured=False)
+                    self._live.progress.leave(measured=False)
             else:
                 dist.all_reduce(shared)
         agreed = Agreement.read(shared)
         self._cadence.next_in = agreed.next_in
+        self._agreed = True
         return agreed
 
     def reform(self, step: int, cause: str, state_dict: Callable[[], dict] | None = None, *,
-               step_seconds: float | None = None,
-               donors: Callable[[Quorum], dict[int, int | None]] | None = None) -> Reform:
-        """Re-form the group in place: same process, same state, a new group at the new world size.
-
-        Call it after ``run`` returned a failure, or at an agreed step whose ``Agreement.reform``
-        is set, with nothing referring to the old group any more (drop DDP first). ``step`` is the
-        last step this rank completed; the quorum continues at the highest step any survivor
-        reported, and the ranks behind it and the newcomers receive ``state_dict()`` of a rank
-        that completed it (``Reform.state``). Raises ``LiveExcluded`` when the quorum formed
-        without this worker. ``step_seconds`` (default: the measured cycle) stretches the wait for
-        a slow member's report to three steps.
-
-        ``donors(quorum)`` (sharded states, HSDP): who sends to whom, receiver rank -> donor rank,
-        None where no live rank holds that receiver's state; each donor sends its own
-        ``state_dict()`` (``send_states``). When any receiver has no donor nothing is sent and
-        ``Reform.missing`` names them, on every rank alike: the caller loads a checkpoint."""
-        if self.group is None:
-            raise RuntimeError("Manager.reform needs live recovery (elastic-train's etcd-v3 rendezvous with "
-                               "--recovery live); in plain mode a failure ends the worker and torchrun restarts it")
-        old_rank, old_world = self.rank, self.world_size
-        self.group.progress.reform_started()
-        try:
-            if self._subgroups:  # gloo: a peer blocked on this rank in a subgroup fails now, as on a death
-                self.abandon.abandon("this rank re-forms")
-            leave_process_group()
-            torn = time.perf_counter()
-            cycle = self._cadence.cycle_s if step_seconds is None else step_seconds
-            quorum = self.group.reform(step, cause, report_timeout=max(self.group.settings.report_timeout,
-                                                                        3 * (cycle or 0.0)))
-            agreed = time.perf_counter()
-            self._init_group()
-            grouped = time.perf_counter()
-        finally:
-            self.group.progress.reform_ended()
-        state, missing = transfer(quorum, self.rank, state_dict, self.device, donors)
+               step_seconds: float | None = None, donors: Donors | None = None,
+               started: tuple[float, float] | None = None) -> Reform:
+        """Re-form the group in place (after ``run`` returned a failure, or at an agreed step whose
+        ``Agreement.reform`` is set; nothing may refer to the old group: drop DDP first). ``step``:
+        the last step this rank completed; the quorum goes on from the highest any survivor
+        reported, and the ranks behind it and the newcomers receive ``state_dict()`` of a rank that
+        completed it (``Reform.state``). Raises ``LiveExcluded`` when the quorum formed without
+        this worker. ``step_seconds`` (default: the measured cycle) stretches the wait for a slow
+        member's report to three steps; ``donors(quorum)`` (sharded states): who sends to whom
+        (``Reform.missing``: receivers without one); ``started``: (perf counter, unix time)."""
+        cycle = self._cadence.cycle_s if step_seconds is None else step_seconds
+        reformed = self._pg.reform(step, cause, state_dict, cycle_s=cycle, donors=donors,
+                                   started=started or (time.perf_counter(), time.time()))
         self._cadence.next_in = 1
-        return Reform(quorum, state, old_rank, old_world, torn, agreed, grouped, missing)
+        return reformed
 
 
-__all__ = ["Agreement", "LiveExcluded", "Manager", "Reform", "RunFinished", "agree_interval", "collective_failed",
-           "host_step_is_device_state", "leave_process_group", "nccl_error_handling", "run_or_failed_collective",
-           "script_uses_manager", "send_state", "send_states", "warm_up_ddp"]
-
+__all__ = ["Agreement", "ElasticLoader", "LiveExcluded", "Manager", "Recovery", "Reform", "Rewrapped", "RunFinished",
+           "agree_interval", "collective_failed", "host_step_is_device_state", "leave_process_group",
+           "nccl_error_handling", "run_or_failed_collective", "script_uses_manager", "send_state", "send_states",
+           "warm_up_ddp"]

@@ -104,7 +104,7 @@ def etcd_addresses(group: LiveGroup | None) -> list[tuple[str, int]]:
     if group is None:
         return []
     out = []
-    for host, port in group.conn.options.endpoints:
+    for host, port in group.etcd.options.endpoints:
         try:
             out += [(info[4][0], int(port)) for info in socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)]
         except OSError:

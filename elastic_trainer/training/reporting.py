@@ -150,10 +150,7 @@ class Reporter:
             self._status_tried = True
             from elastic_trainer.training.status import StatusPublisher
 
-            try:
-                self._status = StatusPublisher.from_env()
-            except Exception as exc:  # noqa: BLE001 - the status is for people; training goes on without it
-                logger.warning("status: not publishing to etcd (%s)", exc)
+            self._status = StatusPublisher.from_env_or_none()
         return self._status
 
     def publish_checkpoint(self, step: int, saved_at: float) -> None:

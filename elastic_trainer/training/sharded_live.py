@@ -47,8 +47,7 @@ class ShardedLive:
         if c.fsdp_peer_copy_every:
             from elastic_trainer.training.peer_copy import PeerCopies
 
-            self.copies = PeerCopies(c.fsdp_peer_copy_every, t.manager.group.me.probe.rsplit(":", 1)[0],
-                                      d.local_world_size)
+            self.copies = PeerCopies(c.fsdp_peer_copy_every, t.manager.host, d.local_world_size)
         self.source = ""
         """Where the last recovery's state came from: "live shards", "peer copies", "checkpoint"."""
         self.sent = self.received = 0

@@ -74,6 +74,16 @@ class StatusPublisher:
 
         return cls(EtcdConnection(options_from_export(text, retry_timeout=5.0)), prefix)
 
+    @classmethod
+    def from_env_or_none(cls) -> StatusPublisher | None:
+        """``from_env()``, or None (and one warning) when it cannot start: the status is for
+        people, and training goes on without it."""
+        try:
+            return cls.from_env()
+        except Exception as exc:  # noqa: BLE001 - never stop training for the status
+            logger.warning("status: not publishing to etcd (%s)", exc)
+            return None
+
     def update(self, **fields: Any) -> None:
         """Set fields of the status (``step=``, ``loss=``, ``checkpoint=``...); written within a second."""
         with self._lock:

@@ -5,9 +5,9 @@
 builds; ``train()`` resumes, loops and saves:
 
 1. **Build**: join the process group (gloo on CPU, NCCL on GPU), seed every RNG, build the task
-   (model, dataset, loss), wrap the model (DDP or FSDP), make the optimizer and the data feed
-   (``feed.make_feed``: an ``ElasticSampler`` whose position is a global sample offset, or for a
-   streamed task a ``StreamSampler`` over shard ranges); and the trainer's three helpers:
+   (model, dataset, loss), wrap the model (DDP or FSDP), make the optimizer and the
+   data feed (``feed.make_feed``: an ``ElasticSampler`` whose position is a global sample offset, or
+   for a streamed source its ``StreamSampler``); and the trainer's three helpers:
    ``Checkpointing`` (``training/checkpointing.py``), ``Reporter`` (``training/reporting.py``:
    lines, bar, W&B, status, records) and ``Preemption`` (``training/preemption.py``: SIGTERM).
 2. **Resume**: rank 0 finds the newest checkpoint that verifies and every rank loads that step:
@@ -34,29 +34,22 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from elastic_trainer import devices
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.tasks import Task, as_task, load_builder
 from elastic_trainer.training import hsdp, metrics
 from elastic_trainer.training.checkpointing import Checkpointing, checkpoint_manager
-from elastic_trainer.training.feed import make_feed, prepare as prepare_data
 from elastic_trainer.env import WorkerEnv
-from elastic_trainer.training.manager import (
-    LiveExcluded,
-    Manager,
-    agree_interval,
-    collective_failed,
-    host_step_is_device_state,
-)
+from elastic_trainer.sampler import loss_weight
+from elastic_trainer.training.manager import LiveExcluded, Manager, agree_interval, host_step_is_device_state
 from elastic_trainer.training.parallel import Parallel
 from elastic_trainer.training.preemption import Preemption
 from elastic_trainer.training.reporting import Reporter, start_profiler
-from elastic_trainer.training.sharded_live import ShardedLive
+from elastic_trainer.training.trainer_live import TrainerRecovery
+from elastic_trainer.training.feed import make_feed, prepare as prepare_data
 from elastic_trainer.training.worker import seed_everything, setup_distributed
 
 logger = logging.getLogger(__name__)
@@ -107,11 +100,7 @@ class Trainer:
                 raise ValueError("live recovery works with a constant global batch; --scale-lr "
                                  "needs `elastic-train --recovery restart`")
             self.dinfo = d = setup_distributed(c, env)
-            # the process group's owner (training/manager.py); its live quorum (None in plain mode) fences commits
             self.manager = Manager(d.device, collective_timeout=c.collective_timeout, env=env)
-            self.live = self.manager.group
-            if self.live is None:
-                self.manager.start()  # plain: the group setup_distributed joined; never re-formed
             seed_everything(c.seed)
             self.task = as_task(task if task is not None else load_builder(c.task)(c.task_args))
             prepare_data(self.task)  # a stream's row counts, read before a live newcomer asks to be admitted
@@ -119,50 +108,28 @@ class Trainer:
             self.module = self.task.model if c.fsdp and d.distributed else self.task.model.to(d.device)
             self.log_dir = Path(c.log_dir)
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            manager = checkpoint_manager(c, d, self.live)  # made before a live newcomer asks to be admitted
-            if self.live is not None:  # ready to train: only now ask the live group to admit us
-                import elastic_trainer.sampler  # noqa: F401 - imported before the others wait for us
-
-                self.manager.start()
-                d.distributed, d.rank, d.world_size, d.round = True, self.manager.rank, self.manager.world_size, \
-                    self.manager.round
+            manager = checkpoint_manager(c, d, self.manager.fence)  # before a live newcomer asks to be admitted
+            self.live = TrainerRecovery(self)  # what a live re-form asks of this trainer (trainer_live.py)
+            self.manager.start(recovery=self.live)  # live: only now, ready to train, ask to be admitted
+            d.distributed, d.rank, d.world_size, d.round = (self.manager.distributed, self.manager.rank,
+                                                            self.manager.world_size, self.manager.round)
+            self.live.started()
             self.gbs = c.global_batch_size * (d.world_size if c.scale_lr else 1)
-            self.report = Reporter(c, d, self.log_dir, gbs=self.gbs, live=self.live is not None)
+            self.report = Reporter(c, d, self.log_dir, gbs=self.gbs, live=self.manager.live)
             self.amp = devices.amp_plan(c.amp, d.device, bf16_supported=d.device.type != "cuda"
                                         or torch.cuda.is_bf16_supported(including_emulation=False))
             devices.set_tf32(d.device, c.tf32)
             self.timer = devices.step_timer(d.device)
             self.report.device_line()  # the run's first line: where it trains (never CPU by surprise)
-            self._peer_state_s = 0.0
-            loaded = None
-            sharded_live = self.live is not None and c.fsdp and d.distributed
-            # live --fsdp: its re-forms and peer copies (sharded_live.py)
-            self.sharded = ShardedLive(self) if sharded_live else None
-            if self.manager.newcomer:  # the state comes from a live rank over the new group, not storage
-                t0 = time.perf_counter()
-                state = self.manager.receive_state((lambda q: self.sharded.donors(q, -1)) if sharded_live else None)
-                if state is not None:
-                    loaded = (int(state["meta"]["step"]), state)
-                    self._peer_state_s = time.perf_counter() - t0
-                    if sharded_live:
-                        self.sharded.received = hsdp.Shards.from_state(state["shards"]).nbytes
-                    logger.info("live: received the training state of step %d (%s) in %.3fs", loaded[0],
-                                f"shards: {self.sharded.received} bytes" if sharded_live
-                                else f"from rank {self.live.quorum.source}", self._peer_state_s)
-                    if not sharded_live:
-                        self.module.load_state_dict(loaded[1]["model"])  # before DDP, as the members that sent it
-                else:  # live --fsdp: no live replica holds this rank's shards (ShardedLive.recover, in _resume)
-                    logger.info("live: no live replica holds this rank's shards; rebuilding them in _resume")
-            self.peer_state = loaded  # restored by train()
-            self.sampler, self.batches = self._new_feed()  # map-style or a stream; reads from the loaded position
+            self.live.receive()  # a live newcomer: the state from a peer, not storage
+            self.sampler, self.batches = self.new_feed()  # map-style or a stream; reads from the loaded position
             blocks = self.task.fsdp_blocks(self.module) if self.task.fsdp_blocks is not None else None
             with (self.manager.subgroups(lambda: hsdp.mesh_groups(self.module)) if c.fsdp  # the mesh's groups
                   else contextlib.nullcontext()):
                 self.par = Parallel.wrap(self.module, c, d, blocks=blocks)
             self.model = self.par.model
             self.optimizer, self.scheduler = build_optimizer(self.task, self.model, c, d.world_size)
-            if loaded is not None and sharded_live:  # a live peer's shards, into this rank's (same shard index)
-                hsdp.Shards.from_state(loaded[1]["shards"]).load_into(self.module, self.optimizer)
+            self.live.wrapped()
             self.scaler = torch.amp.GradScaler("cuda") if self.amp.scaler else None
             self.step = 0
             self.run_id: str | None = None
@@ -170,7 +137,7 @@ class Trainer:
             self.first_loss: tuple[int, float] | None = None  # (step, loss) of this process's first agreed step
             self.checkpoints = Checkpointing(manager, c, d, self, self.report, slow=self.manager.slow)
             self.profiler = None  # torch.profiler's, with --profile (train() starts it)
-            self._pending: list[tuple] = []  # (step, epoch, offset, loss sum, StepTime, end time) not in the step log yet
+            self.pending: list[tuple] = []  # (step, epoch, offset, loss sum, StepTime, end time) not in the step log yet
             self._boundary_at: float | None = None  # perf_counter at the end of the last step
             self._cycle_s: float | None = None  # seconds from one step's end to the next's
             self._last_step_s: float | None = None
@@ -193,7 +160,7 @@ class Trainer:
                               preempting=self.preemption.signalled)  # a SIGTERM before the W&B run existed
             self.profiler = start_profiler(c, self.log_dir, d, lambda: self.step, self.report.print0)
             try:
-                stopped_by = self._loop(total, self.profiler)
+                stopped_by = self._loop(total)
             except BaseException as exc:
                 self._abort(exc)
                 self.report.failed()
@@ -212,13 +179,8 @@ class Trainer:
         """From a live peer's state (a newcomer), else the newest checkpoint, else ``--init-from``
         or the task's own weights; then the W&B run id, fixed at the training's first start."""
         c, d = self.config, self.dinfo
-        if self.peer_state is not None:
-            self._restore(*self.peer_state)
-            self.peer_state = None
-            self.report.joined_live(self.step, self.sampler, source=self.live.quorum.source, seconds=self._peer_state_s)
-        elif self.sharded is not None and self.manager.newcomer:  # live --fsdp, no replica held our shards
-            if not self.sharded.recover(None, None):
-                self.report.event("start", world_size=d.world_size, restart=d.restart, round=d.round)
+        if self.live.resume():
+            pass
         elif (loaded := self.checkpoints.load()) is not None:
             self.checkpoints.resume(*loaded)
             del loaded
@@ -226,42 +188,32 @@ class Trainer:
             if c.init_from is not None:
                 self.checkpoints.init_from(c.init_from)
             self.report.event("start", world_size=d.world_size, restart=d.restart, round=d.round)
-        if self.sharded is not None and self.manager.newcomer:
-            self.sharded.moved()  # the bytes the re-form moved (with the survivors' _live_reform)
-            with self.manager.subgroups():
-                self.checkpoints.prepare()  # the saver's group: the survivors make theirs at the re-form
         if self.run_id is None and d.is_main:  # fixed at the first start: restarts before a checkpoint resume it
             self.run_id = (metrics.fixed_run_id(c.checkpoint_dir or str(self.log_dir), fresh=not c.resume)
                            if c.wandb else metrics.new_run_id())
 
-    def _loop(self, total: int, profiler) -> str:
-        """Steps until done or stopped; returns why it ended ("done", "max-seconds", "signal SIGTERM")."""
+    def _loop(self, total: int) -> str:
+        """Steps until done or stopped; returns why it ended ("done", "max-seconds", "signal SIGTERM").
+        ``Manager.step`` runs each one, and re-forms the group under live recovery when a collective
+        failed in it or the ranks agreed to (``trainer_live.py`` is the trainer's part of that)."""
         started = last_save = time.monotonic()
         self.model.train()
         while not self._done(total):
-            reason, failed = self.manager.run(lambda: self._loop_step(total, profiler, started, last_save))
-            if failed is not None:  # re-form outside the except block: see manager.run_or_failed_collective
-                self._live_reform(failed)
-                continue
+            reason = self.manager.step(lambda: self._loop_step(total, started, last_save))
             if reason == "saved":
                 last_save = time.monotonic()
-            elif reason == "reform":  # planned: the save in flight commits on the old group first
-                self.checkpoints.settle()
-                self._live_reform(f"planned: {self.manager.reform_reason or 'a member asked'}")
             elif reason is not None:
                 return reason
         return "done"
 
-    def _loop_step(self, total: int, profiler, started: float, last_save: float) -> str | None:
+    def _loop_step(self, total: int, started: float, last_save: float) -> str | None:
         """One step, and the agreement when one is due. Returns None to go on, "saved" after a
-        periodic save, "reform" when the live group re-forms now, or why training stops."""
+        periodic save, or why training stops."""
         c = self.config
-        self.manager.before_step()  # a worker paused past its lease never starts a step in the old group
         self.timer.start()
         loss_sum = self._train_step(self.batches)
         self.preemption.boundaries += 1
-        if self.sharded is not None:
-            self.sharded.copy()  # every K-th step: this rank's shards to a peer's host memory (peer_copy.py)
+        self.live.after_step()
         if self.preemption.boundaries == 1:  # the saves' host memory, made beside the next steps
             with self.manager.slow("checkpoint host memory"), (  # peers waiting meanwhile: not a hang
                     self.manager.subgroups() if self.par.fsdp else contextlib.nullcontext()):
@@ -269,20 +221,19 @@ class Trainer:
         took = self.timer.stop()  # CUDA: known once the GPU ran the step (at the agreement at the latest)
         if took.ready():
             self._last_step_s = took.seconds()
-        self._pending.append((self.step, self.sampler.epoch, self.sampler.offset, loss_sum, took, time.time()))
-        due = self.manager.agree_due()
+        self.pending.append((self.step, self.sampler.epoch, self.sampler.offset, loss_sum, took, time.time()))
         every_n = c.checkpoint_every is not None and self.step % c.checkpoint_every == 0
-        if not due and not every_n and not self._done(total):
-            self._after_step(profiler)
+        if not self.manager.agree_due() and not every_n and not self._done(total):
+            self._after_step()
             return None
         now, main = time.monotonic(), self.dinfo.is_main  # rank 0's clock decides the timed events
         signalled, timed_out, save_due, reform = self._agree(
             signalled=self.preemption.signalled,
             timed_out=main and c.max_seconds is not None and now - started >= c.max_seconds,
             save_due=main and c.checkpoint_every_seconds is not None and now - last_save >= c.checkpoint_every_seconds)
-        self._after_step(profiler)
-        if signalled and self.live is not None and not self.preemption.signalled and not timed_out:
-            return "reform"  # a peer was preempted: it leaves, the others go on without it
+        self._after_step()
+        if signalled and not self.preemption.signalled and not timed_out and self.live.without_stopped_peer():
+            return None  # live: a peer was preempted; it leaves, the others re-form without it
         if signalled or timed_out:
             reason = self.preemption.stop_reason(peer_signalled=signalled)
             self.report.print0(f"stopping at step {self.step} ({reason})")
@@ -291,48 +242,31 @@ class Trainer:
         if self.checkpoints.manager is not None and (save_due or every_n) and not self._done(total):
             self.checkpoints.save(blocking=False)  # its local waits are Manager.slow phases, its gathers not
             return "saved"
-        if reform and not self._done(total):
-            return "reform"
+        if reform and not self._done(total):  # a node waits to join, a member's lease expired
+            self.manager.request_reform(f"planned: {self.manager.reform_reason or 'a member asked'}")
         return None
 
     def _finish(self, stopped_by: str | None) -> None:
-        """Final blocking save (unless this step is saved already), flush logs, leave the process group."""
+        """Final blocking save (unless this step is saved already), flush logs, leave the process group
+        (a finished run is marked so, for newcomers still waiting to exit 0)."""
         self.checkpoints.finish()
-        if self.sharded is not None:
-            self.sharded.close()
-        if self.live is not None:
-            if stopped_by == "done" and self.dinfo.is_main:
-                self.live.finish()  # waiting newcomers exit 0 instead of starting the run again
-            self.live.close()
+        self.live.close()
+        self.manager.finish(done=stopped_by == "done")
         self.report.close(stopped_by, self.step, self.last_loss, self.first_loss)
         self.preemption.disarm()
-        if self.dinfo.distributed and dist.is_initialized():
-            dist.destroy_process_group()
 
     def _abort(self, exc: BaseException | None = None) -> None:
         """On an error (a peer lost, ...): the step log gets the steps never agreed, a live member
         leaves, and the checkpoints save what they can (``Checkpointing.abort``)."""
-        self._log_unagreed_steps()
-        if self.live is not None:  # the state lives on in the other members; leave now, visibly
-            self.live.close()
-        # a live rank never saves after a failure: it is fenced or recovered
-        lost = exc if exc is not None and self.live is None and collective_failed(exc) else None
+        self.report.unagreed_steps(self.pending)
+        self.pending.clear()
+        if isinstance(exc, LiveExcluded):
+            self.report.event("live_excluded", step=self.step, reason=str(exc))
+        self.manager.close()  # live: the state lives on in the other members; leave now, visibly
+        lost = exc if exc is not None and self.manager.peer_lost(exc) else None  # never on a live rank
         self.checkpoints.abort(lost, device_state=host_step_is_device_state(self.dinfo.device))
 
-    # ---- for the live re-form and the agreement -------------------------------------------
-    def _event(self, event: str, **fields: Any) -> None:
-        self.report.event(event, **fields)
-
-    def _capture_state(self, any_rank: bool = False) -> dict | None:
-        return self.checkpoints.capture(any_rank=any_rank)
-
-    def _restore(self, step: int, state: dict) -> None:
-        self.checkpoints.restore(step, state)
-
-    def _log_unagreed_steps(self) -> None:
-        self.report.unagreed_steps(self._pending)
-        self._pending.clear()
-
+    # ---- for the agreement and the step ----------------------------------------------------
     def _log_step(self, step: int, epoch: int, offset: int, step_time: float, ended: float) -> None:
         saved = self.checkpoints.note_commit()  # a save that committed since: its line, and W&B gets its stats
         self.report.step_done(step, epoch, offset, step_time, ended, loss=self.last_loss,
@@ -343,77 +277,12 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.dinfo.device.type, dtype=self.amp.dtype)
 
-    # ---- live recovery (training/manager.py) and the step ------------------------------------
-    def _new_feed(self):
-        """``(sampler, batches)`` at the current world size (``feed.make_feed``: map-style or a stream)."""
+    def new_feed(self):
+        """``(sampler, batches)`` at the current world size (``feed.make_feed``: map-style or a stream);
+        the batches start reading, lazily, from whatever position the sampler then loads."""
         d, c = self.dinfo, self.config
         return make_feed(self.task, global_batch_size=self.gbs, rank=d.rank, world_size=d.world_size, seed=c.seed,
                          micro_batch_size=c.micro_batch_size, num_workers=c.num_workers, device=d.device)
-
-    def _live_reform(self, cause: str) -> None:
-        """Re-form the group in place (``Manager.reform``): same process, same state; a new group
-        at the new world size.
-
-        The step that failed (if any) did not change the parameters under DDP: a collective fails
-        inside backward, before the optimizer step, or in the step-end agreement, after it. So
-        this rank holds the state of ``self.step``; the quorum continues at the highest step any
-        survivor reported, and ranks behind it (and newcomers) load that rank's state."""
-        c, d = self.config, self.dinfo
-        t0 = time.perf_counter()
-        failed_at = time.time()
-        self._log_unagreed_steps()
-        old_world, old_round, old_rank = d.world_size, d.round, d.rank
-        self.par = self.par.unwrap()  # DDP goes before its process group
-        self.model = None
-        self.optimizer.zero_grad(set_to_none=True)
-        kept = hsdp.Shards.take(self.module, self.optimizer) if self.sharded is not None else None
-        state_dict = ((lambda: {**self.checkpoints.capture(any_rank=True, whole=False), "shards": kept.to_state()})
-                      if kept is not None else lambda: self._capture_state(any_rank=True))
-        try:
-            reformed = self.manager.reform(self.step, cause, state_dict, step_seconds=self._last_step_s or 0.0,
-                                           donors=(lambda q: self.sharded.donors(q, self.step, kept))
-                                           if kept is not None else None)
-        except LiveExcluded as exc:
-            logger.error("live: %s; exiting so that the agent starts this worker again as a newcomer", exc)
-            self._event("live_excluded", step=self.step, reason=str(exc))
-            raise
-        quorum, state = reformed.quorum, reformed.state
-        d.rank, d.world_size, d.round = self.manager.rank, self.manager.world_size, self.manager.round
-        if kept is not None:  # live --fsdp: the same shards (kept, or a peer's) in a model on the new mesh
-            moved = self.sharded.rewrap(kept, state, reformed.missing)
-        else:
-            if state is not None:
-                self.module.load_state_dict(state["model"])
-            self.par = Parallel.wrap(self.module, c, d)
-        self.model = self.par.model
-        self.model.train()
-        position = self.sampler.state_dict()
-        self.sampler, self.batches = self._new_feed()
-        self.sampler.load_state_dict(position)
-        if kept is not None and reformed.missing:  # no live replica holds some shard: live shards, copies, checkpoint
-            self.sharded.recover(kept, (old_round, old_rank, old_world))
-        elif state is not None:
-            self._restore(quorum.step, state)
-        sharded_live = kept is not None
-        if sharded_live:
-            sent, received = self.sharded.moved()  # with the newcomers' _resume
-            with self.manager.subgroups():
-                self.checkpoints.prepare()  # the saver's group, made now by every rank (a newcomer: in _resume)
-        state = kept = None  # the lambdas above refer to kept: free it, do not unbind it
-        timings = reformed.timings(t0, time.perf_counter())
-        logger.info("live: rank %d -> %d of %d in quorum %d (%s) in %.3fs", old_rank, d.rank, d.world_size,
-                    quorum.q, quorum.cause, timings["total_s"])
-        self.report.print0(f"world size changed: {old_world} -> {d.world_size} ranks without a restart "
-                           f"({quorum.cause}); step {self.step}, global batch stays {self.gbs}"
-                           + (f"; {received} bytes of shards moved point to point" if sharded_live else ""))
-        sharded = {"extra": {"shard_bytes": moved, "moved_bytes": received, "sent_bytes": sent,
-                             "reloaded": bool(reformed.missing),
-                             "state_from": self.sharded.source if reformed.missing else "replica"}} if sharded_live else {}
-        self._event("live_reform", step=self.step, old=old_world, new=d.world_size, round=quorum.q,
-                    old_round=old_round, cause=quorum.cause, failed_at=failed_at,
-                    receivers=list(quorum.receivers), **timings, **sharded)
-        if old_world != d.world_size:
-            self._event("world_size_changed", old=old_world, new=d.world_size, step=self.step)
 
     def _done(self, total: int) -> bool:
         c = self.config
@@ -431,8 +300,6 @@ class Trainer:
         uneven global batch (``--micro-batch-size 1``, ``B % W != 0``; any world-size change can
         make it so) runs its last micro-batch once more with weight 0, which adds nothing to the
         gradient or the loss (a model with batch norm would update its running statistics with it)."""
-        from elastic_trainer.sampler import loss_weight
-
         d = self.dinfo
         loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)  # on the device: no sync per micro-batch
         consumed: list[int] = []
@@ -457,8 +324,7 @@ class Trainer:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
-        if self.sharded is not None:  # live --fsdp: no rank steps unless every rank's reductions completed
-            self.manager.commit_point()
+        self.live.commit_point()  # live --fsdp: no rank steps unless every rank's reductions completed
         skipped = False
         if self.scaler is not None:
             before = self.scaler.get_scale()  # waits for the backward, as scaler.step() does to read found_inf
@@ -487,24 +353,24 @@ class Trainer:
         and at the last step; a SIGTERM is acted on at the next agreement. Then the step log gets
         the pending steps.
         """
-        losses = torch.stack([p[3] for p in self._pending])
-        self._last_step_s = self._pending[-1][4].seconds()  # CUDA: waits for the GPU, as the all-reduce would
+        losses = torch.stack([p[3] for p in self.pending])
+        self._last_step_s = self.pending[-1][4].seconds()  # CUDA: waits for the GPU, as the all-reduce would
         flags = torch.tensor([float(signalled), float(timed_out), float(save_due)], dtype=torch.float64,
                              device=losses.device)  # the process group's device (NCCL needs CUDA tensors)
         agreed = self.manager.agree(torch.cat([losses, flags]), interval=self._agree_interval())
-        n = len(self._pending)
+        n = len(self.pending)
         values = agreed.values
-        for (step, epoch, offset, _, took, ended), loss in zip(self._pending, values[:n]):
+        for (step, epoch, offset, _, took, ended), loss in zip(self.pending, values[:n]):
             self.last_loss = loss / self.gbs
             if self.first_loss is None:
                 self.first_loss = (step, self.last_loss)
             self._log_step(step, epoch, offset, took.seconds(), ended)
-        self._pending.clear()
+        self.pending.clear()
         return values[n] > 0, values[n + 1] > 0, values[n + 2] > 0, agreed.reform
 
-    def _after_step(self, profiler) -> None:
-        if profiler is not None:
-            profiler.step()
+    def _after_step(self) -> None:
+        if self.profiler is not None:
+            self.profiler.step()
         if self.config.sleep_per_step:  # testing and drills: a longer step, between two steps
             time.sleep(self.config.sleep_per_step)
         now = time.perf_counter()

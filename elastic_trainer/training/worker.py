@@ -25,7 +25,7 @@ from elastic_trainer import devices
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.env import WorkerEnv
 from elastic_trainer.tasks import Task
-from elastic_trainer.training.manager import init_from_env
+from elastic_trainer.training.process_group import init_from_env
 
 logger = logging.getLogger(__name__)
 

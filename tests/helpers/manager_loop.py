@@ -1,88 +1,67 @@
-"""A user's DDP loop on ``elastic_trainer.Manager`` with slow phases, for the hang-detection tests.
+"""A user's loop on ``elastic_trainer.Manager`` with slow phases, for the hang-detection tests.
 
-Like ``examples/own_loop.py`` (steps in ``steps/rank-*.jsonl``), plus what a real loop does that
-must not be taken for a hang: a long first step on one node (a compile), and every
-``--slow-every`` steps a slow phase on one rank inside ``manager.slow("checkpoint")`` (a save
-that blocks the loop), while its peers wait for it in the next step's all-reduce.
+``examples/own_loop.py``'s loop (steps in ``steps/rank-*.jsonl``, written by the Manager), plus
+what a real loop does that must not be taken for a hang: a long first step on one node (a
+compile), and every ``--slow-every`` steps a slow phase on one rank inside
+``manager.slow("checkpoint")`` (a save that blocks the loop), while its peers wait for it in the
+next step's all-reduce.
 """
 
 import argparse
 import logging
 import os
-import socket
 import time
 
 import torch
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
 
-from elastic_trainer import Manager, records
-from elastic_trainer.env import ENV_LOG_DIR
+from elastic_trainer import ElasticSampler, Manager
 
 p = argparse.ArgumentParser()
-p.add_argument("--max-steps", type=int, default=1000)
+p.add_argument("--epochs", type=int, default=1000)
+p.add_argument("--max-steps", type=int, default=None, help="the ranks stop together after this many steps")
 p.add_argument("--sleep-per-step", type=float, default=0.02)
 p.add_argument("--first-step-seconds", type=float, default=0.0, help="a compile: the first step of --slow-node")
 p.add_argument("--slow-every", type=int, default=0)
 p.add_argument("--slow-seconds", type=float, default=0.0)
 p.add_argument("--slow-node", default="", help="the hostname-independent node tag (ELASTIC_TRAINER_TEST_NODE)")
-p.add_argument("--log-dir", default=os.environ.get(ENV_LOG_DIR, "logs"))
 args = p.parse_args()
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-me = os.environ.get("ELASTIC_TRAINER_TEST_NODE", "")
-slow_here = bool(args.slow_node) and me == args.slow_node
+slow_here = bool(args.slow_node) and os.environ.get("ELASTIC_TRAINER_TEST_NODE", "") == args.slow_node
 
+manager = Manager()
 torch.manual_seed(0)
+data = TensorDataset(torch.randn(960, 8), torch.randn(960, 1))
 model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-step = 0
+sampler = ElasticSampler(len(data), 48, manager.rank, manager.world_size, seed=0)
+loader = manager.loader(DataLoader(data, batch_sampler=sampler))
+ddp = manager.start(model, DDP, optimizer=opt)
 first = True
 
 
-def state() -> dict:
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
-
-
-def load(got: dict | None) -> None:
-    global step
-    if got is not None:
-        model.load_state_dict(got["model"]), opt.load_state_dict(got["optimizer"])
-        step = got["step"]
-
-
-def train_step(ddp: DDP):
-    global step, first
+def train_step(x: torch.Tensor, y: torch.Tensor) -> float:
+    global first
     if first and slow_here and args.first_step_seconds:
         time.sleep(args.first_step_seconds)  # a compile: no announcement, the warm-up covers it
     first = False
-    g = torch.Generator().manual_seed(step * 1000 + manager.rank)
-    x = torch.randn(16, 8, generator=g)
-    loss = torch.nn.functional.mse_loss(ddp(x), x.sum(1, keepdim=True))
+    loss = F.mse_loss(ddp(x), y)
     opt.zero_grad()
     loss.backward()
     opt.step()
-    step += 1
-    if args.slow_every and step % args.slow_every == 0 and slow_here:
+    if args.slow_every and (manager.steps + 1) % args.slow_every == 0 and slow_here:
         with manager.slow("checkpoint"):
             time.sleep(args.slow_seconds)
-    return loss.item(), manager.agree([0.0]) if manager.agree_due() else None
+    return loss.item()
 
 
-with Manager() as manager:
-    load(manager.receive_state())
-    log = records.JsonLines(records.steps_path(args.log_dir, manager.rank, os.getpid()))
-    ddp = DDP(model)
-    while step < args.max_steps:
-        manager.before_step()
-        out, failed = manager.run(lambda: train_step(ddp))
-        if failed is None:
-            log.write(records.StepRecord(time=time.time(), step=step, epoch=0, offset=0, rank=manager.rank,
-                                         world_size=manager.world_size, round=manager.round, loss=out[0],
-                                         restart=manager.env.restart_count or 0, node=socket.gethostname()))
-            time.sleep(args.sleep_per_step)
-        if failed is not None or (out[1] is not None and out[1].reform):
-            ddp = None
-            load(manager.reform(step, failed or "planned", state).state)
-            ddp = DDP(model)
-    manager.close(finished=step >= args.max_steps)
-    ddp = None
-    log.close()
+for epoch in range(sampler.epoch, args.epochs):
+    sampler.set_epoch(epoch)
+    for x, y in loader:
+        manager.step(train_step, x, y)
+        if args.max_steps is not None and manager.steps >= args.max_steps:
+            manager.stop()  # all stop at the next agreement
+        time.sleep(args.sleep_per_step)
+manager.finish()

@@ -1,0 +1,92 @@
+"""What a live re-form asks of the training loop, and what it tells it back: the ``Recovery`` a loop
+hands the Manager once, and the ``Reform`` the Manager returns.
+
+A live re-form (``training/manager.py``) keeps every survivor's process. The Manager does the
+process group's part: leave the old group, agree on the next quorum, build the new group, move the
+state from a peer to the ranks that need it. What the loop built on the old group (DDP, FSDP's
+mesh, the data split) must go before the group does and come back on the new one; that is the
+loop's part, and a ``Recovery`` does it, on every rank, in this order:
+
+1. ``release(cause, planned)``: drop what refers to the old group (DDP, an FSDP module), and finish
+   what must finish on it (a planned re-form: a save in flight);
+2. ``state_dict()``, on the ranks that send (the quorum's source; with ``donors``, each donor):
+   what a receiver needs, ``torch.save``-able. ``donors(quorum)`` (sharded states, HSDP) names
+   who sends to whom; ``None`` (the attribute) means one source sends to every receiver;
+3. ``reformed(reform)``: load ``reform.state`` where one came, wrap the model for the new group,
+   split the data over the new world, report.
+
+``step`` is the last step this rank completed (the quorum continues at the highest any survivor
+reports) and ``step_done(result)`` hears of every step the Manager ran to its end.
+
+Two implementations: ``loop.LoopRecovery``, which ``Manager.start(model, wrap, optimizer=...)``
+and ``Manager.loader`` build for a user's own loop, and the built-in trainer's
+(``trainer_live.TrainerRecovery``, HSDP's shards in ``sharded_live.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from elastic_trainer.live.quorum import Quorum
+
+
+@dataclass(frozen=True)
+class Reform:
+    """A re-form's outcome: the new quorum, the state this rank received (None unless it was behind
+    or new) and when each phase ended (``time.perf_counter``)."""
+
+    quorum: Quorum
+    state: dict | None
+    old_rank: int
+    old_world_size: int
+    torn: float
+    agreed: float
+    grouped: float
+    missing: tuple[int, ...] = ()
+    """Ranks whose state no live rank holds (``donors``): every rank loads a checkpoint."""
+    old_round: int | None = None
+    """The quorum number before."""
+    started: float = 0.0
+    """When the teardown began (``time.perf_counter``); ``failed_at`` is the same moment in unix time."""
+    failed_at: float = 0.0
+
+    def timings(self, started: float | None = None, done: float | None = None) -> dict[str, float]:
+        """Seconds of each phase from ``started`` (default: the teardown began) to ``done`` (default: now)."""
+        started = self.started if started is None else started
+        done = time.perf_counter() if done is None else done
+        return {"teardown_s": self.torn - started, "agree_s": self.agreed - self.torn,
+                "group_s": self.grouped - self.agreed, "state_s": done - self.grouped, "total_s": done - started}
+
+
+Donors = Callable[[Quorum], dict[int, int | None]]
+"""``donors(quorum)``: receiver rank -> the rank that sends it its state (None: no live rank holds it)."""
+
+
+class Recovery(Protocol):
+    """The loop's part of a re-form (see the module docstring)."""
+
+    donors: Donors | None
+
+    @property
+    def step(self) -> int:
+        """The last step this rank completed."""
+        ...
+
+    def step_done(self, result: Any) -> None:
+        """A step ran to its end (``Manager.step``): ``result`` is what the loop's step returned."""
+
+    def release(self, cause: str, planned: bool) -> None:
+        """Before the old group is left: nothing may refer to it afterwards."""
+
+    def state_dict(self) -> dict:
+        """What a receiver of this rank's state needs (called on the senders only)."""
+        ...
+
+    def reformed(self, reform: Reform) -> None:
+        """The new group is up and the state moved: load it (``reform.state``), wrap, split the data."""
+
+
+__all__ = ["Donors", "Recovery", "Reform"]

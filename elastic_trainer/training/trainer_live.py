@@ -1,0 +1,194 @@
+"""The built-in trainer under live recovery: its ``Recovery`` (``training/recovery.py``), beside the
+plain path.
+
+The ``Trainer`` (``training/trainer.py``) is a client of the same Manager as a user's loop: it
+runs each step through ``Manager.step``, and the Manager re-forms the group when a collective fails
+or at an agreed step. What the trainer must do around a re-form is here, so that its loop has no
+live or sharded branch (torchtitan keeps its fault tolerance beside the plain path the same way):
+
+- **a newcomer** (``receive``, ``wrapped``, ``resume``): the state a live rank sends, its model
+  loaded before DDP wraps it (DDP broadcasts rank 0's), then everything else where the trainer
+  would load a checkpoint;
+- **a re-form** (``release``, ``state_dict``, ``reformed``): DDP dropped, the state the ranks
+  behind and the newcomers receive (the trainer's checkpoint content), then the model wrapped
+  again on the new group, the received state loaded, the sampler split over the new world, the
+  data loader made again, one line and a ``live_reform`` event;
+- **HSDP** (``--fsdp`` on several nodes: ``sharded_live.py``): the shards kept in memory across
+  the re-form, who sends which shard (``donors``), the model wrapped again around them, peer
+  copies every K steps (``after_step``) and the commit point before the optimizer step.
+
+In plain mode (``--recovery restart``) nothing re-forms: only ``receive``/``resume`` are asked, and
+find nothing to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from elastic_trainer.training import hsdp
+from elastic_trainer.training.parallel import Parallel
+from elastic_trainer.training.recovery import Donors, Reform
+from elastic_trainer.training.sharded_live import ShardedLive
+
+logger = logging.getLogger(__name__)
+
+
+class TrainerRecovery:
+    """The trainer ``t``'s part of live recovery (see the module docstring)."""
+
+    def __init__(self, t: Any) -> None:
+        self.t = t
+        self.sharded: ShardedLive | None = None
+        """Live ``--fsdp``: its shards, peer copies and re-wrap (made once the group is up: ``started``)."""
+        self.donors: Donors | None = None
+        """HSDP at a re-form: who sends which rank its shards (set by ``release``)."""
+        self._peer: tuple[int, dict] | None = None  # a newcomer's received (step, state), restored by resume()
+        self._peer_s = 0.0
+        self._kept: hsdp.Shards | None = None  # HSDP: this rank's shards across a re-form
+
+    def started(self) -> None:
+        """The process group is up: HSDP's part when this is a live ``--fsdp`` run on a group."""
+        t = self.t
+        if t.manager.live and t.config.fsdp and t.dinfo.distributed:
+            self.sharded = ShardedLive(t)
+
+    # ---- a newcomer ----------------------------------------------------------------------------
+    def receive(self) -> None:
+        """A newcomer: the state a live rank sends (its model loaded now, before the wrap)."""
+        t = self.t
+        if not t.manager.newcomer:
+            return
+        t0 = time.perf_counter()
+        state = t.manager.receive_state((lambda q: self.sharded.donors(q, -1)) if self.sharded else None)
+        if state is None:  # live --fsdp: no live replica holds this rank's shards (resume() rebuilds them)
+            logger.info("live: no live replica holds this rank's shards; rebuilding them in _resume")
+            return
+        self._peer, self._peer_s = (int(state["meta"]["step"]), state), time.perf_counter() - t0
+        if self.sharded is not None:
+            self.sharded.received = hsdp.Shards.from_state(state["shards"]).nbytes
+        else:
+            t.module.load_state_dict(state["model"])  # before DDP, as the members that sent it
+        logger.info("live: received the training state of step %d (%s) in %.3fs", self._peer[0],
+                    f"shards: {self.sharded.received} bytes" if self.sharded
+                    else f"from rank {t.manager.quorum.source}", self._peer_s)
+
+    def wrapped(self) -> None:
+        """After the model is wrapped and the optimizer made: HSDP's received shards into them."""
+        if self._peer is not None and self.sharded is not None:
+            hsdp.Shards.from_state(self._peer[1]["shards"]).load_into(self.t.module, self.t.optimizer)
+
+    def resume(self) -> bool:
+        """Where the trainer would load a checkpoint: a newcomer restores the state a peer sent
+        (HSDP: rebuilds it when no replica held its shards). False: not a newcomer."""
+        t = self.t
+        if self._peer is not None:
+            t.checkpoints.restore(*self._peer)
+            self._peer = None
+            t.report.joined_live(t.step, t.sampler, source=t.manager.quorum.source, seconds=self._peer_s)
+        elif self.sharded is not None and t.manager.newcomer:
+            if not self.sharded.recover(None, None):
+                d = t.dinfo
+                t.report.event("start", world_size=d.world_size, restart=d.restart, round=d.round)
+        else:
+            return False
+        if self.sharded is not None:
+            self.sharded.moved()  # the bytes the re-form moved (with the survivors' reformed())
+            with t.manager.subgroups():
+                t.checkpoints.prepare()  # the saver's group: the survivors make theirs at the re-form
+        return True
+
+    # ---- in the loop ---------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        return self.t.step
+
+    def step_done(self, result: Any) -> None:
+        """The trainer counts, commits and logs its steps itself."""
+
+    def after_step(self) -> None:
+        """HSDP, every K-th step: this rank's shards to a peer's host memory (``peer_copy.py``)."""
+        if self.sharded is not None:
+            self.sharded.copy()
+
+    def commit_point(self) -> None:
+        """HSDP: no rank steps its optimizer unless every rank's reductions completed."""
+        if self.sharded is not None:
+            self.t.manager.commit_point()
+
+    def without_stopped_peer(self) -> bool:
+        """A peer got SIGTERM (and not this rank): under live recovery it leaves and the others
+        re-form without it (True); on the restart path all stop (False)."""
+        if not self.t.manager.live:
+            return False
+        self.t.manager.request_reform("planned: a peer was preempted")
+        return True
+
+    def close(self) -> None:
+        if self.sharded is not None:
+            self.sharded.close()
+
+    # ---- a re-form -----------------------------------------------------------------------------
+    def release(self, cause: str, planned: bool) -> None:
+        t = self.t
+        if planned:  # the save in flight commits on the old group first
+            t.checkpoints.settle()
+        t.report.unagreed_steps(t.pending)
+        t.pending.clear()
+        t.par = t.par.unwrap()  # DDP goes before its process group
+        t.model = None
+        t.optimizer.zero_grad(set_to_none=True)
+        if self.sharded is not None:
+            kept = self._kept = hsdp.Shards.take(t.module, t.optimizer)
+            self.donors = lambda q: self.sharded.donors(q, t.step, kept)
+
+    def state_dict(self) -> dict:
+        capture = self.t.checkpoints.capture
+        if self._kept is not None:
+            return {**capture(any_rank=True, whole=False), "shards": self._kept.to_state()}
+        return capture(any_rank=True)
+
+    def reformed(self, r: Reform) -> None:
+        """The step that failed (if any) did not change the parameters under DDP: a collective fails
+        inside backward, before the optimizer step, or in the step-end agreement, after it. So this
+        rank held the state of ``t.step``; the ranks behind the quorum's step loaded a peer's."""
+        t, c, d = self.t, self.t.config, self.t.dinfo
+        kept, self._kept, self.donors = self._kept, None, None
+        q, state = r.quorum, r.state
+        d.rank, d.world_size, d.round = t.manager.rank, t.manager.world_size, t.manager.round
+        if kept is not None:  # live --fsdp: the same shards (kept, or a peer's) in a model on the new mesh
+            moved = self.sharded.rewrap(kept, state, r.missing)
+        else:
+            if state is not None:
+                t.module.load_state_dict(state["model"])
+            t.par = Parallel.wrap(t.module, c, d)
+        t.model = t.par.model
+        t.model.train()
+        position = t.sampler.state_dict()  # the rest of the epoch, split over the new world
+        t.sampler, t.batches = t.new_feed()
+        t.sampler.load_state_dict(position)
+        if kept is not None and r.missing:  # no live replica holds some shard: live shards, copies, checkpoint
+            self.sharded.recover(kept, (r.old_round, r.old_rank, r.old_world_size))
+        elif state is not None:
+            t.checkpoints.restore(q.step, state)
+        extra: dict = {}
+        if kept is not None:
+            sent, received = self.sharded.moved()  # with the newcomers' resume()
+            with t.manager.subgroups():
+                t.checkpoints.prepare()  # the saver's group, made now by every rank (a newcomer: in resume())
+            extra = {"extra": {"shard_bytes": moved, "moved_bytes": received, "sent_bytes": sent,
+                               "reloaded": bool(r.missing),
+                               "state_from": self.sharded.source if r.missing else "replica"}}
+        state = kept = None
+        t.report.print0(f"world size changed: {r.old_world_size} -> {d.world_size} ranks without a restart "
+                        f"({q.cause}); step {t.step}, global batch stays {t.gbs}"
+                        + (f"; {extra['extra']['moved_bytes']} bytes of shards moved point to point" if extra else ""))
+        t.report.event("live_reform", step=t.step, old=r.old_world_size, new=d.world_size, round=q.q,
+                       old_round=r.old_round, cause=q.cause, failed_at=r.failed_at, receivers=list(q.receivers),
+                       **r.timings(), **extra)
+        if r.old_world_size != d.world_size:
+            t.report.event("world_size_changed", old=r.old_world_size, new=d.world_size, step=t.step)
+
+
+__all__ = ["TrainerRecovery"]

@@ -1,0 +1,212 @@
+"""A worker's default process group under the Manager: joined, formed, left and formed again.
+
+In plain mode (plain torchrun, ``--recovery restart``) it is the group torchrun's environment
+describes (``join``), never re-formed. Under live recovery it belongs to the live quorum
+(``live/group.py``: who trains together, agreed in etcd), and its life is:
+
+1. **join**: wait until a quorum admits this worker (a cold start, or a newcomer), then **form**;
+2. **form**: the quorum's watcher first (a member lost from now on is noticed within a lease, also
+   while the group forms), then ``init_process_group`` on a fresh store in etcd (no process hosts
+   it), NCCL asked to raise its errors instead of ending the process, its sockets recorded so that a
+   silent loss can shut them (``abandon.py``); a member lost while the group forms ends the store's
+   waits (``live/group_store.MemberGone``), and the survivors re-form without it and form again;
+3. **reform** (after a failed collective, or at an agreed step): the subgroups' connections shut,
+   the group aborted and destroyed, the next quorum agreed (``LiveGroup.reform``: the step every
+   survivor completed), **form** again, and the state sent point to point to the ranks behind the
+   quorum's step and the newcomers (``state_transfer.py``);
+4. **close**: leave the quorum (the lease is revoked; rank 0 marks a finished run first).
+
+The Manager (``training/manager.py``) owns one and is what a training loop calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_trainer.env import EXIT_EXCLUDED, EXIT_OK, WorkerEnv
+from elastic_trainer.live.group import LiveGroup
+from elastic_trainer.live.group_store import MemberGone
+from elastic_trainer.live.quorum import LiveExcluded, Quorum, RunFinished
+from elastic_trainer.training.abandon import GroupAbandon
+from elastic_trainer.training.process_group import (etcd_addresses, init_from_env, install_debug_hang,
+                                                    leave_process_group, nccl_error_handling, warm_up_ddp)
+from elastic_trainer.training.recovery import Donors, Reform
+from elastic_trainer.runtime import die_with_parent, runtime
+from elastic_trainer.training.state_transfer import send_state, send_states, transfer
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerGroup:
+    """This worker's default process group and its membership (see the module docstring)."""
+
+    def __init__(self, env: WorkerEnv, device: torch.device, collective_timeout: float) -> None:
+        self.env, self.device, self.collective_timeout = env, device, collective_timeout
+        if env.restart_count is not None:  # started by torchrun's agent, which gives each worker a
+            die_with_parent()              # session of its own: go when the agent goes (a killed node)
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.live: LiveGroup | None = LiveGroup.from_env(
+            env, start_thread=runtime().start_thread, on_lease_lost=self._lease_lost,
+            on_member_lost=self._member_lost, on_hung=self._lease_lost,
+            probe_peers=device.type == "cuda")  # an NCCL collective may hang on a dead peer
+        """The live quorum's membership (None in plain mode); also the checkpoint commit's fence."""
+        self.abandon = GroupAbandon(self.backend, etcd_addresses(self.live))
+        """Makes the group's collectives in flight fail now (the watcher calls it on a silent loss)."""
+        if self.live is not None:
+            install_debug_hang(env)
+        self.rank, self.world_size = env.rank or 0, env.world_size or 1
+        self.round = env.rdzv_round
+        """The quorum number under live recovery (the rendezvous round otherwise)."""
+        self.distributed = False
+        self._subgroups = False  # groups beside the default one were made (subgroups())
+
+    @property
+    def quorum(self) -> Quorum | None:
+        return self.live.quorum if self.live is not None else None
+
+    @property
+    def newcomer(self) -> bool:
+        """Joined a group that was already training: ``receive_state()`` gives its state."""
+        q = self.quorum
+        return q is not None and not q.cold
+
+    @property
+    def host(self) -> str | None:
+        """The address this worker's peers reach it at (live recovery, once formed), else None."""
+        q = self.quorum
+        return q.members[self.rank].probe.rsplit(":", 1)[0] if q is not None and self.distributed else None
+
+    def join(self) -> None:
+        """Plain mode: torchrun's group. Live: the quorum's admission, then ``form``. Raises
+        ``RunFinished`` for a spare the run never needed. Under live recovery it also has the runtime
+        end the process on an uncaught ``LiveExcluded`` (``EXIT_EXCLUDED``: the agent starts a
+        newcomer) or ``RunFinished`` (0)."""
+        if self.live is None:
+            self.distributed = init_from_env(self.env, self.device, self.collective_timeout)
+            if self.distributed:
+                self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            return
+        runtime().exit_on_uncaught(LiveExcluded, EXIT_EXCLUDED)
+        runtime().exit_on_uncaught(RunFinished, EXIT_OK)
+        warm_up_ddp()
+        t0 = time.perf_counter()
+        quorum = self.live.join()
+        t1 = time.perf_counter()
+        quorum = self._form_until_whole(-1)  # a newcomer's (or a cold start's) step: none yet
+        logger.info("live: admitted to quorum %d as rank %d of %d after %.3fs (%s); group in %.3fs", quorum.q,
+                    self.rank, quorum.world_size, t1 - t0, "cold start" if quorum.cold else "newcomer",
+                    time.perf_counter() - t1)
+
+    def form(self) -> None:
+        """The default group of the current quorum, on a fresh store in etcd (the watcher first)."""
+        self.live.start_watching()  # at once when it runs already (a re-form)
+        q = self.live.quorum
+        extra: dict[str, Any] = {}
+        if self.backend == "nccl":
+            nccl_error_handling()
+            extra["device_id"] = self.device
+        # kept: the store is a Python subclass of torch's Store, and the groups made later from the
+        # default one (new_group: a DeviceMesh, the checkpoint's group) call it through C++, which finds
+        # no Python half once the object is gone ("Not implemented.")
+        self._store = self.live.store()
+        with self.abandon.recording():  # gloo: the connections it opens are the ones to shut on a silent loss
+            dist.init_process_group(self.backend, store=self._store, rank=q.rank_of(self.live.id),
+                                    world_size=q.world_size,
+                                    timeout=datetime.timedelta(seconds=self.collective_timeout), **extra)
+        self.live.forget_old()
+        self.rank, self.world_size, self.round, self.distributed = dist.get_rank(), q.world_size, q.q, True
+
+    def _form_until_whole(self, step: int, cycle_s: float | None = None) -> Quorum:
+        """``form`` the current quorum's group; while a member is lost as it forms (its store's waits
+        end, ``MemberGone``: within about a lease of a freeze, at once for a kill), leave what was
+        made and re-form without that member, reporting ``step``. The quorum the group formed for."""
+        while True:
+            try:
+                self.form()
+                return self.live.quorum
+            except MemberGone as exc:
+                q = self.live.quorum
+                logger.warning("live: %s while quorum %d formed its group; re-forming without it", exc, q.q)
+                leave_process_group()
+                self.live.reform(step, f"a member was lost while quorum {q.q} formed its group",
+                                 report_timeout=max(self.live.settings.report_timeout, 3 * (cycle_s or 0.0)))
+
+    def reform(self, step: int, cause: str, state_dict: Callable[[], dict] | None, *, cycle_s: float | None,
+               donors: Donors | None, started: tuple[float, float]) -> Reform:
+        """Leave, agree on the next quorum, ``form``, move the state (``Manager.reform``)."""
+        if self.live is None:
+            raise RuntimeError("Manager.reform needs live recovery (elastic-train's etcd-v3 rendezvous with "
+                               "--recovery live); in plain mode a failure ends the worker and torchrun restarts it")
+        old_rank, old_world, old_round = self.rank, self.world_size, self.round
+        self.live.progress.reform_started()
+        try:
+            if self._subgroups:  # gloo: a peer blocked on this rank in a subgroup fails now, as on a death
+                self.abandon.abandon("this rank re-forms")
+            leave_process_group()
+            torn = time.perf_counter()
+            quorum = self.live.reform(step, cause, report_timeout=max(self.live.settings.report_timeout,
+                                                                       3 * (cycle_s or 0.0)))
+            agreed = time.perf_counter()
+            quorum = self._form_until_whole(step, cycle_s)
+            grouped = time.perf_counter()
+        finally:
+            self.live.progress.reform_ended()
+        state, missing = transfer(quorum, self.rank, state_dict, self.device, donors)
+        return Reform(quorum, state, old_rank, old_world, torn, agreed, grouped, missing, old_round, *started)
+
+    def receive_state(self, donors: Donors | None = None) -> dict | None:
+        """A newcomer's state from a live rank (``Manager.receive_state``)."""
+        if not self.newcomer:
+            return None
+        q = self.live.quorum
+        if donors is not None:
+            plan = donors(q)
+            if any(d is None for d in plan.values()):
+                return None
+            return send_states(None, plan, self.device)
+        return send_state(None, q.source, q.receivers, self.device)
+
+    @contextlib.contextmanager
+    def subgroups(self, groups: Callable[[], Sequence] | None = None) -> Iterator[None]:
+        """Groups beside the default one are made inside (``Manager.subgroups``)."""
+        if self.live is None:
+            yield
+            return
+        self._subgroups = True
+        with self.abandon.recording(add=True):
+            yield
+        if groups is not None and self.backend != "gloo":
+            self.abandon.groups += list(groups())
+
+    def close(self, *, finished: bool = False) -> None:
+        """Leave the quorum (its lease is revoked); with ``finished`` rank 0 marks the run finished first."""
+        if self.live is not None:
+            if finished and self.rank == 0:
+                self.live.finish()
+            self.live.close()
+
+    def destroy(self) -> None:
+        """Destroy the default group (nothing may refer to it any more)."""
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+        self.distributed = False
+
+    def _lease_lost(self, reason: str) -> None:
+        """This worker's lease is gone, or its training thread is stuck while its peers re-form without
+        it: the others may already train without it, so it ends (its agent starts a newcomer)."""
+        runtime().exit(EXIT_EXCLUDED, reason, run_hooks=False)
+
+    def _member_lost(self, reason: str) -> None:
+        """From the watcher: a member went silent (or the quorum moved on): the collectives in flight fail now."""
+        self.abandon.abandon(reason)
+
+
+__all__ = ["WorkerGroup"]
