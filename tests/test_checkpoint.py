@@ -717,27 +717,6 @@ def test_round_fence_on_real_etcd_lets_only_the_current_round_commit(etcd, run_i
         conn.close()
 
 
-# --------------------------------------------------------------------------- benchmark smoke test
-
-
-@pytest.mark.timeout(300)
-def test_checkpoint_benchmark_quick_mode_runs_and_prints_its_table(procs, tmp_path):
-    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "checkpoint_bench.py"
-    proc = procs.start([sys.executable, str(bench), "--quick", "--json", str(tmp_path / "b.json")],
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate(timeout=280)
-    assert proc.returncode == 0, err[-3000:]
-    assert "command: " in out and "checkpoint_bench.py --quick" in out and "load average" in out
-    rows = [line for line in out.splitlines() if line.startswith(("file |", "s3 |"))]
-    assert len(rows) == 2, out
-    result = json.loads((tmp_path / "b.json").read_text())
-    assert [r["store"] for r in result["rows"]] == ["file", "s3"] and len(result["load_start"]) == 3
-    for r in result["rows"]:
-        assert r["step_s"] > 0 and r["blocked_s"] >= r["copy_wait_s"] >= 0 and r["save_mbps"] > 0
-        assert r["plain_mbps"] > 0 and r["ratio"] > 0
-    assert result["rows"][0]["durable_mbps"] > 0 and result["rows"][0]["streamed_mbps"] > 0
-
-
 def test_a_stale_writer_pruned_as_it_commits_leaves_nothing_a_load_would_pick(any_url, monkeypatch, caplog):
     """The race a commit cannot close: a stale writer uploads step 2 while a newer writer commits
     steps 3-5 and, in its retention, removes step-2 as an uncommitted leftover, just before the
