@@ -25,7 +25,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from elastic_trainer.checkpoint import storage
 from elastic_trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
-from tests.helpers.common import assert_same_state, etcd_conn, mounted_tmpfs
+from tests.helpers.common import assert_same_state, etcd_conn, mounted_tmpfs, wait_until
 
 try:
     from elastic_trainer.fence import FencedError
@@ -551,11 +551,13 @@ def test_sigkill_during_upload_leaves_newest_complete_checkpoint_loadable(tmp_pa
         if line.startswith("uploading 2"):
             break
     assert lines == ["committed 1", "uploading 2"], (lines, proc.stderr.read() if proc.poll() is not None else "")
-    time.sleep(0.5)  # well inside the ~4 s upload
+    step2 = tmp_path / "c" / "step-2" / "victim"
+    # the first bytes of step 2 are on disk: the kill lands in its ~4 s upload, whatever the load
+    wait_until(lambda: step2.is_dir() and any(f.stat().st_size for f in step2.rglob("*") if f.is_file()), 30,
+               "step 2's first bytes", interval=0.02)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
-    step2 = tmp_path / "c" / "step-2" / "victim"
-    assert step2.is_dir() and any(step2.iterdir()), "the kill should land mid-upload"
+    assert not (tmp_path / "c" / "step-2" / "manifest.json").exists(), "the kill should land mid-upload"
     with caplog.at_level(logging.WARNING, logger="elastic_trainer.checkpoint"):
         step, state = CheckpointManager(url).load()
     assert step == 1 and state["writer"] == "victim"
@@ -597,7 +599,9 @@ def test_two_concurrent_rank0_writers_never_produce_a_torn_checkpoint(tmp_path, 
     go = tmp_path / "go"
     a = _writer(procs, url, steps_a, "writer-a", "--keep", "3", "--go-file", str(go))
     b = _writer(procs, url, steps_b, "writer-b", "--keep", "3", "--go-file", str(go))
-    time.sleep(1.0)
+    for writer in (a, b):  # both imported and connected
+        line = writer.stdout.readline()
+        assert line == "ready\n", (line, writer.communicate(timeout=30)[1][-2000:])
     go.touch()  # both start saving at the same moment
     out_a, err_a = a.communicate(timeout=150)
     out_b, err_b = b.communicate(timeout=150)
