@@ -1,7 +1,7 @@
 """FSDP checkpoints, full state gathered on rank 0 against sharded per rank: blocking, throughput, memory, load.
 
     .venv/bin/python benchmarks/sharded_bench.py                      # 4 ranks, widths 1024, 2048 and 4096
-    .venv/bin/python benchmarks/sharded_bench.py --ranks 2 --widths 128 --steps 3 --repeats 1   # smoke (seconds)
+    .venv/bin/python benchmarks/sharded_bench.py --ranks 2 --load-ranks 1 --widths 128 --steps 2 --repeats 1  # smoke
     .venv/bin/python benchmarks/sharded_bench.py --json benchmarks/results/sharded_bench.json
 
 For each width ``d`` a model of four ``Linear(d, d)`` layers (each its own ``fully_shard`` unit,
@@ -26,7 +26,7 @@ Measured, per width and way:
   pairwise copy/save time ratios;
 - peak RSS per rank during a blocking save (``VmHWM`` of ``/proc/self/status``, reset with
   ``/proc/self/clear_refs`` just before), as growth over the RSS before it;
-- load: the last checkpoint loaded at ``--ranks`` and at half as many (full: rank 0 reads the file
+- load: the last checkpoint loaded at ``--ranks`` and at half as many (``--load-ranks``; full: rank 0 reads the file
   and ``set_*_state_dict(broadcast_from_rank0=True)`` scatters it; sharded: ``load_sharded``
   reshards), timed, with the same RSS growth.
 
@@ -294,6 +294,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64, help="rows per rank and step")
     p.add_argument("--steps", type=int, default=5, help="steps timed without a save, and beside each save")
     p.add_argument("--repeats", type=int, default=3, help="saves of each kind (and plain copies)")
+    p.add_argument("--load-ranks", default=None, metavar="N,...",
+                   help="world sizes the checkpoints are loaded at (default: --ranks and half of it; the smoke "
+                        "test loads at 1 alone: each size is a torchrun launch of its own)")
     p.add_argument("--dir", default=None, help="where to save (default: a temporary directory)")
     p.add_argument("--json", default=None, help="write the rows and the header (date, commit, machine) here")
     provenance.add_arguments(p)
@@ -311,6 +314,8 @@ def main() -> None:
 
 
 def _main(args: argparse.Namespace, run: provenance.Run) -> None:
+    load_ranks = sorted({int(n) for n in args.load_ranks.split(",")} if args.load_ranks
+                        else {args.ranks, max(1, args.ranks // 2)}, reverse=True)
     print("command:", run.command)
     print("load average at start:", " ".join(f"{x:.2f}" for x in os.getloadavg()))
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
@@ -318,7 +323,7 @@ def _main(args: argparse.Namespace, run: provenance.Run) -> None:
         for width in (int(w) for w in args.widths.split(",")):
             for mode in ("full", "sharded"):
                 _run(args.ranks, args, mode, width, f"{tmp}/{mode}-{width}", out)
-                for ranks in sorted({args.ranks, max(1, args.ranks // 2)}, reverse=True):
+                for ranks in load_ranks:
                     _run(ranks, args, f"load-{mode}", width, f"{tmp}/{mode}-{width}", out)
         rows = [json.loads(line) for line in Path(out).read_text().splitlines()]
     report(rows)

@@ -1,16 +1,27 @@
-"""Smoke tests of benchmarks/: every script runs at its smallest size, exits 0 and prints numbers.
+"""The benchmarks run at their smallest size, write their results with the commit and the date,
+and what they measure is plausible.
 
-These keep the benchmark scripts working; they assert nothing about speed (the numbers of a
-2-core machine shared with other work say nothing in a test). A script that has not landed in
-the repository yet is skipped with the reason; one that exists and fails is a failure.
+One run of ``benchmarks/run_all --quick`` (overhead, checkpoint_bench, recovery, live_recovery,
+rdzv_scale, then plots.py on those results) and of ``benchmarks/sharded_bench.py`` and
+``benchmarks/stream_read.py`` at their smallest size, each script once; then every figure is checked against a bound that a working product keeps
+with a wide margin and a broken one crosses (a kill that costs seconds instead of a tenth of one, a
+save that holds the step, a rendezvous that waits for a timeout). The bounds and the measurements
+behind them are beside each check: they come from the results in ``benchmarks/results/`` (100+ live
+trials at load 0.1 to 57) and from this smoke run at load 7 to 16 on 2 shared cores. How fast
+things are is the benchmarks' business; this test only says the numbers are of the right kind.
+
+The smaller plot tests draw from written results (synthetic ones with failures in them, which a
+quick run does not produce), in this process.
 
     .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_benchmarks_smoke.py
 """
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -19,147 +30,211 @@ from pathlib import Path
 import pytest
 
 from benchmarks import provenance
+from elastic_trainer.env import LiveSettings
 from tests.helpers.common import REPO
 
 BENCH = REPO / "benchmarks"
-FLOAT = re.compile(r"\d+\.\d+")
+PNG = b"\x89PNG\r\n\x1a\n"
+RUN_ALL = ("overhead", "checkpoint_bench", "recovery", "live_recovery", "rdzv_scale")
+"""What ``run_all`` runs, each writing ``<name>.txt`` and ``<name>.json`` (and plots.py after them)."""
+PLOTTED = ("overhead", "checkpoint_bench", "recovery", "rdzv_scale")
+"""The PNGs plots.py draws from those results (none for live_recovery)."""
 
 
-def run_script(procs, name: str, *args: str, timeout: float = 240) -> str:
-    """Run ``benchmarks/<name> args...`` from the repository root; return its output (exit 0 asserted)."""
-    script = BENCH / name
-    if not script.exists():
-        pytest.skip(f"benchmarks/{name} has not landed yet")
-    proc = procs.start([sys.executable, str(script), *args], cwd=REPO, stdout=subprocess.PIPE,
+def _tail(path: Path, chars: int = 3000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else f"({path.name}: none)"
+
+
+def _run_all_quick(procs, out: Path, pngs: Path, logs: Path) -> None:
+    env = {**os.environ, "OUT": str(out), "PNGS": str(pngs), "LOGS": str(logs), "PYTHON": sys.executable}
+    proc = procs.start(["bash", str(BENCH / "run_all"), "--quick"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True)
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        printed, _ = proc.communicate(timeout=780)
     except subprocess.TimeoutExpired:
         procs.kill_all()
-        out, _ = proc.communicate()
-        pytest.fail(f"benchmarks/{name} {' '.join(args)} ran over {timeout}s; output:\n{out[-3000:]}")
-    assert proc.returncode == 0, f"benchmarks/{name} {' '.join(args)} exited {proc.returncode}:\n{out[-3000:]}"
-    assert "command:" in out, f"benchmarks/{name} did not print the command that produced its numbers"
-    return out
+        printed, _ = proc.communicate()
+        pytest.fail("benchmarks/run_all --quick ran over 780 s:\n" + printed[-3000:])
+    failed = "\n".join(f"--- {name}: {_tail(out / f'{name}.txt')}\n{_tail(logs / f'{name}.stderr')}"
+                       for name in RUN_ALL if not (out / f"{name}.json").exists())
+    assert proc.returncode == 0, f"run_all --quick exited {proc.returncode}:\n{printed[-2000:]}\n{failed}"
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_overhead_quick_measures_both_launchers_and_writes_json(procs, tmp_path):
-    out = run_script(procs, "overhead.py", "--quick", "--out", str(tmp_path / "overhead.json"))
-    result = json.loads((tmp_path / "overhead.json").read_text())
-    assert result["elastic"]["median"] > 0 and result["plain"]["median"] > 0
-    assert result["ratio_of_medians"] > 0
-    assert re.search(r"ratio of medians elastic/plain: \d+\.\d+", out)
-    assert "plain_ddp.py" in result["plain_command"] and "elastic_trainer.cli" in result["elastic_command"]
-    assert [r["kind"] for r in result["runs"]] == ["elastic", "plain"]  # alternated, A first
-    assert result["runs"][0]["checkpoints"] >= 1  # the elastic side saved inside the measured window
+def _sharded_smallest(procs, out: Path) -> None:
+    cmd = [sys.executable, str(BENCH / "sharded_bench.py"), "--ranks", "2", "--load-ranks", "1", "--widths", "128",
+           "--steps", "2", "--repeats", "1", "--json", str(out / "sharded_bench.json"),
+           "--txt", str(out / "sharded_bench.txt")]
+    proc = procs.start(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    printed, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, f"sharded_bench.py exited {proc.returncode}:\n{printed[-3000:]}"
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_checkpoint_bench_quick_prints_a_row_per_store(procs):
-    out = run_script(procs, "checkpoint_bench.py", "--quick")
-    rows = [line for line in out.splitlines() if line.startswith(("file |", "s3 |"))]
-    assert rows, f"no result rows in:\n{out[-2000:]}"
-    assert all(FLOAT.search(r) for r in rows)
+def _stream_smallest(procs, out: Path) -> None:
+    cmd = [sys.executable, str(BENCH / "stream_read.py"), "--gb", "0.01", "--seq-len", "256", "--paced-steps", "5",
+           "--repositions", "1", "--step-seconds", "0.05", "--json", str(out / "stream_read.json"),
+           "--txt", str(out / "stream_read.txt")]
+    proc = procs.start(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    printed, _ = proc.communicate(timeout=280)
+    assert proc.returncode == 0, f"stream_read.py exited {proc.returncode}:\n{printed[-3000:]}"
+    data = re.search(r" under (\S+) in ", printed)
+    assert "worst reposition" in printed and data and not Path(data[1]).exists(), "the data it wrote stays behind"
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_sharded_bench_small_measures_full_and_sharded_saves_and_loads(procs, tmp_path):
-    out = run_script(procs, "sharded_bench.py", "--ranks", "2", "--widths", "128", "--steps", "2", "--repeats", "1",
-                     "--json", str(tmp_path / "s.json"), timeout=380)
-    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
-    assert sorted({(r["mode"], r["world"]) for r in rows}) == [
-        ("full", 2), ("load-full", 1), ("load-full", 2), ("load-sharded", 1), ("load-sharded", 2), ("sharded", 2)]
-    assert all(r["peak"] > 0 and r["rss_before"] > 0 for r in rows)
-    saves = [r for r in rows if not r["mode"].startswith("load")]
-    assert all(r["save_s"][0] > 0 and r["copy_s"][0] > 0 and r["blocked_s"][0] > 0 and r["bytes"] > 0 for r in saves)
-    assert all(r["seconds"] > 0 for r in rows if r["mode"].startswith("load"))
-    assert len([line for line in out.splitlines() if line.startswith("  128 |")]) == 6
+def _results_carry_commit_and_date(out: Path, name: str) -> dict:
+    """``<name>.txt`` starts with the header line, ``<name>.json`` with the same facts; the JSON."""
+    head = (out / f"{name}.txt").read_text().splitlines()[0]
+    m = provenance.HEADER_RE.match(head)
+    assert m and m["commit"] not in ("", "unknown") and f"benchmarks/{name}.py" in m["command"], head
+    datetime.datetime.strptime(m["date"], "%Y-%m-%dT%H:%MZ")
+    result = json.loads((out / f"{name}.json").read_text())
+    assert list(result)[:4] == list(provenance.JSON_KEYS), list(result)[:6]
+    assert result["commit"] == m["commit"] and result["machine"]["cores"] >= 1, result["machine"]
+    datetime.datetime.strptime(result["date"], "%Y-%m-%dT%H:%M:%SZ")
+    return result
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_stream_read_small_reads_both_formats_and_repositions(procs, tmp_path):
-    out = run_script(procs, "stream_read.py", "--gb", "0.01", "--seq-len", "256", "--paced-steps", "5",
-                     "--repositions", "1", "--step-seconds", "0.05", "--json", str(tmp_path / "s.json"), timeout=280)
-    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
-    assert sorted((r["format"], r["workers"]) for r in rows) == [("parquet", 0), ("parquet", 2), ("tokens", 0), ("tokens", 2)]
-    assert all(r["read"]["rows"] == r["rows_in_all"] // 16 * 16 and r["read"]["mb_per_s"] > 0 for r in rows)
-    assert all(v["n"] == 2 and v["max_ms"] > 0 for r in rows for v in r["reposition"].values())
-    data = re.search(r" under (\S+) in ", out)
-    assert "worst reposition" in out and data and not Path(data[1]).exists(), "the data it wrote stays behind"
+def _overhead(r: dict) -> None:
+    # One alternated repeat each of 10 measured steps. Five repeats (results/overhead.json) put the
+    # ratio within a few per cent of 1; one repeat on 2 shared cores swings by tens of per cent. A
+    # trainer that runs at a third of plain DDP's speed (or a plain side that did not train) is
+    # broken, not noisy.
+    assert r["elastic"]["median"] > 0 and r["plain"]["median"] > 0, r
+    assert 1 / 3 < r["ratio_of_medians"] < 3, r["ratio_of_medians"]
+    assert [run["kind"] for run in r["runs"]] == ["elastic", "plain"]  # alternated, A first
+    elastic = r["runs"][0]
+    assert elastic["checkpoints"] >= 1, "the elastic side saved inside the measured window"
+    assert elastic["blocked_s"] < elastic["seconds"] / 2, "its saves held the steps for half the window"
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_recovery_one_trial_of_etcd_v3_measures_each_scenario(procs, tmp_path):
-    out = run_script(procs, "recovery.py", "--trials", "1", "--backends", "etcd-v3", "--json",
-                     str(tmp_path / "recovery.json"), timeout=360)
-    results = json.loads((tmp_path / "recovery.json").read_text())["results"]["etcd-v3"]
-    assert len(results) == 1 and set(results[0]) >= {"kill-other", "kill-rank0", "join"}
-    assert any(isinstance(v, float) for v in results[0].values()), f"no recovery was measured: {results}"
-    assert "median s" in out
+def _checkpoint_bench(r: dict) -> None:
+    rows = {row["store"]: row for row in r["rows"]}
+    assert sorted(rows) == ["file", "s3"] and len(r["load_start"]) == len(r["load_end"]) == 3, r
+    for store, row in rows.items():
+        # An asynchronous save holds the training thread for the snapshot copy: about 1 ms against a
+        # 40 ms step (results/checkpoint_bench.txt); a save that holds a whole step has gone
+        # synchronous. (Under load both stretch alike.)
+        assert 0 <= row["blocked_s"] < row["step_s"], (store, row["blocked_s"], row["step_s"])
+        assert row["blocked_s"] >= row["copy_wait_s"] >= 0, row
+        assert row["sync_s"] > 0 and row["save_mbps"] > 0 and row["plain_mbps"] > 0 and row["ratio"] > 0, row
+    assert rows["file"]["durable_mbps"] > 0 and rows["file"]["streamed_mbps"] > 0, rows["file"]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_live_recovery_one_trial_recovers_each_fault_and_measures_goodput(procs, tmp_path):
-    """One live trial (kill a node, add one, kill rank 0) and an 8 s goodput run with a fault at 4 s
-    (each goodput run, clean and with faults, lasts that long: 8 s instead of 12 s saves 8 s of the
-    suite; the fault is still recovered from in ~0.1-0.3 s, well inside the window)."""
-    out = run_script(procs, "live_recovery.py", "--systems", "live", "--trials", "1", "--goodput-seconds", "8",
-                     "--fault-every", "4", "--scenarios", "kill-other,join,kill-rank0", "--json",
-                     str(tmp_path / "live.json"), timeout=270)
-    result = json.loads((tmp_path / "live.json").read_text())
-    trial = result["results"]["live"][0]
+def _recovery(r: dict) -> None:
+    [trial] = r["results"]["etcd-v3"]
     for scenario in ("kill-other", "join", "kill-rank0"):
-        assert isinstance(trial[scenario], dict), f"live did not recover from {scenario}: {trial[scenario]}"
-        assert trial[scenario]["s"] > 0 and trial[scenario]["redone"] is not None
-    assert trial["join"]["pause"] > 0 and trial["join"]["hwm_extra_mib"]["survivors"] == 2
-    goodput = result["goodput"]["live"]
-    assert goodput["clean"]["steps"] > 0 and goodput["faults"]["steps"] > 0 and goodput["ratio"] > 0
-    assert 0 < goodput["time_ratio"] <= 1
-    assert len(goodput["faults"]["faults"]) == 1  # one fault at 4 s (the next would be at 8 s, the end)
-    assert "targets (issue 17):" in out and "median s" in out
+        took = trial[scenario]
+        # The restart path on our etcd-v3 rendezvous: 3.5-4.5 s quiet (results/recovery.txt), 6.6-11.7 s
+        # at load 7-12 in this smoke; torchrun's c10d at its defaults 40-75 s or never.
+        assert isinstance(took, float), f"{scenario} did not recover: {took}"
+        assert 0 < took < 30, (scenario, took)
+        rdzv = trial[f"{scenario} rdzv"]
+        assert rdzv is None or 0 < rdzv <= took, (scenario, rdzv, took)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_live_recovery_one_frozen_node_goes_to_n_minus_1_and_back_and_writes_commit_and_date(procs, tmp_path):
-    """One live trial of stop-node (issue 27): a world without the frozen node, then N again.
-
-    It runs after kill-rank0 in the same job, as in the full benchmark: the job gets its killed
-    node back before the node is frozen. (Before, the freeze came on the world of N-1 the kill
-    left, whose earlier steps at N passed for a steady world of N: the frozen node took the world
-    to N-2 and "no step at world size N" was reported as a failure to recover.)"""
-    out = run_script(procs, "live_recovery.py", "--systems", "live", "--trials", "1", "--scenarios",
-                     "kill-rank0,stop-node", "--goodput-seconds", "0", "--json", str(tmp_path / "s.json"),
-                     "--txt", str(tmp_path / "s.txt"), timeout=150)
-    result = json.loads((tmp_path / "s.json").read_text())
-    assert isinstance(result["results"]["live"][0]["kill-rank0"], dict)
-    stop = result["results"]["live"][0]["stop-node"]
+def _live_recovery(r: dict) -> None:
+    [trial] = r["results"]["live"]
+    # Over 100+ live trials in results/live_recovery*.json (load 0.1 to 57): a kill cost at most
+    # 0.35 s to the first step at N-1 and no step was redone (the restart path: 6-16 s and 5-16
+    # steps redone); a join paused the survivors 0.28 s at most (restart: 4.6-15.8 s). This smoke
+    # at load 16: 0.21-0.28 s, pause 0.18 s.
+    for scenario in ("kill-other", "kill-rank0"):
+        kill = trial[scenario]
+        assert isinstance(kill, dict), f"live did not recover from {scenario}: {kill}"
+        assert 0 < kill["s"] < 5 and kill["redone"] == 0, (scenario, kill)
+    join = trial["join"]
+    assert isinstance(join, dict), f"live did not take the new node: {join}"
+    assert 0 < join["pause"] < 5 and join["redone"] == 0, join
+    assert join["hwm_extra_mib"]["survivors"] == 1, join["hwm_extra_mib"]  # 2 nodes: one survivor
+    # A frozen node: the survivors step without it once its lease is gone (lease 3 s: at most 3.33 s
+    # over 25 trials; restart 12 s, c10d-tuned 39 s), and with it again once it is back (away >= 5 s).
+    stop, lease = trial["stop-node"], LiveSettings().lease_ttl
     assert isinstance(stop, dict), f"live did not recover from a frozen node: {stop}"
-    assert 0 < stop["s"] < stop["back"] and stop["away_s"] >= 5
-    assert list(result)[:4] == list(provenance.JSON_KEYS)
-    head = (tmp_path / "s.txt").read_text().splitlines()[0]
-    assert provenance.HEADER_RE.match(head) and "live_recovery.py --systems live" in head, head
-    assert "targets (issue 27):" in out and "live stop-node: to N-1 median" in out
+    assert 0 < stop["s"] < lease + 5 and stop["redone"] == 0, (stop, lease)
+    assert stop["away_s"] >= 5 and stop["s"] < stop["back"], stop
+    goodput = r["goodput"]["live"]
+    assert goodput["clean"]["steps"] > 0 and goodput["faults"]["steps"] > 0, goodput
+    assert len(goodput["faults"]["faults"]) == 1  # one fault at 2 s (the next would be at 4 s, the end)
+    # One kill in 4 s stalls the steps for about the recovery above: far below 4 s.
+    assert goodput["faults"]["stalled_s"] < 2 and 0.5 < goodput["time_ratio"] <= 1, goodput
+    assert any(line.startswith("live kill-other: median") for line in r["verdicts"]), r["verdicts"]
+
+
+def _rdzv_scale(r: dict) -> None:
+    [size] = r["results"]
+    # 8 agents form one round as soon as the last joins: 0.10-0.21 s (results/rdzv_scale*.txt and
+    # this smoke at load 5.5), with 5-13 etcd requests per agent; a round that waits for a timeout
+    # (the lease, 3 s) or agents that poll etcd would cross these.
+    assert size["agents"] == 8 and size["joined"] == 8 and size["ranks_ok"], size
+    assert 0 < size["all_ranked_s"] < 3, size["all_ranked_s"]
+    assert size["lost_leases"] == 0 and size["errors"] == [], size
+    assert 0 < size["requests_per_agent"] < 50, size["requests_per_agent"]
+
+
+def _sharded_bench(r: dict) -> None:
+    rows = r["rows"]
+    assert sorted({(row["mode"], row["world"]) for row in rows}) == [
+        ("full", 2), ("load-full", 1), ("load-sharded", 1), ("sharded", 2)]
+    for row in rows:
+        assert row["peak"] > 0 and row["rss_before"] > 0, row
+        if row["mode"].startswith("load"):
+            assert row["seconds"] > 0, row
+            continue
+        assert row["bytes"] > 0 and row["copy_s"][0] > 0 and row["blocked_s"][0] > 0, row
+    # A sharded save in the background holds the training thread for the staging copy alone, less than
+    # a blocking save of the same shards takes from start to commit (which also writes them): 1.9 ms
+    # against 108 ms at load 14. (A full save's first background save also gathers the state and makes
+    # its snapshot buffers: 159 ms against 39 ms for the blocking one before it, at the same load.)
+    for row in rows:
+        if row["mode"] == "sharded":
+            assert row["blocked_s"][0] < row["save_s"][0], (row["rank"], row["blocked_s"], row["save_s"])
+
+
+def _stream_read(r: dict) -> None:
+    rows = r["rows"]
+    assert sorted((x["format"], x["workers"]) for x in rows) == [("parquet", 0), ("parquet", 2), ("tokens", 0),
+                                                                 ("tokens", 2)], rows
+    # every row of whole global batches was read, at some positive rate (its rate is the benchmark's business)
+    assert all(x["read"]["rows"] == x["rows_in_all"] // 16 * 16 and x["read"]["mb_per_s"] > 0 for x in rows), rows
+    assert all(v["n"] == 2 and v["max_ms"] > 0 for x in rows for v in x["reposition"].values()), rows
+
+
+CHECKS = {"overhead": _overhead, "checkpoint_bench": _checkpoint_bench, "recovery": _recovery,
+          "live_recovery": _live_recovery, "rdzv_scale": _rdzv_scale, "sharded_bench": _sharded_bench,
+          "stream_read": _stream_read}
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_rdzv_scale_eight_agents_all_get_a_rank(procs):
-    out = run_script(procs, "rdzv_scale.py", "--sizes", "8")
-    rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["8"]]
-    assert rows, f"no row for 8 agents in:\n{out[-2000:]}"
-    assert FLOAT.fullmatch(rows[0][1]), f"8 agents did not all get a rank: {rows[0]}"
+@pytest.mark.timeout(1200)
+def test_every_benchmark_at_its_smallest_size_writes_commit_and_date_and_plausible_figures(procs, tmp_path):
+    out, pngs, logs = tmp_path / "results", tmp_path / "pngs", tmp_path / "logs"
+    _run_all_quick(procs, out, pngs, logs)
+    _sharded_smallest(procs, out)
+    _stream_smallest(procs, out)
+    problems = []
+    for name, check in CHECKS.items():
+        try:
+            check(_results_carry_commit_and_date(out, name))
+        except (AssertionError, KeyError, TypeError, ValueError) as exc:
+            problems.append(f"{name}: {type(exc).__name__}: {exc}\n{_tail(out / f'{name}.txt', 2000)}")
+    # plots.py drew each figure from the results into PNGS, and nothing into the results folder
+    for name in PLOTTED:
+        png = pngs / f"{name}.png"
+        if not (png.exists() and png.read_bytes()[:8] == PNG):
+            problems.append(f"plots.py did not draw {name}.png: {_tail(logs / 'plots.txt')}")
+    assert not list(out.glob("*.png")), sorted(p.name for p in out.glob("*.png"))
+    assert not problems, "\n\n".join(problems)
 
 
-def test_plots_draw_one_png_per_benchmark_from_results(tmp_path):
-    """plots.py reads each benchmark's result format (JSON or printed table) and writes its PNG."""
+def _load_plots():
+    spec = importlib.util.spec_from_file_location("bench_plots", BENCH / "plots.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plots_draw_one_png_per_benchmark_from_results_with_failures_in_them(tmp_path):
+    """plots.py reads each benchmark's result format (JSON or printed table), failures included
+    ("timeout", "died", a size not formed), and writes its PNG."""
     (tmp_path / "overhead.json").write_text(json.dumps({
         "runs": [{"kind": k, "repeat": i, "samples_per_s": v} for i in range(2)
                  for k, v in (("elastic", 100.0 + i), ("plain", 102.0))],
@@ -177,34 +252,17 @@ def test_plots_draw_one_png_per_benchmark_from_results(tmp_path):
         " agents  all ranked s  first s  req/agent  lost CAS/agent  notes\n"
         "      8          0.21     0.20       12.0             0.5\n"
         "   1000          >120        -       12.0             0.5  only 3/1000 ranked\n")
-    out = subprocess.run([sys.executable, str(BENCH / "plots.py"), "--docs", str(tmp_path)], capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    for name in ("overhead", "checkpoint_bench", "recovery", "rdzv_scale"):
+    plots = _load_plots()
+    assert plots.main(["--docs", str(tmp_path)]) == 0
+    for name in PLOTTED:
         png = tmp_path / f"{name}.png"
-        assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{name}.png not written"
+        assert png.exists() and png.read_bytes()[:8] == PNG, f"{name}.png not written"
 
 
-def test_plots_read_the_results_folder_and_write_the_pngs_elsewhere(tmp_path):
-    """By default results come from benchmarks/results/ and PNGs go to docs/; --results and --out move each."""
+def test_plots_read_benchmarks_results_and_write_to_docs_by_default():
+    """Without --results and --out (the quick run above moves both)."""
     plots = _load_plots()
     assert plots.RESULTS == BENCH / "results" and plots.DOCS == REPO / "docs"
-    results, pngs = tmp_path / "results", tmp_path / "pngs"
-    results.mkdir()
-    (results / "recovery.json").write_text(json.dumps({"results": {
-        "etcd-v3": [{"kill-other": 3.0, "join": 2.0, "kill-rank0": 4.0}]}}))
-    out = subprocess.run([sys.executable, str(BENCH / "plots.py"), "--results", str(results), "--out", str(pngs),
-                          "--only", "recovery"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert (pngs / "recovery.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert not (results / "recovery.png").exists()
-
-
-def _load_plots():
-    spec = importlib.util.spec_from_file_location("bench_plots", BENCH / "plots.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 CKPT_TABLE = (
@@ -258,8 +316,7 @@ def test_run_all_is_valid_bash_and_calls_every_benchmark():
     script = BENCH / "run_all"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     text = script.read_text()
-    for name in ("overhead.py", "checkpoint_bench.py", "recovery.py", "live_recovery.py", "rdzv_scale.py",
-                 "plots.py"):
-        assert f"benchmarks/{name}" in text
+    for name in (*RUN_ALL, "plots"):
+        assert f"benchmarks/{name}.py" in text
     for name in ("checkpoint_bench", "live_recovery", "rdzv_scale"):  # results as JSON (plots.py prefers it)
         assert re.search(rf'benchmarks/{name}\.py .*--json "\$OUT/{name}\.json"', text), name

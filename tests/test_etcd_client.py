@@ -86,6 +86,9 @@ def test_a_client_given_every_member_fails_over_from_one_that_hangs(three_member
             assert conn.call(lambda c: c.get(f"/failover/{attempt}"))[0] == b"9"
         finally:
             conn.close()
+        # 10 runs x 4 clients at load 10-14: connected in 1.54-2.03 s, the slowest request 0.002-0.138 s;
+        # a request sent to the stopped member waits its read timeout (10 s), a connect that waited on
+        # it the whole connect timeout (4 s)
         assert connected < 4.0 and slowest < 1.0, (attempt, connected, slowest)
 
 
@@ -101,7 +104,7 @@ def test_a_client_keeps_going_when_the_member_it_uses_dies(three_members):
         proc.wait()
         t = time.monotonic()
         conn.call(lambda c: c.put("/k", "after"))
-        assert time.monotonic() - t < 2.0
+        assert time.monotonic() - t < 2.0  # 0.049-0.071 s in 10 runs at load 10-14
         assert conn.call(lambda c: c.get("/k"))[0] == b"after"
     finally:
         conn.close()
@@ -171,6 +174,7 @@ def test_requests_that_time_out_on_a_lost_member_do_not_send_the_client_back_to_
             t0 = time.monotonic()
             conn.call(lambda c, i=i: c.put("/failover/after", str(i)))
             slowest = max(slowest, time.monotonic() - t0)
+        # 0.002-0.026 s in 10 runs at load 10-14; one sent back to the stopped member waits its 3 s
         assert slowest < 1.0, f"a request took {slowest:.1f}s: the client went back to the stopped member"
         assert conn.call(lambda c: c.get("/failover/alive/node-1"))[0] is not None
     finally:

@@ -8,23 +8,29 @@ Secrets as mounted files: TLS certificates made by ``elastic-train etcd certs``)
 "pod" in a network namespace of its own on a bridge, with a hosts file that gives the etcd members
 the names their clients use (``etcd-N.etcd-peer.elastic-trainer.svc``, the headless Service's).
 
-* ``base``, ``s3``, ``pytorchjob``, ``trainer-v2``: the three etcd members start from the
-  StatefulSet's own init container and command line; two trainer pods train; then one trainer pod
-  is killed and the member the trainers use first loses its network (a lost node), and the other
-  trainer pod must train on in the same worker process. With ``base`` the member then comes back
-  with an empty volume (a lost PVC) and must rejoin as a new member and serve; the other overlays
-  render the same StatefulSet (checked), so that part is not repeated. ``pvc`` is not run: its
-  Job's pod is the PyTorchJob's and the TrainingRuntime's (``test_k8s.py`` and ``test_k8s_v2.py``
-  check them equal but for what their controllers need), with the same ConfigMap (both overlays
-  take components/pvc), so its run would assert what theirs do (it cost ~35 s of the suite).
+* ``base``: the three etcd members start from the StatefulSet's own init container and command
+  line; two trainer pods train; then one trainer pod is killed and the member the trainers use
+  first loses its network (a lost node), and the other trainer pod must train on in the same worker
+  process. The member then comes back with an empty volume (a lost PVC) and must rejoin as a new
+  member and serve.
+* ``s3``, ``pytorchjob``, ``trainer-v2``: they render base's StatefulSet (checked) and the same
+  trainer command line: base's Job pod with the S3 component's volume and settings, or a copy of
+  overlays/pvc's Job pod that ``test_k8s.py`` and ``test_k8s_v2.py`` keep equal to it but for the
+  container's name. On one StatefulSet's etcd, each overlay's two pods, as its controller makes them
+  (the env, labels and annotations it adds), start and train together in a world of 2. The losses
+  above are not run again for each (each full run cost ~80-110 s of the suite at load 10-12, and
+  how a pod survives them is the command line's and the ConfigMap's, which base's run covers; what
+  differs between the overlays is what makes the pods start and meet, which this checks). ``pvc``
+  is not run: its Job's pod is the PyTorchJob's and the TrainingRuntime's, with the same ConfigMap
+  (both overlays take components/pvc).
 * ``existing-etcd``: no StatefulSet; the etcd its user runs is three plain ``etcd`` members at the
-  names RDZV_ENDPOINT gives (``etcd-N.etcd.platform.svc``), with TLS; the same trainer checks.
+  names RDZV_ENDPOINT gives (``etcd-N.etcd.platform.svc``), with TLS; its two pods train together.
 * ``gpu``: its pod on this CPU-only machine must stop at once with one line (no GPU here to train on).
 
 Every run but ``base``'s shortens one value of the rendered ConfigMap, the first rendezvous's
 ``last_call_timeout`` (``_short_last_call``).
 
-Needs root (``ip netns``), kubectl and etcd; slow (30 to 60 s per overlay).
+Needs root (``ip netns``), kubectl and etcd; slow (30 to 100 s per test).
 
     .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_k8s_run.py
 """
@@ -148,31 +154,43 @@ class Cluster:
     def __init__(self, root: Path, objs: list[dict], secrets: dict[str, dict[str, str]]) -> None:
         from elastic_trainer.drill import netns
 
-        self.root, self.objs, self.secrets = root, objs, secrets
-        self.config_maps = {o["metadata"]["name"]: o.get("data", {}) for o in objs if o["kind"] == "ConfigMap"}
+        self.root, self.secrets = root, secrets
+        self.config_maps: dict[str, dict[str, str]] = {}
         self.net = netns.Network()
         self.processes = Processes()  # every pod's and spawned process, killed at teardown
         self.pods: dict[str, Pod] = {}
+        self.nodes: dict = {}  # pod name -> its namespace (netns.NetNode)
         self.hosts_dirs: list[Path] = []
         self.dns: dict[str, str] = {}  # pod name -> the DNS name etcd's clients reach it by (up())
         self.etcdctl_tls: tuple[Path, Path, Path] | None = None  # ca, cert, key for _etcdctl
-        # Each rendered PersistentVolumeClaim: one folder that every pod mounting it shares.
-        self.claims = {o["metadata"]["name"]: root / "pvc" / o["metadata"]["name"]
+        self.use(objs, root)
+
+    def use(self, objs: list[dict], folder: Path) -> None:
+        """Start the pods of ``objs`` (an overlay's objects) from now on: its ConfigMaps beside those
+        before (a ConfigMap's name is the hash of its data), each of its PersistentVolumeClaims a new
+        folder under ``folder`` that every pod mounting it shares."""
+        self.objs = objs
+        self.config_maps.update({o["metadata"]["name"]: o.get("data", {}) for o in objs if o["kind"] == "ConfigMap"})
+        self.claims = {o["metadata"]["name"]: folder / "pvc" / o["metadata"]["name"]
                        for o in objs if o["kind"] == "PersistentVolumeClaim"}
-        for folder in self.claims.values():
-            folder.mkdir(parents=True)
+        for claim in self.claims.values():
+            claim.mkdir(parents=True)
 
     def obj(self, kind: str, name: str) -> dict:
         [o] = [o for o in self.objs if o["kind"] == kind and o["metadata"]["name"] == name]
         return o
 
     def up(self, pod_names: list[str], dns: dict[str, str] | None = None) -> None:
-        """One namespace per pod; ``dns`` maps a pod to the name others reach it by (default: the
-        etcd members' names under the headless Service etcd-peer)."""
-        self.net.up()
-        nodes = {name: self.net.add_node(i) for i, name in enumerate(pod_names)}
-        self.dns = dns or {name: f"{name}.etcd-peer.{NAMESPACE}.svc" for name in nodes if name.startswith("etcd-")}
-        lines = [f"{nodes[name].address} {host} {host}.cluster.local" for name, host in self.dns.items()]
+        """One namespace per pod (more may be added later); ``dns`` maps a pod to the name others
+        reach it by (default: the etcd members' names under the headless Service etcd-peer), in the
+        hosts file of every pod added from then on."""
+        if not self.nodes:
+            self.net.up()
+        nodes = {name: self.net.add_node(len(self.nodes) + i) for i, name in enumerate(pod_names)}
+        self.dns.update(dns or {name: f"{name}.etcd-peer.{NAMESPACE}.svc" for name in nodes
+                                if name.startswith("etcd-")})
+        lines = [f"{self.nodes.get(name, nodes.get(name)).address} {host} {host}.cluster.local"
+                 for name, host in self.dns.items()]
         for name, node in nodes.items():
             folder = Path("/etc/netns") / node.namespace
             folder.mkdir(parents=True, exist_ok=True)
@@ -180,7 +198,7 @@ class Cluster:
             # As the kubelet's hosts file: the pod's own name (gloo resolves the host name) first.
             own = f"{node.address} {socket.gethostname()} {name}"
             (folder / "hosts").write_text("\n".join(["127.0.0.1 localhost", own, *lines]) + "\n")
-        self.nodes = nodes
+        self.nodes.update(nodes)
 
     def pod(self, name: str, spec: dict, added_env: dict[str, str] | None = None,
             fields: dict[str, str] | None = None) -> Pod:
@@ -360,8 +378,9 @@ def moto_on(tmp_path):
 
 
 def _run_config(cluster: Cluster) -> dict[str, str]:
-    """The data of the hashed ConfigMap elastic-trainer-config-<hash>."""
-    return next(data for name, data in cluster.config_maps.items() if name.startswith("elastic-trainer-config-"))
+    """The data of the hashed ConfigMap elastic-trainer-config-<hash> of the objects in use."""
+    return cluster.config_maps[next(o["metadata"]["name"] for o in cluster.objs if o["kind"] == "ConfigMap"
+                                    and o["metadata"]["name"].startswith("elastic-trainer-config-"))]
 
 
 def _short_last_call(cluster: Cluster) -> None:
@@ -480,55 +499,105 @@ def _etcd_0_rejoins_from_an_empty_volume(cluster: Cluster, start_etcd: Callable[
     assert set(_step_records(cluster, pod0.name)) == set(after), "pod 0's workers were replaced"
 
 
-@pytest.mark.parametrize("overlay", ["base", "overlays/s3", "overlays/pytorchjob", "overlays/trainer-v2"])
-def test_the_rendered_manifests_train_on_through_a_lost_trainer_pod_and_a_lost_etcd_member(tmp_path, overlay, moto_on,
+def _train_together(cluster: Cluster, trainers: Trainers) -> None:
+    """Two trainer pods start from the rendered spec and train together: each logs steps of a world
+    of 2 (the first round may form with one of them, the other then joins it); then both are killed."""
+    container = trainers.spec["containers"][0]["name"]
+    pods = [cluster.pod(name, trainers.spec, trainers.env(i), trainers.fields(i)).start(claims=cluster.claims)
+            for i, name in enumerate(trainers.names)]
+
+    def steps_at_2() -> list[int]:
+        return [sum(r["world_size"] == 2 for recs in _step_records(cluster, pod.name).values() for r in recs)
+                for pod in pods]
+    try:
+        wait_until(steps_at_2, 240, "both trainer pods training in a world of 2", until=lambda s: min(s) >= 2,
+                   details=lambda: "\n".join(pod.log(container) for pod in pods))
+    finally:
+        for pod in pods:
+            pod.kill()
+
+
+def _s3_store(cluster: Cluster, moto_on) -> None:
+    """What the README says to set for an S3-compatible store: its URL and region in the ConfigMap,
+    the keys in the Secret elastic-trainer-s3 as an AWS credentials file; the bucket made."""
+    import boto3
+
+    run_config = _run_config(cluster)
+    endpoint = moto_on(cluster.net.host_address)
+    run_config.update(S3_ENDPOINT_URL=endpoint, AWS_DEFAULT_REGION="us-east-1")
+    cluster.secrets["elastic-trainer-s3"] = {
+        "credentials": "[default]\naws_access_key_id = testing\naws_secret_access_key = testing\n"}
+    bucket = run_config["CHECKPOINT_DIR"][len("s3://"):].split("/")[0]
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                      aws_secret_access_key="testing")
+    s3.create_bucket(Bucket=bucket)
+
+
+def test_the_rendered_manifests_train_on_through_a_lost_trainer_pod_and_a_lost_etcd_member(tmp_path,
                                                                                           statefulset_secrets):
-    """Then, with ``base``, the lost member comes back on an empty volume and rejoins. That part is
-    the StatefulSet's: it runs again only for an overlay whose StatefulSet renders otherwise than
-    base's (none does now)."""
-    objs = _render(overlay)
+    """base: then the lost member comes back on an empty volume and rejoins. The other overlays'
+    trainer pods are the same but for what their controllers add (test_k8s.py, test_k8s_v2.py) and
+    their StatefulSet is base's (checked below): they start and train together on it; the losses
+    are not run again for each."""
+    objs = _render("base")
     trainers = _trainer_pods(objs)
-    statefulset = next(o for o in objs if o["kind"] == "StatefulSet")
-    rejoin = overlay == "base" or statefulset != next(o for o in _render("base") if o["kind"] == "StatefulSet")
     cluster = Cluster(tmp_path, objs, copy.deepcopy(statefulset_secrets))
     try:
         cluster.up(["etcd-0", "etcd-1", "etcd-2", *trainers.names])
-        run_config = _run_config(cluster)
-        if overlay != "base":
-            _short_last_call(cluster)
-        if run_config["CHECKPOINT_DIR"].startswith("s3://"):
-            # What the README says to set for an S3-compatible store: its URL and region in the
-            # ConfigMap, the keys in the Secret elastic-trainer-s3 as an AWS credentials file.
-            endpoint = moto_on(cluster.net.host_address)
-            run_config.update(S3_ENDPOINT_URL=endpoint, AWS_DEFAULT_REGION="us-east-1")
-            cluster.secrets["elastic-trainer-s3"] = {
-                "credentials": "[default]\naws_access_key_id = testing\naws_secret_access_key = testing\n"}
-            import boto3
-            bucket = run_config["CHECKPOINT_DIR"][len("s3://"):].split("/")[0]
-            s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
-                              aws_secret_access_key="testing")
-            s3.create_bucket(Bucket=bucket)
         start_etcd, first = _start_statefulset_etcd(cluster, objs)
         after = _train_on_without_a_pod_and_a_member(cluster, trainers)
-        if rejoin:
-            _etcd_0_rejoins_from_an_empty_volume(cluster, start_etcd, first, trainers, after)
+        _etcd_0_rejoins_from_an_empty_volume(cluster, start_etcd, first, trainers, after)
     finally:
         cluster.teardown()
 
 
-def test_the_existing_etcd_overlay_trains_on_through_a_lost_trainer_pod_and_a_lost_member(tmp_path):
+OVERLAYS = ["overlays/s3", "overlays/pytorchjob", "overlays/trainer-v2"]
+"""Overlays that render base's StatefulSet and trainer pods of their own controllers (a Job with S3
+checkpoints, a PyTorchJob, a TrainJob): each one's pods start and train on one StatefulSet's etcd."""
+
+
+def test_each_overlays_trainer_pods_start_and_train_together_on_the_statefulsets_etcd(tmp_path, moto_on,
+                                                                                     statefulset_secrets):
+    """One etcd StatefulSet (base's, which each overlay renders unchanged) and, in turn, each
+    overlay's two trainer pods as its controller makes them (its env, labels and annotations), with
+    the overlay's ConfigMap, Secrets and volumes: they start, rendezvous over TLS and train in a
+    world of 2. Between overlays their pods are gone and etcd's keys are deleted (a new run; the
+    overlays name the same RUN_ID)."""
+    cluster = Cluster(tmp_path, _render("base"), copy.deepcopy(statefulset_secrets))
+    base = cluster.obj("StatefulSet", "etcd")
+    try:
+        cluster.up(["etcd-0", "etcd-1", "etcd-2"])
+        _start_statefulset_etcd(cluster, cluster.objs)
+        for overlay in OVERLAYS:
+            objs = _render(overlay)
+            assert next(o for o in objs if o["kind"] == "StatefulSet") == base, f"{overlay} renders its own etcd"
+            cluster.use(objs, tmp_path / overlay.replace("/", "-"))
+            trainers = _trainer_pods(objs)
+            cluster.up(trainers.names)
+            _short_last_call(cluster)
+            if _run_config(cluster)["CHECKPOINT_DIR"].startswith("s3://"):
+                _s3_store(cluster, moto_on)
+            _train_together(cluster, trainers)
+            deleted = _etcdctl(cluster, "etcd-2", "del", "--prefix", "/")
+            assert deleted.returncode == 0, deleted.stderr
+    finally:
+        cluster.teardown()
+
+
+def test_the_existing_etcd_overlays_trainer_pods_train_together_on_the_users_etcd(tmp_path):
     """overlays/existing-etcd against the etcd its user runs: three members named as RDZV_ENDPOINT
     names them (etcd-N.etcd.platform.svc), started here from etcd's plain command line with TLS
     certificates for those names; the trainers get the client certificate as the Secret
-    etcd-client-tls, as the README says. (Its members' own recovery is that user's business, not
-    this overlay's: no volume is lost here.)"""
+    etcd-client-tls, as the README says. The trainer pods are base's (test_k8s.py), whose run above
+    loses a pod and the member its client uses: here they start and train together. (Its members'
+    own recovery is that user's business, not this overlay's.)"""
     objs = _render("overlays/existing-etcd")
     assert not [o for o in objs if o["kind"] == "StatefulSet"]
     trainers = _trainer_pods(objs)
     run_config = next(o["data"] for o in objs
                       if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("elastic-trainer-config-"))
     hosts = [endpoint.rpartition(":")[0] for endpoint in run_config["RDZV_ENDPOINT"].split(",")]
-    assert hosts == [f"etcd-{i}.etcd.platform.svc" for i in range(3)], hosts
+    assert hosts == [f"etcd-{i}.etcd.platform.svc" for i in range(3)], hosts  # a client fails over among them
     certs = _certs(tmp_path, hosts)
     cluster = Cluster(tmp_path, objs, {"etcd-client-tls": _tls_secret(certs, "client")})
     try:
@@ -539,7 +608,7 @@ def test_the_existing_etcd_overlay_trains_on_through_a_lost_trainer_pod_and_a_lo
         wait_until(lambda: _members(cluster), 60, "the user's 3-member etcd",
                    until=lambda ms: len(ms) == 3 and all(m.get("name") for m in ms),
                    details=lambda: (tmp_path / "etcd-0" / "etcd.log").read_text()[-3000:])
-        _train_on_without_a_pod_and_a_member(cluster, trainers)
+        _train_together(cluster, trainers)
     finally:
         cluster.teardown()
 

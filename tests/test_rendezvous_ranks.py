@@ -4,7 +4,6 @@ only its own, so that N waiting nodes do not each read and decode the state of a
 from __future__ import annotations
 
 import contextlib
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -52,7 +51,12 @@ def test_waiting_nodes_take_their_rank_from_their_key_and_it_is_the_states(etcd,
         # Four wait for the fifth (a node that arrives after the round completed reads the state).
         with ThreadPoolExecutor(len(handlers)) as pool:
             futures = [pool.submit(h.next_rendezvous) for h in handlers[:4]]
-            time.sleep(1.0)
+            backend = EtcdRendezvousBackend(conn, run_id)
+
+            def waiting() -> int:  # participants of the round the four wait in
+                found = backend.read_state()
+                return len(decode_state(found[0]).participants) if found else 0
+            wait_until(waiting, 30, "four nodes waiting in the round", until=lambda n: n == 4, interval=0.05)
             futures.append(pool.submit(handlers[4].next_rendezvous))
             infos = [f.result(60) for f in futures]
         assert sorted(i.rank for i in infos) == list(range(5)) and {i.world_size for i in infos} == {5}

@@ -28,6 +28,12 @@ from tests.helpers.live import agent_of, current_ranks, live_agent, two_members,
 from tests.helpers.runs import CONF
 
 LEASE_TTL = LiveSettings().lease_ttl
+AWAY_MARGIN = 5.0
+"""Seconds past the lease (or the hang bound) in which the survivors must step at N-1. Measured by
+benchmarks/live_recovery.py (results/live_recovery_silent.json, 20 trials each at load 7.9, and
+live_recovery_20261127.json, 5 at load 2-25): a frozen node 2.14-3.33 s after SIGSTOP, a cut one
+2.20-2.85 s, a hang 2.50-2.69 s, with a 3 s lease and a 2 s hang bound; what this rules out takes
+longer: the restart path 12 s, c10d-tuned 39 s, a collective timeout 30 s to 30 min."""
 
 
 def one_world_at_a_time(st: list[dict]) -> None:
@@ -142,6 +148,7 @@ def test_abandoning_a_gloo_group_fails_its_blocked_collective_at_once_and_spares
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match="(?i)connection|closed|peer"):
             dist.all_reduce(torch.ones(4))
+        # 0.501-0.509 s in 10 runs at load 10-14 (the abandon comes at 0.5 s); the group's timeout is 60 s
         assert time.monotonic() - t0 < 3.0, "the blocked all-reduce failed once the group was abandoned"
         keep.sendall(b"x")
         assert kept_peer.recv(1) == b"x", "the connection made before the group still works"
@@ -161,7 +168,7 @@ def test_abandoning_a_gloo_group_fails_its_blocked_collective_at_once_and_spares
 def test_a_frozen_node_is_out_at_its_lease_and_rejoins_as_a_newcomer_when_it_resumes(
         etcd, run_id, procs, tmp_path, which):
     """SIGSTOP of a whole node (agent and worker, sockets open: no reset reaches the peers). The
-    survivors step at N-1 within lease_ttl + 2 s (the benchmark's median is under lease + 1 s);
+    survivors step at N-1 within lease_ttl + AWAY_MARGIN (the benchmark's worst is lease + 0.33 s);
     the frozen worker, when it resumes, never completes a step in the old group and its node
     rejoins with a new worker (a newcomer); one world at a time throughout."""
     ck, logs = tmp_path / "ck", tmp_path / "logs"
@@ -188,7 +195,7 @@ def test_a_frozen_node_is_out_at_its_lease_and_rejoins_as_a_newcomer_when_it_res
     t_resume = time.time()
     took = first_step_at(st, 2, t_stop) - t_stop
     print(f"frozen {which}: first step at N-1 {took:.3f}s after SIGSTOP")
-    assert took < LEASE_TTL + 2.0, f"first step at N-1 {took:.2f}s after the freeze (lease {LEASE_TTL}s)"
+    assert took < LEASE_TTL + AWAY_MARGIN, f"first step at N-1 {took:.2f}s after the freeze (lease {LEASE_TTL}s)"
     st = wait_steps("a world of 3 again, with a new worker on the frozen node", lambda st: any(
         s["world_size"] == 3 and s["time"] > t_resume and s["round"] > old_round + 1 for s in st), logs, 150, outs)
     late = [s for s in st if s["pid"] == frozen_worker and s["time"] > t_resume]
@@ -208,8 +215,8 @@ def test_a_frozen_node_is_out_at_its_lease_and_rejoins_as_a_newcomer_when_it_res
 def test_a_hung_worker_is_found_by_its_lack_of_progress_excluded_and_replaced(etcd, run_id, procs, tmp_path):
     """A worker's training thread hangs (SIGUSR2 with the debug hook) while its process, etcd
     lease and watcher stay healthy: the ranks that wait for it declare the group stalled after
-    max(hang_min 2 s, 3 x median step), exclude it and step at N-1 within that bound + 1 s (+1 s
-    of slack on a loaded machine here); the hung process exits with EXIT_EXCLUDED (its own
+    max(hang_min 2 s, 3 x median step), exclude it and step at N-1 within that bound + AWAY_MARGIN
+    (the benchmark's worst: bound + 0.69 s); the hung process exits with EXIT_EXCLUDED (its own
     watcher ends it), its agent starts a newcomer, and the world is back at 3. A checkpoint every
     2 steps: the others may wait for it inside a save's gather, which must not count as busy."""
     ck, logs = tmp_path / "ck", tmp_path / "logs"
@@ -231,7 +238,7 @@ def test_a_hung_worker_is_found_by_its_lack_of_progress_excluded_and_replaced(et
                     logs, 60, outs)
     took = first_step_at(st, 2, t_hang) - t_hang
     print(f"hang: first step at N-1 {took:.3f}s after SIGUSR2")
-    assert took < 2.0 + 1.0 + 1.0, f"first step at N-1 {took:.2f}s after the hang (bound 2 s)"
+    assert took < LiveSettings().hang_min + AWAY_MARGIN, f"first step at N-1 {took:.2f}s after the hang (bound 2 s)"
     assert {s["pid"] for s in st if s["world_size"] == 2 and s["time"] > t_hang} == {ranks[0], ranks[2]}
     st = wait_steps("a world of 3 again", lambda st: any(
         s["world_size"] == 3 and s["time"] > t_hang and s["pid"] not in ranks.values() for s in st), logs, 120, outs)
@@ -291,7 +298,7 @@ def test_a_newcomers_long_first_step_and_a_slow_checkpoint_are_not_taken_for_a_h
 def test_a_node_cut_off_the_network_is_out_at_its_lease_and_rejoins_when_it_is_back(run_id, procs, tmp_path):
     """Three nodes in network namespaces of their own, etcd on the bridge; one node's veth goes
     down (no packet, no reset in either direction: a partition). The survivors step at N-1 within
-    lease_ttl + 2 s; when the link is back, the cut worker never trains in the old group (its
+    lease_ttl + AWAY_MARGIN; when the link is back, the cut worker never trains in the old group (its
     lease is gone) and its node rejoins with a newcomer."""
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
@@ -334,7 +341,7 @@ def test_a_node_cut_off_the_network_is_out_at_its_lease_and_rejoins_when_it_is_b
         t_back = time.time()
         took = first_step_at(st, 2, t_cut) - t_cut
         print(f"cut: first step at N-1 {took:.3f}s after the veth went down")
-        assert took < LEASE_TTL + 2.0, f"first step at N-1 {took:.2f}s after the cut (lease {LEASE_TTL}s)"
+        assert took < LEASE_TTL + AWAY_MARGIN, f"first step at N-1 {took:.2f}s after the cut (lease {LEASE_TTL}s)"
         st = wait_steps("a world of 3 again, with a newcomer on the cut node", lambda st: any(
             s["world_size"] == 3 and s["time"] > t_back and s["round"] > old_round + 1 for s in st), logs, 150, outs)
         late = [s for s in st if s["pid"] == cut_worker and s["time"] > t_cut + 1.0]
@@ -390,6 +397,7 @@ def test_a_stall_waits_for_a_busy_peer_then_is_declared_once_and_ends_the_rank_t
         assert [e[1] for e in hung] == ["b"], events
         assert "it is the hung rank" in hung[0][2]
         assert {e[1] for e in events if e[2] == "abandon"} == {"a", "b"}, events
+        # 0.517-0.577 s in 10 runs at load 10-14 (the docstring's "about half a second later")
         assert hung[0][0] - t_end < 3.0, f"b ended {hung[0][0] - t_end:.2f}s after its slow phase"
         stall = a.conn.call(lambda c: c.get(f"/t/{run_id}/live/stall/{a.quorum.q}"), "read")[0]
         assert stall is not None and b"node-" in stall

@@ -5,7 +5,8 @@
         [--etcd HOST:PORT --prefix /elastic-trainer/RUN/ --round 4 [--stop-after-fence-at 5]]
 
 Saves each step (blocking) with a state whose tensors are filled with a per-writer value and
-prints ``committed <step>`` or ``not-committed <step>``; with ``--slow-from-step`` the writes of
+prints ``committed <step>`` or ``not-committed <step>`` (with ``--go-file``, first ``ready``, then it
+waits for that file); with ``--slow-from-step`` the writes of
 that step and later go through a throttled local filesystem that prints ``uploading <step>``
 when the first byte of that step is written, so a test can SIGKILL the process mid-upload.
 With ``--etcd`` the commits are fenced by a ``RoundFence`` of ``--round`` (the etcd commit record);
@@ -117,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         fence.stop_at_step = args.stop_after_fence_at
     mgr = CheckpointManager(args.url, keep_checkpoints=args.keep, async_checkpoint=False, writer_id=args.writer_id,
                             retry_backoff_s=0.05, fence=fence)
+    if args.go_file:
+        print("ready", flush=True)  # imported and connected: the test makes the go file once all are
     while args.go_file and not os.path.exists(args.go_file):
         time.sleep(0.01)
     fill = float(sum(map(ord, args.writer_id)))

@@ -6,9 +6,11 @@
         load --url /tmp/ck --out /tmp/loaded-3.pt
 
 ``save`` trains two steps of a small model under ``fully_shard`` and saves step 2 sharded
-(``checkpoint/sharded.py``); ``load`` builds the same model from another seed at its own world
-size and loads the newest checkpoint (or ``--step``). Both write, from rank 0, the gathered (full)
-model and optimizer state to ``--out``, for the test to compare.
+(``checkpoint/sharded.py``) to each ``--url`` (several: one launch saves to all); ``load``
+builds the same model from another seed at its own world size and loads the newest checkpoint (or
+``--step``; given more than once, each step into a model of its own, written to ``<out>.<step>``).
+Both write, from rank 0, the gathered (full) model and optimizer state to ``--out``, for the test
+to compare.
 
 ``async`` saves step 2 without blocking, halves every parameter and first moment in place at once
 (while step 2 is written), then saves that as step 3 at once (which must wait for step 2's save)
@@ -63,25 +65,33 @@ def train_step(model, optimizer, step: int, rank: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["save", "load", "async", "exit"])
-    p.add_argument("--url", required=True)
+    p.add_argument("--url", required=True, action="append", help="save: one or more; the others: one")
     p.add_argument("--out", required=True)
-    p.add_argument("--step", type=int, default=None)
+    p.add_argument("--step", type=int, action="append", help="load: the newest when not given")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    ckpt = CheckpointManager(args.url, async_checkpoint=False, writer_id=f"rank{rank}-of-{world}-{os.getpid()}")
+    writer = f"rank{rank}-of-{world}-{os.getpid()}"
+    ckpt = CheckpointManager(args.url[0], async_checkpoint=False, writer_id=writer)
     rest = {"meta": {"world_size": world}} if rank == 0 else None
     if args.mode == "load":
-        model, optimizer = build(1, world)
-        step, state = ckpt.load(args.step)
-        load_sharded(ckpt, step, state, model, optimizer)
-    else:
-        model, optimizer = build(0, world)
-        for step in range(2):
-            train_step(model, optimizer, step, rank)
+        steps = args.step or [None]
+        for wanted in steps:
+            model, optimizer = build(1, world)
+            step, state = ckpt.load(wanted)
+            load_sharded(ckpt, step, state, model, optimizer)
+            state = full(model, optimizer)
+            if rank == 0:
+                torch.save(state, args.out if len(steps) == 1 else f"{args.out}.{wanted}")
+        dist.barrier()
+        return
+    model, optimizer = build(0, world)
+    for step in range(2):
+        train_step(model, optimizer, step, rank)
     if args.mode == "save":
-        committed = save_sharded(ckpt, 2, model, optimizer, rest)
-        assert committed, ckpt.last_error
+        for url in args.url:
+            target = CheckpointManager(url, async_checkpoint=False, writer_id=writer)
+            assert save_sharded(target, 2, model, optimizer, rest), target.last_error
     elif args.mode == "async":
         saver = ShardedSaver(ckpt, timeout=60)
         at_2 = full(model, optimizer)
