@@ -390,11 +390,6 @@ PUBLIC_UNDERSCORED = {"os._exit": {"elastic_trainer/runtime.py"}}
 REACH_IN_EXCEPTIONS: dict[str, str] = {
     # Known reach-ins, "file:line: expression", in files other work is rewriting now (issue 42); the
     # lead empties this list at merge. An entry that no longer matches fails too.
-    # -- rendezvous/admission.py (the rendezvous handler's work): torch's private members and a frame
-    "elastic_trainer/rendezvous/admission.py:82: sys._getframe": "record_event: let callers pass their name",
-    "elastic_trainer/rendezvous/admission.py:82: obj._settings": "torch's handler: read it through torch_private.py",
-    "elastic_trainer/rendezvous/admission.py:231: holder._backend": "torch's holder: keep our own backend reference",
-    "elastic_trainer/rendezvous/admission.py:326: holder._backend": "as above",
 }
 
 

@@ -146,7 +146,7 @@ class EtcdRendezvousHandler(MembershipWatchdog, DynamicRendezvousHandler):
         self._own_password_file = False
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING, rank: int | None = None) -> None:
-        record_event(self, self._this_node, message, node_state, rank)
+        record_event(self, self._settings.run_id, self._this_node, message, node_state, rank)
 
     # -- torch's API --------------------------------------------------------------------
     @property
