@@ -38,7 +38,7 @@ def saved_at_4(tmp_path_factory, s3_endpoint) -> SimpleNamespace:
     """One 4-rank FSDP run's step 2, saved sharded to a local folder and to S3 (one torchrun launch:
     each is seconds of Python and torch start-up per rank), and its gathered state (``saved.pt``).
     The tests below load it at 3 ranks from the file and at 2 from S3."""
-    from elastic_trainer.checkpoint import storage
+    from elastic_trainer import storage
 
     tmp = tmp_path_factory.mktemp("sharded-at-4")
     bucket = f"t-{uuid.uuid4().hex[:12]}"

@@ -133,13 +133,13 @@ def test_a_wrong_joiner_is_refused_and_the_run_outlives_the_node_that_started_it
     logs = tmp_path / "logs"
     with open(first_out, "w") as f:
         first = procs.start(cli_cmd("--nnodes", "1:3", "--run-id", "join", "--log-dir", str(logs), "--checkpoint-dir",
-                                    "", str(OWN_LOOP), "--max-steps", "100000", "--sleep-per-step", "0.05"),
+                                    "", str(OWN_LOOP), "--epochs", "100000", "--sleep-per-step", "0.05"),
                             stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path)
     printed = wait_until(lambda: re.search(r"join from another terminal with: (.*)", first_out.read_text()), 120,
                          "the join command", details=lambda: first_out.read_text()[-2000:]).group(1)
     password = (logs / "etcd-password").read_text().strip()
     assert password not in first_out.read_text() and "password_file=" in printed
-    assert f"{OWN_LOOP} --max-steps 100000 --sleep-per-step 0.05" in printed
+    assert f"{OWN_LOOP} --epochs 100000 --sleep-per-step 0.05" in printed
     step_file = wait_until(lambda: list(logs.glob("steps/rank-0-*.jsonl")), 120, "the first worker's steps",
                            details=lambda: first_out.read_text()[-2000:])[0]
     worker = int(step_file.stem.rsplit("-", 1)[1])
