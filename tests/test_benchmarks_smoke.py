@@ -60,22 +60,24 @@ def _run_all_quick(procs, out: Path, pngs: Path, logs: Path) -> None:
     assert proc.returncode == 0, f"run_all --quick exited {proc.returncode}:\n{printed[-2000:]}\n{failed}"
 
 
-def _sharded_smallest(procs, out: Path) -> None:
-    cmd = [sys.executable, str(BENCH / "sharded_bench.py"), "--ranks", "2", "--load-ranks", "1", "--widths", "128",
-           "--steps", "2", "--repeats", "1", "--json", str(out / "sharded_bench.json"),
-           "--txt", str(out / "sharded_bench.txt")]
+def _run_smallest(procs, out: Path, name: str, *args: str, timeout: float) -> str:
+    """``benchmarks/<name>.py ARGS`` writing ``<name>.json`` and ``<name>.txt`` into ``out``; what it printed."""
+    cmd = [sys.executable, str(BENCH / f"{name}.py"), *args, "--json", str(out / f"{name}.json"),
+           "--txt", str(out / f"{name}.txt")]
     proc = procs.start(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    printed, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, f"sharded_bench.py exited {proc.returncode}:\n{printed[-3000:]}"
+    printed, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"{name}.py exited {proc.returncode}:\n{printed[-3000:]}"
+    return printed
+
+
+def _sharded_smallest(procs, out: Path) -> None:
+    _run_smallest(procs, out, "sharded_bench", "--ranks", "2", "--load-ranks", "1", "--widths", "128", "--steps", "2",
+                  "--repeats", "1", timeout=300)
 
 
 def _stream_smallest(procs, out: Path) -> None:
-    cmd = [sys.executable, str(BENCH / "stream_read.py"), "--gb", "0.01", "--seq-len", "256", "--paced-steps", "5",
-           "--repositions", "1", "--step-seconds", "0.05", "--json", str(out / "stream_read.json"),
-           "--txt", str(out / "stream_read.txt")]
-    proc = procs.start(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    printed, _ = proc.communicate(timeout=280)
-    assert proc.returncode == 0, f"stream_read.py exited {proc.returncode}:\n{printed[-3000:]}"
+    printed = _run_smallest(procs, out, "stream_read", "--gb", "0.01", "--seq-len", "256", "--paced-steps", "5",
+                            "--repositions", "1", "--step-seconds", "0.05", timeout=280)
     data = re.search(r" under (\S+) in ", printed)
     assert "worst reposition" in printed and data and not Path(data[1]).exists(), "the data it wrote stays behind"
 
