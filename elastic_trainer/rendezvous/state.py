@@ -279,11 +279,11 @@ class EtcdRendezvousStateHolder(StateHolder):
         """After a light sync: fewer nodes were alive than the state names (one of them is dead)."""
 
     @property
-
-    @property
     def backend(self) -> EtcdRendezvousBackend:
         """The etcd backend this holder syncs through (the operation loop publishes ranks with it)."""
         return self._backend
+
+    @property
     def joining_exact(self) -> bool:
         """Whether ``joining`` is exactly the joining keys etcd held at the last sync."""
         return self._backend.joining_exact
