@@ -99,7 +99,11 @@ def test_the_proposer_follows_a_late_report_and_writes_the_quorum_right_after_it
         groups = nodes.groups
         late = groups[2]
         reads, took = _one_report_late(groups, 1.0)
-        assert reads[groups[0].id] == 0, f"the proposer must wait for the late report on its feed: {reads}"
+        # Following the feed, the proposer reads nothing while it waits the second for the late report;
+        # polling (a read per look, every few ms) would make dozens. One read is its documented fallback
+        # when its watcher's last view is over a second old (the watcher thread starved on a loaded
+        # machine: CI saw it once), so the bound is 1, not 0.
+        assert reads[groups[0].id] <= 1, f"the proposer must wait for the late report on its feed: {reads}"
         conn = groups[0].conn
         report = conn.call(lambda c: c.get(late.keys.key(f"report/2/{late.id}")))[1]
         quorum = conn.call(lambda c: c.get(late.keys.key("quorum")))[1]
