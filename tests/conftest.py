@@ -26,8 +26,30 @@ settings.load_profile("shared-cores")
 _HANDLER_EXPORTS = "ELASTIC_TRAINER_RDZV_"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--trials", action="store_true",
+                     help="also run the long end-to-end trials (tests marked `trial`; about 25 more minutes "
+                          "on 2 cores): `bash launch/test --trials`")
+
+
+def _named(item, args: list[str]) -> bool:
+    """Whether the command line names this test itself (``file.py::test``, a parametrised id or its
+    prefix), not only its file or folder."""
+    return any("::" in a and (item.nodeid == a or item.nodeid.startswith(a.rstrip("/") + "[")
+                              or item.nodeid.startswith(a + "::")) for a in args)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need CUDA: where torch sees none they are skipped, saying why."""
+    """Tests marked ``trial`` (long runs of several nodes, each repeating at a larger size what a
+    shorter test of the default suite covers) run with ``--trials``, ``-m trial`` or when named on
+    the command line; else they are skipped, saying how to run them. Tests marked ``gpu`` need CUDA: where torch
+    sees none they are skipped, saying why."""
+    if not config.getoption("--trials") and "trial" not in (config.getoption("markexpr") or ""):
+        args = [str(a) for a in config.args]
+        skip_trial = pytest.mark.skip(reason="a long end-to-end trial: run with `bash launch/test --trials`")
+        for item in items:
+            if item.get_closest_marker("trial") and not _named(item, args):
+                item.add_marker(skip_trial)
     gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_tests:
         return

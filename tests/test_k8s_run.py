@@ -556,6 +556,7 @@ OVERLAYS = ["overlays/s3", "overlays/pytorchjob", "overlays/trainer-v2"]
 checkpoints, a PyTorchJob, a TrainJob): each one's pods start and train on one StatefulSet's etcd."""
 
 
+@pytest.mark.trial  # 117 s on CI; base's run above, and test_k8s*.py keep the overlays' pods equal to it
 def test_each_overlays_trainer_pods_start_and_train_together_on_the_statefulsets_etcd(tmp_path, moto_on,
                                                                                      statefulset_secrets):
     """One etcd StatefulSet (base's, which each overlay renders unchanged) and, in turn, each

@@ -47,6 +47,7 @@ def _by_pid_increasing(st: list[dict]) -> None:
         assert steps == sorted(set(steps)), (pid, steps)
 
 
+@pytest.mark.trial  # 220 s on CI; live FSDP re-forms: the shard-all join and loss below
 def test_hsdp_loses_a_replica_then_rank_0s_and_gains_one_and_matches_an_uninterrupted_run(
         etcd, run_id, procs, tmp_path):
     """3 nodes x 2 workers, HSDP (3 replicas of 2 shards). Kill a node that is not rank 0's: the
@@ -211,6 +212,7 @@ def test_shards_over_all_ranks_a_late_join_and_a_lost_node_keep_the_survivors_pr
     check_equivalence(gathered(CheckpointManager(str(ck)), step, state)["model"], base_model, total)
 
 
+@pytest.mark.trial  # 69 s on CI; the shard-all loss above reloads in place
 def test_shards_over_all_ranks_a_lost_node_is_rebuilt_from_peer_copies_without_storage(
         etcd, run_id, procs, tmp_path):
     """``--fsdp-shard-all --fsdp-peer-copy-every 3``, no checkpoint until the end: every 3 steps each

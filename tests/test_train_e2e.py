@@ -80,6 +80,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.trial  # 70 s on CI; test_live_recovery's first test, test_preemption_e2e's SIGTERM saves
 def test_live_run_loses_two_nodes_gains_one_and_ends_like_an_uninterrupted_run(etcd, run_id, procs, tmp_path):
     """Three one-worker nodes; two are SIGKILLed, the survivor resumes alone, a new node joins;
     then both nodes are stopped with SIGTERM (preemption), which saves the step they are at.

@@ -390,6 +390,7 @@ def test_dataloader_workers_feed_the_same_samples_and_parameters(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.trial  # 50 s on CI; the FSDP resumes below and test_checkpoint_sharded's
 def test_fsdp_on_two_workers_resumes_and_matches_one_process(tmp_path):
     """--fsdp (fully_shard over gloo): sharded checkpoints (each rank its DCP shards) resume and train
     like plain single-process."""
