@@ -39,6 +39,9 @@ from elastic_trainer.env import (  # noqa: E402,F401 - re-exported: the flags' e
 
 DEFAULT_RUN_ID = "elastic-run"
 RECOVERY_MODES = ("live", "restart")
+DEFAULT_CHECKPOINT_EVERY_SECONDS = 1800.0
+"""The built-in trainer's save interval when no interval is given (30 min, rank 0's clock): a run
+that loses every node at once (a rack, a maintenance window, its etcd) loses at most that much."""
 
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -286,7 +289,10 @@ class TrainConfig:
     checkpoint_every: int | None = field(default=None, metadata=flag(
         "checkpoint", "Save every N optimizer steps (rank 0).", metavar="N"))
     checkpoint_every_seconds: float | None = field(default=None, metadata=flag(
-        "checkpoint", "Save when this many seconds have passed since the last save (rank 0's clock).", metavar="T"))
+        "checkpoint", "Save when this many seconds have passed since the last save (rank 0's clock). "
+        f"When neither this nor --checkpoint-every is given and there is a checkpoint dir: every "
+        f"{DEFAULT_CHECKPOINT_EVERY_SECONDS:.0f} s, so that losing every node at once loses at most that much; "
+        "0 turns time-based saves off.", metavar="T"))
     keep_checkpoints: int = field(default=3, metadata=flag(
         "checkpoint", "Committed checkpoints to keep; older ones are removed after each commit.", metavar="K"))
     async_checkpoint: bool = field(default=True, metadata=flag(
@@ -377,8 +383,11 @@ class TrainConfig:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be a positive number, got {value!r}")
 
+        if self.checkpoint_every_seconds is not None and not self.checkpoint_every_seconds >= 0:
+            raise ValueError("--checkpoint-every-seconds must be 0 (off) or a positive number of seconds, "
+                             f"got {self.checkpoint_every_seconds!r}")
         for name in ("global_batch_size", "micro_batch_size", "max_steps", "epochs", "max_seconds", "lr",
-                     "clip_grad_norm", "checkpoint_every", "checkpoint_every_seconds", "keep_checkpoints",
+                     "clip_grad_norm", "checkpoint_every", "keep_checkpoints",
                      "grace_seconds", "bucket_cap_mb", "profile_active", "collective_timeout"):
             positive(name, getattr(self, name))
         for name in ("profile_wait", "profile_warmup", "num_workers", "fsdp_peer_copy_every"):
@@ -410,6 +419,17 @@ class TrainConfig:
         if self.checkpoint_dir is None and (self.checkpoint_every or self.checkpoint_every_seconds):
             raise ValueError("--checkpoint-every/--checkpoint-every-seconds need --checkpoint-dir "
                              f"(or the env var {ENV_CHECKPOINT_DIR})")
+
+    @property
+    def save_every_seconds(self) -> float | None:
+        """The time-based save interval in force (None: none): ``--checkpoint-every-seconds`` when
+        given (0: off), else ``DEFAULT_CHECKPOINT_EVERY_SECONDS`` for a run with a checkpoint dir and
+        no ``--checkpoint-every``."""
+        if self.checkpoint_dir is None:
+            return None
+        if self.checkpoint_every_seconds is not None:
+            return self.checkpoint_every_seconds or None
+        return None if self.checkpoint_every is not None else DEFAULT_CHECKPOINT_EVERY_SECONDS
 
 
 # ------------------------------------------------------------------------- flags of a config

@@ -377,6 +377,40 @@ def test_time_based_checkpoints_and_max_seconds_stop_with_a_saved_step(tmp_path)
     assert latest(tmp_path / "ck")[0] == out["step"]
 
 
+def test_a_run_with_a_checkpoint_dir_and_no_interval_saves_every_30_minutes_and_0_turns_it_off():
+    """Issue 44 point 6: losing every node at once must not lose the whole run."""
+    from elastic_trainer.config import DEFAULT_CHECKPOINT_EVERY_SECONDS
+
+    assert DEFAULT_CHECKPOINT_EVERY_SECONDS == 1800
+    assert parse_train_config(["--checkpoint-dir", "ck"]).save_every_seconds == 1800
+    assert parse_train_config(["--checkpoint-dir", "ck", "--checkpoint-every-seconds", "60"]).save_every_seconds == 60
+    assert parse_train_config(["--checkpoint-dir", "ck", "--checkpoint-every-seconds", "0"]).save_every_seconds is None
+    assert parse_train_config(["--checkpoint-dir", "ck", "--checkpoint-every", "50"]).save_every_seconds is None
+    assert parse_train_config([]).save_every_seconds is None  # no checkpoint dir: nothing to save to
+    bad = subprocess.run([sys.executable, "-m", "elastic_trainer.train", "--checkpoint-dir", "ck",
+                          "--checkpoint-every-seconds", "-1"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--checkpoint-every-seconds must be 0 (off) or a positive" in bad.stderr, bad.stderr
+    helped = subprocess.run([sys.executable, "-m", "elastic_trainer.train", "--help"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60).stdout
+    assert "every 1800 s" in " ".join(helped.split()) and "0 turns time-based saves off" in " ".join(helped.split())
+
+
+@pytest.mark.parametrize("given, periodic", [([], True), (["--checkpoint-every-seconds", "0"], False)])
+def test_the_default_interval_saves_by_rank_0s_clock_and_0_saves_only_at_the_end(tmp_path, monkeypatch, given, periodic):
+    """The default interval in force, shortened from 30 min to 0.25 s for the test (the module's
+    constant: what ``save_every_seconds`` reads when no interval is given)."""
+    monkeypatch.setattr("elastic_trainer.config.DEFAULT_CHECKPOINT_EVERY_SECONDS", 0.25)
+    out = train_inprocess("--task", FIXTURE, "--global-batch-size", "16", "--max-steps", "100000",
+                          "--sleep-per-step", "0.1", "--max-seconds", "1", *given,
+                          "--checkpoint-dir", str(tmp_path / "ck"), "--log-dir", str(tmp_path / "l"))
+    saves = [e for e in records.read_events(tmp_path / "l") if e.event == Event.CHECKPOINT_SAVED]
+    assert out["stopped_by"] == "max-seconds" and saves and saves[-1].step == out["step"], (out, saves)
+    if periodic:
+        assert len(saves) >= 3 and any(not e.blocking for e in saves), saves  # asynchronous saves on the way
+    else:
+        assert len(saves) == 1, saves  # only the stop's
+
+
 def test_dataloader_workers_feed_the_same_samples_and_parameters(tmp_path):
     """Prefetching workers must not shift which indices a step consumes (ledger) or what it learns."""
     for name, workers in (("w0", "0"), ("w2", "2")):

@@ -230,7 +230,7 @@ class Trainer:
         signalled, timed_out, save_due, reform = self._agree(
             signalled=self.preemption.signalled,
             timed_out=main and c.max_seconds is not None and now - started >= c.max_seconds,
-            save_due=main and c.checkpoint_every_seconds is not None and now - last_save >= c.checkpoint_every_seconds)
+            save_due=main and c.save_every_seconds is not None and now - last_save >= c.save_every_seconds)
         self._after_step()
         if signalled and not self.preemption.signalled and not timed_out and self.live.without_stopped_peer():
             return None  # live: a peer was preempted; it leaves, the others re-form without it
