@@ -68,14 +68,15 @@ node's folder of Prometheus figures, inherited by its workers, which write their
 (``observability/metrics.py``) and never open a socket for them. The name is prometheus_client's own
 (its multiprocess mode reads it when it is first imported); unset, recording is a no-op."""
 ENV_PROGRESS_DIR = "ELASTIC_TRAINER_PROGRESS_DIR"
-"""Set by ``elastic-train`` for its workers: a node-local folder where a worker creates ``<pid>`` once it
-completed its first step, so that the agent's crash-loop policy knows whether a worker that failed
-had made progress (``observability/crash_loop.py``)."""
+"""Set by ``elastic-train`` for its workers: a node-local folder where each attempt's workers leave
+whether they completed a step and how they failed, so that the next attempt's workers know whether
+this node is in a crash loop (``observability/crash_loop.py``)."""
 ENV_REFUSAL_FILE = "ELASTIC_TRAINER_REFUSAL_FILE"
 """Set by ``elastic-train`` for a user's script: where a worker that cannot run as launched (a script
 under live recovery that forms its process group without the Manager: ``script.py``) writes why, in
 one line, before it stops its node (SIGTERM to its agent); the launcher then prints that line and
-exits with ``EXIT_USAGE`` instead of restarting the worker."""
+exits with ``EXIT_USAGE`` (or ``EXIT_CRASH_LOOP``, the code on the file's second line) instead of
+restarting the worker."""
 ENV_PROGRAM = "ELASTIC_TRAINER_PROGRAM"
 """Set by ``elastic-train`` in its agent's environment: JSON of what this node runs
 (``rendezvous/program.py``'s ``Program``), which the etcd-v3 handler records in etcd and checks a

@@ -18,7 +18,9 @@ of ``train.main``, after every owner closed its own.
 A forced exit of a worker (a lost lease, a grace period over, a hung step after a signal) goes
 through ``runtime().exit``: it runs the registered ``before_exit`` hooks (bounded: a W&B flush,
 say), flushes stdout and stderr, shuts logging down and calls ``os._exit``, which appears in no
-other module. The exit codes are ``elastic_trainer.env``'s.
+other module. The exit codes are ``elastic_trainer.env``'s. A worker that must end its whole node (it
+cannot run as launched, or the crash-loop policy says so) calls ``stop_node``: the reason goes to the
+launcher's refusal file, the agent gets SIGTERM, and the launcher exits with the code given.
 A library object never ends the process itself: what must end a worker with a particular code (a
 live worker left out of the quorum, a spare the run never needed) is raised, and
 ``exit_on_uncaught`` maps it to its code once it leaves the program uncaught (``sys.excepthook``:
@@ -55,7 +57,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
-from elastic_trainer.env import EXIT_ERROR
+from elastic_trainer.env import ENV_REFUSAL_FILE, EXIT_ERROR, EXIT_USAGE
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +150,11 @@ class WorkerRuntime:
                 self._previous_hook = sys.excepthook
                 sys.excepthook = self._excepthook
 
+    def exit_code_for(self, exc: BaseException) -> int | None:
+        """The code an uncaught ``exc`` ends the process with (``exit_on_uncaught``), None: none set."""
+        with self._lock:
+            return next((c for k, c in self._exit_codes.items() if isinstance(exc, k)), None)
+
     def _excepthook(self, kind: type[BaseException], exc: BaseException, tb: object) -> None:
         code = next((c for k, c in self._exit_codes.items() if issubclass(kind, k)), None)
         if code is None:
@@ -208,4 +215,24 @@ def runtime() -> WorkerRuntime:
         return _RUNTIME
 
 
-__all__ = ["WorkerRuntime", "die_with_parent", "runtime"]
+def stop_node(reason: str, exit_code: int = EXIT_USAGE) -> NoReturn:
+    """End this worker and its node because it cannot run as launched: ``reason`` (one line) and the
+    launcher's exit code (``EXIT_USAGE``, or ``EXIT_CRASH_LOOP`` from the crash-loop policy) go to the
+    launcher's refusal file, written once per node (the first worker's), and that worker sends its
+    agent SIGTERM; without the launcher's file it is printed here. Never returns."""
+    path = os.environ.get(ENV_REFUSAL_FILE)
+    if not path:
+        print(f"elastic_trainer: error: {reason}", file=sys.stderr, flush=True)
+    else:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            fd = None  # another worker of this node said it first, and stopped the node
+        if fd is not None:
+            with os.fdopen(fd, "w") as f:
+                f.write(f"{reason}\n{exit_code}\n")
+            os.kill(os.getppid(), signal.SIGTERM)
+    runtime().exit(exit_code, run_hooks=False)
+
+
+__all__ = ["WorkerRuntime", "die_with_parent", "runtime", "stop_node"]

@@ -4,7 +4,10 @@
     python -u -m elastic_trainer.script -m PKG.MODULE [ARGS...]   # for `elastic-train -m PKG.MODULE ARGS`
 
 It runs the program as ``python -u PROGRAM.py ARGS`` would (as ``__main__``, with that ``sys.argv`` and
-the script's folder first on ``sys.path``), after two things a plain ``python`` cannot do:
+the script's folder first on ``sys.path``), after three things a plain ``python`` cannot do (the
+third: when this node's workers failed again and again without progress, it stops the node instead
+of running, and a failure of the program is left for the next attempt to judge:
+``observability/crash_loop.py``):
 
 1. **The worker dies with its agent.** torch's agent starts each worker in a session of its own,
    so a node killed with its process group (a crashed launcher, ``kill -9 -PGID``) would leave the
@@ -21,7 +24,7 @@ the script's folder first on ``sys.path``), after two things a plain ``python`` 
    this node alone and train apart from the others, silently. The Manager forms its group on a
    store in etcd (``init_process_group(store=...)``), never through ``env://``, so only a script
    that skips it gets there: it is stopped with one line naming the fix (use the Manager, or
-   ``--recovery restart``), and its node with it (:func:`refuse`): the worker writes the line to
+   ``--recovery restart``), and its node with it (``runtime.stop_node``): the worker writes the line to
    the launcher's refusal file (``ENV_REFUSAL_FILE``) and sends its agent SIGTERM, and the
    launcher prints the line and exits 2. Exiting alone would make torch's agent restart the worker
    ``--max-restarts`` times. The other nodes of the run are not touched (a SIGTERM leaves the
@@ -30,35 +33,15 @@ the script's folder first on ``sys.path``), after two things a plain ``python`` 
 
 from __future__ import annotations
 
-import os
 import runpy
-import signal
 import sys
 from pathlib import Path
 
-from elastic_trainer.env import ENV_REFUSAL_FILE, EXIT_USAGE, WorkerEnv
-from elastic_trainer.runtime import die_with_parent, runtime
+from elastic_trainer.env import WorkerEnv
+from elastic_trainer.observability import crash_loop
+from elastic_trainer.runtime import die_with_parent, stop_node
 
 USAGE = "usage: python -m elastic_trainer.script [-m MODULE | SCRIPT.py] [ARGS...]"
-
-
-def refuse(reason: str) -> None:
-    """End this worker and its node because it cannot run as launched: ``reason`` (one line) goes to
-    the launcher's refusal file, written once per node (the first worker's), and that worker sends
-    its agent SIGTERM; without the launcher's file it is printed here. Never returns."""
-    path = os.environ.get(ENV_REFUSAL_FILE)
-    if not path:
-        print(f"elastic_trainer.script: error: {reason}", file=sys.stderr, flush=True)
-    else:
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            fd = None  # another worker of this node said it first, and stopped the node
-        if fd is not None:
-            with os.fdopen(fd, "w") as f:
-                f.write(reason + "\n")
-            os.kill(os.getppid(), signal.SIGTERM)
-    runtime().exit(EXIT_USAGE, run_hooks=False)
 
 
 def refuse_env_rendezvous(program: str) -> None:
@@ -66,11 +49,11 @@ def refuse_env_rendezvous(program: str) -> None:
     from elastic_trainer.torch_private import replace_rendezvous_handler
 
     def refused(url: str, rank: int = -1, world_size: int = -1, **kwargs):
-        refuse(f"{program} runs under live recovery but forms its process group with init_process_group's "
+        stop_node(f"{program} runs under live recovery but forms its process group with init_process_group's "
                f"env:// rendezvous, which under live recovery would hold this node's workers only and train apart "
                f"from the other nodes; use elastic_trainer.Manager for the group (examples/own_loop.py), or run it "
                f"with --recovery restart")
-        yield  # never reached: refuse() ends the process
+        yield  # never reached: stop_node() ends the process
 
     replace_rendezvous_handler("env", refused)
 
@@ -84,16 +67,18 @@ def main(argv: list[str] | None = None) -> None:
     if not argv:
         sys.exit(USAGE)
     die_with_parent()
+    crash_loop.stop_a_crash_loop()
     program, args = argv[0], argv[1:]
     if WorkerEnv.from_environ().live is not None:
         refuse_env_rendezvous(("module " if module else "") + program)
-    if module:
-        sys.argv = [program, *args]  # run_module puts the module's file in argv[0], as python -m does
-        runpy.run_module(program, run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = [program, *args]
-        sys.path[0] = str(Path(program).resolve().parent)  # where `python PROGRAM` finds the script's own modules
-        runpy.run_path(program, run_name="__main__")
+    with crash_loop.failures_marked():
+        if module:
+            sys.argv = [program, *args]  # run_module puts the module's file in argv[0], as python -m does
+            runpy.run_module(program, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [program, *args]
+            sys.path[0] = str(Path(program).resolve().parent)  # where `python PROGRAM` finds the script's own modules
+            runpy.run_path(program, run_name="__main__")
 
 
 if __name__ == "__main__":

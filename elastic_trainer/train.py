@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"[%(asctime)s] rank{rank} %(levelname)s %(name)s: %(message)s")
     config = parse_train_config(argv, build_train_parser(doc=__doc__))  # this docstring is --help's text
     from elastic_trainer.runtime import runtime
+    from elastic_trainer.observability.crash_loop import stop_a_crash_loop
+
+    stop_a_crash_loop()  # this node's workers failed again and again without a step: stop it instead
 
     code = _train(config)
     runtime().close()
@@ -53,10 +56,20 @@ def _train(config: TrainConfig) -> int:
     from elastic_trainer.training.preemption import PEER_STOPPED
     from elastic_trainer.training.trainer import Trainer
 
+    from elastic_trainer.observability.crash_loop import failures_marked, mark_failure
+
+    trainer: Trainer | None = None
+
+    def newest() -> int | None:  # the newest committed (or resumed) checkpoint this worker knew of
+        return trainer.checkpoints.last_save_step if trainer is not None else None
+
     try:
-        summary = Trainer(config).train()
+        with failures_marked(newest, expected=(DeviceError, RunFinished, LiveExcluded)):
+            trainer = Trainer(config)
+            summary = trainer.train()
     except DeviceError as exc:  # the node cannot run the --device/--amp asked for: one line, no traceback
         print(f"elastic_trainer.train: error: {exc}", file=sys.stderr, flush=True)
+        mark_failure(EXIT_USAGE, str(exc))
         return EXIT_USAGE
     except RunFinished:  # a spare that was never needed: the run is done
         return 0

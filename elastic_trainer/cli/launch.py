@@ -26,7 +26,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -42,9 +44,11 @@ from elastic_trainer.env import (
     ENV_NCCL_ERROR_HANDLING,
     ENV_OMP_NUM_THREADS,
     ENV_PROGRAM,
+    ENV_PROGRESS_DIR,
     ENV_RDZV_ENDPOINT,
     ENV_REFUSAL_FILE,
     ENV_RUN_ID,
+    EXIT_CRASH_LOOP,
     EXIT_USAGE,
     NCCL_CLEAN_UP_ONLY,
 )
@@ -322,7 +326,11 @@ def run_node(run: RunConfig) -> int:
     # A worker that cannot run as launched says why here and stops this node (elastic_trainer/script.py).
     refusal = log_dir / f"refusal-{os.getpid()}"
     refusal.unlink(missing_ok=True)
-    ours = {ENV_REFUSAL_FILE: str(refusal)}
+    # What this node's workers leave for the crash-loop policy of the next ones (observability/crash_loop.py).
+    progress = log_dir / f"progress-{socket.gethostname()}-{os.getpid()}"
+    shutil.rmtree(progress, ignore_errors=True)
+    progress.mkdir(mode=0o700)
+    ours = {ENV_REFUSAL_FILE: str(refusal), ENV_PROGRESS_DIR: str(progress)}
     if run.rdzv_backend == "etcd-v3":
         ours[ENV_PROGRAM] = program_of(run).to_json()  # the joiner check (rendezvous/program.py)
     try:
@@ -352,8 +360,12 @@ def run_node(run: RunConfig) -> int:
         print(f"elastic-train: nothing to do: {exc}", file=sys.stderr)
         return 0
     except SignalException as exc:
-        if refusal.exists():  # a worker stopped this node: it cannot run as launched
-            print(f"elastic-train: error: {refusal.read_text().strip()}", file=sys.stderr)
+        if refusal.exists():  # a worker stopped this node: it cannot run as launched, or it is in a crash loop
+            reason, _, code = refusal.read_text().strip().partition("\n")
+            if code.strip() == str(EXIT_CRASH_LOOP):
+                print(reason, file=sys.stderr)  # the policy's line: "elastic-train: stopped: ..."
+                return EXIT_CRASH_LOOP
+            print(f"elastic-train: error: {reason}", file=sys.stderr)
             return EXIT_USAGE
         print(f"elastic-train: stopped by {signal.Signals(exc.sigval).name}; workers ended", file=sys.stderr)
         return 128 + int(exc.sigval)
@@ -361,6 +373,7 @@ def run_node(run: RunConfig) -> int:
         return 130
     finally:
         refusal.unlink(missing_ok=True)
+        shutil.rmtree(progress, ignore_errors=True)
         for name in ours:  # for callers that run main() in-process
             os.environ.pop(name, None)
         if keeper is not None:

@@ -52,6 +52,7 @@ from elastic_trainer.env import WorkerEnv
 from elastic_trainer.records import Event
 from elastic_trainer.live.group import LiveGroup
 from elastic_trainer.live.quorum import LiveExcluded, Quorum, RunFinished
+from elastic_trainer.observability import crash_loop
 from elastic_trainer.training.agreement import Agreement, Cadence, agree_interval, shared_values
 from elastic_trainer.training.loop import ElasticLoader, LoopRecovery, Rewrapped
 from elastic_trainer.training.loop_records import LoopRecords
@@ -87,6 +88,8 @@ class Manager:
         self._stop_vote = False
         self._stopped = False
         self._started_at: float | None = None
+        self._progress_marked = False  # this worker told the crash-loop policy it completed a step
+        crash_loop.mark_managed()
 
     # ---- where this worker sits (it changes at every re-form) ----------------------------------------
     @property
@@ -191,6 +194,9 @@ class Manager:
         while True:
             self.before_step()
             out, failed = self.run(lambda: self._one_step(fn, batch))
+            if failed is None and not self._progress_marked:
+                self._progress_marked = True
+                crash_loop.mark_progress()  # once: a step completed, so this node is not in a crash loop
             if failed is None and self._requested is None:
                 return out
             cause, self._requested = failed or self._requested, None
