@@ -53,6 +53,7 @@ RUN_SECTIONS = {
     "rendezvous": "rendezvous",
     "agent": "agent",
     "storage": "storage (the trainer's own flags: give each here or after `--`, not both)",
+    "metrics": "metrics (this node's Prometheus /metrics: docs/operations.md, docs/security.md)",
 }
 """The argument groups of the launcher's parser, in order; every ``RunConfig`` flag is in one."""
 
@@ -177,6 +178,19 @@ class RunConfig:
         "storage", "file-mode mask of this node's launcher and workers: 077 keeps checkpoints, logs and the "
         "embedded etcd's data readable by this user only; 027 also by its group; 022 by everyone (torchrun's)",
         parse=parse_umask, metavar="OCTAL", default_text="077"))
+    metrics_port: int | None = field(default=None, metadata=run_flag(
+        "metrics", "TCP port of this node's Prometheus /metrics; 0 turns metrics off. Given, a port in use is an "
+        "error; the default taken (another node of this machine has it) means no metrics here, with a warning",
+        metavar="PORT", default_text="29600"))
+    metrics_addr: str = field(default="", metadata=run_flag(
+        "metrics", "address /metrics listens on (127.0.0.1: this machine only)", metavar="ADDR",
+        default_text="every address"))
+    metrics_certfile: str | None = field(default=None, metadata=run_flag(
+        "metrics", "PEM certificate: serve /metrics over HTTPS (with --metrics-keyfile)", metavar="PEM"))
+    metrics_keyfile: str | None = field(default=None, metadata=run_flag(
+        "metrics", "PEM private key of --metrics-certfile", metavar="PEM"))
+    metrics_client_cafile: str | None = field(default=None, metadata=run_flag(
+        "metrics", "PEM CA bundle: a scraper must present a certificate it signed (mutual TLS)", metavar="PEM"))
     program: list[str] = field(default_factory=list)
     """Not a flag: the worker command after the interpreter, ``[script, args...]`` or ``["-m", module, args...]``."""
     trainer: TrainConfig | None = None

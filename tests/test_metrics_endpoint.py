@@ -186,3 +186,89 @@ def test_close_removes_the_folder_and_the_variable(server):
     assert os.environ[ENV_METRICS_DIR] == folder and os.path.isdir(folder)
     server.close()
     assert ENV_METRICS_DIR not in os.environ and not os.path.exists(folder)
+
+
+def _node_metrics(port: int) -> dict[str, list]:
+    """A scrape of a running node (empty while its endpoint is not up yet)."""
+    try:
+        return scrape(port)
+    except (urllib.error.URLError, ConnectionError, OSError):
+        return {}
+
+
+def _figure(samples: dict[str, list], name: str, **labels: str) -> float:
+    found = [s.value for s in samples.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())]
+    return max(found) if found else 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_live_two_node_run_shows_its_world_and_steps_and_a_killed_node_in_the_world_and_recoveries(
+        etcd, run_id, procs, tmp_path):
+    """Point 1 of the operations issue, end to end: two ``elastic-train`` nodes, each serving its own
+    /metrics; both show a world of 2 ranks on 2 nodes and rank 0's node counts steps and samples;
+    one node is SIGKILLed: the survivor's endpoint shows a world of 1 on 1 node, a recovery of kind
+    ``kill`` with its duration, and steps counting on."""
+    import signal
+
+    from tests.helpers.common import cli_cmd, wait_until
+    from tests.helpers.runs import CONF, GBS, SEEDS_MSE
+
+    ports = [free_port(), free_port()]
+    outs = [tmp_path / f"node{i}.log" for i in range(2)]
+
+    def node(i: int) -> subprocess.Popen:
+        with open(outs[i], "a") as log:
+            return procs.start(cli_cmd("--nnodes", "1:2", "--rdzv-endpoint", etcd.endpoint, "--run-id", run_id,
+                                       "--rdzv-conf", CONF, "--recovery", "live", "--metrics-port", str(ports[i]),
+                                       "--metrics-addr", "127.0.0.1", "--checkpoint-dir", str(tmp_path / "ck"),
+                                       "--log-dir", str(tmp_path / "logs"), "--", *SEEDS_MSE,
+                                       "--max-steps", "100000", "--sleep-per-step", "0.05"),
+                               cwd=REPO, stdout=log, stderr=log)
+
+    def tails() -> str:
+        return "\n".join(f"--- {o.name}\n{o.read_text()[-2500:]}" for o in outs if o.exists())
+
+    nodes = [node(0), node(1)]
+    both = wait_until(lambda: [_node_metrics(p) for p in ports], 120, "both endpoints at a world of 2, steps counted",
+                      until=lambda ms: all(_figure(m, "elastic_trainer_world_size") == 2
+                                           and _figure(m, "elastic_trainer_world_nodes") == 2 for m in ms)
+                      and max(_figure(m, "elastic_trainer_steps_total") for m in ms) >= 5, details=tails)
+    counting = [i for i, m in enumerate(both) if _figure(m, "elastic_trainer_steps_total") > 0]
+    assert len(counting) == 1, "rank 0's node alone counts the steps"
+    m = both[counting[0]]
+    steps, samples = _figure(m, "elastic_trainer_steps_total"), _figure(m, "elastic_trainer_samples_total")
+    assert samples in (steps * GBS, (steps - 1) * GBS), ("samples: the global batch of each step", steps, samples)
+    assert _figure(m, "elastic_trainer_step_seconds_count") >= 4 and _figure(m, "elastic_trainer_min_nodes") == 1
+    assert _figure(m, "elastic_trainer_recoveries_total", kind="kill") == 0
+
+    survivor, victim = 0, 1  # rank 0's node or the other: the survivor is rank 0 after the re-form either way
+    os.killpg(nodes[victim].pid, signal.SIGKILL)
+    nodes[victim].wait(timeout=30)
+    steps_then = _figure(_node_metrics(ports[survivor]), "elastic_trainer_steps_total")
+    after = wait_until(lambda: _node_metrics(ports[survivor]), 90, "the survivor's endpoint at a world of 1, a kill",
+                       until=lambda m: _figure(m, "elastic_trainer_world_size") == 1
+                       and _figure(m, "elastic_trainer_recoveries_total", kind="kill") >= 1
+                       and _figure(m, "elastic_trainer_steps_total") >= steps_then + 5, details=tails)
+    assert _figure(after, "elastic_trainer_world_nodes") == 1
+    assert _figure(after, "elastic_trainer_recovery_seconds_count", kind="kill") >= 1
+    assert 0 < _figure(after, "elastic_trainer_recovery_seconds_sum", kind="kill") < 30
+    nodes[survivor].send_signal(signal.SIGTERM)
+    assert nodes[survivor].wait(timeout=120) == 128 + signal.SIGTERM, tails()  # stopped, its step saved
+    with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+        scrape(ports[survivor])  # the launcher closed its endpoint when it ended
+
+
+def test_a_re_forms_kind_comes_from_its_cause_and_the_worlds_before_and_after():
+    """The ``kind`` label of the recoveries, from the causes the live path gives (``live/watcher.py``'s
+    reasons behind a failed collective, the trainer's planned re-forms)."""
+    from elastic_trainer.training.manager import recovery_kind
+
+    failed = "a collective failed (RuntimeError); "
+    assert recovery_kind(failed + "the process of node1-0-42 refuses connections", 3, 2) == "kill"
+    assert recovery_kind(failed + "the etcd lease of node1-0-42 expired (stopped or cut off)", 3, 2) == "freeze"
+    assert recovery_kind(failed + "no progress for 6.1s (a rank is hung)", 3, 2) == "hang"
+    assert recovery_kind(failed + "node0-0-7 saw no progress for 6.0s", 3, 2) == "hang"
+    assert recovery_kind("planned: a peer was preempted; ", 3, 2) == "preemption"
+    assert recovery_kind("planned: a member asked; a node asks to join", 2, 3) == "join"
+    assert all(k in metrics.RECOVERY_KINDS for k in ("kill", "freeze", "hang", "preemption", "join"))

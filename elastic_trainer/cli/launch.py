@@ -290,6 +290,23 @@ def worker_command(run: RunConfig) -> list[str]:
     return [*SCRIPT_ENTRY, *(run.program[1:] if run.program[0] == "-u" else run.program)]
 
 
+def serve_metrics(run: RunConfig):
+    """This node's ``/metrics`` (``observability/metrics_server.py``), before any worker starts: the
+    server, or None when off (``--metrics-port 0``) or the default port is taken."""
+    from elastic_trainer.observability import metrics
+    from elastic_trainer.observability.metrics_server import DEFAULT_PORT, MetricsConfig, MetricsError, serve
+
+    try:
+        served = serve(MetricsConfig(
+            port=DEFAULT_PORT if run.metrics_port is None else run.metrics_port, addr=run.metrics_addr,
+            certfile=run.metrics_certfile, keyfile=run.metrics_keyfile, client_cafile=run.metrics_client_cafile,
+            port_given=run.metrics_port is not None))
+    except (MetricsError, ValueError) as exc:
+        raise UsageError(str(exc)) from exc
+    metrics.node_started(run.min_nodes)
+    return served
+
+
 def run_node(run: RunConfig) -> int:
     """Reach the embedded etcd if needed, run torchrun's agent, let etcd go. Return an exit status."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -333,7 +350,9 @@ def run_node(run: RunConfig) -> int:
     ours = {ENV_REFUSAL_FILE: str(refusal), ENV_PROGRESS_DIR: str(progress)}
     if run.rdzv_backend == "etcd-v3":
         ours[ENV_PROGRAM] = program_of(run).to_json()  # the joiner check (rendezvous/program.py)
+    served = None
     try:
+        served = serve_metrics(run)
         with secrets.handed_over(run.checkpoint_dir or "") as workers_url:
             os.environ.update({ENV_RDZV_ENDPOINT: endpoint, ENV_RUN_ID: run.run_id,
                                ENV_CHECKPOINT_DIR: workers_url, ENV_LOG_DIR: str(log_dir), **ours})
@@ -374,6 +393,8 @@ def run_node(run: RunConfig) -> int:
     finally:
         refusal.unlink(missing_ok=True)
         shutil.rmtree(progress, ignore_errors=True)
+        if served is not None:
+            served.close()
         for name in ours:  # for callers that run main() in-process
             os.environ.pop(name, None)
         if keeper is not None:

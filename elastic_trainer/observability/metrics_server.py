@@ -168,6 +168,9 @@ def serve(config: MetricsConfig) -> MetricsServer | None:
         logger.warning("%s=%s was set; elastic-train replaces it with a folder of its own for this node",
                        ENV_METRICS_DIR, os.environ[ENV_METRICS_DIR])
     folder = tempfile.mkdtemp(prefix="elastic-train-metrics-")
+    # Named before prometheus_client is first imported here, so that the launcher's own figures
+    # (metrics.node_started) go to the folder too (its value class is chosen at that import).
+    os.environ[ENV_METRICS_DIR] = folder
     from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry(auto_describe=False)
@@ -176,6 +179,7 @@ def serve(config: MetricsConfig) -> MetricsServer | None:
         server, thread = _listen(config, registry)
     except OSError as exc:
         shutil.rmtree(folder, ignore_errors=True)
+        del os.environ[ENV_METRICS_DIR]
         where = f"{config.addr or 'every address'}:{config.port}"
         if exc.errno == errno.EADDRINUSE and not config.port_given:
             logger.warning("metrics: port %d is in use (another elastic-train on this machine?): this node serves "
@@ -186,7 +190,6 @@ def serve(config: MetricsConfig) -> MetricsServer | None:
                                "or 0 to turn metrics off") from exc
         raise MetricsError(f"cannot serve /metrics on {where}: {exc.strerror or exc}; check --metrics-addr and "
                            "the TLS files") from exc
-    os.environ[ENV_METRICS_DIR] = folder
     scheme = "https" if config.certfile else "http"
     logger.info("metrics: serving %s://%s:%d/metrics (files in %s)", scheme, config.addr or "*", config.port, folder)
     return MetricsServer(folder, server, thread)

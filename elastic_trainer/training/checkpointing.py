@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer import storage
+from elastic_trainer.observability import metrics
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.training.parallel import Parallel
 from elastic_trainer.training.reporting import Reporter
@@ -249,6 +250,8 @@ class Checkpointing:
         prev_world = int(meta.get("world_size", d.world_size))
         self.last_save_step = s.step
         self.report.publish_checkpoint(s.step, float(meta.get("time") or time.time()))
+        if d.is_main:
+            metrics.checkpoint_loaded(float(meta.get("time") or time.time()))
         say(f"resumed from checkpoint step-{s.step} (epoch {s.sampler.epoch}, sample offset "
             f"{s.sampler.offset}) of {storage.redact(c.checkpoint_dir)}")
         self.report.event("checkpoint_loaded", step=s.step, epoch=s.sampler.epoch, offset=s.sampler.offset,
@@ -293,6 +296,7 @@ class Checkpointing:
             return None
         self._logged_save_step = st.get("step")
         self.report.publish_checkpoint(int(st["step"]), time.time())
+        metrics.checkpoint_committed(float(st.get("blocked_s", 0.0)))  # the node's /metrics (rank 0: the committer)
         self.report.print0(f"checkpoint step-{st['step']} committed ({st.get('bytes', 0) / 1e6:.1f} MB, blocked "
                            f"{st.get('blocked_s', 0.0) * 1000:.0f} ms, "
                            f"{st.get('serialize_s', 0.0) + st.get('upload_s', 0.0):.2f}s "

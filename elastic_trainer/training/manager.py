@@ -52,7 +52,7 @@ from elastic_trainer.env import WorkerEnv
 from elastic_trainer.records import Event
 from elastic_trainer.live.group import LiveGroup
 from elastic_trainer.live.quorum import LiveExcluded, Quorum, RunFinished
-from elastic_trainer.observability import crash_loop
+from elastic_trainer.observability import crash_loop, metrics
 from elastic_trainer.training.agreement import Agreement, Cadence, agree_interval, shared_values
 from elastic_trainer.training.loop import ElasticLoader, LoopRecovery, Rewrapped
 from elastic_trainer.training.loop_records import LoopRecords
@@ -67,6 +67,22 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def recovery_kind(cause: str, old_world: int, new_world: int) -> str:
+    """The ``kind`` label of a re-form for the node's ``/metrics`` (``metrics.RECOVERY_KINDS``), from
+    its cause and the world before and after: a larger world is a join; a preempted peer, a hang
+    or an expired lease say so in the cause; any other loss is a kill."""
+    text = cause.lower()
+    if new_world > old_world:
+        return "join"
+    if "preempt" in text or "sigterm" in text:
+        return "preemption"
+    if "hung" in text or "no progress" in text or "stall" in text:
+        return "hang"
+    if "lease" in text or "froze" in text or "frozen" in text or "cut off" in text:
+        return "freeze"
+    return "kill"
+
+
 class Manager:
     """A worker's training loop under live recovery (see the module docstring). ``device``: this
     rank's device (gloo on the CPU, NCCL on CUDA); ``max_seconds``: a time budget on rank 0's clock,
@@ -74,8 +90,11 @@ class Manager:
     records go (default: the launcher's ``--log-dir``)."""
 
     def __init__(self, device: torch.device | None = None, *, collective_timeout: float = 300.0,
-                 max_seconds: float | None = None, log_dir: str | None = None, env: WorkerEnv | None = None) -> None:
+                 max_seconds: float | None = None, log_dir: str | None = None, env: WorkerEnv | None = None,
+                 samples_per_step: int | None = None) -> None:
         self.env = WorkerEnv.from_environ() if env is None else env
+        self.samples_per_step = samples_per_step
+        """The global batch, for the node's ``/metrics`` (``loader()`` takes it from its sampler)."""
         self.device = device if device is not None else torch.device("cpu")
         self.max_seconds = max_seconds
         self._pg = WorkerGroup(self.env, self.device, collective_timeout)  # the process group and membership
@@ -89,6 +108,7 @@ class Manager:
         self._stopped = False
         self._started_at: float | None = None
         self._progress_marked = False  # this worker told the crash-loop policy it completed a step
+        self._last_step_end: float | None = None  # for the step period rank 0 records in the metrics
         crash_loop.mark_managed()
 
     # ---- where this worker sits (it changes at every re-form) ----------------------------------------
@@ -169,6 +189,7 @@ class Manager:
             loop.optimizer, loop.extra = optimizer, (state, load_state) if state is not None else None
         self._pg.join()
         self._started_at = time.monotonic()
+        self._record_world()
         if self._recovery is not loop:
             return None
         loop.joined(self.receive_state if self.newcomer else None, self.quorum.source if self.newcomer else None)
@@ -181,6 +202,8 @@ class Manager:
         cut for the new world (``training/loop.py``). Call it before or after ``start``."""
         loader = ElasticLoader(dataloader, lambda: self._stopped)
         self._loop.add_loader(loader)
+        if self.samples_per_step is None:
+            self.samples_per_step = loader.sampler.global_batch_size
         return loader
 
     def step(self, fn: Callable[..., T], *batch: Any) -> T | None:
@@ -194,9 +217,8 @@ class Manager:
         while True:
             self.before_step()
             out, failed = self.run(lambda: self._one_step(fn, batch))
-            if failed is None and not self._progress_marked:
-                self._progress_marked = True
-                crash_loop.mark_progress()  # once: a step completed, so this node is not in a crash loop
+            if failed is None:
+                self._step_recorded()
             if failed is None and self._requested is None:
                 return out
             cause, self._requested = failed or self._requested, None
@@ -234,6 +256,7 @@ class Manager:
         ``planned``: at an agreed step, every rank of the old group alive."""
         rec = self._recovery
         started, failed_at = time.perf_counter(), time.time()
+        why = f"{cause}; {self.reform_reason or ''}"  # what the watcher saw (a lease expired, a hang), for /metrics
         rec.release(cause, planned)
         try:
             reformed = self.reform(rec.step, cause, rec.state_dict, donors=rec.donors, started=(started, failed_at))
@@ -243,9 +266,31 @@ class Manager:
                 self._loop.records.event(Event.LIVE_EXCLUDED, step=rec.step, reason=str(exc))
             raise
         rec.reformed(reformed)
+        took = time.perf_counter() - started
         logger.info("live: rank %d -> %d of %d in quorum %d (%s) in %.3fs", reformed.old_rank, self.rank,
-                    self.world_size, self.round, cause, time.perf_counter() - started)
+                    self.world_size, self.round, cause, took)
+        self._record_world()
+        if self.rank == 0:
+            metrics.recovered(recovery_kind(why, reformed.old_world_size, self.world_size), took)
+        self._last_step_end = None  # the next step's period is not the re-form's
         return reformed
+
+    # ---- what this worker tells its node (the crash-loop policy, /metrics): no etcd, no collective ---------
+    def _record_world(self) -> None:
+        q = self.quorum
+        nodes = len({m.node for m in q.members}) if q is not None else \
+            max(1, self.world_size // max(1, self.env.local_world_size or 1))
+        metrics.world(self.world_size, nodes)
+
+    def _step_recorded(self) -> None:
+        if not self._progress_marked:
+            self._progress_marked = True
+            crash_loop.mark_progress()  # once: a step completed, so this node is not in a crash loop
+        if self.rank == 0:
+            now = time.monotonic()
+            if self._last_step_end is not None:
+                metrics.step_done(now - self._last_step_end, self.samples_per_step or 0)
+            self._last_step_end = now
 
     def finish(self, *, done: bool = True) -> None:
         """The loop is over: the last record, this worker leaves the quorum and the process group

@@ -100,7 +100,8 @@ class Trainer:
                 raise ValueError("live recovery works with a constant global batch; --scale-lr "
                                  "needs `elastic-train --recovery restart`")
             self.dinfo = d = setup_distributed(c, env)
-            self.manager = Manager(d.device, collective_timeout=c.collective_timeout, env=env)
+            self.manager = Manager(d.device, collective_timeout=c.collective_timeout, env=env,
+                                   samples_per_step=c.global_batch_size)
             seed_everything(c.seed)
             self.task = as_task(task if task is not None else load_builder(c.task)(c.task_args))
             prepare_data(self.task)  # a stream's row counts, read before a live newcomer asks to be admitted
