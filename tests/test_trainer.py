@@ -533,6 +533,7 @@ def test_fsdp_resumes_a_whole_state_checkpoint_broadcast_from_rank_0_exactly(tmp
 
 
 @pytest.mark.slow
+@pytest.mark.trial  # 52 s on CI; the FSDP resumes here and test_checkpoint_sharded's
 def test_fsdp_on_three_ranks_with_an_uneven_global_batch_pads_and_matches_ddp(tmp_path):
     """A global batch of 5 in micro-batches of 1 on 3 ranks: shares of 2, 2 and 1 samples. Under FSDP
     every forward is a collective, so rank 2 runs a zero-weight padding micro-batch (else it would
