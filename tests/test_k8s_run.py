@@ -533,6 +533,7 @@ def _s3_store(cluster: Cluster, moto_on) -> None:
     s3.create_bucket(Bucket=bucket)
 
 
+@pytest.mark.trial  # 94 s on CI; the existing-etcd overlay's pods below run in network namespaces in the suite
 def test_the_rendered_manifests_train_on_through_a_lost_trainer_pod_and_a_lost_etcd_member(tmp_path,
                                                                                           statefulset_secrets):
     """base: then the lost member comes back on an empty volume and rejoins. The other overlays'

@@ -213,6 +213,7 @@ def test_a_short_etcd_outage_costs_a_live_run_no_restart(procs, run_id, tmp_path
         server.stop()
 
 
+@pytest.mark.trial  # 132 s on CI; own_loop.py's live kill and survivors in test_joining, the Manager's exactness in test_manager
 def test_own_loop_recovers_live_trains_every_sample_once_and_ends_where_an_uninterrupted_run_ends(
         etcd, run_id, procs, tmp_path):
     """``examples/own_loop.py`` (``plain_ddp.py`` made live: a DataLoader over the ElasticSampler,

@@ -511,6 +511,7 @@ def test_fsdp_shards_each_transformer_block_then_the_root(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.trial  # 60 s on CI; test_checkpoint_sharded's FSDP resumes
 def test_fsdp_resumes_a_whole_state_checkpoint_broadcast_from_rank_0_exactly(tmp_path):
     """A whole-state --fsdp checkpoint (as written to stores without sharded saves) is read by rank 0
     alone, which broadcasts the model and optimizer into the shards: the resumed run ends bitwise
