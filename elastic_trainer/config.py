@@ -36,6 +36,7 @@ from elastic_trainer.env import (  # noqa: E402,F401 - re-exported: the flags' e
     ENV_RDZV_ROUND,
     ENV_RUN_ID,
 )
+from elastic_trainer.observability.stragglers import POLICIES, StragglerConfig  # noqa: E402
 
 DEFAULT_RUN_ID = "elastic-run"
 RECOVERY_MODES = ("live", "restart")
@@ -54,6 +55,7 @@ RUN_SECTIONS = {
     "agent": "agent",
     "storage": "storage (the trainer's own flags: give each here or after `--`, not both)",
     "metrics": "metrics (this node's Prometheus /metrics: docs/operations.md, docs/security.md)",
+    "stragglers": "stragglers (a slow node found and left out live: docs/operations.md)",
 }
 """The argument groups of the launcher's parser, in order; every ``RunConfig`` flag is in one."""
 
@@ -191,6 +193,21 @@ class RunConfig:
         "metrics", "PEM private key of --metrics-certfile", metavar="PEM"))
     metrics_client_cafile: str | None = field(default=None, metadata=run_flag(
         "metrics", "PEM CA bundle: a scraper must present a certificate it signed (mutual TLS)", metavar="PEM"))
+    straggler_policy: str = field(default="evict", metadata=run_flag(
+        "stragglers", "evict: a node that slows the job (it would step faster without it) for --straggler-sustain "
+        "seconds is left out live, held out for --straggler-hold-out, checked and let rejoin; report: only "
+        "named (logs, /metrics); off: not measured. Live recovery only, never below --min-nodes",
+        choices=POLICIES))
+    straggler_min_slowdown: float = field(default=StragglerConfig.min_slowdown, metadata=run_flag(
+        "stragglers", "a rank is named when its own step time is at least this many times its peers' median",
+        metavar="X"))
+    straggler_sustain: float = field(default=StragglerConfig.sustain_s, metadata=run_flag(
+        "stragglers", "seconds a node must stay slow enough to leave out before it is evicted", metavar="SECONDS"))
+    straggler_cooldown: float = field(default=StragglerConfig.cooldown_s, metadata=run_flag(
+        "stragglers", "seconds after any change of the world during which no node is evicted", metavar="SECONDS"))
+    straggler_hold_out: float = field(default=StragglerConfig.hold_out_s, metadata=run_flag(
+        "stragglers", "seconds an evicted node waits before its checks and its rejoin (doubled for each eviction "
+        "of the same node)", metavar="SECONDS"))
     program: list[str] = field(default_factory=list)
     """Not a flag: the worker command after the interpreter, ``[script, args...]`` or ``["-m", module, args...]``."""
     trainer: TrainConfig | None = None
@@ -213,12 +230,26 @@ class RunConfig:
             raise ValueError(f"--umask must be an octal mask from 000 to 777, got {self.umask:o}")
         if not self.monitor_interval > 0:
             raise ValueError(f"--monitor-interval must be a positive number of seconds, got {self.monitor_interval}")
+        self.stragglers  # checks the --straggler-* flags
         if not _RUN_ID_RE.match(self.run_id):
             raise ValueError(f"--run-id {self.run_id!r} must be 1-128 letters, digits, '.', '_' or '-'")
         if self.checkpoint_dir is None:
             self.checkpoint_dir = os.path.join("checkpoints", self.run_id)
         if self.log_dir is None:
             self.log_dir = os.path.join("runs", self.run_id)
+
+    @property
+    def stragglers(self) -> StragglerConfig:
+        """The ``--straggler-*`` flags (``observability/stragglers.py``), as the workers get them."""
+        if self.straggler_hold_out <= 0:
+            raise ValueError(f"--straggler-hold-out must be a positive number of seconds, got {self.straggler_hold_out}")
+        try:
+            return StragglerConfig(policy=self.straggler_policy, min_slowdown=self.straggler_min_slowdown,
+                                   sustain_s=self.straggler_sustain, cooldown_s=self.straggler_cooldown,
+                                   hold_out_s=self.straggler_hold_out)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("straggler sustain_s", "--straggler-sustain")
+                             .replace("straggler cooldown_s", "--straggler-cooldown")) from exc
 
     @property
     def embedded_etcd(self) -> bool:
@@ -373,7 +404,8 @@ class TrainConfig:
     seed: int = field(default=0, metadata=flag(
         "execution", "Seeds python, numpy, torch (the model's initialisation) and the sampler's permutations."))
     sleep_per_step: float = field(default=0.0, metadata=flag(
-        "execution", "Seconds to sleep in every step (tests and drills use it to slow training down)."))
+        "execution", "Seconds to sleep between two steps, counted as this rank's own work (tests and drills use it "
+        "to slow training down; node-local, so a node given more is a straggler)."))
     collective_timeout: float = field(default=300.0, metadata=flag(
         "execution", "Seconds a collective may hang before the process group gives up."))
 

@@ -254,8 +254,9 @@ class StepTime:
 class HostTimer:
     """``time.perf_counter()`` around the step: right where the host does the work (the CPU)."""
 
-    def start(self) -> None:
-        self._t0 = time.perf_counter()
+    def start(self, at: float | None = None) -> None:
+        """From now, or from ``at`` (an earlier ``perf_counter()``)."""
+        self._t0 = time.perf_counter() if at is None else at
 
     def stop(self) -> StepTime:
         return StepTime(seconds=time.perf_counter() - self._t0)
@@ -268,7 +269,8 @@ class CudaTimer:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def start(self) -> None:
+    def start(self, at: float | None = None) -> None:
+        """From now on the device's stream (``at``, a host time, has no meaning there: ignored)."""
         self._start = torch.cuda.Event(enable_timing=True)
         self._start.record(torch.cuda.current_stream(self.device))
 

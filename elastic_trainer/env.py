@@ -77,6 +77,9 @@ under live recovery that forms its process group without the Manager: ``script.p
 one line, before it stops its node (SIGTERM to its agent); the launcher then prints that line and
 exits with ``EXIT_USAGE`` (or ``EXIT_CRASH_LOOP``, the code on the file's second line) instead of
 restarting the worker."""
+ENV_STRAGGLERS = "ELASTIC_TRAINER_STRAGGLERS"
+"""Set by ``elastic-train`` for its workers: the ``--straggler-*`` settings as JSON
+(``observability/stragglers.StragglerConfig``), read by the Manager's ``StragglerWatch``."""
 ENV_PROGRAM = "ELASTIC_TRAINER_PROGRAM"
 """Set by ``elastic-train`` in its agent's environment: JSON of what this node runs
 (``rendezvous/program.py``'s ``Program``), which the etcd-v3 handler records in etcd and checks a
@@ -154,6 +157,9 @@ EXIT_CRASH_LOOP = 79
 """The launcher's, when the crash-loop policy stops the node (``observability/crash_loop.py``): outside
 sysexits' 64-78 and the signals' 128+, so a Kubernetes ``podFailurePolicy`` can tell it from the rest
 (``FailJob`` or ``FailIndex``: a new pod on the same image and data would fail the same way)."""
+EXIT_EVICTED = 80
+"""A worker whose node was evicted as a straggler (``training/straggler_watch.py``) stops its node with
+this code; the launcher holds the node out, checks it and lets it rejoin (never its own exit code)."""
 
 # ---- torch's variables that we set --------------------------------------------------------------
 ENV_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"

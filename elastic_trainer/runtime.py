@@ -78,6 +78,7 @@ class WorkerRuntime:
         self._hooks: list[Callable[[], None]] = []
         self._exiting = False
         self._exit_codes: dict[type[BaseException], int] = {}
+        self._node_stops: set[type[BaseException]] = set()  # kinds that stop the whole node (stop_node)
         self._previous_hook: Callable[..., object] | None = None
 
     # ---- threads ---------------------------------------------------------------------------------
@@ -137,31 +138,40 @@ class WorkerRuntime:
 
         return remove
 
-    def exit_on_uncaught(self, kind: type[BaseException], code: int) -> None:
+    def exit_on_uncaught(self, kind: type[BaseException], code: int, *, node: bool = False) -> None:
         """An exception of ``kind`` that leaves the main thread uncaught ends the process with
         ``code`` (one line, no traceback), after every ``finally`` and ``with`` block of the
         program has run: ``sys.excepthook`` is where Python reports it. So a library call may
         raise what must end a worker in a particular way (a live worker left out of the quorum:
-        its agent must start a newcomer) and still never end the process itself. Other
-        exceptions go to the hook that was there before."""
+        its agent must start a newcomer) and still never end the process itself. ``node``: it
+        stops the whole node (``stop_node``: an evicted straggler's launcher holds it out). The most
+        specific kind registered wins. Other exceptions go to the hook that was there before."""
         with self._lock:
             self._exit_codes[kind] = code
+            if node:
+                self._node_stops.add(kind)
             if self._previous_hook is None:
                 self._previous_hook = sys.excepthook
                 sys.excepthook = self._excepthook
 
     def exit_code_for(self, exc: BaseException) -> int | None:
         """The code an uncaught ``exc`` ends the process with (``exit_on_uncaught``), None: none set."""
+        registered = self._registered(type(exc))
+        return None if registered is None else registered[1]
+
+    def _registered(self, kind: type[BaseException]) -> tuple[type[BaseException], int] | None:
         with self._lock:
-            return next((c for k, c in self._exit_codes.items() if isinstance(exc, k)), None)
+            return next(((k, self._exit_codes[k]) for k in kind.__mro__ if k in self._exit_codes), None)
 
     def _excepthook(self, kind: type[BaseException], exc: BaseException, tb: object) -> None:
-        code = next((c for k, c in self._exit_codes.items() if issubclass(kind, k)), None)
-        if code is None:
+        registered = self._registered(kind)
+        if registered is None:
             assert self._previous_hook is not None
             self._previous_hook(kind, exc, tb)
             return
-        self.exit(code, f"{kind.__name__}: {exc}")
+        if registered[0] in self._node_stops:
+            stop_node(str(exc), registered[1])
+        self.exit(registered[1], f"{kind.__name__}: {exc}")
 
     def exit(self, code: int, reason: str = "", *, run_hooks: bool = True) -> NoReturn:
         """End this process now with ``code``: hooks, flushed output, ``os._exit``. From any thread."""

@@ -51,8 +51,10 @@ def main(argv: list[str] | None = None) -> int:
 def _train(config: TrainConfig) -> int:
     """``Trainer(config).train()``, and the exit status that says how it ended."""
     from elastic_trainer.devices import DeviceError
-    from elastic_trainer.env import EXIT_EXCLUDED, EXIT_PEER_STOPPED, EXIT_USAGE
+    from elastic_trainer.env import EXIT_EVICTED, EXIT_EXCLUDED, EXIT_PEER_STOPPED, EXIT_USAGE
     from elastic_trainer.live.quorum import LiveExcluded, RunFinished
+    from elastic_trainer.runtime import stop_node
+    from elastic_trainer.training.straggler_watch import Evicted
     from elastic_trainer.training.preemption import PEER_STOPPED
     from elastic_trainer.training.trainer import Trainer
 
@@ -73,6 +75,8 @@ def _train(config: TrainConfig) -> int:
         return EXIT_USAGE
     except RunFinished:  # a spare that was never needed: the run is done
         return 0
+    except Evicted as exc:  # a straggler's node: its launcher holds it out, checks it, lets it rejoin
+        stop_node(str(exc), EXIT_EVICTED)
     except LiveExcluded:  # left out of the live group: the agent starts this worker again as a newcomer
         return EXIT_EXCLUDED
     if summary["stopped_by"] == PEER_STOPPED:

@@ -17,13 +17,13 @@ import urllib.error
 import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from elastic_trainer.env import ENV_METRICS_DIR
 from elastic_trainer.etcd.server import free_port
 from elastic_trainer.observability import metrics
 from elastic_trainer.observability.metrics_server import MetricsConfig, MetricsError, serve
 from tests.helpers.common import REPO
+from tests.helpers.scrape import figure, node_metrics, scrape
 from tests.helpers.tls_certs import make_certs
 
 pytestmark = pytest.mark.timeout(60)
@@ -37,17 +37,6 @@ def server():
         yield srv
     finally:
         srv.close()
-
-
-def scrape(port: int, scheme: str = "http", context: ssl.SSLContext | None = None) -> dict[str, list]:
-    """Sample name -> its samples, from one real HTTP scrape."""
-    with urllib.request.urlopen(f"{scheme}://127.0.0.1:{port}/metrics", timeout=10, context=context) as answer:
-        text = answer.read().decode()
-    samples: dict[str, list] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples.setdefault(sample.name, []).append(sample)
-    return samples
 
 
 def value(samples: dict[str, list], name: str, **labels: str) -> float:
@@ -188,19 +177,6 @@ def test_close_removes_the_folder_and_the_variable(server):
     assert ENV_METRICS_DIR not in os.environ and not os.path.exists(folder)
 
 
-def _node_metrics(port: int) -> dict[str, list]:
-    """A scrape of a running node (empty while its endpoint is not up yet)."""
-    try:
-        return scrape(port)
-    except (urllib.error.URLError, ConnectionError, OSError):
-        return {}
-
-
-def _figure(samples: dict[str, list], name: str, **labels: str) -> float:
-    found = [s.value for s in samples.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())]
-    return max(found) if found else 0.0
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_live_two_node_run_shows_its_world_and_steps_and_a_killed_node_in_the_world_and_recoveries(
@@ -230,29 +206,29 @@ def test_a_live_two_node_run_shows_its_world_and_steps_and_a_killed_node_in_the_
         return "\n".join(f"--- {o.name}\n{o.read_text()[-2500:]}" for o in outs if o.exists())
 
     nodes = [node(0), node(1)]
-    both = wait_until(lambda: [_node_metrics(p) for p in ports], 120, "both endpoints at a world of 2, steps counted",
-                      until=lambda ms: all(_figure(m, "elastic_trainer_world_size") == 2
-                                           and _figure(m, "elastic_trainer_world_nodes") == 2 for m in ms)
-                      and max(_figure(m, "elastic_trainer_steps_total") for m in ms) >= 5, details=tails)
-    counting = [i for i, m in enumerate(both) if _figure(m, "elastic_trainer_steps_total") > 0]
+    both = wait_until(lambda: [node_metrics(p) for p in ports], 120, "both endpoints at a world of 2, steps counted",
+                      until=lambda ms: all(figure(m, "elastic_trainer_world_size") == 2
+                                           and figure(m, "elastic_trainer_world_nodes") == 2 for m in ms)
+                      and max(figure(m, "elastic_trainer_steps_total") for m in ms) >= 5, details=tails)
+    counting = [i for i, m in enumerate(both) if figure(m, "elastic_trainer_steps_total") > 0]
     assert len(counting) == 1, "rank 0's node alone counts the steps"
     m = both[counting[0]]
-    steps, samples = _figure(m, "elastic_trainer_steps_total"), _figure(m, "elastic_trainer_samples_total")
+    steps, samples = figure(m, "elastic_trainer_steps_total"), figure(m, "elastic_trainer_samples_total")
     assert samples in (steps * GBS, (steps - 1) * GBS), ("samples: the global batch of each step", steps, samples)
-    assert _figure(m, "elastic_trainer_step_seconds_count") >= 4 and _figure(m, "elastic_trainer_min_nodes") == 1
-    assert _figure(m, "elastic_trainer_recoveries_total", kind="kill") == 0
+    assert figure(m, "elastic_trainer_step_seconds_count") >= 4 and figure(m, "elastic_trainer_min_nodes") == 1
+    assert figure(m, "elastic_trainer_recoveries_total", kind="kill") == 0
 
     survivor, victim = 0, 1  # rank 0's node or the other: the survivor is rank 0 after the re-form either way
     os.killpg(nodes[victim].pid, signal.SIGKILL)
     nodes[victim].wait(timeout=30)
-    steps_then = _figure(_node_metrics(ports[survivor]), "elastic_trainer_steps_total")
-    after = wait_until(lambda: _node_metrics(ports[survivor]), 90, "the survivor's endpoint at a world of 1, a kill",
-                       until=lambda m: _figure(m, "elastic_trainer_world_size") == 1
-                       and _figure(m, "elastic_trainer_recoveries_total", kind="kill") >= 1
-                       and _figure(m, "elastic_trainer_steps_total") >= steps_then + 5, details=tails)
-    assert _figure(after, "elastic_trainer_world_nodes") == 1
-    assert _figure(after, "elastic_trainer_recovery_seconds_count", kind="kill") >= 1
-    assert 0 < _figure(after, "elastic_trainer_recovery_seconds_sum", kind="kill") < 30
+    steps_then = figure(node_metrics(ports[survivor]), "elastic_trainer_steps_total")
+    after = wait_until(lambda: node_metrics(ports[survivor]), 90, "the survivor's endpoint at a world of 1, a kill",
+                       until=lambda m: figure(m, "elastic_trainer_world_size") == 1
+                       and figure(m, "elastic_trainer_recoveries_total", kind="kill") >= 1
+                       and figure(m, "elastic_trainer_steps_total") >= steps_then + 5, details=tails)
+    assert figure(after, "elastic_trainer_world_nodes") == 1
+    assert figure(after, "elastic_trainer_recovery_seconds_count", kind="kill") >= 1
+    assert 0 < figure(after, "elastic_trainer_recovery_seconds_sum", kind="kill") < 30
     nodes[survivor].send_signal(signal.SIGTERM)
     assert nodes[survivor].wait(timeout=120) == 128 + signal.SIGTERM, tails()  # stopped, its step saved
     with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):

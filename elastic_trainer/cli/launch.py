@@ -48,7 +48,9 @@ from elastic_trainer.env import (
     ENV_RDZV_ENDPOINT,
     ENV_REFUSAL_FILE,
     ENV_RUN_ID,
+    ENV_STRAGGLERS,
     EXIT_CRASH_LOOP,
+    EXIT_EVICTED,
     EXIT_USAGE,
     NCCL_CLEAN_UP_ONLY,
 )
@@ -307,6 +309,39 @@ def serve_metrics(run: RunConfig):
     return served
 
 
+def evicted_reason(refusal: Path) -> str | None:
+    """Why this node's workers were evicted as stragglers (their refusal file, ``EXIT_EVICTED``), or None."""
+    if not refusal.exists():
+        return None
+    reason, _, code = refusal.read_text().strip().partition("\n")
+    return reason if code.strip() == str(EXIT_EVICTED) else None
+
+
+def hold_out(run: RunConfig, reason: str, seconds: float, endpoint: str) -> None:
+    """An evicted straggler's node: wait ``seconds``, then pass the checks before a join
+    (``observability/health.py``: storage, etcd, the device), retrying after a back-off, before its
+    agent runs again and joins the run live as a newcomer. A signal meanwhile ends it as usual."""
+    import threading
+
+    import torch
+
+    from elastic_trainer.observability import health
+    from elastic_trainer.observability.backoff import BackOff
+
+    print(f"elastic-train: this node was left out ({reason}); it rejoins in {seconds:.0f} s if its checks pass",
+          file=sys.stderr, flush=True)
+    threading.Event().wait(seconds)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    etcd = rendezvous_etcd_options(run) if run.rdzv_backend == "etcd-v3" else None
+    retry = BackOff(initial=5.0, maximum=300.0)
+    while not (report := health.check_node(checkpoint_url=run.checkpoint_dir or None, etcd_endpoints=endpoint,
+                                           etcd_options=etcd, device=device)).ok:
+        delay = retry.next_delay() or 300.0
+        print(f"elastic-train: {report.summary()}; next check in {delay:.0f} s", file=sys.stderr, flush=True)
+        threading.Event().wait(delay)
+    print(f"elastic-train: {report.summary()}; rejoining", file=sys.stderr, flush=True)
+
+
 def run_node(run: RunConfig) -> int:
     """Reach the embedded etcd if needed, run torchrun's agent, let etcd go. Return an exit status."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -316,6 +351,7 @@ def run_node(run: RunConfig) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from elastic_trainer.cli.join import join_command, program_of
+    from elastic_trainer.observability.backoff import BackOff
     from elastic_trainer.etcd.keeper import release_keeper
     from elastic_trainer.etcd.server import PASSWORD_FILE, ROOT_USER
     from elastic_trainer.rendezvous.program import ProgramMismatch
@@ -348,6 +384,7 @@ def run_node(run: RunConfig) -> int:
     shutil.rmtree(progress, ignore_errors=True)
     progress.mkdir(mode=0o700)
     ours = {ENV_REFUSAL_FILE: str(refusal), ENV_PROGRESS_DIR: str(progress)}
+    ours[ENV_STRAGGLERS] = run.stragglers.to_json()
     if run.rdzv_backend == "etcd-v3":
         ours[ENV_PROGRAM] = program_of(run).to_json()  # the joiner check (rendezvous/program.py)
     served = None
@@ -363,8 +400,17 @@ def run_node(run: RunConfig) -> int:
                 monitor_interval=run.monitor_interval, local_addr=run.local_addr, start_method="spawn",
                 logs_specs=DefaultLogsSpecs(log_dir=str(log_dir / "torchelastic")),
             )
-            elastic_launch(config, sys.executable)(*worker_command(run))
-            return 0
+            held_out = BackOff(initial=run.stragglers.hold_out_s, maximum=8 * run.stragglers.hold_out_s)
+            while True:
+                try:
+                    elastic_launch(config, sys.executable)(*worker_command(run))
+                    return 0
+                except SignalException:
+                    reason = evicted_reason(refusal)
+                    if reason is None:
+                        raise
+                refusal.unlink(missing_ok=True)
+                hold_out(run, reason, held_out.next_delay() or run.stragglers.hold_out_s, endpoint)
     except ProgramMismatch as exc:
         raise UsageError(str(exc)) from exc
     except ChildFailedError as exc:

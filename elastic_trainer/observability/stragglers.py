@@ -47,11 +47,12 @@ Usage (rank 0, every ``summary_every_s``, with the medians all ranks gathered)::
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 POLICIES = ("evict", "report", "off")
 
@@ -75,7 +76,7 @@ class StragglerConfig:
     """Evict only when the job would step at least this much faster without the node (0.1: 10%)."""
     sustain_s: float = 10.0
     """Seconds a node must stay a candidate before it is evicted."""
-    cooldown_s: float = 60.0
+    cooldown_s: float = 15.0
     """Seconds after a change of the world (any re-form) during which nothing is evicted."""
     hold_out_s: float = 300.0
     """Seconds an evicted node's agent keeps it out before it checks it again and lets it rejoin;
@@ -93,6 +94,20 @@ class StragglerConfig:
         for name in ("summary_every_s", "min_gain", "sustain_s", "cooldown_s", "hold_out_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"straggler {name} must be 0 or more, got {getattr(self, name)}")
+
+    def to_json(self) -> str:
+        """What the launcher hands its workers (``ENV_STRAGGLERS``)."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> StragglerConfig:
+        """Parse ``to_json``'s text; keys this version does not know are ignored."""
+        try:
+            values = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"straggler settings {text!r} are not the JSON the launcher writes") from exc
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names})
 
 
 class OwnTimes:
@@ -128,14 +143,40 @@ class OwnTimes:
 
 def scores(own: Sequence[float], nodes: Sequence[str]) -> list[float]:
     """Each rank's own time over the median own time of the ranks on other nodes (its peers); 1.0
-    for every rank of a one-node world. ``own[i]`` and ``nodes[i]`` are rank i's."""
+    for every rank of a one-node world. ``own[i]`` and ``nodes[i]`` are rank i's.
+
+    One sort of all the times, then per node the median of the times without that node's: its k
+    ranks are k holes in the sorted list, so the median of the rest lies within k places of the
+    whole list's middle (O(n log n + n k), not O(n^2): 8,000 ranks at 1,000 nodes in milliseconds)."""
     if len(own) != len(nodes):
         raise ValueError(f"{len(own)} own times for {len(nodes)} ranks' nodes; give one of each per rank")
+    order = sorted(range(len(own)), key=lambda i: own[i])
+    position = {i: p for p, i in enumerate(order)}
+    ranks_of: dict[str, list[int]] = {}
+    for i, node in enumerate(nodes):
+        ranks_of.setdefault(node, []).append(i)
+    reference: dict[str, float | None] = {}
+    for node, mine in ranks_of.items():
+        holes = sorted(position[i] for i in mine)
+        rest = len(own) - len(holes)
+        if rest == 0:
+            reference[node] = None
+            continue
+        wanted = sorted({(rest - 1) // 2, rest // 2})  # the middle one or two of the rest, by index
+        found: list[float] = []
+        p, h = wanted[0], 0  # no place before the middle of the rest can be it: holes only move it right
+        while len(found) < len(wanted):
+            while h < len(holes) and holes[h] < p:
+                h += 1  # h: the holes before place p
+            if not (h < len(holes) and holes[h] == p) and p - h == wanted[len(found)]:
+                found.append(own[order[p]])
+            p += 1
+        reference[node] = sum(found) / len(found)
     out = []
-    for i, (mine, node) in enumerate(zip(own, nodes)):
-        peers = [t for t, n in zip(own, nodes) if n != node]
-        reference = statistics.median(peers) if peers else mine
-        out.append(mine / reference if reference > 0 else (1.0 if mine <= 0 else float("inf")))
+    for mine, node in zip(own, nodes):
+        ref = reference[node]
+        ref = mine if ref is None else ref
+        out.append(mine / ref if ref > 0 else (1.0 if mine <= 0 else float("inf")))
     return out
 
 

@@ -40,6 +40,7 @@ another thread, exits through the runtime at once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -60,6 +61,7 @@ from elastic_trainer.training.process_group import (collective_failed, host_step
                                                     nccl_error_handling, run_or_failed_collective, warm_up_ddp)
 from elastic_trainer.training.recovery import Donors, Recovery, Reform
 from elastic_trainer.training.state_transfer import send_state, send_states
+from elastic_trainer.training.straggler_watch import Evicted, StragglerWatch, config_from_environ
 from elastic_trainer.training.uses_manager import script_uses_manager
 from elastic_trainer.training.worker_group import WorkerGroup
 
@@ -74,6 +76,8 @@ def recovery_kind(cause: str, old_world: int, new_world: int) -> str:
     text = cause.lower()
     if new_world > old_world:
         return "join"
+    if "straggler" in text:
+        return "straggler"
     if "preempt" in text or "sigterm" in text:
         return "preemption"
     if "hung" in text or "no progress" in text or "stall" in text:
@@ -109,6 +113,9 @@ class Manager:
         self._started_at: float | None = None
         self._progress_marked = False  # this worker told the crash-loop policy it completed a step
         self._last_step_end: float | None = None  # for the step period rank 0 records in the metrics
+        self._stragglers = StragglerWatch(config_from_environ(), self.device, min_nodes=self._live.settings.min_nodes) \
+            if self._live is not None else None  # own step times, scored at agreements; a slow node evicted
+        self._evicted: str | None = None  # this rank's node was evicted at this step's agreement (why)
         crash_loop.mark_managed()
 
     # ---- where this worker sits (it changes at every re-form) ----------------------------------------
@@ -190,9 +197,14 @@ class Manager:
         self._pg.join()
         self._started_at = time.monotonic()
         self._record_world()
+        if self._stragglers is not None and self.newcomer:
+            self._stragglers.world_changed()  # joined a world that changed: the cool-down applies
         if self._recovery is not loop:
+            self._step_begins()
             return None
         loop.joined(self.receive_state if self.newcomer else None, self.quorum.source if self.newcomer else None)
+        self._time_loop_model()
+        self._step_begins()
         return loop.model
 
     def loader(self, dataloader: torch.utils.data.DataLoader) -> ElasticLoader:
@@ -217,6 +229,8 @@ class Manager:
         while True:
             self.before_step()
             out, failed = self.run(lambda: self._one_step(fn, batch))
+            if self._evicted is not None:
+                self._leave_evicted()
             if failed is None:
                 self._step_recorded()
             if failed is None and self._requested is None:
@@ -231,6 +245,8 @@ class Manager:
 
     def _one_step(self, fn: Callable[..., T], batch: tuple) -> T:
         result = fn(*batch)
+        if self._stragglers is not None:
+            self._stragglers.step_ended()
         self._recovery.step_done(result)
         if not self._agreed and self._cadence.due:  # unless the loop agreed in this step itself
             out_of_time = (self.rank == 0 and self.max_seconds is not None and self._started_at is not None
@@ -239,7 +255,35 @@ class Manager:
             self._stopped = self._stopped or agreed.values[0] > 0 or agreed.values[1] > 0
             if agreed.reform and not self._stopped:
                 self.request_reform(f"planned: {self.reform_reason or 'a member asked'}")
+        self._step_begins()
         return result
+
+    def _step_begins(self) -> None:
+        if self._stragglers is not None:
+            self._stragglers.step_began()
+
+    def time_steps(self, ddp: torch.nn.Module | None) -> bool:
+        """Time this rank's own part of each step of ``ddp`` (its ``DistributedDataParallel``, made
+        again after each re-form: call it after each wrap), which names a straggler (docs/operations.md,
+        "Stragglers"). A loop that passes ``model`` and ``wrap`` to ``start`` never calls it. False:
+        not timed (not live, the policy off, not DDP, or DDP has a comm hook of its own)."""
+        return self._stragglers is not None and self._stragglers.time_steps(ddp)
+
+    def _time_loop_model(self) -> None:
+        model = self._loop.model
+        if self._recovery is self._loop and model is not None and model.wrapped is not None:
+            self.time_steps(model.wrapped)
+
+    def _leave_evicted(self) -> None:
+        """This rank's node was evicted at this step's agreement: leave the quorum now (the others
+        re-form without it at this step) and raise ``Evicted``."""
+        reason, self._evicted = self._evicted, None
+        logger.warning("stragglers: this node is left out (%s); its launcher holds it out, checks it, and lets it "
+                       "rejoin", reason)
+        if self._recovery is self._loop:
+            self._loop.records.event(Event.LIVE_EXCLUDED, step=self._recovery.step, reason=f"evicted: {reason}")
+        self.close()
+        raise Evicted(f"evicted as a straggler: {reason}")
 
     def stop(self) -> None:
         """Vote to stop: at the next agreement every rank stops at the same step (``stopped``)."""
@@ -247,8 +291,10 @@ class Manager:
 
     def request_reform(self, cause: str) -> None:
         """Re-form at the end of this step (``step`` does it); every rank must ask at the same step,
-        so ask from agreed values (the built-in trainer: a peer was preempted, a member asked)."""
-        self._requested = cause
+        so ask from agreed values (the built-in trainer: a peer was preempted, a member asked). The
+        first cause asked at a step is the one kept."""
+        if self._requested is None:
+            self._requested = cause
 
     def recover(self, cause: str, *, planned: bool = False) -> Reform:
         """Re-form in place with the loop's ``Recovery``: release (drop DDP), ``reform``, then
@@ -266,6 +312,10 @@ class Manager:
                 self._loop.records.event(Event.LIVE_EXCLUDED, step=rec.step, reason=str(exc))
             raise
         rec.reformed(reformed)
+        if self._stragglers is not None:
+            self._stragglers.world_changed()
+            self._time_loop_model()
+            self._step_begins()
         took = time.perf_counter() - started
         logger.info("live: rank %d -> %d of %d in quorum %d (%s) in %.3fs", reformed.old_rank, self.rank,
                     self.world_size, self.round, cause, took)
@@ -405,6 +455,12 @@ class Manager:
         agreement; by default about 0.2 s of steps. Every rank must call it at the same steps."""
         if interval is None:
             interval = agree_interval(self._cadence.cycle_s or 0.0)
+        extra = self._stragglers.payload(self.rank, self.world_size) \
+            if self._stragglers is not None and self.distributed else []
+        if extra:  # the straggler summary rides along (every ~2 s): one slot per rank
+            values = torch.cat([values.to(torch.float64).reshape(-1),
+                                torch.tensor(extra, dtype=torch.float64, device=values.device)]) \
+                if isinstance(values, torch.Tensor) else [*values, *extra]
         shared = shared_values(values, self.reform_pending, interval, self.rank, self.device)
         if self.distributed and self.world_size > 1:
             if self._live is not None:  # a wait for a hung peer here is a stalled step too
@@ -415,10 +471,27 @@ class Manager:
                     self._live.progress.leave(measured=False)
             else:
                 dist.all_reduce(shared)
+            if self._stragglers is not None:
+                self._stragglers.collective_done()
         agreed = Agreement.read(shared)
         self._cadence.next_in = agreed.next_in
         self._agreed = True
+        if extra:
+            summary = agreed.values[-len(extra):]
+            agreed = dataclasses.replace(agreed, values=agreed.values[:-len(extra)])
+            self._straggler_decision(summary)
         return agreed
+
+    def _straggler_decision(self, summary: list[float]) -> None:
+        """Every rank reaches the same decision from the same summary: the evicted node's ranks
+        leave at the end of this step, the others re-form without them at this same step."""
+        decision = self._stragglers.read(summary, self.quorum, self.rank)
+        if decision is None or not decision.evict:
+            return
+        if self.quorum.members[self.rank].node in decision.evict:
+            self._evicted = decision.reason
+        else:
+            self.request_reform(f"planned: straggler eviction: {decision.reason}")
 
     def reform(self, step: int, cause: str, state_dict: Callable[[], dict] | None = None, *,
                step_seconds: float | None = None, donors: Donors | None = None,
@@ -438,7 +511,7 @@ class Manager:
         return reformed
 
 
-__all__ = ["Agreement", "ElasticLoader", "LiveExcluded", "Manager", "Recovery", "Reform", "Rewrapped", "RunFinished",
+__all__ = ["Agreement", "ElasticLoader", "Evicted", "LiveExcluded", "Manager", "Recovery", "Reform", "Rewrapped", "RunFinished",
            "agree_interval", "collective_failed", "host_step_is_device_state", "leave_process_group",
            "nccl_error_handling", "run_or_failed_collective", "script_uses_manager", "send_state", "send_states",
            "warm_up_ddp"]

@@ -129,6 +129,7 @@ class Trainer:
                   else contextlib.nullcontext()):
                 self.par = Parallel.wrap(self.module, c, d, blocks=blocks)
             self.model = self.par.model
+            self.manager.time_steps(self.par.ddp)  # DDP: each rank's own step time, which names a straggler
             self.optimizer, self.scheduler = build_optimizer(self.task, self.model, c, d.world_size)
             self.live.wrapped()
             self.scaler = torch.amp.GradScaler("cuda") if self.amp.scaler else None

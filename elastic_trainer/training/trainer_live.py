@@ -164,6 +164,7 @@ class TrainerRecovery:
                 t.module.load_state_dict(state["model"])
             t.par = Parallel.wrap(t.module, c, d)
         t.model = t.par.model
+        t.manager.time_steps(t.par.ddp)
         t.model.train()
         position = t.sampler.state_dict()  # the rest of the epoch, split over the new world
         t.sampler, t.batches = t.new_feed()

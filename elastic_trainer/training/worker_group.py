@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_trainer.env import EXIT_EXCLUDED, EXIT_OK, WorkerEnv
+from elastic_trainer.env import EXIT_EVICTED, EXIT_EXCLUDED, EXIT_OK, WorkerEnv
 from elastic_trainer.live.group import LiveGroup
 from elastic_trainer.live.group_store import MemberGone
 from elastic_trainer.live.quorum import LiveExcluded, Quorum, RunFinished
@@ -41,6 +41,7 @@ from elastic_trainer.training.process_group import (etcd_addresses, init_from_en
 from elastic_trainer.training.recovery import Donors, Reform
 from elastic_trainer.runtime import die_with_parent, runtime
 from elastic_trainer.training.state_transfer import send_state, send_states, transfer
+from elastic_trainer.training.straggler_watch import Evicted
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class WorkerGroup:
                 self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             return
         runtime().exit_on_uncaught(LiveExcluded, EXIT_EXCLUDED)
+        runtime().exit_on_uncaught(Evicted, EXIT_EVICTED, node=True)  # the launcher holds the node out
         runtime().exit_on_uncaught(RunFinished, EXIT_OK)
         warm_up_ddp()
         t0 = time.perf_counter()

@@ -26,7 +26,9 @@ from elastic_trainer.observability.step_clock import StepClock
 class Model(torch.nn.Module):
     def __init__(self, sleep: float) -> None:
         super().__init__()
-        self.layers = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+        # The BatchNorm's buffers make DDP's forward broadcast rank 0's: a collective before the last bucket.
+        self.layers = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(),
+                                          torch.nn.Linear(64, 1))
         self.sleep = sleep
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

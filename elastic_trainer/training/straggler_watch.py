@@ -1,0 +1,172 @@
+"""Stragglers found and left out live: the Manager's part of ``observability/stragglers.py``.
+
+A node that is slow but alive (thermal throttling, a degraded link, a noisy neighbour) slows every
+step of a synchronous job to its pace. Each rank times its **own** part of each step (``StepClock``:
+from the end of the step before, when every rank left the same all-reduce, to its last gradient
+bucket; data loading included, the wait for the others excluded), keeps the last ``window`` of them
+(``OwnTimes``) and, every ``summary_every_s`` of agreements, puts its median into the step
+agreement the ranks run anyway (``Manager.agree``): one slot per rank, summed, so that every rank
+holds every rank's median. No etcd traffic, no extra collective; ``world_size`` floats more in one
+all-reduce every ~2 s.
+
+Every rank then runs the same ``EvictionPolicy.decide`` on the same numbers (rank 0's clock and
+step period ride along), so every rank reaches the same decision at the same step with no second
+round: the ranks of an evicted node raise ``Evicted`` (their node is held out: the launcher waits
+``hold_out_s``, checks the node, ``observability/health.py``, and lets it rejoin); the others
+re-form without it at that same step, as after a preemption (``Manager.request_reform``). The policy
+keeps at least ``--min-nodes``.
+
+Each rank's score (its own time over its peers' median) goes to its node's ``/metrics``; rank 0 logs
+the ranks it names (once per change of the named set), and its records get a ``straggler`` event.
+
+Usage (what ``Manager`` does)::
+
+    watch = StragglerWatch(StragglerConfig(), device, min_nodes=1, rejoined=newcomer)
+    watch.time_steps(ddp)                       # after each wrap (DDP's comm hook)
+    watch.step_began()                          # the previous step ended
+    ... fn(*batch) ...; watch.step_ended()      # this step's own time, into the window
+    extra = watch.payload(rank, world_size)     # at an agreement: [] or the summary's slots
+    decision = watch.read(agreed_extra, quorum) # the same Decision on every rank
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+
+from elastic_trainer.env import ENV_STRAGGLERS
+from elastic_trainer.live.quorum import LiveExcluded, Quorum
+from elastic_trainer.observability import metrics
+from elastic_trainer.observability.step_clock import StepClock
+from elastic_trainer.observability.stragglers import Decision, EvictionPolicy, OwnTimes, StragglerConfig, Summary
+
+logger = logging.getLogger(__name__)
+
+AGREEMENT_S = 0.2
+"""About how far apart two agreements are (``agreement.agree_interval``): a summary goes with every
+``summary_every_s / AGREEMENT_S``-th of them."""
+
+
+class Evicted(LiveExcluded):
+    """This worker's node was left out as a straggler (``str``: why, in one line). Uncaught, it ends
+    the worker and tells its launcher, which holds the node out, checks it and lets it rejoin."""
+
+
+def config_from_environ() -> StragglerConfig:
+    """The launcher's straggler settings (``ENV_STRAGGLERS``); the defaults without a launcher."""
+    text = os.environ.get(ENV_STRAGGLERS)
+    return StragglerConfig.from_json(text) if text else StragglerConfig()
+
+
+class StragglerWatch:
+    """One rank's straggler bookkeeping (see the module docstring)."""
+
+    def __init__(self, config: StragglerConfig, device: torch.device, *, min_nodes: int = 1,
+                 rejoined: bool = False) -> None:
+        self.config = config
+        self.clock = StepClock(device)
+        self.own = OwnTimes(config.window)
+        self.periods = OwnTimes(config.window)
+        self.policy = EvictionPolicy(config, min_nodes=min_nodes)
+        self.every = max(1, round(config.summary_every_s / AGREEMENT_S))
+        self._agreements = 0
+        self._world_changed = rejoined  # a newcomer joins a world that changed: the cool-down applies
+        self._began: float | None = None
+        self._named: tuple[int, ...] = ()
+        self.last: Decision | None = None
+        """The last decision (None before the first summary)."""
+
+    @property
+    def on(self) -> bool:
+        return self.config.policy != "off"
+
+    def time_steps(self, ddp: torch.nn.Module | None) -> bool:
+        """Time this rank's own part of each step of ``ddp`` (a ``DistributedDataParallel``; anything
+        else: the whole step is its own, and nothing is named). Call it after each wrap. False: not
+        timed (no DDP, the policy off, or the wrapper has a comm hook of its own)."""
+        if not self.on or not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+            return False
+        try:
+            self.clock.attach(ddp)
+        except RuntimeError as exc:  # DDP allows one comm hook: the loop registered its own
+            logger.warning("stragglers: this rank's own step time is unknown (%s); it is never named", exc)
+            return False
+        return True
+
+    def step_began(self) -> None:
+        """The step before ended: this one's own time starts (from the last collective every rank
+        left together, ``StepClock.start``: what a rank does after it, such as a pause, is its own)."""
+        if self.on:
+            now = time.perf_counter()
+            if self._began is not None:
+                self.periods.add(now - self._began)
+            self._began = now
+            self.clock.start()
+
+    def collective_done(self) -> None:
+        """Every rank left a step-end agreement together: the next step's own time starts here."""
+        if self.on:
+            self.clock.collective_done()
+
+    def step_ended(self) -> None:
+        """The step's own work is done: its own time goes into the window."""
+        if self.on:
+            for t in self.clock.stop():
+                self.own.add(t.own)
+
+    def world_changed(self) -> None:
+        """A re-form: the work per rank changed, so the windows start over and the cool-down starts
+        at the next summary; the agreements are counted from this world's first."""
+        self.own.clear()
+        self.periods.clear()
+        self._agreements = 0
+        self._world_changed = True
+        self._began = None
+
+    def payload(self, rank: int, world_size: int) -> list[float]:
+        """What this rank adds to the agreement: nothing, or on every ``every``-th agreement of this
+        world (the same on every rank) one slot per rank (its median own time at ``rank``, NaN before
+        ``min_samples`` of them), rank 0's clock and rank 0's median step period."""
+        if not self.on or world_size < 2:
+            return []
+        self._agreements += 1
+        if (self._agreements - 1) % self.every:
+            return []
+        slots = [0.0] * (world_size + 2)
+        slots[rank] = self.own.median() if len(self.own) >= self.config.min_samples else math.nan
+        if rank == 0:
+            slots[world_size] = time.monotonic()
+            slots[world_size + 1] = self.periods.median() or 0.0
+        return slots
+
+    def read(self, extra: Sequence[float], quorum: Quorum | None, rank: int) -> Decision | None:
+        """The summed ``payload`` of every rank: the decision, the same on every rank (None: this
+        agreement carried no summary). Records this rank's score; rank 0 logs a change of the named set."""
+        if not extra or quorum is None:
+            return None
+        n = len(extra) - 2
+        now, period = extra[n], extra[n + 1]
+        if self._world_changed:
+            self.policy.world_changed(now)
+            self._world_changed = False
+        nodes = tuple(m.node for m in quorum.members)
+        decision = self.policy.decide(Summary(own=tuple(extra[:n]), nodes=nodes, period=period), now)
+        self.last = decision
+        if decision.scores:
+            metrics.straggler_score(decision.scores[rank])
+        if rank == 0 and (decision.named != self._named or decision.evict):
+            self._named = decision.named
+            if decision.named or decision.evict:
+                who = ", ".join(f"rank {i} on {nodes[i]} ({decision.scores[i]:.2f}x)" for i in decision.named)
+                logger.warning("stragglers: %s%s", who or "none named", f"; {decision.reason}" if decision.reason else "")
+            else:
+                logger.info("stragglers: none named any more")
+        return decision
+
+
+__all__ = ["AGREEMENT_S", "Evicted", "StragglerWatch", "config_from_environ"]
