@@ -217,6 +217,11 @@ def test_a_live_two_node_run_shows_its_world_and_steps_and_a_killed_node_in_the_
     assert samples in (steps * GBS, (steps - 1) * GBS), ("samples: the global batch of each step", steps, samples)
     assert figure(m, "elastic_trainer_step_seconds_count") >= 4 and figure(m, "elastic_trainer_min_nodes") == 1
     assert figure(m, "elastic_trainer_recoveries_total", kind="kill") == 0
+    for node in both:  # each node's agent and workers talk to etcd and renew leases: timed
+        requests = {s.labels["op"]: s.value for s in node["elastic_trainer_etcd_request_seconds_count"]}
+        assert requests.get("get", 0) >= 1 and requests.get("put", 0) >= 1 and set(requests) <= set(metrics.ETCD_OPS)
+        assert figure(node, "elastic_trainer_lease_renewal_lag_seconds_count") >= 1
+        assert 0 < figure(node, "elastic_trainer_etcd_request_seconds_sum", op="get") < 60
 
     survivor, victim = 0, 1  # rank 0's node or the other: the survivor is rank 0 after the re-form either way
     os.killpg(nodes[victim].pid, signal.SIGKILL)

@@ -38,6 +38,7 @@ import grpc
 from etcd3 import etcdrpc
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
+from elastic_trainer.observability import metrics
 from elastic_trainer.runtime import runtime
 
 logger = logging.getLogger(__name__)
@@ -210,6 +211,20 @@ def parse_endpoints(text: str) -> tuple[tuple[str, int], ...]:
     if not out:
         raise ValueError("the rendezvous endpoint is empty; pass --rdzv-endpoint HOST:PORT of an etcd")
     return tuple(out)
+
+
+_OPS = (("lease grant", "lease_grant"), ("revoke", "lease_revoke"), ("keep-alive", "other"),
+        ("time-to-live", "other"), ("watch", "watch"), ("delete", "delete"), ("remove", "delete"),
+        ("compare", "txn"), ("commit", "txn"), ("fence", "txn"), ("stall", "txn"), ("ranks write", "txn"),
+        ("txn", "txn"), ("read", "get"), ("get", "get"), ("list", "get"), ("earlier keys", "get"), ("put", "put"),
+        ("write", "put"), ("alive key", "put"))
+
+
+def op_of(what: str) -> str:
+    """The ``op`` label (``metrics.ETCD_OPS``) of a request that ``EtcdConnection.call`` names ``what``
+    (``"live quorum compare-and-swap"`` -> ``txn``); ``other`` when none fits."""
+    text = what.lower()
+    return next((op for word, op in _OPS if word in text), "other")
 
 
 def _is_transient(exc: BaseException) -> bool:
@@ -463,10 +478,12 @@ class EtcdConnection:
             client = self._client
             try:
                 client.sending_to(client.next_endpoint())
+                sent = time.perf_counter()
                 try:
                     return fn(client)
                 finally:
                     client.sending_to(None)
+                    metrics.etcd_request(op_of(what), time.perf_counter() - sent)  # /metrics; a no-op without
             except Exception as exc:  # noqa: BLE001 - classified below, re-raised when not transient
                 if _is_auth_expired(exc) and self.options.user:
                     self._reconnect(client)

@@ -42,6 +42,7 @@ from etcd3.etcdrpc import RangeRequest
 from elastic_trainer.live.keys import LiveKeys
 from elastic_trainer.live.quorum import LiveExcluded
 from elastic_trainer.live.threads import StartThread
+from elastic_trainer.observability import metrics
 from elastic_trainer.rendezvous.node_lease import RenewalRecord, node_dir
 
 logger = logging.getLogger(__name__)
@@ -151,6 +152,7 @@ class WorkerLease:
                 self.lease_id, failover_after=max(0.5, self._ttl - 2 * self._interval)),
                 "lease keep-alive", retry_timeout=0)
             self.renewals += 1
+            metrics.lease_renewed(time.monotonic() - sent)  # /metrics: the renewal's round trip, sent when due
         except Exception as exc:  # noqa: BLE001 - the next tick (or a sibling) tries again
             logger.warning("could not renew the node's etcd lease %x: %s", self.lease_id, exc)
             if self._record is not None:

@@ -25,6 +25,7 @@ import weakref
 import grpc
 
 from elastic_trainer.etcd.client import EtcdConnection
+from elastic_trainer.observability import metrics
 from elastic_trainer.runtime import runtime
 
 logger = logging.getLogger(__name__)
@@ -373,6 +374,7 @@ class LeaseKeeper:
         """Apply etcd's answer ``ttl`` to a renewal of ``lease_id`` sent at ``sent``."""
         if self.on_answer is not None:
             self.on_answer(sent, took, ttl <= 0)
+        metrics.lease_renewed(took)  # /metrics: the renewal's round trip, sent when due
         lost = False
         with self._lock:
             if self._lease_id != lease_id:  # closed, or a new lease granted meanwhile: not ours to judge
