@@ -325,17 +325,29 @@ def hold_out(run: RunConfig, reason: str, seconds: float, endpoint: str) -> None
 
     import torch
 
-    from elastic_trainer.observability import health
+    from elastic_trainer.observability import health, metrics
     from elastic_trainer.observability.backoff import BackOff
 
     print(f"elastic-train: this node was left out ({reason}); it rejoins in {seconds:.0f} s if its checks pass",
           file=sys.stderr, flush=True)
     threading.Event().wait(seconds)
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    # On GPUs the launcher asks NVML only: a matmul here would hold a CUDA context on GPU 0 in the
+    # launcher for the rest of the run. A slow GPU shows in the straggler scores once it trains.
+    gpus = torch.cuda.is_available()
     etcd = rendezvous_etcd_options(run) if run.rdzv_backend == "etcd-v3" else None
     retry = BackOff(initial=5.0, maximum=300.0)
-    while not (report := health.check_node(checkpoint_url=run.checkpoint_dir or None, etcd_endpoints=endpoint,
-                                           etcd_options=etcd, device=device)).ok:
+
+    def check() -> health.HealthReport:
+        report = health.check_node(checkpoint_url=run.checkpoint_dir or None, etcd_endpoints=endpoint,
+                                   etcd_options=etcd, device=None if gpus else torch.device("cpu"))
+        if not gpus:
+            return report
+        nvml = health.check_nvml()
+        if not nvml.ok:
+            metrics.health_check_failed("nvml")
+        return health.HealthReport((*report.results, nvml))
+
+    while not (report := check()).ok:
         delay = retry.next_delay() or 300.0
         print(f"elastic-train: {report.summary()}; next check in {delay:.0f} s", file=sys.stderr, flush=True)
         threading.Event().wait(delay)
