@@ -90,6 +90,10 @@ the embedded etcd's keeper."""
 ENV_DEBUG_HANG = "ELASTIC_TRAINER_DEBUG_HANG"
 """Drills and tests: ``1`` makes a live worker's training thread hang for good on SIGUSR2
 (``training/manager.py``, ``install_debug_hang``), to prove the hang detection."""
+ENV_DEBUG_SLOW = "ELASTIC_TRAINER_DEBUG_SLOW"
+"""Drills (``elastic-train drill``'s ``slow`` fault): a factor; with it set, each SIGUSR1 turns a
+worker FACTOR times slower than it was, or back (``training/process_group.py``, ``DebugSlow``), to
+prove that a straggler is found and left out."""
 
 # ---- helper processes ----------------------------------------------------------------------------
 HELPER_ENV = ("PATH", "HOME", "USER", "LOGNAME", "TMPDIR", "LANG", "LANGUAGE", "TZ",
@@ -245,13 +249,14 @@ class WorkerEnv:
     rdzv_lease: int | None = None
     """The node's etcd lease (the agent's), live mode only."""
     debug_hang: str | None = None
+    debug_slow: str | None = None
     live: LiveSettings | None = None
 
     _NAMES = {"rank": ENV_RANK, "world_size": ENV_WORLD_SIZE, "local_rank": ENV_LOCAL_RANK,
               "local_world_size": ENV_LOCAL_WORLD_SIZE, "restart_count": ENV_RESTART_COUNT,
               "rdzv_round": ENV_RDZV_ROUND, "rdzv_prefix": ENV_RDZV_PREFIX, "rdzv_node": ENV_RDZV_NODE,
               "rdzv_conn": ENV_RDZV_CONN, "rdzv_endpoint": ENV_RDZV_ENDPOINT, "rdzv_lease": ENV_RDZV_LEASE,
-              "debug_hang": ENV_DEBUG_HANG}
+              "debug_hang": ENV_DEBUG_HANG, "debug_slow": ENV_DEBUG_SLOW}
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:

@@ -480,6 +480,27 @@ def test_drill_with_a_kill_a_join_a_stop_past_the_lease_and_a_hang_recovers_from
 
 
 @pytest.mark.slow
+@pytest.mark.trial  # about 70 s: the straggler's mechanism is in the suite (tests/test_stragglers_live.py)
+@pytest.mark.timeout(450)
+def test_drill_slow_fault_leaves_the_slow_node_out_live_and_it_rejoins_with_nothing_lost(tmp_path):
+    """The ``slow`` fault (issue 44 point 7): a node's workers five times slower (SIGUSR1 with
+    ELASTIC_TRAINER_DEBUG_SLOW) until the others leave it out live (N-1); its launcher holds it out
+    (5 s in a drill), checks it and lets it rejoin with new, fast workers (N); no sample repeated or
+    skipped."""
+    code, report, output = run_drill(tmp_path, "--nodes", "3", "--slow", "node:1@step:20,for:40", timeout=400)
+    print(output[-3000:])
+    assert code == 0, output[-3000:]
+    [slow] = report["faults"]
+    assert slow["expect_dip"] and slow["recovered"] and slow["ok"], slow["notes"]
+    assert (slow["world_before"], slow["away_world"], slow["final_world"]) == (3, 2, 3)
+    assert 0 < slow["evicted_first_step_s"] < slow["first_step_s"]
+    assert report["ledger"]["repeated"] == 0 and report["ledger"]["skipped"] == 0 and not report["overlapping_worlds"]
+    node = (tmp_path / "drill" / "nodes" / "node-1" / "agent.log").read_text(errors="replace")
+    assert "evicted as a straggler" in node and "node check passed" in node, node[-3000:]
+    no_leftovers(report)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_sigterm_to_the_drill_stops_everything_it_started(tmp_path):
     """Processes, etcd, and (as root) namespaces, veths, the bridge and the tmpfs are gone."""

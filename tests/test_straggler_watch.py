@@ -24,15 +24,27 @@ def quorum(nodes: list[str]) -> Quorum:
     return Quorum(q=1, members=tuple(Member(f"{n}-0-{i}", n, 0, f"127.0.0.1:{i}") for i, n in enumerate(nodes)))
 
 
-def agree(watches: list[StragglerWatch], q: Quorum, now: float):
-    """One agreement: each rank's payload, summed as the all-reduce sums it (rank 0's clock set to
-    ``now``), then each rank's decision (None on an agreement without a summary)."""
+class Clock:
+    """Rank 0's clock, set by the test."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def watches_of(n: int, clock: Clock, **kwargs) -> list[StragglerWatch]:
+    return [StragglerWatch(CONFIG, CPU, clock=clock, **kwargs) for _ in range(n)]
+
+
+def agree(watches: list[StragglerWatch], q: Quorum, clock: Clock, now: float):
+    """One agreement at ``now`` on rank 0's clock: each rank's payload, summed as the all-reduce sums
+    it, then each rank's decision (None on an agreement without a summary)."""
+    clock.now = now
     payloads = [w.payload(rank, len(watches)) for rank, w in enumerate(watches)]
-    assert len({len(p) for p in payloads}) == 1, "every rank adds as many slots"
-    if not payloads[0]:
-        return [w.read([], q, rank) for rank, w in enumerate(watches)]
+    assert len({len(p) for p in payloads}) == 1, "every rank adds as many floats"
     summed = [sum(col) for col in zip(*payloads)]
-    summed[len(watches)] = now  # rank 0's clock
     return [w.read(summed, q, rank) for rank, w in enumerate(watches)]
 
 
@@ -43,26 +55,36 @@ def feed(watches: list[StragglerWatch], own: list[float], steps: int) -> None:
             w.periods.add(max(own))
 
 
-def test_a_summary_rides_on_every_nth_agreement_with_one_slot_per_rank_and_rank_0s_clock():
-    watches = [StragglerWatch(CONFIG, CPU) for _ in range(3)]
-    assert watches[0].every == 10  # 2 s of summaries at ~0.2 s between agreements
-    sizes = [[len(w.payload(r, 3)) for r, w in enumerate(watches)] for _ in range(21)]
-    assert [s[0] for s in sizes] == [5] + [0] * 9 + [5] + [0] * 9 + [5]
-    assert all(len(set(s)) == 1 for s in sizes)
-    fresh = StragglerWatch(CONFIG, CPU)
+def test_rank_0s_flag_announces_the_summary_which_rides_on_the_next_agreement_every_2_s():
+    q, clock = quorum(["a", "b", "c"]), Clock()
+    watches = watches_of(3, clock)
+    sizes = []
+    for i in range(12):  # agreements 0.5 s apart on rank 0's clock
+        clock.now = 0.5 * i
+        payloads = [w.payload(r, 3) for r, w in enumerate(watches)]
+        assert len({len(p) for p in payloads}) == 1
+        assert all(p[0] == 0 for p in payloads[1:]), "only rank 0 raises the flag"
+        sizes.append((payloads[0][0], len(payloads[0])))
+        summed = [sum(col) for col in zip(*payloads)]
+        for r, w in enumerate(watches):
+            w.read(summed, q, r)
+    # raised at 0 s, 2 s, 4 s; the summary (1 + 3 slots + clock + period) rides on the agreement after each
+    assert sizes == [(1, 1), (0, 6), (0, 1), (0, 1), (1, 1), (0, 6), (0, 1), (0, 1), (1, 1), (0, 6), (0, 1), (0, 1)]
+    fresh = StragglerWatch(CONFIG, CPU, clock=clock)
+    fresh.read([1.0], q, 1)  # the flag came: the next payload carries the slots
     slots = fresh.payload(1, 3)
-    assert slots[0] == 0 and math.isnan(slots[1]) and slots[3:] == [0.0, 0.0], "NaN before min_samples own times"
+    assert slots[1] == 0 and math.isnan(slots[2]) and slots[4:] == [0.0, 0.0], "NaN before min_samples own times"
     assert StragglerWatch(CONFIG, CPU).payload(0, 1) == [], "one rank: nothing to compare"
     assert StragglerWatch(StragglerConfig(policy="off"), CPU).payload(0, 3) == []
 
 
 def test_every_rank_decides_the_same_eviction_at_the_same_agreement():
-    q = quorum(["a", "b", "c"])
-    watches = [StragglerWatch(CONFIG, CPU) for _ in range(3)]
+    q, clock = quorum(["a", "b", "c"]), Clock()
+    watches = watches_of(3, clock)
     feed(watches, [0.05, 0.05, 0.25], 20)
     decided = []
     for i in range(60):
-        out = agree(watches, q, now=100.0 + 0.2 * i)
+        out = agree(watches, q, clock, now=100.0 + 0.2 * i)
         assert all(d == out[0] for d in out), out
         if out[0] is not None and out[0].evict:
             decided.append((i, out[0].evict))
@@ -73,15 +95,15 @@ def test_every_rank_decides_the_same_eviction_at_the_same_agreement():
 
 
 def test_a_newcomer_and_the_survivors_keep_the_same_cool_down_after_a_re_form():
-    q = quorum(["a", "b", "c"])
-    survivors = [StragglerWatch(CONFIG, CPU) for _ in range(2)]
+    q, clock = quorum(["a", "b", "c"]), Clock()
+    survivors = watches_of(2, clock)
     for w in survivors:
         w.world_changed()  # the re-form that let the newcomer in
-    newcomer = StragglerWatch(CONFIG, CPU, rejoined=True)
+    newcomer = StragglerWatch(CONFIG, CPU, rejoined=True, clock=clock)
     watches = [*survivors, newcomer]
     feed(watches, [0.05, 0.05, 0.25], 20)
     times = [50.0 + 0.2 * i for i in range(120)]
-    outs = [agree(watches, q, now) for now in times]
+    outs = [agree(watches, q, clock, now) for now in times]
     evicted_at = [now for now, out in zip(times, outs) if out[0] is not None and out[0].evict]
     for out in outs:
         assert all(d == out[0] for d in out)
@@ -91,11 +113,11 @@ def test_a_newcomer_and_the_survivors_keep_the_same_cool_down_after_a_re_form():
 
 
 def test_a_node_within_the_noise_is_never_evicted():
-    q = quorum(["a", "b", "c"])
-    watches = [StragglerWatch(CONFIG, CPU) for _ in range(3)]
+    q, clock = quorum(["a", "b", "c"]), Clock()
+    watches = watches_of(3, clock)
     feed(watches, [0.050, 0.055, 0.060], 20)  # 20% apart at most: under min_slowdown
     for i in range(100):
-        assert all(d is None or (not d.evict and not d.named) for d in agree(watches, q, now=0.2 * i))
+        assert all(d is None or (not d.evict and not d.named) for d in agree(watches, q, clock, now=0.2 * i))
 
 
 def test_time_steps_needs_ddp_and_evicted_is_an_exclusion():

@@ -319,8 +319,23 @@ def evicted_reason(refusal: Path) -> str | None:
 
 def hold_out(run: RunConfig, reason: str, seconds: float, endpoint: str) -> None:
     """An evicted straggler's node: wait ``seconds``, then pass the checks before a join
-    (``observability/health.py``: storage, etcd, the device), retrying after a back-off, before its
-    agent runs again and joins the run live as a newcomer. A signal meanwhile ends it as usual."""
+    (``checked``), before its agent runs again and joins the run live as a newcomer. A signal
+    meanwhile ends it as usual."""
+    import threading
+
+    print(f"elastic-train: this node was left out ({reason}); it rejoins in {seconds:.0f} s if its checks pass",
+          file=sys.stderr, flush=True)
+    threading.Event().wait(seconds)
+    checked(run, endpoint, rejoin=True)
+
+
+def checked(run: RunConfig, endpoint: str, *, rejoin: bool) -> None:
+    """The checks before a join (``observability/health.py``), retried after a back-off (5 s doubling
+    to 5 min) until they pass, each failure one line. Before a rejoin: the checkpoint storage, etcd
+    and the device. Before the first join the start-up checks (``check_environment``) did storage and
+    etcd, so only a GPU node checks here (NVML). On GPUs the launcher asks NVML only: a matmul here
+    would hold a CUDA context on GPU 0 in the launcher for the rest of the run (a slow GPU shows in
+    the straggler scores once it trains)."""
     import threading
 
     import torch
@@ -328,18 +343,16 @@ def hold_out(run: RunConfig, reason: str, seconds: float, endpoint: str) -> None
     from elastic_trainer.observability import health, metrics
     from elastic_trainer.observability.backoff import BackOff
 
-    print(f"elastic-train: this node was left out ({reason}); it rejoins in {seconds:.0f} s if its checks pass",
-          file=sys.stderr, flush=True)
-    threading.Event().wait(seconds)
-    # On GPUs the launcher asks NVML only: a matmul here would hold a CUDA context on GPU 0 in the
-    # launcher for the rest of the run. A slow GPU shows in the straggler scores once it trains.
     gpus = torch.cuda.is_available()
-    etcd = rendezvous_etcd_options(run) if run.rdzv_backend == "etcd-v3" else None
+    if not rejoin and not gpus:
+        return
+    etcd = rendezvous_etcd_options(run) if rejoin and run.rdzv_backend == "etcd-v3" else None
     retry = BackOff(initial=5.0, maximum=300.0)
 
     def check() -> health.HealthReport:
-        report = health.check_node(checkpoint_url=run.checkpoint_dir or None, etcd_endpoints=endpoint,
-                                   etcd_options=etcd, device=None if gpus else torch.device("cpu"))
+        report = health.check_node(checkpoint_url=(run.checkpoint_dir or None) if rejoin else None,
+                                   etcd_endpoints=endpoint if rejoin else None, etcd_options=etcd,
+                                   device=None if gpus else torch.device("cpu"))
         if not gpus:
             return report
         nvml = health.check_nvml()
@@ -351,7 +364,8 @@ def hold_out(run: RunConfig, reason: str, seconds: float, endpoint: str) -> None
         delay = retry.next_delay() or 300.0
         print(f"elastic-train: {report.summary()}; next check in {delay:.0f} s", file=sys.stderr, flush=True)
         threading.Event().wait(delay)
-    print(f"elastic-train: {report.summary()}; rejoining", file=sys.stderr, flush=True)
+    if rejoin:
+        print(f"elastic-train: {report.summary()}; rejoining", file=sys.stderr, flush=True)
 
 
 def run_node(run: RunConfig) -> int:
@@ -413,6 +427,7 @@ def run_node(run: RunConfig) -> int:
                 logs_specs=DefaultLogsSpecs(log_dir=str(log_dir / "torchelastic")),
             )
             held_out = BackOff(initial=run.stragglers.hold_out_s, maximum=8 * run.stragglers.hold_out_s)
+            checked(run, endpoint, rejoin=False)  # a GPU node: NVML says its GPUs need nothing
             while True:
                 try:
                     elastic_launch(config, sys.executable)(*worker_command(run))

@@ -196,6 +196,7 @@ class Cluster:
         env = {**os.environ, ENV_PYTHONUNBUFFERED: "1"}
         for kind in sorted({f.kind for f in self.args.faults}):  # e.g. hang's debug hook, on every node
             env.update(FAULTS[kind].node_env)
+            cmd += list(FAULTS[kind].node_args)
         net = None
         if self.network is not None:
             from elastic_trainer.drill import netns

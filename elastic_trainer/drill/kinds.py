@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from elastic_trainer.drill.nodes import Node, children, killpg
-from elastic_trainer.env import ENV_DEBUG_HANG
+from elastic_trainer.env import ENV_DEBUG_HANG, ENV_DEBUG_SLOW
 
 
 class Driver(Protocol):
@@ -79,7 +79,14 @@ class FaultKind:
     prepare: Callable[[Driver, dict], str | None] | None = None  # before firing; a reason to skip
     refuse: Callable[[argparse.Namespace], str | None] | None = None  # why the drill cannot run it
     node_env: tuple[tuple[str, str], ...] = ()  # set on every node when the scenario holds this kind
+    node_args: tuple[str, ...] = ()  # launcher flags of every node when the scenario holds this kind
 
+
+SLOW_FACTOR = 5
+"""How much slower the ``slow`` fault makes a node (its workers pause 4 own steps a step)."""
+SLOW_NODE_ARGS = ("--straggler-sustain", "2", "--straggler-cooldown", "5", "--straggler-hold-out", "5")
+"""The launcher flags of every node of a drill with a ``slow`` fault: evicted within seconds and
+back after a 5 s hold-out, instead of the defaults' 10 s sustain and 5 min hold-out."""
 
 EVICT_MARGIN = 1.0
 """Seconds past the lease TTL that a node must stay away to be out of the world for sure: etcd
@@ -200,6 +207,36 @@ def _hang(driver: Driver, rec: dict, node: Node | None, size: int, now: float) -
     rec["expected_world"] = ranks(driver.args, size - 1 if live else size)
 
 
+def _slow(driver: Driver, rec: dict, node: Node | None, size: int, now: float) -> None:
+    """A straggler: SIGUSR1 to each worker of the node, which the Manager's debug hook
+    (``ENV_DEBUG_SLOW``) turns into a pause of (factor - 1) own steps a step. Live: the others leave
+    it out (N-1), its launcher holds it out, checks it and lets it rejoin (N) with new workers,
+    which are fast. Restart path: it is never left out (N throughout)."""
+    live = driver.args.recovery != "restart"
+    rec["worker_pids"] = sorted(children(node.proc.pid))
+    for pid in rec["worker_pids"]:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            rec["notes"].append(f"worker {pid} exited before the SIGUSR1")
+    driver.cluster.note(node.name, "node_slowed", pids=rec["worker_pids"], factor=SLOW_FACTOR)
+    rec["away_world"] = ranks(driver.args, size - 1)
+    rec["expect_dip"] = live
+    rec["expected_world"] = ranks(driver.args, size)
+
+
+def _fast(driver: Driver, rec: dict, node: Node | None) -> None:
+    """The slowed workers still alive (not evicted: the restart path, or a fault shorter than the
+    detection) run at their own speed again."""
+    for pid in rec.get("worker_pids", []):
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass  # evicted and gone: its node rejoined with new workers
+    if node is not None:
+        driver.cluster.note(node.name, "node_fast_again")
+
+
 def _add_node(driver: Driver, rec: dict, node: Node | None, size: int, now: float) -> None:
     new = driver.cluster.start_node()
     rec["node"] = new.name
@@ -253,6 +290,10 @@ FAULTS: dict[str, FaultKind] = {k.name: k for k in [  # in --help order
               Target.REQUIRED, _stop, _cont, duration=8.0, victim="target"),
     FaultKind("term", "SIGTERM a node (preemption); SIGKILL what is left after --term-grace",
               Target.REQUIRED, _term, victim="target", changes_world=True),
+    FaultKind("slow", f"make a node {SLOW_FACTOR}x slower for:SECONDS (SIGUSR1 to its workers with "
+              f"ELASTIC_TRAINER_DEBUG_SLOW={SLOW_FACTOR} on every node): live, it is left out, held out, checked "
+              "and rejoins", Target.REQUIRED, _slow, _fast, duration=30.0, victim="target",
+              node_env=((ENV_DEBUG_SLOW, str(SLOW_FACTOR)),), node_args=SLOW_NODE_ARGS),
     FaultKind("add-node", "start one more node (no TARGET)", Target.NONE, _add_node, changes_world=True),
     FaultKind("restart-etcd",
               "SIGKILL the drill's etcd, start it again for:SECONDS later (default 1) on the same port and data",

@@ -57,8 +57,9 @@ from elastic_trainer.observability import crash_loop, metrics
 from elastic_trainer.training.agreement import Agreement, Cadence, agree_interval, shared_values
 from elastic_trainer.training.loop import ElasticLoader, LoopRecovery, Rewrapped
 from elastic_trainer.training.loop_records import LoopRecords
-from elastic_trainer.training.process_group import (collective_failed, host_step_is_device_state, leave_process_group,
-                                                    nccl_error_handling, run_or_failed_collective, warm_up_ddp)
+from elastic_trainer.training.process_group import (collective_failed, host_step_is_device_state, install_debug_slow,
+                                                    leave_process_group, nccl_error_handling, run_or_failed_collective,
+                                                    warm_up_ddp)
 from elastic_trainer.training.recovery import Donors, Recovery, Reform
 from elastic_trainer.training.state_transfer import send_state, send_states
 from elastic_trainer.training.straggler_watch import Evicted, StragglerWatch, config_from_environ
@@ -116,6 +117,8 @@ class Manager:
         self._stragglers = StragglerWatch(config_from_environ(), self.device, min_nodes=self._live.settings.min_nodes) \
             if self._live is not None else None  # own step times, scored at agreements; a slow node evicted
         self._evicted: str | None = None  # this rank's node was evicted at this step's agreement (why)
+        self._debug_slow = install_debug_slow(self.env, lambda: self._stragglers.own.median()
+                                              if self._stragglers is not None else self._cadence.cycle_s)  # drills
         crash_loop.mark_managed()
 
     # ---- where this worker sits (it changes at every re-form) ----------------------------------------
@@ -244,6 +247,8 @@ class Manager:
                 return None
 
     def _one_step(self, fn: Callable[..., T], batch: tuple) -> T:
+        if self._debug_slow is not None:  # the drill's slow fault: this rank's own work, longer
+            self._debug_slow.pause()
         result = fn(*batch)
         if self._stragglers is not None:
             self._stragglers.step_ended()

@@ -32,7 +32,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from elastic_trainer.env import ENV_DEBUG_HANG, ENV_NCCL_ERROR_HANDLING, NCCL_CLEAN_UP_ONLY, WorkerEnv
+from elastic_trainer.env import ENV_DEBUG_HANG, ENV_DEBUG_SLOW, ENV_NCCL_ERROR_HANDLING, NCCL_CLEAN_UP_ONLY, WorkerEnv
 from elastic_trainer.live.group import LiveGroup
 
 logger = logging.getLogger(__name__)
@@ -128,6 +128,47 @@ def install_debug_hang(env: WorkerEnv) -> None:
     signal.signal(signal.SIGUSR2, hang)
 
 
+class DebugSlow:
+    """Drills: with ``ELASTIC_TRAINER_DEBUG_SLOW=FACTOR`` each SIGUSR1 turns this worker FACTOR times
+    slower, or back: every step then pauses ``(FACTOR - 1) x`` its own step time of the moment it
+    turned slow (``base()``), as this rank's own work, where a throttled GPU or a slow loader spends
+    it (a pause that grew with the slowed steps would grow without end). The drill's ``slow`` fault."""
+
+    def __init__(self, factor: float, base: Callable[[], float | None]) -> None:
+        self.factor, self.base = factor, base
+        self.wanted = False  # flipped by the signal handler (nothing else there: no lock, no logging)
+        self.extra = 0.0
+
+    def toggle(self, signum=None, frame=None) -> None:
+        self.wanted = not self.wanted
+
+    def pause(self) -> None:
+        """Before each step (``Manager.step``): the pause, if this worker is slow now."""
+        if self.wanted and self.extra == 0.0:
+            self.extra = (self.factor - 1.0) * (self.base() or 0.05)
+            logger.warning("live: SIGUSR1 with %s=%g: this worker pauses %.3fs a step from now (a drill)",
+                           ENV_DEBUG_SLOW, self.factor, self.extra)
+        elif not self.wanted and self.extra > 0.0:
+            self.extra = 0.0
+            logger.warning("live: SIGUSR1 with %s: this worker runs at its own speed again (a drill)", ENV_DEBUG_SLOW)
+        if self.extra > 0.0:
+            time.sleep(self.extra)
+
+
+def install_debug_slow(env: WorkerEnv, base: Callable[[], float | None]) -> DebugSlow | None:
+    """``DebugSlow`` on SIGUSR1 when ``ELASTIC_TRAINER_DEBUG_SLOW`` gives a factor above 1 (from the
+    main thread only); None otherwise."""
+    try:
+        factor = float(env.debug_slow) if env.debug_slow else 0.0
+    except ValueError:
+        factor = 0.0
+    if factor <= 1.0 or threading.current_thread() is not threading.main_thread():
+        return None
+    slow = DebugSlow(factor, base)
+    signal.signal(signal.SIGUSR1, slow.toggle)
+    return slow
+
+
 def nccl_error_handling() -> str:
     """Ask NCCL process groups made from now on to abort their communicators on an error or a
     timeout and raise it, instead of ending the process (``NCCL_CLEAN_UP_ONLY``); a value the user
@@ -164,5 +205,5 @@ def warm_up_ddp() -> None:
         dist.destroy_process_group()
 
 
-__all__ = ["collective_failed", "etcd_addresses", "host_step_is_device_state", "init_from_env", "install_debug_hang",
+__all__ = ["DebugSlow", "collective_failed", "etcd_addresses", "host_step_is_device_state", "init_from_env", "install_debug_hang", "install_debug_slow",
            "leave_process_group", "nccl_error_handling", "run_or_failed_collective", "warm_up_ddp"]

@@ -4,10 +4,12 @@ A node that is slow but alive (thermal throttling, a degraded link, a noisy neig
 step of a synchronous job to its pace. Each rank times its **own** part of each step (``StepClock``:
 from the end of the step before, when every rank left the same all-reduce, to its last gradient
 bucket; data loading included, the wait for the others excluded), keeps the last ``window`` of them
-(``OwnTimes``) and, every ``summary_every_s`` of agreements, puts its median into the step
-agreement the ranks run anyway (``Manager.agree``): one slot per rank, summed, so that every rank
-holds every rank's median. No etcd traffic, no extra collective; ``world_size`` floats more in one
-all-reduce every ~2 s.
+(``OwnTimes``) and, about every ``summary_every_s`` (2 s), puts its median into the step agreement
+the ranks run anyway (``Manager.agree``): one slot per rank, summed, so that every rank holds every
+rank's median. When: each agreement carries rank 0's flag "the next agreement carries the
+summary" (one float), raised once ``summary_every_s`` passed on rank 0's clock, so every rank knows
+it at the same agreement, whatever the step time. No etcd traffic, no extra collective; one float
+more in every agreement and ``world_size`` floats more in one every ~2 s.
 
 Every rank then runs the same ``EvictionPolicy.decide`` on the same numbers (rank 0's clock and
 step period ride along), so every rank reaches the same decision at the same step with no second
@@ -35,7 +37,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -46,11 +48,6 @@ from elastic_trainer.observability.step_clock import StepClock
 from elastic_trainer.observability.stragglers import Decision, EvictionPolicy, OwnTimes, StragglerConfig, Summary
 
 logger = logging.getLogger(__name__)
-
-AGREEMENT_S = 0.2
-"""About how far apart two agreements are (``agreement.agree_interval``): a summary goes with every
-``summary_every_s / AGREEMENT_S``-th of them."""
-
 
 class Evicted(LiveExcluded):
     """This worker's node was left out as a straggler (``str``: why, in one line). Uncaught, it ends
@@ -67,14 +64,16 @@ class StragglerWatch:
     """One rank's straggler bookkeeping (see the module docstring)."""
 
     def __init__(self, config: StragglerConfig, device: torch.device, *, min_nodes: int = 1,
-                 rejoined: bool = False) -> None:
+                 rejoined: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.clock = StepClock(device)
         self.own = OwnTimes(config.window)
         self.periods = OwnTimes(config.window)
         self.policy = EvictionPolicy(config, min_nodes=min_nodes)
-        self.every = max(1, round(config.summary_every_s / AGREEMENT_S))
-        self._agreements = 0
+        self._now = clock  # rank 0's: when a summary is due, and the ``now`` of every decision
+        self._summary_next = False  # the agreement after this one carries the summary (rank 0 said so)
+        self._carrying = False  # this agreement's payload carries it
+        self._last_summary: float | None = None  # rank 0: when it last raised the flag
         self._world_changed = rejoined  # a newcomer joins a world that changed: the cool-down applies
         self._began: float | None = None
         self._named: tuple[int, ...] = ()
@@ -124,31 +123,42 @@ class StragglerWatch:
         at the next summary; the agreements are counted from this world's first."""
         self.own.clear()
         self.periods.clear()
-        self._agreements = 0
+        self._summary_next = self._carrying = False
+        self._last_summary = None
         self._world_changed = True
         self._began = None
 
     def payload(self, rank: int, world_size: int) -> list[float]:
-        """What this rank adds to the agreement: nothing, or on every ``every``-th agreement of this
-        world (the same on every rank) one slot per rank (its median own time at ``rank``, NaN before
-        ``min_samples`` of them), rank 0's clock and rank 0's median step period."""
+        """What this rank adds to the agreement: nothing (off, or one rank), else rank 0's flag (1: the
+        next agreement carries the summary; 0 elsewhere) and, when the agreement before raised it,
+        one slot per rank (its median own time at ``rank``, NaN before ``min_samples`` of them),
+        rank 0's clock and rank 0's median step period. Every rank adds as many floats."""
         if not self.on or world_size < 2:
             return []
-        self._agreements += 1
-        if (self._agreements - 1) % self.every:
-            return []
-        slots = [0.0] * (world_size + 2)
-        slots[rank] = self.own.median() if len(self.own) >= self.config.min_samples else math.nan
-        if rank == 0:
-            slots[world_size] = time.monotonic()
-            slots[world_size + 1] = self.periods.median() or 0.0
-        return slots
+        due = rank == 0 and (self._last_summary is None
+                             or self._now() - self._last_summary >= self.config.summary_every_s)
+        if due:
+            self._last_summary = self._now()
+        out = [1.0 if due else 0.0]
+        self._carrying = self._summary_next
+        if self._carrying:
+            slots = [0.0] * (world_size + 2)
+            slots[rank] = self.own.median() if len(self.own) >= self.config.min_samples else math.nan
+            if rank == 0:
+                slots[world_size] = self._now()
+                slots[world_size + 1] = self.periods.median() or 0.0
+            out += slots
+        return out
 
     def read(self, extra: Sequence[float], quorum: Quorum | None, rank: int) -> Decision | None:
         """The summed ``payload`` of every rank: the decision, the same on every rank (None: this
         agreement carried no summary). Records this rank's score; rank 0 logs a change of the named set."""
-        if not extra or quorum is None:
+        if not extra:
             return None
+        self._summary_next = extra[0] > 0
+        if not self._carrying or quorum is None:
+            return None
+        extra = extra[1:]
         n = len(extra) - 2
         now, period = extra[n], extra[n + 1]
         if self._world_changed:
@@ -169,4 +179,4 @@ class StragglerWatch:
         return decision
 
 
-__all__ = ["AGREEMENT_S", "Evicted", "StragglerWatch", "config_from_environ"]
+__all__ = ["Evicted", "StragglerWatch", "config_from_environ"]
