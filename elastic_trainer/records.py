@@ -148,6 +148,7 @@ class Event(enum.StrEnum):
     CHECKPOINT_SAVE_START = "checkpoint_save_start"  # not written by our trainer; a --script may
     LIVE_REFORM = "live_reform"  # live recovery: the group was re-formed in place
     LIVE_EXCLUDED = "live_excluded"  # live recovery: this rank was left out of the new quorum
+    STRAGGLERS = "stragglers"  # the ranks named slow changed, or a node is evicted (training/straggler_watch.py)
     STOP = "stop"  # the ranks agreed to stop (signal, a peer stopped, --max-seconds)
     FINISHED = "finished"  # the last step is done and saved
     STOPPED = "stopped"  # stopped before the last step, after its final save
@@ -165,6 +166,7 @@ EVENT_KEYS: dict[Event, tuple[str, ...]] = {
     Event.LIVE_REFORM: ("step", "old", "new", "round", "old_round", "cause", "failed_at", "receivers",
                         "teardown_s", "agree_s", "group_s", "state_s", "total_s"),
     Event.LIVE_EXCLUDED: ("step", "reason"),
+    Event.STRAGGLERS: ("step", "named", "scores", "evict", "reason"),
     Event.STOP: ("step", "reason"),
     Event.FINISHED: ("step", "reason"),
     Event.STOPPED: ("step", "reason"),
@@ -211,6 +213,9 @@ class EventRecord(Record):
     group_s: float | None = None
     state_s: float | None = None
     total_s: float | None = None
+    named: list[int] | None = None  # stragglers: the ranks named slow, each rank's score, the nodes evicted
+    scores: list[float] | None = None
+    evict: list[str] | None = None
 
     def __post_init__(self) -> None:
         try:

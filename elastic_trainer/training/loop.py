@@ -247,6 +247,7 @@ class LoopRecovery:
             loader.regrouped()
         if self.model is not None:
             self.model.rewrap(self.seat.distributed)
+            self.seat.time_steps(self.model.wrapped)  # DDP: this rank's own step, which names a straggler
 
     def redo(self) -> Any | None:
         """The batch of the step that replaces a lost one (the first loader's), or None."""

@@ -36,6 +36,9 @@ class Seat(Protocol):
     round: int | None
     distributed: bool
 
+    def time_steps(self, ddp: Any) -> bool:
+        """Time this rank's own step on ``ddp`` (the straggler scores)."""
+
 
 class LoopRecords:
     """Step log, events and status of a user's loop (see the module docstring)."""

@@ -40,7 +40,6 @@ another thread, exits through the runtime at once.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -62,7 +61,7 @@ from elastic_trainer.training.process_group import (collective_failed, host_step
                                                     warm_up_ddp)
 from elastic_trainer.training.recovery import Donors, Recovery, Reform
 from elastic_trainer.training.state_transfer import send_state, send_states
-from elastic_trainer.training.straggler_watch import Evicted, StragglerWatch, config_from_environ
+from elastic_trainer.training.straggler_watch import Evicted, StragglerWatch, config_from_environ, event_fields
 from elastic_trainer.training.uses_manager import script_uses_manager
 from elastic_trainer.training.worker_group import WorkerGroup
 
@@ -114,11 +113,11 @@ class Manager:
         self._started_at: float | None = None
         self._progress_marked = False  # this worker told the crash-loop policy it completed a step
         self._last_step_end: float | None = None  # for the step period rank 0 records in the metrics
-        self._stragglers = StragglerWatch(config_from_environ(), self.device, min_nodes=self._live.settings.min_nodes) \
-            if self._live is not None else None  # own step times, scored at agreements; a slow node evicted
+        self._stragglers = StragglerWatch(  # own step times scored at agreements, a slow node evicted (live)
+            config_from_environ(self._live is not None), self.device,
+            min_nodes=self._live.settings.min_nodes if self._live is not None else 1)
         self._evicted: str | None = None  # this rank's node was evicted at this step's agreement (why)
-        self._debug_slow = install_debug_slow(self.env, lambda: self._stragglers.own.median()
-                                              if self._stragglers is not None else self._cadence.cycle_s)  # drills
+        self._debug_slow = install_debug_slow(self.env, lambda: self._stragglers.own.median() or self._cadence.cycle_s)
         crash_loop.mark_managed()
 
     # ---- where this worker sits (it changes at every re-form) ----------------------------------------
@@ -200,15 +199,12 @@ class Manager:
         self._pg.join()
         self._started_at = time.monotonic()
         self._record_world()
-        if self._stragglers is not None and self.newcomer:
+        if self.newcomer:
             self._stragglers.world_changed()  # joined a world that changed: the cool-down applies
-        if self._recovery is not loop:
-            self._step_begins()
-            return None
-        loop.joined(self.receive_state if self.newcomer else None, self.quorum.source if self.newcomer else None)
-        self._time_loop_model()
-        self._step_begins()
-        return loop.model
+        if self._recovery is loop:
+            loop.joined(self.receive_state if self.newcomer else None, self.quorum.source if self.newcomer else None)
+        self._stragglers.step_began()
+        return loop.model if self._recovery is loop else None
 
     def loader(self, dataloader: torch.utils.data.DataLoader) -> ElasticLoader:
         """``dataloader`` (its ``batch_sampler`` an ``ElasticSampler``, one batch per step) as the loop
@@ -232,8 +228,9 @@ class Manager:
         while True:
             self.before_step()
             out, failed = self.run(lambda: self._one_step(fn, batch))
-            if self._evicted is not None:
-                self._leave_evicted()
+            if self._evicted is not None:  # this rank's node was evicted at this step's agreement: leave now
+                self.close()
+                raise Evicted(f"evicted as a straggler: {self._evicted}")
             if failed is None:
                 self._step_recorded()
             if failed is None and self._requested is None:
@@ -250,8 +247,7 @@ class Manager:
         if self._debug_slow is not None:  # the drill's slow fault: this rank's own work, longer
             self._debug_slow.pause()
         result = fn(*batch)
-        if self._stragglers is not None:
-            self._stragglers.step_ended()
+        self._stragglers.step_ended()
         self._recovery.step_done(result)
         if not self._agreed and self._cadence.due:  # unless the loop agreed in this step itself
             out_of_time = (self.rank == 0 and self.max_seconds is not None and self._started_at is not None
@@ -260,35 +256,13 @@ class Manager:
             self._stopped = self._stopped or agreed.values[0] > 0 or agreed.values[1] > 0
             if agreed.reform and not self._stopped:
                 self.request_reform(f"planned: {self.reform_reason or 'a member asked'}")
-        self._step_begins()
+        self._stragglers.step_began()
         return result
 
-    def _step_begins(self) -> None:
-        if self._stragglers is not None:
-            self._stragglers.step_began()
-
     def time_steps(self, ddp: torch.nn.Module | None) -> bool:
-        """Time this rank's own part of each step of ``ddp`` (its ``DistributedDataParallel``, made
-        again after each re-form: call it after each wrap), which names a straggler (docs/operations.md,
-        "Stragglers"). A loop that passes ``model`` and ``wrap`` to ``start`` never calls it. False:
-        not timed (not live, the policy off, not DDP, or DDP has a comm hook of its own)."""
-        return self._stragglers is not None and self._stragglers.time_steps(ddp)
-
-    def _time_loop_model(self) -> None:
-        model = self._loop.model
-        if self._recovery is self._loop and model is not None and model.wrapped is not None:
-            self.time_steps(model.wrapped)
-
-    def _leave_evicted(self) -> None:
-        """This rank's node was evicted at this step's agreement: leave the quorum now (the others
-        re-form without it at this step) and raise ``Evicted``."""
-        reason, self._evicted = self._evicted, None
-        logger.warning("stragglers: this node is left out (%s); its launcher holds it out, checks it, and lets it "
-                       "rejoin", reason)
-        if self._recovery is self._loop:
-            self._loop.records.event(Event.LIVE_EXCLUDED, step=self._recovery.step, reason=f"evicted: {reason}")
-        self.close()
-        raise Evicted(f"evicted as a straggler: {reason}")
+        """Time this rank's own part of each step of ``ddp``, which names a straggler (docs/operations.md):
+        call it after each wrap, unless ``start`` got ``model`` and ``wrap``. False: not timed."""
+        return self._stragglers.time_steps(ddp)
 
     def stop(self) -> None:
         """Vote to stop: at the next agreement every rank stops at the same step (``stopped``)."""
@@ -317,10 +291,8 @@ class Manager:
                 self._loop.records.event(Event.LIVE_EXCLUDED, step=rec.step, reason=str(exc))
             raise
         rec.reformed(reformed)
-        if self._stragglers is not None:
-            self._stragglers.world_changed()
-            self._time_loop_model()
-            self._step_begins()
+        self._stragglers.world_changed()
+        self._stragglers.step_began()
         took = time.perf_counter() - started
         logger.info("live: rank %d -> %d of %d in quorum %d (%s) in %.3fs", reformed.old_rank, self.rank,
                     self.world_size, self.round, cause, took)
@@ -441,6 +413,12 @@ class Manager:
             yield
 
     @property
+    def straggler_news(self):
+        """The last agreement's straggler ``Decision`` when the ranks it names changed or it evicts a
+        node, else None: for a loop with records of its own (the built-in trainer's events, W&B)."""
+        return self._stragglers.news
+
+    @property
     def reform_pending(self) -> bool:
         """This rank's quorum asks to re-form (shared with the others by the next ``agree``)."""
         return self._live is not None and self._live.change_pending.is_set()
@@ -460,12 +438,7 @@ class Manager:
         agreement; by default about 0.2 s of steps. Every rank must call it at the same steps."""
         if interval is None:
             interval = agree_interval(self._cadence.cycle_s or 0.0)
-        extra = self._stragglers.payload(self.rank, self.world_size) \
-            if self._stragglers is not None and self.distributed else []
-        if extra:  # the straggler summary rides along (every ~2 s): one slot per rank
-            values = torch.cat([values.to(torch.float64).reshape(-1),
-                                torch.tensor(extra, dtype=torch.float64, device=values.device)]) \
-                if isinstance(values, torch.Tensor) else [*values, *extra]
+        values, added = self._stragglers.add_to(values, self.rank, self.world_size)  # every ~2 s: its summary
         shared = shared_values(values, self.reform_pending, interval, self.rank, self.device)
         if self.distributed and self.world_size > 1:
             if self._live is not None:  # a wait for a hung peer here is a stalled step too
@@ -476,26 +449,22 @@ class Manager:
                     self._live.progress.leave(measured=False)
             else:
                 dist.all_reduce(shared)
-            if self._stragglers is not None:
-                self._stragglers.collective_done()
+            self._stragglers.collective_done()
         agreed = Agreement.read(shared)
         self._cadence.next_in = agreed.next_in
         self._agreed = True
-        if extra:
-            summary = agreed.values[-len(extra):]
-            agreed = dataclasses.replace(agreed, values=agreed.values[:-len(extra)])
-            self._straggler_decision(summary)
+        agreed, decision = self._stragglers.take_from(agreed, added, self.quorum, self.rank)
+        self._act_on(decision)
         return agreed
 
-    def _straggler_decision(self, summary: list[float]) -> None:
-        """Every rank reaches the same decision from the same summary: the evicted node's ranks
-        leave at the end of this step, the others re-form without them at this same step."""
-        decision = self._stragglers.read(summary, self.quorum, self.rank)
-        if decision is None or not decision.evict:
-            return
-        if self.quorum.members[self.rank].node in decision.evict:
+    def _act_on(self, decision) -> None:
+        """Every rank reaches the same straggler decision from the same summary: the evicted node's
+        ranks leave at the end of this step, the others re-form without them at this same step."""
+        if (news := self._stragglers.news) is not None and self._recovery is self._loop:
+            self._loop.records.event(Event.STRAGGLERS, step=self._loop.step, **event_fields(news))
+        if decision is not None and decision.evict and self.quorum.members[self.rank].node in decision.evict:
             self._evicted = decision.reason
-        else:
+        elif decision is not None and decision.evict:
             self.request_reform(f"planned: straggler eviction: {decision.reason}")
 
     def reform(self, step: int, cause: str, state_dict: Callable[[], dict] | None = None, *,

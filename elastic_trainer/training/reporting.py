@@ -39,6 +39,7 @@ from elastic_trainer.env import EXIT_PEER_STOPPED, EXIT_PREEMPTED
 from elastic_trainer.records import Event, EventRecord, JsonLines, LedgerRecord, StepRecord
 from elastic_trainer.training import metrics
 from elastic_trainer.training.preemption import PEER_STOPPED
+from elastic_trainer.training.straggler_watch import event_fields
 from elastic_trainer.runtime import runtime
 from elastic_trainer.training.worker import DistInfo
 
@@ -169,6 +170,14 @@ class Reporter:
             publisher = self.publisher()
             if publisher is not None and record.event != Event.CHECKPOINT_SAVED:  # status shows the newest
                 publisher.event(record.to_json())
+
+    def stragglers(self, step: int, decision) -> None:
+        """The ranks named slow changed, or a node is evicted (``Manager.straggler_news``): an event
+        (the event log and the status) and, to W&B, the highest score and how many are named."""
+        self.event("stragglers", step=step, **event_fields(decision))
+        if self.dinfo.is_main and decision.scores:
+            self.wandb.log({"global_step": step, "stragglers/max_score": max(decision.scores),
+                            "stragglers/named": len(decision.named)})
 
     def ledger_line(self, step: int, epoch: int, consumed: list[int]) -> None:
         """The sample ledger's line of ``step``: the dataset indices this rank consumed in it."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -46,6 +47,7 @@ from elastic_trainer.live.quorum import LiveExcluded, Quorum
 from elastic_trainer.observability import metrics
 from elastic_trainer.observability.step_clock import StepClock
 from elastic_trainer.observability.stragglers import Decision, EvictionPolicy, OwnTimes, StragglerConfig, Summary
+from elastic_trainer.training.agreement import Agreement
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +56,19 @@ class Evicted(LiveExcluded):
     the worker and tells its launcher, which holds the node out, checks it and lets it rejoin."""
 
 
-def config_from_environ() -> StragglerConfig:
-    """The launcher's straggler settings (``ENV_STRAGGLERS``); the defaults without a launcher."""
+def config_from_environ(live: bool = True) -> StragglerConfig:
+    """The launcher's straggler settings (``ENV_STRAGGLERS``); the defaults without a launcher; off
+    outside live recovery (nothing re-forms there)."""
+    if not live:
+        return StragglerConfig(policy="off")
     text = os.environ.get(ENV_STRAGGLERS)
     return StragglerConfig.from_json(text) if text else StragglerConfig()
+
+
+def event_fields(decision: Decision) -> dict:
+    """A decision as the ``stragglers`` event's fields (``records.EVENT_KEYS``), but ``step``."""
+    return {"named": list(decision.named), "scores": [round(s, 3) for s in decision.scores],
+            "evict": list(decision.evict), "reason": decision.reason}
 
 
 class StragglerWatch:
@@ -79,6 +90,9 @@ class StragglerWatch:
         self._named: tuple[int, ...] = ()
         self.last: Decision | None = None
         """The last decision (None before the first summary)."""
+        self.news: Decision | None = None
+        """The last agreement's decision when the ranks it names changed or it evicts (for the event
+        log, the status and W&B), else None."""
 
     @property
     def on(self) -> bool:
@@ -125,6 +139,7 @@ class StragglerWatch:
         self.periods.clear()
         self._summary_next = self._carrying = False
         self._last_summary = None
+        self._named = ()
         self._world_changed = True
         self._began = None
 
@@ -150,9 +165,30 @@ class StragglerWatch:
             out += slots
         return out
 
+    def add_to(self, values: Sequence[float] | torch.Tensor, rank: int, world_size: int
+               ) -> tuple[Sequence[float] | torch.Tensor, int]:
+        """``values`` of an agreement with this rank's ``payload`` after them, and how many it added."""
+        extra = self.payload(rank, world_size)
+        if not extra:
+            return values, 0
+        if isinstance(values, torch.Tensor):
+            more = torch.tensor(extra, dtype=torch.float64, device=values.device)
+            return torch.cat([values.to(torch.float64).reshape(-1), more]), len(extra)
+        return [*values, *extra], len(extra)
+
+    def take_from(self, agreed: Agreement, added: int, quorum: Quorum | None, rank: int,
+                  ) -> tuple[Agreement, Decision | None]:
+        """The agreement without the ``added`` floats (the loop's values alone), and what ``read``
+        decided from them."""
+        if not added:
+            return agreed, None
+        summary = agreed.values[-added:]
+        return replace(agreed, values=agreed.values[:-added]), self.read(summary, quorum, rank)
+
     def read(self, extra: Sequence[float], quorum: Quorum | None, rank: int) -> Decision | None:
         """The summed ``payload`` of every rank: the decision, the same on every rank (None: this
         agreement carried no summary). Records this rank's score; rank 0 logs a change of the named set."""
+        self.news = None
         if not extra:
             return None
         self._summary_next = extra[0] > 0
@@ -169,14 +205,20 @@ class StragglerWatch:
         self.last = decision
         if decision.scores:
             metrics.straggler_score(decision.scores[rank])
-        if rank == 0 and (decision.named != self._named or decision.evict):
-            self._named = decision.named
-            if decision.named or decision.evict:
-                who = ", ".join(f"rank {i} on {nodes[i]} ({decision.scores[i]:.2f}x)" for i in decision.named)
-                logger.warning("stragglers: %s%s", who or "none named", f"; {decision.reason}" if decision.reason else "")
-            else:
-                logger.info("stragglers: none named any more")
+        if decision.named == self._named and not decision.evict:
+            return decision
+        self.news, self._named = decision, decision.named
+        if nodes[rank] in decision.evict:
+            logger.warning("stragglers: this node is left out (%s); its launcher holds it out, checks it, and "
+                           "lets it rejoin", decision.reason)
+        if rank != 0:
+            return decision
+        if decision.named or decision.evict:
+            who = ", ".join(f"rank {i} on {nodes[i]} ({decision.scores[i]:.2f}x)" for i in decision.named)
+            logger.warning("stragglers: %s%s", who or "none named", f"; {decision.reason}" if decision.reason else "")
+        else:
+            logger.info("stragglers: none named any more")
         return decision
 
 
-__all__ = ["Evicted", "StragglerWatch", "config_from_environ"]
+__all__ = ["Evicted", "event_fields", "StragglerWatch", "config_from_environ"]

@@ -360,6 +360,8 @@ class Trainer:
         flags = torch.tensor([float(signalled), float(timed_out), float(save_due)], dtype=torch.float64,
                              device=losses.device)  # the process group's device (NCCL needs CUDA tensors)
         agreed = self.manager.agree(torch.cat([losses, flags]), interval=self._agree_interval())
+        if (news := self.manager.straggler_news) is not None:  # named ranks changed, or a node evicted
+            self.report.stragglers(self.step, news)
         n = len(self.pending)
         values = agreed.values
         for (step, epoch, offset, _, took, ended), loss in zip(self.pending, values[:n]):
