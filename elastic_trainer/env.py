@@ -44,6 +44,9 @@ import os
 import signal
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
+from typing import TypeVar
+
+T = TypeVar("T")
 
 # ---- environment variables ------------------------------------------------------------------
 ENV_RDZV_ENDPOINT = "ELASTIC_TRAINER_RDZV_ENDPOINT"
@@ -215,12 +218,18 @@ class LiveSettings:
     @classmethod
     def from_json(cls, text: str) -> LiveSettings:
         """Parse ``ENV_LIVE``; keys this version does not know are ignored."""
-        try:
-            values = json.loads(text)
-        except ValueError as exc:
-            raise ValueError(f"{ENV_LIVE}={text!r} is not the JSON the etcd-v3 handler writes") from exc
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in names})
+        return settings_from_json(cls, text, f"{ENV_LIVE}={text!r} is not the JSON the etcd-v3 handler writes")
+
+
+def settings_from_json(cls: type[T], text: str, error: str) -> T:
+    """``cls`` (a dataclass of settings a launcher hands its workers as JSON) from ``text``; keys this
+    version does not know (a newer launcher's) are ignored; text that is not JSON raises ``error``."""
+    try:
+        values = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(error) from exc
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in names})
 
 
 def _int_or(text: str | None, default: int | None) -> int | None:

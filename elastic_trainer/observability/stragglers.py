@@ -52,7 +52,9 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
+
+from elastic_trainer.env import settings_from_json
 
 POLICIES = ("evict", "report", "off")
 
@@ -102,12 +104,7 @@ class StragglerConfig:
     @classmethod
     def from_json(cls, text: str) -> StragglerConfig:
         """Parse ``to_json``'s text; keys this version does not know are ignored."""
-        try:
-            values = json.loads(text)
-        except ValueError as exc:
-            raise ValueError(f"straggler settings {text!r} are not the JSON the launcher writes") from exc
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in names})
+        return settings_from_json(cls, text, f"straggler settings {text!r} are not the JSON the launcher writes")
 
 
 class OwnTimes:
