@@ -185,11 +185,13 @@ def test_hang_signals_one_worker_of_the_node_and_expects_n_minus_1_on_the_live_p
     assert rec["expect_dip"] is dip and rec["away_world"] == 2 and rec["final_world"] == 3
 
 
-def test_every_node_of_a_drill_with_a_hang_gets_the_debug_hook():
-    from elastic_trainer.drill.kinds import FAULTS
-    from elastic_trainer.env import ENV_DEBUG_HANG
+def test_every_node_of_a_drill_with_a_hang_or_a_slow_node_gets_the_debug_hook():
+    from elastic_trainer.drill.kinds import FAULTS, SLOW_FACTOR, SLOW_NODE_ARGS
+    from elastic_trainer.env import ENV_DEBUG_HANG, ENV_DEBUG_SLOW
     assert dict(FAULTS["hang"].node_env) == {ENV_DEBUG_HANG: "1"}
-    assert not any(k.node_env for name, k in FAULTS.items() if name != "hang")
+    assert dict(FAULTS["slow"].node_env) == {ENV_DEBUG_SLOW: str(SLOW_FACTOR)}
+    assert FAULTS["slow"].node_args == SLOW_NODE_ARGS and "--straggler-hold-out" in SLOW_NODE_ARGS
+    assert not any(k.node_env or k.node_args for name, k in FAULTS.items() if name not in ("hang", "slow"))
 
 
 # ----------------------------------------------------------------------------- synthetic logs
