@@ -23,7 +23,7 @@ from elastic_trainer.etcd.server import free_port
 from elastic_trainer.observability import metrics
 from elastic_trainer.observability.metrics_server import MetricsConfig, MetricsError, serve
 from tests.helpers.common import REPO
-from tests.helpers.scrape import figure, node_metrics, scrape
+from tests.helpers.scrape import figure, live_node, node_metrics, scrape
 from tests.helpers.tls_certs import make_certs
 
 pytestmark = pytest.mark.timeout(60)
@@ -187,20 +187,15 @@ def test_a_live_two_node_run_shows_its_world_and_steps_and_a_killed_node_in_the_
     ``kill`` with its duration, and steps counting on."""
     import signal
 
-    from tests.helpers.common import cli_cmd, wait_until
-    from tests.helpers.runs import CONF, GBS, SEEDS_MSE
+    from tests.helpers.common import wait_until
+    from tests.helpers.runs import GBS
 
     ports = [free_port(), free_port()]
     outs = [tmp_path / f"node{i}.log" for i in range(2)]
 
     def node(i: int) -> subprocess.Popen:
-        with open(outs[i], "a") as log:
-            return procs.start(cli_cmd("--nnodes", "1:2", "--rdzv-endpoint", etcd.endpoint, "--run-id", run_id,
-                                       "--rdzv-conf", CONF, "--recovery", "live", "--metrics-port", str(ports[i]),
-                                       "--metrics-addr", "127.0.0.1", "--checkpoint-dir", str(tmp_path / "ck"),
-                                       "--log-dir", str(tmp_path / "logs"), "--", *SEEDS_MSE,
-                                       "--max-steps", "100000", "--sleep-per-step", "0.05"),
-                               cwd=REPO, stdout=log, stderr=log)
+        return live_node(procs, outs[i], endpoint=etcd.endpoint, run_id=run_id, nnodes="1:2", port=ports[i],
+                         run_dir=tmp_path, trainer=("--sleep-per-step", "0.05"))
 
     def tails() -> str:
         return "\n".join(f"--- {o.name}\n{o.read_text()[-2500:]}" for o in outs if o.exists())

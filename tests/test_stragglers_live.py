@@ -15,9 +15,8 @@ import subprocess
 import pytest
 
 from elastic_trainer.etcd.server import free_port
-from tests.helpers.common import REPO, cli_cmd, wait_until
-from tests.helpers.runs import CONF, SEEDS_MSE
-from tests.helpers.scrape import figure, node_metrics
+from tests.helpers.common import wait_until
+from tests.helpers.scrape import figure, live_node, node_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -29,15 +28,10 @@ def test_a_node_at_a_fifth_of_the_speed_is_evicted_live_held_out_checked_and_rej
     outs = [tmp_path / f"node{i}.log" for i in range(3)]
 
     def node(i: int) -> subprocess.Popen:
-        with open(outs[i], "a") as log:
-            return procs.start(cli_cmd("--nnodes", "2:3", "--rdzv-endpoint", etcd.endpoint, "--run-id", run_id,
-                                       "--rdzv-conf", CONF, "--recovery", "live", "--metrics-port", str(ports[i]),
-                                       "--metrics-addr", "127.0.0.1", "--checkpoint-dir", str(tmp_path / "ck"),
-                                       "--log-dir", str(tmp_path / "logs"), "--straggler-sustain", "2",
-                                       "--straggler-cooldown", "4", "--straggler-hold-out", "3", "--",
-                                       *SEEDS_MSE, "--max-steps", "100000",
-                                       "--sleep-per-step", "0.15" if i == SLOW else "0.03"),
-                               cwd=REPO, stdout=log, stderr=log)
+        return live_node(procs, outs[i], endpoint=etcd.endpoint, run_id=run_id, nnodes="2:3", port=ports[i],
+                         run_dir=tmp_path, launcher=("--straggler-sustain", "2", "--straggler-cooldown", "4",
+                                                     "--straggler-hold-out", "3"),
+                         trainer=("--sleep-per-step", "0.15" if i == SLOW else "0.03"))
 
     def tails() -> str:
         return "\n".join(f"--- {o.name}\n{o.read_text()[-3000:]}" for o in outs if o.exists())
