@@ -86,6 +86,17 @@ def test_status_text_shows_a_redacted_checkpoint_url_without_its_password():
     assert "s3cr3t" not in text and "checkpoint: step-2" in text and "s3://***@bucket/ck" in text
 
 
+def test_status_text_lists_a_refused_node_with_its_line_and_its_next_check():
+    now = 1_000_000.0
+    status = {"round": None, "complete": None, "closed": None, "live": None, "nodes": [], "waiting": [],
+              "refused": [{"node": "host-b-42", "time": now - 12, "retry_at": now + 5,
+                           "line": "node check failed: device: cpu ran a 1024x1024 matmul at 3.0 GFLOP/s"}],
+              "training": None}
+    [line] = [t for t in format_status("r", "127.0.0.1:1", status, now=now).splitlines() if "refused" in t]
+    assert line == ("  refused: host-b-42 since 12s ago, next check in 5s: node check failed: device: cpu ran a "
+                    "1024x1024 matmul at 3.0 GFLOP/s")
+
+
 def test_status_without_a_run_says_what_to_give_in_one_line(tmp_path):
     proc = subprocess.run(cli_cmd("status"), cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2

@@ -1,7 +1,8 @@
 """Stragglers under ``elastic-train``, end to end: three live nodes of the built-in trainer, one five
 times slower than the others (its own ``--sleep-per-step``, a node-local flag: 0.15 s a step against
 0.03 s). The ranks name it from their own step times, the others re-form without it live, its
-launcher holds it out, checks it (storage, etcd, the device) and lets it rejoin (still slow, it
+launcher holds it out (listed as refused in the status meanwhile), checks it (storage, etcd, the
+device) and lets it rejoin (still slow, it
 would be evicted again after the cool-down, held out twice as long: ``BackOff``, tested on its own).
 
     .venv/bin/python -m pytest -p no:cacheprovider tests/test_stragglers_live.py -q
@@ -14,7 +15,9 @@ import subprocess
 
 import pytest
 
+from elastic_trainer.etcd.client import EtcdConnection, EtcdOptions, parse_endpoints
 from elastic_trainer.etcd.server import free_port
+from elastic_trainer.observability.check_board import read_refused
 from tests.helpers.common import wait_until
 from tests.helpers.scrape import figure, live_node, node_metrics
 
@@ -39,8 +42,16 @@ def test_a_node_at_a_fifth_of_the_speed_is_evicted_live_held_out_checked_and_rej
     def figures() -> list[dict]:
         return [node_metrics(p) for p in ports]
 
+    def refused() -> list:
+        return conn.call(lambda c: read_refused(c, f"/elastic-trainer/{run_id}/"))
+
+    conn = EtcdConnection(EtcdOptions(endpoints=parse_endpoints(etcd.endpoint)))
     nodes = [node(i) for i in range(3)]
     slow = SLOW
+    # held out for 3 s: the status lists it meanwhile, with its line
+    [held] = wait_until(refused, 120, "the slow node left out, in the status", interval=0.05, details=tails)
+    assert "was left out (" in held.line and "rejoins in 3 s" in held.line, held
+    conn.close()
     wait_until(lambda: outs[slow].read_text(), 120, "the slow node left out",
                until=lambda text: "was left out" in text, details=tails)
     wait_until(figures, 60, "the others re-formed without it, a straggler's eviction",

@@ -57,6 +57,7 @@ from elastic_trainer.env import (
 
 if TYPE_CHECKING:
     from elastic_trainer.etcd.client import EtcdOptions
+    from elastic_trainer.observability.check_board import CheckBoard
 
 logger = logging.getLogger("elastic_trainer")
 
@@ -198,15 +199,16 @@ def check_devices(run: RunConfig) -> None:
         raise UsageError(str(exc)) from exc
 
 
-def rendezvous_etcd_options(run: RunConfig) -> EtcdOptions:
+def rendezvous_etcd_options(run: RunConfig, endpoint: str | None = None) -> EtcdOptions:
     """How the etcd-v3 rendezvous will reach etcd (``EtcdOptions``), from ``--rdzv-conf`` as its
-    handler parses it; a bad option is a ``UsageError`` now rather than in every agent later."""
+    handler parses it; a bad option is a ``UsageError`` now rather than in every agent later.
+    ``endpoint``: the etcd found since (the embedded one), over ``--rdzv-endpoint``."""
     from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
     from elastic_trainer.rendezvous.options import RendezvousOptions
 
     try:
-        params = RendezvousParameters("etcd-v3", run.rdzv_endpoint or "", run.run_id, run.min_nodes,
+        params = RendezvousParameters("etcd-v3", endpoint or run.rdzv_endpoint or "", run.run_id, run.min_nodes,
                                       run.max_nodes, **run.rdzv_conf)
         return RendezvousOptions(params).etcd
     except ValueError as exc:
@@ -317,55 +319,88 @@ def evicted_reason(refusal: Path) -> str | None:
     return reason if code.strip() == str(EXIT_EVICTED) else None
 
 
-def hold_out(run: RunConfig, reason: str, seconds: float, endpoint: str) -> None:
-    """An evicted straggler's node: wait ``seconds``, then pass the checks before a join
-    (``checked``), before its agent runs again and joins the run live as a newcomer. A signal
-    meanwhile ends it as usual."""
+def hold_out(run: RunConfig, reason: str, seconds: float, endpoint: str, board: CheckBoard | None) -> None:
+    """An evicted straggler's node: wait ``seconds`` (shown in ``elastic-train status`` meanwhile),
+    then pass the checks before a join (``checked``), before its agent runs again and joins the run
+    live as a newcomer. A signal meanwhile ends it as usual."""
     import threading
 
-    print(f"elastic-train: this node was left out ({reason}); it rejoins in {seconds:.0f} s if its checks pass",
-          file=sys.stderr, flush=True)
+    line = f"this node was left out ({reason}); it rejoins in {seconds:.0f} s if its checks pass"
+    print(f"elastic-train: {line}", file=sys.stderr, flush=True)
+    if board is not None:
+        board.refused(line, seconds)
     threading.Event().wait(seconds)
-    checked(run, endpoint, rejoin=True)
+    checked(run, endpoint, rejoin=True, board=board)
 
 
-def checked(run: RunConfig, endpoint: str, *, rejoin: bool) -> None:
+def check_board(run: RunConfig, endpoint: str) -> CheckBoard | None:
+    """Where this node reports its checks and reads its peers' speeds (``observability/check_board.py``):
+    the run's etcd; None on another rendezvous backend."""
+    import dataclasses
+
+    from elastic_trainer.observability.check_board import CheckBoard
+    from elastic_trainer.rendezvous.etcd_backend import run_prefix
+
+    if run.rdzv_backend != "etcd-v3":
+        return None
+    options = dataclasses.replace(rendezvous_etcd_options(run, endpoint), connect_timeout=3.0, retry_timeout=3.0)
+    return CheckBoard(options, run_prefix(run.rdzv_conf.get("key_prefix"), run.run_id))
+
+
+def checked(run: RunConfig, endpoint: str, *, rejoin: bool, board: CheckBoard | None) -> None:
     """The checks before a join (``observability/health.py``), retried after a back-off (5 s doubling
-    to 5 min) until they pass, each failure one line. Before a rejoin: the checkpoint storage, etcd
-    and the device. Before the first join the start-up checks (``check_environment``) did storage and
-    etcd, so only a GPU node checks here (NVML). On GPUs the launcher asks NVML only: a matmul here
-    would hold a CUDA context on GPU 0 in the launcher for the rest of the run (a slow GPU shows in
-    the straggler scores once it trains)."""
+    to 5 min) until they pass, each failure one line here and in ``elastic-train status`` (``board``).
+    Before a rejoin: the checkpoint storage, etcd and the device; before the first join the start-up
+    checks (``check_environment``) did storage and etcd, so the device alone. The device's matmul
+    speed is held against the median its peers on other hosts reported for the same device, and
+    reported in turn once it passes. On GPUs the matmul runs in a process of its own (a CUDA
+    context in the launcher would stay on GPU 0 for the whole run) and NVML is asked too."""
     import threading
 
     import torch
 
     from elastic_trainer.observability import health, metrics
     from elastic_trainer.observability.backoff import BackOff
+    from elastic_trainer.observability.check_board import device_label
 
     gpus = torch.cuda.is_available()
-    if not rejoin and not gpus:
-        return
-    etcd = rendezvous_etcd_options(run) if rejoin and run.rdzv_backend == "etcd-v3" else None
+    etcd = rendezvous_etcd_options(run, endpoint) if rejoin and run.rdzv_backend == "etcd-v3" else None
     retry = BackOff(initial=5.0, maximum=300.0)
 
-    def check() -> health.HealthReport:
+    def reference(label: str) -> float | None:
+        return board.reference(label) if board is not None else None
+
+    def check() -> tuple[health.HealthReport, str | None]:
+        cpu = None if gpus else torch.device("cpu")
+        label = None if gpus else device_label(cpu)
         report = health.check_node(checkpoint_url=(run.checkpoint_dir or None) if rejoin else None,
                                    etcd_endpoints=endpoint if rejoin else None, etcd_options=etcd,
-                                   device=None if gpus else torch.device("cpu"))
+                                   device=cpu, reference_gflops=reference(label) if label else None)
         if not gpus:
-            return report
+            return report, label
+        count = min(run.nproc_per_node, torch.cuda.device_count())
+        device = health.check_devices_apart([f"cuda:{i}" for i in range(count)], reference)
         nvml = health.check_nvml()
-        if not nvml.ok:
-            metrics.health_check_failed("nvml")
-        return health.HealthReport((*report.results, nvml))
+        for failed in (device, nvml):
+            if not failed.ok:
+                metrics.health_check_failed(failed.check)
+        return health.HealthReport((*report.results, device, nvml)), device.label
 
-    while not (report := check()).ok:
+    while not (outcome := check())[0].ok:
+        report = outcome[0]
         delay = retry.next_delay() or 300.0
         print(f"elastic-train: {report.summary()}; next check in {delay:.0f} s", file=sys.stderr, flush=True)
+        if board is not None:
+            board.refused(f"{report.summary()}; next check in {delay:.0f} s", delay)
         threading.Event().wait(delay)
+    report, label = outcome
+    speed = next((r.value for r in report.results if r.check == "device"), None)
+    if board is not None:
+        board.passed(speed, label)
     if rejoin:
         print(f"elastic-train: {report.summary()}; rejoining", file=sys.stderr, flush=True)
+    else:
+        logger.info("%s", report.summary())
 
 
 def run_node(run: RunConfig) -> int:
@@ -413,7 +448,7 @@ def run_node(run: RunConfig) -> int:
     ours[ENV_STRAGGLERS] = run.stragglers.to_json()
     if run.rdzv_backend == "etcd-v3":
         ours[ENV_PROGRAM] = program_of(run).to_json()  # the joiner check (rendezvous/program.py)
-    served = None
+    served = board = None
     try:
         served = serve_metrics(run)
         with secrets.handed_over(run.checkpoint_dir or "") as workers_url:
@@ -427,7 +462,8 @@ def run_node(run: RunConfig) -> int:
                 logs_specs=DefaultLogsSpecs(log_dir=str(log_dir / "torchelastic")),
             )
             held_out = BackOff(initial=run.stragglers.hold_out_s, maximum=8 * run.stragglers.hold_out_s)
-            checked(run, endpoint, rejoin=False)  # a GPU node: NVML says its GPUs need nothing
+            board = check_board(run, endpoint)
+            checked(run, endpoint, rejoin=False, board=board)
             while True:
                 try:
                     elastic_launch(config, sys.executable)(*worker_command(run))
@@ -437,7 +473,7 @@ def run_node(run: RunConfig) -> int:
                     if reason is None:
                         raise
                 refusal.unlink(missing_ok=True)
-                hold_out(run, reason, held_out.next_delay() or run.stragglers.hold_out_s, endpoint)
+                hold_out(run, reason, held_out.next_delay() or run.stragglers.hold_out_s, endpoint, board)
     except ProgramMismatch as exc:
         raise UsageError(str(exc)) from exc
     except ChildFailedError as exc:
@@ -468,6 +504,8 @@ def run_node(run: RunConfig) -> int:
         shutil.rmtree(progress, ignore_errors=True)
         if served is not None:
             served.close()
+        if board is not None:
+            board.close()
         for name in ours:  # for callers that run main() in-process
             os.environ.pop(name, None)
         if keeper is not None:

@@ -9,7 +9,9 @@ Run it from any terminal or machine that reaches the job's etcd::
     elastic-train status --watch                           # refresh every 2 s (--watch 5: every 5 s)
 
 It shows the nodes (name, address, since when, lease time left; from the rendezvous's
-``alive/<node>`` keys and the state), the current round, its nodes' ranks, and what global rank 0
+``alive/<node>`` keys and the state), the nodes refused for now (a failed check before a join, or
+held out after an eviction as a straggler: ``observability/check_board.py``, with their one line
+and when they check again), the current round, its nodes' ranks, and what global rank 0
 publishes: world size, step, epoch, samples/s and loss of the last steps, the newest committed
 checkpoint (step, age, URL with credentials redacted), the last events (world size changes and
 why, resumes, restarts, stops) and the names of rank 0's threads.
@@ -39,6 +41,7 @@ from elastic_trainer.training.status import STATUS_KEY
 
 def read_status(conn, prefix: str) -> dict[str, Any]:
     """Everything ``elastic-train status`` shows, as a JSON-ready dict."""
+    from elastic_trainer.observability.check_board import read_refused
     from elastic_trainer.rendezvous.state import decode_state, node_name
 
     now = time.time()
@@ -51,16 +54,17 @@ def read_status(conn, prefix: str) -> dict[str, Any]:
                    for _, meta in client.get_prefix(prefix + "joining/", keys_only=True)]
         status_value, _ = client.get(prefix + STATUS_KEY)
         quorum_value, _ = client.get(prefix + "live/quorum")
+        refused = read_refused(client, prefix)
         leases = {}
         for _, _, lease_id in alive:
             if lease_id:
                 info = client.get_lease_info(lease_id)
                 leases[lease_id] = (int(info.TTL), int(info.grantedTTL))
-        return state_value, alive, joining, status_value, leases, quorum_value
+        return state_value, alive, joining, status_value, leases, quorum_value, refused
 
-    state_value, alive, joining, status_value, leases, quorum_value = conn.call(read, "status read")
+    state_value, alive, joining, status_value, leases, quorum_value, refused = conn.call(read, "status read")
     out: dict[str, Any] = {"round": None, "complete": None, "closed": None, "live": None, "nodes": [],
-                           "waiting": joining, "training": None}
+                           "waiting": joining, "refused": [dataclasses.asdict(r) for r in refused], "training": None}
     node_rank: dict[str, int] = {}
     if state_value:  # --recovery restart: torch's rendezvous state, a round per restart
         body = state_value.split(b"\n", 1)[1] if b"\n" in state_value else state_value
@@ -126,6 +130,9 @@ def format_status(run_id: str, endpoint: str, status: dict[str, Any], now: float
                      f"node {n['node_rank']}" if n["node_rank"] is not None else "-")
             since = _ago(now - n["since"]) if n["since"] else "?"
             lines.append(f"  {n['name']:<32} {n['address']:<16} {ranks:>8} {since:>8} {lease:>10}")
+    for r in status.get("refused", []):
+        lines.append(f"  refused: {r['node']} since {_ago(now - r['time'])} ago, next check in "
+                     f"{_ago(r['retry_at'] - now)}: {r['line']}")
     t = status["training"]
     if not t:
         lines.append("training: nothing published yet (rank 0 publishes once it trains)")

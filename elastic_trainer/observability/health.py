@@ -41,6 +41,8 @@ join itself (its first all-reduce), where a broken link fails the join.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import threading
 import time
@@ -60,7 +62,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class HealthConfig:
-    """Bounds of the checks before a node joins (``--health-*`` flags)."""
+    """Bounds of the checks before a node joins."""
 
     storage_timeout_s: float = 30.0
     """Seconds the checkpoint storage has to take a small write, read and delete."""
@@ -70,11 +72,14 @@ class HealthConfig:
     """Seconds the device check may take (a first CUDA call makes the context: seconds)."""
     matmul_size: int = 1024
     """Side of the square matmul the device check runs (float32)."""
+    measure_s: float = 0.1
+    """Seconds of matmuls the device's speed is measured over (after one to warm up): a node's
+    start pays it before its first join."""
     min_speed_ratio: float = 0.5
     """A device slower than this share of its peers' median speed fails (DLRover: half)."""
 
     def __post_init__(self) -> None:
-        for name in ("storage_timeout_s", "etcd_timeout_s", "device_timeout_s"):
+        for name in ("storage_timeout_s", "etcd_timeout_s", "device_timeout_s", "measure_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"health check {name} must be above 0 seconds, got {getattr(self, name)}")
         if self.matmul_size < 16:
@@ -95,6 +100,8 @@ class CheckResult:
     seconds: float = 0.0
     skipped: bool = False
     value: float | None = None
+    label: str | None = None
+    """The device check's device, as ``check_board.device_label`` names it (for its report)."""
 
 
 @dataclass(frozen=True)
@@ -196,8 +203,8 @@ def check_etcd(endpoints: str, options: EtcdOptions | None = None,
     return CheckResult("etcd", True, f"etcd: {endpoints} (etcd {value}) answered in {took * 1000:.0f} ms", took)
 
 
-def _matmul_speed(device: torch.device, size: int) -> float:
-    """GFLOP/s of float32 ``size`` x ``size`` matmuls on ``device`` (at least 0.2 s of them), after
+def _matmul_speed(device: torch.device, size: int, measure_s: float = HealthConfig.measure_s) -> float:
+    """GFLOP/s of float32 ``size`` x ``size`` matmuls on ``device`` (at least ``measure_s`` of them), after
     checking one column of the product in float64 on the CPU; ``ArithmeticError`` when it is wrong."""
     import torch
 
@@ -225,7 +232,7 @@ def _matmul_speed(device: torch.device, size: int) -> float:
             sync()
             runs += 4
             elapsed = time.perf_counter() - t0
-            if elapsed >= 0.2:
+            if elapsed >= measure_s:
                 return 2.0 * size ** 3 * runs / elapsed / 1e9
 
 
@@ -236,21 +243,87 @@ def check_device(device: torch.device, reference: float | None = None, *, config
     config = config or HealthConfig()
     size = config.matmul_size
     t0 = time.perf_counter()
-    outcome, value = bounded(f"device:{device}", lambda: _matmul_speed(device, size), config.device_timeout_s)
+    outcome, value = bounded(f"device:{device}", lambda: _matmul_speed(device, size, config.measure_s),
+                             config.device_timeout_s)
     took = time.perf_counter() - t0
-    fix = ("check the device (nvidia-smi -q -d PERFORMANCE,ECC shows clocks, throttling, errors), or drain "
-           "this node")
     if outcome in ("timeout", "stuck"):
-        return _late("device", f"a {size}x{size} matmul on {device}", config.device_timeout_s, outcome, fix, took)
+        return _late("device", f"a {size}x{size} matmul on {device}", config.device_timeout_s, outcome, _DEVICE_FIX,
+                     took)
     if outcome == "raised":
-        return CheckResult("device", False, f"device: {type(value).__name__}: {value}; {fix}", took)
-    speed = float(value)
+        return CheckResult("device", False, f"device: {type(value).__name__}: {value}; {_DEVICE_FIX}", took)
+    return _judged(str(device), float(value), reference, config, took)
+
+
+_DEVICE_FIX = "check the device (nvidia-smi -q -d PERFORMANCE,ECC shows clocks, throttling, errors), or drain this node"
+
+
+def _judged(device: str, speed: float, reference: float | None, config: HealthConfig, took: float) -> CheckResult:
+    size = config.matmul_size
     if reference is not None and speed < config.min_speed_ratio * reference:
         return CheckResult("device", False, f"device: {device} ran a {size}x{size} matmul at {speed:.1f} GFLOP/s, "
                                             f"below {config.min_speed_ratio:g} of its peers' median {reference:.1f}; "
-                                            f"{fix}", took, value=speed)
+                                            f"{_DEVICE_FIX}", took, value=speed)
     against = f" (peers' median {reference:.1f})" if reference is not None else ""
     return CheckResult("device", True, f"device: {device} {speed:.1f} GFLOP/s{against}", took, value=speed)
+
+
+def check_devices_apart(devices: Sequence[str], reference_of: Callable[[str], float | None] = lambda label: None,
+                        *, config: HealthConfig | None = None) -> CheckResult:
+    """The device check of each of ``devices`` (``cuda:0``, ...) in a short-lived process of its own
+    (this module's ``main``), judged by the slowest: the launcher of a GPU node checks its GPUs so,
+    since a matmul in the launcher would hold a CUDA context on each GPU for the whole run. Costs
+    that process's start (a torch import, the CUDA context): seconds, before a join only.
+    ``reference_of(label)``: the peers' median speed for a device such as the slowest one."""
+    import subprocess
+    import sys
+
+    config = config or HealthConfig()
+    command = [sys.executable, "-m", "elastic_trainer.observability.health", "--size", str(config.matmul_size),
+               "--measure", str(config.measure_s), *devices]
+    t0 = time.perf_counter()
+    limit = config.device_timeout_s + 60.0  # the process's torch import and CUDA start come first
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=limit, check=False)
+    except subprocess.TimeoutExpired:
+        return _late("device", f"the device check of {', '.join(devices)}", limit, "timeout", _DEVICE_FIX,
+                     time.perf_counter() - t0)
+    took = time.perf_counter() - t0
+    answers = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or len(answers) != len(devices):
+        last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        return CheckResult("device", False, f"device: the check of {', '.join(devices)} failed: {last}; "
+                                            f"{_DEVICE_FIX}", took)
+    failed = next((a for a in answers if "error" in a), None)
+    if failed is not None:
+        return CheckResult("device", False, f"device: {failed['error']}; {_DEVICE_FIX}", took)
+    slowest = min(answers, key=lambda a: a["gflops"])
+    result = _judged(slowest["device"], float(slowest["gflops"]), reference_of(slowest["label"]), config, took)
+    return dataclasses.replace(result, label=slowest["label"])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m elastic_trainer.observability.health [--size N] DEVICE...``: one JSON line per
+    device, ``{"device", "label", "gflops"}`` or ``{"device", "error"}`` (``check_devices_apart``)."""
+    import argparse
+
+    import torch
+
+    from elastic_trainer.observability.check_board import device_label
+
+    p = argparse.ArgumentParser(prog="python -m elastic_trainer.observability.health")
+    p.add_argument("--size", type=int, default=HealthConfig.matmul_size)
+    p.add_argument("--measure", type=float, default=HealthConfig.measure_s)
+    p.add_argument("devices", nargs="+")
+    args = p.parse_args(argv)
+    for name in args.devices:
+        device = torch.device(name)
+        try:
+            answer = {"device": name, "label": device_label(device),
+                      "gflops": _matmul_speed(device, args.size, args.measure)}
+        except Exception as exc:  # noqa: BLE001 - reported to the launcher, which says it in one line
+            answer = {"device": name, "error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(answer), flush=True)
+    return 0
 
 
 _RECOVERY_ACTIONS = {
@@ -309,7 +382,8 @@ def check_node(config: HealthConfig | None = None, *, checkpoint_url: str | None
                device: torch.device | None = None, reference_gflops: float | None = None,
                pci_bus_ids: Sequence[str] | None = None) -> HealthReport:
     """The checks that apply (a check whose subject is None is left out; NVML only on a CUDA
-    device), each failure counted in the metrics and logged; see the module docstring."""
+    device), each failure counted in the metrics; the caller says the report's line (once).
+    See the module docstring."""
     config = config or HealthConfig()
     results = []
     if checkpoint_url:
@@ -323,10 +397,12 @@ def check_node(config: HealthConfig | None = None, *, checkpoint_url: str | None
     report = HealthReport(tuple(results))
     for failed in report.failures():
         metrics.health_check_failed(failed.check)
-    if not report.ok:
-        logger.warning("%s", report.summary())
     return report
 
 
-__all__ = ["CheckResult", "HealthConfig", "HealthReport", "bounded", "check_device", "check_etcd", "check_node",
-           "check_nvml", "check_storage"]
+__all__ = ["CheckResult", "HealthConfig", "HealthReport", "bounded", "check_device", "check_devices_apart",
+           "check_etcd", "check_node", "check_nvml", "check_storage"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
