@@ -13,6 +13,9 @@ a world of 3 and lasts ``--seconds`` (60):
   slow-report   the same node, ``--straggler-policy report``: named, never left out, as a job runs
                 under torchrun or TorchFT, which do not evict (it just runs slow);
   slow-restart  the same node, ``--recovery restart`` (the restart path has no eviction either);
+  slow-torchrun the same node under plain ``torchrun`` on c10d running ``benchmarks/plain_ddp.py``
+                (the same model and global batch, as ``live_recovery.py``'s ``c10d-tuned``): no
+                eviction, it just runs slow;
   ten-percent   node 2 at 0.055 s (10% slower), live, ``evict``: it must be kept.
 
 Per case: samples per second over the window (steps reached x the global batch: the global batch is
@@ -42,6 +45,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import recovery  # noqa: E402  (benchmarks/recovery.py: the job and its waits)
 from live_recovery import EXAMPLE, RDZV_CONF, TRAINER, read_steps  # noqa: E402
+from rdzv_worker import agent_cmd  # noqa: E402
 
 from benchmarks import provenance  # noqa: E402
 from elastic_trainer import records  # noqa: E402
@@ -52,6 +56,7 @@ CASES = {  # name: (recovery, straggler policy, slow node's sleep per step)
     "slow-evict": ("live", "evict", 0.25),
     "slow-report": ("live", "report", 0.25),
     "slow-restart": ("restart", "evict", 0.25),
+    "slow-torchrun": ("torchrun", None, 0.25),
     "ten-percent": ("live", "evict", 0.055),
 }
 NODES, SLOW_NODE, SLEEP = 3, 2, 0.05
@@ -61,17 +66,26 @@ class StragglerJob(recovery.Job):
     """Three ``elastic-train`` nodes; node ``SLOW_NODE`` sleeps ``slow_sleep`` a step, the others ``SLEEP``."""
 
     def __init__(self, case: str, workdir: Path) -> None:
-        super().__init__("etcd-v3", NODES, workdir)
-        self.recovery, self.policy, self.slow_sleep = CASES[case]
-        self.env = {"OMP_NUM_THREADS": "1"}
+        recovery_kind, self.policy, self.slow_sleep = CASES[case]
+        super().__init__("c10d-tuned" if recovery_kind == "torchrun" else "etcd-v3", NODES, workdir)
+        self.recovery = recovery_kind
+        self.env = {**self.env, "OMP_NUM_THREADS": "1"}
 
     def node_cmd(self) -> list[str]:
         i = len(self.agents)  # the node being started
+        sleep = str(self.slow_sleep if i == SLOW_NODE else SLEEP)
+        if self.recovery == "torchrun":
+            cmd = agent_cmd(self.endpoint, "bench", self.out, nnodes=f"2:{NODES}", backend=self.rdzv_backend,
+                            conf=self.conf)
+            cmd = cmd[:cmd.index("--out") - 1]  # torchrun's flags, without benchmarks/rdzv_worker.py
+            return [*cmd, str(REPO / "benchmarks" / "plain_ddp.py"), *EXAMPLE, "--max-steps", "1000000",
+                    "--log-dir", str(self.dir), "--live-step-log", "--sleep-per-step", sleep,
+                    "--collective-timeout", "30"]
         return [sys.executable, "-m", "elastic_trainer.cli", "--nnodes", f"2:{NODES}", "--rdzv-endpoint",
                 self.endpoint, "--run-id", "bench", "--rdzv-conf", RDZV_CONF, "--recovery", self.recovery,
                 "--local-addr", "127.0.0.1", "--metrics-port", "0", "--straggler-policy", self.policy,
                 "--checkpoint-dir", str(self.dir / "ckpt"), "--log-dir", str(self.dir), "--", *EXAMPLE, *TRAINER,
-                "--sleep-per-step", str(self.slow_sleep if i == SLOW_NODE else SLEEP), "--checkpoint-every", "1000",
+                "--sleep-per-step", sleep, "--checkpoint-every", "1000",
                 "--collective-timeout", "30"]
 
     def steps(self) -> list[dict]:
@@ -88,7 +102,8 @@ def measure(case: str, seconds: float, root: Path) -> dict:
         t0, step0 = first["time"], first["step"]
         time.sleep(max(0.0, t0 + seconds - time.time()))
         reached = max((s["step"] for s in job.steps() if s["time"] <= t0 + seconds), default=step0)
-        evictions = [e for e in (ev.to_json() for ev in records.read_events(job.dir))
+        events = records.read_events(job.dir) if job.recovery != "torchrun" else []
+        evictions = [e for e in (ev.to_json() for ev in events)
                      if e.get("event") == "live_reform" and "straggler" in str(e.get("cause", ""))
                      and e["time"] >= t0]
         return {"case": case, "samples_per_s": (reached - step0) * GBS / seconds, "steps": reached - step0,
