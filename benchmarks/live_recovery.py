@@ -45,6 +45,10 @@ Each trial, per system, in one job while it survives (a fresh job for what follo
               a job of its own whose nodes live in network namespaces (root). The restart path and
               c10d run with ``--baseline-collective-timeout`` (30 s; their defaults are 300 s and 30 min).
 
+A slow node (a straggler, issue 44) is not a fault with a "first step after": its scenario is
+``benchmarks/stragglers.py``, the same three nodes and model side by side on the live path (evicted),
+the restart path and plain torchrun (both run at its pace), samples/s over 60 s.
+
 ``--scenarios`` picks some (all by default), e.g. ``--scenarios stop-node,stop-rank0,cut-node,hang
 --goodput-seconds 0`` for the silent faults alone. ``--txt`` and ``--json`` write the results with
 the commit and the date (``benchmarks/results/``).
