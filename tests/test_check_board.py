@@ -59,6 +59,10 @@ def test_a_node_compares_with_other_hosts_reports_of_the_same_device(board_of):
     a.passed(40.0, cpu)  # a host's next report replaces its last
     assert me.reference(cpu) == 30.0
     assert board_of("x").reference("NVIDIA H100 80GB HBM3") == 900.0
+    for stray in (b"not json", b"[1, 2]", json.dumps({"gflops": "fast", "device": cpu}).encode(),
+                  b'{"gflops": NaN, "device": "%s"}' % cpu.encode(), json.dumps({"gflops": -5, "device": cpu}).encode()):
+        board_of.conn.call(lambda cl: cl.put(board_of.prefix + SPEEDS + "stray", stray))
+        assert me.reference(cpu) == 30.0  # a stray value is no report
     [(value, _)] = board_of.conn.call(lambda cl: list(cl.get_prefix(board_of.prefix + SPEEDS + "a")))
     assert json.loads(value)["gflops"] == 40.0
 
@@ -74,6 +78,10 @@ def test_a_refused_node_is_listed_with_its_line_until_it_passes(board_of):
     assert [r.line for r in board_of.conn.call(lambda cl: read_refused(cl, board_of.prefix))][0].endswith("10 s")
     me.passed(12.0, "cpu: test")
     assert [r.node for r in board_of.conn.call(lambda cl: read_refused(cl, board_of.prefix))] == ["other-9"]
+    board_of.conn.call(lambda cl: cl.put(board_of.prefix + REFUSED + "stray", b'{"line": 7, "time": "x", "retry_at": NaN}'))
+    stray = [r for r in board_of.conn.call(lambda cl: read_refused(cl, board_of.prefix)) if r.node == "stray"]
+    assert [(r.line, r.time, r.retry_at) for r in stray] == [("7", 0.0, 0.0)]
+    board_of.conn.call(lambda cl: cl.delete(board_of.prefix + REFUSED + "stray"))
     other.close()  # a launcher that stops takes its line back
     assert board_of.conn.call(lambda cl: read_refused(cl, board_of.prefix)) == []
 

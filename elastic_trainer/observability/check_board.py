@@ -19,6 +19,10 @@ other machines, and the run's etcd is where every node and ``elastic-train statu
   The key lives on its own etcd lease of the retry's length plus a margin, so the line of a node
   whose launcher died goes with it; a node that passes deletes it.
 
+A value that is not such a report (not a JSON object, a speed that is no positive finite number,
+a time that is no number) is ignored, never raised: whoever can write the run's keys can refuse
+nodes (write access is trust, as for the rest of the run's keys), not crash a launcher or status.
+
 Nothing here is on the training path: one read and one or two writes per check, a node's start
 or rejoin at most. A failure to reach etcd is logged and never fails the check (the etcd check
 itself says whether etcd answers).
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import statistics
@@ -108,8 +113,9 @@ class CheckBoard:
         for value, meta in reports:
             host = meta.key.decode()[len(self._prefix + SPEEDS):]
             report = _decoded(value)
-            if host != self.host and report.get("device") == label and isinstance(report.get("gflops"), (int, float)):
-                speeds.append(float(report["gflops"]))
+            speed = _number(report.get("gflops"))
+            if host != self.host and report.get("device") == label and speed > 0:
+                speeds.append(speed)
         return statistics.median(speeds) if speeds else None
 
     def passed(self, gflops: float | None, label: str | None) -> None:
@@ -157,9 +163,15 @@ def read_refused(client, prefix: str) -> list[Refused]:
     out = []
     for value, meta in client.get_prefix(prefix + REFUSED):
         report = _decoded(value)
-        out.append(Refused(node=meta.key.decode()[len(prefix + REFUSED):], line=str(report.get("line", "?")),
-                           time=float(report.get("time") or 0.0), retry_at=float(report.get("retry_at") or 0.0)))
+        out.append(Refused(node=meta.key.decode(errors="replace")[len(prefix + REFUSED):],
+                           line=str(report.get("line", "?"))[:2000], time=_number(report.get("time")),
+                           retry_at=_number(report.get("retry_at"))))
     return sorted(out, key=lambda r: r.node)
+
+
+def _number(value: Any) -> float:
+    """A time from a report; 0 for anything that is not a finite number (a stray or hostile value)."""
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0.0
 
 
 def _decoded(value: bytes) -> dict:
