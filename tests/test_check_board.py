@@ -171,3 +171,13 @@ def test_a_node_far_slower_than_its_peers_is_refused_shown_in_status_and_admitte
         node.send_signal(signal.SIGTERM)
         node.wait(timeout=120)
         conn.close()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_device_check_runs_apart_and_leaves_this_process_without_a_cuda_context():
+    """A GPU node's launcher checks its GPUs in a process of its own (a context here would stay on GPU 0
+    for the whole run): every local GPU is judged, by the slowest, named as NVML would name it."""
+    devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    result = health.check_devices_apart(devices, config=HealthConfig(matmul_size=1024))
+    assert result.ok and result.value > 100 and "NVIDIA" in (result.label or ""), result.line  # GFLOP/s
+    assert not torch.cuda.is_initialized()
