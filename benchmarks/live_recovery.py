@@ -291,7 +291,7 @@ def _kill(job: recovery.Job, rank: int, n: int, timeout: float, live: bool, w: i
     return out
 
 
-def _join(job: recovery.Job, n: int, timeout: float, live: bool, w: int = 1) -> dict:
+def measure_join(job: recovery.Job, n: int, timeout: float, live: bool, w: int = 1) -> dict:
     """Start a node (``w`` workers) in the world of ``n - w`` ranks; measure the survivors' pause and the newcomer's start."""
     ranks = _steady(job, n - w, timeout)
     hwm_before = {pid: vm_hwm_mib(pid) for pid in ranks.values()}
@@ -354,7 +354,7 @@ def trial(system: str, args: argparse.Namespace, root: Path) -> dict:
                         job.start_node()
                     missing = 0
                 if scenario == "join":
-                    results[scenario] = _join(job, n, args.timeout, live, w)
+                    results[scenario] = measure_join(job, n, args.timeout, live, w)
                     missing = max(0, missing - 1)
                 elif scenario in silent.SCENARIOS:
                     results[scenario] = silent.measure(job, scenario, n, args, live,

@@ -15,13 +15,14 @@ Per trial, each system in a job of its own on loopback, steps padded to 0.05 s, 
            ``TrainerJob`` and its ``join`` scenario): two nodes step, then a third node starts.
 
 Measured, from the step logs: the survivors' pause (their last step at 2 to the first at 3, as
-``live_recovery.py`` counts it) and the newcomer's start to the first step at 3. TorchFT's newcomer
+``live_recovery.py`` counts it), a survivor's step interval at 2 before the join (a pause of one
+step's length is no pause) and the newcomer's start to the first step at 3. TorchFT's newcomer
 is a bare Python process, ours a whole node (launcher, torchrun's agent, worker): that column is
 not like for like, and says so.
 
 TorchFT is not a dependency of this project: the first run installs the registry's ``torchft==0.2.0``
-wheel with ``--no-deps`` into ``benchmarks/.torchft/`` (git-ignored; torch is this venv's; its
-OpenTelemetry extras are not needed for this) and puts it on the workers' ``PYTHONPATH`` only.
+wheel with ``--no-deps`` into ``~/.cache/elastic-trainer/torchft-0.2.0/`` (``$XDG_CACHE_HOME`` if
+set; outside the repository; torch is this venv's; its OpenTelemetry extras are not needed for this) and puts it on the workers' ``PYTHONPATH`` only.
 Every process it starts runs in a session of its own and is killed with its children, also on error.
 """
 
@@ -43,20 +44,21 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from live_recovery import TrainerJob, _join, pause_around  # noqa: E402
+from live_recovery import TrainerJob, measure_join, pause_around  # noqa: E402
 
 from benchmarks import provenance  # noqa: E402
 from benchmarks.rdzv_worker import signal_tree  # noqa: E402
 from elastic_trainer.etcd.server import free_port  # noqa: E402
 
-SITE = REPO / "benchmarks" / ".torchft"
+SITE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "elastic-trainer" / "torchft-0.2.0"
+"""Where torchft is installed for this benchmark: outside the repository (its files are not ours)."""
 TORCHFT = "torchft==0.2.0"
 SLEEP = 0.05
 LIGHTHOUSE_ARGS = ["--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000"]
 
 
 def ensure_torchft() -> Path:
-    """``benchmarks/.torchft`` with torchft in it (installed once, by pip as this machine configures it)."""
+    """``SITE`` with torchft in it (installed once, by pip as this machine configures it)."""
     if not (SITE / "torchft" / "__init__.py").exists():
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(SITE), TORCHFT],
                        check=True)
@@ -114,6 +116,14 @@ class TorchftJob:
             proc.wait()
 
 
+def step_interval(steps: list[dict], rank) -> float | None:
+    """The median seconds between two of ``rank``'s steps at a world of 2 (the join's pause ends at a
+    step at 3, so it is not among them): a pause of that much is no pause at all."""
+    times = [s["time"] for s in steps if s["rank"] == rank and s["world_size"] == 2]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return statistics.median(gaps) if gaps else None
+
+
 def torchft_join(root: Path, timeout: float) -> dict:
     job = TorchftJob(root)
     try:
@@ -129,7 +139,8 @@ def torchft_join(root: Path, timeout: float) -> dict:
                          timeout)[0]
         time.sleep(1.0)
         steps = [s for s in job.steps() if s["rank"] in ("0", "1")]  # the survivors'
-        return {"pause": pause_around(steps, t0, 2, 3), "s": first["time"] - t0}
+        return {"pause": pause_around(steps, t0, 2, 3), "s": first["time"] - t0,
+                "interval": step_interval(steps, "0")}
     finally:
         job.close()
 
@@ -141,8 +152,8 @@ def live_join(root: Path, timeout: float) -> dict:
     try:
         job.start_node()
         job.start_node()
-        out = _join(job, 3, timeout, live=True)
-        return {"pause": out["pause"], "s": out["s"]}
+        out = measure_join(job, 3, timeout, live=True)
+        return {"pause": out["pause"], "s": out["s"], "interval": step_interval(job.steps(), 0)}
     finally:
         job.close()
 
@@ -167,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                 for system, measure in (("torchft", torchft_join), ("live", live_join)):
                     row = measure(root / f"{system}-{trial}", args.timeout)
                     rows[system].append(row)
-                    print(f"trial {trial} {system:8s} survivors' pause {row['pause']:.3f} s, "
+                    print(f"trial {trial} {system:8s} survivors' pause {row['pause']:.3f} s (a step: "
+                          f"{row['interval']:.3f} s), "
                           f"newcomer's start -> first step at 3 {row['s']:.3f} s", flush=True)
         finally:
             shutil.rmtree(root, ignore_errors=True)
@@ -175,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         for system, mine in rows.items():
             pauses = [r["pause"] for r in mine if r["pause"] is not None]
             starts = [r["s"] for r in mine]
+            extra = [r["pause"] - r["interval"] for r in mine if r["pause"] is not None and r["interval"]]
             print(f"{system:8s} join: survivors' pause median {statistics.median(pauses):.3f} s, worst "
-                  f"{max(pauses):.3f} s; newcomer's start -> first step median {statistics.median(starts):.3f} s "
+                  f"{max(pauses):.3f} s (beyond a step's length: median {statistics.median(extra):.3f} s); newcomer's start -> first step median {statistics.median(starts):.3f} s "
                   f"({len(mine)} trial(s); torchft's newcomer is a bare process, ours a whole node)")
     return 0
 
