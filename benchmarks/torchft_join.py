@@ -44,6 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import recovery  # noqa: E402  (benchmarks/recovery.py: the job and its waits)
 from live_recovery import TrainerJob, measure_join, pause_around  # noqa: E402
 
 from benchmarks import provenance  # noqa: E402
@@ -65,29 +66,23 @@ def ensure_torchft() -> Path:
     return SITE
 
 
-class TorchftJob:
-    """A lighthouse and replica groups of one process, each in its own session."""
+class TorchftJob(recovery.Job):
+    """A lighthouse and replica groups of one process (the job's "nodes"), each in its own session."""
 
     def __init__(self, workdir: Path) -> None:
-        self.dir = workdir
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self.env = {**os.environ, "PYTHONPATH": f"{SITE}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1",
-                    "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{self.port}"}
-        self.procs: list[subprocess.Popen] = []
-        self._start([sys.executable, str(SITE / "bin" / "torchft_lighthouse"), *LIGHTHOUSE_ARGS,
-                     "--bind", f"127.0.0.1:{self.port}"], "lighthouse")
+        super().__init__("c10d", 3, workdir)  # no etcd: the lighthouse is TorchFT's only coordinator
+        port = free_port()
+        self.env = {"PYTHONPATH": f"{SITE}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1",
+                    "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"}
+        with open(workdir / "lighthouse.log", "w") as log:
+            self.lighthouse = subprocess.Popen(
+                [sys.executable, str(SITE / "bin" / "torchft_lighthouse"), *LIGHTHOUSE_ARGS, "--bind",
+                 f"127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, **self.env})
 
-    def _start(self, cmd: list[str], name: str) -> subprocess.Popen:
-        with open(self.dir / f"{name}.log", "w") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
-        self.procs.append(proc)
-        return proc
-
-    def start_replica(self) -> subprocess.Popen:
-        n = len(self.procs) - 1
-        return self._start([sys.executable, str(REPO / "benchmarks" / "torchft_worker.py"), "--replica", str(n),
-                            "--out", str(self.dir), "--sleep-per-step", str(SLEEP)], f"replica-{n}")
+    def node_cmd(self) -> list[str]:
+        return [sys.executable, str(REPO / "benchmarks" / "torchft_worker.py"), "--replica", str(len(self.agents)),
+                "--out", str(self.dir), "--sleep-per-step", str(SLEEP)]
 
     def steps(self) -> list[dict]:
         out = []
@@ -99,21 +94,12 @@ class TorchftJob:
                     pass  # a line being written
         return sorted(out, key=lambda s: s["time"])
 
-    def wait(self, what: str, pred, timeout: float):
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            found = pred(self.steps())
-            if found:
-                return found
-            if any(p.poll() is not None for p in self.procs):
-                raise RuntimeError(f"a TorchFT process exited ({what}); see {self.dir}")
-            time.sleep(0.05)
-        raise RuntimeError(f"timeout ({what})")
-
     def close(self) -> None:
-        for proc in self.procs:
-            signal_tree(proc.pid, signal.SIGKILL)
-            proc.wait()
+        try:
+            super().close()
+        finally:
+            signal_tree(self.lighthouse.pid, signal.SIGKILL)
+            self.lighthouse.wait()
 
 
 def step_interval(steps: list[dict], rank) -> float | None:
@@ -127,14 +113,14 @@ def step_interval(steps: list[dict], rank) -> float | None:
 def torchft_join(root: Path, timeout: float) -> dict:
     job = TorchftJob(root)
     try:
-        job.start_replica()
-        job.start_replica()
+        job.start_node()
+        job.start_node()
         since = time.time()
         job.wait("two groups stepping together", lambda st: len({s["rank"] for s in st if s["time"] > since
                                                                   and s["world_size"] == 2}) == 2, timeout)
         time.sleep(1.0)
         t0 = time.time()
-        job.start_replica()
+        job.start_node()
         first = job.wait("a step at 3", lambda st: [s for s in st if s["time"] > t0 and s["world_size"] == 3],
                          timeout)[0]
         time.sleep(1.0)
