@@ -42,6 +42,8 @@ def test_etcd_lives_while_a_node_holds_its_alive_key_and_stops_after(tmp_path):
     keeper, endpoint = start_keeper(tmp_path, "/elastic-trainer/")
     try:
         etcd = _etcd_of(keeper.pid)
+        # a helper that counts keys: no torch (1.5 s of its start and ~200 MB for nothing)
+        assert "libtorch" not in Path(f"/proc/{keeper.pid}/maps").read_text()
         client = _client(tmp_path)
         lease = client.lease(3)
         client.put("/elastic-trainer/run/alive/node-a", b"{}", lease=lease)

@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
     """``elastic-train etcd``: serve a standalone etcd until Ctrl-C or SIGTERM."""
     from elastic_trainer.etcd.server import ROOT_USER, EtcdError, EtcdServer, enable_auth
     from elastic_trainer.etcd.tls import TlsFiles
-    from elastic_trainer.etcd.client import is_loopback, read_password_file
+    from elastic_trainer.etcd.access import is_loopback, read_password_file
 
     if argv[:1] == ["certs"]:
         return certs_main(argv[1:])

@@ -2,7 +2,9 @@
 
 - ``client``: ``EtcdConnection`` (connect fast, retry what is transient, fail over between the
   members of a cluster), ``EtcdOptions`` and how a launcher exports them to its workers without a
-  password in the environment (``export_options`` / ``options_from_export``), the password file.
+  password in the environment (``export_options`` / ``options_from_export``).
+- ``access``: the password file's rules and what counts as loopback, without torch or gRPC (the
+  keeper and ``elastic-train etcd`` need no client).
 - ``store``: ``EtcdStore``, a torch ``Store`` kept in etcd (process groups built on it need no
   process to host their store).
 - ``server``: ``EtcdServer``, the embedded etcd a run starts when no ``--rdzv-endpoint`` is given,

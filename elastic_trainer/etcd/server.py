@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from elastic_trainer.env import ENV_ETCD_BINARY, helper_environ
-from elastic_trainer.etcd.client import read_password_file
+from elastic_trainer.etcd.access import read_password_file
 
 if TYPE_CHECKING:
     from elastic_trainer.etcd.tls import TlsFiles

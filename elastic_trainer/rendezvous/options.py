@@ -10,7 +10,8 @@ import os
 
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
-from elastic_trainer.etcd.client import EtcdOptions, is_loopback, parse_endpoints, read_password_file
+from elastic_trainer.etcd.access import is_loopback, read_password_file
+from elastic_trainer.etcd.client import EtcdOptions, parse_endpoints
 
 # The etcd password as an environment variable of the launcher (never of the workers: it is
 # removed from the environment when first read, before any worker starts; see launcher_password).
