@@ -108,6 +108,8 @@ def test_paused_node_past_its_lease_never_trains_in_a_second_world(nodes):
     assert world_problems(steps) == []
 
 
+@pytest.mark.trial  # 20 s; the same etcd restart under live recovery (the default) is
+# test_live_recovery's short etcd outage, and the client's retries are test_etcd_client's
 def test_etcd_restart_during_training_does_not_stop_the_job(procs, run_id, tmp_path):
     from elastic_trainer.etcd.server import EtcdServer
 

@@ -141,12 +141,12 @@ def test_status_shows_a_live_two_node_job_and_docs_architecture_names_every_thre
 
     # B joins a world of 1 that trains (started together, a slow machine may form one world of 2 at once,
     # and there is then no change of world size to show)
-    wait_until(status_json, 120, "node A training alone", interval=1.0,
+    wait_until(status_json, 120, "node A training alone", interval=2.0,
                until=lambda d: d["training"] and d["training"].get("world_size") == 1 and d["training"]["step"] > 0)
     procs.start(cli_cmd(*b_args, "--rdzv-endpoint", endpoint, "--log-dir", str(tmp_path / "logs-b"), *trainer),
                 cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-    doc = wait_until(status_json, 180, "a world of 2 with a committed checkpoint", interval=1.0,
+    doc = wait_until(status_json, 180, "a world of 2 with a committed checkpoint", interval=2.0,
                      until=lambda d: d["training"] and d["training"].get("world_size") == 2
                      and d["training"].get("checkpoint") and d["live"] and d["live"]["world_size"] == 2)
     assert doc["run_id"] == "job" and doc["endpoint"] == endpoint

@@ -96,12 +96,14 @@ def test_restart_path_3_then_2_killed_in_the_last_shard_then_3_with_other_worker
 
 
 @pytest.mark.timeout(420)
-def test_live_drill_3_to_2_to_3_nodes_on_parquet_shards_repeats_and_skips_nothing(tmp_path):
+def test_live_drill_2_to_1_to_2_nodes_on_parquet_shards_repeats_and_skips_nothing(tmp_path):
+    """Two nodes (a third adds ~8 s of the suite and no path: the kill, the join and the resharded
+    stream are the same at 2 as at 3)."""
     data, out = tmp_path / "data", tmp_path / "drill"
     write_parquet_shards(data, ROWS, row_group_size=8)
     trainer = (f"--data parquet:{data}/*.parquet --shuffle-buffer {BUFFER} --micro-batch-size 2 --num-workers 1 "
                "--epochs 100")  # an epoch is 15 steps: the drill stops the run
-    cmd = [sys.executable, "-m", "elastic_trainer.cli", "drill", "--nodes", "3", "--out", str(out),
+    cmd = [sys.executable, "-m", "elastic_trainer.cli", "drill", "--nodes", "2", "--out", str(out),
            "--recovery-timeout", "120", "--timeout", "300", "--tail-steps", "3",
            "--kill", "node:1@step:9", "--add-node", "@after:3", f"--trainer-args={trainer}"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO, start_new_session=True)
@@ -110,10 +112,10 @@ def test_live_drill_3_to_2_to_3_nodes_on_parquet_shards_repeats_and_skips_nothin
     report = json.loads((out / "report.json").read_text())
     assert done.returncode == 0, output
     kill, add = report["faults"]
-    assert (kill["expected_world"], add["expected_world"]) == (2, 3) and kill["recovered"] and add["recovered"]
+    assert (kill["expected_world"], add["expected_world"]) == (1, 2) and kill["recovered"] and add["recovered"]
     assert report["config"]["trainer_args"][-len(trainer.split()):] == trainer.split()
     led = report["ledger"]
     assert led["order_checked"] and (led["repeated"], led["skipped"]) == (0, 0), led
     assert led["final_step"] > 15, "the run crosses into the second epoch (15 steps an epoch)"
     reforms = [(e.get("old"), e.get("new")) for e in report["events"] if e.get("event") == "live_reform"]
-    assert (3, 2) in reforms and (2, 3) in reforms, f"not recovered live: {reforms}"  # no restart of the job
+    assert (2, 1) in reforms and (1, 2) in reforms, f"not recovered live: {reforms}"  # no restart of the job
