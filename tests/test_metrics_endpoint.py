@@ -177,6 +177,29 @@ def test_close_removes_the_folder_and_the_variable(server):
     assert ENV_METRICS_DIR not in os.environ and not os.path.exists(folder)
 
 
+def test_the_folder_of_a_killed_launcher_is_removed_by_the_next_one_and_a_running_ones_kept(procs, tmp_path):
+    """A launcher killed with SIGKILL cannot remove its folder; the next ``serve`` of the same user
+    does (its pid no longer runs), and leaves the folder of one that still runs."""
+    code = ("import os, sys, tempfile; tempfile.tempdir = sys.argv[1]\n"
+            "from elastic_trainer.observability.metrics_server import MetricsConfig, serve\n"
+            "s = serve(MetricsConfig(port=int(sys.argv[2]), port_given=True))\n"
+            "print(s.folder, flush=True); sys.stdin.read()")
+    launchers = [procs.start([sys.executable, "-c", code, str(tmp_path), str(free_port())], cwd=REPO,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    killed, running = (p.stdout.readline().strip() for p in launchers)
+    assert os.path.isdir(killed) and os.path.isdir(running)
+    launchers[0].kill()
+    launchers[0].wait(timeout=30)
+    env_before = os.environ.get(ENV_METRICS_DIR)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("tempfile.tempdir", str(tmp_path))
+        with serve(MetricsConfig(port=free_port(), port_given=True)) as mine:
+            assert not os.path.exists(killed) and os.path.isdir(running) and os.path.isdir(mine.folder)
+    assert os.environ.get(ENV_METRICS_DIR) == env_before
+    launchers[1].stdin.close()
+    launchers[1].wait(timeout=30)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_live_two_node_run_shows_its_world_and_steps_and_a_killed_node_in_the_world_and_recoveries(

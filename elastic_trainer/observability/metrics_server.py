@@ -6,7 +6,9 @@ processes write (``metrics.py``).
 1. it makes a fresh folder (``tempfile.mkdtemp``: node-local, never a shared volume, whose mmap
    semantics prometheus_client's files do not survive; fresh, because files left by an earlier
    launcher would add their counts to this one's) and names it in ``ENV_METRICS_DIR`` in the
-   launcher's own environment, which the agent hands to every worker it starts;
+   launcher's own environment, which the agent hands to every worker it starts. The folder's name
+   holds the launcher's pid, and the folders of this user's launchers that no longer run (killed
+   with SIGKILL, which leaves no chance to remove them) are removed first;
 2. it starts prometheus_client's HTTP server (a daemon thread of prometheus_client's, in the
    launcher: no worker serves) on ``port`` at ``addr``, with TLS and client certificates when given
    (``certfile``/``keyfile``/``client_cafile``: docs/security.md, "Metrics");
@@ -46,6 +48,8 @@ DEFAULT_PORT = 29600
 9100-9999 (fully allocated by Prometheus' port list), so that it meets no exporter a node runs."""
 
 _PID_FILE = re.compile(r"_(\d+)\.db$")
+FOLDER_PREFIX = "elastic-train-metrics-"
+_FOLDER = re.compile(re.escape(FOLDER_PREFIX) + r"(\d+)-[^/]+$")
 
 
 class MetricsError(RuntimeError):
@@ -158,6 +162,22 @@ class MetricsServer:
         self.close()
 
 
+def remove_orphans(tmp: str) -> list[str]:
+    """Remove the metrics folders under ``tmp`` that a launcher of this user left when it was killed
+    (its pid, in the folder's name, no longer runs); the removed paths."""
+    removed = []
+    for path in glob.glob(os.path.join(tmp, f"{FOLDER_PREFIX}*")):
+        m = _FOLDER.search(path)
+        try:
+            mine = os.stat(path).st_uid == os.getuid()
+        except OSError:
+            continue
+        if m and mine and not _alive(int(m[1])):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 def serve(config: MetricsConfig) -> MetricsServer | None:
     """Serve this node's ``/metrics`` as ``config`` says; None when it is off (port 0) or, for the
     default port, taken. Call it in the launcher before any worker starts and before anything in
@@ -167,7 +187,8 @@ def serve(config: MetricsConfig) -> MetricsServer | None:
     if ENV_METRICS_DIR in os.environ:
         logger.warning("%s=%s was set; elastic-train replaces it with a folder of its own for this node",
                        ENV_METRICS_DIR, os.environ[ENV_METRICS_DIR])
-    folder = tempfile.mkdtemp(prefix="elastic-train-metrics-")
+    remove_orphans(tempfile.gettempdir())
+    folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")
     # Named before prometheus_client is first imported here, so that the launcher's own figures
     # (metrics.node_started) go to the folder too (its value class is chosen at that import).
     os.environ[ENV_METRICS_DIR] = folder
@@ -195,4 +216,5 @@ def serve(config: MetricsConfig) -> MetricsServer | None:
     return MetricsServer(folder, server, thread)
 
 
-__all__ = ["DEFAULT_PORT", "MetricsConfig", "MetricsError", "MetricsServer", "forget_dead", "serve"]
+__all__ = ["DEFAULT_PORT", "FOLDER_PREFIX", "MetricsConfig", "MetricsError", "MetricsServer", "forget_dead",
+           "remove_orphans", "serve"]
