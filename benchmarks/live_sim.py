@@ -79,12 +79,12 @@ accepted renewal's sending plus the TTL: etcd acts on it at its next 500 ms chec
 it read all the live keys again (the "before" of docs/rendezvous.md's numbers; through the
 ``stream_factory`` the groups are made with: a stream that only says "changed").
 
-``--line-apart`` runs the nodes a loss's proposer may come from (the first ``--losses + 1`` in the
-quorum's order: the proposer and its backups keep the report feed) in one more process of their
-own. Without it the proposer's node shares a process, and its GIL, with ~125 other nodes' streams:
-at 1,000 x 8 its report feed held the last report 0.23-0.40 s after the main process's quiet watch
-did (2026-12-03, instrumented), a wait a real node, on its own CPUs, does not have. The machine's
-2 cores are still shared by every process.
+``--proposer-apart`` runs the quorum's first node (every loss's proposer: the losses never take it)
+alone in one more process. Without it the proposer's node shares a process, and its GIL, with ~125
+other nodes' streams and the full nodes' decodes of each new quorum (8,000 members): at 1,000 x 8
+its report feed held the last report 0.23-0.40 s after the main process's quiet watch did
+(2026-12-03, instrumented), a wait a real node, on its own CPUs, does not have. The machine's 2
+cores are still shared by every process.
 
 The watchers check what needs no etcd every ``--poll`` seconds (default 1; the product's 0.1 s
 only costs CPU here, 80,000 wake-ups a second at 1,000 x 8, and a watcher is woken at once by an
@@ -172,15 +172,17 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
     nodes = [f"node{i:05d}" for i in range(n)]
     procs = min(args.processes, n)
     owner = {node: i % procs for i, node in enumerate(nodes)}
-    line = nodes[:args.losses + 1] if getattr(args, "line_apart", False) else []
-    if line:  # the nodes a loss's proposer may come from, in a process of their own (see --line-apart)
-        rest = [x for x in nodes if x not in line]
-        owner = {**{node: i % procs for i, node in enumerate(rest)}, **{node: procs for node in line}}
+    apart = getattr(args, "proposer_apart", False)
+    if apart:  # the first node (every loss's proposer) alone in a process (see --proposer-apart)
+        owner = {**{node: i % procs for i, node in enumerate(nodes[1:])}, nodes[0]: procs}
         procs += 1
     full_nodes = getattr(args, "full_nodes", None)
     if full_nodes is not None and not 1 <= full_nodes <= n:
         raise ValueError(f"--full-nodes must be between 1 and --nodes ({n})")
     lost_nodes = [nodes[(k * 7919 + 1) % n] for k in range(args.losses)]
+    if apart and nodes[0] in lost_nodes:
+        raise ValueError("--proposer-apart: a loss would take the first node, the proposer set apart; "
+                         "change --nodes or --losses")
     pool = Pool(procs)
     main_conn = connection(endpoint)
     observer = LiveKeys(main_conn, PREFIX)  # the main process's reads and writes of the live keys
@@ -189,7 +191,7 @@ def run(args: argparse.Namespace, endpoint: str, etcd_pid: int | None = None) ->
                     "shared_siblings": getattr(args, "shared_siblings", False),
                     "start_wave": getattr(args, "start_wave", 0), "full_nodes": full_nodes,
                     "loss": "expiry" if getattr(args, "expire", False) else "revoke",
-                    "thin_aio": getattr(args, "thin_aio", False), "line_apart": len(line)}
+                    "thin_aio": getattr(args, "thin_aio", False), "proposer_apart": apart}
     try:
         t = time.monotonic()
         registered = sum(pool.ask("setup", [{"endpoint": endpoint, "nodes": [x for x in nodes if owner[x] == i],
@@ -373,11 +375,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--thin-aio", action="store_true",
                    help="with --full-nodes: a process's thin nodes on one asyncio loop (grpc.aio), not a thread each "
                         "(the same etcd requests and streams, less of the simulation's own CPU)")
-    p.add_argument("--line-apart", action="store_true",
-                   help="the nodes a loss's proposer may come from (the first --losses + 1 in the quorum's order) "
-                        "in one more process of their own: a real proposer's node has its own CPUs, where in a "
-                        "process of 1/--processes of the job its report feed waits for the GIL behind ~125 "
-                        "nodes' streams (measured: its feed 0.23-0.40 s behind a quiet watch of the same reports)")
+    p.add_argument("--proposer-apart", action="store_true",
+                   help="the quorum's first node (every loss's proposer) alone in one more process: a real "
+                        "proposer's node has its own CPUs, where in a process of 1/--processes of the job its "
+                        "report feed waits for the GIL (measured: 0.23-0.40 s behind a quiet watch of the reports)")
     p.add_argument("--expire", action="store_true",
                    help="a lost node's lease expires (its renewals stop; times from the expiry, its last accepted "
                         "renewal + --lease-ttl) instead of being revoked (times from the revoke)")
