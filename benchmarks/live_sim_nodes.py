@@ -457,7 +457,10 @@ class Part:
     def __init__(self, endpoint: str, nodes: list[str], workers: int, channels: int, settings: LiveSettings,
                  reread: bool = False, shared_siblings: bool = False, thin_aio: bool = False,
                  tmpdir: str | None = None) -> None:
-        logging.getLogger("elastic_trainer").setLevel(logging.ERROR)  # a warning per worker and loss
+        if len(nodes) == 1:  # the proposer's node apart (--proposer-apart): its round's lines, ~10 a loss
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(threadName)s %(name)s: %(message)s")
+        else:
+            logging.getLogger("elastic_trainer").setLevel(logging.ERROR)  # a warning per worker and loss
         if tmpdir is not None:  # the nodes' lease records and shared directories (rendezvous/node_lease.py)
             tempfile.tempdir = tmpdir
         self.settings = settings
@@ -532,7 +535,7 @@ class Part:
         for thin in self.thin.values():
             thin.start(self.aio)
         nodes = [ws for n, ws in self.workers.items() if n not in self.thin]
-        step = wave if wave > 0 else len(nodes)
+        step = wave if wave > 0 else max(1, len(nodes))  # a process may hold thin nodes only
         for w in self.all():
             w.reports = reports
         for i in range(0, len(nodes), step):
