@@ -597,8 +597,10 @@ class Part:
     def collect(self, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
         thin = [t for n, t in self.thin.items() if n not in self.lost]
-        while (any(w.knew_at is None for w in self.full()) or any(t.event_at is None for t in thin)) \
-                and time.monotonic() < deadline:
+        # and the proposer's reform returned: its watcher may show it the quorum it wrote before that
+        # (its own process apart, --proposer-apart, all its workers knew before the stamp was set)
+        while (any(w.knew_at is None or (w.proposer and w.written_at is None) for w in self.full())
+               or any(t.event_at is None for t in thin)) and time.monotonic() < deadline:
             time.sleep(0.02)
         ws = self.full()
         return {"lost_at": [w.lost_at for w in ws], "knew_at": [w.knew_at for w in ws],
