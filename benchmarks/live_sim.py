@@ -5,7 +5,7 @@ Run (from the repository root):
     .venv/bin/python benchmarks/live_sim.py --nodes 100 --workers 8 --shared-siblings   # 800 watchers
     .venv/bin/python benchmarks/live_sim.py --nodes 1000 --workers 8 --processes 8 --timeout 180 \
         --shared-siblings --full-nodes 16 --losses 3 --settle 3 --window 5 --between 2 --start-wave 8 \
-        --thin-aio --expire --lease-ttl 3 --txt benchmarks/results/live_sim.txt
+        --thin-aio --expire --lease-ttl 3 --proposer-apart --txt benchmarks/results/live_sim.txt
     .venv/bin/python benchmarks/live_sim.py --nodes 5 --workers 2 --processes 2 --losses 1 --window 2  # smoke
 
 What runs is the product's etcd code with the process groups and torch left out, driven through
