@@ -12,10 +12,12 @@ import json
 import logging
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 
 from elastic_trainer.etcd.server import EtcdServer
+from elastic_trainer.etcd.store import EtcdStore
 from elastic_trainer.live.group import LiveGroup
 from elastic_trainer.live.keys import Change
 from elastic_trainer.live.mirror import Mirror
@@ -317,3 +319,25 @@ def test_a_stream_lost_with_a_change_in_between_makes_the_watcher_read_everythin
         agent.close()
         conn.close()
         proxy.close()
+
+
+def test_a_store_wait_woken_by_a_watch_on_its_keys_looks_again_at_once(etcd, run_id):
+    """``LiveGroup.watch`` on a store's prefix wakes a wait in it when a key is set (a quorum's group
+    forms once its last member's address is in, not at the others' next poll). The store's polls
+    are 60 s apart here, so only the watch can end the wait within the test's 15 s."""
+    with live_nodes(etcd, run_id, nodes=1) as nodes:
+        group = nodes.groups[0]
+        store = EtcdStore(_conn(etcd), group.keys.key("store/woken/"), timeout=timedelta(seconds=120))
+        store.poll_min = store.poll_max = 60.0
+        store.woken = threading.Event()
+        stop = group.watch(store.prefix, store.woken.set)
+        got: list[bytes] = []
+        waiter = threading.Thread(target=lambda: got.append(store.get("address")), daemon=True)
+        try:
+            waiter.start()
+            time.sleep(0.5)  # its first read found nothing: it waits
+            EtcdStore(_conn(etcd), store.prefix).set("address", b"127.0.0.1:4242")
+            waiter.join(15)
+            assert got == [b"127.0.0.1:4242"], "the watch did not wake the store's wait"
+        finally:
+            stop()

@@ -7,7 +7,8 @@ one speaks v3:
 
 * ``set`` is a put; ``get`` and ``wait`` block until the keys exist or the store timeout
   passes (polling with exponential backoff from 10 ms to 250 ms; ``LookupError`` on timeout,
-  like torch's);
+  like torch's); with ``woken`` (an event that a watch on the store's keys sets) a wait looks
+  again as soon as a key changes;
 * ``add`` and ``compare_set`` are etcd transactions on the key's mod revision, so they are
   atomic among any number of agents;
 * ``check``, ``delete_key`` and ``num_keys`` do what c10d's stores do.
@@ -24,6 +25,7 @@ Keys are stored as ``<prefix><key>`` with the value as given (bytes). Note that 
 from __future__ import annotations
 
 import random
+import threading
 import time
 from datetime import timedelta
 
@@ -62,6 +64,11 @@ class EtcdStore(Store):
         self._conn = conn
         self.prefix = prefix if prefix.endswith("/") else prefix + "/"
         self.requests = 0
+        self.poll_min, self.poll_max = _POLL_MIN, _POLL_MAX
+        """Seconds between two reads of a wait: the first, and the most it doubles to."""
+        self.woken: threading.Event | None = None
+        """Set by whoever watches the store's keys in etcd (``live/group_store.py``): a wait then
+        looks again at once instead of at its next poll."""
         if timeout is not None:
             self.set_timeout(timeout)
 
@@ -167,13 +174,19 @@ class EtcdStore(Store):
 
     def _wait_get(self, keys: list[bytes], timeout: timedelta) -> list[bytes] | None:
         deadline = time.monotonic() + timeout.total_seconds()
-        delay = _POLL_MIN
+        delay = self.poll_min
+        woken = self.woken
         while True:
+            if woken is not None:
+                woken.clear()  # before the read: a key set after it wakes the wait below
             values = self._try_get(keys)
             if values is not None:
                 return values
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, _POLL_MAX)
+            if woken is None:
+                time.sleep(min(delay, left))
+            else:
+                woken.wait(min(delay, left))
+            delay = min(delay * 2, self.poll_max)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 from collections.abc import Callable
 
 from elastic_trainer.env import LiveSettings, WorkerEnv
@@ -52,6 +53,7 @@ from elastic_trainer.live.worker_lease import WorkerLease
 from elastic_trainer.etcd.client import EtcdConnection, options_from_export
 
 Callback = Callable[[str], None]
+Callback0 = Callable[[], None]
 
 
 class LiveGroup:
@@ -80,6 +82,7 @@ class LiveGroup:
         """Called from the watcher when this worker's training thread is stuck while its peers
         re-form without it (it must end the process: the Manager exits; its agent starts a newcomer)."""
         self.probe_peers = probe_peers
+        self._start_thread, self._stream_factory = start_thread, stream_factory
         self._closed = False
 
     @classmethod
@@ -159,8 +162,16 @@ class LiveGroup:
 
     # ---- joining and re-forming ----------------------------------------------------------------
     def join(self) -> Quorum:
-        """Wait until a quorum includes this worker (as a newcomer, or in a cold start), then watch."""
-        q = self.membership.join()
+        """Wait until a quorum includes this worker (as a newcomer, or in a cold start), then watch.
+        While it waits, a watch on the quorum key wakes it once the key changes: a newcomer learns
+        the quorum that admits it within a watch event of its write, not at its next look (every
+        20 ms), while the members wait for it to form the group."""
+        woken = threading.Event()
+        unwatch = self.watch(self.keys.key("quorum"), woken.set)
+        try:
+            q = self.membership.join(woken)
+        finally:
+            unwatch()
         self.reformer.prepare(q)
         self.watcher.start()
         return q
@@ -176,7 +187,15 @@ class LiveGroup:
         q = self.quorum
         assert q is not None, "store() before join()"
         return GroupStore(self.keys, q, self.id, lambda: self.watcher.loss_of(q),
-                          datetime.timedelta(seconds=max(5.0, self.settings.report_timeout * 3)))
+                          datetime.timedelta(seconds=max(5.0, self.settings.report_timeout * 3)), watch=self.watch)
+
+    def watch(self, key: str, on_change: Callback0) -> Callback0:
+        """Call ``on_change()`` whenever ``key`` (every key under it, when it ends with ``/``) changes
+        in etcd, on a watch stream of its own (``live/stream.py``), and when that stream is
+        (re-)established; returns what stops it. It adds no read: a waiter looks again when told."""
+        stream = self._stream_factory(self.keys.conn, [key], on_change)
+        self._start_thread("live-key-watch", stream.run, stop=stream.close)
+        return stream.close
 
     def forget_old(self) -> None:
         """Rank 0, once its group is up: delete what no one reads any more."""

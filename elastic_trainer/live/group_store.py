@@ -16,7 +16,10 @@ made of ``SLICE``-long waits of the ``EtcdStore`` it wraps, and between two it a
 - the members' probe ports (``live/probe.py``, ``PROBES_PER_LOOK`` at a time): a killed process's
   port refuses at once, while its lease lives on its node's agent.
 
-Then the wait raises ``MemberGone`` (a ``LookupError``, what a store's wait raises on a timeout),
+With ``watch`` (``LiveGroup.store``: a watch stream on the store's prefix) a wait looks again as
+soon as a key is set: the members that reach the group first learn a late member's address when
+it writes it, not at their next poll (10 ms, doubling to 250 ms), and a join's group forms once
+the newcomer is there. Then the wait raises ``MemberGone`` (a ``LookupError``, what a store's wait raises on a timeout),
 and ``init_process_group`` with it, within about a lease of a freeze and a ``SLICE`` of a kill.
 The state transfer that follows runs on the group's collectives: a killed peer's sockets close at
 once, and a frozen one's are shut by the watcher (``on_member_lost``), as during training.
@@ -25,6 +28,7 @@ once, and a frozen one's are shut by the watcher (``on_member_lost``), as during
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from collections.abc import Callable
 
@@ -41,6 +45,10 @@ PROBES_PER_LOOK = 64
 """Members probed between two slices of a wait, in turn (all of them at a few nodes)."""
 
 
+Watch = Callable[[str, Callable[[], None]], Callable[[], None]]
+"""``watch(prefix, on_change) -> stop``: call ``on_change()`` whenever a key under ``prefix`` changes in etcd."""
+
+
 class MemberGone(LookupError):
     """A member of the quorum whose process group forms is gone: the group cannot form."""
 
@@ -51,11 +59,15 @@ class GroupStore(Store):
     waits' (``init_process_group`` sets the group's)."""
 
     def __init__(self, keys: LiveKeys, quorum: Quorum, member_id: str, loss: Callable[[], str],
-                 timeout: datetime.timedelta) -> None:
+                 timeout: datetime.timedelta, watch: Watch | None = None) -> None:
         super().__init__()  # required by the pybind trampoline
         self.prefix = keys.key(f"store/{quorum.q}/")
         self.quorum = quorum
         self._store = EtcdStore(keys.conn, self.prefix, timeout=datetime.timedelta(seconds=SLICE))
+        self._unwatch: Callable[[], None] | None = None
+        if watch is not None:  # a wait looks again once a key under the prefix changes, not at its next poll
+            self._store.woken = threading.Event()
+            self._unwatch = watch(self.prefix, self._store.woken.set)
         self._others = [m for m in quorum.members if m.id != member_id]
         self._loss = loss
         self._prober = Prober(PROBES_PER_LOOK)
@@ -117,6 +129,12 @@ class GroupStore(Store):
                                       f"{timeout.total_seconds():g}s, and every member of quorum "
                                       f"{self.quorum.q} looks alive") from exc
 
+    def close(self) -> None:
+        """Stop watching the store's keys (its group is left); a later wait polls."""
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
+
     def gone(self) -> str:
         """Why a member of the quorum is gone (its lease, as the watcher saw; its probe port
         refusing), or ""."""
@@ -129,4 +147,4 @@ class GroupStore(Store):
         return ""
 
 
-__all__ = ["GroupStore", "MemberGone", "PROBES_PER_LOOK", "SLICE"]
+__all__ = ["GroupStore", "MemberGone", "PROBES_PER_LOOK", "SLICE", "Watch"]

@@ -56,8 +56,9 @@ class Membership:
         return self.me.id
 
     # ---- joining -------------------------------------------------------------------------------
-    def join(self) -> Quorum:
-        """Wait until a quorum includes this worker (as a newcomer, or in a cold start)."""
+    def join(self, woken: threading.Event | None = None) -> Quorum:
+        """Wait until a quorum includes this worker (as a newcomer, or in a cold start). It looks
+        every 20 ms, and at once when ``woken`` is set (``LiveGroup.join``: the quorum key changed)."""
         join_key = self.keys.key("join/" + self.id)
         self.lease.put(join_key, json.dumps({"node": self.me.node, "local_rank": self.me.local_rank,
                                              "nproc": self.nproc, "probe": self.me.probe,
@@ -90,7 +91,10 @@ class Membership:
                             continue
                 if time.monotonic() > deadline:
                     raise LiveTimeout(f"not admitted to the run within join_timeout {self.settings.join_timeout:g}s")
-                time.sleep(0.02)
+                if woken is None:
+                    time.sleep(0.02)
+                elif woken.wait(0.02):
+                    woken.clear()  # before the read: a change after it wakes the next wait
         finally:
             try:
                 self.lease.delete(join_key)

@@ -13,7 +13,8 @@ describes (``join``), never re-formed. Under live recovery it belongs to the liv
 3. **reform** (after a failed collective, or at an agreed step): the subgroups' connections shut,
    the group aborted and destroyed, the next quorum agreed (``LiveGroup.reform``: the step every
    survivor completed), **form** again, and the state sent point to point to the ranks behind the
-   quorum's step and the newcomers (``state_transfer.py``);
+   quorum's step and the newcomers (``state_transfer.py``; its source serializes it before the
+   group forms, while it waits for the others anyway);
 4. **close**: leave the quorum (the lease is revoked; rank 0 marks a finished run first).
 
 The Manager (``training/manager.py``) owns one and is what a training loop calls.
@@ -33,14 +34,14 @@ import torch.distributed as dist
 
 from elastic_trainer.env import EXIT_EVICTED, EXIT_EXCLUDED, EXIT_OK, WorkerEnv
 from elastic_trainer.live.group import LiveGroup
-from elastic_trainer.live.group_store import MemberGone
+from elastic_trainer.live.group_store import GroupStore, MemberGone
 from elastic_trainer.live.quorum import LiveExcluded, Quorum, RunFinished
 from elastic_trainer.training.abandon import GroupAbandon
 from elastic_trainer.training.process_group import (etcd_addresses, init_from_env, install_debug_hang,
                                                     leave_process_group, nccl_error_handling, warm_up_ddp)
 from elastic_trainer.training.recovery import Donors, Reform
 from elastic_trainer.runtime import die_with_parent, runtime
-from elastic_trainer.training.state_transfer import send_state, send_states, transfer
+from elastic_trainer.training.state_transfer import early_state, send_state, send_states, transfer
 from elastic_trainer.training.straggler_watch import Evicted
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class WorkerGroup:
         """The quorum number under live recovery (the rendezvous round otherwise)."""
         self.distributed = False
         self._subgroups = False  # groups beside the default one were made (subgroups())
+        self._store: GroupStore | None = None  # the current group's store (live), kept: see form()
 
     @property
     def quorum(self) -> Quorum | None:
@@ -118,6 +120,8 @@ class WorkerGroup:
         # kept: the store is a Python subclass of torch's Store, and the groups made later from the
         # default one (new_group: a DeviceMesh, the checkpoint's group) call it through C++, which finds
         # no Python half once the object is gone ("Not implemented.")
+        if self._store is not None:
+            self._store.close()  # the last group's store: its watch ends
         self._store = self.live.store()
         with self.abandon.recording():  # gloo: the connections it opens are the ones to shut on a silent loss
             dist.init_process_group(self.backend, store=self._store, rank=q.rank_of(self.live.id),
@@ -137,7 +141,7 @@ class WorkerGroup:
             except MemberGone as exc:
                 q = self.live.quorum
                 logger.warning("live: %s while quorum %d formed its group; re-forming without it", exc, q.q)
-                leave_process_group()
+                leave_process_group(runtime().start_thread)
                 self.live.reform(step, f"a member was lost while quorum {q.q} formed its group",
                                  report_timeout=max(self.live.settings.report_timeout, 3 * (cycle_s or 0.0)))
 
@@ -152,16 +156,17 @@ class WorkerGroup:
         try:
             if self._subgroups:  # gloo: a peer blocked on this rank in a subgroup fails now, as on a death
                 self.abandon.abandon("this rank re-forms")
-            leave_process_group()
+            leave_process_group(runtime().start_thread)
             torn = time.perf_counter()
             quorum = self.live.reform(step, cause, report_timeout=max(self.live.settings.report_timeout,
                                                                        3 * (cycle_s or 0.0)))
             agreed = time.perf_counter()
+            early = early_state(quorum, self.live.id, state_dict, donors)  # the source: while the others come
             quorum = self._form_until_whole(step, cycle_s)
             grouped = time.perf_counter()
         finally:
             self.live.progress.reform_ended()
-        state, missing = transfer(quorum, self.rank, state_dict, self.device, donors)
+        state, missing = transfer(quorum, self.rank, state_dict, self.device, donors, early)
         return Reform(quorum, state, old_rank, old_world, torn, agreed, grouped, missing, old_round, *started)
 
     def receive_state(self, donors: Donors | None = None) -> dict | None:
@@ -190,6 +195,8 @@ class WorkerGroup:
 
     def close(self, *, finished: bool = False) -> None:
         """Leave the quorum (its lease is revoked); with ``finished`` rank 0 marks the run finished first."""
+        if self._store is not None:
+            self._store.close()
         if self.live is not None:
             if finished and self.rank == 0:
                 self.live.finish()
