@@ -22,9 +22,18 @@ import torch.distributed as dist
 from elastic_trainer.live.quorum import Quorum
 
 
-def send_state(state: dict | None, src: int, receivers: Sequence[int], device: torch.device) -> dict | None:
+def encode_state(state: dict) -> torch.Tensor:
+    """``state`` serialized (``torch.save``) into one byte tensor, as ``send_state`` sends it."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
+
+
+def send_state(state: dict | None, src: int, receivers: Sequence[int], device: torch.device, *,
+               encoded: torch.Tensor | None = None) -> dict | None:
     """Send ``state`` from rank ``src`` to each rank in ``receivers`` (point to point: other ranks
     neither receive nor decode it). Returns the state on the receivers, None elsewhere.
+    ``encoded``: ``encode_state(state)``, made beforehand (the sender then passes no ``state``).
 
     Peak extra memory: one serialized copy on the sender; on a receiver, the received bytes and
     the decoded state (``torch.load`` reads the buffer in place, through a zero-copy reader)."""
@@ -32,9 +41,7 @@ def send_state(state: dict | None, src: int, receivers: Sequence[int], device: t
 
     rank = dist.get_rank()
     if rank == src:
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        data = torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
+        data = encoded if encoded is not None else encode_state(state)
         payload = data.to(device) if device.type != "cpu" else data
         size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
         works = []
@@ -72,9 +79,26 @@ def send_states(state: dict | None, donors: dict[int, int | None], device: torch
     return got
 
 
+def early_state(quorum: Quorum, member_id: str, state_dict: Callable[[], dict] | None,
+                donors: Callable | None) -> tuple[int, torch.Tensor] | None:
+    """A re-form's state, serialized by its source as soon as the quorum is known, before the
+    group forms: the source then waits for the others to reach the group (a newcomer learns the
+    quorum and forms later than the survivors), and the receivers no longer wait for its
+    ``torch.save`` after it. ``(quorum number, encode_state(state_dict()))`` on the source of a
+    quorum with receivers, else None (sharded states: ``donors`` send after the group forms)."""
+    if donors is not None or state_dict is None or not quorum.receivers:
+        return None
+    if quorum.rank_of(member_id) != quorum.source:
+        return None
+    return quorum.q, encode_state(state_dict())
+
+
 def transfer(quorum: Quorum, rank: int, state_dict: Callable[[], dict] | None, device: torch.device,
-             donors: Callable[[Quorum], dict[int, int | None]] | None = None) -> tuple[dict | None, tuple[int, ...]]:
+             donors: Callable[[Quorum], dict[int, int | None]] | None = None,
+             early: tuple[int, torch.Tensor] | None = None) -> tuple[dict | None, tuple[int, ...]]:
     """A re-form's state transfer on every rank of the new group: ``(received state, missing)``.
+    ``early``: ``early_state()``, used when it is this quorum's (a member lost while the group
+    formed made another).
 
     Without ``donors`` the quorum's source sends ``state_dict()`` to its receivers. With ``donors``
     (``Manager.reform``'s) each donor sends its own ``state_dict()`` to its receivers; when any
@@ -94,8 +118,10 @@ def transfer(quorum: Quorum, rank: int, state_dict: Callable[[], dict] | None, d
         source = rank == quorum.source
         if source and state_dict is None:
             raise ValueError("Manager.reform needs state_dict on the rank that sends the state to the others")
+        if source and early is not None and early[0] == quorum.q:
+            return send_state(None, quorum.source, quorum.receivers, device, encoded=early[1]), ()
         return send_state(state_dict() if source else None, quorum.source, quorum.receivers, device), ()
     return None, ()
 
 
-__all__ = ["send_state", "send_states", "transfer"]
+__all__ = ["early_state", "encode_state", "send_state", "send_states", "transfer"]
