@@ -16,7 +16,10 @@ reads ``handler.py`` and ``state.py`` to make sure the lists miss none. ``Tensor
 and checked here too.
 One more pair lives here for the same reason: DCP's ``FsspecWriter``/``FsspecReader``
 (``dcp_fsspec_storage``), public classes of a private torch module, which sharded checkpoints on
-object stores use (``checkpoint/sharded.py``); and ``torch._foreach_copy_`` (``foreach_copy``),
+object stores use (``checkpoint/sharded.py``); a module state dict's ``_metadata``
+(``state_dict_metadata``: the live state transfer's format keeps it, ``training/state_codec.py``);
+and ``torch._foreach_copy_`` (``foreach_copy``),
+a module state dict's ``_metadata`` (``state_dict_metadata``: the live state transfer's format keeps it),
 with which checkpoint snapshots copy many tensors in one call (``checkpoint/snapshot.py``,
 ``checkpoint/sharded.py``); and torch's table of ``init_process_group`` rendezvous handlers
 (``replace_rendezvous_handler``), where ``script.py`` refuses ``env://`` under live recovery.
@@ -152,6 +155,19 @@ _ACTIONS = ("KEEP_ALIVE", "ADD_TO_PARTICIPANTS", "ADD_TO_WAIT_LIST", "ADD_TO_RED
             "MARK_RENDEZVOUS_COMPLETE", "MARK_RENDEZVOUS_CLOSED", "SYNC", "ERROR_CLOSED", "ERROR_TIMEOUT", "FINISH")
 
 
+def state_dict_metadata(state: object) -> dict | None:
+    """The ``_metadata`` a module's ``state_dict()`` keeps on its ``OrderedDict`` (each submodule's
+    ``version``, which ``load_state_dict`` hands to ``_load_from_state_dict`` for its format
+    migrations), or None; ``training/state_codec.py`` sends it with the state."""
+    meta = getattr(state, "_metadata", None)
+    return meta if isinstance(meta, dict) else None
+
+
+def set_state_dict_metadata(state: dict, meta: dict) -> None:
+    """Put ``state_dict_metadata``'s value back on a decoded ``OrderedDict``."""
+    state._metadata = meta  # type: ignore[attr-defined]
+
+
 def torch_classes() -> dict[str, type]:
     """The classes of torch's that ``METHODS`` and ``ATTRIBUTES`` name, as this module holds them now."""
     return {"DynamicRendezvousHandler": DynamicRendezvousHandler, "DistributedOpExecutor": DistributedOpExecutor,
@@ -236,6 +252,10 @@ def check_compatible() -> list[str]:
     if params is not None and (params[:3] != ["cls", "local_tensor", "spec"] or "requires_grad" not in params):
         problems.append(f"DTensor.__new__ takes {params}, expected cls, local_tensor, spec, requires_grad "
                         "(dtensor_like: sharded checkpoints' staging)")
+    meta = state_dict_metadata(torch.nn.Linear(1, 1).state_dict())
+    if meta is None or meta.get("", {}).get("version") != 1:
+        problems.append("Module.state_dict() no longer keeps its versions in _metadata "
+                        "(state_dict_metadata: the live state transfer's format, training/state_codec.py)")
     # (the module: `from torch.distributed import rendezvous` is the function of that name)
     handlers = getattr(importlib.import_module("torch.distributed.rendezvous"), "_rendezvous_handlers", None)
     if not isinstance(handlers, dict) or "env" not in handlers:
@@ -258,5 +278,5 @@ __all__ = ["ATTRIBUTES", "METHODS", "TESTED_TORCH", "Action", "DistributedOpExec
            "ExitOp", "JoinOp", "NodeDesc", "RendezvousContext", "RendezvousSettings", "RendezvousState",
            "RendezvousTimeout", "StateHolder", "check_compatible", "dcp_fsspec_storage", "dtensor_like", "foreach_copy",
            "generate_node_desc",
-           "instance_attributes", "remove_participant_epilogue", "replace_rendezvous_handler", "torch_classes",
-           "version_counter"]
+           "instance_attributes", "remove_participant_epilogue", "replace_rendezvous_handler",
+           "set_state_dict_metadata", "state_dict_metadata", "torch_classes", "version_counter"]

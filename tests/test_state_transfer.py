@@ -1,4 +1,5 @@
-"""The re-form's state transfer: who serializes the state before the group forms (``early_state``).
+"""The re-form's state transfer: who serializes the state before the group forms (``early_state``),
+and the format it travels in (``state_codec``: safetensors and JSON, decoded without running code).
 
 The source of a quorum with receivers (a newcomer, a rank behind) serializes its state as soon as
 the quorum is known, while it waits for the others to reach the new group; the bytes it then sends
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from elastic_trainer.live.quorum import Member, Quorum
-from elastic_trainer.storage import PartsReader
+from elastic_trainer.training.state_codec import MAGIC, decode, encode
 from elastic_trainer.training.state_transfer import early_state, encode_state
 
 MEMBERS = tuple(Member(f"n{i}-0-1", f"n{i}", 0, f"127.0.0.1:{4000 + i}") for i in range(3))
@@ -33,7 +34,7 @@ def test_the_source_of_a_quorum_with_receivers_serializes_its_state_before_the_g
 
     q, data = early_state(quorum(receivers=(2,), source=1), MEMBERS[1].id, state_dict, None)
     assert q == 7 and calls == [1]
-    got = torch.load(PartsReader([memoryview(data.numpy())]), weights_only=True)
+    got = decode(data.clone())
     assert torch.equal(got["model"]["w"], state()["model"]["w"]) and got["meta"] == {"step": 41, "epoch": 2}
     assert torch.equal(data, encode_state(state()))  # the bytes send_state would have made after forming
 
@@ -44,3 +45,74 @@ def test_no_early_state_on_other_ranks_without_receivers_or_for_sharded_states()
     assert early_state(quorum(receivers=()), MEMBERS[0].id, never, None) is None  # nobody receives
     assert early_state(quorum(receivers=(2,)), MEMBERS[0].id, never, lambda q: {2: 0}) is None  # donors send later
     assert early_state(quorum(receivers=(2,)), MEMBERS[0].id, None, None) is None  # no state to send
+
+
+def _roundtrip(state):
+    return decode(encode(state).clone())  # as a receiver holds it: bytes of its own
+
+
+def test_the_wire_format_round_trips_a_trainers_state_exactly():
+    import random
+    from collections import OrderedDict
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
+             "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
+             "odd": {"$key": 1, 3: (1, 2.5, None, True, "x"), "nan": float("nan"), "inf": float("-inf")},
+             "dtypes": [torch.arange(3, dtype=d) for d in (torch.float16, torch.bfloat16, torch.int8, torch.float64)]
+             + [torch.tensor([True, False]), torch.tensor(7), torch.zeros(0, 3)],
+             "meta": {"step": 41, "epoch": 2}}
+    data = encode(state)
+    assert bytes(data[:8].numpy()) == MAGIC
+    got = _roundtrip(state)
+    assert got["rng"]["python"] == state["rng"]["python"] and torch.equal(got["rng"]["torch"], state["rng"]["torch"])
+    assert isinstance(got["model"], OrderedDict) and got["model"]._metadata == state["model"]._metadata
+    for k, v in state["model"].items():
+        assert torch.equal(got["model"][k], v) and got["model"][k].dtype == v.dtype
+    assert list(got["optimizer"]["state"]) == list(state["optimizer"]["state"])  # int keys stay ints
+    assert got["optimizer"]["param_groups"] == state["optimizer"]["param_groups"]
+    for i, s in state["optimizer"]["state"].items():
+        assert all(torch.equal(got["optimizer"]["state"][i][k], v) for k, v in s.items())
+    odd = got["odd"]
+    assert odd["$key"] == 1 and odd[3] == (1, 2.5, None, True, "x") and odd["inf"] == float("-inf")
+    assert odd["nan"] != odd["nan"]
+    for a, b in zip(got["dtypes"], state["dtypes"]):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    assert got["meta"] == {"step": 41, "epoch": 2}
+    # a model loads what came, and the optimizer steps on from the same state
+    twin = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+    twin.load_state_dict(got["model"])
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=0.1)
+    twin_opt.load_state_dict(got["optimizer"])
+    for m, o in ((model, opt), (twin, twin_opt)):
+        o.zero_grad()
+        torch.manual_seed(0)
+        m(torch.randn(5, 4)).sum().backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values()))
+
+
+def test_decoded_tensors_are_their_own_and_tied_weights_travel_once():
+    w = torch.randn(4, 4)
+    state = {"a": w, "b": w, "c": torch.ones(3)}
+    payload = encode(state).clone()
+    got = decode(payload)
+    assert torch.equal(got["a"], w) and got["a"] is got["b"]
+    payload.zero_()  # the received buffer goes; what was decoded stays
+    assert torch.equal(got["a"], w) and torch.equal(got["c"], torch.ones(3))
+    assert payload.numel() < 4 * 16 + 4 * 3 + 1024  # w once, not twice
+
+
+def test_a_state_the_format_cannot_hold_goes_as_torch_save_wrote_it():
+    view = torch.arange(10.0)
+    state = {"complex": torch.ones(2, dtype=torch.complex64), "w": torch.ones(2)}
+    data = encode(state)
+    assert bytes(data[:8].numpy()) != MAGIC  # torch.save's bytes
+    got = _roundtrip(state)
+    assert torch.equal(got["complex"], state["complex"]) and torch.equal(got["w"], state["w"])
+    shared = {"x": view[:5], "y": view[5:]}  # two views of one storage: safetensors refuses them
+    got = _roundtrip(shared)
+    assert torch.equal(got["x"], view[:5]) and torch.equal(got["y"], view[5:])

@@ -8,25 +8,25 @@ that holds the same part (``donors``: receiver rank -> donor rank), every donor 
 (``send_states``). ``transfer`` is what a re-form runs: the plan, its checks, and the sends.
 
 The state is whatever the loop's ``state_dict()`` returns (``torch.save``-able: tensors, numbers,
-nested dicts); it is serialized once on the sender and decoded in place on each receiver.
+nested dicts); it is serialized once on the sender (``state_codec.py``: safetensors and JSON, so
+that a receiver decodes it in a few milliseconds and runs no code from it) and decoded on each
+receiver.
 """
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from elastic_trainer.live.quorum import Quorum
+from elastic_trainer.training import state_codec
 
 
 def encode_state(state: dict) -> torch.Tensor:
-    """``state`` serialized (``torch.save``) into one byte tensor, as ``send_state`` sends it."""
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
+    """``state`` serialized into one byte tensor, as ``send_state`` sends it (``state_codec.py``)."""
+    return state_codec.encode(state)
 
 
 def send_state(state: dict | None, src: int, receivers: Sequence[int], device: torch.device, *,
@@ -35,10 +35,8 @@ def send_state(state: dict | None, src: int, receivers: Sequence[int], device: t
     neither receive nor decode it). Returns the state on the receivers, None elsewhere.
     ``encoded``: ``encode_state(state)``, made beforehand (the sender then passes no ``state``).
 
-    Peak extra memory: one serialized copy on the sender; on a receiver, the received bytes and
-    the decoded state (``torch.load`` reads the buffer in place, through a zero-copy reader)."""
-    from elastic_trainer.storage import PartsReader
-
+    Peak extra memory: on the sender the serialized state (twice, for a moment, while
+    ``state_codec.encode`` joins its parts); on a receiver the received bytes and the decoded state."""
     rank = dist.get_rank()
     if rank == src:
         data = encoded if encoded is not None else encode_state(state)
@@ -57,8 +55,7 @@ def send_state(state: dict | None, src: int, receivers: Sequence[int], device: t
     dist.recv(size, src=src)
     payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.recv(payload, src=src)
-    raw = payload.cpu().numpy() if device.type != "cpu" else payload.numpy()
-    return torch.load(PartsReader([memoryview(raw)]), weights_only=True, map_location="cpu")
+    return state_codec.decode(payload.cpu() if device.type != "cpu" else payload)
 
 
 def send_states(state: dict | None, donors: dict[int, int | None], device: torch.device) -> dict | None:
