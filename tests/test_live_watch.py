@@ -341,3 +341,22 @@ def test_a_store_wait_woken_by_a_watch_on_its_keys_looks_again_at_once(etcd, run
             assert got == [b"127.0.0.1:4242"], "the watch did not wake the store's wait"
         finally:
             stop()
+
+
+def test_a_groups_store_answers_from_the_standing_watch_without_asking_etcd(etcd, run_id):
+    """From ``join`` on, a worker watches every quorum's store (``LiveGroup.stores``): the addresses
+    its peers write when a group forms reach it as events, and its group's store answers them
+    without a request (gloo asks for each peer's address in turn: one etcd round trip each)."""
+    with live_nodes(etcd, run_id, nodes=1) as nodes:
+        group = nodes.groups[0]
+        store = group.store()
+        peer = EtcdStore(_conn(etcd), store.prefix)
+        peer.set("rank_1", b"127.0.0.1:4343")
+        assert wait_until(lambda: (store.prefix + "rank_1").encode() in group.stores.seen, 10), \
+            "the standing watch did not deliver the peer's key"
+        before = store.requests
+        assert store.get("rank_1") == b"127.0.0.1:4343"
+        assert store.requests == before, "the store asked etcd for a key the watch had delivered"
+        assert store.check(["rank_1"])  # check asks etcd, as c10d's stores do
+        peer.delete_key("rank_1")
+        assert wait_until(lambda: (store.prefix + "rank_1").encode() not in group.stores.seen, 10)

@@ -8,7 +8,8 @@ one speaks v3:
 * ``set`` is a put; ``get`` and ``wait`` block until the keys exist or the store timeout
   passes (polling with exponential backoff from 10 ms to 250 ms; ``LookupError`` on timeout,
   like torch's); with ``woken`` (an event that a watch on the store's keys sets) a wait looks
-  again as soon as a key changes;
+  again as soon as a key changes, and with ``seen`` (the values that watch delivered) it answers
+  from them without a request;
 * ``add`` and ``compare_set`` are etcd transactions on the key's mod revision, so they are
   atomic among any number of agents;
 * ``check``, ``delete_key`` and ``num_keys`` do what c10d's stores do.
@@ -69,6 +70,11 @@ class EtcdStore(Store):
         self.woken: threading.Event | None = None
         """Set by whoever watches the store's keys in etcd (``live/group_store.py``): a wait then
         looks again at once instead of at its next poll."""
+        self.seen: dict[bytes, bytes] | None = None
+        """The values that watch delivered (full key -> value; a deletion removes it): a ``get`` or
+        ``wait`` whose keys are all in it answers from it, without a request. For stores whose
+        keys are written once (a process group's: each rank's address, NCCL's id): a key set again
+        may be answered with the value before, until its event comes."""
         if timeout is not None:
             self.set_timeout(timeout)
 
@@ -175,10 +181,15 @@ class EtcdStore(Store):
     def _wait_get(self, keys: list[bytes], timeout: timedelta) -> list[bytes] | None:
         deadline = time.monotonic() + timeout.total_seconds()
         delay = self.poll_min
-        woken = self.woken
+        woken, seen = self.woken, self.seen
         while True:
             if woken is not None:
                 woken.clear()  # before the read: a key set after it wakes the wait below
+            if seen is not None and all(k in seen for k in keys):
+                try:
+                    return [seen[k] for k in keys]
+                except KeyError:  # deleted meanwhile: ask etcd
+                    pass
             values = self._try_get(keys)
             if values is not None:
                 return values

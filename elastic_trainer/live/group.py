@@ -39,8 +39,8 @@ import threading
 from collections.abc import Callable
 
 from elastic_trainer.env import LiveSettings, WorkerEnv
-from elastic_trainer.live.group_store import GroupStore
-from elastic_trainer.live.keys import LiveKeys
+from elastic_trainer.live.group_store import GroupStore, StoreWatch
+from elastic_trainer.live.keys import Change, LiveKeys
 from elastic_trainer.live.membership import Membership
 from elastic_trainer.live.probe import ProbeListener, resolvable
 from elastic_trainer.live.progress import Progress
@@ -83,6 +83,9 @@ class LiveGroup:
         re-form without it (it must end the process: the Manager exits; its agent starts a newcomer)."""
         self.probe_peers = probe_peers
         self._start_thread, self._stream_factory = start_thread, stream_factory
+        self.stores = StoreWatch()
+        """What the standing watch on every quorum's store delivered (``store()``), from ``join`` on."""
+        self._unwatch_stores: Callback0 | None = None
         self._closed = False
 
     @classmethod
@@ -165,7 +168,11 @@ class LiveGroup:
         """Wait until a quorum includes this worker (as a newcomer, or in a cold start), then watch.
         While it waits, a watch on the quorum key wakes it once the key changes: a newcomer learns
         the quorum that admits it within a watch event of its write, not at its next look (every
-        20 ms), while the members wait for it to form the group."""
+        20 ms), while the members wait for it to form the group. Its standing watch on every
+        quorum's store starts first (``stores``, closed with the group), so that the members'
+        addresses are there when its group forms."""
+        if self._unwatch_stores is None:  # established while it waits: the group's addresses come as set
+            self._unwatch_stores = self.watch(self.keys.key("store/"), self.stores.reset, self.stores.changed)
         woken = threading.Event()
         unwatch = self.watch(self.keys.key("quorum"), woken.set)
         try:
@@ -187,13 +194,15 @@ class LiveGroup:
         q = self.quorum
         assert q is not None, "store() before join()"
         return GroupStore(self.keys, q, self.id, lambda: self.watcher.loss_of(q),
-                          datetime.timedelta(seconds=max(5.0, self.settings.report_timeout * 3)), watch=self.watch)
+                          datetime.timedelta(seconds=max(5.0, self.settings.report_timeout * 3)), watched=self.stores)
 
-    def watch(self, key: str, on_change: Callback0) -> Callback0:
+    def watch(self, key: str, on_change: Callback0, on_events: Callable[[list[Change]], None] | None = None
+              ) -> Callback0:
         """Call ``on_change()`` whenever ``key`` (every key under it, when it ends with ``/``) changes
-        in etcd, on a watch stream of its own (``live/stream.py``), and when that stream is
-        (re-)established; returns what stops it. It adds no read: a waiter looks again when told."""
-        stream = self._stream_factory(self.keys.conn, [key], on_change)
+        in etcd (with ``on_events``: ``on_events(changes)`` instead), on a watch stream of its own
+        (``live/stream.py``), and ``on_change()`` when that stream is (re-)established; returns what
+        stops it. It adds no read: a waiter looks again when told."""
+        stream = self._stream_factory(self.keys.conn, [key], on_change, on_events=on_events)
         self._start_thread("live-key-watch", stream.run, stop=stream.close)
         return stream.close
 
@@ -243,6 +252,8 @@ class LiveGroup:
         if self._closed:
             return
         self._closed = True
+        if self._unwatch_stores is not None:
+            self._unwatch_stores()
         self.watcher.close()
         self.reformer.close()
         if self.probe is not None:

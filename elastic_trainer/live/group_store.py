@@ -16,9 +16,10 @@ made of ``SLICE``-long waits of the ``EtcdStore`` it wraps, and between two it a
 - the members' probe ports (``live/probe.py``, ``PROBES_PER_LOOK`` at a time): a killed process's
   port refuses at once, while its lease lives on its node's agent.
 
-With ``watch`` (``LiveGroup.store``: a watch stream on the store's prefix) a wait looks again as
-soon as a key is set: the members that reach the group first learn a late member's address when
-it writes it, not at their next poll (10 ms, doubling to 250 ms), and a join's group forms once
+With ``watched`` (``StoreWatch``: what the worker's standing watch on ``live/store/`` delivered,
+``LiveGroup.store``) the members learn each other's keys from the watch's events: a wait whose keys came answers without a request (gloo's
+connection asks for every peer's address, one etcd round trip each), and one that waits wakes
+when its key is set, not at its next poll (10 ms, doubling to 250 ms). A join's group forms once
 the newcomer is there. Then the wait raises ``MemberGone`` (a ``LookupError``, what a store's wait raises on a timeout),
 and ``init_process_group`` with it, within about a lease of a freeze and a ``SLICE`` of a kill.
 The state transfer that follows runs on the group's collectives: a killed peer's sockets close at
@@ -34,7 +35,7 @@ from collections.abc import Callable
 
 from torch.distributed import Store
 
-from elastic_trainer.live.keys import LiveKeys
+from elastic_trainer.live.keys import Change, LiveKeys
 from elastic_trainer.live.probe import Prober
 from elastic_trainer.live.quorum import Quorum
 from elastic_trainer.etcd.store import EtcdStore
@@ -45,8 +46,30 @@ PROBES_PER_LOOK = 64
 """Members probed between two slices of a wait, in turn (all of them at a few nodes)."""
 
 
-Watch = Callable[[str, Callable[[], None]], Callable[[], None]]
-"""``watch(prefix, on_change) -> stop``: call ``on_change()`` whenever a key under ``prefix`` changes in etcd."""
+class StoreWatch:
+    """What a worker's standing watch on every quorum's store (``live/store/``) delivered: the keys'
+    values (``seen``, full key -> value) and ``woken``, set at each change. ``LiveGroup`` feeds it
+    from its watch stream (``changed``; ``reset`` when the stream is (re-)established: what it
+    missed meanwhile is read from etcd) from before the worker is admitted, so that a quorum's
+    members find each other's addresses in it when their group forms, some before they look."""
+
+    def __init__(self) -> None:
+        self.seen: dict[bytes, bytes] = {}
+        self.woken = threading.Event()
+
+    def changed(self, changes: list[Change]) -> None:
+        """From the watch's thread: keys set or deleted under ``live/store/``, in order."""
+        for c in changes:
+            if c.value is None:
+                self.seen.pop(c.key.encode(), None)
+            else:
+                self.seen[c.key.encode()] = c.value
+        self.woken.set()
+
+    def reset(self) -> None:
+        """The stream is (re-)established: forget what may be stale (an etcd that lost its data)."""
+        self.seen.clear()
+        self.woken.set()
 
 
 class MemberGone(LookupError):
@@ -59,15 +82,13 @@ class GroupStore(Store):
     waits' (``init_process_group`` sets the group's)."""
 
     def __init__(self, keys: LiveKeys, quorum: Quorum, member_id: str, loss: Callable[[], str],
-                 timeout: datetime.timedelta, watch: Watch | None = None) -> None:
+                 timeout: datetime.timedelta, watched: StoreWatch | None = None) -> None:
         super().__init__()  # required by the pybind trampoline
         self.prefix = keys.key(f"store/{quorum.q}/")
         self.quorum = quorum
         self._store = EtcdStore(keys.conn, self.prefix, timeout=datetime.timedelta(seconds=SLICE))
-        self._unwatch: Callable[[], None] | None = None
-        if watch is not None:  # a wait looks again once a key under the prefix changes, not at its next poll
-            self._store.woken = threading.Event()
-            self._unwatch = watch(self.prefix, self._store.woken.set)
+        if watched is not None:  # a wait answers from the keys the watch delivered, or looks again when one comes
+            self._store.woken, self._store.seen = watched.woken, watched.seen
         self._others = [m for m in quorum.members if m.id != member_id]
         self._loss = loss
         self._prober = Prober(PROBES_PER_LOOK)
@@ -129,12 +150,6 @@ class GroupStore(Store):
                                       f"{timeout.total_seconds():g}s, and every member of quorum "
                                       f"{self.quorum.q} looks alive") from exc
 
-    def close(self) -> None:
-        """Stop watching the store's keys (its group is left); a later wait polls."""
-        if self._unwatch is not None:
-            self._unwatch()
-            self._unwatch = None
-
     def gone(self) -> str:
         """Why a member of the quorum is gone (its lease, as the watcher saw; its probe port
         refusing), or ""."""
@@ -147,4 +162,4 @@ class GroupStore(Store):
         return ""
 
 
-__all__ = ["GroupStore", "MemberGone", "PROBES_PER_LOOK", "SLICE", "Watch"]
+__all__ = ["GroupStore", "MemberGone", "PROBES_PER_LOOK", "SLICE", "StoreWatch"]

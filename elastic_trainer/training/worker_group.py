@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from elastic_trainer.env import EXIT_EVICTED, EXIT_EXCLUDED, EXIT_OK, WorkerEnv
 from elastic_trainer.live.group import LiveGroup
-from elastic_trainer.live.group_store import GroupStore, MemberGone
+from elastic_trainer.live.group_store import MemberGone
 from elastic_trainer.live.quorum import LiveExcluded, Quorum, RunFinished
 from elastic_trainer.training.abandon import GroupAbandon
 from elastic_trainer.training.process_group import (etcd_addresses, init_from_env, install_debug_hang,
@@ -69,7 +69,6 @@ class WorkerGroup:
         """The quorum number under live recovery (the rendezvous round otherwise)."""
         self.distributed = False
         self._subgroups = False  # groups beside the default one were made (subgroups())
-        self._store: GroupStore | None = None  # the current group's store (live), kept: see form()
 
     @property
     def quorum(self) -> Quorum | None:
@@ -105,6 +104,7 @@ class WorkerGroup:
         quorum = self.live.join()
         t1 = time.perf_counter()
         quorum = self._form_until_whole(-1)  # a newcomer's (or a cold start's) step: none yet
+        self.live.forget_old()
         logger.info("live: admitted to quorum %d as rank %d of %d after %.3fs (%s); group in %.3fs", quorum.q,
                     self.rank, quorum.world_size, t1 - t0, "cold start" if quorum.cold else "newcomer",
                     time.perf_counter() - t1)
@@ -120,14 +120,11 @@ class WorkerGroup:
         # kept: the store is a Python subclass of torch's Store, and the groups made later from the
         # default one (new_group: a DeviceMesh, the checkpoint's group) call it through C++, which finds
         # no Python half once the object is gone ("Not implemented.")
-        if self._store is not None:
-            self._store.close()  # the last group's store: its watch ends
         self._store = self.live.store()
         with self.abandon.recording():  # gloo: the connections it opens are the ones to shut on a silent loss
             dist.init_process_group(self.backend, store=self._store, rank=q.rank_of(self.live.id),
                                     world_size=q.world_size,
                                     timeout=datetime.timedelta(seconds=self.collective_timeout), **extra)
-        self.live.forget_old()
         self.rank, self.world_size, self.round, self.distributed = dist.get_rank(), q.world_size, q.q, True
 
     def _form_until_whole(self, step: int, cycle_s: float | None = None) -> Quorum:
@@ -167,6 +164,7 @@ class WorkerGroup:
         finally:
             self.live.progress.reform_ended()
         state, missing = transfer(quorum, self.rank, state_dict, self.device, donors, early)
+        self.live.forget_old()  # rank 0, after the state went: the receivers do not wait for its deletes
         return Reform(quorum, state, old_rank, old_world, torn, agreed, grouped, missing, old_round, *started)
 
     def receive_state(self, donors: Donors | None = None) -> dict | None:
@@ -195,8 +193,6 @@ class WorkerGroup:
 
     def close(self, *, finished: bool = False) -> None:
         """Leave the quorum (its lease is revoked); with ``finished`` rank 0 marks the run finished first."""
-        if self._store is not None:
-            self._store.close()
         if self.live is not None:
             if finished and self.rank == 0:
                 self.live.finish()
