@@ -32,19 +32,42 @@ def test_the_source_of_a_quorum_with_receivers_serializes_its_state_before_the_g
         calls.append(1)
         return state()
 
-    q, data = early_state(quorum(receivers=(2,), source=1), MEMBERS[1].id, state_dict, None)
-    assert q == 7 and calls == [1]
+    threads = []
+
+    def start_thread(name, target, *args):
+        threads.append(name)
+        target(*args)
+
+    early = early_state(quorum(receivers=(2,), source=1), MEMBERS[1].id, state_dict, None, start_thread)
+    assert early.q == 7 and calls == [1] and threads == ["live-encode-state"]
+    data = early.result()
     got = decode(data.clone())
     assert torch.equal(got["model"]["w"], state()["model"]["w"]) and got["meta"] == {"step": 41, "epoch": 2}
     assert torch.equal(data, encode_state(state()))  # the bytes send_state would have made after forming
 
 
+def _no_thread(name, target, *args):
+    raise AssertionError(f"{name} started")
+
+
+def test_an_encoding_that_failed_raises_on_the_training_thread():
+    state = {"w": torch.ones(2)}
+    early = early_state(quorum(receivers=(2,)), MEMBERS[0].id, lambda: state, None,
+                        lambda name, target, *args: target({"bad": lambda: 0}))  # neither format holds it
+    try:
+        early.result()
+    except Exception as exc:  # noqa: BLE001 - torch.save's pickling error, whatever its type
+        assert "lambda" in str(exc) or "pickle" in str(exc).lower(), exc
+    else:
+        raise AssertionError("the encoding's error did not reach result()")
+
+
 def test_no_early_state_on_other_ranks_without_receivers_or_for_sharded_states():
     never = lambda: (_ for _ in ()).throw(AssertionError("state_dict called"))  # noqa: E731
-    assert early_state(quorum(receivers=(2,)), MEMBERS[1].id, never, None) is None  # not the source
-    assert early_state(quorum(receivers=()), MEMBERS[0].id, never, None) is None  # nobody receives
-    assert early_state(quorum(receivers=(2,)), MEMBERS[0].id, never, lambda q: {2: 0}) is None  # donors send later
-    assert early_state(quorum(receivers=(2,)), MEMBERS[0].id, None, None) is None  # no state to send
+    assert early_state(quorum(receivers=(2,)), MEMBERS[1].id, never, None, _no_thread) is None  # not the source
+    assert early_state(quorum(receivers=()), MEMBERS[0].id, never, None, _no_thread) is None  # nobody receives
+    assert early_state(quorum(receivers=(2,)), MEMBERS[0].id, never, lambda q: {2: 0}, _no_thread) is None  # donors send later
+    assert early_state(quorum(receivers=(2,)), MEMBERS[0].id, None, None, _no_thread) is None  # no state to send
 
 
 def _roundtrip(state):

@@ -15,6 +15,7 @@ receiver.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -76,23 +77,49 @@ def send_states(state: dict | None, donors: dict[int, int | None], device: torch
     return got
 
 
-def early_state(quorum: Quorum, member_id: str, state_dict: Callable[[], dict] | None,
-                donors: Callable | None) -> tuple[int, torch.Tensor] | None:
-    """A re-form's state, serialized by its source as soon as the quorum is known, before the
-    group forms: the source then waits for the others to reach the group (a newcomer learns the
-    quorum and forms later than the survivors), and the receivers no longer wait for its
-    ``torch.save`` after it. ``(quorum number, encode_state(state_dict()))`` on the source of a
-    quorum with receivers, else None (sharded states: ``donors`` send after the group forms)."""
+class EarlyState:
+    """A re-form's state, serialized by its source as soon as the quorum is known, on a thread of
+    its own while the group forms (``early_state``): the source reaches the group at once, and the
+    receivers do not wait for its serialization after it. ``state_dict()`` is called on the caller's
+    thread (the loop's code stays on the training thread); only ``encode_state`` runs on the other."""
+
+    def __init__(self, q: int, state: dict, start_thread: Callable[..., object]) -> None:
+        self.q = q
+        self._done = threading.Event()
+        self._data: torch.Tensor | None = None
+        self._error: BaseException | None = None
+        start_thread("live-encode-state", self._encode, state)
+
+    def _encode(self, state: dict) -> None:
+        try:
+            self._data = encode_state(state)
+        except BaseException as exc:  # noqa: BLE001 - raised on the training thread by result()
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def result(self) -> torch.Tensor:
+        """The serialized state (waits for the thread; its error, if it failed)."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._data
+
+
+def early_state(quorum: Quorum, member_id: str, state_dict: Callable[[], dict] | None, donors: Callable | None,
+                start_thread: Callable[..., object]) -> EarlyState | None:
+    """``EarlyState`` on the source of a quorum with receivers (a newcomer, a rank behind), else
+    None (sharded states: ``donors`` send after the group forms)."""
     if donors is not None or state_dict is None or not quorum.receivers:
         return None
     if quorum.rank_of(member_id) != quorum.source:
         return None
-    return quorum.q, encode_state(state_dict())
+    return EarlyState(quorum.q, state_dict(), start_thread)
 
 
 def transfer(quorum: Quorum, rank: int, state_dict: Callable[[], dict] | None, device: torch.device,
              donors: Callable[[Quorum], dict[int, int | None]] | None = None,
-             early: tuple[int, torch.Tensor] | None = None) -> tuple[dict | None, tuple[int, ...]]:
+             early: EarlyState | None = None) -> tuple[dict | None, tuple[int, ...]]:
     """A re-form's state transfer on every rank of the new group: ``(received state, missing)``.
     ``early``: ``early_state()``, used when it is this quorum's (a member lost while the group
     formed made another).
@@ -115,10 +142,10 @@ def transfer(quorum: Quorum, rank: int, state_dict: Callable[[], dict] | None, d
         source = rank == quorum.source
         if source and state_dict is None:
             raise ValueError("Manager.reform needs state_dict on the rank that sends the state to the others")
-        if source and early is not None and early[0] == quorum.q:
-            return send_state(None, quorum.source, quorum.receivers, device, encoded=early[1]), ()
+        if source and early is not None and early.q == quorum.q:
+            return send_state(None, quorum.source, quorum.receivers, device, encoded=early.result()), ()
         return send_state(state_dict() if source else None, quorum.source, quorum.receivers, device), ()
     return None, ()
 
 
-__all__ = ["early_state", "encode_state", "send_state", "send_states", "transfer"]
+__all__ = ["EarlyState", "early_state", "encode_state", "send_state", "send_states", "transfer"]

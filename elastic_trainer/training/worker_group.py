@@ -158,7 +158,7 @@ class WorkerGroup:
             quorum = self.live.reform(step, cause, report_timeout=max(self.live.settings.report_timeout,
                                                                        3 * (cycle_s or 0.0)))
             agreed = time.perf_counter()
-            early = early_state(quorum, self.live.id, state_dict, donors)  # the source: while the others come
+            early = early_state(quorum, self.live.id, state_dict, donors, runtime().start_thread)  # while the group forms
             quorum = self._form_until_whole(step, cycle_s)
             grouped = time.perf_counter()
         finally:
