@@ -122,8 +122,10 @@ class Trainer:
             devices.set_tf32(d.device, c.tf32)
             self.timer = devices.step_timer(d.device)
             self.report.device_line()  # the run's first line: where it trains (never CPU by surprise)
+            # map-style or a stream, read from the position loaded later; made first: a live newcomer's
+            # peer sends the state meanwhile
+            self.sampler, self.batches = self.new_feed()
             self.live.receive()  # a live newcomer: the state from a peer, not storage
-            self.sampler, self.batches = self.new_feed()  # map-style or a stream; reads from the loaded position
             blocks = self.task.fsdp_blocks(self.module) if self.task.fsdp_blocks is not None else None
             with (self.manager.subgroups(lambda: hsdp.mesh_groups(self.module)) if c.fsdp  # the mesh's groups
                   else contextlib.nullcontext()):
