@@ -13,6 +13,7 @@ ends it:
 | ``live-watch-stream`` | the watcher, on the node's watching worker (``live/view_keeper.py``) | the same | ``Watcher.close`` |
 | ``live-node-watch`` | the watcher, on its node's other workers (``live/node_share.py``) | until promoted | ``Watcher.close`` |
 | ``live-report-watch`` | ``ReportFeed`` (``live/report_feed.py``), on the re-form's first candidates | the worker is one | ``Reform`` |
+| ``live-key-watch`` | ``LiveGroup.watch``: the quorum key while it joins; every quorum's store (``StoreWatch``) | it joins; it is a member | ``LiveGroup.join``; ``LiveGroup.close`` |
 
 No thread here ends the process: a lost lease or a hung training thread is handed to the callbacks
 the group was made with (``on_lease_lost``, ``on_hung``; the Manager exits through its runtime).
