@@ -16,14 +16,16 @@ made of ``SLICE``-long waits of the ``EtcdStore`` it wraps, and between two it a
 - the members' probe ports (``live/probe.py``, ``PROBES_PER_LOOK`` at a time): a killed process's
   port refuses at once, while its lease lives on its node's agent.
 
-With ``watched`` (``StoreWatch``: what the worker's standing watch on ``live/store/`` delivered,
-``LiveGroup.store``) the members learn each other's keys from the watch's events: a wait whose keys came answers without a request (gloo's
-connection asks for every peer's address, one etcd round trip each), and one that waits wakes
-when its key is set, not at its next poll (10 ms, doubling to 250 ms). A join's group forms once
-the newcomer is there. Then the wait raises ``MemberGone`` (a ``LookupError``, what a store's wait raises on a timeout),
+Then the wait raises ``MemberGone`` (a ``LookupError``, what a store's wait raises on a timeout),
 and ``init_process_group`` with it, within about a lease of a freeze and a ``SLICE`` of a kill.
 The state transfer that follows runs on the group's collectives: a killed peer's sockets close at
 once, and a frozen one's are shut by the watcher (``on_member_lost``), as during training.
+
+With ``watched`` (``StoreWatch``: what the worker's standing watch on ``live/store/`` delivered,
+``LiveGroup.store``) the members learn each other's keys from the watch's events: a wait whose
+keys came answers without a request (gloo's connection asks for every peer's address, one etcd
+round trip each), and one that waits wakes when its key is set, not at its next poll (10 ms,
+doubling to 250 ms). A join's group forms once the newcomer is there.
 """
 
 from __future__ import annotations
