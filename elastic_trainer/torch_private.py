@@ -19,10 +19,14 @@ One more pair lives here for the same reason: DCP's ``FsspecWriter``/``FsspecRea
 object stores use (``checkpoint/sharded.py``); a module state dict's ``_metadata``
 (``state_dict_metadata``: the live state transfer's format keeps it, ``training/state_codec.py``);
 and ``torch._foreach_copy_`` (``foreach_copy``),
-a module state dict's ``_metadata`` (``state_dict_metadata``: the live state transfer's format keeps it),
 with which checkpoint snapshots copy many tensors in one call (``checkpoint/snapshot.py``,
-``checkpoint/sharded.py``); and torch's table of ``init_process_group`` rendezvous handlers
-(``replace_rendezvous_handler``), where ``script.py`` refuses ``env://`` under live recovery.
+``checkpoint/sharded.py``); torch's table of ``init_process_group`` rendezvous handlers
+(``replace_rendezvous_handler``), where ``script.py`` refuses ``env://`` under live recovery; and
+the two halves of ``init_process_group`` (``new_default_group``: torch's
+``_new_process_group_helper``, which makes the group; ``install_default_group``: its
+``_update_default_pg`` and ``_world``'s rank table, which make it the default), with which the live
+group forms the next quorum's group beside the one it trains in, under a name of that quorum's
+(``training/group_ahead.py``).
 
 Checked against torch 2.11 (2.11.0+cu130, on a GPU machine: ``launch/gpu-check``), 2.12 (2.12.1),
 2.13 (2.13.0, what CI installs), 2.14 (2.14.1) and 2.15 (2.15.0, its CUDA build on a CPU machine);
@@ -38,7 +42,11 @@ import importlib
 import inspect
 import textwrap
 
+import datetime
+
 import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as _c10d
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as _dr
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: F401 - re-exported
     DynamicRendezvousHandler,
@@ -168,6 +176,29 @@ def set_state_dict_metadata(state: dict, meta: dict) -> None:
     state._metadata = meta  # type: ignore[attr-defined]
 
 
+def new_default_group(backend: str, store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta,
+                      name: str, device_id: torch.device | None = None) -> dist.ProcessGroup:
+    """A process group of ``world_size`` ranks on ``store``, made as ``init_process_group(backend,
+    store=store, ...)`` makes the default one (torch's ``_new_process_group_helper``: the same
+    backends, options and registration), but named ``name`` (torch names its default group after a
+    counter, "0", which the group in use holds already) and not made the default: it may be made on
+    another thread while the default group trains (``install_default_group`` swaps it in). Every rank
+    of it must make it under the same name on the same store (the name prefixes its keys)."""
+    pg, _ = _c10d._new_process_group_helper(world_size, rank, [], dist.Backend(backend), store, name,
+                                            timeout=timeout, device_id=device_id, group_desc="default_pg")
+    return pg
+
+
+def install_default_group(pg: dist.ProcessGroup) -> dist.ProcessGroup | None:
+    """Make ``pg`` (from ``new_default_group``) the default process group, as ``init_process_group``
+    does with the group it made; returns the default group it replaces (None if there was none),
+    which stays registered as a group of its own: ``dist.destroy_process_group(old)`` ends it alone."""
+    old = _c10d._world.default_pg
+    _c10d._update_default_pg(pg)
+    _c10d._world.pg_group_ranks[pg] = {i: i for i in range(pg.size())}
+    return old
+
+
 def torch_classes() -> dict[str, type]:
     """The classes of torch's that ``METHODS`` and ``ATTRIBUTES`` name, as this module holds them now."""
     return {"DynamicRendezvousHandler": DynamicRendezvousHandler, "DistributedOpExecutor": DistributedOpExecutor,
@@ -261,6 +292,20 @@ def check_compatible() -> list[str]:
     if not isinstance(handlers, dict) or "env" not in handlers:
         problems.append("torch.distributed.rendezvous._rendezvous_handlers (the env:// handler's table) is gone "
                         "(replace_rendezvous_handler: script.py's refusal of env:// under live recovery)")
+    helper = getattr(_c10d, "_new_process_group_helper", None)
+    expected = ["group_size", "group_rank", "global_ranks_in_group", "backend", "store", "group_name"]
+    if helper is None:
+        problems.append("torch.distributed.distributed_c10d._new_process_group_helper is gone (new_default_group)")
+    else:
+        params = list(inspect.signature(helper).parameters)
+        if params[:6] != expected or not {"timeout", "device_id", "group_desc"} <= set(params):
+            problems.append(f"_new_process_group_helper takes {params}, expected {expected} and timeout, device_id, "
+                            "group_desc (new_default_group)")
+    world = getattr(_c10d, "_world", None)
+    if not callable(getattr(_c10d, "_update_default_pg", None)) or not all(
+            hasattr(world, a) for a in ("default_pg", "pg_group_ranks", "pg_map")):
+        problems.append("distributed_c10d._update_default_pg or _world.default_pg/pg_group_ranks/pg_map is gone "
+                        "(install_default_group)")
     try:
         writer, reader = dcp_fsspec_storage()
     except ImportError as exc:
@@ -278,5 +323,5 @@ __all__ = ["ATTRIBUTES", "METHODS", "TESTED_TORCH", "Action", "DistributedOpExec
            "ExitOp", "JoinOp", "NodeDesc", "RendezvousContext", "RendezvousSettings", "RendezvousState",
            "RendezvousTimeout", "StateHolder", "check_compatible", "dcp_fsspec_storage", "dtensor_like", "foreach_copy",
            "generate_node_desc",
-           "instance_attributes", "remove_participant_epilogue", "replace_rendezvous_handler",
+           "install_default_group", "instance_attributes", "new_default_group", "remove_participant_epilogue", "replace_rendezvous_handler",
            "set_state_dict_metadata", "state_dict_metadata", "torch_classes", "version_counter"]

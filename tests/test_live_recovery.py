@@ -79,6 +79,8 @@ def test_live_run_that_loses_two_nodes_and_gains_one_keeps_survivors_and_matches
     reforms = [e for e in events if e.event == Event.LIVE_REFORM]
     assert [(e.old, e.new) for e in reforms] == [(3, 2), (2, 3), (3, 2)], reforms
     assert reforms[1].receivers == [2]  # the newcomer got the state over the new group
+    # the join's group formed beside the survivors' while they trained (group_ahead.py); the kills' did not
+    assert [e.ahead for e in reforms] == [False, True, False], reforms
     peer = [e for e in events if e.event == Event.PEER_STATE_LOADED]
     assert len(peer) <= 1  # logged by rank 0 only; the newcomer's own line is in its log:
     assert "received the training state of step" in outs[3].read_text()
@@ -92,6 +94,54 @@ def test_live_run_that_loses_two_nodes_and_gains_one_keeps_survivors_and_matches
             assert abs(s["loss"] - base_loss[s["step"]]) <= 1e-5 * abs(base_loss[s["step"]]), s
     step, state = latest(ck)
     assert step == total and state["meta"]["world_size"] == 2
+    check_equivalence(state["model"], base_model, total)
+
+
+def test_a_member_killed_while_a_joins_group_forms_ahead_takes_the_newcomer_into_the_survivors_re_form(
+        etcd, run_id, procs, tmp_path):
+    """A node joins 2 nodes; while the members' group with it forms ahead (``group_ahead.py``: they
+    train on, then switch at an agreed step), one member's node is killed. The survivor's collective
+    fails, it drops the group made ahead, and its re-form from the agreed quorum takes the newcomer in
+    (whose wait for the state failed: it re-formed with step -1 and receives the state over the new
+    group). Nothing is redone or lost: the end state equals an uninterrupted run's."""
+    total = 36
+    base_model, base_loss, base_ledger = baseline(tmp_path, total)
+    ck, logs = tmp_path / "ck", tmp_path / "logs"
+    outs = [tmp_path / f"agent{i}.log" for i in range(3)]
+    args = ("--max-steps", str(total), "--sleep-per-step", "0.2")  # the switch comes a step (0.2 s) after the line below
+    agents = [live_agent(procs, etcd, run_id, ck, logs, outs[i], *args) for i in range(2)]
+    st = wait_steps("a world of 2 at step 3", lambda st: any(s["world_size"] == 2 and s["step"] >= 3 for s in st),
+                    logs, 120, outs)
+    ranks = current_ranks(st)
+    rank0_out = outs[agents.index(agent_of(ranks[0], agents))]
+    agents.append(live_agent(procs, etcd, run_id, ck, logs, outs[2], *args))
+    deadline = time.monotonic() + 120
+    while "its group forms beside" not in rank0_out.read_text():  # the join's quorum agreed: its group forms
+        assert time.monotonic() < deadline, [o.read_text()[-3000:] for o in outs]
+        time.sleep(0.005)
+    victim = agent_of(ranks[1], agents)
+    os.killpg(victim.pid, signal.SIGKILL)
+    t_kill = time.time()
+    for a in agents:
+        if a is not victim:
+            assert a.wait(timeout=200) == 0, [o.read_text()[-3000:] for o in outs]
+
+    st = steps_of(logs)
+    after = {s["pid"] for s in st if s["time"] > t_kill}
+    assert ranks[0] in after and len(after) == 2, after  # the survivor's own process, and the newcomer
+    by_pid: dict[int, list[int]] = {}
+    for s in sorted(st, key=lambda s: s["time"]):
+        by_pid.setdefault(s["pid"], []).append(s["step"])
+    for pid, steps in by_pid.items():
+        assert steps == sorted(set(steps)), (pid, steps)
+    events = records.read_events(logs)
+    assert Event.CHECKPOINT_LOADED not in [e.event for e in events]
+    reforms = [e for e in events if e.event == Event.LIVE_REFORM]
+    assert [(e.old, e.new, e.receivers, e.ahead) for e in reforms] == [(2, 2, [1], False)], reforms
+    assert "received the training state of step" in outs[2].read_text()
+    assert final_batches(logs) == {n: sorted(ix) for n, ix in base_ledger.items()}
+    step, state = latest(ck)
+    assert step == total
     check_equivalence(state["model"], base_model, total)
 
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from elastic_trainer.live.quorum import LiveExcluded
+from elastic_trainer.live.quorum import LiveExcluded, RunFinished
 from elastic_trainer.live.stream import WatchStream
 from tests.helpers.common import holds_within
 from tests.helpers.live_nodes import live_nodes
@@ -179,3 +179,17 @@ def test_a_silent_proposer_is_overtaken_by_a_backup_at_report_timeout(etcd, run_
         assert took[writer] >= 1.0, f"nobody may drop a live member before report_timeout: {took}"
         assert holds_within(lambda: silent.change_pending.is_set(), timeout=5), \
             "the silent member's watcher sees the quorum move on"
+
+
+def test_a_worker_that_re_forms_after_the_run_finished_ends_and_forms_no_quorum_of_its_own(etcd, run_id):
+    """A newcomer whose state never came (the members stopped while its group formed ahead) re-forms
+    with step -1; the members finished meanwhile: it must end (``RunFinished``, exit 0), not propose
+    a quorum of itself that would train from nothing."""
+    with live_nodes(etcd, run_id, nodes=2) as nodes:
+        first, late = nodes.groups
+        first.finish()  # rank 0 marks the run finished
+        t = time.monotonic()
+        with pytest.raises(RunFinished):
+            late.reform(-1, "test: the state did not come", report_timeout=10.0)
+        assert time.monotonic() - t < 8.0, "it waited for the proposer's deadline"
+        assert first.keys.read().quorum.q == 1, "a quorum was written after the run finished"

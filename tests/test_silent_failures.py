@@ -23,6 +23,7 @@ import pytest
 
 from elastic_trainer.env import ENV_DEBUG_HANG, EXIT_EXCLUDED, LiveSettings
 from elastic_trainer.live.progress import Progress
+from elastic_trainer.live.watcher import FORMING_GRACE
 from tests.helpers.common import REPO, cli_cmd
 from tests.helpers.live import agent_of, current_ranks, live_agent, two_members, wait_steps
 from tests.helpers.runs import CONF
@@ -403,3 +404,31 @@ def test_a_stall_waits_for_a_busy_peer_then_is_declared_once_and_ends_the_rank_t
         assert hung[0][0] - t_end < 3.0, f"b ended {hung[0][0] - t_end:.2f}s after its slow phase"
         stall = a.conn.call(lambda c: c.get(f"/t/{run_id}/live/stall/{a.quorum.q}"), "read")[0]
         assert stall is not None and b"node-" in stall
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_still_forming_the_group_of_a_quorum_that_lost_a_member_ends_itself(etcd, run_id):
+    """gloo retries a connection to a peer that died after writing its address until the group's
+    timeout (300 s by default), and its store's waits (which end on a loss: ``MemberGone``) are
+    over by then: a worker whose training thread still makes the group of a quorum that lost a
+    member ``FORMING_GRACE`` (+ half a second) later ends itself (``on_hung``: its agent starts a
+    newcomer). A loss while it does not form ends nothing: the re-form handles it."""
+    events: list[tuple[float, str]] = []
+    with two_members(etcd, run_id) as groups:
+        a, b = groups
+        a.on_member_lost = lambda why: events.append((time.monotonic(), "abandon"))
+        a.on_hung = lambda why: events.append((time.monotonic(), "hung: " + why))
+        b.close()  # b leaves: a's watcher sees the loss
+        deadline = time.monotonic() + 10
+        while not events and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert [e[1] for e in events] == ["abandon"], events
+        time.sleep(FORMING_GRACE + 1.5)
+        assert [e[1] for e in events] == ["abandon"], "a loss outside a formation ended the worker"
+        with a.progress.forming():  # its training thread makes the lost quorum's group, and never comes out
+            began = time.monotonic()
+            a.wake()
+            while len(events) < 2 and time.monotonic() < began + 10:
+                time.sleep(0.02)
+        assert len(events) == 2 and "still forming" in events[1][1], events
+        assert events[1][0] - began >= FORMING_GRACE, "ended before the store's waits had their chance"

@@ -55,6 +55,8 @@ class Progress:
         """Counts every call of the training thread into the Manager (enter, leave, slow, reform):
         a watcher that sees it unchanged for a while knows the thread did not move."""
         self.reforming = False
+        self.forming_since: float | None = None
+        """When the training thread began making its process group (``forming``), None outside it."""
 
     # ---- the training thread --------------------------------------------------------------------
     def enter(self) -> None:
@@ -94,6 +96,21 @@ class Progress:
             with self._lock:
                 self.moves += 1
                 self._slow.remove(entry)
+
+    @contextlib.contextmanager
+    def forming(self) -> Iterator[None]:
+        """The training thread makes its process group (a join's, a re-form's): a formation that goes
+        on after a member of its quorum was lost can only fail, and may not end by itself
+        (``live/watcher.py``'s stuck check)."""
+        with self._lock:
+            self.moves += 1
+            self.forming_since = self._clock()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.moves += 1
+                self.forming_since = None
 
     def reform_started(self) -> None:
         with self._lock:

@@ -46,7 +46,7 @@ from elastic_trainer.live.keys import LiveKeys, View
 from elastic_trainer.live.membership import Membership
 from elastic_trainer.live.node_report import GRACE as NODE_REPORT_GRACE, NodeReport
 from elastic_trainer.live.probe import Prober, probe_dead
-from elastic_trainer.live.quorum import LiveExcluded, LiveTimeout, Member, Quorum
+from elastic_trainer.live.quorum import LiveExcluded, LiveTimeout, Member, Quorum, RunFinished
 from elastic_trainer.live.report_feed import ReportFeed
 from elastic_trainer.live.stream import StreamFactory, WatchStream
 from elastic_trainer.live.threads import StartThread
@@ -209,6 +209,8 @@ class Reform:
             view, read = self._view(rnd)
             if view.quorum is not None and view.quorum.q >= rnd.target:
                 return self._membership.adopt_formed(view.quorum)
+            if view.quorum is not None and view.quorum.finished:  # the others finished: nothing to re-form
+                raise RunFinished(f"the run finished at quorum {view.quorum.q} while this worker re-formed")
             place, ahead = self._line(rnd, view)
             now = time.monotonic()
             turn = rnd.entered if place == 0 else rnd.deadline if place <= BACKUPS else rnd.deadline + FOLLOW_GRACE

@@ -50,6 +50,10 @@ from elastic_trainer.live.worker_lease import WorkerLease
 
 logger = logging.getLogger(__name__)
 
+FORMING_GRACE = 1.0
+"""Seconds (past half a second) a process group of a quorum that lost a member may go on forming
+before the worker counts as stuck (``Watcher``'s stuck check): its store's waits end within a poll."""
+
 
 class Watcher:
     """Watches the live keys for ``membership``'s worker (see the module docstring).
@@ -76,6 +80,7 @@ class Watcher:
         """Where its view comes from (its counters: ``reads``, ``applied``, ``loads``)."""
         self._subscribers: list[Callable[[View], None]] = []
         self._loss: tuple[Quorum, str] | None = None
+        self._loss_at = 0.0  # when the loss was seen
         self._busy_shown: tuple[int, str] | None = None  # (quorum, what) of the busy key this worker wrote
         self._waiting_on = ""
         self._trouble: tuple[int, float, int, str] | None = None  # (quorum, when, moves, why): the thread must move
@@ -156,7 +161,7 @@ class Watcher:
         if lost:
             if not self._membership.flag_change(q, lost):
                 return  # re-formed while this view was read: it is stale
-            self._loss = (q, lost)
+            self._loss, self._loss_at = (q, lost), time.monotonic()
             if must_move:  # the training thread must come out of its step now, or it is the hung one
                 self._trouble = (q.q, time.monotonic(), self._progress.moves,
                                  f"its training thread made no progress while its peers waited ({lost}) and "
@@ -191,7 +196,10 @@ class Watcher:
             if gone in view.left:
                 return f"{gone} left the group", True
             return f"the etcd lease of {gone} expired (stopped or cut off)", False
-        if self.probe_peers and (dead := self._probe_other_nodes(q)):
+        # NCCL: always (a collective may hang on a dead peer); gloo: while its group forms (a connection
+        # to a peer that died after writing its address is retried, not failed)
+        probing = self.probe_peers or self._progress.forming_since is not None
+        if probing and (dead := self._probe_other_nodes(q)):
             return f"the process of {dead} is gone", False
         return "", False
 
@@ -253,7 +261,11 @@ class Watcher:
           not in a slow phase it announced): it is the hung rank;
         - the quorum formed without it and the thread has not started re-forming (which would
           raise ``LiveExcluded`` and exit cleanly) within ``come_back``, or ``report_timeout`` when
-          it is in a slow phase: it would never learn, or never get there (a save that hangs)."""
+          it is in a slow phase: it would never learn, or never get there (a save that hangs);
+        - it makes the process group of a quorum that lost a member, still ``FORMING_GRACE`` after
+          the loss (the group's store ends its waits at once: ``MemberGone``; but gloo retries a
+          connection to a peer that died after it wrote its address until the group's timeout,
+          300 s by default): the group can never form."""
         progress = self._progress
         now = time.monotonic()
         come_back = max(0.5, 3 * self._settings.poll)
@@ -265,6 +277,11 @@ class Watcher:
                 self._trouble = None
             elif now - since > come_back:
                 why = what
+        forming = progress.forming_since
+        if not why and forming is not None and self._loss is not None and self._loss[0] is q \
+                and now - max(forming, self._loss_at) > come_back + FORMING_GRACE:
+            why = (f"its process group for quorum {q.q} was still forming {now - self._loss_at:.1f}s after a member "
+                   f"was lost ({self._loss[1]}): gloo retries a connection to a lost member until its timeout")
         moved = view.quorum
         reforming = progress.reforming or self._membership.reforming
         if moved is not None and moved.q > q.q and moved.rank_of(self._membership.id) is None and not reforming:
@@ -295,4 +312,4 @@ class Watcher:
         return None
 
 
-__all__ = ["Watcher"]
+__all__ = ["FORMING_GRACE", "Watcher"]

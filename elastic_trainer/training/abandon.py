@@ -102,24 +102,39 @@ class GroupAbandon:
         self.backend = backend
         self.keep_peers = tuple(keep_peers)
         self._inodes: set[int] = set()
+        self._ahead: set[int] = set()  # the next group's, formed beside this one (a join: group_ahead.py)
         self.groups: list = []
         """NCCL: more groups of the same ranks to abort with the default one (a DeviceMesh's; on gloo
         their sockets are recorded instead: ``recording(add=True)``)."""
 
     @contextlib.contextmanager
-    def recording(self, add: bool = False) -> Iterator[None]:
+    def recording(self, add: bool = False, ahead: bool = False) -> Iterator[None]:
         """Wrap the group's making: the sockets that appear meanwhile are the group's. ``add``: the
         making of more groups of the same ranks (a DeviceMesh's, a checkpoint's) whose sockets are
-        abandoned with the default group's."""
+        abandoned with the default group's. ``ahead``: the next default group's, made on another
+        thread while this one trains (``group_ahead.py``): abandoned with it until ``promote()``
+        makes them the group's own, or ``drop_ahead()`` forgets them."""
         before = socket_inodes() if self.backend == "gloo" else set()
-        if not add:
+        if not add and not ahead:
             self.groups = []  # a new default group: the groups made from the old one are gone
+            self._ahead = set()
         try:
             yield
         finally:
             if self.backend == "gloo":
                 made = socket_inodes() - before
-                self._inodes = self._inodes | made if add else made
+                if ahead:
+                    self._ahead = made
+                else:
+                    self._inodes = self._inodes | made if add else made
+
+    def promote(self) -> None:
+        """The group made ``ahead`` is the default one now: its sockets are the ones to shut."""
+        self._inodes, self._ahead, self.groups = self._ahead, set(), []
+
+    def drop_ahead(self) -> None:
+        """The group made ``ahead`` is gone unused."""
+        self._ahead = set()
 
     def abandon(self, why: str = "") -> None:
         """From any thread: make the group's collectives in flight fail now."""
@@ -136,7 +151,7 @@ class GroupAbandon:
             logger.warning("live: the gloo group's connections are unknown here (no /proc?); its collectives "
                            "in flight end at --collective-timeout (%s)", why)
             return
-        shut = shut_sockets(self._inodes, self.keep_peers)
+        shut = shut_sockets(self._inodes | self._ahead, self.keep_peers)
         logger.info("live: shut %d connection(s) of the gloo group (%s)", shut, why)
 
 

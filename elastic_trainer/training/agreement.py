@@ -4,11 +4,14 @@ Under live recovery a rank learns of a re-form to come (a node waits to join, a 
 expired) from its own quorum, at its own moment; the ranks must still re-form at one and the same
 step. So every few steps they run one small all-reduce (``Manager.agree``) of::
 
-    [the loop's own values..., this rank's "re-form pending" flag, rank 0's next interval]
+    [the loop's own values..., this rank's "re-form pending" flag, rank 0's next interval,
+     this rank's "next group formed ahead" flag]
 
 Summed over the ranks, the flag says whether any rank asks to re-form (``Agreement.reform``: all
 re-form now) and the interval is rank 0's alone (the others send 0): every rank then counts down
-the same number of steps to the next agreement (``Cadence``). The loop's values ride along for
+the same number of steps to the next agreement (``Cadence``). While a join's group forms beside the
+one in use (``group_ahead.py``) the ranks agree every step, and the last flag counts the ranks whose
+part of it is up (``Agreement.ahead``): all of them, and they switch to it at that step. The loop's values ride along for
 free (a loss to log, a "stop now" vote). The interval is about 0.2 s of steps
 (``agree_interval``): often enough that a joiner waits little, seldom enough that the all-reduce
 costs 1-2% of a small CPU step.
@@ -34,23 +37,26 @@ class Agreement:
     rank re-forms now, at this same step (``Manager.reform``)."""
     next_in: int
     """Steps until the next agreement (rank 0's choice)."""
+    ahead: int = 0
+    """How many ranks have the next group formed ahead (a join: all of them, and they switch now)."""
 
     @classmethod
     def read(cls, shared: torch.Tensor) -> Agreement:
         """The agreement in a reduced ``shared`` tensor (``shared_values``'s layout)."""
         out = shared.tolist()
-        n = len(out) - 2
-        return cls(out[:n], out[n] > 0, max(1, int(out[n + 1])))
+        n = len(out) - 3
+        return cls(out[:n], out[n] > 0, max(1, int(out[n + 1])), int(out[n + 2]))
 
 
 def shared_values(values: Sequence[float] | torch.Tensor, reform_pending: bool, interval: int, rank: int,
-                  device: torch.device) -> torch.Tensor:
+                  device: torch.device, ahead: bool = False) -> torch.Tensor:
     """What one rank contributes to the agreement's all-reduce: ``values`` (float64), its re-form
-    flag and, on rank 0, ``interval`` (0 elsewhere), on the device of ``values`` when a tensor
-    (the group's device: NCCL needs CUDA tensors), else on ``device``."""
+    flag, on rank 0 ``interval`` (0 elsewhere), and whether its part of the next group is formed
+    ahead, on the device of ``values`` when a tensor (the group's device: NCCL needs CUDA tensors),
+    else on ``device``."""
     vals = values.to(torch.float64) if isinstance(values, torch.Tensor) else torch.tensor(
         [float(v) for v in values], dtype=torch.float64, device=device)
-    flags = torch.tensor([float(reform_pending), float(interval) if rank == 0 else 0.0],
+    flags = torch.tensor([float(reform_pending), float(interval) if rank == 0 else 0.0, float(ahead)],
                          dtype=torch.float64, device=vals.device)
     return torch.cat([vals.reshape(-1), flags])
 

@@ -236,7 +236,7 @@ class LoopRecovery:
         q = reform.quorum
         self.records.event(Event.LIVE_REFORM, step=self.steps, old=reform.old_world_size, new=q.world_size,
                            round=q.q, old_round=reform.old_round, cause=q.cause, failed_at=reform.failed_at,
-                           receivers=list(q.receivers), **reform.timings())
+                           receivers=list(q.receivers), ahead=reform.ahead, **reform.timings())
         if reform.old_world_size != q.world_size:
             self.records.event(Event.WORLD_SIZE_CHANGED, old=reform.old_world_size, new=q.world_size, step=self.steps)
 

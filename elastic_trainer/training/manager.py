@@ -236,12 +236,34 @@ class Manager:
             if failed is None and self._requested is None:
                 return out
             cause, self._requested = failed or self._requested, None
+            if failed is None and self._form_ahead(cause):  # a join: its group forms beside this one
+                return out
             self.recover(cause, planned=failed is None)
             if failed is None:
                 return out
             batch = self._loop.redo() if batch and self._recovery is self._loop else None
             if batch is None:
                 return None
+
+    def _form_ahead(self, cause: str) -> bool:
+        """A planned re-form, first half (``WorkerGroup.form_ahead``): True when the next quorum only
+        adds ranks and its group now forms beside this one (the ranks agree every step until every
+        rank's is up, then switch: ``agree``); False: ``recover`` re-forms now."""
+        if not self._pg.can_form_ahead:
+            return False
+        try:
+            ahead = self._pg.form_ahead(self._recovery.step, cause, self._cadence.cycle_s)
+        except LiveExcluded as exc:
+            self._excluded(exc)
+            raise
+        if ahead:
+            self._cadence.next_in = 1
+        return ahead
+
+    def _excluded(self, exc: LiveExcluded) -> None:
+        logger.error("live: %s; this worker ends, and its agent starts it again as a newcomer", exc)
+        if self._recovery is self._loop:
+            self._loop.records.event(Event.LIVE_EXCLUDED, step=self._recovery.step, reason=str(exc))
 
     def _one_step(self, fn: Callable[..., T], batch: tuple) -> T:
         if self._debug_slow is not None:  # the drill's slow fault: this rank's own work, longer
@@ -284,11 +306,10 @@ class Manager:
         why = f"{cause}; {self.reform_reason or ''}"  # what the watcher saw (a lease expired, a hang), for /metrics
         rec.release(cause, planned)
         try:
-            reformed = self.reform(rec.step, cause, rec.state_dict, donors=rec.donors, started=(started, failed_at))
+            reformed = self.reform(rec.step, cause, rec.state_dict, donors=rec.donors, started=(started, failed_at),
+                                   planned=planned)
         except LiveExcluded as exc:
-            logger.error("live: %s; this worker ends, and its agent starts it again as a newcomer", exc)
-            if rec is self._loop:
-                self._loop.records.event(Event.LIVE_EXCLUDED, step=rec.step, reason=str(exc))
+            self._excluded(exc)
             raise
         rec.reformed(reformed)
         self._stragglers.world_changed()
@@ -351,7 +372,9 @@ class Manager:
     def receive_state(self, donors: Donors | None = None) -> dict | None:
         """A newcomer's training state, sent by a live rank (call it once, right after ``start()``:
         that rank waits for it); None on a cold start and in plain mode (load a checkpoint then).
-        ``donors``: as in ``reform`` (None: no live rank holds this rank's state either)."""
+        ``donors``: as in ``reform`` (None: no live rank holds this rank's state either). A member
+        lost while it waits makes it re-form with the others first: read ``rank`` and
+        ``world_size`` after it."""
         return self._pg.receive_state(donors)
 
     def peer_lost(self, exc: BaseException) -> bool:
@@ -438,8 +461,12 @@ class Manager:
         agreement; by default about 0.2 s of steps. Every rank must call it at the same steps."""
         if interval is None:
             interval = agree_interval(self._cadence.cycle_s or 0.0)
+        ahead = self._pg.ahead  # a join's group forming beside this one: agree every step until it is up
+        if ahead is not None:
+            interval = 1
         values, added = self._stragglers.add_to(values, self.rank, self.world_size)  # every ~2 s: its summary
-        shared = shared_values(values, self.reform_pending, interval, self.rank, self.device)
+        pending = self.reform_pending or (ahead is not None and ahead.failed)  # failed: re-form instead
+        shared = shared_values(values, pending, interval, self.rank, self.device, ahead=ahead is not None and ahead.ready)
         if self.distributed and self.world_size > 1:
             if self._live is not None:  # a wait for a hung peer here is a stalled step too
                 self._live.progress.enter()
@@ -453,6 +480,9 @@ class Manager:
         agreed = Agreement.read(shared)
         self._cadence.next_in = agreed.next_in
         self._agreed = True
+        if ahead is not None and agreed.ahead == self.world_size and not agreed.reform:
+            self._pg.switch_due = True  # every rank's is up: switch at this step's end (step -> recover)
+            self.request_reform(ahead.cause)
         agreed, decision = self._stragglers.take_from(agreed, added, self.quorum, self.rank)
         self._act_on(decision)
         return agreed
@@ -469,7 +499,7 @@ class Manager:
 
     def reform(self, step: int, cause: str, state_dict: Callable[[], dict] | None = None, *,
                step_seconds: float | None = None, donors: Donors | None = None,
-               started: tuple[float, float] | None = None) -> Reform:
+               started: tuple[float, float] | None = None, planned: bool = False) -> Reform:
         """Re-form the group in place (after ``run`` returned a failure, or at an agreed step whose
         ``Agreement.reform`` is set; nothing may refer to the old group: drop DDP first). ``step``:
         the last step this rank completed; the quorum goes on from the highest any survivor
@@ -477,10 +507,12 @@ class Manager:
         completed it (``Reform.state``). Raises ``LiveExcluded`` when the quorum formed without
         this worker. ``step_seconds`` (default: the measured cycle) stretches the wait for a slow
         member's report to three steps; ``donors(quorum)`` (sharded states): who sends to whom
-        (``Reform.missing``: receivers without one); ``started``: (perf counter, unix time)."""
+        (``Reform.missing``: receivers without one); ``started``: (perf counter, unix time);
+        ``planned``: at an agreed step, no collective failed (a join whose group formed ahead
+        switches to it then)."""
         cycle = self._cadence.cycle_s if step_seconds is None else step_seconds
         reformed = self._pg.reform(step, cause, state_dict, cycle_s=cycle, donors=donors,
-                                   started=started or (time.perf_counter(), time.time()))
+                                   started=started or (time.perf_counter(), time.time()), planned=planned)
         self._cadence.next_in = 1
         return reformed
 

@@ -109,6 +109,22 @@ def leave_process_group(start_thread: Callable[..., object] | None = None) -> No
         start_thread("drop-old-group", old.clear)
 
 
+def drop_group(box: list, start_thread: Callable[..., object]) -> None:
+    """Destroy the process group ``box`` holds (a group that is not the default: the one a switch
+    replaced, or one formed ahead and not used) and drop it, both on a thread of its own (the
+    shutdown of a gloo group and its destructor take milliseconds; ``leave_process_group``): ``box``
+    must hold the only reference to it, so that its destructor runs there, not on the caller's."""
+    start_thread("drop-old-group", _destroy, box)
+
+
+def _destroy(box: list) -> None:
+    try:
+        dist.destroy_process_group(box[0])
+    except Exception as exc:  # noqa: BLE001 - gone already (the default group's destruction took it along)
+        logger.debug("destroying a process group: %s", exc)
+    box.clear()
+
+
 def etcd_addresses(group: LiveGroup | None) -> list[tuple[str, int]]:
     """The (address, port) pairs of the live group's etcd endpoints: connections the group's
     abandonment must leave alone."""
@@ -216,5 +232,5 @@ def warm_up_ddp() -> None:
         dist.destroy_process_group()
 
 
-__all__ = ["DebugSlow", "collective_failed", "etcd_addresses", "host_step_is_device_state", "init_from_env", "install_debug_hang", "install_debug_slow",
+__all__ = ["DebugSlow", "collective_failed", "drop_group", "etcd_addresses", "host_step_is_device_state", "init_from_env", "install_debug_hang", "install_debug_slow",
            "leave_process_group", "nccl_error_handling", "run_or_failed_collective", "warm_up_ddp"]

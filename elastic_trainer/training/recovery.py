@@ -52,6 +52,9 @@ class Reform:
     started: float = 0.0
     """When the teardown began (``time.perf_counter``); ``failed_at`` is the same moment in unix time."""
     failed_at: float = 0.0
+    ahead: bool = False
+    """A join whose group formed beside the old one while the members trained (``group_ahead.py``):
+    its teardown, agreement and group phases took no time of the members' pause."""
 
     def timings(self, started: float | None = None, done: float | None = None) -> dict[str, float]:
         """Seconds of each phase from ``started`` (default: the teardown began) to ``done`` (default: now)."""

@@ -126,6 +126,10 @@ class Trainer:
             # peer sends the state meanwhile
             self.sampler, self.batches = self.new_feed()
             self.live.receive()  # a live newcomer: the state from a peer, not storage
+            moved = (self.manager.rank, self.manager.world_size) != (d.rank, d.world_size)
+            d.rank, d.world_size, d.round = self.manager.rank, self.manager.world_size, self.manager.round
+            if moved:  # a member was lost while it waited: it re-formed with the others (Manager.receive_state)
+                self.sampler, self.batches = self.new_feed()
             blocks = self.task.fsdp_blocks(self.module) if self.task.fsdp_blocks is not None else None
             with (self.manager.subgroups(lambda: hsdp.mesh_groups(self.module)) if c.fsdp  # the mesh's groups
                   else contextlib.nullcontext()):

@@ -187,7 +187,7 @@ class TrainerRecovery:
                         + (f"; {extra['extra']['moved_bytes']} bytes of shards moved point to point" if extra else ""))
         t.report.event("live_reform", step=t.step, old=r.old_world_size, new=d.world_size, round=q.q,
                        old_round=r.old_round, cause=q.cause, failed_at=r.failed_at, receivers=list(q.receivers),
-                       **r.timings(), **extra)
+                       ahead=r.ahead, **r.timings(), **extra)
         if r.old_world_size != d.world_size:
             t.report.event("world_size_changed", old=r.old_world_size, new=d.world_size, step=t.step)
 

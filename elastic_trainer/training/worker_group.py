@@ -15,7 +15,15 @@ describes (``join``), never re-formed. Under live recovery it belongs to the liv
    survivor completed), **form** again, and the state sent point to point to the ranks behind the
    quorum's step and the newcomers (``state_transfer.py``; its source serializes it before the
    group forms, while it waits for the others anyway);
-4. **close**: leave the quorum (the lease is revoked; rank 0 marks a finished run first).
+4. **a join, ahead** (a planned re-form whose quorum only adds ranks: ``form_ahead``): the quorum is
+   agreed at the step as in 3, but the group in use stays and the next one forms beside it on a
+   thread (``group_ahead.py``); once every member's is up, at an agreed step, ``reform(planned=True)``
+   switches to it and sends the state: the members' only stop;
+5. **close**: leave the quorum (the lease is revoked; rank 0 marks a finished run first).
+
+Every live group is made by ``torch_private.new_default_group`` under its quorum's name
+(``group_ahead.group_name``), so that a group one rank makes ahead meets the one another makes in
+its ``form``.
 
 The Manager (``training/manager.py``) owns one and is what a training loop calls.
 """
@@ -27,7 +35,6 @@ import datetime
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,9 +43,13 @@ from elastic_trainer.env import EXIT_EVICTED, EXIT_EXCLUDED, EXIT_OK, WorkerEnv
 from elastic_trainer.live.group import LiveGroup
 from elastic_trainer.live.group_store import MemberGone
 from elastic_trainer.live.quorum import LiveExcluded, Quorum, RunFinished
+from elastic_trainer.torch_private import install_default_group, new_default_group
+from elastic_trainer.training import state_codec
 from elastic_trainer.training.abandon import GroupAbandon
-from elastic_trainer.training.process_group import (etcd_addresses, init_from_env, install_debug_hang,
-                                                    leave_process_group, nccl_error_handling, warm_up_ddp)
+from elastic_trainer.training.group_ahead import GroupAhead, group_name, only_adds
+from elastic_trainer.training.process_group import (collective_failed, drop_group, etcd_addresses, init_from_env,
+                                                    install_debug_hang, leave_process_group, nccl_error_handling,
+                                                    warm_up_ddp)
 from elastic_trainer.training.recovery import Donors, Reform
 from elastic_trainer.runtime import die_with_parent, runtime
 from elastic_trainer.training.state_transfer import early_state, send_state, send_states, transfer
@@ -69,10 +80,20 @@ class WorkerGroup:
         """The quorum number under live recovery (the rendezvous round otherwise)."""
         self.distributed = False
         self._subgroups = False  # groups beside the default one were made (subgroups())
+        self._formed: Quorum | None = None  # the quorum of the group in use
+        self.ahead: GroupAhead | None = None
+        """The next quorum's group, forming beside this one (``form_ahead``), until the switch."""
+        self.switch_due = False
+        """Every rank's group ahead is up (the step-end agreement said so): ``reform(planned=True)`` switches."""
+        self._agreed: Quorum | None = None  # agreed by form_ahead, formed by the reform that follows
+        self._ahead_store = None
 
     @property
     def quorum(self) -> Quorum | None:
-        return self.live.quorum if self.live is not None else None
+        """The quorum of the group in use (while a group forms ahead, the live quorum is the next one)."""
+        if self.live is None:
+            return None
+        return self._formed if self._formed is not None else self.live.quorum
 
     @property
     def newcomer(self) -> bool:
@@ -100,6 +121,7 @@ class WorkerGroup:
         runtime().exit_on_uncaught(Evicted, EXIT_EVICTED, node=True)  # the launcher holds the node out
         runtime().exit_on_uncaught(RunFinished, EXIT_OK)
         warm_up_ddp()
+        state_codec.warm_up()  # the state it sends or receives at a re-form: its first encoding costs more
         t0 = time.perf_counter()
         quorum = self.live.join()
         t1 = time.perf_counter()
@@ -113,19 +135,26 @@ class WorkerGroup:
         """The default group of the current quorum, on a fresh store in etcd (the watcher first)."""
         self.live.start_watching()  # at once when it runs already (a re-form)
         q = self.live.quorum
-        extra: dict[str, Any] = {}
-        if self.backend == "nccl":
-            nccl_error_handling()
-            extra["device_id"] = self.device
+        if dist.is_initialized():
+            raise RuntimeError("WorkerGroup.form: the default process group is still up (leave it first)")
         # kept: the store is a Python subclass of torch's Store, and the groups made later from the
         # default one (new_group: a DeviceMesh, the checkpoint's group) call it through C++, which finds
         # no Python half once the object is gone ("Not implemented.")
         self._store = self.live.store()
-        with self.abandon.recording():  # gloo: the connections it opens are the ones to shut on a silent loss
-            dist.init_process_group(self.backend, store=self._store, rank=q.rank_of(self.live.id),
-                                    world_size=q.world_size,
-                                    timeout=datetime.timedelta(seconds=self.collective_timeout), **extra)
+        with self.abandon.recording(), self.live.progress.forming():  # gloo: the connections it opens are the
+            pg = self._make_group(q, self._store)                       # ones to shut on a silent loss
+        install_default_group(pg)
+        self._formed = q
         self.rank, self.world_size, self.round, self.distributed = dist.get_rank(), q.world_size, q.q, True
+
+    def _make_group(self, q: Quorum, store) -> dist.ProcessGroup:
+        """Quorum ``q``'s default group on ``store``, as every rank makes it (not made the default here)."""
+        device_id = None
+        if self.backend == "nccl":
+            nccl_error_handling()
+            device_id = self.device
+        return new_default_group(self.backend, store, q.rank_of(self.live.id), q.world_size,
+                                 datetime.timedelta(seconds=self.collective_timeout), group_name(q.q), device_id)
 
     def _form_until_whole(self, step: int, cycle_s: float | None = None) -> Quorum:
         """``form`` the current quorum's group; while a member is lost as it forms (its store's waits
@@ -140,14 +169,86 @@ class WorkerGroup:
                 logger.warning("live: %s while quorum %d formed its group; re-forming without it", exc, q.q)
                 leave_process_group(runtime().start_thread)
                 self.live.reform(step, f"a member was lost while quorum {q.q} formed its group",
-                                 report_timeout=max(self.live.settings.report_timeout, 3 * (cycle_s or 0.0)))
+                                 report_timeout=self._report_timeout(cycle_s))
+
+    # ---- a join, ahead (group_ahead.py) ------------------------------------------------------------
+    @property
+    def can_form_ahead(self) -> bool:
+        """A planned re-form may form the next group beside this one (``form_ahead``): live
+        recovery, gloo, no groups beside the default one, none forming ahead already."""
+        return (self.live is not None and self.distributed and self.backend == "gloo" and not self._subgroups
+                and self.ahead is None)
+
+    def form_ahead(self, step: int, cause: str, cycle_s: float | None) -> bool:
+        """A planned re-form's round at ``step``, the group kept: agree on the next quorum (its
+        newcomers learn it and form their group). True when it only adds ranks: its group now forms
+        beside this one (``ahead``), and training goes on until every rank's is up (``switch_due``);
+        False: ``reform`` forms the agreed quorum now. Raises ``LiveExcluded`` as ``reform`` does."""
+        self.live.progress.reform_started()
+        try:
+            q = self.live.reform(step, cause, report_timeout=self._report_timeout(cycle_s))
+        finally:
+            self.live.progress.reform_ended()
+        if not only_adds(self._formed, q):
+            self._agreed = q
+            return False
+        store = self._ahead_store = self.live.store()
+
+        def make() -> dist.ProcessGroup:
+            with self.abandon.recording(ahead=True):
+                return self._make_group(q, store)
+
+        self.ahead = GroupAhead(q, cause, make, self._drop_ahead, runtime().start_thread)
+        logger.info("live: quorum %d agreed at step %d (%s); its group forms beside quorum %d's", q.q, step, cause,
+                    self.round)
+        return True
+
+    def _drop_ahead(self, box: list) -> None:
+        self.abandon.drop_ahead()
+        drop_group(box, runtime().start_thread)
+
+    def _discard_ahead(self) -> None:
+        ahead, self.ahead, self.switch_due = self.ahead, None, False
+        if ahead is not None:
+            ahead.discard()
+
+    def _switch(self, state_dict: Callable[[], dict] | None, started: tuple[float, float]) -> Reform:
+        """At the agreed step: the group formed ahead becomes the default, the old one goes, the
+        state goes to the newcomers."""
+        ahead, self.ahead, self.switch_due = self.ahead, None, False
+        q = ahead.quorum
+        old_rank, old_world, old_round = self.rank, self.world_size, self.round
+        self.live.progress.reform_started()
+        try:
+            box = [install_default_group(ahead.take())]
+            self.abandon.promote()
+            self._store, self._ahead_store = self._ahead_store, None
+            drop_group(box, runtime().start_thread)
+            self._formed = q
+            self.rank, self.world_size, self.round = dist.get_rank(), q.world_size, q.q
+            grouped = time.perf_counter()
+        finally:
+            self.live.progress.reform_ended()
+        state, missing = transfer(q, self.rank, state_dict, self.device)
+        self.live.forget_old()
+        return Reform(q, state, old_rank, old_world, grouped, grouped, grouped, missing, old_round, *started,
+                      ahead=True)
+
+    def _report_timeout(self, cycle_s: float | None) -> float:
+        return max(self.live.settings.report_timeout, 3 * (cycle_s or 0.0))
 
     def reform(self, step: int, cause: str, state_dict: Callable[[], dict] | None, *, cycle_s: float | None,
-               donors: Donors | None, started: tuple[float, float]) -> Reform:
-        """Leave, agree on the next quorum, ``form``, move the state (``Manager.reform``)."""
+               donors: Donors | None, started: tuple[float, float], planned: bool = False) -> Reform:
+        """Leave, agree on the next quorum, ``form``, move the state (``Manager.reform``). ``planned``
+        (at an agreed step, no collective failed) with ``switch_due``: the switch to the group formed
+        ahead instead; otherwise a group forming ahead is discarded."""
         if self.live is None:
             raise RuntimeError("Manager.reform needs live recovery (elastic-train's etcd-v3 rendezvous with "
                                "--recovery live); in plain mode a failure ends the worker and torchrun restarts it")
+        if planned and self.switch_due and self.ahead is not None:
+            return self._switch(state_dict, started)
+        self._discard_ahead()
+        agreed_q, self._agreed = self._agreed, None
         old_rank, old_world, old_round = self.rank, self.world_size, self.round
         self.live.progress.reform_started()
         try:
@@ -155,8 +256,8 @@ class WorkerGroup:
                 self.abandon.abandon("this rank re-forms")
             leave_process_group(runtime().start_thread)
             torn = time.perf_counter()
-            quorum = self.live.reform(step, cause, report_timeout=max(self.live.settings.report_timeout,
-                                                                       3 * (cycle_s or 0.0)))
+            quorum = agreed_q if agreed_q is not None and planned else \
+                self.live.reform(step, cause, report_timeout=self._report_timeout(cycle_s))
             agreed = time.perf_counter()
             early = early_state(quorum, self.live.id, state_dict, donors, runtime().start_thread)  # while the group forms
             quorum = self._form_until_whole(step, cycle_s)
@@ -168,7 +269,26 @@ class WorkerGroup:
         return Reform(quorum, state, old_rank, old_world, torn, agreed, grouped, missing, old_round, *started)
 
     def receive_state(self, donors: Donors | None = None) -> dict | None:
-        """A newcomer's state from a live rank (``Manager.receive_state``)."""
+        """A newcomer's state from a live rank (``Manager.receive_state``). The members send it when
+        they switch to the group (a join whose group formed ahead: a step or two after this one
+        formed); a member lost meanwhile fails the wait (its connections close, or the watcher shuts
+        them), and the newcomer then re-forms with the others, having no step (-1), and waits again
+        (its rank and world may change: the loop reads them after this); a run that finished
+        meanwhile raises ``RunFinished``. Not with ``donors`` (a sharded state): its error propagates."""
+        while True:
+            try:
+                return self._receive(donors)
+            except Exception as exc:  # noqa: BLE001 - only a failed collective is re-formed; the rest re-raises
+                if self.live is None or donors is not None or not collective_failed(exc):
+                    raise  # (sharded states: the loop's shards and mesh are made for the world it joined)
+                cause = f"the state did not reach a newcomer ({type(exc).__name__}: {exc})"
+            # outside the except block: the failed wait's frames are gone before the group is left
+            logger.warning("live: %s; re-forming with the others", cause)
+            leave_process_group(runtime().start_thread)
+            self.live.reform(-1, cause, report_timeout=self._report_timeout(None))
+            self._form_until_whole(-1)
+
+    def _receive(self, donors: Donors | None) -> dict | None:
         if not self.newcomer:
             return None
         q = self.live.quorum
@@ -199,7 +319,8 @@ class WorkerGroup:
             self.live.close()
 
     def destroy(self) -> None:
-        """Destroy the default group (nothing may refer to it any more)."""
+        """Destroy the default group (nothing may refer to it any more), and a group formed ahead."""
+        self._discard_ahead()
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
         self.distributed = False
