@@ -242,6 +242,21 @@ def pause_around(steps: list[dict], t0: float, old: int, new: int) -> float | No
     return firsts[0] - lasts[-1] if lasts else None
 
 
+def longest_gap(steps: list[dict], t0: float, end: float, ranks) -> float | None:
+    """The longest interval between two consecutive steps of any rank in ``ranks`` from its last
+    step before ``t0`` to ``end``: a join's pause is one of them, and a step slowed while the
+    newcomer's group formed beside the old one (``group_ahead.py``) would be another."""
+    out = None
+    for r in ranks:
+        times = sorted(s["time"] for s in steps if s["rank"] == r and s["time"] <= end and "loss_scope" not in s)
+        before = [t for t in times if t <= t0]
+        times = before[-1:] + [t for t in times if t > t0]
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        if gaps:
+            out = max(gaps) if out is None else max(out, max(gaps))
+    return out
+
+
 def step_interval(steps: list[dict], size: int) -> float | None:
     """Median seconds between consecutive steps of one rank (rank 0) at world size ``size``."""
     times = [s["time"] for s in steps if s["world_size"] == size and s["rank"] == 0 and "loss_scope" not in s]
@@ -256,7 +271,7 @@ def reform_event(job: recovery.Job, t0: float) -> dict | None:
     for e in job.events():
         if e.get("event") == "live_reform" and e.get("time", 0) > t0:
             return {k: e[k] for k in ("cause", "teardown_s", "agree_s", "group_s", "state_s", "total_s",
-                                      "receivers", "moved_bytes", "sent_bytes", "state_from") if k in e}
+                                      "receivers", "moved_bytes", "sent_bytes", "state_from", "ahead") if k in e}
     return None
 
 
@@ -302,6 +317,7 @@ def measure_join(job: recovery.Job, n: int, timeout: float, live: bool, w: int =
     time.sleep(0.5)
     steps = job.steps()
     out["pause"] = pause_around(steps, t0, n - w, n)
+    out["longest"] = longest_gap(steps, t0, t0 + out["s"] + 1.0, range(n - w))
     out["redone"] = redone_steps(steps, t0, n)
     if live:
         out["hwm_extra_mib"] = _hwm_extra(hwm_before)
@@ -643,9 +659,15 @@ def _main(p: argparse.ArgumentParser, args: argparse.Namespace, run: provenance.
         for sc in args.scenarios:
             phases = [t[sc]["reform"] for t in results[s] if isinstance(t.get(sc), dict) and t[sc].get("reform")]
             if phases:
+                ahead = sum(bool(ph.get("ahead")) for ph in phases)
                 say(f"  {s} {sc} re-form on rank 0, median s: " + ", ".join(
                     f"{k[:-2]} {statistics.median(ph[k] for ph in phases):.3f}"
-                    for k in ("teardown_s", "agree_s", "group_s", "state_s", "total_s")))
+                    for k in ("teardown_s", "agree_s", "group_s", "state_s", "total_s"))
+                    + (f" (its group formed ahead, beside the old one, in {ahead} of {len(phases)})" if ahead else ""))
+            longest = [t[sc]["longest"] for t in results[s] if isinstance(t.get(sc), dict) and t[sc].get("longest")]
+            if longest:
+                say(f"  {s} {sc}: the survivors' longest step interval from the newcomer's start to a second after its "
+                    f"first step, median {statistics.median(longest):.3f} s, worst {max(longest):.3f} s")
     if step_s is not None:
         say(f"  steps padded with --sleep-per-step {args.sleep_per_step}: median step interval "
             f"{step_s:.3f} s at {args.nodes} nodes, so about "

@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import recovery  # noqa: E402  (benchmarks/recovery.py: the job and its waits)
-from live_recovery import TrainerJob, measure_join, pause_around  # noqa: E402
+from live_recovery import TrainerJob, longest_gap, measure_join, pause_around  # noqa: E402
 
 from benchmarks import provenance  # noqa: E402
 from benchmarks.rdzv_worker import signal_tree  # noqa: E402
@@ -126,7 +126,7 @@ def torchft_join(root: Path, timeout: float) -> dict:
         time.sleep(1.0)
         steps = [s for s in job.steps() if s["rank"] in ("0", "1")]  # the survivors'
         return {"pause": pause_around(steps, t0, 2, 3), "s": first["time"] - t0,
-                "interval": step_interval(steps, "0")}
+                "interval": step_interval(steps, "0"), "longest": longest_gap(steps, t0, first["time"] + 1.0, ("0", "1"))}
     finally:
         job.close()
 
@@ -139,7 +139,8 @@ def live_join(root: Path, timeout: float) -> dict:
         job.start_node()
         job.start_node()
         out = measure_join(job, 3, timeout, live=True)
-        return {"pause": out["pause"], "s": out["s"], "interval": step_interval(job.steps(), 0)}
+        return {"pause": out["pause"], "s": out["s"], "interval": step_interval(job.steps(), 0),
+                "longest": out["longest"]}
     finally:
         job.close()
 
@@ -165,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                     row = measure(root / f"{system}-{trial}", args.timeout)
                     rows[system].append(row)
                     print(f"trial {trial} {system:8s} survivors' pause {row['pause']:.3f} s (a step: "
-                          f"{row['interval']:.3f} s), "
-                          f"newcomer's start -> first step at 3 {row['s']:.3f} s", flush=True)
+                          f"{row['interval']:.3f} s; their longest step interval around the join "
+                          f"{row['longest']:.3f} s), newcomer's start -> first step at 3 {row['s']:.3f} s", flush=True)
         finally:
             shutil.rmtree(root, ignore_errors=True)
         print()
@@ -174,8 +175,11 @@ def main(argv: list[str] | None = None) -> int:
             pauses = [r["pause"] for r in mine if r["pause"] is not None]
             starts = [r["s"] for r in mine]
             extra = [r["pause"] - r["interval"] for r in mine if r["pause"] is not None and r["interval"]]
+            longest = [r["longest"] - r["interval"] for r in mine if r["longest"] is not None and r["interval"]]
             print(f"{system:8s} join: survivors' pause median {statistics.median(pauses):.3f} s, worst "
-                  f"{max(pauses):.3f} s (beyond a step's length: median {statistics.median(extra):.3f} s); newcomer's start -> first step median {statistics.median(starts):.3f} s "
+                  f"{max(pauses):.3f} s (beyond a step's length: median {statistics.median(extra):.3f} s; their longest "
+                  f"step interval from the newcomer's start to a second after its first step, beyond a step: median "
+                  f"{statistics.median(longest):.3f} s, worst {max(longest):.3f} s); newcomer's start -> first step median {statistics.median(starts):.3f} s "
                   f"({len(mine)} trial(s); torchft's newcomer is a bare process, ours a whole node)")
     return 0
 
