@@ -34,6 +34,7 @@ WORKER = textwrap.dedent('''
     timeout = datetime.timedelta(seconds=60)
     store = dist.TCPStore("127.0.0.1", port, 3, rank == 0, timeout=timeout)
     q1, q2 = dist.PrefixStore("q1/", store), dist.PrefixStore("q2/", store)
+    ctl = dist.TCPStore("127.0.0.1", port, 3, False, timeout=timeout)  # the test's own keys: a client is one thread's
     result = {}
     def start(name, target, *args, stop=None):
         t = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -44,7 +45,7 @@ WORKER = textwrap.dedent('''
         old = weakref.ref(dist.group.WORLD)
         ahead = GroupAhead(None, "test", lambda: new_default_group("gloo", q2, rank, 3, timeout, group_name(2)),
                            lambda box: drop_group(box, start), start)
-        store.set(f"ahead-started-{rank}", "1")
+        ctl.set(f"ahead-started-{rank}", "1")
         steps = 0
         while not ahead.ready or steps < 3:  # collectives on the group in use, meanwhile
             t = torch.ones(1)
@@ -52,8 +53,8 @@ WORKER = textwrap.dedent('''
             assert t.item() == 2, t
             steps += 1
             time.sleep(0.005)
-        store.set(f"ahead-ready-{rank}", "1")
-        store.wait([f"ahead-ready-{r}" for r in range(2)])  # the switch, agreed (the Manager: at a step's end)
+        ctl.set(f"ahead-ready-{rank}", "1")
+        ctl.wait([f"ahead-ready-{r}" for r in range(2)])  # the switch, agreed (the Manager: at a step's end)
         drop_group([install_default_group(ahead.take())], start)
         result["old_steps"] = steps
         deadline = time.monotonic() + 30
@@ -61,7 +62,7 @@ WORKER = textwrap.dedent('''
             time.sleep(0.01)
         result["old_gone"] = old() is None
     else:  # the newcomer: admitted once the members started forming (it forms the same group, its first)
-        store.wait(["ahead-started-0", "ahead-started-1"])
+        ctl.wait(["ahead-started-0", "ahead-started-1"])
         install_default_group(new_default_group("gloo", q2, rank, 3, timeout, group_name(2)))
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)

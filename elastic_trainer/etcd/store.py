@@ -121,6 +121,11 @@ class EtcdStore(Store):
     def check(self, keys) -> bool:
         return self._try_get([self._key(k) for k in keys]) is not None
 
+    def delivered(self, keys) -> bool:
+        """Whether the watch delivered every key of ``keys`` (``seen``; no request: False without a watch)."""
+        seen = self.seen
+        return seen is not None and all(self._key(k) in seen for k in keys)
+
     def add(self, key, amount: int) -> int:
         k = self._key(key)
         while True:

@@ -116,6 +116,10 @@ class GroupStore(Store):
     def check(self, keys) -> bool:
         return self._store.check(keys)
 
+    def delivered(self, keys) -> bool:
+        """Whether the standing watch (``watched``) delivered every key of ``keys``: no request."""
+        return self._store.delivered(keys)
+
     def add(self, key, amount: int) -> int:
         return self._store.add(key, amount)
 

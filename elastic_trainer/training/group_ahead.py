@@ -6,7 +6,8 @@ join's pause here, more at scale (docs/trainer.md, "A join's critical path"). Wh
 only adds ranks (every member survives, in its place), nothing of the group in use has to go first.
 So the members agree on that quorum at a step's end as before (``LiveGroup.reform``: the newcomer
 learns it and forms its group at once) and then go on training, while a thread of each member's
-forms the next group with the newcomer (``GroupAhead``). Once every member's is up (the step-end
+forms the next group with the newcomer (``GroupAhead``). Once every member's is up and every
+newcomer waits for its state (``ready_key``: it says so in the group's store; the step-end
 agreement asks, every step meanwhile), they switch at that agreed step: the formed group becomes the
 default (``torch_private.install_default_group``), the old one is destroyed, the state goes to the
 newcomer, DDP is made again. What remains of the pause is the state's transfer and DDP's construction.
@@ -34,6 +35,13 @@ import torch.distributed as dist
 from elastic_trainer.live.quorum import Quorum
 
 logger = logging.getLogger(__name__)
+
+
+def ready_key(rank: int) -> str:
+    """The key a newcomer of rank ``rank`` sets in its group's store when it waits for the state: the
+    members switch once every newcomer's came (through their standing watch on the stores: no
+    request), so that the state's sender never waits for a newcomer still making its loop."""
+    return f"newcomer-ready/{rank}"
 
 
 def group_name(q: int) -> str:
@@ -110,4 +118,4 @@ class GroupAhead:
             self._drop(box)
 
 
-__all__ = ["GroupAhead", "group_name", "only_adds"]
+__all__ = ["GroupAhead", "group_name", "only_adds", "ready_key"]

@@ -466,7 +466,7 @@ class Manager:
             interval = 1
         values, added = self._stragglers.add_to(values, self.rank, self.world_size)  # every ~2 s: its summary
         pending = self.reform_pending or (ahead is not None and ahead.failed)  # failed: re-form instead
-        shared = shared_values(values, pending, interval, self.rank, self.device, ahead=ahead is not None and ahead.ready)
+        shared = shared_values(values, pending, interval, self.rank, self.device, ahead=self._pg.ahead_ready)
         if self.distributed and self.world_size > 1:
             if self._live is not None:  # a wait for a hung peer here is a stalled step too
                 self._live.progress.enter()

@@ -46,7 +46,7 @@ from elastic_trainer.live.quorum import LiveExcluded, Quorum, RunFinished
 from elastic_trainer.torch_private import install_default_group, new_default_group
 from elastic_trainer.training import state_codec
 from elastic_trainer.training.abandon import GroupAbandon
-from elastic_trainer.training.group_ahead import GroupAhead, group_name, only_adds
+from elastic_trainer.training.group_ahead import GroupAhead, group_name, only_adds, ready_key
 from elastic_trainer.training.process_group import (collective_failed, drop_group, etcd_addresses, init_from_env,
                                                     install_debug_hang, leave_process_group, nccl_error_handling,
                                                     warm_up_ddp)
@@ -87,6 +87,7 @@ class WorkerGroup:
         """Every rank's group ahead is up (the step-end agreement said so): ``reform(planned=True)`` switches."""
         self._agreed: Quorum | None = None  # agreed by form_ahead, formed by the reform that follows
         self._ahead_store = None
+        self._ahead_checked = 0.0  # when ahead_ready last asked etcd
 
     @property
     def quorum(self) -> Quorum | None:
@@ -203,6 +204,23 @@ class WorkerGroup:
                     self.round)
         return True
 
+    @property
+    def ahead_ready(self) -> bool:
+        """This rank's group ahead is up, and every newcomer of it waits for its state (``ready_key``:
+        from the standing watch; from etcd every half second while the watch shows it not, which
+        may be a stream re-established after the key was set)."""
+        ahead = self.ahead
+        if ahead is None or not ahead.ready:
+            return False
+        keys = [ready_key(r) for r in ahead.quorum.receivers]
+        if self._ahead_store.delivered(keys):
+            return True
+        now = time.monotonic()
+        if now - self._ahead_checked < 0.5:
+            return False
+        self._ahead_checked = now
+        return self._ahead_store.check(keys)
+
     def _drop_ahead(self, box: list) -> None:
         self.abandon.drop_ahead()
         drop_group(box, runtime().start_thread)
@@ -292,6 +310,7 @@ class WorkerGroup:
         if not self.newcomer:
             return None
         q = self.live.quorum
+        self._store.set(ready_key(self.rank), b"1")  # the members switch to a group formed ahead once it came
         if donors is not None:
             plan = donors(q)
             if any(d is None for d in plan.values()):
