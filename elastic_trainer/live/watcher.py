@@ -40,7 +40,7 @@ from collections.abc import Callable
 from elastic_trainer.env import LiveSettings
 from elastic_trainer.live.keys import LiveKeys, View
 from elastic_trainer.live.membership import Membership
-from elastic_trainer.live.probe import probe_dead
+from elastic_trainer.live.probe import Prober, probe_dead
 from elastic_trainer.live.progress import Progress
 from elastic_trainer.live.quorum import Quorum
 from elastic_trainer.live.stream import StreamFactory, WatchStream
@@ -50,6 +50,8 @@ from elastic_trainer.live.worker_lease import WorkerLease
 
 logger = logging.getLogger(__name__)
 
+FORMING_PROBES = 64
+"""Nodes probed per look (in turn: all of them at a few nodes) while the training thread forms a gloo group."""
 FORMING_GRACE = 1.0
 """Seconds (past half a second) a process group of a quorum that lost a member may go on forming
 before the worker counts as stuck (``Watcher``'s stuck check): its store's waits end within a poll."""
@@ -81,6 +83,7 @@ class Watcher:
         self._subscribers: list[Callable[[View], None]] = []
         self._loss: tuple[Quorum, str] | None = None
         self._loss_at = 0.0  # when the loss was seen
+        self._forming_prober = Prober(FORMING_PROBES)  # gloo: the other nodes, while the training thread forms a group
         self._busy_shown: tuple[int, str] | None = None  # (quorum, what) of the busy key this worker wrote
         self._waiting_on = ""
         self._trouble: tuple[int, float, int, str] | None = None  # (quorum, when, moves, why): the thread must move
@@ -196,11 +199,13 @@ class Watcher:
             if gone in view.left:
                 return f"{gone} left the group", True
             return f"the etcd lease of {gone} expired (stopped or cut off)", False
-        # NCCL: always (a collective may hang on a dead peer); gloo: while its group forms (a connection
-        # to a peer that died after writing its address is retried, not failed)
-        probing = self.probe_peers or self._progress.forming_since is not None
-        if probing and (dead := self._probe_other_nodes(q)):
+        if self.probe_peers and (dead := self._probe_other_nodes(q)):  # NCCL: a collective may hang on a dead peer
             return f"the process of {dead} is gone", False
+        if not self.probe_peers and self._progress.forming_since is not None:  # gloo, while its group forms: a
+            me = self._membership.me.node  # connection to a peer that died after writing its address is retried
+            gone = self._forming_prober.dead([ms[0] for node, ms in q.by_node().items() if node != me])
+            if gone:  # (FORMING_PROBES nodes a look, in turn)
+                return f"the process of {sorted(gone)[0]} is gone", False
         return "", False
 
     def _declare_stall(self, q: Quorum, view: View, lasted: float) -> bool:
@@ -312,4 +317,4 @@ class Watcher:
         return None
 
 
-__all__ = ["FORMING_GRACE", "Watcher"]
+__all__ = ["FORMING_GRACE", "FORMING_PROBES", "Watcher"]
