@@ -139,6 +139,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # as the trainer's workers do: no exit-time teardown, where gloo can abort a finished run
-    from elastic_trainer.train import exit_without_teardown
+    from elastic_trainer.runtime import exit_without_teardown
 
     exit_without_teardown(main())

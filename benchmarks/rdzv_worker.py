@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from elastic_trainer.train import exit_without_teardown
+    from elastic_trainer.runtime import exit_without_teardown
 
     exit_without_teardown(main())
 

@@ -26,11 +26,20 @@ live worker left out of the quorum, a spare the run never needed) is raised, and
 ``exit_on_uncaught`` maps it to its code once it leaves the program uncaught (``sys.excepthook``:
 after the program's own ``finally`` blocks ran).
 
-Why ``os._exit`` and not ``sys.exit``: torch's process groups still referenced by DDP/FSDP die
-during interpreter finalization, where gloo can abort a worker whose run succeeded
-("terminate called without an active exception", SIGABRT, which torchrun reports as a failed
-job); and a forced exit from a timer thread must not wait for a main thread blocked in a
-collective.
+Why ``os._exit`` and not ``sys.exit``: a worker whose run succeeded can abort in the interpreter's
+teardown ("terminate called without an active exception", SIGABRT, which torchrun reports as a
+failed job), and a forced exit from a timer thread must not wait for a main thread blocked in a
+collective. The abort, from a core dump (torch 2.13, gloo): a gloo group's worker thread
+(``ProcessGroupGloo::runLoop``) drops its reference to a collective that finished (an all-gather)
+a moment after the caller's ``wait()`` returned; when that reference is the last, the collective's
+tensors go with it, and a tensor whose Python object is owned from C++ takes the GIL to release
+it. If the main thread began the interpreter's finalization meanwhile, taking the GIL ends that
+thread (``PyThread_exit_thread``), the unwind meets a ``noexcept`` destructor, and C++ calls
+``std::terminate``. A loaded machine makes the window wide (one run in 6 of ``tests/helpers/hsdp_heal.py``
+beside another job on 2 cores). ``dist.destroy_process_group`` does not close it (the model still
+refers to the group, whose thread goes on). So a worker's program ends through
+``exit_without_teardown``: the built-in trainer (``train.py``) and a user's script
+(``script.py``: after its ``atexit`` callbacks ran).
 
 Usage::
 
@@ -223,6 +232,15 @@ def runtime() -> WorkerRuntime:
         if _RUNTIME is None:
             _RUNTIME = WorkerRuntime()
         return _RUNTIME
+
+
+def exit_without_teardown(code: int) -> NoReturn:
+    """End this worker now with ``code``, after flushing its output and logs, skipping the
+    interpreter's teardown (where gloo can abort a run that succeeded: the module docstring says how).
+
+    Call it when everything is closed (saved, logs closed, the group left): what the teardown would
+    still do is free what torch holds, which the process's end frees as well."""
+    runtime().exit(code, run_hooks=False)
 
 
 def stop_node(reason: str, exit_code: int = EXIT_USAGE) -> NoReturn:

@@ -7,7 +7,7 @@ It runs the program as ``python -u PROGRAM.py ARGS`` would (as ``__main__``, wit
 the script's folder first on ``sys.path``), after three things a plain ``python`` cannot do (the
 third: when this node's workers failed again and again without progress, it stops the node instead
 of running, and a failure of the program is left for the next attempt to judge:
-``observability/crash_loop.py``):
+``observability/crash_loop.py``), and it ends differently (4.):
 
 1. **The worker dies with its agent.** torch's agent starts each worker in a session of its own,
    so a node killed with its process group (a crashed launcher, ``kill -9 -PGID``) would leave the
@@ -29,17 +29,29 @@ of running, and a failure of the program is left for the next attempt to judge:
    launcher prints the line and exits 2. Exiting alone would make torch's agent restart the worker
    ``--max-restarts`` times. The other nodes of the run are not touched (a SIGTERM leaves the
    rendezvous open).
+4. **It ends without the interpreter's teardown.** Once the program has ended as Python ends it
+   (its non-daemon threads joined, its ``atexit`` callbacks run, an uncaught exception's traceback
+   printed), the worker leaves with the program's exit status through
+   ``runtime.exit_without_teardown``: in the teardown, a gloo group's thread that drops the last
+   reference to a finished collective can abort a worker whose program succeeded (SIGABRT, a failed
+   job for torchrun; ``runtime.py`` says how). What the teardown would still do is free memory and
+   finalize objects left alive, which a program cannot count on at exit anyway (the Python docs
+   on ``__del__``); a file left open unclosed is flushed by its finalizer there, so close your files
+   (``with open(...)``) as you would for any program that may be killed.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import runpy
+import signal
 import sys
 from pathlib import Path
 
 from elastic_trainer.env import WorkerEnv
 from elastic_trainer.observability import crash_loop
-from elastic_trainer.runtime import die_with_parent, stop_node
+from elastic_trainer.runtime import die_with_parent, exit_without_teardown, stop_node
 
 USAGE = "usage: python -m elastic_trainer.script [-m MODULE | SCRIPT.py] [ARGS...]"
 
@@ -71,7 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     program, args = argv[0], argv[1:]
     if WorkerEnv.from_environ().live is not None:
         refuse_env_rendezvous(("module " if module else "") + program)
-    with crash_loop.failures_marked():
+    ended = ExitStatus()
+    atexit.register(ended.exit)  # before the program's own callbacks, so it runs after them (last in, first out)
+    with crash_loop.failures_marked(), ended.recording():
         if module:
             sys.argv = [program, *args]  # run_module puts the module's file in argv[0], as python -m does
             runpy.run_module(program, run_name="__main__", alter_sys=True)
@@ -79,6 +93,39 @@ def main(argv: list[str] | None = None) -> None:
             sys.argv = [program, *args]
             sys.path[0] = str(Path(program).resolve().parent)  # where `python PROGRAM` finds the script's own modules
             runpy.run_path(program, run_name="__main__")
+
+
+class ExitStatus:
+    """The exit status Python gives the program's end, and the exit with it at ``atexit`` time (4.)."""
+
+    def __init__(self) -> None:
+        self.code = 1  # a program that never returned (an exception no handler saw): Python's 1
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Record how the program ended, which goes on as it would have (Python prints and exits)."""
+        try:
+            yield
+        except SystemExit as stop:
+            self.code = exit_code(stop.code)
+            raise
+        except KeyboardInterrupt:
+            self.code = 128 + signal.SIGINT  # Python ends by SIGINT, which a shell reports as 130
+            raise
+        else:
+            self.code = 0
+
+    def exit(self) -> None:
+        exit_without_teardown(self.code)
+
+
+def exit_code(code: object) -> int:
+    """``sys.exit(code)``'s status: None 0, an int itself, anything else (printed by Python) 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    return 1
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ Run it::
     python -m elastic_trainer.train --task my_pkg.my_task:build --epochs 3 --my-flag 7
 
 The process sets PR_SET_PDEATHSIG(SIGKILL) first thing, so it dies with the agent that started it.
-After a clean finish it leaves through the worker runtime's exit (``exit_without_teardown``): gloo's teardown at
-interpreter exit could abort a worker whose run succeeded.
+After a clean finish it leaves through the worker runtime's exit (``runtime.exit_without_teardown``): gloo's
+teardown at interpreter exit could abort a worker whose run succeeded (``runtime.py`` says how).
 """
 
 from __future__ import annotations
@@ -21,12 +21,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import NoReturn
 
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.env import ENV_LOG_LEVEL, WorkerEnv
 from elastic_trainer.flags import build_train_parser, parse_train_config  # generated from TrainConfig
-from elastic_trainer.runtime import die_with_parent
+from elastic_trainer.runtime import die_with_parent, exit_without_teardown
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,22 +85,6 @@ def _train(config: TrainConfig) -> int:
             "into a round without it", summary["step"], EXIT_PEER_STOPPED)
         return EXIT_PEER_STOPPED
     return 0
-
-
-def exit_without_teardown(code: int) -> NoReturn:
-    """End this worker now with ``code``, after flushing its output, skipping the exit-time
-    teardown of the interpreter and of C++ statics.
-
-    Call it when everything is closed: the trainer has saved, closed its logs and the checkpoint
-    manager, and left the process group. What is left to tear down at exit is torch's: the
-    process group's C++ objects, still referenced by the model (DDP, FSDP), die during
-    interpreter finalization, and there gloo can abort a worker whose run succeeded
-    ("terminate called without an active exception", SIGABRT; seen once in the CI of two
-    sessions, on rank 1 right after a clean finish), which torchrun reports as a failed job.
-    """
-    from elastic_trainer.runtime import runtime
-
-    runtime().exit(code, run_hooks=False)
 
 
 if __name__ == "__main__":  # python -m elastic_trainer.train

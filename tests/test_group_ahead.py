@@ -26,6 +26,7 @@ from elastic_trainer.training.group_ahead import GroupAhead, group_name, only_ad
 WORKER = textwrap.dedent('''
     import datetime, json, sys, threading, time, weakref
     import torch, torch.distributed as dist
+    from elastic_trainer.runtime import exit_without_teardown
     from elastic_trainer.torch_private import install_default_group, new_default_group
     from elastic_trainer.training.group_ahead import GroupAhead, group_name
     from elastic_trainer.training.process_group import drop_group
@@ -47,14 +48,14 @@ WORKER = textwrap.dedent('''
                            lambda box: drop_group(box, start), start)
         ctl.set(f"ahead-started-{rank}", "1")
         steps = 0
-        while not ahead.ready or steps < 3:  # collectives on the group in use, meanwhile
-            t = torch.ones(1)
+        while True:  # steps on the group in use meanwhile, each ending in an agreement (the Manager's):
+            t = torch.tensor([1.0, float(ahead.ready and steps >= 2)])  # switch once both have it ready
             dist.all_reduce(t)
-            assert t.item() == 2, t
+            assert t[0].item() == 2, t
             steps += 1
+            if t[1].item() == 2:
+                break
             time.sleep(0.005)
-        ctl.set(f"ahead-ready-{rank}", "1")
-        ctl.wait([f"ahead-ready-{r}" for r in range(2)])  # the switch, agreed (the Manager: at a step's end)
         drop_group([install_default_group(ahead.take())], start)
         result["old_steps"] = steps
         deadline = time.monotonic() + 30
@@ -73,12 +74,11 @@ WORKER = textwrap.dedent('''
     dist.destroy_process_group()
     with open(out, "w") as f:
         json.dump(result, f)
+    exit_without_teardown(0)  # gloo may abort in the interpreter's teardown after a clean run (runtime.py)
 ''')
 
 
-@pytest.mark.trial  # aborted once in 2 fresh-clone CI runs and once in ~25 runs here ("terminate called
-# without an active exception", rank 0, which also hosts the TCPStore; cause not found yet): a trial until
-# it is. The product's path is covered end to end by test_live_recovery (the join's re-form has ahead=True)
+@pytest.mark.timeout(150)
 def test_a_group_formed_ahead_beside_the_group_in_use_takes_over_from_it(tmp_path, procs):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)

@@ -134,3 +134,41 @@ def test_a_script_runs_through_the_entry_as_python_would_run_it(tmp_path):
                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 3, proc.stderr
     assert proc.stdout.strip() == f"['sub/prog.py', '--a', '1'] 7 {(tmp_path / 'sub').resolve()}"
+
+
+ENDING = '''import atexit, sys, threading, time
+class Finalized:
+    def __del__(self):
+        print("finalized in the teardown", flush=True)
+KEPT = Finalized()  # alive until the interpreter's teardown, which the entry skips
+atexit.register(print, "the program's atexit callback ran")
+def late():
+    time.sleep(0.3)
+    print("a non-daemon thread finished")
+threading.Thread(target=late).start()
+print("unflushed output", end="")  # sys.stdout without -u: still written at the end
+{end}
+'''
+
+
+@pytest.mark.parametrize("end, status, err", [
+    ("", 0, None),
+    ("sys.exit(3)", 3, None),
+    ("sys.exit('no data')", 1, "no data"),
+    ("raise ValueError('bad input')", 1, "ValueError: bad input"),
+])
+def test_a_script_ends_as_python_ends_it_without_the_interpreters_teardown(tmp_path, end, status, err):
+    """The program's threads joined, its atexit callbacks run, its exit status and its last words as
+    Python gives them; then the worker exits, skipping the teardown where gloo can abort a finished run
+    (``script.py`` 4.): an object left alive is not finalized."""
+    (tmp_path / "prog.py").write_text(ENDING.format(end=end))
+    proc = subprocess.run([sys.executable, "-m", "elastic_trainer.script", "prog.py"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == status, proc.stderr
+    assert proc.stdout.startswith("unflushed output"), proc.stdout
+    assert "a non-daemon thread finished" in proc.stdout
+    assert "the program's atexit callback ran" in proc.stdout
+    assert proc.stdout.index("a non-daemon thread finished") < proc.stdout.index("the program's atexit callback ran")
+    assert "finalized in the teardown" not in proc.stdout
+    if err:
+        assert err in proc.stderr

@@ -84,4 +84,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from elastic_trainer.runtime import exit_without_teardown
+
+    exit_without_teardown(main())  # gloo may abort in the interpreter's teardown after a clean run (runtime.py says how)

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.tasks import build_example, example_args
-from elastic_trainer.train import exit_without_teardown
+from elastic_trainer.runtime import exit_without_teardown
 from elastic_trainer.training.parallel import Parallel
 from elastic_trainer.training.worker import DistInfo
 
@@ -61,4 +61,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_without_teardown(0)  # gloo may abort in interpreter teardown after a clean run (see train.py)
+    exit_without_teardown(0)  # gloo may abort in interpreter teardown after a clean run (runtime.py says how)

@@ -36,7 +36,7 @@ from torch.distributed.fsdp import fully_shard
 
 from elastic_trainer.checkpoint import CheckpointManager
 from elastic_trainer.checkpoint.sharded import ShardedSaver, load_sharded, save_sharded
-from elastic_trainer.train import exit_without_teardown
+from elastic_trainer.runtime import exit_without_teardown
 
 
 def build(seed: int, world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -132,4 +132,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_without_teardown(0)  # gloo may abort in interpreter teardown after a clean run (see train.py)
+    exit_without_teardown(0)  # gloo may abort in interpreter teardown after a clean run (runtime.py says how)

@@ -143,8 +143,7 @@ def main(out_path: str, kind: str = "cpu") -> None:
 
 
 if __name__ == "__main__":
-    # Once in CI (2026-11-27) rank 0 ended in "terminate called without an active exception"
-    # (SIGABRT) with nothing else said: faulthandler prints the Python stack of such an abort.
-    import faulthandler
-    faulthandler.enable()
+    from elastic_trainer.runtime import exit_without_teardown
+
     main(*sys.argv[1:])
+    exit_without_teardown(0)  # gloo may abort in the interpreter's teardown after a clean run (runtime.py says how)

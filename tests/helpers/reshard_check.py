@@ -114,4 +114,7 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
+    from elastic_trainer.runtime import exit_without_teardown
+
     main(sys.argv[1])
+    exit_without_teardown(0)  # gloo may abort in the interpreter's teardown after a clean run (runtime.py says how)

@@ -70,4 +70,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from elastic_trainer.runtime import exit_without_teardown
+
     main()
+    exit_without_teardown(0)  # gloo may abort in the interpreter's teardown after a clean run (runtime.py says how)
