@@ -75,6 +75,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -314,6 +315,8 @@ def measure_join(job: recovery.Job, n: int, timeout: float, live: bool, w: int =
     job.start_node()
     out: dict = {"s": job.first_step_after(t0, n, timeout)}
     job.world_formed(n, timeout)
+    if live:
+        out["phases"] = newcomer_phases(job.dir / f"agent-{len(job.agents) - 1}.log", t0, t0 + out["s"])
     time.sleep(0.5)
     steps = job.steps()
     out["pause"] = pause_around(steps, t0, n - w, n)
@@ -323,6 +326,54 @@ def measure_join(job: recovery.Job, n: int, timeout: float, live: bool, w: int =
         out["hwm_extra_mib"] = _hwm_extra(hwm_before)
         out["reform"] = reform_event(job, t0)
     return out
+
+
+_ASCTIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")  # our loggers' lines
+_GLOG = re.compile(r"^I(\d{4} \d\d:\d\d:\d\d\.\d{6}) ")  # torch's agent's lines: I1203 12:44:08.059000
+
+
+def _line_time(line: str, year: int) -> float | None:
+    """The wall-clock time a log line starts with (local time), or None."""
+    if m := _ASCTIME.match(line):
+        return time.mktime(time.strptime(m.group(1).split(",")[0], "%Y-%m-%d %H:%M:%S")) + int(m.group(1)[-3:]) / 1e3
+    if m := _GLOG.match(line):
+        whole, frac = m.group(1).split(".")
+        return time.mktime(time.strptime(f"{year}{whole}", "%Y%m%d %H:%M:%S")) + int(frac) / 1e6
+    return None
+
+
+NEWCOMER_PHASES = ("launcher", "worker", "admission", "group", "warm_up_wait", "state", "first_step")
+
+
+def newcomer_phases(log: Path, t0: float, first_step: float) -> dict[str, float] | None:
+    """Where a joining node's start went, from its log (a live worker's; None if a mark is missing):
+    ``launcher`` its start -> torch's agent starting its worker (imports, node check, rendezvous);
+    ``worker`` -> the worker asking to be admitted (python, torch, our modules, the task, its data);
+    ``admission`` -> the quorum that admits it; ``group`` -> its group formed; ``warm_up_wait`` ->
+    its DDP warm-up done (0 when it finished during the waits before); ``state`` -> the state
+    received from a peer (the members switch once it is ready); ``first_step`` -> its first step."""
+    year = time.localtime(t0).tm_year
+    marks: dict[str, float] = {}
+    admitted = None
+    for line in log.read_text(errors="replace").splitlines():
+        at = _line_time(line, year)
+        if at is None or at < t0 - 1.0:
+            continue
+        if "Starting worker group" in line and "started" not in marks:
+            marks["started"] = at
+        elif "live: asking to be admitted" in line and "asking" not in marks:
+            marks["asking"] = at
+        elif "live: admitted to quorum" in line and admitted is None:
+            admitted = re.search(r"after ([\d.]+)s .*group in ([\d.]+)s; warm-up [\d.]+s, ([\d.]+)s after", line)
+            marks["admitted"] = at
+        elif "live: received the training state" in line and "received" not in marks:
+            marks["received"] = at
+    if admitted is None or not {"started", "asking", "received"} <= marks.keys():
+        return None
+    admission, group, wait = (float(x) for x in admitted.groups())
+    return {"launcher": marks["started"] - t0, "worker": marks["asking"] - marks["started"], "admission": admission,
+            "group": group, "warm_up_wait": wait, "state": marks["received"] - marks["admitted"],
+            "first_step": first_step - marks["received"]}
 
 
 def _hwm_extra(before: dict[int, float | None]) -> dict[str, float] | None:
@@ -664,6 +715,12 @@ def _main(p: argparse.ArgumentParser, args: argparse.Namespace, run: provenance.
                     f"{k[:-2]} {statistics.median(ph[k] for ph in phases):.3f}"
                     for k in ("teardown_s", "agree_s", "group_s", "state_s", "total_s"))
                     + (f" (its group formed ahead, beside the old one, in {ahead} of {len(phases)})" if ahead else ""))
+            starts = [t[sc]["phases"] for t in results[s] if isinstance(t.get(sc), dict) and t[sc].get("phases")]
+            if starts:
+                say(f"  {s} {sc}: the newcomer's start -> its first step, median s: " + ", ".join(
+                    f"{k.replace('_', ' ')} {statistics.median(ph[k] for ph in starts):.3f}" for k in NEWCOMER_PHASES)
+                    + " (launcher: to its worker's start; worker: to asking to be admitted; benchmarks/live_recovery.py"
+                    " newcomer_phases)")
             longest = [t[sc]["longest"] for t in results[s] if isinstance(t.get(sc), dict) and t[sc].get("longest")]
             if longest:
                 say(f"  {s} {sc}: the survivors' longest step interval from the newcomer's start to a second after its "
