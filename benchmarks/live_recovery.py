@@ -342,19 +342,19 @@ def _line_time(line: str, year: int) -> float | None:
     return None
 
 
-NEWCOMER_PHASES = ("launcher", "worker", "admission", "group", "warm_up_wait", "state", "first_step")
+NEWCOMER_PHASES = ("launcher", "worker", "warm_up", "admission", "group", "state", "first_step")
 
 
 def newcomer_phases(log: Path, t0: float, first_step: float) -> dict[str, float] | None:
     """Where a joining node's start went, from its log (a live worker's; None if a mark is missing):
     ``launcher`` its start -> torch's agent starting its worker (imports, node check, rendezvous);
-    ``worker`` -> the worker asking to be admitted (python, torch, our modules, the task, its data);
-    ``admission`` -> the quorum that admits it; ``group`` -> its group formed; ``warm_up_wait`` ->
-    its DDP warm-up done (0 when it finished during the waits before); ``state`` -> the state
-    received from a peer (the members switch once it is ready); ``first_step`` -> its first step."""
+    ``worker`` -> the worker asking to be admitted (python, torch, our modules, the task, its data,
+    and ``warm_up``: DDP's first construction's imports, the state codec's first use); ``admission``
+    -> the quorum that admits it; ``group`` -> its group formed; ``state`` -> the state received from a
+    peer (the members switch once it is ready); ``first_step`` -> its first step."""
     year = time.localtime(t0).tm_year
     marks: dict[str, float] = {}
-    admitted = None
+    warm = admitted = None
     for line in log.read_text(errors="replace").splitlines():
         at = _line_time(line, year)
         if at is None or at < t0 - 1.0:
@@ -362,18 +362,19 @@ def newcomer_phases(log: Path, t0: float, first_step: float) -> dict[str, float]
         if "Starting worker group" in line and "started" not in marks:
             marks["started"] = at
         elif "live: asking to be admitted" in line and "asking" not in marks:
+            warm = re.search(r"warm-up of ([\d.]+)s", line)
             marks["asking"] = at
         elif "live: admitted to quorum" in line and admitted is None:
-            admitted = re.search(r"after ([\d.]+)s .*group in ([\d.]+)s; warm-up [\d.]+s, ([\d.]+)s after", line)
+            admitted = re.search(r"after ([\d.]+)s .*group in ([\d.]+)s", line)
             marks["admitted"] = at
         elif "live: received the training state" in line and "received" not in marks:
             marks["received"] = at
-    if admitted is None or not {"started", "asking", "received"} <= marks.keys():
+    if warm is None or admitted is None or not {"started", "asking", "received"} <= marks.keys():
         return None
-    admission, group, wait = (float(x) for x in admitted.groups())
-    return {"launcher": marks["started"] - t0, "worker": marks["asking"] - marks["started"], "admission": admission,
-            "group": group, "warm_up_wait": wait, "state": marks["received"] - marks["admitted"],
-            "first_step": first_step - marks["received"]}
+    admission, group = (float(x) for x in admitted.groups())
+    return {"launcher": marks["started"] - t0, "worker": marks["asking"] - marks["started"],
+            "warm_up": float(warm.group(1)), "admission": admission, "group": group,
+            "state": marks["received"] - marks["admitted"], "first_step": first_step - marks["received"]}
 
 
 def _hwm_extra(before: dict[int, float | None]) -> dict[str, float] | None:
@@ -719,8 +720,8 @@ def _main(p: argparse.ArgumentParser, args: argparse.Namespace, run: provenance.
             if starts:
                 say(f"  {s} {sc}: the newcomer's start -> its first step, median s: " + ", ".join(
                     f"{k.replace('_', ' ')} {statistics.median(ph[k] for ph in starts):.3f}" for k in NEWCOMER_PHASES)
-                    + " (launcher: to its worker's start; worker: to asking to be admitted; benchmarks/live_recovery.py"
-                    " newcomer_phases)")
+                    + " (launcher: to its worker's start; worker: to asking to be admitted, its warm-up included; "
+                    "benchmarks/live_recovery.py newcomer_phases)")
             longest = [t[sc]["longest"] for t in results[s] if isinstance(t.get(sc), dict) and t[sc].get("longest")]
             if longest:
                 say(f"  {s} {sc}: the survivors' longest step interval from the newcomer's start to a second after its "

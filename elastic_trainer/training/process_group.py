@@ -6,8 +6,7 @@ usable on its own (the trainer and the tests call some of them directly):
 - **join**: in plain mode the group torchrun's environment describes (``init_from_env``); under
   live recovery the Manager builds it on the quorum's store, with NCCL asked to raise its errors
   instead of ending the process (``nccl_error_handling``) and DDP's first construction's imports
-  paid while the worker waits for its admission (``warm_up_ddp`` on a ``WarmUp`` thread), not
-  while the quorum waits for it;
+  paid before the worker asks to be admitted (``warm_up_ddp``), not while the quorum waits for it;
 - **leave**: abort and destroy the group (``leave_process_group``), sparing the etcd connections
   the live group needs (``etcd_addresses``) when its collectives are abandoned;
 - **tell a failure**: a collective that failed because a peer died or its group was torn down
@@ -225,44 +224,11 @@ def init_from_env(env: WorkerEnv, device: torch.device, timeout: float) -> bool:
 def warm_up_ddp() -> None:
     """Import what DDP's first construction imports (``torch._dynamo``: ~800 modules, 1.2-1.6 s
     here; a construction after it takes 8 ms), which a newcomer must not spend while the others
-    wait for it. Only imports: it touches no process group, so it can run beside the group's
-    formation (``WarmUp``)."""
+    wait for it: before it asks to be admitted. (Not beside its admission on a thread: where the
+    members stop for a join, an ``--fsdp`` one, they would wait for the rest of it; measured, a
+    2.2 s re-form instead of 0.3 s.) Only imports: it makes no process group."""
     importlib.import_module("torch._dynamo")
 
 
-class WarmUp:
-    """A live worker's first-use costs, paid on a ``live-warm-up`` thread while it waits for its
-    admission and forms its group (waits on etcd and on its peers, which leave the interpreter
-    free): ``steps`` run in order, ``wait()`` returns once they have (raising what one raised).
-
-    The worker waits before it makes anything that needs them; until then it only talks to etcd
-    and forms its group, which import nothing new, so the imports cannot meet one of its own."""
-
-    def __init__(self, start_thread: Callable[..., threading.Thread], *steps: Callable[[], None]) -> None:
-        self._steps = steps
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        self.took: float | None = None
-        start_thread("live-warm-up", self._run)
-
-    def _run(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            for step in self._steps:
-                step()
-        except BaseException as exc:  # noqa: BLE001 - raised on the worker's own thread by wait()
-            self._error = exc
-        finally:
-            self.took = time.perf_counter() - t0
-            self._done.set()
-
-    def wait(self) -> float:
-        """Until every step ran; how long they took (seconds). Raises what a step raised."""
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-        return self.took or 0.0
-
-
 __all__ = ["DebugSlow", "collective_failed", "drop_group", "etcd_addresses", "host_step_is_device_state", "init_from_env", "install_debug_hang", "install_debug_slow",
-           "leave_process_group", "nccl_error_handling", "run_or_failed_collective", "warm_up_ddp", "WarmUp"]
+           "leave_process_group", "nccl_error_handling", "run_or_failed_collective", "warm_up_ddp"]

@@ -49,7 +49,7 @@ from elastic_trainer.training.abandon import GroupAbandon
 from elastic_trainer.training.group_ahead import GroupAhead, group_name, only_adds, ready_key
 from elastic_trainer.training.process_group import (collective_failed, drop_group, etcd_addresses, init_from_env,
                                                     install_debug_hang, leave_process_group, nccl_error_handling,
-                                                    WarmUp, warm_up_ddp)
+                                                    warm_up_ddp)
 from elastic_trainer.training.recovery import Donors, Reform
 from elastic_trainer.runtime import die_with_parent, runtime
 from elastic_trainer.training.state_transfer import early_state, send_state, send_states, transfer
@@ -121,20 +121,18 @@ class WorkerGroup:
         runtime().exit_on_uncaught(LiveExcluded, EXIT_EXCLUDED)
         runtime().exit_on_uncaught(Evicted, EXIT_EVICTED, node=True)  # the launcher holds the node out
         runtime().exit_on_uncaught(RunFinished, EXIT_OK)
-        # DDP's imports, and the state it sends or receives at a re-form (its first encoding costs
-        # more), beside the waits for its admission and its peers
-        warm = WarmUp(runtime().start_thread, warm_up_ddp, state_codec.warm_up)
-        logger.info("live: asking to be admitted")
         t0 = time.perf_counter()
-        quorum = self.live.join()
+        warm_up_ddp()  # DDP's first construction's imports: not while the quorum waits for this worker
+        state_codec.warm_up()  # the state it sends or receives at a re-form: its first encoding costs more
         t1 = time.perf_counter()
+        logger.info("live: asking to be admitted (after a warm-up of %.3fs)", t1 - t0)
+        quorum = self.live.join()
+        t2 = time.perf_counter()
         quorum = self._form_until_whole(-1)  # a newcomer's (or a cold start's) step: none yet
         self.live.forget_old()
-        t2 = time.perf_counter()
-        warm.wait()
-        logger.info("live: admitted to quorum %d as rank %d of %d after %.3fs (%s); group in %.3fs; warm-up %.3fs, "
-                    "%.3fs after the group", quorum.q, self.rank, quorum.world_size, t1 - t0,
-                    "cold start" if quorum.cold else "newcomer", t2 - t1, warm.took, time.perf_counter() - t2)
+        logger.info("live: admitted to quorum %d as rank %d of %d after %.3fs (%s); group in %.3fs", quorum.q,
+                    self.rank, quorum.world_size, t2 - t1, "cold start" if quorum.cold else "newcomer",
+                    time.perf_counter() - t2)
 
     def form(self) -> None:
         """The default group of the current quorum, on a fresh store in etcd (the watcher first)."""
