@@ -234,6 +234,14 @@ def runtime() -> WorkerRuntime:
         return _RUNTIME
 
 
+def exit_status(code: object) -> int:
+    """The status a process ends with after ``sys.exit(code)``: None 0, an int itself, anything
+    else (which Python prints) 1."""
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
+
+
 def exit_without_teardown(code: int) -> NoReturn:
     """End this worker now with ``code``, after flushing its output and logs, skipping the
     interpreter's teardown (where gloo can abort a run that succeeded: the module docstring says how).

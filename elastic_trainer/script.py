@@ -51,7 +51,7 @@ from pathlib import Path
 
 from elastic_trainer.env import WorkerEnv
 from elastic_trainer.observability import crash_loop
-from elastic_trainer.runtime import die_with_parent, exit_without_teardown, stop_node
+from elastic_trainer.runtime import die_with_parent, exit_status, exit_without_teardown, stop_node
 
 USAGE = "usage: python -m elastic_trainer.script [-m MODULE | SCRIPT.py] [ARGS...]"
 
@@ -107,7 +107,7 @@ class ExitStatus:
         try:
             yield
         except SystemExit as stop:
-            self.code = exit_code(stop.code)
+            self.code = exit_status(stop.code)
             raise
         except KeyboardInterrupt:
             self.code = 128 + signal.SIGINT  # Python ends by SIGINT, which a shell reports as 130
@@ -117,15 +117,6 @@ class ExitStatus:
 
     def exit(self) -> None:
         exit_without_teardown(self.code)
-
-
-def exit_code(code: object) -> int:
-    """``sys.exit(code)``'s status: None 0, an int itself, anything else (printed by Python) 1."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    return 1
 
 
 if __name__ == "__main__":

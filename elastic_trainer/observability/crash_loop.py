@@ -74,7 +74,7 @@ from elastic_trainer.env import (
     EXIT_USAGE,
     WorkerEnv,
 )
-from elastic_trainer.runtime import runtime, stop_node
+from elastic_trainer.runtime import exit_status, runtime, stop_node
 
 NOT_CRASHES = frozenset({EXIT_OK, EXIT_EXCLUDED, EXIT_PEER_STOPPED, EXIT_PREEMPTED})
 """Exit codes of a worker that its agent restarts by design: never counted as a crash."""
@@ -255,8 +255,7 @@ def failures_marked(checkpoint_step: Callable[[], int | None] = lambda: None,
     except expected:
         raise
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
-        mark_failure(code, str(exc.code), checkpoint_step=checkpoint_step())
+        mark_failure(exit_status(exc.code), str(exc.code), checkpoint_step=checkpoint_step())
         raise
     except Exception as exc:
         code = runtime().exit_code_for(exc)  # e.g. LiveExcluded: EXIT_EXCLUDED, not a crash (never marked)
