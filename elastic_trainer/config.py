@@ -213,6 +213,12 @@ class RunConfig:
     trainer: TrainConfig | None = None
     """Not a flag: the built-in trainer's config, its flags after ``--`` parsed as each worker will
     parse them; None for your own script."""
+    forked_workers: bool = False
+    """Not a flag: the built-in trainer's fork server runs (``preload.py``), and its workers are forked
+    from it; else each worker starts as a new interpreter."""
+    fork_server_error: str | None = None
+    """Not a flag: why the built-in trainer's fork server could not start (the launcher says it when
+    it starts the workers)."""
 
     def __post_init__(self) -> None:
         if self.max_nodes is None:

@@ -80,6 +80,14 @@ under live recovery that forms its process group without the Manager: ``script.p
 one line, before it stops its node (SIGTERM to its agent); the launcher then prints that line and
 exits with ``EXIT_USAGE`` (or ``EXIT_CRASH_LOOP``, the code on the file's second line) instead of
 restarting the worker."""
+ENV_AGENT_PID = "ELASTIC_TRAINER_AGENT_PID"
+"""Set by ``elastic-train`` for its workers: the pid of their torchrun agent (the launcher), which
+a worker that stops its node signals (``runtime.stop_node``). A worker's parent is not always its
+agent: the built-in trainer's are forked from a server that imported torch ahead (``preload.py``)."""
+ENV_FORK_SERVER_PARENT = "ELASTIC_TRAINER_FORK_SERVER_PARENT"
+"""Set by ``elastic-train`` in the environment of the fork server it starts (``preload.py``): its own
+pid, so that the server, importing ``preload`` first, asks to die with it (its workers hold the pipe
+by which multiprocessing would tell it that the launcher is gone)."""
 ENV_STRAGGLERS = "ELASTIC_TRAINER_STRAGGLERS"
 """Set by ``elastic-train`` for its workers: the ``--straggler-*`` settings as JSON
 (``observability/stragglers.StragglerConfig``), read by the Manager's ``StragglerWatch``."""
@@ -183,6 +191,14 @@ ENV_WORLD_SIZE = "WORLD_SIZE"
 ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 """torchrun's own names (set by its agent for every worker)."""
+TORCH_WORKER_ENV = frozenset({
+    ENV_RANK, ENV_LOCAL_RANK, ENV_WORLD_SIZE, ENV_LOCAL_WORLD_SIZE, "GROUP_RANK", "ROLE_RANK", "ROLE_NAME",
+    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", ENV_NCCL_ERROR_HANDLING,
+    ENV_OMP_NUM_THREADS, ENV_CUDA_VISIBLE_DEVICES})
+TORCH_WORKER_ENV_PREFIX = "TORCHELASTIC_"
+"""What torch's agent sets for each worker it starts (``LocalElasticAgent._start_workers``, and
+``start_processes``' error file): these names and every name with the prefix. A worker forked from
+the fork server gets them on top of its agent's environment (``preload.py``)."""
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
-from elastic_trainer.env import ENV_REFUSAL_FILE, EXIT_ERROR, EXIT_USAGE
+from elastic_trainer.env import ENV_AGENT_PID, ENV_REFUSAL_FILE, EXIT_ERROR, EXIT_USAGE
 
 logger = logging.getLogger(__name__)
 
@@ -208,10 +208,12 @@ PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent (the torchrun agent) dies.
+    """Ask Linux to SIGKILL this process when its parent dies: the torchrun agent, or for the built-in
+    trainer the fork server it was forked from (``preload.py``), which ends when the agent does.
 
-    torch's agent starts each worker in a session of its own, so killing a node's agent (its
-    process group) would leave the worker running, and blocking its peers in a collective."""
+    A worker runs in a session of its own (torch's agent starts a subprocess so; a forked one calls
+    ``setsid``), so killing a node's agent (its process group) would leave the worker running, and
+    blocking its peers in a collective."""
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
@@ -255,7 +257,7 @@ def stop_node(reason: str, exit_code: int = EXIT_USAGE) -> NoReturn:
     """End this worker and its node because it cannot run as launched: ``reason`` (one line) and the
     launcher's exit code (``EXIT_USAGE``, or ``EXIT_CRASH_LOOP`` from the crash-loop policy) go to the
     launcher's refusal file, written once per node (the first worker's), and that worker sends its
-    agent SIGTERM; without the launcher's file it is printed here. Never returns."""
+    agent (``ENV_AGENT_PID``) SIGTERM; without the launcher's file it is printed here. Never returns."""
     path = os.environ.get(ENV_REFUSAL_FILE)
     if not path:
         print(f"elastic_trainer: error: {reason}", file=sys.stderr, flush=True)
@@ -267,7 +269,7 @@ def stop_node(reason: str, exit_code: int = EXIT_USAGE) -> NoReturn:
         if fd is not None:
             with os.fdopen(fd, "w") as f:
                 f.write(f"{reason}\n{exit_code}\n")
-            os.kill(os.getppid(), signal.SIGTERM)
+            os.kill(int(os.environ.get(ENV_AGENT_PID) or os.getppid()), signal.SIGTERM)
     runtime().exit(exit_code, run_hooks=False)
 
 

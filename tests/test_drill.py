@@ -178,7 +178,7 @@ def test_a_node_away_longer_than_its_lease_is_expected_at_n_minus_1_then_back_at
 def test_hang_signals_one_worker_of_the_node_and_expects_n_minus_1_on_the_live_path(monkeypatch, recovery, sig, dip):
     from elastic_trainer.drill import kinds
     sent = []
-    monkeypatch.setattr(kinds, "children", lambda pid: [pid + 7] if pid == 1001 else [])
+    monkeypatch.setattr(kinds, "workers", lambda pid: [pid + 7] if pid == 1001 else [])
     monkeypatch.setattr(kinds.os, "kill", lambda pid, s: sent.append((pid, s)))
     rec = fire("hang", None, ["--recovery", recovery])
     assert sent == [(1008, sig)] and rec["worker_pid"] == 1008

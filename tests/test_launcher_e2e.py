@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from elastic_trainer import records
-from elastic_trainer.drill.nodes import descendants
+from elastic_trainer.drill.nodes import children, descendants
 from tests.helpers.common import cli_cmd, wait_until
 from tests.helpers.runs import TINY
 
@@ -66,7 +66,8 @@ def test_stop_signal_leaves_no_agent_worker_or_etcd(tmp_path, procs, sig):
     started = set(descendants(cli.pid))
     names = {p: Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ") for p in started if alive(p)}
     assert any("etcd" in c.split()[0] for c in names.values()), names
-    assert sum("elastic_trainer.train" in c for c in names.values()) == 2, names
+    server = [p for p in children(cli.pid) if "multiprocessing.forkserver" in names.get(p, "")]
+    assert len(server) == 1 and len(children(server[0])) == 2, names  # workers forked from it (preload.py)
     os.kill(cli.pid, sig)
     cli.wait(timeout=60)
     wait_until(lambda: not any(alive(p) for p in started), 10, "the agent, workers and etcd to exit",

@@ -160,7 +160,8 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
     # 4. the public names (elastic_trainer/__init__.py) and the parsers generated from the configs
     {"public": ("",), "flags": ("flags",)},
     # 5. the commands: the worker's entry and the drill; then `elastic-train`, which dispatches to the drill
-    {"train": ("train",), "script": ("script",), "drill": ("drill",)},
+    #    (the worker's entry with the fork server its workers are forked from: preload.py)
+    {"train": ("train", "preload"), "script": ("script",), "drill": ("drill",)},
     {"cli": ("cli",)},
     # 6. what reads the commands: the docs' flag tables (from their parsers)
     {"tools": ("flag_tables",)},

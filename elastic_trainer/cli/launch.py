@@ -7,7 +7,9 @@ are torchrun's own. In order:
 1. :func:`parse_run_config`: the launcher's flags (generated from ``RunConfig``'s fields by
    ``flags.add_run_flags``, plus ``--nnodes``, ``-m`` and the program), and the built-in trainer's
    flags after ``--``, parsed once with the trainer's own generated parser, as every worker will
-   (a bad one ends the launcher with one line and status 2). The recovery mode is chosen here:
+   (a bad one ends the launcher with one line and status 2); for the built-in trainer the fork
+   server its workers come from starts first, and imports torch while the rest goes on
+   (``preload.py``). The recovery mode is chosen here:
    ``--recovery`` when given, else live for the built-in trainer and for a script that uses the
    Manager (``training/uses_manager.py``), restart for any other.
 2. :func:`check_devices` and :func:`check_environment`: what this node can run (``--device``,
@@ -16,7 +18,8 @@ are torchrun's own. In order:
    ``etcd_keeper`` for as long as any node of the run uses it) and the join command
    (``cli/join.py``), the workers' environment (``OMP_NUM_THREADS``, the run's folders, secrets
    moved out by ``cli.secrets``, NCCL's error handling in live mode, what this node runs for the
-   joiner check), then torch's ``elastic_launch``. A user's script runs through
+   joiner check), then torch's ``elastic_launch``: the built-in trainer's workers forked from the
+   fork server (``preload.train_worker``), a user's script in a new interpreter through
    ``elastic_trainer.script`` (:func:`worker_command`): its workers die with this node, and under
    live recovery one that forms its group without the Manager stops the node with one line.
 """
@@ -34,11 +37,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from elastic_trainer import cpus, flags
+from elastic_trainer import cpus, flags, preload
 from elastic_trainer.cli import secrets
 from elastic_trainer.cli.usage import Parser, TrainerParser, UsageError
 from elastic_trainer.config import RunConfig, TrainConfig, flag_name, run_flag_fields
 from elastic_trainer.env import (
+    ENV_AGENT_PID,
     ENV_CHECKPOINT_DIR,
     ENV_LOG_DIR,
     ENV_NCCL_ERROR_HANDLING,
@@ -98,8 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_run_config(argv: list[str]) -> RunConfig:
-    """Parse launcher flags into a checked ``RunConfig``; raise ``UsageError`` on bad input."""
+def parse_run_config(argv: list[str], start_workers_server: bool = False) -> RunConfig:
+    """Parse launcher flags into a checked ``RunConfig``; raise ``UsageError`` on bad input.
+    ``start_workers_server``: for the built-in trainer, start the fork server its workers come from
+    (``preload.py``) as soon as the program is known, before the trainer's flags import torch."""
     secrets.refuse_command_line_secrets(argv)
     trainer_args: list[str] = []
     if "--" in argv:
@@ -144,6 +150,9 @@ def parse_run_config(argv: list[str]) -> RunConfig:
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     if program[:2] == BUILTIN_TRAINER:  # `-m elastic_trainer.train` too
+        if start_workers_server:
+            run.fork_server_error = preload.start_server(secrets.without_secrets(os.environ))
+            run.forked_workers = run.fork_server_error is None
         run.trainer = trainer_config(run, given_here={name: getattr(args, name) for name in SHARED_TRAINER_FLAGS})
     return run
 
@@ -286,9 +295,21 @@ def embedded_etcd(run: RunConfig, log_dir: Path) -> tuple[str, subprocess.Popen 
     return endpoint, keeper
 
 
-def worker_command(run: RunConfig) -> list[str]:
-    """What each worker runs after the interpreter: the built-in trainer as it is (it dies with its
-    agent and uses the Manager by itself), a user's script or module through ``elastic_trainer.script``."""
+def worker_entrypoint(run: RunConfig):
+    """What torch's agent starts for each worker: the built-in trainer forked from the fork server
+    that imported torch while this launcher started (``preload.train_worker``), or a new interpreter:
+    for a user's script (its ``__main__`` is the script), or the built-in trainer when the server
+    could not start (``preload.start_server``)."""
+    return preload.train_worker if run.forked_workers else sys.executable
+
+
+def worker_command(run: RunConfig) -> list:
+    """The arguments of :func:`worker_entrypoint`: for the built-in trainer the agent's environment
+    when it starts the worker (``preload.AgentEnviron``) and the trainer's flags, or in a new
+    interpreter the trainer's module and flags (either way it dies with its agent and uses the
+    Manager by itself); a user's script or module runs through ``elastic_trainer.script``."""
+    if run.forked_workers:
+        return [preload.AgentEnviron(), *run.program[2:]]
     if run.trainer is not None:
         return run.program
     return [*SCRIPT_ENTRY, *(run.program[1:] if run.program[0] == "-u" else run.program)]
@@ -444,7 +465,7 @@ def run_node(run: RunConfig) -> int:
     progress = log_dir / f"progress-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(progress, ignore_errors=True)
     progress.mkdir(mode=0o700)
-    ours = {ENV_REFUSAL_FILE: str(refusal), ENV_PROGRESS_DIR: str(progress)}
+    ours = {ENV_REFUSAL_FILE: str(refusal), ENV_PROGRESS_DIR: str(progress), ENV_AGENT_PID: str(os.getpid())}
     ours[ENV_STRAGGLERS] = run.stragglers.to_json()
     if run.rdzv_backend == "etcd-v3":
         ours[ENV_PROGRAM] = program_of(run).to_json()  # the joiner check (rendezvous/program.py)
@@ -458,15 +479,19 @@ def run_node(run: RunConfig) -> int:
                 min_nodes=run.min_nodes, max_nodes=run.max_nodes, nproc_per_node=run.nproc_per_node,
                 run_id=run.run_id, rdzv_backend=run.rdzv_backend, rdzv_endpoint=endpoint,
                 rdzv_configs=dict(run.rdzv_conf), max_restarts=run.max_restarts,
-                monitor_interval=run.monitor_interval, local_addr=run.local_addr, start_method="spawn",
+                monitor_interval=run.monitor_interval, local_addr=run.local_addr,
+                start_method="forkserver" if run.forked_workers else "spawn",  # (unused for a program)
                 logs_specs=DefaultLogsSpecs(log_dir=str(log_dir / "torchelastic")),
             )
             held_out = BackOff(initial=run.stragglers.hold_out_s, maximum=8 * run.stragglers.hold_out_s)
             board = check_board(run, endpoint)
             checked(run, endpoint, rejoin=False, board=board)
+            if run.fork_server_error is not None:
+                logger.warning("the workers start as new interpreters: their fork server could not start (%s)",
+                               run.fork_server_error)
             while True:
                 try:
-                    elastic_launch(config, sys.executable)(*worker_command(run))
+                    elastic_launch(config, worker_entrypoint(run))(*worker_command(run))
                     return 0
                 except SignalException:
                     reason = evicted_reason(refusal)
@@ -517,7 +542,7 @@ def run_node(run: RunConfig) -> int:
 def main(argv: list[str]) -> int:
     """``elastic-train [flags] [script [args]] [-- trainer flags]``: check everything, then run this
     node (:func:`run_node`). Bad input: ``UsageError``, before anything starts."""
-    run = parse_run_config(argv)
+    run = parse_run_config(argv, start_workers_server=True)
     # Before anything is created (the checkpoint dir's probe, the log dir, etcd's data); the
     # agent and its workers inherit it. Restored after, for callers that run main() in-process.
     old_umask = os.umask(run.umask)

@@ -13,7 +13,9 @@ by every DataLoader worker and subprocess a worker starts. So the launcher
   variable (``ELASTIC_TRAINER_RDZV_PASSWORD``), and removes the folder and puts the storage and W&B
   variables back when the run ends (:func:`handed_over`).
 
-Helper processes (the embedded etcd) get none of it: they start with ``env.helper_environ()``.
+Helper processes (the embedded etcd) get none of it: they start with ``env.helper_environ()``. The
+built-in trainer's fork server (``preload.py``), started before the keys move, gets the launcher's
+environment without them (:func:`without_secrets`).
 
 docs/security.md tells the whole story; tests/test_security.py checks what a worker can see.
 """
@@ -24,7 +26,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from elastic_trainer.cli.usage import UsageError
 from elastic_trainer.env import (
@@ -38,6 +40,18 @@ from elastic_trainer.env import (
     ENV_WANDB_API_KEY,
     ENV_WANDB_KEY_FILE,
 )
+
+
+SECRET_VARIABLES = (ENV_AWS_ACCESS_KEY_ID, ENV_AWS_SECRET_ACCESS_KEY, ENV_AWS_SESSION_TOKEN, ENV_WANDB_API_KEY,
+                    ENV_RDZV_PASSWORD, ENV_CHECKPOINT_DIR)
+"""The launcher's variables that may hold a secret (the checkpoint URL may hold S3 keys): a worker
+never has them in its environment (:func:`handed_over` moves them or gives the URL without keys)."""
+
+
+def without_secrets(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without :data:`SECRET_VARIABLES`: for a process started before :func:`handed_over`
+    (the fork server, whose environment every worker forked from it starts with)."""
+    return {k: v for k, v in environ.items() if k not in SECRET_VARIABLES}
 
 
 def refuse_command_line_secrets(argv: list[str]) -> None:

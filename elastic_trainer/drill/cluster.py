@@ -24,7 +24,7 @@ from typing import TypeVar
 from elastic_trainer import records
 from elastic_trainer.records import EventRecord, StepRecord
 from elastic_trainer.drill.kinds import FAULTS
-from elastic_trainer.drill.nodes import Node, children, start_ticks
+from elastic_trainer.drill.nodes import Node, start_ticks, workers
 from elastic_trainer.drill.scenario import DEFAULT_TRAINER_ARGS, ScenarioError
 from elastic_trainer.etcd.server import EtcdServer, dying_with_parent, start_with_auth
 from elastic_trainer.etcd.tls import make_certs
@@ -240,7 +240,7 @@ class Cluster:
                 node.signal(signal.SIGKILL)
                 self.note(node.name, "term_grace_over_killed")
                 node.term_deadline = None
-            kids = set(children(node.proc.pid))
+            kids = set(workers(node.proc.pid))
             gone, new = node.workers - kids, kids - node.workers
             if gone:
                 self.note(node.name, "workers_gone", pids=sorted(gone))

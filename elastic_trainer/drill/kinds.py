@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from elastic_trainer.drill.nodes import Node, children, killpg
+from elastic_trainer.drill.nodes import Node, killpg, workers
 from elastic_trainer.env import ENV_DEBUG_HANG, ENV_DEBUG_SLOW
 
 
@@ -181,10 +181,10 @@ def _reconnect(driver: Driver, rec: dict, node: Node | None) -> None:
 def _pick_worker(driver: Driver, rec: dict) -> str | None:
     """hang: choose the worker process to hang (a child of the node's agent), or say why not."""
     node = driver.cluster.node(rec["node"])
-    workers = sorted(children(node.proc.pid)) if node is not None else []
-    if not workers:
+    pids = sorted(workers(node.proc.pid)) if node is not None else []
+    if not pids:
         return f"skipped: {rec['node']} runs no worker process now"
-    rec["worker_pid"] = driver.cluster.rng.choice(workers)
+    rec["worker_pid"] = driver.cluster.rng.choice(pids)
     return None
 
 
@@ -213,7 +213,7 @@ def _slow(driver: Driver, rec: dict, node: Node | None, size: int, now: float) -
     it out (N-1), its launcher holds it out, checks it and lets it rejoin (N) with new workers,
     which are fast. Restart path: it is never left out (N throughout)."""
     live = driver.args.recovery != "restart"
-    rec["worker_pids"] = sorted(children(node.proc.pid))
+    rec["worker_pids"] = sorted(workers(node.proc.pid))
     for pid in rec["worker_pids"]:
         try:
             os.kill(pid, signal.SIGUSR1)

@@ -1,7 +1,8 @@
 """A drill's simulated nodes: one ``elastic-train`` process each, and the processes under it.
 
 A node is an agent (``python -m elastic_trainer.cli``, a torchrun agent) started in a session of
-its own; the agent starts the workers. The drill finds every process below an agent through
+its own; the agent starts the workers, each in a session of its own (:func:`workers`: the built-in
+trainer's are forked from the agent's fork server, ``preload.py``). The drill finds every process below an agent through
 ``/proc`` (children of children), signals a node by process group (the agent's and each
 descendant's), and remembers each worker it saw by pid and start time, so that it can SIGKILL
 what is left at the end without hitting a recycled pid.
@@ -29,6 +30,35 @@ def children(pid: int) -> list[int]:
         except OSError:
             continue
     return out
+
+
+def workers(agent_pid: int) -> list[int]:
+    """The worker processes of a node's agent now: the children of its fork server when it has one
+    (the built-in trainer's workers are forked from it, ``preload.py``), else its children but
+    multiprocessing's helpers and the embedded etcd's keeper."""
+    kids = children(agent_pid)
+    server = [pid for pid in kids if _multiprocessing_helper(pid) == "forkserver"]
+    if server:
+        return [pid for s in server for pid in children(s)]
+    return [pid for pid in kids if _multiprocessing_helper(pid) is None and not _etcd_keeper(pid)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _etcd_keeper(pid: int) -> bool:
+    return b"elastic_trainer.etcd.keeper" in _cmdline(pid)
+
+
+def _multiprocessing_helper(pid: int) -> str | None:
+    """``forkserver`` or ``resource_tracker`` when ``pid`` is that multiprocessing helper, else None."""
+    cmdline = _cmdline(pid)
+    return next((name for name in ("forkserver", "resource_tracker")
+                 if f"from multiprocessing.{name} import main".encode() in cmdline), None)
 
 
 def descendants(pid: int) -> list[int]:
@@ -99,6 +129,9 @@ class Node:
 
     def kill_leftovers(self) -> None:
         """SIGKILL every worker ever seen that still runs (same pid and start time)."""
-        for pid, (ticks, pgid) in self.seen.items():
+        for pid, (ticks, _) in self.seen.items():
             if ticks is not None and start_ticks(pid) == ticks:
-                killpg(pgid, signal.SIGKILL)
+                try:  # its group now: a forked worker makes its own a moment after it starts
+                    killpg(os.getpgid(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    continue

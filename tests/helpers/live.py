@@ -37,9 +37,14 @@ def wait_steps(what: str, pred, logs: Path, timeout: float, outs: list[Path]) ->
 
 
 def agent_of(worker_pid: int, agents) -> object:
-    """The agent (torchrun) process whose child this worker is."""
-    ppid = int(Path(f"/proc/{worker_pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    return next(a for a in agents if a.pid == ppid)
+    """The agent (torchrun) process above this worker (its parent, or its fork server's: preload.py)."""
+    pid = worker_pid
+    while pid > 1:
+        pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        found = next((a for a in agents if a.pid == pid), None)
+        if found is not None:
+            return found
+    raise LookupError(f"no agent above worker {worker_pid}")
 
 
 def kill_node(worker_pid: int, agents, logs: Path, outs: list[Path], world: int, steps: int):
