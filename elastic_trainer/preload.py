@@ -22,8 +22,10 @@ What a forked worker does itself, because it did not start from its agent as a n
    it; torch's own variables for the worker (``RANK``, ...) go on top, as they do for a subprocess;
 2. **torch's threads**: torch read ``OMP_NUM_THREADS`` in the server; ``torch.set_num_threads``
    applies the worker's. The server runs no torch operation, it imports only: a process forked after
-   an OpenMP parallel region hangs at its own first one (libgomp; tests/test_preload.py checks that
-   the server ran none and that a worker computes with several threads);
+   an OpenMP parallel region hangs at its own first one (libgomp), and one forked after CUDA's
+   initialization (a device count is enough) cannot use CUDA. tests/test_preload.py checks that the
+   imports ask CUDA nothing and that a worker computes with several threads; on a GPU, tests/test_gpu.py
+   runs the trainer's workers so (not run on this machine, which has none);
 3. **a session of its own** (``os.setsid``), as torch gives a worker it starts as a subprocess: a
    terminal's Ctrl-C reaches the agent, which ends its workers, not each worker at once;
 4. **its agent**: the worker's parent is the server, so the launcher names the agent in

@@ -69,15 +69,18 @@ def test_a_forked_worker_sees_its_agents_environment_its_threads_and_no_secret(t
 
 
 def test_the_server_only_imports():
-    """What the server runs before it forks: imports, no thread, no CUDA, nothing that reads the
-    launcher's later environment when imported (prometheus_client's multiprocess folder)."""
-    code = ("import sys, threading\n"
+    """What the server runs before it forks: imports, no thread, no CUDA (not even a device count: the
+    driver's initialization does not survive a fork), nothing that reads the launcher's later
+    environment when imported (prometheus_client's multiprocess folder)."""
+    code = ("import sys, threading, torch\n"
+            "asked = []\n"
+            "for name in ('device_count', 'is_available', 'init', 'current_device', 'get_device_capability'):\n"
+            "    setattr(torch.cuda, name, lambda *a, _n=name, **k: asked.append(_n))\n"
             f"for m in {list(preload.MODULES)!r}: __import__(m)\n"
-            "import torch\n"
-            "print(threading.active_count(), 'prometheus_client' in sys.modules, torch.cuda.is_initialized())\n")
+            "print(threading.active_count(), 'prometheus_client' in sys.modules, torch.cuda.is_initialized(), asked)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["1", "False", "False"], done.stdout
+    assert done.stdout.split() == ["1", "False", "False", "[]"], done.stdout
 
 
 @pytest.mark.timeout(300)
