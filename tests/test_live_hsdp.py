@@ -23,7 +23,7 @@ from elastic_trainer import records
 from elastic_trainer.checkpoint import CheckpointManager
 from elastic_trainer.checkpoint.sharded import gathered
 from elastic_trainer.records import Event
-from tests.helpers.live import current_ranks, kill_node, steps_of, wait_steps
+from tests.helpers.live import agent_of, current_ranks, kill_node, steps_of, wait_steps
 from tests.helpers.common import REPO
 from tests.helpers.runs import CONF, SEEDS_MSE, agent, baseline, check_equivalence, final_batches, latest
 
@@ -81,8 +81,7 @@ def test_hsdp_loses_a_replica_then_rank_0s_and_gains_one_and_matches_an_uninterr
     st = wait_steps("a world of 6 after the join", lambda st: sum(
         s["world_size"] == 6 and s["time"] > t_join for s in st) >= 12, logs, 150, outs)
     ranks = current_ranks(st)
-    rank0_agent = next(a for a in agents if a.pid == int(Path(f"/proc/{ranks[0]}/stat").read_text()
-                                                          .rsplit(")", 1)[1].split()[1]))
+    rank0_agent = agent_of(ranks[0], agents)
     _, t_kill0, st = kill_node(ranks[0], agents, logs, outs, 4, 4)
     first = min(s["time"] for s in st if s["world_size"] == 4 and s["time"] > t_kill0)
     print(f"kill of rank 0's node -> first step at 4 ranks: {first - t_kill0:.2f}s")
