@@ -27,7 +27,10 @@ What a forked worker does itself, because it did not start from its agent as a n
    imports ask CUDA nothing and that a worker computes with several threads; on a GPU, tests/test_gpu.py
    runs the trainer's workers so (not run on this machine, which has none);
 3. **a session of its own** (``os.setsid``), as torch gives a worker it starts as a subprocess: a
-   terminal's Ctrl-C reaches the agent, which ends its workers, not each worker at once;
+   terminal's Ctrl-C reaches the agent, which ends its workers, not each worker at once; and a new
+   interpreter's default start method for its own processes (multiprocessing makes the fork
+   server's the default of what it forks: DataLoader workers would come from a fork server of the
+   worker's own, which outlives a killed worker);
 4. **its agent**: the worker's parent is the server, so the launcher names the agent in
    ``ENV_AGENT_PID`` (``runtime.stop_node`` signals it). The worker dies with its parent
    (``runtime.die_with_parent``), and the server with the launcher: multiprocessing would end it when
@@ -108,6 +111,8 @@ class AgentEnviron:
 def train_worker(agent: AgentEnviron, *argv: str) -> int:
     """The built-in trainer in a worker forked from the fork server (the module docstring's 1-5):
     ``elastic_trainer.train.main(argv)``; 0, or the process ends with the status."""
+    import multiprocessing
+
     import torch
 
     from elastic_trainer import train
@@ -119,6 +124,10 @@ def train_worker(agent: AgentEnviron, *argv: str) -> int:
     os.environ.clear()
     os.environ.update({**agent.environ, **given})
     os.setsid()
+    # multiprocessing set the fork server's start method as this process's default: a new interpreter's
+    # default again, so that its DataLoader workers start as they would (forked from it, a fork of a
+    # killed worker ending with it) and not from a fork server of its own that would outlive it.
+    multiprocessing.set_start_method(None, force=True)
     threads = os.environ.get(ENV_OMP_NUM_THREADS, "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))

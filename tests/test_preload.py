@@ -42,6 +42,8 @@ def test_a_forked_worker_sees_its_agents_environment_its_threads_and_no_secret(t
     output, _ = cli.communicate(timeout=240)
     assert cli.returncode == 0, output[-3000:]
     reports = [json.loads(p.read_text()) for p in reported]
+    fresh_start_method = subprocess.run([sys.executable, "-c", "import multiprocessing as m; print(m.get_start_method())"],
+                                        capture_output=True, text=True, timeout=60).stdout.strip()
     for rank, seen in enumerate(reports):
         # forked from the launcher's fork server, which imported what the trainer needs ahead
         assert "multiprocessing.forkserver" in seen["parent_cmdline"], seen["parent_cmdline"]
@@ -64,6 +66,7 @@ def test_a_forked_worker_sees_its_agents_environment_its_threads_and_no_secret(t
         for text in (json.dumps(environ), seen["proc_environ"]):
             assert AWS_CANARY not in text and WANDB_CANARY not in text
         assert seen["argv"][1:] == trainer
+        assert seen["start_method"] == fresh_start_method  # its DataLoader workers start as a new interpreter's
     assert reports[0]["ppid"] == reports[1]["ppid"]  # one server for the node's workers
     assert AWS_CANARY not in output and WANDB_CANARY not in output
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 from pathlib import Path
@@ -31,7 +32,7 @@ def build(args: argparse.Namespace):
         "environ": dict(os.environ),
         "proc_environ": Path("/proc/self/environ").read_bytes().decode(errors="replace"),
         "threads": torch.get_num_threads(), "product_finite": product == product,
-        "argv": sys.argv,
+        "argv": sys.argv, "start_method": multiprocessing.get_start_method(),
     }
     out = Path(os.environ["PROBE_OUT"])
     part = out / f"rank{os.environ['RANK']}.part"
