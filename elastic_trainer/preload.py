@@ -128,6 +128,8 @@ def train_worker(agent: AgentEnviron, *argv: str) -> int:
     # default again, so that its DataLoader workers start as they would (forked from it, a fork of a
     # killed worker ending with it) and not from a fork server of its own that would outlive it.
     multiprocessing.set_start_method(None, force=True)
+    if "numpy.random" in sys.modules:  # seeded once in the server, so alike in every worker: fresh entropy,
+        sys.modules["numpy.random"].seed()  # as a new interpreter has (Python's random reseeds itself at a fork)
     threads = os.environ.get(ENV_OMP_NUM_THREADS, "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
