@@ -247,10 +247,7 @@ class Cluster:
             if new:
                 self.note(node.name, "workers_started", pids=sorted(new))
                 for pid in new:
-                    try:
-                        node.seen[pid] = (start_ticks(pid), os.getpgid(pid))
-                    except ProcessLookupError:
-                        continue
+                    node.seen[pid] = start_ticks(pid)
             node.workers = kids
         dirs = list((self.out / "nodes").glob("node-*"))
         # Every worker's file: under live recovery a process changes rank when its world re-forms,

@@ -99,7 +99,7 @@ class Node:
     net: object | None = None
     state: str = "running"  # running | stopped | cut | killed | terminated | exited
     workers: set[int] = field(default_factory=set)
-    seen: dict[int, tuple[int | None, int]] = field(default_factory=dict)  # pid -> (start ticks, pgid)
+    seen: dict[int, int | None] = field(default_factory=dict)  # pid -> start ticks
     term_deadline: float | None = None
     paused_pgids: set[int] = field(default_factory=set)
 
@@ -129,7 +129,7 @@ class Node:
 
     def kill_leftovers(self) -> None:
         """SIGKILL every worker ever seen that still runs (same pid and start time)."""
-        for pid, (ticks, _) in self.seen.items():
+        for pid, ticks in self.seen.items():
             if ticks is not None and start_ticks(pid) == ticks:
                 try:  # its group now: a forked worker makes its own a moment after it starts
                     killpg(os.getpgid(pid), signal.SIGKILL)
