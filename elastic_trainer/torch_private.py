@@ -26,7 +26,8 @@ the two halves of ``init_process_group`` (``new_default_group``: torch's
 ``_new_process_group_helper``, which makes the group; ``install_default_group``: its
 ``_update_default_pg`` and ``_world``'s rank table, which make it the default), with which the live
 group forms the next quorum's group beside the one it trains in, under a name of that quorum's
-(``training/group_ahead.py``).
+(``training/group_ahead.py``), and ``new_subgroup`` (the same helper for a group of some ranks, as
+``new_group`` makes it, under a name of the quorum's): the loop's groups beside the default one.
 
 Checked against torch 2.11 (2.11.0+cu130, on a GPU machine: ``launch/gpu-check``), 2.12 (2.12.1),
 2.13 (2.13.0, what CI installs), 2.14 (2.14.1) and 2.15 (2.15.0, its CUDA build on a CPU machine);
@@ -189,6 +190,23 @@ def new_default_group(backend: str, store: dist.Store, rank: int, world_size: in
     return pg
 
 
+def new_subgroup(backend: str, store: dist.Store, ranks: list[int], rank: int, timeout: datetime.timedelta,
+                 name: str) -> dist.ProcessGroup:
+    """Rank ``rank``'s group of ``ranks`` (ranks of the default group, ``rank`` among them) on ``store``,
+    as ``dist.new_group(ranks)`` makes it (torch's ``_new_process_group_helper``, and ``_world``'s
+    table of its ranks) but named ``name`` and made by the ranks in it only: no other rank takes
+    part, so each rank makes the one group of a partition it is in, and the groups of the next quorum
+    may be made on another thread while the current ones train, the default group being the old one
+    or the new (a member's rank is the same in both). Every rank of it must make it under the same
+    name on the same store (the name prefixes its keys). No device is bound: an NCCL group made so
+    creates its communicator from the store, not by splitting the default group's."""
+    pg, _ = _c10d._new_process_group_helper(len(ranks), ranks.index(rank), list(ranks),
+                                            dist.Backend(backend), store, name, timeout=timeout,
+                                            group_desc=name)
+    _c10d._world.pg_group_ranks[pg] = {r: i for i, r in enumerate(ranks)}
+    return pg
+
+
 def install_default_group(pg: dist.ProcessGroup) -> dist.ProcessGroup | None:
     """Make ``pg`` (from ``new_default_group``) the default process group, as ``init_process_group``
     does with the group it made; returns the default group it replaces (None if there was none),
@@ -323,5 +341,5 @@ __all__ = ["ATTRIBUTES", "METHODS", "TESTED_TORCH", "Action", "DistributedOpExec
            "ExitOp", "JoinOp", "NodeDesc", "RendezvousContext", "RendezvousSettings", "RendezvousState",
            "RendezvousTimeout", "StateHolder", "check_compatible", "dcp_fsspec_storage", "dtensor_like", "foreach_copy",
            "generate_node_desc",
-           "install_default_group", "instance_attributes", "new_default_group", "remove_participant_epilogue", "replace_rendezvous_handler",
+           "install_default_group", "instance_attributes", "new_default_group", "new_subgroup", "remove_participant_epilogue", "replace_rendezvous_handler",
            "set_state_dict_metadata", "state_dict_metadata", "torch_classes", "version_counter"]

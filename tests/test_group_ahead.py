@@ -5,7 +5,9 @@ newcomer (``torch_private.new_default_group`` under the quorum's name, the newco
 group as its first); at the switch it becomes the default (``install_default_group``) and the old
 one is destroyed on a thread. Three real processes on gloo and a real ``TCPStore`` check that the
 old group trains while the next one forms, and that after the switch the default group is the new
-world's; the rest is ``GroupAhead``'s bookkeeping (its thread, a discard while it forms, a failure).
+world's, with a group beside it (``torch_private.new_subgroup``, as a loop's planned groups are
+made) formed ahead by one member and at once by the newcomer; the rest is ``GroupAhead``'s
+bookkeeping (its thread, a discard while it forms, a failure).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ WORKER = textwrap.dedent('''
     import datetime, json, sys, threading, time, weakref
     import torch, torch.distributed as dist
     from elastic_trainer.runtime import exit_without_teardown
-    from elastic_trainer.torch_private import install_default_group, new_default_group
+    from elastic_trainer.torch_private import install_default_group, new_default_group, new_subgroup
     from elastic_trainer.training.group_ahead import GroupAhead, group_name
     from elastic_trainer.training.process_group import drop_group
 
@@ -41,10 +43,15 @@ WORKER = textwrap.dedent('''
         t = threading.Thread(target=target, args=args, name=name, daemon=True)
         t.start()
         return t
+    pairs = [[0, 2], [1]]  # a loop's groups beside the default one (Manager.plan_groups): rank 0 with the newcomer
+    mine = next(i for i, g in enumerate(pairs) if rank in g)
+    def subgroup():  # made by its own ranks only, under the quorum's name, as the Manager makes a plan's
+        return new_subgroup("gloo", q2, pairs[mine], rank, timeout, f"{group_name(2)}/pair/{mine}")
     if rank < 2:  # a member: trains on quorum 1's group while quorum 2's forms ahead
         install_default_group(new_default_group("gloo", q1, rank, 2, timeout, group_name(1)))
         old = weakref.ref(dist.group.WORLD)
-        ahead = GroupAhead(None, "test", lambda: new_default_group("gloo", q2, rank, 3, timeout, group_name(2)),
+        ahead = GroupAhead(None, "test", lambda: (new_default_group("gloo", q2, rank, 3, timeout, group_name(2)),
+                                                  subgroup()),  # its group ahead too, while the old default trains
                            lambda box: drop_group(box, start), start)
         ctl.set(f"ahead-started-{rank}", "1")
         steps = 0
@@ -56,7 +63,9 @@ WORKER = textwrap.dedent('''
             if t[1].item() == 2:
                 break
             time.sleep(0.005)
-        drop_group([install_default_group(ahead.take())], start)
+        made, pair = ahead.take()
+        drop_group([install_default_group(made)], start)
+        del made
         result["old_steps"] = steps
         deadline = time.monotonic() + 30
         while old() is not None and time.monotonic() < deadline:  # destroyed and dropped on its thread
@@ -65,8 +74,12 @@ WORKER = textwrap.dedent('''
     else:  # the newcomer: admitted once the members started forming (it forms the same group, its first)
         ctl.wait(["ahead-started-0", "ahead-started-1"])
         install_default_group(new_default_group("gloo", q2, rank, 3, timeout, group_name(2)))
+        pair = subgroup()
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
+    p = torch.tensor([float(rank + 1)])
+    dist.all_reduce(p, group=pair)
+    result.update(pair_sum=p.item(), pair_ranks=dist.get_process_group_ranks(pair), pair_rank=dist.get_rank(pair))
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))  # on the default group: the new one
     model(torch.ones(1, 4)).sum().backward()
     result.update(rank=dist.get_rank(), world=dist.get_world_size(), sum=t.item(),
@@ -95,6 +108,9 @@ def test_a_group_formed_ahead_beside_the_group_in_use_takes_over_from_it(tmp_pat
     assert [r["rank"] for r in results] == [0, 1, 2]
     assert all(r["world"] == 3 and r["sum"] == 6.0 for r in results), results
     assert len({r["grad"] for r in results}) == 1, "DDP on the new group did not average over all three"
+    # the group beside the default one, made ahead by member 0 and at once by the newcomer, pairs them
+    assert [(r["pair_ranks"], r["pair_rank"], r["pair_sum"]) for r in results] == [
+        ([0, 2], 0, 4.0), ([1], 0, 2.0), ([0, 2], 1, 4.0)], results
     for r in results[:2]:
         assert r["old_steps"] >= 3, "the group in use did not train while the next one formed"
         assert r["old_gone"], "the replaced group was not destroyed and dropped"

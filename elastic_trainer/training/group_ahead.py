@@ -14,9 +14,13 @@ newcomer, DDP is made again. What remains of the pause is the state's transfer a
 
 Every rank, newcomer or member, makes a quorum's default group the same way
 (``torch_private.new_default_group`` under ``group_name(q)``, on the quorum's store in etcd), so a
-group made ahead on the members meets the one a newcomer makes in its ``join``. gloo only: NCCL's
-communicators are made from the default group's (``ncclCommSplit`` when a device is bound), and a
-loop with groups beside the default one (a DeviceMesh's) re-forms as before, whole.
+group made ahead on the members meets the one a newcomer makes in its ``join``; so are the loop's
+groups beside it that it planned (``Manager.plan_groups``: a DeviceMesh's, a checkpoint's; each made
+by its own ranks, ``torch_private.new_subgroup``, under ``group_name(q)/kind/index``), which form
+ahead with it, after which the loop makes what else it can for the new world on the same thread
+(``Recovery.ahead``: the built-in trainer wraps its HSDP model on the new mesh). gloo only: NCCL's
+communicators are made from the default group's (``ncclCommSplit`` when a device is bound); a loop
+that makes groups of its own (``Manager.subgroups``) re-forms as before, whole.
 
 What can go wrong meanwhile goes the usual way: a member or the newcomer lost while the group forms
 ends its store's waits (``MemberGone``: ``failed``), and the watcher abandons the group in use and

@@ -240,6 +240,9 @@ class LoopRecovery:
         if reform.old_world_size != q.world_size:
             self.records.event(Event.WORLD_SIZE_CHANGED, old=reform.old_world_size, new=q.world_size, step=self.steps)
 
+    def ahead(self, quorum, group) -> None:
+        """Nothing to make ahead: the loop's ``wrap`` (DDP) runs at the switch, where it broadcasts."""
+
     def regrouped(self) -> None:
         """A new process group (the first, or a re-form's): the model wrapped for it, the data split over it."""
         for loader in self.loaders:

@@ -59,7 +59,7 @@ from elastic_trainer.training.loop_records import LoopRecords
 from elastic_trainer.training.process_group import (collective_failed, host_step_is_device_state, install_debug_slow,
                                                     leave_process_group, nccl_error_handling, run_or_failed_collective,
                                                     warm_up_ddp)
-from elastic_trainer.training.recovery import Donors, Recovery, Reform
+from elastic_trainer.training.recovery import Donors, GroupPlan, Recovery, Reform, Subgroups
 from elastic_trainer.training.state_transfer import send_state, send_states
 from elastic_trainer.training.straggler_watch import Evicted, StragglerWatch, config_from_environ, event_fields
 from elastic_trainer.training.uses_manager import script_uses_manager
@@ -252,7 +252,8 @@ class Manager:
         if not self._pg.can_form_ahead:
             return False
         try:
-            ahead = self._pg.form_ahead(self._recovery.step, cause, self._cadence.cycle_s)
+            ahead = self._pg.form_ahead(self._recovery.step, cause, self._cadence.cycle_s,
+                                        getattr(self._recovery, "ahead", None))  # optional
         except LiveExcluded as exc:
             self._excluded(exc)
             raise
@@ -427,6 +428,22 @@ class Manager:
         if self.distributed and self.world_size > 1:
             dist.all_reduce(torch.zeros(1, device=self.device))
 
+    def plan_groups(self, plan: GroupPlan) -> None:
+        """The process groups beside the default one that the loop uses in every world (a
+        DeviceMesh's dimensions, a checkpoint's group): ``plan(world_size)`` -> by name, a
+        ``Subgroups`` (the ranks of each group of that kind). Call it before ``start``. Under live
+        recovery on gloo the Manager makes this rank's group of each kind with every default group,
+        ahead of a join as that group is (``group_ahead.py``), so a join whose loop has such groups
+        still costs the members only the switch; elsewhere ``group`` makes them when first asked."""
+        self._pg.plan_groups(plan)
+
+    def group(self, name: str) -> dist.ProcessGroup | None:
+        """This rank's group ``name`` of the plan (``plan_groups``) in the current world (None: it is
+        in no group of that kind). When it was not made with the default group (plain mode, NCCL)
+        it is made now with ``dist.new_group``: every rank must then ask at the same point. A
+        re-form makes new ones: ask again after it (``Recovery.reformed``)."""
+        return self._pg.group(name)
+
     @contextlib.contextmanager
     def subgroups(self, groups: Callable[[], Sequence] | None = None) -> Iterator[None]:
         """Wrap the making of process groups beside the default one (a DeviceMesh's, a checkpoint's):
@@ -517,7 +534,8 @@ class Manager:
         return reformed
 
 
-__all__ = ["Agreement", "ElasticLoader", "Evicted", "LiveExcluded", "Manager", "Recovery", "Reform", "Rewrapped", "RunFinished",
+__all__ = ["Agreement", "ElasticLoader", "Evicted", "GroupPlan", "LiveExcluded", "Manager", "Recovery", "Reform", "Rewrapped",
+           "RunFinished", "Subgroups",
            "agree_interval", "collective_failed", "host_step_is_device_state", "leave_process_group",
            "nccl_error_handling", "run_or_failed_collective", "script_uses_manager", "send_state", "send_states",
            "warm_up_ddp"]

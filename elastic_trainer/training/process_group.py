@@ -111,18 +111,21 @@ def leave_process_group(start_thread: Callable[..., object] | None = None) -> No
 
 
 def drop_group(box: list, start_thread: Callable[..., object]) -> None:
-    """Destroy the process group ``box`` holds (a group that is not the default: the one a switch
-    replaced, or one formed ahead and not used) and drop it, both on a thread of its own (the
+    """Destroy the process groups ``box`` holds (groups that are not the default: those a switch
+    replaced, or those formed ahead and not used) and drop them, all on a thread of its own (the
     shutdown of a gloo group and its destructor take milliseconds; ``leave_process_group``): ``box``
-    must hold the only reference to it, so that its destructor runs there, not on the caller's."""
+    must hold the only references to them, so that their destructors run there, not on the caller's."""
     start_thread("drop-old-group", _destroy, box)
 
 
 def _destroy(box: list) -> None:
-    try:
-        dist.destroy_process_group(box[0])
-    except Exception as exc:  # noqa: BLE001 - gone already (the default group's destruction took it along)
-        logger.debug("destroying a process group: %s", exc)
+    for group in box:
+        if group is None:
+            continue
+        try:
+            dist.destroy_process_group(group)
+        except Exception as exc:  # noqa: BLE001 - gone already (the default group's destruction took it along)
+            logger.debug("destroying a process group: %s", exc)
     box.clear()
 
 

@@ -68,6 +68,25 @@ Donors = Callable[[Quorum], dict[int, int | None]]
 """``donors(quorum)``: receiver rank -> the rank that sends it its state (None: no live rank holds it)."""
 
 
+@dataclass(frozen=True)
+class Subgroups:
+    """One kind of process group beside the default one that a loop uses in every world (a
+    DeviceMesh dimension's, a checkpoint's): ``ranks``, the groups of this kind (ranks of the
+    default group; no rank in two of them); ``backend``: theirs (None: the default group's)."""
+
+    ranks: tuple[tuple[int, ...], ...]
+    backend: str | None = None
+
+    def of(self, rank: int) -> tuple[int, tuple[int, ...]] | None:
+        """``(index, ranks)`` of the group ``rank`` is in, None when it is in none."""
+        return next(((i, g) for i, g in enumerate(self.ranks) if rank in g), None)
+
+
+GroupPlan = Callable[[int], dict[str, Subgroups]]
+"""``plan(world_size)``: the loop's groups beside the default one in a world of that size, by name
+(``Manager.plan_groups``)."""
+
+
 class Recovery(Protocol):
     """The loop's part of a re-form (see the module docstring)."""
 
@@ -91,5 +110,12 @@ class Recovery(Protocol):
     def reformed(self, reform: Reform) -> None:
         """The new group is up and the state moved: load it (``reform.state``), wrap, split the data."""
 
+    def ahead(self, quorum: Quorum, group: Callable[[str], Any]) -> None:
+        """A join's groups were made beside the training (``group_ahead.py``), ``group(name)`` giving
+        quorum ``quorum``'s of the loop's plan (``Manager.plan_groups``): make now what the new world
+        needs that holds no state (a sharded model's skeleton on the new mesh), so that the switch
+        does not. It runs on the Manager's ``live-form-ahead`` thread while the training thread
+        trains: it must not touch what the training uses. May do nothing."""
 
-__all__ = ["Donors", "Recovery", "Reform"]
+
+__all__ = ["Donors", "GroupPlan", "Recovery", "Reform", "Subgroups"]

@@ -23,7 +23,8 @@ describes (``join``), never re-formed. Under live recovery it belongs to the liv
 
 Every live group is made by ``torch_private.new_default_group`` under its quorum's name
 (``group_ahead.group_name``), so that a group one rank makes ahead meets the one another makes in
-its ``form``.
+its ``form``; the loop's planned groups beside it (``plan_groups``: ``torch_private.new_subgroup``,
+by their own ranks) are made with it, ahead too (gloo), and handed out by ``group(name)``.
 
 The Manager (``training/manager.py``) owns one and is what a training loop calls.
 """
@@ -43,14 +44,14 @@ from elastic_trainer.env import EXIT_EVICTED, EXIT_EXCLUDED, EXIT_OK, WorkerEnv
 from elastic_trainer.live.group import LiveGroup
 from elastic_trainer.live.group_store import MemberGone
 from elastic_trainer.live.quorum import LiveExcluded, Quorum, RunFinished
-from elastic_trainer.torch_private import install_default_group, new_default_group
+from elastic_trainer.torch_private import install_default_group, new_default_group, new_subgroup
 from elastic_trainer.training import state_codec
 from elastic_trainer.training.abandon import GroupAbandon
 from elastic_trainer.training.group_ahead import GroupAhead, group_name, only_adds, ready_key
 from elastic_trainer.training.process_group import (collective_failed, drop_group, etcd_addresses, init_from_env,
                                                     install_debug_hang, leave_process_group, nccl_error_handling,
                                                     warm_up_ddp)
-from elastic_trainer.training.recovery import Donors, Reform
+from elastic_trainer.training.recovery import Donors, GroupPlan, Reform
 from elastic_trainer.runtime import die_with_parent, runtime
 from elastic_trainer.training.state_transfer import early_state, send_state, send_states, transfer
 from elastic_trainer.training.straggler_watch import Evicted
@@ -86,6 +87,8 @@ class WorkerGroup:
         self.switch_due = False
         """Every rank's group ahead is up (the step-end agreement said so): ``reform(planned=True)`` switches."""
         self._agreed: Quorum | None = None  # agreed by form_ahead, formed by the reform that follows
+        self._plan: GroupPlan | None = None  # the loop's groups beside the default one (plan_groups)
+        self._extras: dict[str, dist.ProcessGroup] = {}  # this rank's groups of the plan, in the group in use
         self._ahead_store = None
         self._ahead_checked = 0.0  # when ahead_ready last asked etcd
 
@@ -144,9 +147,10 @@ class WorkerGroup:
         # default one (new_group: a DeviceMesh, the checkpoint's group) call it through C++, which finds
         # no Python half once the object is gone ("Not implemented.")
         self._store = self.live.store()
-        with self.abandon.recording(), self.live.progress.forming():  # gloo: the connections it opens are the
-            pg = self._make_group(q, self._store)                       # ones to shut on a silent loss
-        install_default_group(pg)
+        self._extras = {}
+        with self.abandon.recording(), self.live.progress.forming():  # gloo: the connections they open are the
+            install_default_group(self._make_group(q, self._store))     # ones to shut on a silent loss
+            self._extras = self._make_extras(q, self._store)
         self._formed = q
         self.rank, self.world_size, self.round, self.distributed = dist.get_rank(), q.world_size, q.q, True
 
@@ -158,6 +162,47 @@ class WorkerGroup:
             device_id = self.device
         return new_default_group(self.backend, store, q.rank_of(self.live.id), q.world_size,
                                  datetime.timedelta(seconds=self.collective_timeout), group_name(q.q), device_id)
+
+    def _make_extras(self, q: Quorum, store, only: str | None = None) -> dict[str, dist.ProcessGroup]:
+        """This rank's groups of the loop's plan in quorum ``q`` (each kind's, or ``only`` that one),
+        named after the quorum (``group_name(q)/kind/index``) on its ``store``: made by their own ranks
+        alone (``torch_private.new_subgroup``), so that the members make them ahead as they make the
+        default group, and a newcomer meets them in its ``form``. Live recovery on gloo only (else
+        ``group`` makes them with ``dist.new_group``, all ranks together, when the loop asks)."""
+        if self._plan is None or self.live is None or self.backend != "gloo":
+            return {}
+        rank, out = q.rank_of(self.live.id), {}
+        timeout = datetime.timedelta(seconds=self.collective_timeout)
+        for name, kind in self._plan(q.world_size).items():
+            mine = kind.of(rank) if only in (None, name) else None
+            if mine is not None and (kind.backend or "gloo") == "gloo":
+                out[name] = new_subgroup("gloo", store, list(mine[1]), rank, timeout, f"{group_name(q.q)}/{name}/{mine[0]}")
+        return out
+
+    def plan_groups(self, plan: GroupPlan) -> None:
+        """The loop's groups beside the default one (``Manager.plan_groups``)."""
+        self._plan = plan
+
+    def group(self, name: str) -> dist.ProcessGroup | None:
+        """This rank's group ``name`` of the plan in the group in use (None: this rank is in none of
+        that kind); see ``Manager.group``."""
+        if name in self._extras:
+            return self._extras[name]
+        kind = self._plan(self.world_size).get(name) if self._plan is not None else None
+        if kind is None:
+            raise KeyError(f"no process group {name!r} in the loop's plan (Manager.plan_groups)")
+        if self.live is not None and self.backend == "gloo" and (kind.backend or "gloo") == "gloo":
+            with self.abandon.recording(add=True):  # planned after the group formed: made now
+                self._extras.update(self._make_extras(self._formed, self._store, only=name))
+            return self._extras.get(name)
+        made: list = []
+        timeout = datetime.timedelta(seconds=self.collective_timeout)
+        with self.subgroups(lambda: [g for g in made if g is not None]):
+            for ranks in kind.ranks:  # every rank makes every group, in order (dist.new_group's contract)
+                g = dist.new_group(list(ranks), backend=kind.backend, timeout=timeout)
+                made.append(g if self.rank in ranks else None)
+        self._extras[name] = next((g for g in made if g is not None), None)
+        return self._extras[name]
 
     def _form_until_whole(self, step: int, cycle_s: float | None = None) -> Quorum:
         """``form`` the current quorum's group; while a member is lost as it forms (its store's waits
@@ -182,7 +227,8 @@ class WorkerGroup:
         return (self.live is not None and self.distributed and self.backend == "gloo" and not self._subgroups
                 and self.ahead is None)
 
-    def form_ahead(self, step: int, cause: str, cycle_s: float | None) -> bool:
+    def form_ahead(self, step: int, cause: str, cycle_s: float | None,
+                   prepare: Callable[[Quorum, Callable[[str], dist.ProcessGroup | None]], None] | None = None) -> bool:
         """A planned re-form's round at ``step``, the group kept: agree on the next quorum (its
         newcomers learn it and form their group). True when it only adds ranks: its group now forms
         beside this one (``ahead``), and training goes on until every rank's is up (``switch_due``);
@@ -197,9 +243,15 @@ class WorkerGroup:
             return False
         store = self._ahead_store = self.live.store()
 
-        def make() -> dist.ProcessGroup:
+        def make() -> tuple[dist.ProcessGroup, dict]:
             with self.abandon.recording(ahead=True):
-                return self._make_group(q, store)
+                made = self._make_group(q, store), self._make_extras(q, store)
+            if prepare is not None:  # the loop's own part ahead (Recovery.ahead); the switch does it if this fails
+                try:
+                    prepare(q, made[1].get)
+                except Exception:  # noqa: BLE001 - logged; the switch makes it instead
+                    logger.exception("live: the loop's preparation for quorum %d failed; the switch makes it", q.q)
+            return made
 
         self.ahead = GroupAhead(q, cause, make, self._drop_ahead, runtime().start_thread)
         logger.info("live: quorum %d agreed at step %d (%s); its group forms beside quorum %d's", q.q, step, cause,
@@ -225,6 +277,9 @@ class WorkerGroup:
 
     def _drop_ahead(self, box: list) -> None:
         self.abandon.drop_ahead()
+        made = box.pop()  # (the default group, the loop's groups)
+        box += [*made[1].values(), made[0]]
+        del made
         drop_group(box, runtime().start_thread)
 
     def _discard_ahead(self) -> None:
@@ -232,15 +287,19 @@ class WorkerGroup:
         if ahead is not None:
             ahead.discard()
 
-    def _switch(self, state_dict: Callable[[], dict] | None, started: tuple[float, float]) -> Reform:
-        """At the agreed step: the group formed ahead becomes the default, the old one goes, the
-        state goes to the newcomers."""
+    def _switch(self, state_dict: Callable[[], dict] | None, started: tuple[float, float],
+                donors: Donors | None) -> Reform:
+        """At the agreed step: the groups formed ahead become the default one and the loop's, the old
+        ones go, the state goes to the newcomers (from the donors, for a sharded state)."""
         ahead, self.ahead, self.switch_due = self.ahead, None, False
         q = ahead.quorum
         old_rank, old_world, old_round = self.rank, self.world_size, self.round
         self.live.progress.reform_started()
         try:
-            box = [install_default_group(ahead.take())]
+            made = ahead.take()
+            box = [install_default_group(made[0]), *self._extras.values()]
+            self._extras = made[1]
+            del made
             self.abandon.promote()
             self._store, self._ahead_store = self._ahead_store, None
             drop_group(box, runtime().start_thread)
@@ -249,7 +308,7 @@ class WorkerGroup:
             grouped = time.perf_counter()
         finally:
             self.live.progress.reform_ended()
-        state, missing = transfer(q, self.rank, state_dict, self.device)
+        state, missing = transfer(q, self.rank, state_dict, self.device, donors)
         self.live.forget_old()
         return Reform(q, state, old_rank, old_world, grouped, grouped, grouped, missing, old_round, *started,
                       ahead=True)
@@ -266,14 +325,15 @@ class WorkerGroup:
             raise RuntimeError("Manager.reform needs live recovery (elastic-train's etcd-v3 rendezvous with "
                                "--recovery live); in plain mode a failure ends the worker and torchrun restarts it")
         if planned and self.switch_due and self.ahead is not None:
-            return self._switch(state_dict, started)
+            return self._switch(state_dict, started, donors)
         self._discard_ahead()
         agreed_q, self._agreed = self._agreed, None
         old_rank, old_world, old_round = self.rank, self.world_size, self.round
         self.live.progress.reform_started()
         try:
-            if self._subgroups:  # gloo: a peer blocked on this rank in a subgroup fails now, as on a death
-                self.abandon.abandon("this rank re-forms")
+            if self._subgroups or self._extras:  # gloo: a peer blocked on this rank in a subgroup fails now,
+                self.abandon.abandon("this rank re-forms")  # as on a death
+            self._extras = {}  # (destroyed with the default group)
             leave_process_group(runtime().start_thread)
             torn = time.perf_counter()
             quorum = agreed_q if agreed_q is not None and planned else \
@@ -304,6 +364,7 @@ class WorkerGroup:
                 cause = f"the state did not reach a newcomer ({type(exc).__name__}: {exc})"
             # outside the except block: the failed wait's frames are gone before the group is left
             logger.warning("live: %s; re-forming with the others", cause)
+            self._extras = {}
             leave_process_group(runtime().start_thread)
             self.live.reform(-1, cause, report_timeout=self._report_timeout(None))
             self._form_until_whole(-1)
@@ -342,6 +403,7 @@ class WorkerGroup:
     def destroy(self) -> None:
         """Destroy the default group (nothing may refer to it any more), and a group formed ahead."""
         self._discard_ahead()
+        self._extras = {}
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
         self.distributed = False
