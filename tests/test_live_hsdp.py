@@ -101,7 +101,7 @@ def test_hsdp_loses_a_replica_then_rank_0s_and_gains_one_and_matches_an_uninterr
     assert Event.CHECKPOINT_LOADED not in [e.event for e in events]  # nothing was read from storage
     reforms = [e for e in events if e.event == Event.LIVE_REFORM]
     assert [(e.old, e.new) for e in reforms] == [(6, 4), (4, 6), (6, 4)], reforms
-    assert reforms[1].receivers == [4, 5]
+    assert reforms[1].receivers == [4, 5] and reforms[1].ahead, "the join's groups formed beside the training"
     text = "".join(o.read_text() for o in outs)
     joined = re.findall(r"received the training state of step \d+ \(shards: (\d+) bytes\) in ([0-9.]+)s",
                         outs[3].read_text())
@@ -136,6 +136,53 @@ def test_hsdp_loses_a_replica_then_rank_0s_and_gains_one_and_matches_an_uninterr
     written = {n: sum(f.stat().st_size for f in (ck / f"step-{n}").glob("dcp-*/*.distcp")) for n in (total, total + 2)}
     print(f"shard files: {written[total]} bytes of 2 replicas x 2 shards, {written[total + 2]} bytes of 1 x 2")
     assert written[total] < 1.3 * written[total + 2]
+
+
+def test_a_node_that_joins_hsdp_gets_its_shards_while_the_members_train_on(etcd, run_id, procs, tmp_path):
+    """``--fsdp`` on 2 nodes x 2 workers, the second late: the first trains alone (a mesh of one
+    node's 2 shards), then the second joins, which makes the world HSDP (2 replicas x 2 shards)
+    without a stop for its groups: the members agree on the quorum, then train on while their
+    groups of the next world (the default one, the mesh's replicate and shard groups, the
+    checkpoint's) form beside theirs and the model is wrapped on the new mesh
+    (``TrainerRecovery.ahead``); the newcomer's ranks, wrapped and waiting, get the shards of
+    their shard index at the switch. Checkpoints every 5 steps commit before and after it (the
+    members' saver kept its memory, only its group and folder changed); every sample is used
+    once and the end state equals an uninterrupted run's."""
+    total = 60
+    base_model, _, base_ledger = baseline(tmp_path, total)
+    ck, logs = tmp_path / "ck", tmp_path / "logs"
+    outs = [tmp_path / f"agent{i}.log" for i in range(2)]
+    # slow steps: the late node's start takes 5-9 s here under load; it must join well before the end
+    args = ("--fsdp", "--max-steps", str(total), "--sleep-per-step", "0.5", "--checkpoint-every", "5")
+    agents = _nodes(procs, etcd, run_id, ck, logs, outs, 1, *args, nnodes="1:2")
+    st = wait_steps("a world of 2 at step 3", lambda st: any(s["world_size"] == 2 and s["step"] >= 3 for s in st),
+                    logs, 150, outs)
+    first = {s["pid"] for s in st}
+    agents.append(agent(procs, etcd, run_id, 2, ck, logs, *args, nnodes="1:2", out=outs[1], recovery="live"))
+    for a in agents:
+        assert a.wait(timeout=200) == 0, [o.read_text()[-3000:] for o in outs]
+    st = steps_of(logs)
+    _by_pid_increasing(st)
+    at4 = [s for s in st if s["world_size"] == 4]
+    assert at4 and max(s["step"] for s in st) == total, "the late node joined before the end"
+    assert first <= {s["pid"] for s in at4}, "the first node's workers kept their processes through the join"
+    text = "".join(o.read_text() for o in outs)
+    assert "fsdp: HSDP over replicate=2, shard=2" in text
+    events = records.read_events(logs)
+    reforms = _membership_reforms(events)
+    assert [(e.old, e.new, e.receivers, e.ahead, e.extra.get("state_from")) for e in reforms] == [
+        (2, 4, [2, 3], True, "replica")], reforms
+    assert "the model on the mesh of 4 ranks made ahead" in text, text[-3000:]
+    joined = min(s["step"] for s in at4)
+    committed = {int(n) for n in re.findall(r"checkpoint step-(\d+) committed", text)}
+    assert any(n > joined for n in committed) and any(n < joined for n in committed), (joined, sorted(committed))
+    print(f"joined at step {joined}; the members' re-form {reforms[0].total_s:.3f}s "
+          f"(state {reforms[0].state_s:.3f}); checkpoints {sorted(committed)}")
+    assert Event.CHECKPOINT_LOADED not in [e.event for e in events]
+    assert final_batches(logs) == {n: sorted(ix) for n, ix in base_ledger.items()}
+    step, state = latest(ck)
+    assert step == total
+    check_equivalence(gathered(CheckpointManager(str(ck)), step, state)["model"], base_model, total)
 
 
 def _membership_reforms(events) -> list:

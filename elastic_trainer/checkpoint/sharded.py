@@ -325,11 +325,15 @@ class ShardedSaver:
         ckpt: this rank's manager; its in-flight save is the sharded save's background work.
         timeout: of the checkpoint's own gloo group (DCP's collectives, the gathering of hashes):
             how long a save waits for a rank that stopped answering before it fails.
+        group: gives that group, made elsewhere (the training Manager's, made with the default
+            group: ``Manager.group``); by default it is made here on first use (``dist.new_group``).
     """
 
-    def __init__(self, ckpt, timeout: datetime.timedelta | float | None = None) -> None:
+    def __init__(self, ckpt, timeout: datetime.timedelta | float | None = None,
+                 group: Callable[[], Any] | None = None) -> None:
         self.ckpt = ckpt
         self.timeout = datetime.timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
+        self._given = group
         self._group = None
         self._folder: str | None = None
         self._staging = Staging()
@@ -337,6 +341,8 @@ class ShardedSaver:
 
     def group(self):
         """The gloo group of checkpoint collectives (made on first use: collective)."""
+        if self._group is None and self._given is not None:
+            self._group = self._given()
         if self._group is None:
             kwargs = {"timeout": self.timeout} if self.timeout is not None else {}
             self._group = dist.new_group(backend="gloo", **kwargs)
@@ -350,13 +356,21 @@ class ShardedSaver:
             self._folder = box[0]
         return self._folder
 
-    def prepare(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    def prepare(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, staging: bool = True) -> bool:
         """Every rank, collectively, once the optimizer has its state (after the first step): make
-        the checkpoint group and the folder's name now, and this rank's staging buffer on a
-        background thread (``Staging.prepare``), so that the first save only copies; returns
+        the checkpoint group and the folder's name now, and (``staging``) this rank's staging buffer
+        on a background thread (``Staging.prepare``), so that the first save only copies; returns
         whether a buffer is being made."""
         self.folder()
-        return self._staging.prepare(_sharded_state(module, optimizer))
+        return self._staging.prepare(_sharded_state(module, optimizer)) if staging else False
+
+    def regroup(self) -> None:
+        """A new world whose shards this rank holds as before (a live join): the next collective
+        takes the new world's group (``group``) and asks for the folder's name again (``folder``:
+        every rank, also the newcomers); the staging buffer serves on. Not while a save is in
+        flight (a live re-form settles it first, or the save failed with the old group)."""
+        self._group = None
+        self._folder = None
 
     def save(self, step: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
              rest: dict | None, *, blocking: bool = False) -> float:
@@ -386,7 +400,7 @@ class ShardedSaver:
 
         def write():
             return dcp.save(state, storage_writer=writer, process_group=group)
-        self.ckpt.run_in_background(step, lambda: self._finish(step, folder, path, write, hashing, rest, stats))
+        self.ckpt.run_in_background(step, lambda: self._finish(step, folder, path, write, hashing, rest, stats, group))
         stats["blocked_s"] = time.perf_counter() - start
         if blocking:
             self.ckpt.wait()
@@ -398,7 +412,7 @@ class ShardedSaver:
         self._staging.close()
 
     def _finish(self, step: int, folder: str, path: str, write: Callable[[], Any], hashing: "HashingFiles | None",
-                rest: dict | None, stats: dict) -> None:
+                rest: dict | None, stats: dict, group) -> None:
         """The background part of a save: every rank's shards written, hashed, gathered; rank 0 commits.
 
         Every rank takes part in the gathering, failed or not (a rank that skipped it would leave
@@ -421,7 +435,7 @@ class ShardedSaver:
             error = f"rank {rank} could not write or hash its shards ({type(exc).__name__}: {storage.redact(exc)})"
         shares: list | None = [None] * world if rank == 0 else None
         try:
-            dist.gather_object((entries, names, error), shares, dst=0, group=self.group())
+            dist.gather_object((entries, names, error), shares, dst=0, group=group)
         except Exception as exc:  # noqa: BLE001 - a rank is gone: nothing is committed
             error = error or f"gathering the shards' hashes failed ({type(exc).__name__}: {storage.redact(exc)})"
             shares = None
@@ -457,15 +471,16 @@ class ShardedSaver:
 
 
 def prepare_saves(ckpt, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, sharded: bool, main: bool,
-                  timeout: datetime.timedelta | float | None = None) -> "ShardedSaver | None":
+                  timeout: datetime.timedelta | float | None = None, group: Callable[[], Any] | None = None,
+                  staging: bool = True) -> "ShardedSaver | None":
     """After the first step, on every rank: start making the host memory the saves to come copy
     into (page-locked for a GPU state, on a background thread: ``host_memory``), so that the first
     save blocks no longer than the later ones. Sharded (``--fsdp``): this rank's staging buffer,
     and the ``ShardedSaver`` to save with is returned; else the full-state snapshot's buffer on
     the rank that saves (``main``), sized from ``module`` and ``optimizer``, and None."""
     if sharded:
-        saver = ShardedSaver(ckpt, timeout=timeout)
-        saver.prepare(module, optimizer)
+        saver = ShardedSaver(ckpt, timeout=timeout, group=group)
+        saver.prepare(module, optimizer, staging=staging)
         return saver
     if main:
         ckpt.prepare({"model": module.state_dict(), "optimizer": optimizer.state_dict()})

@@ -81,15 +81,20 @@ class Checkpointing:
     """Capture, save, load and restore the trainer's state; see the module docstring."""
 
     def __init__(self, manager, config: TrainConfig, dinfo: DistInfo, state: TrainingState,
-                 report: Reporter, slow: Callable[[str], ContextManager] | None = None) -> None:
+                 report: Reporter, slow: Callable[[str], ContextManager] | None = None,
+                 group: Callable[[], Any] | None = None) -> None:
         self.manager = manager  # the CheckpointManager, None without --checkpoint-dir
         self.slow = slow or (lambda what: contextlib.nullcontext())
         """``Manager.slow``: marks this rank's local waits (the previous upload, the snapshot) so
         that peers waiting for it do not take it for hung; never a collective (a hang there is one)."""
+        self.group = group
+        """Gives the sharded saves' gloo group of the current world (the training Manager's
+        ``group("checkpoint")``; None: the saver makes one)."""
         self.config, self.dinfo, self.state, self.report = config, dinfo, state, report
         self.last_save_step: int | None = None  # the step saved (or resumed from) last
         self.saving_after_failure = False  # rank 0 saves alone after a lost peer: no RNG gather
         self._sharded_saver = None  # checkpoint.sharded.ShardedSaver of --fsdp, made at the first save
+        self._staged = False  # the host memory of the saves to come is made (prepare)
         self._logged_save_step: int | None = None
 
     @property
@@ -163,10 +168,15 @@ class Checkpointing:
         s.step = int(meta.get("step", step))
         s.run_id = meta.get("wandb_run_id")
 
-    def regrouped(self) -> None:
+    def regrouped(self, keep: bool = False) -> None:
         """After a live re-form: the sharded saver's group went with the old process group; the next
-        save makes a new one (an async save in flight on the old group has failed with it)."""
-        self._sharded_saver = None
+        save makes a new one (an async save in flight on the old group has failed with it). ``keep``
+        (a join that kept this rank's shards, its save in flight settled): the saver and its staging
+        buffer stay, and only the group and folder are asked again (``prepare``)."""
+        if keep and self._sharded_saver is not None:
+            self._sharded_saver.regroup()
+        else:
+            self._sharded_saver, self._staged = None, False
 
     def load_model(self, state: dict) -> None:
         """A loaded checkpoint's whole model into the wrapped one: under DDP every rank loads it into
@@ -303,18 +313,25 @@ class Checkpointing:
                            f"in all) to {storage.redact(str(self.config.checkpoint_dir))}")
         return st
 
-    def prepare(self) -> None:
+    def prepare(self, staging: bool = True) -> None:
         """After the first step, on every rank: have the host memory of the saves to come made
         beside the next steps (``checkpoint.sharded.prepare_saves``: page-locked for a GPU state,
         on a thread of the worker runtime), so that the first save blocks no longer than the later
-        ones. Under ``--fsdp`` this also makes the ``ShardedSaver`` the saves use."""
-        if self.manager is None or (self.sharded and self._sharded_saver is not None):
-            return  # a live --fsdp newcomer or survivor made its saver already (trainer: re-form, resume)
+        ones; once. Under ``--fsdp`` this also makes the ``ShardedSaver`` the saves use and asks for
+        its folder's name (every rank at once: a live re-form's ranks call it there, ``staging``
+        False for a newcomer, whose first step makes its memory as a cold start's does)."""
+        if self.manager is None or (self._staged and not self.sharded):
+            return
+        s = self.state
+        if self.sharded and self._sharded_saver is not None:  # kept, or made without staging
+            self._sharded_saver.prepare(s.module, s.optimizer, staging=staging and not self._staged)
+            self._staged = self._staged or staging
+            return
         from elastic_trainer.checkpoint.sharded import prepare_saves
 
-        s = self.state
         saver = prepare_saves(self.manager, s.module, s.optimizer, sharded=self.sharded, main=self.dinfo.is_main,
-                              timeout=self.config.collective_timeout)
+                              timeout=self.config.collective_timeout, group=self.group, staging=staging)
+        self._staged = staging
         if saver is not None:
             self._sharded_saver = saver
 
@@ -330,7 +347,7 @@ class Checkpointing:
         if sharded and self._sharded_saver is None:
             from elastic_trainer.checkpoint.sharded import ShardedSaver
 
-            self._sharded_saver = ShardedSaver(self.manager, timeout=self.config.collective_timeout)
+            self._sharded_saver = ShardedSaver(self.manager, timeout=self.config.collective_timeout, group=self.group)
         state = self.capture()
         self.last_save_step = s.step
         if self.manager is None or (state is None and not sharded):

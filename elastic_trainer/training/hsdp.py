@@ -28,7 +28,9 @@ step. Here the whole default group is re-formed once per fault (the Manager's qu
 mesh is new and the model is wrapped again: public ``fully_shard`` on a meta copy of the model
 (``skeleton``), whose local shards are then the old ones (the parameters copied once, the
 optimizer's state tensors moved without a copy). The price: the parameters' shards are held
-twice for the moment of the copy.
+twice for the moment of the copy. For a join even that is off the members' stop: the mesh's
+groups are planned (``group_plan``: made with every default group, ahead of a join as it is) and
+the model on the new mesh is made beside the training (``sharded_live.ShardedLive.wrap_ahead``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
+
+from elastic_trainer.training.recovery import GroupPlan, Subgroups
 
 logger = logging.getLogger(__name__)
 
@@ -52,24 +56,40 @@ def mesh_shape(world_size: int, nproc: int, shard_all: bool) -> tuple[int, ...]:
     return (world_size // nproc, nproc)
 
 
-def device_mesh(device: torch.device, world_size: int, nproc: int, shard_all: bool):
-    """The mesh ``fully_shard`` spreads the model over (on the current default group)."""
-    from torch.distributed.device_mesh import init_device_mesh
+def group_plan(nproc: int, shard_all: bool, checkpoint: bool) -> GroupPlan:
+    """The process groups beside the default one that ``--fsdp`` uses in a world (``Manager.plan_groups``):
+    HSDP's mesh dimensions (``replicate``: the ranks of one shard index, one per node; ``shard``: a
+    node's ranks), and with ``checkpoint`` the sharded saves' gloo group of every rank
+    (``checkpoint/sharded.ShardedSaver``). A 1-D mesh is the default group itself."""
+    def plan(world_size: int) -> dict[str, Subgroups]:
+        out: dict[str, Subgroups] = {}
+        shape = mesh_shape(world_size, nproc, shard_all)
+        if len(shape) == 2:
+            replicas, n = shape
+            out["replicate"] = Subgroups(tuple(tuple(range(i, world_size, n)) for i in range(n)))
+            out["shard"] = Subgroups(tuple(tuple(range(r * n, (r + 1) * n)) for r in range(replicas)))
+        if checkpoint:
+            out["checkpoint"] = Subgroups((tuple(range(world_size)),), backend="gloo")
+        return out
+
+    return plan
+
+
+def device_mesh(device: torch.device, world_size: int, nproc: int, shard_all: bool,
+                group: Callable[[str], object] | None = None):
+    """The mesh ``fully_shard`` spreads the model over: HSDP's two dimensions from ``group(name)``
+    (``Manager.group``: the groups of ``group_plan``, made with the default group; or those of a
+    join's next world, made ahead of it), a 1-D mesh on the default group; without ``group``,
+    ``init_device_mesh`` makes the dimensions' groups."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     shape = mesh_shape(world_size, nproc, shard_all)
-    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
-    return init_device_mesh(device.type, shape, mesh_dim_names=names)
-
-
-def mesh_groups(module: torch.nn.Module) -> list:
-    """The process groups of the mesh ``module``'s parameters are sharded over (none when it is not)."""
-    from torch.distributed.tensor import DTensor
-
-    p = next(iter(module.parameters()), None)
-    if not isinstance(p, DTensor):
-        return []
-    mesh = p.device_mesh
-    return [mesh.get_group(i) for i in range(mesh.ndim)]
+    if len(shape) == 1:
+        return init_device_mesh(device.type, shape, mesh_dim_names=("shard",))
+    if group is None:
+        return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+    return DeviceMesh.from_group([group("replicate"), group("shard")], device.type,
+                                 mesh=torch.arange(world_size).view(shape), mesh_dim_names=("replicate", "shard"))
 
 
 def check_layout(members, nproc: int) -> None:
@@ -248,5 +268,5 @@ def shard_donors(steps: list[int], nproc: int) -> dict[int, int | None]:
     return out
 
 
-__all__ = ["Shards", "check_layout", "device_mesh", "mesh_groups", "mesh_shape", "meta_skeleton", "rebind_optimizer",
+__all__ = ["Shards", "check_layout", "device_mesh", "group_plan", "mesh_shape", "meta_skeleton", "rebind_optimizer",
            "rewrap", "shard_donors"]

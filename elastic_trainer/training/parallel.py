@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -54,14 +54,15 @@ class Parallel:
 
     @classmethod
     def wrap(cls, module: torch.nn.Module, config: TrainConfig, dinfo: DistInfo,
-             blocks: Iterable[torch.nn.Module] | None = None) -> "Parallel":
+             blocks: Iterable[torch.nn.Module] | None = None, group: Callable[[str], object] | None = None) -> "Parallel":
         """DDP (or FSDP with ``--fsdp``: each of ``blocks``, default ``fsdp_blocks(module)``, then the
-        root) around ``module`` when distributed, then ``torch.compile`` with ``--compile``."""
+        root) around ``module`` when distributed, then ``torch.compile`` with ``--compile``.
+        ``group``: ``Manager.group``, which holds the mesh's groups (``hsdp.group_plan``)."""
         par = cls(module=module, model=module)
         if dinfo.distributed and config.fsdp:
             from torch.distributed.fsdp import fully_shard
 
-            options = fsdp_options(config, dinfo)
+            options = fsdp_options(config, dinfo, group)
             for block in (fsdp_blocks(module) if blocks is None else list(blocks)):
                 fully_shard(block, **options)
             fully_shard(module, **options)
@@ -79,13 +80,13 @@ class Parallel:
 
     @classmethod
     def rewrap(cls, skeleton: torch.nn.Module, config: TrainConfig, dinfo: DistInfo,
-               blocks=None) -> "Parallel":
+               blocks=None, group: Callable[[str], object] | None = None) -> "Parallel":
         """FSDP after a live re-form: a new sharded model on the new group's mesh, made from the meta
         ``skeleton`` (``hsdp.meta_skeleton``), its shards allocated but not set (load them:
         ``hsdp.Shards.load_into``, or a checkpoint)."""
         from elastic_trainer.training import hsdp
 
-        options = fsdp_options(config, dinfo)
+        options = fsdp_options(config, dinfo, group)
         module = hsdp.rewrap(skeleton, options["mesh"], blocks or fsdp_blocks, dinfo.device, options.get("mp_policy"))
         return cls(module=module, model=torch.compile(module) if config.compile else module, fsdp=True)
 
@@ -165,13 +166,13 @@ def fsdp_blocks(root: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
-def fsdp_options(config: TrainConfig, dinfo: DistInfo) -> dict:
+def fsdp_options(config: TrainConfig, dinfo: DistInfo, group: Callable[[str], object] | None = None) -> dict:
     """``fully_shard``'s mesh and mixed-precision policy: HSDP (replicate across nodes x shard over
     a node's ``local_world_size`` workers) on more than one node, one shard per rank with
     ``--fsdp-shard-all`` or on one node (``training/hsdp.py``)."""
     from elastic_trainer.training.hsdp import device_mesh
 
-    mesh = device_mesh(dinfo.device, dinfo.world_size, dinfo.local_world_size, config.fsdp_shard_all)
+    mesh = device_mesh(dinfo.device, dinfo.world_size, dinfo.local_world_size, config.fsdp_shard_all, group)
     if dinfo.rank == 0:
         logger.info("fsdp: %s over %s", "HSDP" if mesh.ndim == 2 else "sharded",
                     ", ".join(f"{n}={k}" for n, k in zip(mesh.mesh_dim_names, mesh.shape)))

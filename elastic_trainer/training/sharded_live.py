@@ -22,6 +22,7 @@ And in the loop, every K-th step: ``copy`` (``peer_copy.PeerCopies.snapshot``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -76,17 +77,36 @@ class ShardedLive:
         return plan
 
     # ---- 2. the model on the new mesh ------------------------------------------------------------
-    def rewrap(self, kept: hsdp.Shards, state: dict | None, missing: tuple[int, ...]) -> int:
-        """The model wrapped again on the new group's mesh, holding this rank's kept shards, or those
-        a peer of the same shard index sent (``state``), or none yet (``missing``: ``recover``
-        follows). Returns the bytes received (0 when kept)."""
+    def wrap_ahead(self, world_size: int, group) -> Parallel | None:
+        """A join's model, made beside the training once its groups are (``TrainerRecovery.ahead``, on
+        the Manager's thread): the skeleton wrapped on the next world's HSDP mesh, its shards
+        allocated, nothing loaded. None when that world's mesh is not HSDP's (its shards change:
+        the switch reshards)."""
+        t, d = self.t, self.t.dinfo
+        new = hsdp.mesh_shape(world_size, d.local_world_size, t.config.fsdp_shard_all)
+        if len(new) != 2 or new[-1] != hsdp.mesh_shape(d.world_size, d.local_world_size, t.config.fsdp_shard_all)[-1]:
+            return None
+        t0 = time.perf_counter()
+        made = Parallel.rewrap(self.skeleton, t.config, dataclasses.replace(d, world_size=world_size),
+                               blocks=t.task.fsdp_blocks, group=group)
+        logger.info("live --fsdp: the model on the mesh of %d ranks made ahead in %.3fs", world_size,
+                    time.perf_counter() - t0)
+        return made
+
+    def rewrap(self, kept: hsdp.Shards, state: dict | None, missing: tuple[int, ...],
+               made: Parallel | None = None, join: bool = False) -> int:
+        """The model wrapped again on the new group's mesh (``made``: ahead, ``wrap_ahead``), holding
+        this rank's kept shards, or those a peer of the same shard index sent (``state``), or none
+        yet (``missing``: ``recover`` follows). ``join``: a join switched to beside the training (its
+        save in flight settled), whose shards keep their layout: the saver keeps its staging
+        buffer. Returns the bytes received (0 when kept)."""
         t = self.t
         old = t.module
-        with t.manager.subgroups(lambda: hsdp.mesh_groups(t.par.module)):  # the new mesh's groups
-            t.par = Parallel.rewrap(self.skeleton, t.config, t.dinfo, blocks=t.task.fsdp_blocks)
+        t.par = made if made is not None else Parallel.rewrap(  # the new mesh: its groups came with the default one
+            self.skeleton, t.config, t.dinfo, blocks=t.task.fsdp_blocks, group=t.manager.group)
         t.module = t.task.model = t.par.module  # nothing of ours holds the old one (FSDP's own
         hsdp.rebind_optimizer(t.optimizer, old, t.module)  # reference cycles: freed at the next gc)
-        t.checkpoints.regrouped()
+        t.checkpoints.regrouped(keep=join and not missing)
         if missing:
             return 0
         got = hsdp.Shards.from_state(state["shards"]) if state is not None else kept

@@ -111,6 +111,9 @@ class Trainer:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             manager = checkpoint_manager(c, d, self.manager.fence)  # before a live newcomer asks to be admitted
             self.live = TrainerRecovery(self)  # what a live re-form asks of this trainer (trainer_live.py)
+            if c.fsdp:  # the mesh's groups and the saves': made with every default group (ahead of a join)
+                self.manager.plan_groups(hsdp.group_plan(d.local_world_size, c.fsdp_shard_all,
+                                                         checkpoint=manager is not None))
             self.manager.start(recovery=self.live)  # live: only now, ready to train, ask to be admitted
             d.distributed, d.rank, d.world_size, d.round = (self.manager.distributed, self.manager.rank,
                                                             self.manager.world_size, self.manager.round)
@@ -125,25 +128,23 @@ class Trainer:
             # map-style or a stream, read from the position loaded later; made first: a live newcomer's
             # peer sends the state meanwhile
             self.sampler, self.batches = self.new_feed()
-            self.live.receive()  # a live newcomer: the state from a peer, not storage
+            self.live.receive()  # a live newcomer under DDP: the state from a peer, not storage
             moved = (self.manager.rank, self.manager.world_size) != (d.rank, d.world_size)
             d.rank, d.world_size, d.round = self.manager.rank, self.manager.world_size, self.manager.round
             if moved:  # a member was lost while it waited: it re-formed with the others (Manager.receive_state)
                 self.sampler, self.batches = self.new_feed()
             blocks = self.task.fsdp_blocks(self.module) if self.task.fsdp_blocks is not None else None
-            with (self.manager.subgroups(lambda: hsdp.mesh_groups(self.module)) if c.fsdp  # the mesh's groups
-                  else contextlib.nullcontext()):
-                self.par = Parallel.wrap(self.module, c, d, blocks=blocks)
+            self.par = Parallel.wrap(self.module, c, d, blocks=blocks, group=self.manager.group)
             self.model = self.par.model
             self.manager.time_steps(self.par.ddp)  # DDP: each rank's own step time, which names a straggler
             self.optimizer, self.scheduler = build_optimizer(self.task, self.model, c, d.world_size)
-            self.live.wrapped()
             self.scaler = torch.amp.GradScaler("cuda") if self.amp.scaler else None
             self.step = 0
             self.run_id: str | None = None
             self.last_loss: float = float("nan")
             self.first_loss: tuple[int, float] | None = None  # (step, loss) of this process's first agreed step
-            self.checkpoints = Checkpointing(manager, c, d, self, self.report, slow=self.manager.slow)
+            self.checkpoints = Checkpointing(manager, c, d, self, self.report, slow=self.manager.slow,
+                                             group=lambda: self.manager.group("checkpoint"))
             self.profiler = None  # torch.profiler's, with --profile (train() starts it)
             self.pending: list[tuple] = []  # (step, epoch, offset, loss sum, StepTime, end time) not in the step log yet
             self._boundary_at: float | None = None  # perf_counter at the end of the last step
@@ -152,6 +153,7 @@ class Trainer:
             self.preemption.watch(d, step_seconds=lambda: self._last_step_s, on_signal=self.report.mark_preempting,
                                   saving=lambda: self.checkpoints.saving_after_failure,  # an async save under way
                                   on_hung=lambda: self._abort() if self.checkpoints.manager is not None else None)
+            self.live.wrapped()  # a live newcomer under --fsdp: its shards from peers, now ready to train
         except BaseException:
             self.preemption.close()
             raise
@@ -223,9 +225,8 @@ class Trainer:
         self.preemption.boundaries += 1
         self.live.after_step()
         if self.preemption.boundaries == 1:  # the saves' host memory, made beside the next steps
-            with self.manager.slow("checkpoint host memory"), (  # peers waiting meanwhile: not a hang
-                    self.manager.subgroups() if self.par.fsdp else contextlib.nullcontext()):
-                self.checkpoints.prepare()  # --fsdp: also the checkpoint's group
+            with self.manager.slow("checkpoint host memory"):  # peers waiting meanwhile: not a hang
+                self.checkpoints.prepare()  # --fsdp: also the checkpoint's folder (its group: Manager.group)
         took = self.timer.stop()  # CUDA: known once the GPU ran the step (at the agreement at the latest)
         if took.ready():
             self._last_step_s = took.seconds()

@@ -47,6 +47,7 @@ class TrainerRecovery:
         self._peer: tuple[int, dict] | None = None  # a newcomer's received (step, state), restored by resume()
         self._peer_s = 0.0
         self._kept: hsdp.Shards | None = None  # HSDP: this rank's shards across a re-form
+        self._next: tuple[int, Parallel] | None = None  # HSDP: (quorum, its model) made ahead of a join
 
     def started(self) -> None:
         """The process group is up: HSDP's part when this is a live ``--fsdp`` run on a group."""
@@ -56,7 +57,21 @@ class TrainerRecovery:
 
     # ---- a newcomer ----------------------------------------------------------------------------
     def receive(self) -> None:
-        """A newcomer: the state a live rank sends (its model loaded now, before the wrap)."""
+        """A newcomer under DDP: the state a live rank sends (its model loaded now, before the wrap;
+        ``--fsdp``: ``wrapped``)."""
+        if self.sharded is None:
+            self._receive()
+
+    def wrapped(self) -> None:
+        """After the model is wrapped and the optimizer made: a newcomer under ``--fsdp`` receives
+        its shards now, ready to train (the members, which switch to the larger world once it
+        waits for them, then stop only for the transfer and their own re-wrap), and loads them."""
+        if self.sharded is not None:
+            self._receive()
+        if self._peer is not None and self.sharded is not None:
+            hsdp.Shards.from_state(self._peer[1]["shards"]).load_into(self.t.module, self.t.optimizer)
+
+    def _receive(self) -> None:
         t = self.t
         if not t.manager.newcomer:
             return
@@ -74,11 +89,6 @@ class TrainerRecovery:
                     f"shards: {self.sharded.received} bytes" if self.sharded
                     else f"from rank {t.manager.quorum.source}", self._peer_s)
 
-    def wrapped(self) -> None:
-        """After the model is wrapped and the optimizer made: HSDP's received shards into them."""
-        if self._peer is not None and self.sharded is not None:
-            hsdp.Shards.from_state(self._peer[1]["shards"]).load_into(self.t.module, self.t.optimizer)
-
     def resume(self) -> bool:
         """Where the trainer would load a checkpoint: a newcomer restores the state a peer sent
         (HSDP: rebuilds it when no replica held its shards). False: not a newcomer."""
@@ -95,8 +105,8 @@ class TrainerRecovery:
             return False
         if self.sharded is not None:
             self.sharded.moved()  # the bytes the re-form moved (with the survivors' reformed())
-            with t.manager.subgroups():
-                t.checkpoints.prepare()  # the saver's group: the survivors make theirs at the re-form
+            t.checkpoints.prepare(staging=False)  # the saver's folder, with the survivors (its memory: at the
+                                                  # first step, as a cold start's)
         return True
 
     # ---- in the loop ---------------------------------------------------------------------------
@@ -149,6 +159,13 @@ class TrainerRecovery:
             return {**capture(any_rank=True, whole=False), "shards": self._kept.to_state()}
         return capture(any_rank=True)
 
+    def ahead(self, quorum, group) -> None:
+        """A join's groups are up beside the training: HSDP's model on the new mesh, made now
+        (``ShardedLive.wrap_ahead``: on the Manager's thread) so that the switch only loads the shards."""
+        if self.sharded is not None:
+            made = self.sharded.wrap_ahead(quorum.world_size, group)
+            self._next = (quorum.q, made) if made is not None else None
+
     def reformed(self, r: Reform) -> None:
         """The step that failed (if any) did not change the parameters under DDP: a collective fails
         inside backward, before the optimizer step, or in the step-end agreement, after it. So this
@@ -157,8 +174,10 @@ class TrainerRecovery:
         kept, self._kept, self.donors = self._kept, None, None
         q, state = r.quorum, r.state
         d.rank, d.world_size, d.round = t.manager.rank, t.manager.world_size, t.manager.round
+        made, self._next = self._next, None
         if kept is not None:  # live --fsdp: the same shards (kept, or a peer's) in a model on the new mesh
-            moved = self.sharded.rewrap(kept, state, r.missing)
+            moved = self.sharded.rewrap(kept, state, r.missing,
+                                        made[1] if made is not None and made[0] == q.q and r.ahead else None, r.ahead)
         else:
             if state is not None:
                 t.module.load_state_dict(state["model"])
@@ -176,8 +195,7 @@ class TrainerRecovery:
         extra: dict = {}
         if kept is not None:
             sent, received = self.sharded.moved()  # with the newcomers' resume()
-            with t.manager.subgroups():
-                t.checkpoints.prepare()  # the saver's group, made now by every rank (a newcomer: in resume())
+            t.checkpoints.prepare()  # the saver's folder, asked by every rank (a newcomer: in resume())
             extra = {"extra": {"shard_bytes": moved, "moved_bytes": received, "sent_bytes": sent,
                                "reloaded": bool(r.missing),
                                "state_from": self.sharded.source if r.missing else "replica"}}
