@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from elastic_trainer.training.hsdp import check_layout, mesh_shape, shard_donors
+from elastic_trainer.training.hsdp import check_layout, group_plan, mesh_shape, shard_donors
+from elastic_trainer.training.recovery import Subgroups
 from tests.helpers.common import REPO
 
 
@@ -25,6 +26,35 @@ def test_several_nodes_replicate_across_nodes_and_shard_within_one():
     assert mesh_shape(2, 2, shard_all=False) == (2,)  # one node: sharded over it
     assert mesh_shape(6, 2, shard_all=True) == (6,)  # --fsdp-shard-all: the old layout
     assert mesh_shape(3, 1, shard_all=False) == (3,)  # one worker per node: nothing to shard within a node
+
+
+def test_the_planned_groups_are_the_meshs_rows_and_columns_and_the_checkpoints_world():
+    """``group_plan``: what the Manager makes with every default group (``Manager.plan_groups``)."""
+    plan = group_plan(2, shard_all=False, checkpoint=True)
+    assert plan(6) == {"replicate": Subgroups(((0, 2, 4), (1, 3, 5))),
+                       "shard": Subgroups(((0, 1), (2, 3), (4, 5))),
+                       "checkpoint": Subgroups(((0, 1, 2, 3, 4, 5),), backend="gloo")}
+    assert plan(2) == {"checkpoint": Subgroups(((0, 1),), backend="gloo")}  # one node: the default group's mesh
+    assert group_plan(2, shard_all=True, checkpoint=False)(6) == {}
+    assert plan(6)["replicate"].of(3) == (1, (1, 3, 5)) and Subgroups(((0, 1),)).of(2) is None
+
+
+@pytest.mark.timeout(120)
+def test_outside_live_recovery_the_planned_groups_are_made_when_asked_and_make_the_mesh(tmp_path):
+    """Plain mode (torchrun's group, as with NCCL under live recovery): ``Manager.group`` makes the
+    plan's groups with ``dist.new_group`` at the first ask, every rank at once, and HSDP's mesh is
+    made of them: each dimension reduces over its row or column, the checkpoint's over all."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           str(REPO / "tests" / "helpers" / "planned_mesh.py"), str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in range(4)]
+    for r, got in enumerate(results):
+        assert got["shape"] == [2, 2] and got["names"] == ["replicate", "shard"], got
+        assert got["ranks"] == {"replicate": [r % 2, r % 2 + 2], "shard": [r - r % 2, r - r % 2 + 1]}, got
+        assert got["sums"] == {"replicate": float(2 * (r % 2) + 2), "shard": float(2 * (r - r % 2) + 1)}, got
+        assert got["checkpoint"] == 4.0 and got["same"], got
 
 
 def test_each_rank_gets_its_shard_index_from_a_holder_of_the_step_all_go_on_from():
