@@ -437,6 +437,12 @@ class Manager:
         still costs the members only the switch; elsewhere ``group`` makes them when first asked."""
         self._pg.plan_groups(plan)
 
+    @property
+    def groups_ahead(self) -> bool:
+        """Whether the plan's groups are made with every default group (live recovery on gloo), so
+        that asking for one (``group``) is no collective; else the first ask makes it, on every rank."""
+        return self._pg.groups_ahead
+
     def group(self, name: str) -> dist.ProcessGroup | None:
         """This rank's group ``name`` of the plan (``plan_groups``) in the current world (None: it is
         in no group of that kind). When it was not made with the default group (plain mode, NCCL)

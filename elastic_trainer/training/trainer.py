@@ -128,7 +128,7 @@ class Trainer:
             # map-style or a stream, read from the position loaded later; made first: a live newcomer's
             # peer sends the state meanwhile
             self.sampler, self.batches = self.new_feed()
-            self.live.receive()  # a live newcomer under DDP: the state from a peer, not storage
+            self.live.receive()  # a live newcomer: the state from a peer, not storage (--fsdp on gloo: below)
             moved = (self.manager.rank, self.manager.world_size) != (d.rank, d.world_size)
             d.rank, d.world_size, d.round = self.manager.rank, self.manager.world_size, self.manager.round
             if moved:  # a member was lost while it waited: it re-formed with the others (Manager.receive_state)
@@ -153,7 +153,7 @@ class Trainer:
             self.preemption.watch(d, step_seconds=lambda: self._last_step_s, on_signal=self.report.mark_preempting,
                                   saving=lambda: self.checkpoints.saving_after_failure,  # an async save under way
                                   on_hung=lambda: self._abort() if self.checkpoints.manager is not None else None)
-            self.live.wrapped()  # a live newcomer under --fsdp: its shards from peers, now ready to train
+            self.live.wrapped()  # a live newcomer under --fsdp: its shards loaded (on gloo received now, ready to train)
         except BaseException:
             self.preemption.close()
             raise

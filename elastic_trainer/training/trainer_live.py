@@ -57,16 +57,23 @@ class TrainerRecovery:
 
     # ---- a newcomer ----------------------------------------------------------------------------
     def receive(self) -> None:
-        """A newcomer under DDP: the state a live rank sends (its model loaded now, before the wrap;
-        ``--fsdp``: ``wrapped``)."""
-        if self.sharded is None:
+        """A newcomer: the state a live rank sends, before the wrap (DDP: its model loaded now;
+        ``--fsdp`` whose mesh groups the wrap makes with the members, NCCL: loaded by ``wrapped``)."""
+        if not self._wrap_first:
             self._receive()
 
+    @property
+    def _wrap_first(self) -> bool:
+        # --fsdp with the mesh's groups made with the default group (gloo): the wrap is no
+        # collective, so a newcomer wraps first and waits for its shards ready to train
+        return self.sharded is not None and self.t.manager.groups_ahead
+
     def wrapped(self) -> None:
-        """After the model is wrapped and the optimizer made: a newcomer under ``--fsdp`` receives
-        its shards now, ready to train (the members, which switch to the larger world once it
-        waits for them, then stop only for the transfer and their own re-wrap), and loads them."""
-        if self.sharded is not None:
+        """After the model is wrapped and the optimizer made: a newcomer under ``--fsdp`` on gloo
+        receives its shards now, ready to train (the members, which switch to the larger world once
+        it waits for them, then stop only for the transfer and their own re-wrap); HSDP's received
+        shards are loaded."""
+        if self._wrap_first:
             self._receive()
         if self._peer is not None and self.sharded is not None:
             hsdp.Shards.from_state(self._peer[1]["shards"]).load_into(self.t.module, self.t.optimizer)

@@ -179,6 +179,12 @@ class WorkerGroup:
                 out[name] = new_subgroup("gloo", store, list(mine[1]), rank, timeout, f"{group_name(q.q)}/{name}/{mine[0]}")
         return out
 
+    @property
+    def groups_ahead(self) -> bool:
+        """The plan's groups are made with every default group (live recovery on gloo): asking for
+        one (``group``) is no collective."""
+        return self.live is not None and self.backend == "gloo"
+
     def plan_groups(self, plan: GroupPlan) -> None:
         """The loop's groups beside the default one (``Manager.plan_groups``)."""
         self._plan = plan
