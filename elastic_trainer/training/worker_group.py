@@ -169,14 +169,15 @@ class WorkerGroup:
         alone (``torch_private.new_subgroup``), so that the members make them ahead as they make the
         default group, and a newcomer meets them in its ``form``. Live recovery on gloo only (else
         ``group`` makes them with ``dist.new_group``, all ranks together, when the loop asks)."""
-        if self._plan is None or self.live is None or self.backend != "gloo":
+        if self._plan is None or not self.groups_ahead:
             return {}
         rank, out = q.rank_of(self.live.id), {}
         timeout = datetime.timedelta(seconds=self.collective_timeout)
         for name, kind in self._plan(q.world_size).items():
             mine = kind.of(rank) if only in (None, name) else None
             if mine is not None and (kind.backend or "gloo") == "gloo":
-                out[name] = new_subgroup("gloo", store, list(mine[1]), rank, timeout, f"{group_name(q.q)}/{name}/{mine[0]}")
+                out[name] = new_subgroup("gloo", store, list(mine[1]), rank, timeout,
+                                         f"{group_name(q.q)}/{name}/{mine[0]}")
         return out
 
     @property
@@ -197,7 +198,7 @@ class WorkerGroup:
         kind = self._plan(self.world_size).get(name) if self._plan is not None else None
         if kind is None:
             raise KeyError(f"no process group {name!r} in the loop's plan (Manager.plan_groups)")
-        if self.live is not None and self.backend == "gloo" and (kind.backend or "gloo") == "gloo":
+        if self.groups_ahead and (kind.backend or "gloo") == "gloo":
             with self.abandon.recording(add=True):  # planned after the group formed: made now
                 self._extras.update(self._make_extras(self._formed, self._store, only=name))
             return self._extras.get(name)
