@@ -199,3 +199,54 @@ print("TOOK", sorted(s.params))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                            str(script)], cwd=REPO, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0 and "TOOK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_a_newcomers_optimizer_warm_up_changes_nothing(tmp_path):
+    """``hsdp.warm_up_optimizer``: a newcomer's first optimizer step, taken before its state comes
+    (learning rate 0, zero gradients), leaves its parameters bit for bit, no optimizer state, its
+    learning rates (a float and a tensor) and no gradients: the next real step equals that of an
+    optimizer that never warmed up. An optimizer with state, or not one of torch's, is left alone.
+    One gloo rank, FSDP2 on a 1-D mesh (sharded parameters, as in HSDP)."""
+    script = tmp_path / "warm_up.py"
+    script.write_text('''
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from elastic_trainer.training.hsdp import device_mesh, warm_up_optimizer
+dist.init_process_group("gloo")
+mesh = device_mesh(torch.device("cpu"), 1, 1, True)
+def model():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 1))
+    fully_shard(m[0], mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m
+def step(m, opt, sched=None):
+    m(torch.ones(2, 8)).sum().backward(); opt.step(); opt.zero_grad(set_to_none=True)
+    if sched is not None:
+        sched.step()
+def same(a, b):
+    return all(torch.equal(x.full_tensor(), y.full_tensor()) for x, y in zip(a.parameters(), b.parameters()))
+for make in (lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.5),
+             lambda ps: torch.optim.Adam(ps, lr=torch.tensor(0.1), weight_decay=0.5, foreach=False),
+             lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.5)):
+    warm, cold = model(), model()
+    opt_w, opt_c = make(warm.parameters()), make(cold.parameters())
+    sched_w = torch.optim.lr_scheduler.StepLR(opt_w, 1, 0.5)
+    sched_c = torch.optim.lr_scheduler.StepLR(opt_c, 1, 0.5)
+    lr = opt_w.param_groups[0]["lr"]
+    assert warm_up_optimizer(opt_w)
+    assert same(warm, cold), "the warm-up changed a parameter"
+    assert not opt_w.state and all(p.grad is None for p in warm.parameters())
+    assert opt_w.param_groups[0]["lr"] is lr
+    step(warm, opt_w, sched_w); step(cold, opt_c, sched_c)
+    step(warm, opt_w, sched_w); step(cold, opt_c, sched_c)
+    assert same(warm, cold), "a warmed-up optimizer's steps differ"
+    assert not warm_up_optimizer(opt_w)  # it has state: left alone
+class Mine(torch.optim.SGD):
+    pass
+assert not warm_up_optimizer(Mine(model().parameters(), lr=0.1))
+print("WARMED")
+''')
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                           str(script)], cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0 and "WARMED" in proc.stdout, proc.stderr[-3000:]

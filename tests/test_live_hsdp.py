@@ -173,6 +173,7 @@ def test_a_node_that_joins_hsdp_gets_its_shards_while_the_members_train_on(etcd,
     assert [(e.old, e.new, e.receivers, e.ahead, e.extra.get("state_from")) for e in reforms] == [
         (2, 4, [2, 3], True, "replica")], reforms
     assert "the model on the mesh of 4 ranks made ahead" in text, text[-3000:]
+    assert text.count("the optimizer's first step warmed up") == 2, text[-3000:]  # each newcomer rank, before it waits
     joined = min(s["step"] for s in at4)
     committed = {int(n) for n in re.findall(r"checkpoint step-(\d+) committed", text)}
     assert any(n > joined for n in committed) and any(n < joined for n in committed), (joined, sorted(committed))

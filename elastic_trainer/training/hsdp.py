@@ -225,6 +225,39 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, old: torch.nn.Module, new
     optimizer.state.clear()
 
 
+def warm_up_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """A newcomer's first optimizer step taken before its state arrives, changing nothing, so that
+    its first step in the world is as fast as the members' (who wait for it in the next step's
+    reductions). On sharded parameters (DTensors) torch works out each operation's sharding once
+    per process and shapes (``ShardingPropagator``'s cache): an optimizer's first ``step()`` took
+    0.10-0.14 s more than the next ones in the benchmark's newcomers (docs/trainer.md). The step runs with every group's learning rate 0 and zero gradients (an
+    update times 0; decoupled weight decay times ``1 - 0``: the parameters keep their exact
+    values), then the state it made is cleared and the learning rates and gradients are put back:
+    the optimizer is as it was, and ``Shards.load_into`` gives it the members' state.
+
+    Only torch's own optimizers (``torch.optim``: each parameter's update is computed on its own
+    shard, so no collective runs, and a learning rate of 0 makes it none), and only one without
+    state yet; returns whether the step ran."""
+    if optimizer.state or not type(optimizer).__module__.startswith("torch.optim."):
+        return False
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad and p.grad is None]
+    try:
+        with torch.no_grad():
+            for group, lr in zip(optimizer.param_groups, lrs):
+                group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
+            for p in params:
+                p.grad = torch.zeros_like(p)
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
+        for p in params:
+            p.grad = None
+        optimizer.state.clear()
+    return True
+
+
 def rewrap(skeleton: torch.nn.Module, mesh, blocks: Callable[[torch.nn.Module], Iterable[torch.nn.Module]],
            device: torch.device, mp_policy=None) -> torch.nn.Module:
     """A new sharded model on ``mesh``: a copy of the meta ``skeleton``, ``fully_shard`` on each of

@@ -93,6 +93,14 @@ class ShardedLive:
                     time.perf_counter() - t0)
         return made
 
+    def warm_up(self) -> None:
+        """A newcomer, its model wrapped, before it says it waits for its shards: its optimizer's
+        first step taken now, changing nothing (``hsdp.warm_up_optimizer``), not in its first step
+        in the world, which the members' next reductions wait for."""
+        t0 = time.perf_counter()
+        if hsdp.warm_up_optimizer(self.t.optimizer):
+            logger.info("live --fsdp: the optimizer's first step warmed up in %.3fs", time.perf_counter() - t0)
+
     def rewrap(self, kept: hsdp.Shards, state: dict | None, missing: tuple[int, ...],
                made: Parallel | None = None, join: bool = False) -> int:
         """The model wrapped again on the new group's mesh (``made``: ahead, ``wrap_ahead``), holding

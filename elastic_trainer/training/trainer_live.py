@@ -70,10 +70,13 @@ class TrainerRecovery:
 
     def wrapped(self) -> None:
         """After the model is wrapped and the optimizer made: a newcomer under ``--fsdp`` on gloo
-        receives its shards now, ready to train (the members, which switch to the larger world once
+        takes its optimizer's first step's own cost (``ShardedLive.warm_up``) and receives its
+        shards now, ready to train (the members, which switch to the larger world once
         it waits for them, then stop only for the transfer and their own re-wrap); HSDP's received
         shards are loaded."""
         if self._wrap_first:
+            if self.t.manager.newcomer:
+                self.sharded.warm_up()  # its first optimizer step's own cost, before the members wait for it
             self._receive()
         if self._peer is not None and self.sharded is not None:
             hsdp.Shards.from_state(self._peer[1]["shards"]).load_into(self.t.module, self.t.optimizer)
