@@ -77,6 +77,7 @@ import os
 import random
 import re
 import shutil
+import shlex
 import signal
 import statistics
 import sys
@@ -131,7 +132,8 @@ class TrainerJob(recovery.Job):
                 "--rdzv-endpoint", self.endpoint, "--run-id", "bench", "--rdzv-conf", RDZV_CONF,
                 "--recovery", self.recovery, "--local-addr", "127.0.0.1", "--nproc-per-node", str(s.nproc),
                 "--checkpoint-dir", str(self.dir / "ckpt"), "--log-dir", str(self.dir), "--",
-                *EXAMPLE, *TRAINER, *(["--fsdp"] if s.fsdp else []), *(["--fsdp-shard-all"] if s.fsdp_shard_all else []),
+                *EXAMPLE, *shlex.split(s.model_args), *TRAINER, *(["--fsdp"] if s.fsdp else []),
+                *(["--fsdp-shard-all"] if s.fsdp_shard_all else []),
                 *(["--fsdp-peer-copy-every", str(s.fsdp_peer_copy_every)] if s.fsdp_peer_copy_every else []),
                 "--sleep-per-step", str(s.sleep_per_step),
                 "--checkpoint-every", str(s.checkpoint_every),
@@ -626,6 +628,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fsdp-peer-copy-every", type=int, default=0, metavar="K",
                    help="with --fsdp: the trainer's --fsdp-peer-copy-every (each rank's shards in a peer node's "
                         "host memory every K steps; 0: none)")
+    p.add_argument("--model-args", default="", metavar="FLAGS",
+                   help="our trainer: flags after the example model's, which they override (the last wins), e.g. "
+                        "'--d-model 256 --dim-feedforward 1024 --layers 4' for a state that takes a while to move")
     p.add_argument("--json", default=None, help="also write every measurement to this JSON file (with commit and date)")
     p.add_argument("--keep", action="store_true", help="keep every job's logs")
     provenance.add_arguments(p)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -191,21 +191,66 @@ class ElasticSampler(torch.utils.data.Sampler[list[int]]):
         self._perm_epoch: int | None = None
         self._perm: torch.Tensor | None = None
         self._share = share_of_batch(global_batch_size, world_size, rank)
-        self.micro_batches_per_step = micro_batch_count(global_batch_size, world_size, rank, micro_batch_size)
-        self.lockstep_micro_batches = micro_batch_count(global_batch_size, world_size, 0, micro_batch_size)
-        """The most micro-batches any rank runs in a step (rank 0's, whose share is the largest):
-        where every forward is a collective (FSDP) each rank runs this many, the ones beyond its
-        own ``micro_batches_per_step`` as padding that counts for nothing (the trainer's
-        ``_train_step``)."""
-        self._micro = split_evenly(self._share[1], self.micro_batches_per_step)
-        if self.lockstep_micro_batches != micro_batch_count(global_batch_size, world_size, world_size - 1,
-                                                            micro_batch_size) and rank == 0:
+        self._lockstep = micro_batch_count(global_batch_size, world_size, 0, micro_batch_size)
+        self._micro = split_evenly(self._share[1], micro_batch_count(global_batch_size, world_size, rank,
+                                                                     micro_batch_size))
+        self._sitting: tuple[int, int, tuple[int, ...]] | None = None  # (epoch, offset, the step's ranks): sit_out
+        if self._lockstep != micro_batch_count(global_batch_size, world_size, world_size - 1,
+                                               micro_batch_size) and rank == 0:
             log.info(
                 "micro_batch_size=1 with global_batch_size=%d not divisible by world_size=%d: ranks run "
                 "%d or %d micro-batches per step (under FSDP the ones with fewer run a zero-weight padding "
                 "micro-batch, so every rank runs the same number of forwards).",
-                global_batch_size, world_size, self.lockstep_micro_batches, self.lockstep_micro_batches - 1,
+                global_batch_size, world_size, self._lockstep, self._lockstep - 1,
             )
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """This rank's micro-batches in the next step (0 in a step it sits out: ``sit_out``)."""
+        return len(self._split(self.epoch, self.offset)[1])
+
+    @property
+    def lockstep_micro_batches(self) -> int:
+        """The most micro-batches any rank runs in the next step (the first of its ranks', whose
+        share is the largest): where every forward is a collective (FSDP) each rank runs this many,
+        the ones beyond its own ``micro_batches_per_step`` as padding that counts for nothing (the
+        trainer's ``_train_step``)."""
+        sitting = self._sitting_at(self.epoch, self.offset)
+        if sitting is None:
+            return self._lockstep
+        return micro_batch_count(self.global_batch_size, len(sitting), 0, self.micro_batch_size)
+
+    def sit_out(self, ranks: Sequence[int]) -> None:
+        """The next step (at the committed position) is split over the other ranks only: ``ranks``
+        get no sample in it and the others share its whole global batch, each its slice of it in
+        rank order (``share_of_batch`` over those ranks), so no sample is skipped or repeated and
+        the loss weights (``loss_weight``) still make the reduced gradient the global batch's mean.
+        The steps after it are split over every rank as before. A live join's newcomers sit out
+        their first step (they take it at weight zero while their state arrives: docs/trainer.md),
+        and every rank of the world asks the same. Call it before the iterator that reads that step
+        is made."""
+        out = set(ranks)
+        rest = tuple(r for r in range(self.world_size) if r not in out)
+        if not rest or len(rest) > self.global_batch_size:
+            raise ValueError(f"sit_out({sorted(out)}): a step needs between 1 and {self.global_batch_size} ranks "
+                             f"with samples of the {self.world_size}")
+        self._sitting = (self.epoch, self.offset, rest) if out else None
+
+    def _sitting_at(self, epoch: int, offset: int) -> tuple[int, ...] | None:
+        s = self._sitting
+        return s[2] if s is not None and (s[0], s[1]) == (epoch, offset) else None
+
+    def _split(self, epoch: int, offset: int) -> tuple[tuple[int, int], list[tuple[int, int]]]:
+        """This rank's ``(start, length)`` of the step at ``offset`` and its micro-batches' ``(start, length)``."""
+        sitting = self._sitting_at(epoch, offset)
+        if sitting is None:
+            return self._share, self._micro
+        if self.rank not in sitting:
+            return (0, 0), []
+        i = sitting.index(self.rank)
+        share = share_of_batch(self.global_batch_size, len(sitting), i)
+        count = micro_batch_count(self.global_batch_size, len(sitting), i, self.micro_batch_size)
+        return share, split_evenly(share[1], count)
 
     def reshard(self, rank: int, world_size: int) -> None:
         """Split the rest of the epoch over a new world (a live re-form): the same object, with this
@@ -252,6 +297,8 @@ class ElasticSampler(torch.utils.data.Sampler[list[int]]):
         """
         if self.remaining_steps < 1:
             raise RuntimeError(f"commit_step() past the end of epoch {self.epoch}; this is a trainer bug.")
+        if self._sitting_at(self.epoch, self.offset) is not None:
+            self._sitting = None
         self.offset += self.global_batch_size
         self._roll_if_done()
 
@@ -280,9 +327,9 @@ class ElasticSampler(torch.utils.data.Sampler[list[int]]):
 
     def micro_batches_at(self, offset: int, epoch: int | None = None) -> list[list[int]]:
         """This rank's micro-batches of the step that starts at sample ``offset`` (pure: no state change)."""
-        start, length = self._share
+        (start, length), micro = self._split(self.epoch if epoch is None else epoch, offset)
         mine = self.global_batch_at(offset, epoch)[start : start + length]
-        return [mine[s : s + n] for s, n in self._micro]
+        return [mine[s : s + n] for s, n in micro]
 
     def batches_for_step(self, step_in_epoch: int, epoch: int | None = None) -> list[list[int]]:
         """This rank's micro-batches of step ``step_in_epoch`` (offset ``step * global_batch_size``)."""
@@ -298,16 +345,18 @@ class ElasticSampler(torch.utils.data.Sampler[list[int]]):
 
     def _iter_from(self, epoch: int, offset: int) -> Iterator[list[int]]:
         perm = self.permutation(epoch)
-        start, length = self._share
         while offset + self.global_batch_size <= self.dataset_len:
+            (start, length), micro = self._split(epoch, offset)
             mine = perm[offset + start : offset + start + length].tolist()
-            for s, n in self._micro:
+            for s, n in micro:
                 yield mine[s : s + n]
             offset += self.global_batch_size
 
     def __len__(self) -> int:
         """Micro-batches a new iterator yields: the rest of the current epoch for this rank."""
-        return self.remaining_steps * self.micro_batches_per_step
+        if self.remaining_steps < 1:
+            return 0
+        return (self.remaining_steps - 1) * len(self._micro) + self.micro_batches_per_step
 
     # ---- state ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -103,11 +103,13 @@ def test_hsdp_loses_a_replica_then_rank_0s_and_gains_one_and_matches_an_uninterr
     assert [(e.old, e.new) for e in reforms] == [(6, 4), (4, 6), (6, 4)], reforms
     assert reforms[1].receivers == [4, 5] and reforms[1].ahead, "the join's groups formed beside the training"
     text = "".join(o.read_text() for o in outs)
-    joined = re.findall(r"received the training state of step \d+ \(shards: (\d+) bytes\) in ([0-9.]+)s",
-                        outs[3].read_text())
-    assert len(joined) == 2 and all(int(n) > 0 for n, _ in joined), outs[3].read_text()[-3000:]
-    print(f"newcomer's ranks received {' + '.join(n for n, _ in joined)} bytes of shards in "
-          f"{' and '.join(t for _, t in joined)} s; the survivors paused {reforms[1].total_s:.3f}s for the join")
+    # the rest of the state at the switch, the shards while the first step at 6 ran (the newcomers at weight zero)
+    joined = re.findall(r"received the training state of step \d+ \(its shards, \d+ bytes, come while its first "
+                        r"step runs\) in ([0-9.]+)s", outs[3].read_text())
+    came = re.findall(r"this rank's shards \((\d+) bytes\) came while its first step ran", outs[3].read_text())
+    assert len(joined) == 2 and len(came) == 2 and all(int(n) > 0 for n in came), outs[3].read_text()[-3000:]
+    print(f"newcomer's ranks received the rest in {' and '.join(joined)} s, then {' + '.join(came)} bytes of shards "
+          f"during their first step; the survivors paused {reforms[1].total_s:.3f}s for the join")
     assert "no live replica" not in text
     committed = set(re.findall(r"checkpoint step-(\d+) committed", text))
     assert len(committed) >= 10, sorted(committed)  # saves at 6, 4 and 6 ranks (a save cut by a kill is not)
@@ -174,6 +176,9 @@ def test_a_node_that_joins_hsdp_gets_its_shards_while_the_members_train_on(etcd,
         (2, 4, [2, 3], True, "replica")], reforms
     assert "the model on the mesh of 4 ranks made ahead" in text, text[-3000:]
     assert text.count("the optimizer's first step warmed up") == 2, text[-3000:]  # each newcomer rank, before it waits
+    # the shards moved while every rank took the first step at 4 (the newcomers at weight zero, no samples)
+    assert text.count("came while its first step ran; loaded before its optimizer step") == 2, text[-3000:]
+    assert reforms[0].extra.get("moved_bytes", 0) > 0, reforms
     joined = min(s["step"] for s in at4)
     committed = {int(n) for n in re.findall(r"checkpoint step-(\d+) committed", text)}
     assert any(n > joined for n in committed) and any(n < joined for n in committed), (joined, sorted(committed))

@@ -379,3 +379,55 @@ def test_distributed_sampler_resume_repeats_or_skips_and_the_elastic_sampler_doe
         assert skip == skip_expected
         assert restart == restart_expected
         assert ours == (0, 0)
+
+
+# ---- a step that some ranks sit out (a live join's newcomers, at weight zero) --------------------
+@settings(max_examples=150, **SETTINGS)
+@given(b=st.integers(2, 60), w=st.integers(2, 9), m=st.none() | st.integers(1, 8), data=st.data())
+def test_a_step_sat_out_by_some_ranks_is_shared_by_the_others_and_the_next_by_all(b, w, m, data):
+    """``sit_out(ranks)``: the next step's global batch goes whole to the other ranks, once each
+    sample, in rank order; the ranks that sit out get none (0 micro-batches); every rank agrees on
+    the step's lockstep count (the most any rank runs); the step after is every rank's as usual,
+    and so is a new iterator's stream after it. The loss weights still give the global batch's mean."""
+    if b < w:
+        return
+    n = data.draw(st.integers(2 * b, 4 * b))
+    out = data.draw(st.lists(st.integers(0, w - 1), min_size=1, max_size=w - 1, unique=True))
+    if w - len(out) > b:
+        return
+    samplers = [ElasticSampler(n, b, r, w, micro_batch_size=m, seed=3) for r in range(w)]
+    for s in samplers:
+        s.sit_out(out)
+    batch = samplers[0].global_batch_at(0)
+    steps = [s.micro_batches_at(0) for s in samplers]
+    assert [i for mbs in steps for mb in mbs for i in mb] == batch, "the sat-out step's batch, once, in rank order"
+    for r, s in enumerate(samplers):
+        assert s.micro_batches_per_step == len(steps[r]) and (r not in out or not steps[r])
+        assert m is None or all(1 <= len(mb) <= m for mb in steps[r])
+    assert {s.lockstep_micro_batches for s in samplers} == {max(len(x) for x in steps)}
+    # each micro-batch's mean loss times its weight, averaged over all w ranks (DDP's and FSDP's
+    # reduction; a rank that sits out adds 0): the global batch's mean, for any per-sample loss
+    mean = sum(loss_weight(len(mb), b, w) * sum(i + 1.0 for i in mb) / len(mb) for mbs in steps for mb in mbs) / w
+    assert abs(mean - sum(i + 1.0 for i in batch) / b) < 1e-9 * n
+    iterated = [list(iter(s)) for s in samplers]  # the iterators read the sat-out step, then the usual split
+    for r, s in enumerate(samplers):
+        assert iterated[r][:len(steps[r])] == steps[r]
+        plain = ElasticSampler(n, b, r, w, micro_batch_size=m, seed=3)
+        assert iterated[r][len(steps[r]):] == list(plain._iter_from(0, b))
+        s.commit_step()
+        assert s.micro_batches_per_step == plain.micro_batches_per_step
+        assert s.lockstep_micro_batches == plain.lockstep_micro_batches
+        assert s.micro_batches_at(b) == plain.micro_batches_at(b)
+        assert s.state_dict() == {**plain.state_dict(), "offset": b}
+
+
+def test_sitting_out_needs_a_rank_with_samples_and_a_reshard_forgets_it():
+    s = ElasticSampler(40, 8, 0, 3)
+    with pytest.raises(ValueError, match="between 1 and 8 ranks"):
+        s.sit_out([0, 1, 2])
+    s.sit_out([0])
+    assert s.micro_batches_per_step == 0 and len(s) == (40 // 8 - 1) * 1
+    s.reshard(0, 3)
+    assert s.micro_batches_per_step == 1
+    s.sit_out([])
+    assert s.micro_batches_per_step == 1

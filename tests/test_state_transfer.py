@@ -139,3 +139,42 @@ def test_a_state_the_format_cannot_hold_goes_as_torch_save_wrote_it():
     shared = {"x": view[:5], "y": view[5:]}  # two views of one storage: safetensors refuses them
     got = _roundtrip(shared)
     assert torch.equal(got["x"], view[:5]) and torch.equal(got["y"], view[5:])
+
+
+def test_late_keys_follow_the_rest_while_both_sides_run_collectives(tmp_path):
+    """``send_states(late=...)`` in 3 real gloo ranks (donor 0 sends to 1 and 2): the receivers get
+    the rest at once and a ``LateState`` for the late keys; all three run collectives on the same
+    group while those bytes move; then the receivers' ``result()`` is the donor's tensors exactly
+    and the donor's ``LateSend.wait()`` returns. A state without the late keys sends them none."""
+    import subprocess
+    import sys
+
+    from tests.helpers.common import REPO
+
+    script = tmp_path / "late.py"
+    script.write_text('''
+import torch, torch.distributed as dist
+from elastic_trainer.training.state_transfer import LATE, LateSend, LateState, send_states
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+big = torch.arange(2_000_000, dtype=torch.float32)
+state = {"meta": {"step": 9}, "shards": {"w": big}} if rank == 0 else None
+got = send_states(state, {1: 0, 2: 0}, torch.device("cpu"), late=("shards",))
+if rank == 0:
+    assert isinstance(got, LateSend) and got.nbytes == 2 * big.numel() * 4, got
+else:
+    assert got["meta"] == {"step": 9} and "shards" not in got and isinstance(got[LATE], LateState), got
+for _ in range(3):
+    t = torch.ones(1); dist.all_reduce(t); assert t.item() == 3
+if rank == 0:
+    got.wait()
+else:
+    assert torch.equal(got[LATE].result()["shards"]["w"], big)
+plain = send_states({"meta": {"step": 9}} if rank == 0 else None, {1: 0, 2: 0}, torch.device("cpu"), late=("shards",))
+assert plain is None if rank == 0 else LATE not in plain, plain
+dist.barrier()
+print("LATE OK")
+''')
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                           str(script)], cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0 and proc.stdout.count("LATE OK") == 3, proc.stderr[-3000:]

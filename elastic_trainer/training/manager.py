@@ -308,7 +308,7 @@ class Manager:
         rec.release(cause, planned)
         try:
             reformed = self.reform(rec.step, cause, rec.state_dict, donors=rec.donors, started=(started, failed_at),
-                                   planned=planned)
+                                   planned=planned, late=getattr(rec, "late", ()))
         except LiveExcluded as exc:
             self._excluded(exc)
             raise
@@ -375,7 +375,8 @@ class Manager:
         that rank waits for it); None on a cold start and in plain mode (load a checkpoint then).
         ``donors``: as in ``reform`` (None: no live rank holds this rank's state either). A member
         lost while it waits makes it re-form with the others first: read ``rank`` and
-        ``world_size`` after it."""
+        ``world_size`` after it. When the donors send some keys late (``Recovery.late``) the state
+        holds a ``state_transfer.LateState`` under ``state_transfer.LATE`` in their place."""
         return self._pg.receive_state(donors)
 
     def peer_lost(self, exc: BaseException) -> bool:
@@ -424,7 +425,10 @@ class Manager:
     def commit_point(self) -> None:
         """HSDP, between the gradient reductions and the optimizer step: one all-reduce, so that a
         collective that failed anywhere in the step fails here on every rank (TorchFT's
-        ``should_commit``; a loss during it is ``hsdp.shard_donors``'s)."""
+        ``should_commit``; a loss during it is ``hsdp.shard_donors``'s). A donor of a join's late
+        keys (``Recovery.late``) first waits until its receivers have them: its optimizer step
+        changes what it sends (they moved while the step's forward and backward ran)."""
+        self._pg.sent_late()
         if self.distributed and self.world_size > 1:
             dist.all_reduce(torch.zeros(1, device=self.device))
 
@@ -522,7 +526,8 @@ class Manager:
 
     def reform(self, step: int, cause: str, state_dict: Callable[[], dict] | None = None, *,
                step_seconds: float | None = None, donors: Donors | None = None,
-               started: tuple[float, float] | None = None, planned: bool = False) -> Reform:
+               started: tuple[float, float] | None = None, planned: bool = False,
+               late: Sequence[str] = ()) -> Reform:
         """Re-form the group in place (after ``run`` returned a failure, or at an agreed step whose
         ``Agreement.reform`` is set; nothing may refer to the old group: drop DDP first). ``step``:
         the last step this rank completed; the quorum goes on from the highest any survivor
@@ -532,10 +537,12 @@ class Manager:
         member's report to three steps; ``donors(quorum)`` (sharded states): who sends to whom
         (``Reform.missing``: receivers without one); ``started``: (perf counter, unix time);
         ``planned``: at an agreed step, no collective failed (a join whose group formed ahead
-        switches to it then)."""
+        switches to it then); ``late``: keys of the donors' states that reach the receivers of
+        such a switch in the background (``Recovery.late``, ``Reform.late``)."""
         cycle = self._cadence.cycle_s if step_seconds is None else step_seconds
         reformed = self._pg.reform(step, cause, state_dict, cycle_s=cycle, donors=donors,
-                                   started=started or (time.perf_counter(), time.time()), planned=planned)
+                                   started=started or (time.perf_counter(), time.time()), planned=planned,
+                                   late=late)
         self._cadence.next_in = 1
         return reformed
 

@@ -55,6 +55,10 @@ class Reform:
     ahead: bool = False
     """A join whose group formed beside the old one while the members trained (``group_ahead.py``):
     its teardown, agreement and group phases took no time of the members' pause."""
+    late: bool = False
+    """The donors sent the loop's ``Recovery.late`` keys after the rest, in the background: the
+    receivers take the first step in the new world at weight zero (``ElasticSampler.sit_out``) and
+    get them before its optimizer step (``Manager.commit_point``)."""
 
     def timings(self, started: float | None = None, done: float | None = None) -> dict[str, float]:
         """Seconds of each phase from ``started`` (default: the teardown began) to ``done`` (default: now)."""
@@ -109,6 +113,12 @@ class Recovery(Protocol):
 
     def reformed(self, reform: Reform) -> None:
         """The new group is up and the state moved: load it (``reform.state``), wrap, split the data."""
+
+    late: tuple[str, ...]
+    """Optional: keys of ``state_dict()`` that may reach the receivers of a join after its switch, in
+    the background (``state_transfer.LateState``), while every rank takes the step after it. Only
+    for a loop that can take that step on a receiver without them: no samples and a zero-weight
+    gradient there, the late keys loaded before the optimizer step (``Reform.late``)."""
 
     def ahead(self, quorum: Quorum, group: Callable[[str], Any]) -> None:
         """A join's groups were made beside the training (``group_ahead.py``), ``group(name)`` giving

@@ -151,6 +151,31 @@ def decode(payload: torch.Tensor) -> Any:
     return _restore(skeleton["$s"], tensors)
 
 
+def split(state: Any) -> tuple[Any, list[list], list[torch.Tensor]]:
+    """``state`` cut for sending its tensors apart, as they are (``state_transfer``'s late keys):
+    its skeleton (as ``encode`` writes it, JSON-able: a tensor as ``{"$t": i}``), each tensor's
+    dtype and shape (``buffers`` makes their like), and the tensors themselves, contiguous
+    (not copied when they are; a tensor in it twice, once). ValueError for what the skeleton cannot
+    hold (the module docstring)."""
+    tensors: list[torch.Tensor] = []
+    try:
+        skeleton = _skeleton(state, tensors, {})
+    except _Unsupported as exc:
+        raise ValueError(f"a state with {exc} cannot be sent in parts") from None
+    tensors = [t.contiguous() for t in tensors]
+    return skeleton, [[_NAMES[t.dtype], list(t.shape)] for t in tensors], tensors
+
+
+def buffers(layout: list[list]) -> list[torch.Tensor]:
+    """Empty CPU tensors of ``split``'s dtypes and shapes, to receive its tensors into."""
+    return [torch.empty(shape, dtype=_DTYPES[name]) for name, shape in layout]
+
+
+def join(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    """The state ``split`` cut, from its skeleton and (received) tensors."""
+    return _restore(skeleton, tensors)
+
+
 def warm_up() -> None:
     """Encode and decode a small state once: the first call in a process takes ~20 ms more (lazy
     imports and first dispatches), which a live worker spends at its start, not in a join's pause."""
@@ -165,4 +190,4 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
-__all__ = ["MAGIC", "decode", "encode", "warm_up"]
+__all__ = ["MAGIC", "buffers", "decode", "encode", "join", "split", "warm_up"]

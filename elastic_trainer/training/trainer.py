@@ -308,12 +308,15 @@ class Trainer:
         of micro-batches, ``sampler.lockstep_micro_batches``: a rank with a smaller share of an
         uneven global batch (``--micro-batch-size 1``, ``B % W != 0``; any world-size change can
         make it so) runs its last micro-batch once more with weight 0, which adds nothing to the
-        gradient or the loss (a model with batch norm would update its running statistics with it)."""
+        gradient or the loss (a model with batch norm would update its running statistics with it).
+        A rank with no sample in the step (``sampler.sit_out``: a live ``--fsdp`` newcomer's first
+        step, while its shards come) runs padding only, on ``batches.padding()``; its shards are
+        loaded before its optimizer step (``commit_point``)."""
         d = self.dinfo
         loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)  # on the device: no sync per micro-batch
         consumed: list[int] = []
         mbps = self.sampler.micro_batches_per_step
-        runs = self.sampler.lockstep_micro_batches if self.par.fsdp else mbps
+        runs = self.sampler.lockstep_micro_batches if self.par.fsdp else max(mbps, 1)
         for i in range(runs):
             if i < mbps:
                 epoch, indices, batch = batches.next(first_of_step=i == 0)
@@ -321,6 +324,8 @@ class Trainer:
                 weight = loss_weight(len(indices), self.gbs, d.world_size)
             else:  # padding: the same collectives as the other ranks' extra micro-batch, weight 0
                 weight, indices = 0.0, []
+                if i == 0:  # no sample of its own in this step (a live newcomer's first: ElasticSampler.sit_out)
+                    batch = batches.padding()
             if i == mbps - 1:
                 self.report.ledger_line(self.step + 1, epoch, consumed)
             with (self.par.no_sync() if i < runs - 1 else contextlib.nullcontext()):  # all-reduce on the last only

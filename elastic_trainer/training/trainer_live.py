@@ -31,6 +31,7 @@ from elastic_trainer.training import hsdp
 from elastic_trainer.training.parallel import Parallel
 from elastic_trainer.training.recovery import Donors, Reform
 from elastic_trainer.training.sharded_live import ShardedLive
+from elastic_trainer.training.state_transfer import LATE, LateState
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,14 @@ class TrainerRecovery:
         self._peer_s = 0.0
         self._kept: hsdp.Shards | None = None  # HSDP: this rank's shards across a re-form
         self._next: tuple[int, Parallel] | None = None  # HSDP: (quorum, its model) made ahead of a join
+        self._late: LateState | None = None  # a newcomer's shards, coming while its first step runs (commit_point)
+
+    @property
+    def late(self) -> tuple[str, ...]:
+        """``Recovery.late``: a join's shards reach its newcomers while every rank takes the step after
+        the switch (live ``--fsdp`` on gloo, a map-style dataset, whose sampler can leave the
+        newcomers out of that step: ``ElasticSampler.sit_out``); else they come with the rest."""
+        return ("shards",) if self._wrap_first and hasattr(self.t.sampler, "sit_out") else ()
 
     def started(self) -> None:
         """The process group is up: HSDP's part when this is a live ``--fsdp`` run on a group."""
@@ -78,7 +87,7 @@ class TrainerRecovery:
             if self.t.manager.newcomer:
                 self.sharded.warm_up()  # its first optimizer step's own cost, before the members wait for it
             self._receive()
-        if self._peer is not None and self.sharded is not None:
+        if self._peer is not None and self.sharded is not None and self._late is None:
             hsdp.Shards.from_state(self._peer[1]["shards"]).load_into(self.t.module, self.t.optimizer)
 
     def _receive(self) -> None:
@@ -90,14 +99,19 @@ class TrainerRecovery:
         if state is None:  # live --fsdp: no live replica holds this rank's shards (resume() rebuilds them)
             logger.info("live: no live replica holds this rank's shards; rebuilding them in _resume")
             return
+        self._late = state.pop(LATE, None)
+        if self._late is not None:
+            state["shards"] = None  # they come while the first step runs (commit_point loads them)
         self._peer, self._peer_s = (int(state["meta"]["step"]), state), time.perf_counter() - t0
-        if self.sharded is not None:
+        if self._late is not None:
+            what = f"its shards, {self._late.nbytes} bytes, come while its first step runs"
+        elif self.sharded is not None:
             self.sharded.received = hsdp.Shards.from_state(state["shards"]).nbytes
+            what = f"shards: {self.sharded.received} bytes"
         else:
             t.module.load_state_dict(state["model"])  # before DDP, as the members that sent it
-        logger.info("live: received the training state of step %d (%s) in %.3fs", self._peer[0],
-                    f"shards: {self.sharded.received} bytes" if self.sharded
-                    else f"from rank {t.manager.quorum.source}", self._peer_s)
+            what = f"from rank {t.manager.quorum.source}"
+        logger.info("live: received the training state of step %d (%s) in %.3fs", self._peer[0], what, self._peer_s)
 
     def resume(self) -> bool:
         """Where the trainer would load a checkpoint: a newcomer restores the state a peer sent
@@ -106,6 +120,8 @@ class TrainerRecovery:
         if self._peer is not None:
             t.checkpoints.restore(*self._peer)
             self._peer = None
+            if self._late is not None:  # its first step at weight zero, without samples (commit_point)
+                t.sampler.sit_out(t.manager.quorum.receivers)
             t.report.joined_live(t.step, t.sampler, source=t.manager.quorum.source, seconds=self._peer_s)
         elif self.sharded is not None and t.manager.newcomer:
             if not self.sharded.recover(None, None):
@@ -122,7 +138,8 @@ class TrainerRecovery:
     # ---- in the loop ---------------------------------------------------------------------------
     @property
     def step(self) -> int:
-        return self.t.step
+        """The trainer's step; -1 while a newcomer's shards are still coming (it holds no state)."""
+        return -1 if self._late is not None else self.t.step
 
     def step_done(self, result: Any) -> None:
         """The trainer counts, commits and logs its steps itself."""
@@ -133,9 +150,22 @@ class TrainerRecovery:
             self.sharded.copy()
 
     def commit_point(self) -> None:
-        """HSDP: no rank steps its optimizer unless every rank's reductions completed."""
-        if self.sharded is not None:
-            self.t.manager.commit_point()
+        """HSDP: no rank steps its optimizer unless every rank's reductions completed. A newcomer whose
+        shards come late then loads them (after its vote: the members go on to their optimizer step
+        and their next forward meanwhile): its first step ran at weight zero on its own initial
+        weights, so the gradients it holds now are the members' alone, which its optimizer then
+        applies to the members' state, as theirs do (TorchFT's healing)."""
+        if self.sharded is None:
+            return
+        self.t.manager.commit_point()  # first: the members never wait for this rank's shards
+        if self._late is not None:
+            t0 = time.perf_counter()
+            shards = hsdp.Shards.from_state(self._late.result()["shards"])
+            shards.load_into(self.t.module, self.t.optimizer)
+            self._late = None
+            logger.info("live --fsdp: this rank's shards (%d bytes) came while its first step ran; loaded before "
+                        "its optimizer step after a wait of %.3fs", shards.nbytes, time.perf_counter() - t0)
+            del shards
 
     def without_stopped_peer(self) -> bool:
         """A peer got SIGTERM (and not this rank): under live recovery it leaves and the others
@@ -161,7 +191,8 @@ class TrainerRecovery:
         t.optimizer.zero_grad(set_to_none=True)
         if self.sharded is not None:
             kept = self._kept = hsdp.Shards.take(t.module, t.optimizer)
-            self.donors = lambda q: self.sharded.donors(q, t.step, kept)
+            step = self.step  # -1: a newcomer whose shards had not come (a receiver again)
+            self.donors = lambda q: self.sharded.donors(q, step, kept)
 
     def state_dict(self) -> dict:
         capture = self.t.checkpoints.capture
@@ -182,6 +213,7 @@ class TrainerRecovery:
         rank held the state of ``t.step``; the ranks behind the quorum's step loaded a peer's."""
         t, c, d = self.t, self.t.config, self.t.dinfo
         kept, self._kept, self.donors = self._kept, None, None
+        self._late = None  # (still coming when a collective failed: it failed with the old group)
         q, state = r.quorum, r.state
         d.rank, d.world_size, d.round = t.manager.rank, t.manager.world_size, t.manager.round
         made, self._next = self._next, None
@@ -198,6 +230,8 @@ class TrainerRecovery:
         position = t.sampler.state_dict()  # the rest of the epoch, split over the new world
         t.sampler, t.batches = t.new_feed()
         t.sampler.load_state_dict(position)
+        if r.late:  # the newcomers take this step at weight zero while their shards come
+            t.sampler.sit_out(q.receivers)
         if kept is not None and r.missing:  # no live replica holds some shard: live shards, copies, checkpoint
             self.sharded.recover(kept, (r.old_round, r.old_rank, r.old_world_size))
         elif state is not None:
@@ -206,7 +240,7 @@ class TrainerRecovery:
         if kept is not None:
             sent, received = self.sharded.moved()  # with the newcomers' resume()
             t.checkpoints.prepare()  # the saver's folder, asked by every rank (a newcomer: in resume())
-            extra = {"extra": {"shard_bytes": moved, "moved_bytes": received, "sent_bytes": sent,
+            extra = {"extra": {"shard_bytes": moved, "moved_bytes": sent if r.late else received, "sent_bytes": sent,
                                "reloaded": bool(r.missing),
                                "state_from": self.sharded.source if r.missing else "replica"}}
         state = kept = None

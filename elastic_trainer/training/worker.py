@@ -122,6 +122,16 @@ class MicroBatches:
             batch = next(self.iterator)
         return self.sampler.epoch, self.recorder.pending.popleft(), devices.to_device(batch, self.device)
 
+    def padding(self) -> Any:
+        """A micro-batch for a step in which this rank has no sample (``ElasticSampler.sit_out``: a
+        live newcomer's first step, at weight zero): the first samples of the step's global batch,
+        read here (not through the loader, whose iterator stays at the next step) and counted
+        nowhere."""
+        s = self.sampler
+        size = s.micro_batch_size or max(1, s.global_batch_size // s.world_size)
+        ids = s.global_batch_at(s.offset)[:size]
+        return devices.to_device(self.loader.collate_fn([self.loader.dataset[i] for i in ids]), self.device)
+
 
 def round_fence() -> Any:
     """The rendezvous round fence (``RoundFence``) when running under the etcd-v3 rendezvous, else

@@ -53,7 +53,7 @@ from elastic_trainer.training.process_group import (collective_failed, drop_grou
                                                     warm_up_ddp)
 from elastic_trainer.training.recovery import Donors, GroupPlan, Reform
 from elastic_trainer.runtime import die_with_parent, runtime
-from elastic_trainer.training.state_transfer import early_state, send_state, send_states, transfer
+from elastic_trainer.training.state_transfer import LateSend, early_state, send_state, send_states, transfer
 from elastic_trainer.training.straggler_watch import Evicted
 
 logger = logging.getLogger(__name__)
@@ -91,6 +91,7 @@ class WorkerGroup:
         self._extras: dict[str, dist.ProcessGroup] = {}  # this rank's groups of the plan, in the group in use
         self._ahead_store = None
         self._ahead_checked = 0.0  # when ahead_ready last asked etcd
+        self._late: LateSend | None = None  # a switch's late keys on their way to the newcomers (sent_late)
 
     @property
     def quorum(self) -> Quorum | None:
@@ -295,9 +296,11 @@ class WorkerGroup:
             ahead.discard()
 
     def _switch(self, state_dict: Callable[[], dict] | None, started: tuple[float, float],
-                donors: Donors | None) -> Reform:
+                donors: Donors | None, late: Sequence[str]) -> Reform:
         """At the agreed step: the groups formed ahead become the default one and the loop's, the old
-        ones go, the state goes to the newcomers (from the donors, for a sharded state)."""
+        ones go, the state goes to the newcomers (from the donors, for a sharded state; its ``late``
+        keys in the background: ``sent_late``)."""
+        self.sent_late()  # the last join's (its first step waited for them: done)
         ahead, self.ahead, self.switch_due = self.ahead, None, False
         q = ahead.quorum
         old_rank, old_world, old_round = self.rank, self.world_size, self.round
@@ -315,24 +318,36 @@ class WorkerGroup:
             grouped = time.perf_counter()
         finally:
             self.live.progress.reform_ended()
-        state, missing = transfer(q, self.rank, state_dict, self.device, donors)
+        late = tuple(late) if donors is not None and self.backend == "gloo" else ()
+        state, missing = transfer(q, self.rank, state_dict, self.device, donors, late=late)
+        if isinstance(state, LateSend):
+            self._late, state = state, None
         self.live.forget_old()
         return Reform(q, state, old_rank, old_world, grouped, grouped, grouped, missing, old_round, *started,
-                      ahead=True)
+                      ahead=True, late=bool(late) and not missing)
+
+    def sent_late(self) -> None:
+        """A donor of a switch's late keys: wait until its receivers have them (``Manager.commit_point``,
+        before the optimizer step changes them); raises if a send failed (a lost receiver)."""
+        late, self._late = self._late, None
+        if late is not None:
+            late.wait()
 
     def _report_timeout(self, cycle_s: float | None) -> float:
         return max(self.live.settings.report_timeout, 3 * (cycle_s or 0.0))
 
     def reform(self, step: int, cause: str, state_dict: Callable[[], dict] | None, *, cycle_s: float | None,
-               donors: Donors | None, started: tuple[float, float], planned: bool = False) -> Reform:
+               donors: Donors | None, started: tuple[float, float], planned: bool = False,
+               late: Sequence[str] = ()) -> Reform:
         """Leave, agree on the next quorum, ``form``, move the state (``Manager.reform``). ``planned``
         (at an agreed step, no collective failed) with ``switch_due``: the switch to the group formed
-        ahead instead; otherwise a group forming ahead is discarded."""
+        ahead instead (the donors' ``late`` keys in the background); otherwise a group forming ahead
+        is discarded."""
         if self.live is None:
             raise RuntimeError("Manager.reform needs live recovery (elastic-train's etcd-v3 rendezvous with "
                                "--recovery live); in plain mode a failure ends the worker and torchrun restarts it")
         if planned and self.switch_due and self.ahead is not None:
-            return self._switch(state_dict, started, donors)
+            return self._switch(state_dict, started, donors, late)
         self._discard_ahead()
         agreed_q, self._agreed = self._agreed, None
         old_rank, old_world, old_round = self.rank, self.world_size, self.round
@@ -342,6 +357,7 @@ class WorkerGroup:
                 self.abandon.abandon("this rank re-forms")  # as on a death
             self._extras = {}  # (destroyed with the default group)
             leave_process_group(runtime().start_thread)
+            self._late = None  # a late transfer in flight failed with the group it was on
             torn = time.perf_counter()
             quorum = agreed_q if agreed_q is not None and planned else \
                 self.live.reform(step, cause, report_timeout=self._report_timeout(cycle_s))
@@ -413,6 +429,7 @@ class WorkerGroup:
         self._extras = {}
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
+        self._late = None
         self.distributed = False
 
     def _lease_lost(self, reason: str) -> None:
