@@ -17,6 +17,8 @@ What a fault costs (docs/trainer.md, "HSDP"):
    with the same shard index that holds the step all go on from (``shard_donors``),
    point to point over the new group (``manager.send_states``, one transfer per shard index, all
    at once: ``Manager.reform(donors=...)``), never from storage: parameters, optimizer state, RNG, sampler position, step.
+   A join's shards come while every rank takes the next step, the newcomers at weight zero and
+   without samples (``Recovery.late``: ``trainer_live.py``), so the members do not wait for them.
 3. **No live replica holds a shard** (``--fsdp-shard-all``, or a shard whose every copy is gone):
    the survivors still keep their processes; they re-form, wrap a fresh model on the new mesh and
    rebuild the state in it from their live shards (a join), from peer copies (``peer_copy.py``),

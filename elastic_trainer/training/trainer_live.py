@@ -15,7 +15,9 @@ live or sharded branch (torchtitan keeps its fault tolerance beside the plain pa
   data loader made again, one line and a ``live_reform`` event;
 - **HSDP** (``--fsdp`` on several nodes: ``sharded_live.py``): the shards kept in memory across
   the re-form, who sends which shard (``donors``), the model wrapped again around them, peer
-  copies every K steps (``after_step``) and the commit point before the optimizer step.
+  copies every K steps (``after_step``) and the commit point before the optimizer step; a join's
+  shards sent while every rank takes the next step (``late``: the newcomer sits out its samples,
+  takes it at weight zero and loads them at ``commit_point``).
 
 In plain mode (``--recovery restart``) nothing re-forms: only ``receive``/``resume`` are asked, and
 find nothing to do.
