@@ -82,9 +82,9 @@ class TrainerRecovery:
     def wrapped(self) -> None:
         """After the model is wrapped and the optimizer made: a newcomer under ``--fsdp`` on gloo
         takes its optimizer's first step's own cost (``ShardedLive.warm_up``) and receives its
-        shards now, ready to train (the members, which switch to the larger world once
-        it waits for them, then stop only for the transfer and their own re-wrap); HSDP's received
-        shards are loaded."""
+        state now, ready to train (the members switch to the larger world once it waits for them,
+        and stop for the rest of the state and their own re-wrap: the shards come while the first
+        step runs, ``commit_point``); shards received with the rest are loaded."""
         if self._wrap_first:
             if self.t.manager.newcomer:
                 self.sharded.warm_up()  # its first optimizer step's own cost, before the members wait for it
