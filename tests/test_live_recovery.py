@@ -84,6 +84,10 @@ def test_live_run_that_loses_two_nodes_and_gains_one_keeps_survivors_and_matches
     peer = [e for e in events if e.event == Event.PEER_STATE_LOADED]
     assert len(peer) <= 1  # logged by rank 0 only; the newcomer's own line is in its log:
     assert "received the training state of step" in outs[3].read_text()
+    # its model and optimizer came while the first step at 3 ran (it took that step at weight zero,
+    # without samples: the ledger below is still the uninterrupted run's)
+    assert "this rank's model and optimizer" in outs[3].read_text() and \
+        "came while its first step ran" in outs[3].read_text(), outs[3].read_text()[-3000:]
     for e in reforms:
         assert e.total_s < 5, e
 

@@ -149,8 +149,8 @@ class Checkpointing:
                              "--fsdp, or start over with --no-resume")
         if is_sharded(state):  # every rank reads its part of the shards, resharded to this world size
             load_sharded(self.manager, step, state, s.module, s.optimizer)
-        elif "shards" in state:  # a live HSDP peer's own shards, loaded by the caller (hsdp.Shards)
-            pass
+        elif "shards" in state or ("optimizer" in state and state["optimizer"] is None):
+            pass  # a live HSDP peer's own shards, or a live peer's state whose bulk comes later: the caller's
         else:  # under FSDP rank 0's, broadcast (the others hold none: load)
             s.par.load_optimizer_state(s.optimizer, state.get("optimizer", {}))
         if s.scheduler is not None and state.get("scheduler"):

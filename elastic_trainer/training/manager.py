@@ -426,11 +426,16 @@ class Manager:
         """HSDP, between the gradient reductions and the optimizer step: one all-reduce, so that a
         collective that failed anywhere in the step fails here on every rank (TorchFT's
         ``should_commit``; a loss during it is ``hsdp.shard_donors``'s). A donor of a join's late
-        keys (``Recovery.late``) first waits until its receivers have them: its optimizer step
-        changes what it sends (they moved while the step's forward and backward ran)."""
-        self._pg.sent_late()
+        keys (``Recovery.late``) first waits until its receivers have them (``late_sent``)."""
+        self.late_sent()
         if self.distributed and self.world_size > 1:
             dist.all_reduce(torch.zeros(1, device=self.device))
+
+    def late_sent(self) -> None:
+        """Before the optimizer step: a sender of a join's late keys (``Recovery.late``) waits until
+        its receivers have them, since the step changes what it sends (they moved while the step's
+        forward and backward ran); nothing otherwise. No collective (``commit_point`` calls it)."""
+        self._pg.sent_late()
 
     def plan_groups(self, plan: GroupPlan) -> None:
         """The process groups beside the default one that the loop uses in every world (a

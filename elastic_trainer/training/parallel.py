@@ -54,10 +54,13 @@ class Parallel:
 
     @classmethod
     def wrap(cls, module: torch.nn.Module, config: TrainConfig, dinfo: DistInfo,
-             blocks: Iterable[torch.nn.Module] | None = None, group: Callable[[str], object] | None = None) -> "Parallel":
+             blocks: Iterable[torch.nn.Module] | None = None, group: Callable[[str], object] | None = None,
+             init_sync: bool = True) -> "Parallel":
         """DDP (or FSDP with ``--fsdp``: each of ``blocks``, default ``fsdp_blocks(module)``, then the
         root) around ``module`` when distributed, then ``torch.compile`` with ``--compile``.
-        ``group``: ``Manager.group``, which holds the mesh's groups (``hsdp.group_plan``)."""
+        ``group``: ``Manager.group``, which holds the mesh's groups (``hsdp.group_plan``).
+        ``init_sync`` False: DDP does not broadcast rank 0's parameters (every rank alike: a live
+        join whose newcomers get theirs late, ``Reform.late``)."""
         par = cls(module=module, model=module)
         if dinfo.distributed and config.fsdp:
             from torch.distributed.fsdp import fully_shard
@@ -73,7 +76,7 @@ class Parallel:
             kwargs = {"bucket_cap_mb": config.bucket_cap_mb} if config.bucket_cap_mb else {}
             if dinfo.device.type == "cuda":
                 kwargs["device_ids"] = [dinfo.device.index]
-            par.ddp = par.model = DDP(module, **kwargs)  # broadcasts rank 0's parameters
+            par.ddp = par.model = DDP(module, init_sync=init_sync, **kwargs)  # broadcasts rank 0's parameters
         if config.compile:
             par.model = torch.compile(par.model)
         return par

@@ -185,13 +185,14 @@ def transfer(quorum: Quorum, rank: int, state_dict: Callable[[], dict] | None, d
              late: Sequence[str] = ()) -> tuple[dict | LateSend | None, tuple[int, ...]]:
     """A re-form's state transfer on every rank of the new group: ``(received state, missing)``.
     ``early``: ``early_state()``, used when it is this quorum's (a member lost while the group
-    formed made another). ``late`` (with ``donors``): keys of the donors' states that follow in the
-    background (``send_state``); a donor then gets its ``LateSend`` in place of a state.
+    formed made another).
 
     Without ``donors`` the quorum's source sends ``state_dict()`` to its receivers. With ``donors``
     (``Manager.reform``'s) each donor sends its own ``state_dict()`` to its receivers; when any
     receiver has no donor nothing is sent and ``missing`` names those ranks, alike on every rank
-    (the caller loads a checkpoint). The state is None on the ranks that received nothing."""
+    (the caller loads a checkpoint). The state is None on the ranks that received nothing.
+    ``late``: keys of the senders' states that follow in the background (``send_state``); a sender
+    then gets its ``LateSend`` in place of a state."""
     plan = donors(quorum) if donors is not None else None
     if plan is not None:
         missing = tuple(r for r, d in sorted(plan.items()) if d is None)
@@ -208,7 +209,7 @@ def transfer(quorum: Quorum, rank: int, state_dict: Callable[[], dict] | None, d
             raise ValueError("Manager.reform needs state_dict on the rank that sends the state to the others")
         if source and early is not None and early.q == quorum.q:
             return send_state(None, quorum.source, quorum.receivers, device, encoded=early.result()), ()
-        return send_state(state_dict() if source else None, quorum.source, quorum.receivers, device), ()
+        return send_state(state_dict() if source else None, quorum.source, quorum.receivers, device, late=late), ()
     return None, ()
 
 

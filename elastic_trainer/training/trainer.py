@@ -134,7 +134,8 @@ class Trainer:
             if moved:  # a member was lost while it waited: it re-formed with the others (Manager.receive_state)
                 self.sampler, self.batches = self.new_feed()
             blocks = self.task.fsdp_blocks(self.module) if self.task.fsdp_blocks is not None else None
-            self.par = Parallel.wrap(self.module, c, d, blocks=blocks, group=self.manager.group)
+            self.par = Parallel.wrap(self.module, c, d, blocks=blocks, group=self.manager.group,
+                                     init_sync=not self.live.receiving)  # (its parameters come late)
             self.model = self.par.model
             self.manager.time_steps(self.par.ddp)  # DDP: each rank's own step time, which names a straggler
             self.optimizer, self.scheduler = build_optimizer(self.task, self.model, c, d.world_size)

@@ -51,14 +51,25 @@ class TrainerRecovery:
         self._peer_s = 0.0
         self._kept: hsdp.Shards | None = None  # HSDP: this rank's shards across a re-form
         self._next: tuple[int, Parallel] | None = None  # HSDP: (quorum, its model) made ahead of a join
-        self._late: LateState | None = None  # a newcomer's shards, coming while its first step runs (commit_point)
+        self._late: LateState | None = None  # a newcomer's bulk, coming while its first step runs (commit_point)
 
     @property
     def late(self) -> tuple[str, ...]:
-        """``Recovery.late``: a join's shards reach its newcomers while every rank takes the step after
-        the switch (live ``--fsdp`` on gloo, a map-style dataset, whose sampler can leave the
-        newcomers out of that step: ``ElasticSampler.sit_out``); else they come with the rest."""
-        return ("shards",) if self._wrap_first and hasattr(self.t.sampler, "sit_out") else ()
+        """``Recovery.late``: a join's bulk (DDP: the model and the optimizer; ``--fsdp``: the shards)
+        reaches its newcomers while every rank takes the step after the switch (live recovery on
+        gloo, a map-style dataset, whose sampler can leave the newcomers out of that step:
+        ``ElasticSampler.sit_out``); else it comes with the rest."""
+        if not hasattr(self.t.sampler, "sit_out") or not self.t.manager.groups_ahead:
+            return ()
+        if self.sharded is not None:
+            return ("shards",) if self._wrap_first else ()
+        return ("model", "optimizer")
+
+    @property
+    def receiving(self) -> bool:
+        """A newcomer whose bulk is still coming (``late``): its model is wrapped without taking
+        rank 0's parameters (they come with the rest of it), its first step is at weight zero."""
+        return self._late is not None
 
     def started(self) -> None:
         """The process group is up: HSDP's part when this is a live ``--fsdp`` run on a group."""
@@ -102,11 +113,12 @@ class TrainerRecovery:
             logger.info("live: no live replica holds this rank's shards; rebuilding them in _resume")
             return
         self._late = state.pop(LATE, None)
-        if self._late is not None:
-            state["shards"] = None  # they come while the first step runs (commit_point loads them)
+        if self._late is not None:  # they come while the first step runs (commit_point loads them)
+            state.update(dict.fromkeys(("shards",) if self.sharded is not None else ("model", "optimizer")))
         self._peer, self._peer_s = (int(state["meta"]["step"]), state), time.perf_counter() - t0
         if self._late is not None:
-            what = f"its shards, {self._late.nbytes} bytes, come while its first step runs"
+            what = (f"its {'shards' if self.sharded is not None else 'model and optimizer'}, {self._late.nbytes} "
+                    "bytes, come while its first step runs")
         elif self.sharded is not None:
             self.sharded.received = hsdp.Shards.from_state(state["shards"]).nbytes
             what = f"shards: {self.sharded.received} bytes"
@@ -152,22 +164,32 @@ class TrainerRecovery:
             self.sharded.copy()
 
     def commit_point(self) -> None:
-        """HSDP: no rank steps its optimizer unless every rank's reductions completed. A newcomer whose
-        shards come late then loads them (after its vote: the members go on to their optimizer step
-        and their next forward meanwhile): its first step ran at weight zero on its own initial
-        weights, so the gradients it holds now are the members' alone, which its optimizer then
-        applies to the members' state, as theirs do (TorchFT's healing)."""
-        if self.sharded is None:
+        """Before the optimizer step. HSDP: no rank steps its optimizer unless every rank's reductions
+        completed (``Manager.commit_point``); DDP: no vote, but a sender of a join's late state
+        waits for its sends (``Manager.late_sent``). A newcomer whose bulk comes late then loads it
+        (after its vote: the members go on to their optimizer step and their next forward
+        meanwhile): its first step ran at weight zero on its own initial weights, so the gradients it
+        holds now are the members' alone, which its optimizer then applies to the members' state, as
+        theirs do (TorchFT's healing)."""
+        t = self.t
+        if self.sharded is not None:
+            t.manager.commit_point()  # first: the members never wait for this rank's shards
+        else:
+            t.manager.late_sent()  # DDP: no vote; a sender of late state waits for its sends
+        if self._late is None:
             return
-        self.t.manager.commit_point()  # first: the members never wait for this rank's shards
-        if self._late is not None:
-            t0 = time.perf_counter()
-            shards = hsdp.Shards.from_state(self._late.result()["shards"])
-            shards.load_into(self.t.module, self.t.optimizer)
-            self._late = None
-            logger.info("live --fsdp: this rank's shards (%d bytes) came while its first step ran; loaded before "
-                        "its optimizer step after a wait of %.3fs", shards.nbytes, time.perf_counter() - t0)
-            del shards
+        t0 = time.perf_counter()
+        got, nbytes = self._late.result(), self._late.nbytes
+        if self.sharded is not None:
+            hsdp.Shards.from_state(got["shards"]).load_into(t.module, t.optimizer)
+        else:
+            t.module.load_state_dict(got["model"])  # in place: DDP's parameters
+            t.par.load_optimizer_state(t.optimizer, got["optimizer"])
+        self._late = None
+        del got
+        logger.info("live: this rank's %s (%d bytes) came while its first step ran; loaded before its optimizer "
+                    "step after a wait of %.3fs", "shards" if self.sharded is not None else "model and optimizer",
+                    nbytes, time.perf_counter() - t0)
 
     def without_stopped_peer(self) -> bool:
         """A peer got SIGTERM (and not this rank): under live recovery it leaves and the others
@@ -225,7 +247,7 @@ class TrainerRecovery:
         else:
             if state is not None:
                 t.module.load_state_dict(state["model"])
-            t.par = Parallel.wrap(t.module, c, d)
+            t.par = Parallel.wrap(t.module, c, d, init_sync=not r.late)  # late: the newcomers' come later
         t.model = t.par.model
         t.manager.time_steps(t.par.ddp)
         t.model.train()

@@ -318,7 +318,7 @@ class WorkerGroup:
             grouped = time.perf_counter()
         finally:
             self.live.progress.reform_ended()
-        late = tuple(late) if donors is not None and self.backend == "gloo" else ()
+        late = tuple(late) if self.backend == "gloo" else ()
         state, missing = transfer(q, self.rank, state_dict, self.device, donors, late=late)
         if isinstance(state, LateSend):
             self._late, state = state, None
