@@ -66,8 +66,6 @@ class LateSend:
     def __init__(self, tensors: list[torch.Tensor], receivers: Sequence[int]) -> None:
         self._tensors = tensors
         self._works = [dist.isend(t.reshape(-1), dst=dst) for dst in receivers for t in tensors]
-        self.nbytes = sum(t.numel() * t.element_size() for t in tensors) * len(receivers)
-        """The bytes sent, over all receivers."""
 
     def wait(self) -> None:
         """Until every receiver has them (raises if a transfer failed: a lost receiver)."""
