@@ -214,6 +214,7 @@ class EventRecord(Record):
     state_s: float | None = None
     total_s: float | None = None
     ahead: bool | None = None  # live_reform: a join whose group formed beside the old one (group_ahead.py; newer lines)
+    late: bool | None = None  # live_reform: a join whose bulk came while its first step ran (Reform.late; newer lines)
     named: list[int] | None = None  # stragglers: the ranks named slow, each rank's score, the nodes evicted
     scores: list[float] | None = None
     evict: list[str] | None = None

@@ -88,6 +88,43 @@ def test_read_ahead_samples_are_read_again_after_a_restart_at_another_world_size
     assert sorted(trained) == sorted(EpochOrder(ROWS, 4, 0, 10).epoch_ids(0, 96).tolist())
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_joins_first_step_is_the_members_and_the_newcomer_pads_then_every_rank_reads_on(tmp_path, workers):
+    """A live join (``StreamSampler.sit_out``): 2 ranks train 2 steps, a third joins and sits out the
+    first step at 3. The members' feeds read exactly what they would have trained at 2; the newcomer's
+    padding is a micro-batch of that step's samples that counts nowhere; then all 3 read their shares
+    and the epoch trains every sample once."""
+    source = ShardedSource(write_parquet_shards(tmp_path, ROWS, row_group_size=6), ParquetReader(["id", "tokens"]),
+                           transform=id_and_tokens, shuffle_buffer=10)
+    feeds, trained = [feed(source, r, 2, workers) for r in range(2)], []
+    for _ in range(2):
+        for sampler, batches in feeds:
+            trained += one_step(sampler, batches)
+        for sampler, _ in feeds:
+            sampler.commit_step()
+    state = feeds[0][0].state_dict()
+    without_join = feed(source, 0, 2, 0, state=state)[0].global_batch()
+    feeds = [feed(source, r, 3, workers, state=state) for r in range(3)]
+    for sampler, _ in feeds:
+        sampler.sit_out([2])
+    assert [s.micro_batches_per_step for s, _ in feeds] == [3, 3, 0] and feeds[2][0].batch_ids() == []
+    sample_ids, tokens = feeds[2][1].padding()
+    assert len(sample_ids) == 2 and set(sample_ids.tolist()) <= set(without_join)
+    assert tokens.tolist() == [tokens_of(x, 4) for x in sample_ids.tolist()]
+    step = [x for sampler, batches in feeds[:2] for x in one_step(sampler, batches)]
+    assert step == without_join, "the step the newcomer sat out is the one the members would have trained"
+    trained += step
+    for sampler, _ in feeds:
+        sampler.commit_step()
+    while feeds[0][0].epoch == 0:
+        for sampler, batches in feeds:
+            trained += one_step(sampler, batches)
+        for sampler, _ in feeds:
+            sampler.commit_step()
+    assert len(trained) == len(set(trained)) == (103 // 12) * 12
+    assert sorted(trained) == sorted(EpochOrder(ROWS, 4, 0, 10).epoch_ids(0, 96).tolist())
+
+
 def test_token_files_feed_the_example_task_through_make_feed(tmp_path):
     urls = write_token_files(tmp_path, [30, 20], seq_len=4)
     source = ShardedSource(urls, TokenFileReader(4), transform=TokenRows(4, VOCAB, "reverse"), shuffle_buffer=8)

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from elastic_trainer.drill.ledger import stream_order
-from elastic_trainer.sampler import ElasticSampler
+from elastic_trainer.sampler import ElasticSampler, share_of_batch
 from elastic_trainer.stream.order import EpochOrder, seeded_permutation
 from elastic_trainer.stream.position import Segment, StreamSampler, merge, span
 from tests.helpers.world_changes import world_segments
@@ -108,35 +108,43 @@ def test_resegmenting_at_the_same_world_or_after_no_step_deals_the_same_samples(
 
 
 # ---- exactly once across worlds, restarts and lost steps -----------------------------------------
-def simulate(sizes, seed, buffer, micro, segments, epochs, shuffle=True):
+def simulate(sizes, seed, buffer, micro, segments, epochs, shuffle=True, out=None):
     """Run ``segments`` of ``(world size, global batch, steps, lost)`` like the ledger's lineage rule:
     the state is saved (through JSON) after each of the first ``steps - lost`` steps; the last
-    ``lost`` steps and what the loaders read ahead are lost. Returns ({epoch: ids in order}, [(step
-    world size, ids)] of the counted steps)."""
+    ``lost`` steps and what the loaders read ahead are lost. ``out[i]``: the ranks that sit out the
+    first step of segment ``i`` (``sit_out``: a live join's newcomers). Returns ({epoch: ids in
+    order}, [(ranks that trained the step, ids)] of the counted steps)."""
     state, counted, lineage = None, defaultdict(list), []
-    for w, b, steps, lost in segments:
+    for k, (w, b, steps, lost) in enumerate(segments):
         samplers = [StreamSampler(sizes, b, r, w, seed=seed, buffer=buffer, micro_batch_size=micro, shuffle=shuffle)
                     for r in range(w)]
         if state is not None:
             for s in samplers:
                 s.load_state_dict(json.loads(json.dumps(state)))
         assert len({json.dumps(s.state_dict(), sort_keys=True) for s in samplers}) == 1, "ranks disagree"
+        sitting = sorted((out or {}).get(k, ()))
+        for s in samplers:
+            s.sit_out(sitting)
         for i in range(steps):
             if samplers[0].epoch >= epochs:
                 break
-            epoch, batch = samplers[0].epoch, []
+            epoch, batch, counts = samplers[0].epoch, [], []
             for s in samplers:
                 mbs = s.batch_ids()
                 assert [len(mb) for mb in mbs] == s.micro_sizes and len(mbs) == s.micro_batches_per_step
-                assert sum(len(mb) for mb in mbs) == sum(b - a for a, b in s.rest()) // s.remaining_steps
+                share = share_of_batch(b, w, s.rank)[1]  # the rest: this step's part, then a share of each step after
+                assert span(s.rest()) == sum(len(mb) for mb in mbs) + share * (s.remaining_steps - 1)
+                assert not (i == 0 and s.rank in sitting) or mbs == []
                 batch += [x for mb in mbs for x in mb]
+                counts.append(len(mbs))
             assert batch == samplers[0].global_batch()
             assert len(batch) == b
+            assert {s.lockstep_micro_batches for s in samplers} == {max(counts)}
             for s in samplers:
                 s.commit_step()
             if i < steps - lost:
                 counted[epoch] += batch
-                lineage.append((w, batch))
+                lineage.append((w - (len(sitting) if i == 0 else 0), batch))
                 state = samplers[0].state_dict()
     return counted, lineage
 
@@ -149,14 +157,17 @@ def stream_runs(draw, vary_batch=False):
     seed, buffer = draw(st.integers(0, 2**31)), draw(st.integers(1, 40))
     micro = draw(st.none() | st.integers(1, 8))
     segments = draw(world_segments(n, b0, vary_batch))
-    return sizes, b0, seed, buffer, micro, segments
+    # some segments' first step sat out by some of their ranks (a live join's newcomers: sit_out)
+    out = {k: draw(st.sets(st.integers(0, w - 1), max_size=w - 1)) for k, (w, *_) in enumerate(segments)
+           if w > 1 and draw(st.booleans())}
+    return sizes, b0, seed, buffer, micro, segments, out
 
 
 @settings(max_examples=150, **SETTINGS)
 @given(run=stream_runs(), shuffle=st.booleans())
 def test_resume_at_any_world_size_streams_every_sample_once_per_epoch(run, shuffle):
-    sizes, b, seed, buffer, micro, segments = run
-    counted, _ = simulate(sizes, seed, buffer, micro, segments, epochs=2, shuffle=shuffle)
+    sizes, b, seed, buffer, micro, segments, out = run
+    counted, _ = simulate(sizes, seed, buffer, micro, segments, epochs=2, shuffle=shuffle, out=out)
     n = sum(sizes)
     for e in range(2):
         got = counted[e]
@@ -168,8 +179,8 @@ def test_resume_at_any_world_size_streams_every_sample_once_per_epoch(run, shuff
 @settings(max_examples=60, **SETTINGS)
 @given(run=stream_runs(vary_batch=True))
 def test_resume_with_a_changed_global_batch_drops_only_a_tail_shorter_than_a_batch(run):
-    sizes, b, seed, buffer, micro, segments = run
-    counted, _ = simulate(sizes, seed, buffer, micro, segments, epochs=2)
+    sizes, b, seed, buffer, micro, segments, out = run
+    counted, _ = simulate(sizes, seed, buffer, micro, segments, epochs=2, out=out)
     n, biggest = sum(sizes), max(s[1] for s in segments)
     for e in range(2):
         assert len(counted[e]) == len(set(counted[e]))
@@ -179,10 +190,11 @@ def test_resume_with_a_changed_global_batch_drops_only_a_tail_shorter_than_a_bat
 @settings(max_examples=80, **SETTINGS)
 @given(run=stream_runs())
 def test_the_drills_replay_names_the_samples_of_every_step_from_the_world_sizes_alone(run):
-    """What a step trains depends only on the world sizes of the counted steps before it: lost
-    steps and restarts change nothing (invariant 3), so the drill can replay a run's lineage."""
-    sizes, b, seed, buffer, micro, segments = run
-    _, lineage = simulate(sizes, seed, buffer, micro, segments, epochs=2)
+    """What a step trains depends only on the world sizes of the counted steps before it (a step some
+    ranks sat out counting at the number that trained it): lost steps and restarts change nothing
+    (invariant 3), so the drill can replay a run's lineage."""
+    sizes, b, seed, buffer, micro, segments, out = run
+    _, lineage = simulate(sizes, seed, buffer, micro, segments, epochs=2, out=out)
     expected = stream_order(sizes, b, seed, buffer)
     for step, (world, batch) in enumerate(lineage, start=1):
         assert sorted(expected(step, world)) == sorted(batch)

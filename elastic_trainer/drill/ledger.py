@@ -13,7 +13,9 @@ writes with ``--sample-ledger`` (the dataset indices each rank consumed at each 
 With a streamed source (``--data parquet:...``) the ledger holds stable sample ids
 (``stream.order``) instead of dataset indices. Which ids a step trains there depends on the world
 sizes of the steps before it in the epoch (``stream.position``, invariant 3), so
-:func:`stream_order` replays the stream sampler over the lineage's world sizes, step by step.
+:func:`stream_order` replays the stream sampler over the lineage's world sizes, step by step (a
+step that a live join's newcomers sat out counts at the number of ranks that trained it:
+``StreamSampler.sit_out`` deals it as a step of that world).
 
 :func:`find_overlapping_worlds` finds two worlds training at the same time (a split brain).
 """
@@ -29,7 +31,8 @@ def check_exactly_once(logs: RunLogs, global_batch: int | None = None, expected=
     """Judge exactly-once sample consumption over the final lineage (see the module docstring).
 
     ``expected(step, world_size) -> list[int]``, when given, is the global batch the sampler must
-    yield at that step, at the world size that trained it (the drill builds it from the trainer's
+    yield at that step, at the world size that trained it (the ranks with samples in it: fewer than
+    the world in the step a live join's newcomers sit out, ``sit_out``; the drill builds it from the trainer's
     dataset size or shards, and seed); it is called for the lineage's steps in increasing order.
     Every index it lists that the step did not consume counts as skipped.
     """
@@ -57,7 +60,9 @@ def check_exactly_once(logs: RunLogs, global_batch: int | None = None, expected=
         sizes[step] = len(indices)
         if expected is not None:
             world_of = worlds.setdefault(attempt.key, {s.step: s.world_size for s in attempt.rank0})
-            world = world_of.get(step) or len(rows)
+            # the ranks that trained it: fewer than the world in a step a live join's newcomers sat out
+            # (they write no ledger line: ``sit_out``), which the sampler dealt as a step of their number
+            world = min(world_of.get(step) or len(rows), len(rows))
             missed = set(expected(step, world)) - set(indices)
             if missed:
                 result.setdefault("order_mismatch_steps", []).append(step)

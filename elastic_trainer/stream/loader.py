@@ -203,3 +203,15 @@ class StreamBatches:
         self._left -= n
         return self.sampler.epoch, ids, to_device(batch, self.device)
 
+    def padding(self) -> Any:
+        """A micro-batch for a step in which this rank has no sample (``StreamSampler.sit_out``: a live
+        newcomer's first step, at weight zero; ``MicroBatches.padding``): the step's first samples, read
+        here (the stream of this rank's own samples starts at the next step) and counted nowhere."""
+        s = self.sampler
+        size = s.micro_batch_size or max(1, s.global_batch_size // s.world_size)
+        head, _ = split_at(s.positions(), size)
+        stream = RankStream(self.source, s.sizes, head, seed=s.seed, epoch=s.epoch, buffer=s.buffer, shuffle=s.shuffle)
+        order = s.order()
+        samples = [x for lo, hi in read_units(head, s.buffer) for x in stream.read(order, lo, hi)[1]]
+        return to_device(self.collate(samples), self.device)
+

@@ -180,15 +180,74 @@ class StreamSampler:
         self.offset = 0
         self.segment = self._fresh_segment()
         self._order: EpochOrder | None = None
-        _, share = share_of_batch(global_batch_size, world_size, rank)
-        self.micro_batches_per_step = micro_batch_count(global_batch_size, world_size, rank, micro_batch_size)
-        self.lockstep_micro_batches = micro_batch_count(global_batch_size, world_size, 0, micro_batch_size)
-        """As ``ElasticSampler.lockstep_micro_batches``: the most micro-batches any rank runs in a step."""
-        self.micro_sizes = [n for _, n in split_evenly(share, self.micro_batches_per_step)]
-        """Samples in each of this rank's micro-batches of a step, in order."""
+        self._sitting: tuple[int, int, tuple[int, ...], Segment] | None = None
+        """``sit_out``: (epoch, offset, the step's ranks with samples, the one-step segment that deals it to them)."""
 
     def _fresh_segment(self) -> Segment:
         return Segment(((0, self.total),), self.world_size, self.global_batch_size)
+
+    # ---- a step that some ranks sit out -------------------------------------------------------------
+    def sit_out(self, ranks: Sequence[int]) -> None:
+        """The next step (at the committed position) is dealt to the other ranks only, as a step of a
+        world of their number: rank ``r``, the ``i``-th of them in rank order, takes the share of the
+        ``i``-th rank of a segment at that world size over the unread positions, one step long; the
+        steps after it are a new segment at this world size over what is left (invariant 3, so no
+        sample is skipped or repeated, and which samples a step trains still follows from how many
+        ranks trained the steps before it: ``drill.ledger.stream_order``). The loss weights
+        (``loss_weight``) keep the reduced gradient the global batch's mean. A live join's newcomers
+        sit out their first step (``ElasticSampler.sit_out``), asked by every rank. After a join of
+        ``k`` newcomers to ``W`` members whose ranks keep their order, the step is dealt as the
+        members' next step would have been without the join. Call it before the next step's reads
+        start (``StreamBatches``)."""
+        out = set(ranks)
+        rest = tuple(r for r in range(self.world_size) if r not in out)
+        if not rest or len(rest) > self.global_batch_size:
+            raise ValueError(f"sit_out({sorted(out)}): a step needs between 1 and {self.global_batch_size} ranks "
+                             f"with samples of the {self.world_size}")
+        step = Segment(tuple(self.segment.unread()), len(rest), self.global_batch_size)
+        self._sitting = (self.epoch, self.offset, rest, step) if out else None
+
+    def _sat_out(self) -> tuple[tuple[int, ...], Segment] | None:
+        """The ranks with samples in the next step and the segment that deals it, when some sit it out."""
+        s = self._sitting
+        return (s[2], s[3]) if s is not None and (s[0], s[1]) == (self.epoch, self.offset) else None
+
+    def _deal(self, rank: int, ahead: int) -> tuple[list[Interval], int]:
+        """What ``rank`` trains ``ahead`` steps after the committed one: its order positions and micro-batch count."""
+        sat = self._sat_out()
+        if sat is None:
+            return (self.segment.rank_part(rank, self.segment.steps_done + ahead),
+                    micro_batch_count(self.global_batch_size, self.world_size, rank, self.micro_batch_size))
+        dealt, step = sat
+        if ahead > 0:
+            return (self._after(step).rank_part(rank, ahead - 1),
+                    micro_batch_count(self.global_batch_size, self.world_size, rank, self.micro_batch_size))
+        if rank not in dealt:
+            return [], 0
+        i = dealt.index(rank)
+        return step.rank_part(i, 0), micro_batch_count(self.global_batch_size, len(dealt), i, self.micro_batch_size)
+
+    def _after(self, step: Segment) -> Segment:
+        """The segment at this world size after a step sat out (dealt by the one-step ``step``)."""
+        return Segment(tuple(replace(step, steps_done=1).unread()), self.world_size, self.global_batch_size)
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """This rank's micro-batches in the next step (0 in a step it sits out: ``sit_out``)."""
+        return self._deal(self.rank, 0)[1]
+
+    @property
+    def lockstep_micro_batches(self) -> int:
+        """As ``ElasticSampler.lockstep_micro_batches``: the most micro-batches any rank runs in the next step."""
+        sat = self._sat_out()
+        return micro_batch_count(self.global_batch_size, len(sat[0]) if sat else self.world_size, 0,
+                                 self.micro_batch_size)
+
+    @property
+    def micro_sizes(self) -> list[int]:
+        """Samples in each of this rank's micro-batches of the next step, in order."""
+        part, count = self._deal(self.rank, 0)
+        return [n for _, n in split_evenly(span(part), count)] if count else []
 
     # ---- position -------------------------------------------------------------------------
     @property
@@ -217,8 +276,10 @@ class StreamSampler:
         """Record one finished optimizer step; at the end of the epoch the tail is dropped and the next begins."""
         if self.remaining_steps < 1:
             raise RuntimeError(f"commit_step() past the end of epoch {self.epoch}; this is a trainer bug.")
+        sat = self._sat_out()
+        self._sitting = None
         self.offset += self.global_batch_size
-        self.segment = replace(self.segment, steps_done=self.segment.steps_done + 1)
+        self.segment = self._after(sat[1]) if sat else replace(self.segment, steps_done=self.segment.steps_done + 1)
         self._roll_if_done()
 
     def _roll_if_done(self) -> None:
@@ -235,8 +296,19 @@ class StreamSampler:
 
     def rest(self) -> list[Interval]:
         """This rank's unread order positions from the committed position to the end of the epoch, in order:
-        ``remaining_steps`` shares of ``sum(micro_sizes)`` samples each."""
-        return self.segment.rank_range(self.rank, self.segment.steps_done)
+        ``remaining_steps`` shares, the first of ``sum(micro_sizes)`` samples (none in a step it sits out)."""
+        sat = self._sat_out()
+        if sat is None:
+            return self.segment.rank_range(self.rank, self.segment.steps_done)
+        return merge([*self._deal(self.rank, 0)[0], *self._after(sat[1]).rank_range(self.rank)])
+
+    def positions(self, ahead: int = 0, rank: int | None = None) -> list[Interval]:
+        """The order positions that ``rank`` trains ``ahead`` steps after the committed one; every rank's,
+        in rank order, when ``rank`` is None (the step's global batch)."""
+        if not 0 <= ahead < self.remaining_steps:
+            raise ValueError(f"step {ahead} ahead is outside the {self.remaining_steps} steps left in epoch {self.epoch}.")
+        ranks = range(self.world_size) if rank is None else (rank,)
+        return [iv for r in ranks for iv in self._deal(r, ahead)[0]]
 
     def _ids(self, intervals: Sequence[Interval]) -> list[int]:
         order = self.order()
@@ -249,9 +321,9 @@ class StreamSampler:
         rank = self.rank if rank is None else rank
         if not 0 <= ahead < self.remaining_steps:
             raise ValueError(f"step {ahead} ahead is outside the {self.remaining_steps} steps left in epoch {self.epoch}.")
-        ids = self._ids(self.segment.rank_part(rank, self.segment.steps_done + ahead))
-        count = micro_batch_count(self.global_batch_size, self.world_size, rank, self.micro_batch_size)
-        return [ids[s:s + n] for s, n in split_evenly(len(ids), count)]
+        part, count = self._deal(rank, ahead)
+        ids = self._ids(part)
+        return [ids[s:s + n] for s, n in split_evenly(len(ids), count)] if count else []
 
     def global_batch(self, ahead: int = 0) -> list[int]:
         """The ids of every rank's part of the step ``ahead`` steps after the committed one, in rank order."""
@@ -308,6 +380,7 @@ class StreamSampler:
             log.warning("stream: global batch size changed from %s to %d; epoch %s continues at sample offset %s.",
                         state["global_batch_size"], self.global_batch_size, state["epoch"], state["offset"])
         segment = self._checked_segment(state)
+        self._sitting = None
         self.seed, self.shuffle, self.buffer = seed, shuffle, buffer
         self.epoch, self.offset, self._order = int(state["epoch"]), int(state["offset"]), None
         self.segment = Segment(tuple(segment.unread()), self.world_size, self.global_batch_size)

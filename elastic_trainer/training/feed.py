@@ -17,8 +17,9 @@ The trainer asks one function for both and never asks which mode it got::
   units through DataLoader workers); ``ids`` are the stable sample ids of ``stream.order``.
 
 Both samplers have the same interface (``epoch``, ``offset``, ``steps_per_epoch``,
-``remaining_steps``, ``micro_batches_per_step``, ``lockstep_micro_batches``, ``commit_step``,
-``state_dict``, ``load_state_dict``) and both batch feeds start lazily, at the first ``next``, from
+``remaining_steps``, ``micro_batches_per_step``, ``lockstep_micro_batches``, ``sit_out``, ``commit_step``,
+``state_dict``, ``load_state_dict``), both feeds have ``next`` and ``padding`` (a micro-batch for a step
+in which the rank has no sample: a live join's newcomer's first), and both start lazily, at the first ``next``, from
 the sampler's committed position: a position loaded after ``make_feed`` (a resume, a peer's state)
 is where reading starts. After a world-size change the trainer makes a new feed and loads the old
 sampler's ``state_dict()`` into the new sampler.

@@ -57,8 +57,8 @@ class Reform:
     its teardown, agreement and group phases took no time of the members' pause."""
     late: bool = False
     """The donors sent the loop's ``Recovery.late`` keys after the rest, in the background: the
-    receivers take the first step in the new world at weight zero (``ElasticSampler.sit_out``) and
-    get them before its optimizer step (``Manager.commit_point``)."""
+    receivers take the first step in the new world at weight zero (``ElasticSampler.sit_out``,
+    ``StreamSampler.sit_out``) and get them before its optimizer step (``Manager.commit_point``)."""
 
     def timings(self, started: float | None = None, done: float | None = None) -> dict[str, float]:
         """Seconds of each phase from ``started`` (default: the teardown began) to ``done`` (default: now)."""

@@ -57,9 +57,9 @@ class TrainerRecovery:
     def late(self) -> tuple[str, ...]:
         """``Recovery.late``: a join's bulk (DDP: the model and the optimizer; ``--fsdp``: the shards)
         reaches its newcomers while every rank takes the step after the switch (live recovery on
-        gloo, a map-style dataset, whose sampler can leave the newcomers out of that step:
-        ``ElasticSampler.sit_out``); else it comes with the rest."""
-        if not hasattr(self.t.sampler, "sit_out") or not self.t.manager.groups_ahead:
+        gloo, where the groups form ahead; the sampler leaves the newcomers out of that step:
+        ``ElasticSampler.sit_out``, ``StreamSampler.sit_out``); else it comes with the rest."""
+        if not self.t.manager.groups_ahead:
             return ()
         if self.sharded is not None:
             return ("shards",) if self._wrap_first else ()
@@ -273,7 +273,7 @@ class TrainerRecovery:
                         + (f"; {extra['extra']['moved_bytes']} bytes of shards moved point to point" if extra else ""))
         t.report.event("live_reform", step=t.step, old=r.old_world_size, new=d.world_size, round=q.q,
                        old_round=r.old_round, cause=q.cause, failed_at=r.failed_at, receivers=list(q.receivers),
-                       ahead=r.ahead, **r.timings(), **extra)
+                       ahead=r.ahead, late=r.late, **r.timings(), **extra)
         if r.old_world_size != d.world_size:
             t.report.event("world_size_changed", old=r.old_world_size, new=d.world_size, step=t.step)
 
