@@ -133,7 +133,8 @@ def torchft_join(root: Path, timeout: float) -> dict:
 
 def live_join(root: Path, timeout: float) -> dict:
     settings = argparse.Namespace(min_nodes=1, nproc=1, fsdp=False, fsdp_shard_all=False, fsdp_peer_copy_every=0,
-                                  sleep_per_step=SLEEP, checkpoint_every=1000, baseline_collective_timeout=30)
+                                  sleep_per_step=SLEEP, checkpoint_every=1000, baseline_collective_timeout=30,
+                                  model_args="")
     job = TrainerJob("live", 3, root, settings)
     try:
         job.start_node()

@@ -57,10 +57,13 @@ from elastic_trainer.env import (ENV_FORK_SERVER_PARENT, ENV_OMP_NUM_THREADS, EX
 from elastic_trainer.runtime import die_with_parent, runtime
 
 MODULES = ("elastic_trainer.preload", "torch", "torch._dynamo", "elastic_trainer.train",
-           "elastic_trainer.training.trainer")
+           "elastic_trainer.training.trainer", "elastic_trainer.checkpoint.sharded", "elastic_trainer.training.rng",
+           "torch.distributed.algorithms.ddp_comm_hooks")
 """What the fork server imports before it forks a worker: this module first (the server then dies with
 the launcher: point 4), torch, what DDP's construction imports (``torch._dynamo``, ~all of its first
-cost), and the trainer. Never a module that reads the
+cost), the trainer, and what the trainer imports only on its way to its first step (a live newcomer
+does that while the members wait for its first gradients: restoring a peer's state, timing its
+steps through a DDP hook; ~7 ms). Never a module that reads the
 environment the launcher completes later when it is imported (prometheus_client reads
 ``PROMETHEUS_MULTIPROC_DIR`` so): tests/test_preload.py checks."""
 

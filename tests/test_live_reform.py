@@ -193,3 +193,26 @@ def test_a_worker_that_re_forms_after_the_run_finished_ends_and_forms_no_quorum_
             late.reform(-1, "test: the state did not come", report_timeout=10.0)
         assert time.monotonic() - t < 8.0, "it waited for the proposer's deadline"
         assert first.keys.read().quorum.q == 1, "a quorum was written after the run finished"
+
+
+def test_rank_0_forgets_the_keys_nobody_reads_in_one_request_and_keeps_the_rest(etcd, run_id):
+    """``LiveKeys.forgettable`` after quorum 5's group is up, deleted in one transaction (rank 0's
+    next step waits for it): the store and record of quorum 3, its stall, the reports that formed 4;
+    a key that only starts like one of them stays."""
+    from elastic_trainer.etcd.client import EtcdConnection, EtcdOptions, parse_endpoints
+    from elastic_trainer.live.keys import LiveKeys
+
+    conn = EtcdConnection(EtcdOptions(endpoints=parse_endpoints(etcd.endpoint)))
+    try:
+        keys = LiveKeys(conn, f"/elastic-trainer/{run_id}/")
+        gone = ["store/3/a", "store/3/b/c", "report/4/m-1", "report/4/@node", "stall/3", "members/3"]
+        kept = ["store/4/a", "store/30/a", "report/5/m-1", "report/40/m", "stall/30", "members/30", "quorum"]
+        for sub in gone + kept:
+            conn.call(lambda c, k=keys.key(sub): c.put(k, b"x"))
+        before = keys.requests
+        keys.delete(*keys.forgettable(5))
+        assert keys.requests == before + 1
+        left = {m.key.decode()[len(keys.prefix):] for _, m in conn.call(lambda c: list(c.get_prefix(keys.prefix)))}
+        assert left == set(kept)
+    finally:
+        conn.close()

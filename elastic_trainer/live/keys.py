@@ -227,10 +227,15 @@ class LiveKeys:
         ok, _ = self.call(txn, "stall declaration")
         return bool(ok)
 
-    def delete(self, sub: str) -> None:
-        """Delete ``sub`` (every key under it when it ends with "/")."""
-        key = self.key(sub)
-        self.call(lambda c: c.delete_prefix(key) if sub.endswith("/") else c.delete(key), "delete")
+    def delete(self, *subs: str) -> None:
+        """Delete each of ``subs`` (every key under it when it ends with "/"), in one transaction."""
+        ops = []
+        for sub in subs:
+            key = self.key(sub)
+            end = etcd3.utils.prefix_range_end(key.encode()) if sub.endswith("/") else b""
+            ops.append(etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=key.encode(),
+                                                                                        range_end=end)))
+        self.call(lambda c: c.txns([etcdrpc.TxnRequest(success=ops)]), "delete")
 
     def forgettable(self, q: int) -> list[str]:
         """What nobody reads once quorum ``q``'s group is up: the store and the record of quorum

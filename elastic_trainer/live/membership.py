@@ -139,11 +139,11 @@ class Membership:
         q = self.quorum
         if q is None or q.rank_of(self.id) != 0 or q.q < 3:
             return
-        for sub in self.keys.forgettable(q.q):
-            try:
-                self.keys.delete(sub)
-            except Exception as exc:  # noqa: BLE001 - leftovers only cost etcd space
-                logger.info("live: could not delete %s: %s", sub, exc)
+        subs = self.keys.forgettable(q.q)
+        try:
+            self.keys.delete(*subs)  # one round trip: rank 0's next step waits for it
+        except Exception as exc:  # noqa: BLE001 - leftovers only cost etcd space
+            logger.info("live: could not delete %s: %s", subs, exc)
 
 
 __all__ = ["Membership"]
