@@ -411,7 +411,9 @@ class TrainConfig:
         "execution", "Seeds python, numpy, torch (the model's initialisation) and the sampler's permutations."))
     sleep_per_step: float = field(default=0.0, metadata=flag(
         "execution", "Seconds to sleep between two steps, counted as this rank's own work (tests and drills use it "
-        "to slow training down; node-local, so a node given more is a straggler)."))
+        "to slow training down; node-local, so a node given more is a straggler). It comes after the step's "
+        "agreement and what the ranks agreed at it (a re-form, a join's switch), as in a loop that sleeps after "
+        "Manager.step, and not before a step lost to a re-form runs again."))
     collective_timeout: float = field(default=300.0, metadata=flag(
         "execution", "Seconds a collective may hang before the process group gives up."))
 

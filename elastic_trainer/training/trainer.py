@@ -210,11 +210,14 @@ class Trainer:
         started = last_save = time.monotonic()
         self.model.train()
         while not self._done(total):
+            done = self.step
             reason = self.manager.step(lambda: self._loop_step(total, started, last_save))
             if reason == "saved":
                 last_save = time.monotonic()
             elif reason is not None:
                 return reason
+            if self.config.sleep_per_step and self.step > done:  # tests and drills: after what the step's
+                time.sleep(self.config.sleep_per_step)  # agreement decided; a lost step runs again at once
         return "done"
 
     def _loop_step(self, total: int, started: float, last_save: float) -> str | None:
@@ -388,8 +391,6 @@ class Trainer:
     def _after_step(self) -> None:
         if self.profiler is not None:
             self.profiler.step()
-        if self.config.sleep_per_step:  # testing and drills: a longer step, between two steps
-            time.sleep(self.config.sleep_per_step)
         now = time.perf_counter()
         if self._boundary_at is not None:
             self._cycle_s = now - self._boundary_at
