@@ -344,19 +344,22 @@ def _line_time(line: str, year: int) -> float | None:
     return None
 
 
-NEWCOMER_PHASES = ("launcher", "worker", "warm_up", "admission", "group", "state", "first_step")
+NEWCOMER_PHASES = ("launcher", "worker", "fork", "build", "warm_up", "admission", "group", "state", "first_step")
 
 
 def newcomer_phases(log: Path, t0: float, first_step: float) -> dict[str, float] | None:
     """Where a joining node's start went, from its log (a live worker's; None if a mark is missing):
     ``launcher`` its start -> torch's agent starting its worker (imports, node check, rendezvous);
-    ``worker`` -> the worker asking to be admitted (python, torch, our modules, the task, its data,
-    and ``warm_up``: DDP's first construction's imports, the state codec's first use); ``admission``
-    -> the quorum that admits it; ``group`` -> its group formed; ``state`` -> the state received from a
-    peer (the members switch once it is ready); ``first_step`` -> its first step."""
+    ``worker`` -> the worker asking to be admitted, in two: ``fork``, until its process exists (a
+    forked worker: the fork server's imports of torch, ``torch._dynamo`` and ours that it waited for)
+    and ``build``, its own start-up (the Manager, the task, its data, and ``warm_up``: DDP's first
+    construction's imports, the state codec's first use); ``admission`` -> the quorum that admits it;
+    ``group`` -> its group formed; ``state`` -> the state received from a peer (the members switch
+    once it is ready); ``first_step`` -> its first step. ``fork`` and ``build`` are -1 when the
+    worker's log does not say its process's age (before 2026-12-04)."""
     year = time.localtime(t0).tm_year
     marks: dict[str, float] = {}
-    warm = admitted = None
+    warm = admitted = age = None
     for line in log.read_text(errors="replace").splitlines():
         at = _line_time(line, year)
         if at is None or at < t0 - 1.0:
@@ -365,6 +368,7 @@ def newcomer_phases(log: Path, t0: float, first_step: float) -> dict[str, float]
             marks["started"] = at
         elif "live: asking to be admitted" in line and "asking" not in marks:
             warm = re.search(r"warm-up of ([\d.]+)s", line)
+            age = re.search(r"started ([\d.]+)s ago", line)
             marks["asking"] = at
         elif "live: admitted to quorum" in line and admitted is None:
             admitted = re.search(r"after ([\d.]+)s .*group in ([\d.]+)s", line)
@@ -374,8 +378,10 @@ def newcomer_phases(log: Path, t0: float, first_step: float) -> dict[str, float]
     if warm is None or admitted is None or not {"started", "asking", "received"} <= marks.keys():
         return None
     admission, group = (float(x) for x in admitted.groups())
+    build = float(age.group(1)) if age is not None else None
     return {"launcher": marks["started"] - t0, "worker": marks["asking"] - marks["started"],
-            "warm_up": float(warm.group(1)), "admission": admission, "group": group,
+            "fork": marks["asking"] - marks["started"] - build if build is not None else -1.0,
+            "build": build if build is not None else -1.0, "warm_up": float(warm.group(1)), "admission": admission, "group": group,
             "state": marks["received"] - marks["admitted"], "first_step": first_step - marks["received"]}
 
 
@@ -663,6 +669,7 @@ def _main(p: argparse.ArgumentParser, args: argparse.Namespace, run: provenance.
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    print(provenance.byte_compile(), flush=True)
     root = Path(tempfile.mkdtemp(prefix="live-recovery-bench-"))
     def say(line: str = "") -> None:  # printed: provenance.record keeps it for --txt
         print(line, flush=True)
@@ -725,8 +732,8 @@ def _main(p: argparse.ArgumentParser, args: argparse.Namespace, run: provenance.
             if starts:
                 say(f"  {s} {sc}: the newcomer's start -> its first step, median s: " + ", ".join(
                     f"{k.replace('_', ' ')} {statistics.median(ph[k] for ph in starts):.3f}" for k in NEWCOMER_PHASES)
-                    + " (launcher: to its worker's start; worker: to asking to be admitted, its warm-up included; "
-                    "benchmarks/live_recovery.py newcomer_phases)")
+                    + " (launcher: to its worker's start; worker: to asking to be admitted, fork and build "
+                    "its parts, its warm-up included; benchmarks/live_recovery.py newcomer_phases)")
             longest = [t[sc]["longest"] for t in results[s] if isinstance(t.get(sc), dict) and t[sc].get("longest")]
             if longest:
                 say(f"  {s} {sc}: the survivors' longest step interval from the newcomer's start to a second after its "

@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     with provenance.record(args.txt):
+        print(provenance.byte_compile(), flush=True)  # ours as an install leaves them (pip compiled torchft)
         root = Path(tempfile.mkdtemp(prefix="torchft-join-"))
         rows: dict[str, list[dict]] = {"torchft": [], "live": []}
         try:

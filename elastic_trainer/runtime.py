@@ -223,6 +223,21 @@ def die_with_parent() -> None:
         runtime().exit(EXIT_ERROR, "the agent that started this worker is gone", run_hooks=False)
 
 
+def process_age() -> float | None:
+    """Seconds since this process started (a forked worker: since its fork), to 1/100 s, from Linux's
+    ``/proc/self/stat`` and ``/proc/uptime`` (no psutil for one number); None where they are not.
+    A live newcomer logs it when it asks to be admitted: what its start cost before it (the fork
+    server's imports it waited for) and after (its own build)."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            after_name = f.read().rsplit(b")", 1)[1].split()  # the name may hold spaces and parentheses
+        with open("/proc/uptime", "rb") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - int(after_name[19]) / os.sysconf("SC_CLK_TCK"))  # field 22: start, in ticks
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 _RUNTIME: WorkerRuntime | None = None
 _RUNTIME_LOCK = threading.Lock()
 

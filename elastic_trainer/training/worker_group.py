@@ -52,7 +52,7 @@ from elastic_trainer.training.process_group import (collective_failed, drop_grou
                                                     install_debug_hang, leave_process_group, nccl_error_handling,
                                                     warm_up_ddp)
 from elastic_trainer.training.recovery import Donors, GroupPlan, Reform
-from elastic_trainer.runtime import die_with_parent, runtime
+from elastic_trainer.runtime import die_with_parent, process_age, runtime
 from elastic_trainer.training.state_transfer import LateSend, early_state, send_state, send_states, transfer
 from elastic_trainer.training.straggler_watch import Evicted
 
@@ -129,7 +129,9 @@ class WorkerGroup:
         warm_up_ddp()  # DDP's first construction's imports: not while the quorum waits for this worker
         state_codec.warm_up()  # the state it sends or receives at a re-form: its first encoding costs more
         t1 = time.perf_counter()
-        logger.info("live: asking to be admitted (after a warm-up of %.3fs)", t1 - t0)
+        age = process_age()
+        logger.info("live: asking to be admitted (after a warm-up of %.3fs; this process started %s ago)", t1 - t0,
+                    "?" if age is None else f"{age:.2f}s")
         quorum = self.live.join()
         t2 = time.perf_counter()
         quorum = self._form_until_whole(-1)  # a newcomer's (or a cold start's) step: none yet
