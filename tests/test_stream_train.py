@@ -99,15 +99,18 @@ def test_restart_path_3_then_2_killed_in_the_last_shard_then_3_with_other_worker
 
 
 @pytest.mark.timeout(420)
-def test_live_drill_2_to_1_to_2_nodes_on_parquet_shards_repeats_and_skips_nothing(tmp_path):
+@pytest.mark.parametrize("fsdp", [False, pytest.param(True, marks=pytest.mark.trial)], ids=["ddp", "fsdp"])
+def test_live_drill_2_to_1_to_2_nodes_on_parquet_shards_repeats_and_skips_nothing(tmp_path, fsdp):
     """Two nodes (a third adds ~8 s of the suite and no path: the kill, the join and the resharded
-    stream are the same at 2 as at 3)."""
+    stream are the same at 2 as at 3); with ``fsdp`` (a trial, 20 s here) of 2 workers each, HSDP,
+    whose joining node's two ranks sit out their first step while their shards come."""
     data, out = tmp_path / "data", tmp_path / "drill"
     write_parquet_shards(data, ROWS, row_group_size=8)
-    trainer = (f"--data parquet:{data}/*.parquet --shuffle-buffer {BUFFER} --micro-batch-size 2 --num-workers 1 "
-               "--epochs 100")  # an epoch is 15 steps: the drill stops the run
-    cmd = [sys.executable, "-m", "elastic_trainer.cli", "drill", "--nodes", "2", "--out", str(out),
-           "--recovery-timeout", "120", "--timeout", "300", "--tail-steps", "3",
+    trainer = (f"{'--fsdp ' if fsdp else ''}--data parquet:{data}/*.parquet --shuffle-buffer {BUFFER} "
+               "--micro-batch-size 2 --num-workers 1 --epochs 100")  # an epoch is 15 steps: the drill stops the run
+    w = 2 if fsdp else 1  # workers a node
+    cmd = [sys.executable, "-m", "elastic_trainer.cli", "drill", "--nodes", "2", "--nproc-per-node", str(w),
+           "--out", str(out), "--recovery-timeout", "120", "--timeout", "300", "--tail-steps", "3",
            "--kill", "node:1@step:9", "--add-node", "@after:3", f"--trainer-args={trainer}"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO, start_new_session=True)
     output = done.stdout[-3000:] + done.stderr[-3000:]
@@ -115,13 +118,14 @@ def test_live_drill_2_to_1_to_2_nodes_on_parquet_shards_repeats_and_skips_nothin
     report = json.loads((out / "report.json").read_text())
     assert done.returncode == 0, output
     kill, add = report["faults"]
-    assert (kill["expected_world"], add["expected_world"]) == (1, 2) and kill["recovered"] and add["recovered"]
+    assert (kill["expected_world"], add["expected_world"]) == (w, 2 * w) and kill["recovered"] and add["recovered"]
     assert report["config"]["trainer_args"][-len(trainer.split()):] == trainer.split()
     led = report["ledger"]
     assert led["order_checked"] and (led["repeated"], led["skipped"]) == (0, 0), led
     assert led["final_step"] > 15, "the run crosses into the second epoch (15 steps an epoch)"
     reforms = [(e.get("old"), e.get("new")) for e in report["events"] if e.get("event") == "live_reform"]
-    assert (2, 1) in reforms and (1, 2) in reforms, f"not recovered live: {reforms}"  # no restart of the job
-    # the join's model and optimizer came while its first step at 2 ran, the newcomer sitting it out
-    # (StreamSampler.sit_out): the ledger above replayed that step as the survivor's alone
-    assert [e.get("late") for e in report["events"] if e.get("event") == "live_reform" and e.get("new") == 2] == [True]
+    assert (2 * w, w) in reforms and (w, 2 * w) in reforms, f"not recovered live: {reforms}"  # no restart of the job
+    # the join's model and optimizer (--fsdp: shards) came while its first step at 2 nodes ran, the newcomer
+    # sitting it out (StreamSampler.sit_out): the ledger above replayed that step as the survivors' alone
+    assert [e.get("late") for e in report["events"] if e.get("event") == "live_reform" and e.get("new") == 2 * w] \
+        == [True]
