@@ -381,8 +381,8 @@ def newcomer_phases(log: Path, t0: float, first_step: float) -> dict[str, float]
     build = float(age.group(1)) if age is not None else None
     return {"launcher": marks["started"] - t0, "worker": marks["asking"] - marks["started"],
             "fork": marks["asking"] - marks["started"] - build if build is not None else -1.0,
-            "build": build if build is not None else -1.0, "warm_up": float(warm.group(1)), "admission": admission, "group": group,
-            "state": marks["received"] - marks["admitted"], "first_step": first_step - marks["received"]}
+            "build": build if build is not None else -1.0, "warm_up": float(warm.group(1)), "admission": admission,
+            "group": group, "state": marks["received"] - marks["admitted"], "first_step": first_step - marks["received"]}
 
 
 def _hwm_extra(before: dict[int, float | None]) -> dict[str, float] | None:

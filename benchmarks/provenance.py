@@ -143,8 +143,8 @@ def write_json(path: str | os.PathLike | None, result: dict[str, Any], run: Run,
 def byte_compile() -> str:
     """Compile our package to bytecode (its ``__pycache__`` folders, which git ignores) before a
     benchmark times processes that start: ``pip install`` leaves an installed package so, but this
-    tree is installed editable, and where ``PYTHONDONTWRITEBYTECODE`` is set (this machine; our
-    image) every process would compile each of our modules it imports, every time: 0.16 s instead
+    tree is installed editable, and where ``PYTHONDONTWRITEBYTECODE`` is set (our development
+    machines) every process would compile each of our modules it imports, every time: 0.16 s instead
     of 0.08 s for the modules a worker's fork server imports (2026-12-04), on a newcomer's way to its
     first step. Returns the line a benchmark prints about it."""
     import compileall

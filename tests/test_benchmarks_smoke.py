@@ -148,6 +148,11 @@ def _live_kills_and_join(r: dict) -> None:
     assert isinstance(join, dict), f"live did not take the new node: {join}"
     assert 0 < join["pause"] < 5 and join["redone"] == 0, join
     assert join["hwm_extra_mib"]["survivors"] == 1, join["hwm_extra_mib"]  # 2 nodes: one survivor
+    # where the newcomer's start went, read from its log: its process's age when it asked (to 1/100 s)
+    # splits the worker's part at the fork; the process exists only after torch's agent starts it
+    phases = join["phases"]
+    assert phases is not None, "the newcomer's log lines no longer parse (benchmarks/live_recovery.py newcomer_phases)"
+    assert 0 < phases["build"] < phases["worker"] + 0.02 and phases["fork"] > -0.02, phases
 
 
 def _live_recovery(r: dict) -> None:
