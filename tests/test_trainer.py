@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -128,7 +129,8 @@ def test_task_from_a_test_file_runs_through_the_task_flag(tmp_path):
     assert steps[-1].offset == 48 and steps[-1].world_size == 1
     events = [e.event for e in records.read_events(tmp_path / "logs")]
     assert events[0] == Event.START and Event.CHECKPOINT_SAVED in events and events[-1] == Event.FINISHED
-    assert latest(tmp_path / "ck")[0] == 3
+    step, saved = latest(tmp_path / "ck")
+    assert step == 3 and re.fullmatch(r"[a-z0-9]{8}", saved["meta"]["wandb_run_id"])  # W&B's form, W&B off
     assert "finished at step 3" in proc.stderr
 
 
@@ -241,11 +243,13 @@ def test_sigterm_during_training_saves_the_current_step_and_exits_zero(tmp_path,
 
 
 def test_sigterm_while_a_step_hangs_exits_after_the_grace_period(tmp_path, procs):
-    log_dir = tmp_path / "logs"
+    log_dir, tmp = tmp_path / "logs", tmp_path / "tmp"
+    tmp.mkdir()
     proc = procs.start(worker_cmd("--task", FIXTURE, "--max-steps", "100", "--global-batch-size", "16",
                                   "--sleep-per-step", "60", "--checkpoint-dir", str(tmp_path / "ck"),
                                   "--log-dir", str(log_dir), "--no-wandb", "--grace-seconds", "2"),
-                       cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                       cwd=REPO, env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, text=True)
     # step 1 and its agreement are over (its line is written at the agreement): the rank is in its
     # 60 s of work, far from the next boundary. (Signalled before that agreement, it would stop there
     # and save cleanly, exit 0: a loaded machine can take longer than a fixed wait for the first step.)
@@ -255,6 +259,9 @@ def test_sigterm_while_a_step_hangs_exits_after_the_grace_period(tmp_path, procs
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM and time.monotonic() - sent < 30
     assert "grace period of 2s over" in err
+    # ended without the interpreter's teardown, and without W&B: nothing of wandb's left in its temp dir
+    # (wandb's import makes folders there that only a teardown removes)
+    assert _left_in(tmp) == []
 
 
 def _offline_run_ids(log_dir: Path) -> list[str]:
@@ -263,7 +270,7 @@ def _offline_run_ids(log_dir: Path) -> list[str]:
 
 
 def test_wandb_run_id_after_a_restart_equals_the_first(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env = _wandb_env(tmp_path / "tmp")
     args = ["--task", FIXTURE, "--global-batch-size", "16", "--checkpoint-dir", str(tmp_path / "ck"),
             "--log-dir", str(tmp_path / "logs"), "--no-progress"]
     for steps in ("2", "4"):
@@ -279,11 +286,23 @@ def test_wandb_run_id_after_a_restart_equals_the_first(tmp_path):
     # a run that finished is a success to W&B: exit code 0, never marked preempting
     for path in (tmp_path / "logs" / "wandb").glob("offline-run-*/run-*.wandb"):
         assert exit_code(path) == 0 and "preempting" not in record_kinds(path)
+    assert _left_in(tmp_path / "tmp") == []
 
 
-def _wandb_env() -> dict[str, str]:
-    """Offline W&B (no key): the runs' files stay under the log dir."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+def _wandb_env(tmp: Path | None = None) -> dict[str, str]:
+    """Offline W&B (no key): the runs' files stay under the log dir; ``tmp``: the worker's TMPDIR."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    if tmp is not None:
+        tmp.mkdir(exist_ok=True)
+        env["TMPDIR"] = str(tmp)
+    return env
+
+
+def _left_in(tmp: Path) -> list[str]:
+    """What of wandb's a worker left in its TMPDIR: wandb makes folders there at its import that only
+    the interpreter's teardown would remove, and workers end without one. (torch's compile cache,
+    ``torchinductor_<user>``, stays there by design: the next run reuses it.)"""
+    return [p.name for p in tmp.iterdir() if "wandb" in p.name]
 
 
 def _run_files(log_dir: Path) -> list[Path]:
@@ -311,13 +330,15 @@ def test_wandb_forced_exit_after_the_grace_period_still_ends_the_run_as_preempte
     proc = procs.start(worker_cmd("--task", FIXTURE, "--max-steps", "100", "--global-batch-size", "16",
                                   "--sleep-per-step", "60", "--log-dir", str(log_dir), "--no-progress",
                                   "--grace-seconds", "2"),
-                       cwd=REPO, env=_wandb_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                       cwd=REPO, env=_wandb_env(tmp_path / "tmp"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                       text=True)
     wait_until(lambda: _run_files(log_dir) and records.read_steps(log_dir), 90, "the first step and the W&B run")
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM and "grace period of 2s over" in err
     (run,) = _run_files(log_dir)
     assert "preempting" in record_kinds(run) and exit_code(run) == 128 + signal.SIGTERM
+    assert _left_in(tmp_path / "tmp") == []
 
 
 def test_wandb_restart_before_the_first_checkpoint_resumes_the_same_run(tmp_path, procs):

@@ -29,10 +29,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
+import shutil
+import string
 import sys
+import tempfile
 import threading
 import time
-import uuid
 from typing import Any, Callable
 
 logger = logging.getLogger("elastic_trainer.training.metrics")
@@ -94,16 +97,16 @@ class Progress:
         self._redirect.close()
 
 
+RUN_ID_CHARS = string.ascii_lowercase + string.digits
+
+
 def new_run_id() -> str:
-    """A fresh W&B run id (created once per training, then carried in every checkpoint)."""
-    try:
-        import wandb
-    except ImportError:  # wandb is a dependency; keep --no-wandb runs working without it
-        return uuid.uuid4().hex[:8]
-    generate = getattr(getattr(wandb, "util", None), "generate_id", None)
-    if generate is None:  # wandb >= 0.2x moved it
-        from wandb.sdk.lib.runid import generate_id as generate
-    return generate()
+    """A fresh W&B run id (created once per training, then carried in every checkpoint): W&B's own
+    form, 8 base-36 characters from ``secrets`` as ``wandb.util.generate_id`` makes them. Made here
+    so that a run without W&B never imports wandb: its import makes two temporary folders
+    (``tmp*wandb-media``, ``tmp*wandb-artifacts``) that only the interpreter's teardown removes, and
+    a worker ends without one (``runtime.exit_without_teardown``)."""
+    return "".join(secrets.choice(RUN_ID_CHARS) for _ in range(8))
 
 
 RUN_ID_FILE = "wandb-run-id"
@@ -155,9 +158,10 @@ class NullLogger:
 class WandbLogger:
     """A W&B run on global rank 0, resumed by id."""
 
-    def __init__(self, run) -> None:
+    def __init__(self, run, staging: str | None = None) -> None:
         self.run = run
         self.run_id = run.id
+        self._staging = staging  # wandb's import-time temporary folders are in it (``_import_wandb``)
         self._lock = threading.Lock()
         self._finished = False
 
@@ -176,13 +180,22 @@ class WandbLogger:
             if self._finished:
                 return
             self._finished = True
-            self.run.finish(exit_code=exit_code)
+            try:
+                self.run.finish(exit_code=exit_code)
+            finally:
+                self._remove_staging()
 
     def finish_within(self, exit_code: int, seconds: float) -> None:
         """``finish`` from a forced exit: give it at most ``seconds``, the process ends after this."""
         from elastic_trainer.runtime import runtime
 
         runtime().start_thread("wandb-finish", self.finish, exit_code).join(seconds)
+        self._remove_staging()
+
+    def _remove_staging(self) -> None:
+        if self._staging is not None:
+            shutil.rmtree(self._staging, ignore_errors=True)
+            self._staging = None
 
 
 from elastic_trainer.env import ENV_WANDB_KEY_FILE as WANDB_KEY_FILE  # noqa: E402
@@ -224,7 +237,7 @@ def init_wandb(*, enabled: bool, run_id: str | None, log_dir: str, project: str,
     """
     if not enabled or run_id is None:
         return NullLogger()
-    import wandb
+    wandb, staging = _import_wandb()
 
     key = wandb_api_key()
     if not key and not os.environ.get(ENV_WANDB_MODE):
@@ -240,4 +253,21 @@ def init_wandb(*, enabled: bool, run_id: str | None, log_dir: str, project: str,
     run.define_metric("global_step")
     run.define_metric("*", step_metric="global_step")
     (say or logger.info)(f"W&B run {run.id} ({os.environ.get(ENV_WANDB_MODE, 'online')}) in {os.environ[ENV_WANDB_DIR]}")
-    return WandbLogger(run)
+    return WandbLogger(run, staging)
+
+
+def _import_wandb() -> tuple[Any, str | None]:
+    """``wandb``, imported with its import-time temporary folders (``tmp*wandb-media``,
+    ``tmp*wandb-artifacts``) made in a folder of ours (``tempfile.tempdir`` for the import's time),
+    returned to be removed when the run finishes: wandb leaves their removal to the interpreter's
+    teardown, and a worker ends without one (``runtime.exit_without_teardown``), so each run's rank 0
+    would leave two folders in the machine's temp dir. None when wandb was imported already."""
+    if "wandb" in sys.modules:
+        return sys.modules["wandb"], None
+    staging, kept = tempfile.mkdtemp(prefix="elastic-trainer-wandb-"), tempfile.tempdir
+    tempfile.tempdir = staging
+    try:
+        import wandb
+    finally:
+        tempfile.tempdir = kept
+    return wandb, staging
