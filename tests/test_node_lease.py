@@ -145,3 +145,47 @@ def test_a_node_keeps_one_etcd_watch_its_sibling_sees_a_joiner_through_it_and_ta
             assert not left
         finally:
             conn.close()
+
+
+def test_an_agents_first_record_sweeps_what_killed_agents_left_and_nothing_alive(tmp_path, monkeypatch):
+    """A killed agent leaves its record and node directory in the temp dir; the next agent's first
+    renewal removes those untouched for an hour, and keeps fresh ones, their directories, links and
+    other files."""
+    import os
+    import tempfile
+
+    from elastic_trainer.rendezvous.node_lease import STALE_AFTER, AgentRecord, node_dir, record_path
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    old = time.time() - STALE_AFTER - 60
+
+    def left_by_a_killed_agent(lease_id: int, *, age: float) -> None:
+        RenewalRecord(lease_id).close()
+        os.makedirs(os.path.join(node_dir(lease_id), "share"))
+        for path in (os.path.join(node_dir(lease_id), "share"), node_dir(lease_id), record_path(lease_id)):
+            os.utime(path, (age, age))
+
+    left_by_a_killed_agent(0x1, age=old)
+    left_by_a_killed_agent(0x2, age=time.time())  # a live node's (another job of the user)
+    orphan = node_dir(0x3)  # a directory whose record is gone
+    os.makedirs(orphan)
+    os.utime(orphan, (old, old))
+    target = tmp_path / "not-ours"
+    target.write_text("x")
+    os.symlink(target, record_path(0x4))  # a link is never followed nor removed
+    os.utime(record_path(0x4), (old, old), follow_symlinks=False)
+    other = tmp_path / "elastic-trainer-notes"
+    other.write_text("x")
+    os.utime(other, (old, old))
+
+    agent = AgentRecord()
+    try:
+        agent(0x5, time.monotonic())
+        left = sorted(p.name for p in tmp_path.iterdir())
+        assert left == sorted(os.path.basename(p) for p in (record_path(0x2), node_dir(0x2), record_path(0x4),
+                                                           record_path(0x5), str(target), str(other))), left
+        assert target.read_text() == "x"
+    finally:
+        agent.close()
+    assert not os.path.exists(record_path(0x5))  # its own removed at its close

@@ -16,7 +16,8 @@ This module is the agent's side of that and the contract between the agent and i
   does a worker renew the lease itself, the first to take the record's lock (``claim``).
 - ``node_dir``: beside the record, a directory the node's workers share (their one etcd watch,
   ``live/node_share.py``, and their one report per re-form, ``live/node_report.py``), removed
-  with the record when the agent is done with the lease.
+  with the record when the agent is done with the lease. An agent that is killed cannot remove
+  them: the next agent of the user on the machine removes records untouched for an hour (``sweep``).
 
 So in steady state the node sends one renewal per interval, the agent's
 (``benchmarks/etcd_load.py``); an agent paused alone costs nothing (its workers keep the node's
@@ -31,6 +32,7 @@ import fcntl
 import logging
 import os
 import shutil
+import stat
 import struct
 import tempfile
 import threading
@@ -41,10 +43,20 @@ logger = logging.getLogger(__name__)
 _STAMP = struct.Struct("<d")
 
 
+STALE_AFTER = 3600.0
+"""Seconds after its last write that a record (and the node directory beside it) is stale: a live
+lease's record is written every renewal interval (seconds), so one untouched for an hour belongs to
+a lease etcd has long deleted, its agent killed before it could remove it (``sweep``)."""
+
+
+def _prefix() -> str:
+    return f"elastic-trainer-{os.getuid()}-lease-"
+
+
 def record_path(lease_id: int) -> str:
     """Where the node's renewal record for ``lease_id`` lives: the temp dir that the agent and its
     workers share (torch's agent does not change it), named by user and lease."""
-    return os.path.join(tempfile.gettempdir(), f"elastic-trainer-{os.getuid()}-lease-{lease_id:x}")
+    return os.path.join(tempfile.gettempdir(), f"{_prefix()}{lease_id:x}")
 
 
 def node_dir(lease_id: int) -> str:
@@ -102,6 +114,39 @@ class RenewalRecord:
             shutil.rmtree(self.path + ".d", ignore_errors=True)
 
 
+def sweep(older_than: float = STALE_AFTER) -> list[str]:
+    """Remove this user's records and node directories (``node_dir``) in the temp dir that were not
+    written for ``older_than`` seconds: what agents killed before they could remove theirs left
+    (``RenewalRecord.close(remove=True)``; a node that restarts after every kill would otherwise gather
+    them). Only the user's own plain files and directories, never a link. Returns the names removed."""
+    folder, prefix, now = tempfile.gettempdir(), _prefix(), time.time()
+    removed = []
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(prefix)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            st = os.lstat(path)
+        except OSError:  # removed meanwhile
+            continue
+        if st.st_uid != os.getuid() or now - st.st_mtime < older_than:
+            continue
+        if name.endswith(".d") and stat.S_ISDIR(st.st_mode):
+            if os.path.exists(path[:-2]):  # its record is alive, or is removed with it
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+        elif stat.S_ISREG(st.st_mode):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            shutil.rmtree(path + ".d", ignore_errors=True)
+        else:
+            continue
+        removed.append(name)
+    return removed
+
+
 class AgentRecord:
     """The agent's side: ``LeaseKeeper(on_renewed=AgentRecord())`` records each renewal of the
     node's lease for its workers, and removes the record of a lease it no longer holds."""
@@ -119,6 +164,10 @@ class AgentRecord:
                 if lease_id != self._lease_id:
                     if self._record is not None:
                         self._record.close(remove=True)
+                    else:  # this agent's first: clear what killed agents left
+                        if swept := sweep():
+                            logger.info("removed %d stale lease records of killed agents from %s", len(swept),
+                                        tempfile.gettempdir())
                     self._record, self._lease_id = RenewalRecord(lease_id), lease_id
                 self._record.renewed(sent)
             except OSError as exc:  # the workers renew the lease themselves then: more requests, same safety
@@ -131,4 +180,4 @@ class AgentRecord:
             self._record = self._lease_id = None
 
 
-__all__ = ["AgentRecord", "RenewalRecord", "node_dir", "record_path"]
+__all__ = ["STALE_AFTER", "AgentRecord", "RenewalRecord", "node_dir", "record_path", "sweep"]
