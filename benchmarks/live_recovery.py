@@ -37,7 +37,9 @@ Each trial, per system, in one job while it survives (a fresh job for what follo
 
   kill-other  SIGKILL the node of the highest rank -> the first step at N-1;
   join        then start a node -> the survivors' pause (their last step at N-1 to the first step at N)
-              and the newcomer's start -> its first step;
+              and the newcomer's start -> its first step (live: where it went, from its log, and just
+              before it, torch's part of it: a fresh interpreter's ``import torch, torch._dynamo`` timed
+              beside the members, ``import_floor``);
   kill-rank0  SIGKILL the node of rank 0 -> the first step at N-1;
   stop-node, stop-rank0, cut-node, hang
               silent faults (issue 27, ``benchmarks/silent.py``): a node frozen or cut off, a worker
@@ -80,6 +82,7 @@ import shutil
 import shlex
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -312,10 +315,11 @@ def _kill(job: recovery.Job, rank: int, n: int, timeout: float, live: bool, w: i
 def measure_join(job: recovery.Job, n: int, timeout: float, live: bool, w: int = 1) -> dict:
     """Start a node (``w`` workers) in the world of ``n - w`` ranks; measure the survivors' pause and the newcomer's start."""
     ranks = _steady(job, n - w, timeout)
+    floor = import_floor(job) if live else None
     hwm_before = {pid: vm_hwm_mib(pid) for pid in ranks.values()}
     t0 = time.time()
     job.start_node()
-    out: dict = {"s": job.first_step_after(t0, n, timeout)}
+    out: dict = {"s": job.first_step_after(t0, n, timeout), "import_floor": floor}
     job.world_formed(n, timeout)
     if live:
         out["phases"] = newcomer_phases(job.dir / f"agent-{len(job.agents) - 1}.log", t0, t0 + out["s"])
@@ -328,6 +332,19 @@ def measure_join(job: recovery.Job, n: int, timeout: float, live: bool, w: int =
         out["hwm_extra_mib"] = _hwm_extra(hwm_before)
         out["reform"] = reform_event(job, t0)
     return out
+
+
+IMPORT_FLOOR = "import torch, torch._dynamo"
+"""What every newcomer's worker imports before its first step, whatever starts it: torch, and
+``torch._dynamo``, which DDP's constructor and each torch optimizer's ``step`` import."""
+
+
+def import_floor(job: recovery.Job) -> float:
+    """Seconds a fresh interpreter takes to run :data:`IMPORT_FLOOR` beside the job's members (its
+    threads as theirs): the part of a newcomer's start that is torch's, measured where it joins."""
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", IMPORT_FLOOR], check=True, env={**os.environ, **job.env}, timeout=120)
+    return time.perf_counter() - started
 
 
 _ASCTIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")  # our loggers' lines
@@ -734,6 +751,12 @@ def _main(p: argparse.ArgumentParser, args: argparse.Namespace, run: provenance.
                     f"{k.replace('_', ' ')} {statistics.median(ph[k] for ph in starts):.3f}" for k in NEWCOMER_PHASES)
                     + " (launcher: to its worker's start; worker: to asking to be admitted, fork and build "
                     "its parts, its warm-up included; benchmarks/live_recovery.py newcomer_phases)")
+            floors = [t[sc]["import_floor"] for t in results[s] if isinstance(t.get(sc), dict)
+                      and t[sc].get("import_floor")]
+            if floors:
+                say(f"  {s} {sc}: a fresh interpreter's `{IMPORT_FLOOR}` beside the members just before the join "
+                    f"(torch's part of any newcomer's start), median {statistics.median(floors):.3f} s, worst "
+                    f"{max(floors):.3f} s")
             longest = [t[sc]["longest"] for t in results[s] if isinstance(t.get(sc), dict) and t[sc].get("longest")]
             if longest:
                 say(f"  {s} {sc}: the survivors' longest step interval from the newcomer's start to a second after its "

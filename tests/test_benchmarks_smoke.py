@@ -153,6 +153,7 @@ def _live_kills_and_join(r: dict) -> None:
     phases = join["phases"]
     assert phases is not None, "the newcomer's log lines no longer parse (benchmarks/live_recovery.py newcomer_phases)"
     assert 0 < phases["build"] < phases["worker"] + 0.02 and phases["fork"] > -0.02, phases
+    assert join["import_floor"] > 0, join  # torch's part of any newcomer's start, timed beside the members
 
 
 def _live_recovery(r: dict) -> None:
