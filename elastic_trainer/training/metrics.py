@@ -238,20 +238,24 @@ def init_wandb(*, enabled: bool, run_id: str | None, log_dir: str, project: str,
     if not enabled or run_id is None:
         return NullLogger()
     wandb, staging = _import_wandb()
-
-    key = wandb_api_key()
-    if not key and not os.environ.get(ENV_WANDB_MODE):
-        os.environ[ENV_WANDB_MODE] = "offline"
-    os.environ.setdefault(ENV_WANDB_DIR, log_dir)
-    os.environ.setdefault(ENV_WANDB_SILENT, "true")
-    os.makedirs(os.environ[ENV_WANDB_DIR], exist_ok=True)
-    # the key goes to W&B in its settings, never into this process's environment (inherited by
-    # DataLoader workers and subprocesses)
-    settings = wandb.Settings(api_key=key) if key else None
-    run = wandb.init(project=project, id=run_id, resume="allow", group=group, config=config,
-                     dir=os.environ[ENV_WANDB_DIR], settings=settings)
-    run.define_metric("global_step")
-    run.define_metric("*", step_metric="global_step")
+    try:
+        key = wandb_api_key()
+        if not key and not os.environ.get(ENV_WANDB_MODE):
+            os.environ[ENV_WANDB_MODE] = "offline"
+        os.environ.setdefault(ENV_WANDB_DIR, log_dir)
+        os.environ.setdefault(ENV_WANDB_SILENT, "true")
+        os.makedirs(os.environ[ENV_WANDB_DIR], exist_ok=True)
+        # the key goes to W&B in its settings, never into this process's environment (inherited by
+        # DataLoader workers and subprocesses)
+        settings = wandb.Settings(api_key=key) if key else None
+        run = wandb.init(project=project, id=run_id, resume="allow", group=group, config=config,
+                         dir=os.environ[ENV_WANDB_DIR], settings=settings)
+        run.define_metric("global_step")
+        run.define_metric("*", step_metric="global_step")
+    except BaseException:  # no run to finish: its folders go now
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
     (say or logger.info)(f"W&B run {run.id} ({os.environ.get(ENV_WANDB_MODE, 'online')}) in {os.environ[ENV_WANDB_DIR]}")
     return WandbLogger(run, staging)
 
